@@ -1,0 +1,1 @@
+//! asteria data crate.

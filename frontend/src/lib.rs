@@ -1,0 +1,1 @@
+//! asteria frontend crate.

@@ -1,0 +1,183 @@
+//! The validated run configuration a spec file describes (model, optimizer, data, training,
+//! target). The frontend produces it; the IR module carries it so that every pass dump is a
+//! complete, re-parsable program.
+use serde::{Deserialize, Serialize};
+
+/// Complete configuration of one training run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Config {
+    /// Run name (the spec file's stem).
+    pub name: String,
+    /// Model architecture.
+    pub model: ModelConfig,
+    /// Optimizer and its hyperparameters.
+    pub optimizer: OptimizerConfig,
+    /// Training data.
+    pub data: DataConfig,
+    /// Training loop.
+    pub train: TrainConfig,
+    /// Execution target.
+    pub target: TargetConfig,
+}
+
+/// Transformer family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Family {
+    /// GPT-2: LayerNorm (with bias), GELU (tanh), learned positions, tied embeddings, biases.
+    Gpt2,
+    /// LLaMA / OLMo: RMSNorm, SwiGLU, RoPE, no biases, untied embeddings.
+    Llama,
+}
+
+/// Model architecture. Parameter shapes follow PyTorch (`nn.Linear` weight `[out, in]`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    /// Family.
+    pub family: Family,
+    /// Vocabulary size (rows of the token embedding), e.g. 50257 for GPT-2 BPE.
+    pub vocab_size: usize,
+    /// Maximum context length in tokens (rows of the position embedding for GPT-2).
+    pub context: usize,
+    /// Residual width C.
+    pub d_model: usize,
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// Attention heads; must divide `d_model`.
+    pub n_heads: usize,
+    /// MLP hidden size F (GPT-2 convention 4C; LLaMA SwiGLU uses F per branch).
+    pub mlp_hidden: usize,
+    /// Epsilon of LayerNorm / RMSNorm.
+    pub norm_eps: f64,
+    /// Std of the N(0, σ²) weight init (GPT-2: 0.02; residual projections scaled by 1/√(2L)).
+    pub init_std: f64,
+    /// RoPE base θ (LLaMA family only).
+    pub rope_theta: f64,
+}
+
+/// Optimizer choice.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum OptimizerConfig {
+    /// AdamW.
+    Adamw(AdamWConfig),
+    /// SOAP.
+    Soap(SoapConfig),
+}
+
+/// AdamW hyperparameters (PyTorch `torch.optim.AdamW` semantics).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdamWConfig {
+    /// Peak learning rate.
+    pub lr: f64,
+    /// β₁.
+    pub beta1: f64,
+    /// β₂.
+    pub beta2: f64,
+    /// ε.
+    pub eps: f64,
+    /// Decoupled weight decay, applied to 2-D parameters only (nanoGPT convention).
+    pub weight_decay: f64,
+}
+
+/// SOAP hyperparameters; names and defaults of the reference `soap.py` (Vyas et al. 2024).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SoapConfig {
+    /// Peak learning rate (default 3e-3).
+    pub lr: f64,
+    /// β₁ (default 0.95).
+    pub beta1: f64,
+    /// β₂ (default 0.95).
+    pub beta2: f64,
+    /// EMA factor of the Kronecker factors (default: β₂).
+    pub shampoo_beta: f64,
+    /// ε (default 1e-8).
+    pub eps: f64,
+    /// Decoupled weight decay (default 0.01).
+    pub weight_decay: f64,
+    /// Eigenbasis refresh period in steps (default 10).
+    pub precondition_frequency: u64,
+    /// Dimensions larger than this stay unrotated (default 10000).
+    pub max_precond_dim: usize,
+    /// Adam bias correction (default true).
+    pub correct_bias: bool,
+    /// Normalize the update by its RMS (default false).
+    pub normalize_grads: bool,
+}
+
+/// Where the training text comes from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum CorpusConfig {
+    /// The built-in Moby-Dick.
+    Builtin,
+    /// UTF-8 text files (paths resolved relative to the spec file's folder).
+    Files {
+        /// Paths.
+        paths: Vec<String>,
+    },
+}
+
+/// Tokenizer choice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenizerKind {
+    /// GPT-2 BPE (`r50k_base`).
+    Gpt2,
+    /// Raw bytes (vocab 256).
+    Bytes,
+}
+
+/// Training data.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DataConfig {
+    /// Corpus.
+    pub corpus: CorpusConfig,
+    /// Tokenizer.
+    pub tokenizer: TokenizerKind,
+    /// Sequences per step B.
+    pub batch_size: usize,
+    /// Tokens per sequence T (≤ model context).
+    pub seq_len: usize,
+    /// Held-out fraction of the token stream, in (0, 1).
+    pub val_fraction: f64,
+}
+
+/// Training loop.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainConfig {
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Linear warmup steps.
+    pub warmup_steps: u64,
+    /// Cosine floor as a fraction of peak lr.
+    pub min_lr_ratio: f64,
+    /// Gradient clipping by global norm (`None` = off).
+    pub grad_clip: Option<f64>,
+    /// Validation every this many steps (0 = only at the end).
+    pub eval_interval: u64,
+    /// Batches per validation.
+    pub eval_batches: u64,
+    /// RNG seed.
+    pub seed: u64,
+}
+
+/// Execution target.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum TargetConfig {
+    /// CPU engine.
+    Cpu {
+        /// Threads (`None` = all cores).
+        threads: Option<usize>,
+        /// Preconditioner staleness bound in steps (0 = synchronous).
+        staleness: u32,
+    },
+    /// CUDA engine.
+    Cuda {
+        /// Device ordinal.
+        device: u32,
+        /// Preconditioner staleness bound in steps.
+        staleness: u32,
+    },
+}

@@ -1,0 +1,4 @@
+//! asteria's intermediate representation.
+#![deny(missing_docs)]
+
+pub mod config;

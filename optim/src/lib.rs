@@ -1,0 +1,1 @@
+//! asteria optim crate.

@@ -1,0 +1,290 @@
+//! The asteria execution plan ("schedule"): a versioned serde JSON document that is the whole
+//! contract between the compiler (`frontend` → `ir` → `passes` → `codegen`) and the engine.
+//!
+//! A [`Plan`] lists named, shaped, typed buffers and the program of one training step over them:
+//! the forward program (ends in the scalar loss), the backward program (writes one gradient per
+//! parameter), the optimizer program (in-place updates) and the host tasks (eigenbasis
+//! refreshes). The engine interprets these instructions generically: it has no notion of a GPT,
+//! so a new model family or optimizer is a compiler change, not an engine change.
+//!
+//! Layout conventions: every tensor is dense row-major; activations are 2-D `[N, C]` with
+//! `N = batch * seq_len` tokens (row `n = b * seq_len + t`); a linear layer's weight is
+//! `[out_features, in_features]` as in PyTorch's `nn.Linear`.
+#![deny(missing_docs)]
+
+mod op;
+mod verify;
+
+pub use op::{HostTask, Op, SoapHyper};
+pub use verify::PlanError;
+
+use serde::{Deserialize, Serialize};
+
+/// Magic string in every plan's `format` field.
+pub const PLAN_FORMAT: &str = "asteria-plan";
+/// Version of the plan format this crate reads and writes. Bumped on any incompatible change.
+pub const PLAN_VERSION: u32 = 1;
+
+/// Index of a buffer in [`Plan::buffers`]. Serialized as a plain integer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct BufferId(pub u32);
+
+impl BufferId {
+    /// The index into [`Plan::buffers`].
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl std::fmt::Display for BufferId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
+/// Element type of a buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    /// IEEE-754 binary32 (4 bytes). All parameters, activations and optimizer state.
+    F32,
+    /// 32-bit signed integer (4 bytes). Token ids.
+    I32,
+}
+
+impl DType {
+    /// Size of one element in bytes.
+    pub fn size_bytes(self) -> usize {
+        4
+    }
+}
+
+/// What a buffer holds; drives memory accounting (`asteria explain`) and, later, tier placement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BufferClass {
+    /// A trainable parameter (fp32 master weight).
+    Parameter,
+    /// The gradient of a parameter.
+    Gradient,
+    /// A forward or backward intermediate.
+    Activation,
+    /// A per-step input (token ids, targets).
+    Input,
+    /// Adam first moment (in the eigenbasis for SOAP).
+    ExpAvg,
+    /// Adam second moment (in the eigenbasis for SOAP).
+    ExpAvgSq,
+    /// A Kronecker factor `L = Σ G Gᵀ` or `R = Σ Gᵀ G` (SOAP / Shampoo).
+    KroneckerFactor,
+    /// An eigenbasis `Q` of a Kronecker factor.
+    Eigenbasis,
+    /// A small scalar (loss, grad norm).
+    Scalar,
+}
+
+/// Initial contents of a buffer, applied once when the engine allocates it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Init {
+    /// All zeros.
+    Zeros,
+    /// All ones (norm weights).
+    Ones,
+    /// Independent N(0, std²) draws from the run's seeded generator.
+    Normal {
+        /// Standard deviation.
+        std: f64,
+    },
+}
+
+/// One named buffer of the plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Buffer {
+    /// Unique, human-readable name (`h0.attn.qkv.weight`, `grad.wte`, ...).
+    pub name: String,
+    /// Row-major shape; the product is the element count. Scalars are `[1]`.
+    pub shape: Vec<usize>,
+    /// Element type.
+    pub dtype: DType,
+    /// What the buffer holds.
+    pub class: BufferClass,
+    /// Initial contents.
+    pub init: Init,
+}
+
+impl Buffer {
+    /// Number of elements (product of `shape`).
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    /// Size in bytes.
+    pub fn size_bytes(&self) -> usize {
+        self.numel() * self.dtype.size_bytes()
+    }
+}
+
+/// A trainable parameter and the buffer its gradient is written to by the backward program.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamRef {
+    /// The parameter buffer.
+    pub param: BufferId,
+    /// Its gradient buffer (same shape).
+    pub grad: BufferId,
+}
+
+/// Where the training text comes from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Corpus {
+    /// The built-in default corpus (Moby-Dick, CC0), shipped with asteria.
+    Builtin,
+    /// UTF-8 text files, concatenated in order.
+    Files {
+        /// Paths, as written in the spec (relative paths are relative to the spec's folder,
+        /// already resolved by the compiler).
+        paths: Vec<String>,
+    },
+}
+
+/// Tokenizer that turns the corpus text into token ids.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Tokenizer {
+    /// GPT-2 BPE (`r50k_base`, 50257 tokens) through `tiktoken-rs`, `encode_ordinary`.
+    Gpt2,
+    /// Raw UTF-8 bytes (256 tokens).
+    Bytes,
+}
+
+/// The data section of a plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DataPlan {
+    /// Source text.
+    pub corpus: Corpus,
+    /// Tokenizer.
+    pub tokenizer: Tokenizer,
+    /// Sequences per step.
+    pub batch_size: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Fraction of the token stream (its tail) held out for validation, in (0, 1).
+    pub val_fraction: f64,
+    /// Per-step input buffer of token ids, i32 `[batch_size * seq_len]`.
+    pub tokens: BufferId,
+    /// Per-step input buffer of next-token targets, i32 `[batch_size * seq_len]`.
+    pub targets: BufferId,
+}
+
+/// Training-loop settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainPlan {
+    /// Number of optimizer steps.
+    pub steps: u64,
+    /// Linear warmup steps (lr multiplier rises from 1/warmup to 1).
+    pub warmup_steps: u64,
+    /// Floor of the cosine decay as a fraction of the peak lr (0.1 = decays to 10%).
+    pub min_lr_ratio: f64,
+    /// Evaluate validation loss every this many steps (and after the last step); 0 = never.
+    pub eval_interval: u64,
+    /// Number of validation batches per evaluation.
+    pub eval_batches: u64,
+    /// Seed for parameter initialisation and batch sampling.
+    pub seed: u64,
+}
+
+impl TrainPlan {
+    /// Learning-rate multiplier for 1-based `step`: linear warmup then cosine decay to
+    /// `min_lr_ratio`, as in nanoGPT / llm.c.
+    pub fn lr_multiplier(&self, step: u64) -> f64 {
+        if self.warmup_steps > 0 && step <= self.warmup_steps {
+            return step as f64 / self.warmup_steps as f64;
+        }
+        let decay_steps = self.steps.saturating_sub(self.warmup_steps).max(1);
+        let progress = (step.saturating_sub(self.warmup_steps) as f64 / decay_steps as f64).min(1.0);
+        let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+        self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine
+    }
+}
+
+/// The execution target.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum TargetPlan {
+    /// The CPU engine.
+    Cpu {
+        /// Worker threads for kernels and host tasks; `None` = all cores.
+        threads: Option<usize>,
+        /// Preconditioner staleness bound in steps (0 = synchronous refresh).
+        staleness: u32,
+    },
+    /// The CUDA engine (a later backend).
+    Cuda {
+        /// CUDA device ordinal.
+        device: u32,
+        /// Preconditioner staleness bound in steps.
+        staleness: u32,
+    },
+}
+
+/// A complete, self-contained execution plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// Always [`PLAN_FORMAT`].
+    pub format: String,
+    /// Always [`PLAN_VERSION`] for plans this crate writes.
+    pub version: u32,
+    /// Name of the run (the spec file's stem).
+    pub name: String,
+    /// Every buffer the step touches.
+    pub buffers: Vec<Buffer>,
+    /// Trainable parameters with their gradient buffers.
+    pub params: Vec<ParamRef>,
+    /// Scalar `[1]` buffer the forward program writes the mean cross-entropy loss (nats) to.
+    pub loss: BufferId,
+    /// Forward program: from the input buffers to `loss`.
+    pub forward: Vec<Op>,
+    /// Backward program: writes every `params[i].grad` (d loss / d param).
+    pub backward: Vec<Op>,
+    /// Optimizer program, run after backward; updates parameters and state in place.
+    pub optimizer: Vec<Op>,
+    /// Host tasks (eigenbasis refreshes) run after the optimizer program on their schedule.
+    pub host_tasks: Vec<HostTask>,
+    /// Data pipeline.
+    pub data: DataPlan,
+    /// Training loop.
+    pub train: TrainPlan,
+    /// Execution target.
+    pub target: TargetPlan,
+}
+
+impl Plan {
+    /// Serializes to pretty JSON.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("invariant: a Plan always serializes")
+    }
+
+    /// Parses and verifies a plan. A truncated, malformed or inconsistent document (bad
+    /// version, buffer index out of range, shape mismatch, ...) is rejected with a
+    /// [`PlanError`] before anything runs.
+    pub fn from_json(text: &str) -> Result<Plan, PlanError> {
+        let plan: Plan = serde_json::from_str(text).map_err(|e| PlanError::Json {
+            line: e.line(),
+            column: e.column(),
+            message: e.to_string(),
+        })?;
+        plan.verify()?;
+        Ok(plan)
+    }
+
+    /// The buffer with id `id`. Panics if out of range; call [`Plan::verify`] first.
+    pub fn buffer(&self, id: BufferId) -> &Buffer {
+        &self.buffers[id.index()]
+    }
+
+    /// Bytes of all buffers of `class`.
+    pub fn bytes_of(&self, class: BufferClass) -> usize {
+        self.buffers.iter().filter(|b| b.class == class).map(Buffer::size_bytes).sum()
+    }
+}

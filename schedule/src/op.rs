@@ -1,0 +1,158 @@
+//! The plan's instruction set: one [`Op`] per kernel, with named buffer operands and the
+//! attributes the kernel needs. Shapes are given by the operands' buffers; the verifier
+//! (`verify.rs`) checks they agree with what each op expects.
+use crate::BufferId;
+use serde::{Deserialize, Serialize};
+
+/// Hyperparameters of one SOAP parameter update (Vyas et al. 2024, reference `soap.py`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SoapHyper {
+    /// Peak learning rate; the engine multiplies by the schedule's multiplier each step.
+    pub lr: f64,
+    /// β₁ of the first moment.
+    pub beta1: f64,
+    /// β₂ of the second moment.
+    pub beta2: f64,
+    /// ε added to √v.
+    pub eps: f64,
+    /// Decoupled weight decay (multiplied by the scheduled lr).
+    pub weight_decay: f64,
+    /// Apply Adam bias correction `√(1−β₂ᵏ)/(1−β₁ᵏ)` (k = SOAP's own step count).
+    pub correct_bias: bool,
+    /// Divide the update by its RMS before applying it.
+    pub normalize_grads: bool,
+}
+
+/// One instruction of a plan program. `N` = tokens in the batch (`batch * seq_len`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+#[allow(missing_docs)] // operand fields are documented on each variant
+pub enum Op {
+    /// `out[n, :] = table[ids[n], :]`. table f32 `[V, C]`, ids i32 `[N]`, out f32 `[N, C]`.
+    /// An id outside `[0, V)` is a runtime error.
+    Embedding { table: BufferId, ids: BufferId, out: BufferId },
+    /// `dtable = 0; dtable[ids[n], :] += dout[n, :]`. dout `[N, C]`, dtable `[V, C]`.
+    EmbeddingBackward { dout: BufferId, ids: BufferId, dtable: BufferId },
+    /// `out[b*T + t, :] = x[b*T + t, :] + pos[t, :]`. x/out `[N, C]`, pos `[P, C]`, `T = seq_len ≤ P`.
+    AddPositional { x: BufferId, pos: BufferId, out: BufferId, seq_len: usize },
+    /// `dpos[t, :] = Σ_b dout[b*T + t, :]` for `t < T`, zero for `t ≥ T`. dpos `[P, C]`.
+    AddPositionalBackward { dout: BufferId, dpos: BufferId, seq_len: usize },
+    /// LayerNorm over the last dim: `out = (x − μ)/√(σ² + eps) · weight + bias`.
+    /// x/out `[N, C]`, weight/bias `[C]`.
+    LayerNorm { x: BufferId, weight: BufferId, bias: Option<BufferId>, out: BufferId, eps: f64 },
+    /// Gradients of [`Op::LayerNorm`] (statistics recomputed from `x`): dx `[N, C]`,
+    /// dweight/dbias `[C]` (overwritten).
+    LayerNormBackward {
+        dout: BufferId,
+        x: BufferId,
+        weight: BufferId,
+        dx: BufferId,
+        dweight: BufferId,
+        dbias: Option<BufferId>,
+        eps: f64,
+    },
+    /// RMSNorm over the last dim: `out = x / √(mean(x²) + eps) · weight`. x/out `[N, C]`, weight `[C]`.
+    RmsNorm { x: BufferId, weight: BufferId, out: BufferId, eps: f64 },
+    /// Gradients of [`Op::RmsNorm`]: dx `[N, C]`, dweight `[C]` (overwritten).
+    RmsNormBackward { dout: BufferId, x: BufferId, weight: BufferId, dx: BufferId, dweight: BufferId, eps: f64 },
+    /// `out = op(a) · op(b)` (+ `out` if `accumulate`), op = transpose when the flag is set.
+    /// a `[M, K]` (or `[K, M]`), b `[K, P]` (or `[P, K]`), out `[M, P]`.
+    /// A linear layer `y = x Wᵀ` is `a = x, b = W, trans_b = true`.
+    MatMul { a: BufferId, b: BufferId, out: BufferId, trans_a: bool, trans_b: bool, accumulate: bool },
+    /// `out[n, :] = x[n, :] + bias`. x/out `[N, C]`, bias `[C]`.
+    BiasAdd { x: BufferId, bias: BufferId, out: BufferId },
+    /// `out[c] = Σ_n x[n, c]` (bias gradient). x `[N, C]`, out `[C]`.
+    SumRows { x: BufferId, out: BufferId },
+    /// Elementwise `out = a + b`, same shapes.
+    Add { a: BufferId, b: BufferId, out: BufferId },
+    /// GELU, tanh approximation (GPT-2). Same shapes.
+    Gelu { x: BufferId, out: BufferId },
+    /// `dx = dout · gelu'(x)`.
+    GeluBackward { dout: BufferId, x: BufferId, dx: BufferId },
+    /// SwiGLU: x `[N, 2F]` = `[gate | up]`, `out[n, f] = silu(gate[n, f]) · up[n, f]`, out `[N, F]`.
+    SwiGlu { x: BufferId, out: BufferId },
+    /// Gradient of [`Op::SwiGlu`]: dout `[N, F]`, x/dx `[N, 2F]`.
+    SwiGluBackward { dout: BufferId, x: BufferId, dx: BufferId },
+    /// Rotary position embedding (Su et al. 2021, LLaMA's rotate-half layout) applied to the
+    /// first `rotated_cols` columns of x `[N, W]` (q and k of a fused qkv: `2C`), in chunks of
+    /// `head_dim`; other columns are copied. Position of row n is `n mod seq_len`;
+    /// frequency `theta^(−2i/head_dim)`.
+    Rope { x: BufferId, out: BufferId, seq_len: usize, head_dim: usize, rotated_cols: usize, theta: f64 },
+    /// Gradient of [`Op::Rope`] (the inverse rotation).
+    RopeBackward { dout: BufferId, dx: BufferId, seq_len: usize, head_dim: usize, rotated_cols: usize, theta: f64 },
+    /// Causal multi-head self-attention on a fused qkv `[N, 3C]` (`[q | k | v]`, heads
+    /// contiguous in each), softmax scale `1/√(C/n_heads)`; out `[N, C]`.
+    Attention { qkv: BufferId, out: BufferId, batch: usize, seq_len: usize, n_heads: usize },
+    /// Gradient of [`Op::Attention`] (probabilities recomputed): dout `[N, C]`, dqkv `[N, 3C]`.
+    AttentionBackward { dout: BufferId, qkv: BufferId, dqkv: BufferId, batch: usize, seq_len: usize, n_heads: usize },
+    /// Mean softmax cross-entropy in nats: logits f32 `[N, V]`, targets i32 `[N]`, loss `[1]`.
+    CrossEntropy { logits: BufferId, targets: BufferId, loss: BufferId },
+    /// `dlogits = (softmax(logits) − onehot(targets)) / N` (d mean loss / d logits).
+    CrossEntropyBackward { logits: BufferId, targets: BufferId, dlogits: BufferId },
+    /// Global L2 norm of `grads` written to `norm` `[1]`; if `max_norm` is set and the norm
+    /// exceeds it, every gradient is scaled by `max_norm / norm` (PyTorch `clip_grad_norm_`).
+    /// A non-finite norm makes the engine skip the rest of the optimizer program this step.
+    ClipGradNorm { grads: Vec<BufferId>, norm: BufferId, max_norm: Option<f64> },
+    /// AdamW (Loshchilov & Hutter; PyTorch `torch.optim.AdamW`) on one parameter, in place,
+    /// with bias correction at the engine's 1-based step t and lr = `lr ·` schedule multiplier.
+    AdamW {
+        param: BufferId,
+        grad: BufferId,
+        exp_avg: BufferId,
+        exp_avg_sq: BufferId,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+    },
+    /// SOAP parameter update (reference `soap.py` step body) on a 2-D parameter `[m, n]`
+    /// (1-D parameters: `[n]` with no bases). At step t = 1 it does nothing (the first step only
+    /// initializes). Otherwise with SOAP's own count k = t − 1: G' = Q_Lᵀ G Q_R (a missing basis
+    /// = identity), moments updated in the eigenbasis, update `Q_L (m'/(√v'+ε)) Q_Rᵀ`, bias
+    /// correction, optional RMS normalisation, then decoupled weight decay.
+    SoapUpdate {
+        param: BufferId,
+        grad: BufferId,
+        exp_avg: BufferId,
+        exp_avg_sq: BufferId,
+        basis_left: Option<BufferId>,
+        basis_right: Option<BufferId>,
+        hyper: SoapHyper,
+    },
+    /// Kronecker-factor accumulation, every step after the update:
+    /// `L ← lerp(L, G Gᵀ, 1−β_s)` `[m, m]`, `R ← lerp(R, Gᵀ G, 1−β_s)` `[n, n]`.
+    SoapFactorUpdate {
+        grad: BufferId,
+        factor_left: Option<BufferId>,
+        factor_right: Option<BufferId>,
+        shampoo_beta: f64,
+    },
+}
+
+/// A task the engine runs outside the step's kernel programs (on the host worker pool), at the
+/// end of the steps its schedule selects.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "task", rename_all = "snake_case")]
+#[allow(missing_docs)] // operand fields are documented on the variant
+pub enum HostTask {
+    /// Refresh the eigenbasis of one Kronecker factor (reference `soap.py`
+    /// `get_orthogonal_matrix` / `get_orthogonal_matrix_QR`), for one `side` of a parameter
+    /// (0 = left factor `[m, m]`, 1 = right factor `[n, n]`):
+    /// - at the end of step t = 1: `basis ← eigh(factor)` with columns in descending
+    ///   eigenvalue order;
+    /// - at the end of step t > 1 with (t − 1) mod `frequency` = 0: estimated eigenvalues
+    ///   `diag(Qᵀ F Q)` sort the columns of Q (descending) and permute `exp_avg_sq` along `side`
+    ///   the same way, then one power iteration + QR: `Q_new = qr(F Q_sorted).Q`; `exp_avg`
+    ///   (stored in the eigenbasis) is re-projected: `E ← Q_newᵀ Q_old E` (side 0) or
+    ///   `E ← E Q_oldᵀ Q_new` (side 1).
+    /// A non-finite factor or a failed eigensolve keeps the previous basis (counted, logged).
+    EigenbasisRefresh {
+        factor: BufferId,
+        basis: BufferId,
+        side: u8,
+        exp_avg: BufferId,
+        exp_avg_sq: BufferId,
+        frequency: u64,
+    },
+}

@@ -1,0 +1,519 @@
+//! Plan verification: a plan is checked before the engine allocates or runs anything, so a
+//! truncated, malformed or tampered plan is rejected with an error that names the offending
+//! instruction and buffer.
+use crate::{BufferId, DType, HostTask, Op, Plan, PLAN_FORMAT, PLAN_VERSION};
+use thiserror::Error;
+
+/// Why a plan was rejected.
+#[derive(Debug, Error, PartialEq)]
+pub enum PlanError {
+    /// The JSON did not parse (truncated, not JSON, missing or mistyped field).
+    #[error("plan is not a valid asteria plan document (line {line}, column {column}): {message}")]
+    Json {
+        /// 1-based line of the JSON error.
+        line: usize,
+        /// 1-based column.
+        column: usize,
+        /// serde_json's message.
+        message: String,
+    },
+    /// Wrong `format` or `version`.
+    #[error("unsupported plan format {format:?} version {version} (this engine reads {PLAN_FORMAT:?} version {PLAN_VERSION})")]
+    Version {
+        /// The document's format string.
+        format: String,
+        /// The document's version.
+        version: u32,
+    },
+    /// An operand refers to a buffer that does not exist.
+    #[error("{location}: operand `{operand}` refers to buffer {id}, but the plan has only {count} buffers")]
+    BufferOutOfRange {
+        /// Where (`forward[3] (matmul)`).
+        location: String,
+        /// Operand name.
+        operand: &'static str,
+        /// The bad id.
+        id: BufferId,
+        /// Number of buffers.
+        count: usize,
+    },
+    /// An operand has the wrong shape or dtype for its op.
+    #[error("{location}: operand `{operand}` (buffer {id} `{name}`, shape {shape:?}, {dtype:?}) {problem}")]
+    Operand {
+        /// Where (`forward[3] (matmul)`).
+        location: String,
+        /// Operand name.
+        operand: &'static str,
+        /// Buffer id.
+        id: BufferId,
+        /// Buffer name.
+        name: String,
+        /// Buffer shape.
+        shape: Vec<usize>,
+        /// Buffer dtype.
+        dtype: DType,
+        /// What is wrong.
+        problem: String,
+    },
+    /// Any other inconsistency (empty shape, zero-sized dimension, duplicate names, bad
+    /// attribute values).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl Op {
+    /// Short snake_case name of the op (as in the JSON `op` tag).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Embedding { .. } => "embedding",
+            Op::EmbeddingBackward { .. } => "embedding_backward",
+            Op::AddPositional { .. } => "add_positional",
+            Op::AddPositionalBackward { .. } => "add_positional_backward",
+            Op::LayerNorm { .. } => "layer_norm",
+            Op::LayerNormBackward { .. } => "layer_norm_backward",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::RmsNormBackward { .. } => "rms_norm_backward",
+            Op::MatMul { .. } => "mat_mul",
+            Op::BiasAdd { .. } => "bias_add",
+            Op::SumRows { .. } => "sum_rows",
+            Op::Add { .. } => "add",
+            Op::Gelu { .. } => "gelu",
+            Op::GeluBackward { .. } => "gelu_backward",
+            Op::SwiGlu { .. } => "swi_glu",
+            Op::SwiGluBackward { .. } => "swi_glu_backward",
+            Op::Rope { .. } => "rope",
+            Op::RopeBackward { .. } => "rope_backward",
+            Op::Attention { .. } => "attention",
+            Op::AttentionBackward { .. } => "attention_backward",
+            Op::CrossEntropy { .. } => "cross_entropy",
+            Op::CrossEntropyBackward { .. } => "cross_entropy_backward",
+            Op::ClipGradNorm { .. } => "clip_grad_norm",
+            Op::AdamW { .. } => "adam_w",
+            Op::SoapUpdate { .. } => "soap_update",
+            Op::SoapFactorUpdate { .. } => "soap_factor_update",
+        }
+    }
+
+    /// Every buffer operand with its field name (optional operands only when present).
+    pub fn operands(&self) -> Vec<(&'static str, BufferId)> {
+        let mut v: Vec<(&'static str, BufferId)> = Vec::new();
+        let opt = |v: &mut Vec<(&'static str, BufferId)>, n: &'static str, b: &Option<BufferId>| {
+            if let Some(b) = b {
+                v.push((n, *b));
+            }
+        };
+        match self {
+            Op::Embedding { table, ids, out } => v.extend([("table", *table), ("ids", *ids), ("out", *out)]),
+            Op::EmbeddingBackward { dout, ids, dtable } => {
+                v.extend([("dout", *dout), ("ids", *ids), ("dtable", *dtable)])
+            }
+            Op::AddPositional { x, pos, out, .. } => v.extend([("x", *x), ("pos", *pos), ("out", *out)]),
+            Op::AddPositionalBackward { dout, dpos, .. } => v.extend([("dout", *dout), ("dpos", *dpos)]),
+            Op::LayerNorm { x, weight, bias, out, .. } => {
+                v.extend([("x", *x), ("weight", *weight), ("out", *out)]);
+                opt(&mut v, "bias", bias);
+            }
+            Op::LayerNormBackward { dout, x, weight, dx, dweight, dbias, .. } => {
+                v.extend([("dout", *dout), ("x", *x), ("weight", *weight), ("dx", *dx), ("dweight", *dweight)]);
+                opt(&mut v, "dbias", dbias);
+            }
+            Op::RmsNorm { x, weight, out, .. } => v.extend([("x", *x), ("weight", *weight), ("out", *out)]),
+            Op::RmsNormBackward { dout, x, weight, dx, dweight, .. } => {
+                v.extend([("dout", *dout), ("x", *x), ("weight", *weight), ("dx", *dx), ("dweight", *dweight)])
+            }
+            Op::MatMul { a, b, out, .. } => v.extend([("a", *a), ("b", *b), ("out", *out)]),
+            Op::BiasAdd { x, bias, out } => v.extend([("x", *x), ("bias", *bias), ("out", *out)]),
+            Op::SumRows { x, out } => v.extend([("x", *x), ("out", *out)]),
+            Op::Add { a, b, out } => v.extend([("a", *a), ("b", *b), ("out", *out)]),
+            Op::Gelu { x, out } | Op::SwiGlu { x, out } => v.extend([("x", *x), ("out", *out)]),
+            Op::GeluBackward { dout, x, dx } | Op::SwiGluBackward { dout, x, dx } => {
+                v.extend([("dout", *dout), ("x", *x), ("dx", *dx)])
+            }
+            Op::Rope { x, out, .. } => v.extend([("x", *x), ("out", *out)]),
+            Op::RopeBackward { dout, dx, .. } => v.extend([("dout", *dout), ("dx", *dx)]),
+            Op::Attention { qkv, out, .. } => v.extend([("qkv", *qkv), ("out", *out)]),
+            Op::AttentionBackward { dout, qkv, dqkv, .. } => {
+                v.extend([("dout", *dout), ("qkv", *qkv), ("dqkv", *dqkv)])
+            }
+            Op::CrossEntropy { logits, targets, loss } => {
+                v.extend([("logits", *logits), ("targets", *targets), ("loss", *loss)])
+            }
+            Op::CrossEntropyBackward { logits, targets, dlogits } => {
+                v.extend([("logits", *logits), ("targets", *targets), ("dlogits", *dlogits)])
+            }
+            Op::ClipGradNorm { grads, norm, .. } => {
+                v.extend(grads.iter().map(|g| ("grads", *g)));
+                v.push(("norm", *norm));
+            }
+            Op::AdamW { param, grad, exp_avg, exp_avg_sq, .. } => v.extend([
+                ("param", *param),
+                ("grad", *grad),
+                ("exp_avg", *exp_avg),
+                ("exp_avg_sq", *exp_avg_sq),
+            ]),
+            Op::SoapUpdate { param, grad, exp_avg, exp_avg_sq, basis_left, basis_right, .. } => {
+                v.extend([
+                    ("param", *param),
+                    ("grad", *grad),
+                    ("exp_avg", *exp_avg),
+                    ("exp_avg_sq", *exp_avg_sq),
+                ]);
+                opt(&mut v, "basis_left", basis_left);
+                opt(&mut v, "basis_right", basis_right);
+            }
+            Op::SoapFactorUpdate { grad, factor_left, factor_right, .. } => {
+                v.push(("grad", *grad));
+                opt(&mut v, "factor_left", factor_left);
+                opt(&mut v, "factor_right", factor_right);
+            }
+        }
+        v
+    }
+}
+
+impl HostTask {
+    /// Every buffer operand with its field name.
+    pub fn operands(&self) -> Vec<(&'static str, BufferId)> {
+        match self {
+            HostTask::EigenbasisRefresh { factor, basis, exp_avg, exp_avg_sq, .. } => vec![
+                ("factor", *factor),
+                ("basis", *basis),
+                ("exp_avg", *exp_avg),
+                ("exp_avg_sq", *exp_avg_sq),
+            ],
+        }
+    }
+}
+
+struct Checker<'a> {
+    plan: &'a Plan,
+    location: String,
+}
+
+impl Checker<'_> {
+    fn shape(&self, _operand: &'static str, id: BufferId) -> &[usize] {
+        &self.plan.buffers[id.index()].shape
+    }
+    fn fail(&self, operand: &'static str, id: BufferId, problem: impl Into<String>) -> PlanError {
+        let b = &self.plan.buffers[id.index()];
+        PlanError::Operand {
+            location: self.location.clone(),
+            operand,
+            id,
+            name: b.name.clone(),
+            shape: b.shape.clone(),
+            dtype: b.dtype,
+            problem: problem.into(),
+        }
+    }
+    fn dtype(&self, operand: &'static str, id: BufferId, want: DType) -> Result<(), PlanError> {
+        if self.plan.buffers[id.index()].dtype != want {
+            return Err(self.fail(operand, id, format!("must be {want:?}")));
+        }
+        Ok(())
+    }
+    fn dims(&self, operand: &'static str, id: BufferId, want: &[usize]) -> Result<(), PlanError> {
+        if self.shape(operand, id) != want {
+            return Err(self.fail(operand, id, format!("must have shape {want:?}")));
+        }
+        Ok(())
+    }
+    fn rank2(&self, operand: &'static str, id: BufferId) -> Result<(usize, usize), PlanError> {
+        match *self.shape(operand, id) {
+            [r, c] => Ok((r, c)),
+            _ => Err(self.fail(operand, id, "must be 2-D")),
+        }
+    }
+    fn same(&self, a: (&'static str, BufferId), b: (&'static str, BufferId)) -> Result<(), PlanError> {
+        if self.shape(a.0, a.1) != self.shape(b.0, b.1) {
+            let want = self.shape(a.0, a.1).to_vec();
+            return Err(self.fail(b.0, b.1, format!("must have the shape of `{}` {want:?}", a.0)));
+        }
+        Ok(())
+    }
+    fn numel(&self, id: BufferId) -> usize {
+        self.plan.buffers[id.index()].numel()
+    }
+
+    fn check_op(&self, op: &Op) -> Result<(), PlanError> {
+        for (name, id) in op.operands() {
+            let want = if matches!(name, "ids" | "targets") { DType::I32 } else { DType::F32 };
+            self.dtype(name, id, want)?;
+        }
+        match op {
+            Op::Embedding { table, ids, out } => {
+                let (_, c) = self.rank2("table", *table)?;
+                self.dims("out", *out, &[self.numel(*ids), c])?;
+            }
+            Op::EmbeddingBackward { dout, ids, dtable } => {
+                let (_, c) = self.rank2("dtable", *dtable)?;
+                self.dims("dout", *dout, &[self.numel(*ids), c])?;
+            }
+            Op::AddPositional { x, pos, out, seq_len } => {
+                let (n, c) = self.rank2("x", *x)?;
+                let (p, pc) = self.rank2("pos", *pos)?;
+                if pc != c || *seq_len == 0 || *seq_len > p || n % seq_len != 0 {
+                    return Err(self.fail("pos", *pos, format!("incompatible with x [{n}, {c}] and seq_len {seq_len}")));
+                }
+                self.same(("x", *x), ("out", *out))?;
+            }
+            Op::AddPositionalBackward { dout, dpos, seq_len } => {
+                let (n, c) = self.rank2("dout", *dout)?;
+                let (p, pc) = self.rank2("dpos", *dpos)?;
+                if pc != c || *seq_len == 0 || *seq_len > p || n % seq_len != 0 {
+                    return Err(self.fail("dpos", *dpos, format!("incompatible with dout [{n}, {c}] and seq_len {seq_len}")));
+                }
+            }
+            Op::LayerNorm { x, weight, bias, out, .. } => {
+                let (_, c) = self.rank2("x", *x)?;
+                self.dims("weight", *weight, &[c])?;
+                if let Some(b) = bias {
+                    self.dims("bias", *b, &[c])?;
+                }
+                self.same(("x", *x), ("out", *out))?;
+            }
+            Op::LayerNormBackward { dout, x, weight, dx, dweight, dbias, .. } => {
+                let (_, c) = self.rank2("x", *x)?;
+                self.dims("weight", *weight, &[c])?;
+                self.dims("dweight", *dweight, &[c])?;
+                if let Some(b) = dbias {
+                    self.dims("dbias", *b, &[c])?;
+                }
+                self.same(("x", *x), ("dout", *dout))?;
+                self.same(("x", *x), ("dx", *dx))?;
+            }
+            Op::RmsNorm { x, weight, out, .. } => {
+                let (_, c) = self.rank2("x", *x)?;
+                self.dims("weight", *weight, &[c])?;
+                self.same(("x", *x), ("out", *out))?;
+            }
+            Op::RmsNormBackward { dout, x, weight, dx, dweight, .. } => {
+                let (_, c) = self.rank2("x", *x)?;
+                self.dims("weight", *weight, &[c])?;
+                self.dims("dweight", *dweight, &[c])?;
+                self.same(("x", *x), ("dout", *dout))?;
+                self.same(("x", *x), ("dx", *dx))?;
+            }
+            Op::MatMul { a, b, out, trans_a, trans_b, .. } => {
+                let (ar, ac) = self.rank2("a", *a)?;
+                let (br, bc) = self.rank2("b", *b)?;
+                let (m, k) = if *trans_a { (ac, ar) } else { (ar, ac) };
+                let (k2, p) = if *trans_b { (bc, br) } else { (br, bc) };
+                if k != k2 {
+                    return Err(self.fail("b", *b, format!("inner dimension {k2} does not match a's {k}")));
+                }
+                self.dims("out", *out, &[m, p])?;
+            }
+            Op::BiasAdd { x, bias, out } => {
+                let (_, c) = self.rank2("x", *x)?;
+                self.dims("bias", *bias, &[c])?;
+                self.same(("x", *x), ("out", *out))?;
+            }
+            Op::SumRows { x, out } => {
+                let (_, c) = self.rank2("x", *x)?;
+                self.dims("out", *out, &[c])?;
+            }
+            Op::Add { a, b, out } => {
+                self.same(("a", *a), ("b", *b))?;
+                self.same(("a", *a), ("out", *out))?;
+            }
+            Op::Gelu { x, out } => self.same(("x", *x), ("out", *out))?,
+            Op::GeluBackward { dout, x, dx } => {
+                self.same(("x", *x), ("dout", *dout))?;
+                self.same(("x", *x), ("dx", *dx))?;
+            }
+            Op::SwiGlu { x, out } => {
+                let (n, w) = self.rank2("x", *x)?;
+                if w % 2 != 0 {
+                    return Err(self.fail("x", *x, "must have an even number of columns [gate | up]"));
+                }
+                self.dims("out", *out, &[n, w / 2])?;
+            }
+            Op::SwiGluBackward { dout, x, dx } => {
+                let (n, w) = self.rank2("x", *x)?;
+                if w % 2 != 0 {
+                    return Err(self.fail("x", *x, "must have an even number of columns [gate | up]"));
+                }
+                self.dims("dout", *dout, &[n, w / 2])?;
+                self.same(("x", *x), ("dx", *dx))?;
+            }
+            Op::Rope { x: a, out: b, seq_len, head_dim, rotated_cols, .. }
+            | Op::RopeBackward { dout: a, dx: b, seq_len, head_dim, rotated_cols, .. } => {
+                let (n, w) = self.rank2("x", *a)?;
+                if *seq_len == 0 || n % seq_len != 0 || *head_dim == 0 || head_dim % 2 != 0
+                    || rotated_cols % head_dim != 0 || *rotated_cols > w
+                {
+                    return Err(self.fail("x", *a, format!(
+                        "incompatible with seq_len {seq_len}, head_dim {head_dim}, rotated_cols {rotated_cols}")));
+                }
+                self.same(("x", *a), ("out", *b))?;
+            }
+            Op::Attention { qkv, out, batch, seq_len, n_heads } => {
+                let (n, w) = self.rank2("qkv", *qkv)?;
+                if n != batch * seq_len || w % 3 != 0 || *n_heads == 0 || (w / 3) % n_heads != 0 {
+                    return Err(self.fail("qkv", *qkv, format!(
+                        "incompatible with batch {batch}, seq_len {seq_len}, n_heads {n_heads}")));
+                }
+                self.dims("out", *out, &[n, w / 3])?;
+            }
+            Op::AttentionBackward { dout, qkv, dqkv, batch, seq_len, n_heads } => {
+                let (n, w) = self.rank2("qkv", *qkv)?;
+                if n != batch * seq_len || w % 3 != 0 || *n_heads == 0 || (w / 3) % n_heads != 0 {
+                    return Err(self.fail("qkv", *qkv, format!(
+                        "incompatible with batch {batch}, seq_len {seq_len}, n_heads {n_heads}")));
+                }
+                self.dims("dout", *dout, &[n, w / 3])?;
+                self.same(("qkv", *qkv), ("dqkv", *dqkv))?;
+            }
+            Op::CrossEntropy { logits, targets, loss } => {
+                let (n, _) = self.rank2("logits", *logits)?;
+                self.dims("targets", *targets, &[n])?;
+                self.dims("loss", *loss, &[1])?;
+            }
+            Op::CrossEntropyBackward { logits, targets, dlogits } => {
+                let (n, _) = self.rank2("logits", *logits)?;
+                self.dims("targets", *targets, &[n])?;
+                self.same(("logits", *logits), ("dlogits", *dlogits))?;
+            }
+            Op::ClipGradNorm { norm, max_norm, .. } => {
+                self.dims("norm", *norm, &[1])?;
+                if let Some(m) = max_norm {
+                    if !(m.is_finite() && *m > 0.0) {
+                        return Err(PlanError::Invalid(format!("{}: max_norm must be positive, got {m}", self.location)));
+                    }
+                }
+            }
+            Op::AdamW { param, grad, exp_avg, exp_avg_sq, .. } => {
+                self.same(("param", *param), ("grad", *grad))?;
+                self.same(("param", *param), ("exp_avg", *exp_avg))?;
+                self.same(("param", *param), ("exp_avg_sq", *exp_avg_sq))?;
+            }
+            Op::SoapUpdate { param, grad, exp_avg, exp_avg_sq, basis_left, basis_right, .. } => {
+                self.same(("param", *param), ("grad", *grad))?;
+                self.same(("param", *param), ("exp_avg", *exp_avg))?;
+                self.same(("param", *param), ("exp_avg_sq", *exp_avg_sq))?;
+                self.side_factors(*param, *basis_left, *basis_right, ("basis_left", "basis_right"))?;
+            }
+            Op::SoapFactorUpdate { grad, factor_left, factor_right, shampoo_beta } => {
+                if !(0.0..1.0).contains(shampoo_beta) {
+                    return Err(PlanError::Invalid(format!("{}: shampoo_beta must be in [0, 1)", self.location)));
+                }
+                self.side_factors(*grad, *factor_left, *factor_right, ("factor_left", "factor_right"))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn side_factors(
+        &self,
+        param: BufferId,
+        left: Option<BufferId>,
+        right: Option<BufferId>,
+        names: (&'static str, &'static str),
+    ) -> Result<(), PlanError> {
+        let shape = self.shape("param", param).to_vec();
+        match (shape.as_slice(), left, right) {
+            ([m, n], l, r) => {
+                if let Some(l) = l {
+                    self.dims(names.0, l, &[*m, *m])?;
+                }
+                if let Some(r) = r {
+                    self.dims(names.1, r, &[*n, *n])?;
+                }
+            }
+            ([_], None, None) => {}
+            _ => return Err(self.fail("param", param, "must be 2-D, or 1-D without Kronecker factors")),
+        }
+        Ok(())
+    }
+}
+
+impl Plan {
+    /// Checks the whole plan: format and version, buffer shapes, every operand in range with the
+    /// dtype and shape its op expects, parameters and gradients paired with equal shapes, the
+    /// data inputs and loss buffers, and the host tasks.
+    pub fn verify(&self) -> Result<(), PlanError> {
+        if self.format != PLAN_FORMAT || self.version != PLAN_VERSION {
+            return Err(PlanError::Version { format: self.format.clone(), version: self.version });
+        }
+        let mut names = std::collections::HashSet::new();
+        for (i, b) in self.buffers.iter().enumerate() {
+            if b.shape.is_empty() || b.shape.contains(&0) {
+                return Err(PlanError::Invalid(format!("buffer {i} `{}` has an empty or zero-sized shape {:?}", b.name, b.shape)));
+            }
+            if b.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).is_none_or(|n| n > (1usize << 40)) {
+                return Err(PlanError::Invalid(format!("buffer {i} `{}` is absurdly large: {:?}", b.name, b.shape)));
+            }
+            if !names.insert(b.name.as_str()) {
+                return Err(PlanError::Invalid(format!("buffer name `{}` is used twice", b.name)));
+            }
+        }
+        let count = self.buffers.len();
+        let in_range = |location: &str, operand: &'static str, id: BufferId| {
+            if id.index() >= count {
+                Err(PlanError::BufferOutOfRange { location: location.to_string(), operand, id, count })
+            } else {
+                Ok(())
+            }
+        };
+        in_range("plan", "loss", self.loss)?;
+        in_range("data", "tokens", self.data.tokens)?;
+        in_range("data", "targets", self.data.targets)?;
+        for (i, p) in self.params.iter().enumerate() {
+            let loc = format!("params[{i}]");
+            in_range(&loc, "param", p.param)?;
+            in_range(&loc, "grad", p.grad)?;
+            if self.buffer(p.param).shape != self.buffer(p.grad).shape {
+                return Err(PlanError::Invalid(format!("{loc}: gradient shape differs from parameter shape")));
+            }
+        }
+        let n = self.data.batch_size * self.data.seq_len;
+        if n == 0 {
+            return Err(PlanError::Invalid("data: batch_size and seq_len must be positive".into()));
+        }
+        if !(self.data.val_fraction > 0.0 && self.data.val_fraction < 1.0) {
+            return Err(PlanError::Invalid("data: val_fraction must be in (0, 1)".into()));
+        }
+        for (what, id) in [("tokens", self.data.tokens), ("targets", self.data.targets)] {
+            let b = self.buffer(id);
+            if b.dtype != DType::I32 || b.shape != [n] {
+                return Err(PlanError::Invalid(format!("data.{what}: buffer `{}` must be i32 [{n}]", b.name)));
+            }
+        }
+        if self.buffer(self.loss).shape != [1] {
+            return Err(PlanError::Invalid("loss buffer must have shape [1]".into()));
+        }
+        for (section, prog) in [("forward", &self.forward), ("backward", &self.backward), ("optimizer", &self.optimizer)] {
+            for (i, op) in prog.iter().enumerate() {
+                let location = format!("{section}[{i}] ({})", op.name());
+                for (name, id) in op.operands() {
+                    in_range(&location, name, id)?;
+                }
+                Checker { plan: self, location }.check_op(op)?;
+            }
+        }
+        for (i, task) in self.host_tasks.iter().enumerate() {
+            let location = format!("host_tasks[{i}]");
+            for (name, id) in task.operands() {
+                in_range(&location, name, id)?;
+            }
+            let HostTask::EigenbasisRefresh { factor, basis, side, exp_avg, exp_avg_sq, frequency } = task;
+            let c = Checker { plan: self, location: location.clone() };
+            let (d, d2) = c.rank2("factor", *factor)?;
+            if d != d2 {
+                return Err(c.fail("factor", *factor, "must be square"));
+            }
+            c.dims("basis", *basis, &[d, d])?;
+            c.same(("exp_avg", *exp_avg), ("exp_avg_sq", *exp_avg_sq))?;
+            let (m, n2) = c.rank2("exp_avg", *exp_avg)?;
+            let want = if *side == 0 { m } else { n2 };
+            if *side > 1 || want != d {
+                return Err(c.fail("exp_avg", *exp_avg, format!("side {side} does not have length {d}")));
+            }
+            if *frequency == 0 {
+                return Err(PlanError::Invalid(format!("{location}: frequency must be positive")));
+            }
+        }
+        Ok(())
+    }
+}
