@@ -1,1 +1,136 @@
-fn main() {}
+//! The `asteria` command: compile spec files into execution plans, inspect what each pass did,
+//! and run plans on the CPU engine.
+mod commands;
+
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// asteria: second-order optimizers (SOAP, Shampoo) for LLM training, as a compiler + engine.
+#[derive(Parser)]
+#[command(name = "asteria", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Pass-manager flags shared by `compile`, `explain` and `train`.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct PassFlags {
+    /// Print the IR after this pass (repeatable): expand-model, autodiff, expand-optimizer,
+    /// liveness, lower.
+    #[arg(long = "print-after", value_name = "PASS")]
+    pub print_after: Vec<String>,
+    /// Print the IR after every pass.
+    #[arg(long = "print-after-all")]
+    pub print_after_all: bool,
+    /// Print the IR before this pass (repeatable).
+    #[arg(long = "print-before", value_name = "PASS")]
+    pub print_before: Vec<String>,
+    /// Verify the IR after every pass.
+    #[arg(long = "verify-each")]
+    pub verify_each: bool,
+    /// Report the wall time of each pass (on stderr).
+    #[arg(long = "time-passes")]
+    pub time_passes: bool,
+}
+
+/// Options of commands that execute a plan.
+#[derive(clap::Args, Clone, Debug)]
+pub struct RunFlags {
+    /// Override the number of training steps.
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Write per-step and per-evaluation metrics as JSON lines to this file.
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub metrics: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long, short)]
+    pub quiet: bool,
+    /// Host eigensolver for preconditioner refreshes: faer (default) or lapack.
+    #[arg(long, default_value = "faer")]
+    pub eigensolver: String,
+    /// Folder for the token cache (default: the system temp dir).
+    #[arg(long, value_name = "DIR")]
+    pub cache_dir: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Compile a spec file into an execution plan (JSON).
+    Compile {
+        /// The spec file (`*.asteria`).
+        spec: PathBuf,
+        /// Where to write the plan.
+        #[arg(short, long, value_name = "PLAN.json")]
+        output: Option<PathBuf>,
+        #[command(flatten)]
+        passes: PassFlags,
+    },
+    /// Show memory per class and per tier, and ops per step, of a compiled spec.
+    Explain {
+        /// The spec file.
+        spec: PathBuf,
+    },
+    /// Verify and execute a compiled plan.
+    Run {
+        /// The plan (from `asteria compile`).
+        plan: PathBuf,
+        #[command(flatten)]
+        run: RunFlags,
+    },
+    /// Compile a spec and run it.
+    Train {
+        /// The spec file.
+        spec: PathBuf,
+        #[command(flatten)]
+        run: RunFlags,
+        #[command(flatten)]
+        passes: PassFlags,
+    },
+    /// Micro-benchmarks of the runtime's building blocks.
+    Bench {
+        #[command(subcommand)]
+        what: BenchCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Host eigensolvers (faer, lapack) on random symmetric matrices: median ms per eigh.
+    Eigh {
+        /// Matrix sizes.
+        #[arg(long, value_delimiter = ',', default_value = "512,1024,2048")]
+        sizes: Vec<usize>,
+        /// Thread counts.
+        #[arg(long, value_delimiter = ',', default_value = "2")]
+        threads: Vec<usize>,
+        /// Repetitions per measurement (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Compile { spec, output, passes } => commands::compile(&spec, output.as_deref(), &passes),
+        Command::Explain { spec } => commands::explain(&spec),
+        Command::Run { plan, run } => commands::run(&plan, &run),
+        Command::Train { spec, run, passes } => commands::train(&spec, &run, &passes),
+        Command::Bench { what: BenchCommand::Eigh { sizes, threads, reps } } => commands::bench_eigh(&sizes, &threads, reps),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(report) => {
+            eprintln!("{report:?}");
+            ExitCode::FAILURE
+        }
+    }
+}

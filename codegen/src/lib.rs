@@ -1,1 +1,271 @@
-//! asteria codegen crate.
+//! Lowering: IR [`Module`] → execution [`Plan`]. Every value becomes a named buffer (shape,
+//! dtype, class, init); each instruction of the forward, backward and optimizer sections becomes
+//! the plan op of the same name over those buffers; refresh instructions become host tasks;
+//! the config's data, train and target sections become the plan's. The plan is verified
+//! before it is returned, so a compiler bug cannot produce a plan the engine would reject.
+#![deny(missing_docs)]
+
+use ir::config::{CorpusConfig, TargetConfig, TokenizerKind};
+use ir::{BufferClass, Init, InputRole, Module, Op, Section, ValueId};
+use schedule::{
+    Buffer, BufferId, Corpus, DataPlan, HostTask, Op as P, ParamRef, Plan, PlanError, TargetPlan, Tokenizer,
+    TrainPlan, PLAN_FORMAT, PLAN_VERSION,
+};
+use thiserror::Error;
+
+/// Lowering failure (a module that did not pass through the pipeline, or a compiler bug).
+#[derive(Debug, Error)]
+pub enum LowerError {
+    /// The module lacks something the plan needs.
+    #[error("cannot lower: {0}")]
+    Missing(String),
+    /// An instruction cannot appear where it is.
+    #[error("cannot lower `{op}` in the {section} section")]
+    Misplaced {
+        /// Op name.
+        op: &'static str,
+        /// Section keyword.
+        section: &'static str,
+    },
+    /// The produced plan failed verification (a compiler bug).
+    #[error("lowered plan failed verification (compiler bug): {0}")]
+    Verify(#[from] PlanError),
+}
+
+/// The buffer class of every value (indexed by value index): `state` values carry theirs,
+/// inputs are `input`, gradients marked by `grad_of` are `gradient`, `[1]` results of the loss and
+/// of clipping are `scalar`, everything else is `activation`.
+pub fn classify_values(module: &Module) -> Vec<BufferClass> {
+    let mut classes = vec![BufferClass::Activation; module.num_values()];
+    for i in module.insts() {
+        let inst = module.inst(i);
+        match &inst.op {
+            Op::State { class, .. } => classes[inst.results[0].index()] = *class,
+            Op::Input { .. } => classes[inst.results[0].index()] = BufferClass::Input,
+            Op::GradOf => classes[inst.args[1].index()] = BufferClass::Gradient,
+            Op::Loss => classes[inst.args[0].index()] = BufferClass::Scalar,
+            Op::ClipGradNorm { .. } => classes[inst.results[0].index()] = BufferClass::Scalar,
+            _ => {}
+        }
+    }
+    classes
+}
+
+/// Lowers a fully expanded module (after `expand-optimizer`) to a verified plan.
+pub fn lower(module: &Module) -> Result<Plan, LowerError> {
+    let classes = classify_values(module);
+    let mut ids: Vec<Option<BufferId>> = vec![None; module.num_values()];
+    let mut buffers = Vec::new();
+    let mut inits = vec![Init::Zeros; module.num_values()];
+    for i in module.insts() {
+        if let Op::State { init, .. } = module.inst(i).op {
+            inits[module.inst(i).results[0].index()] = init;
+        }
+    }
+    // Buffers in definition order (deterministic init order for the engine's RNG).
+    for i in module.insts() {
+        for &r in &module.inst(i).results {
+            let v = module.value(r);
+            ids[r.index()] = Some(BufferId(buffers.len() as u32));
+            buffers.push(Buffer {
+                name: v.name.clone(),
+                shape: v.ty.shape.clone(),
+                dtype: v.ty.dtype,
+                class: classes[r.index()],
+                init: inits[r.index()],
+            });
+        }
+    }
+    let b = |v: ValueId| ids[v.index()].ok_or_else(|| LowerError::Missing(format!("value {} has no buffer", module.display_value(v))));
+    let (mut tokens, mut targets, mut loss) = (None, None, None);
+    let mut params = Vec::new();
+    let (mut forward, mut backward, mut optimizer, mut host_tasks) = (vec![], vec![], vec![], vec![]);
+    for i in module.insts() {
+        let inst = module.inst(i);
+        let a = &inst.args;
+        let arg = |k: usize| b(a[k]);
+        let res = |k: usize| b(inst.results[k]);
+        let misplaced = || LowerError::Misplaced { op: inst.op.name(), section: inst.section.keyword() };
+        let op = match &inst.op {
+            Op::State { .. } => continue,
+            Op::Input { role: InputRole::Tokens } => {
+                tokens = Some(res(0)?);
+                continue;
+            }
+            Op::Input { role: InputRole::Targets } => {
+                targets = Some(res(0)?);
+                continue;
+            }
+            Op::Loss => {
+                loss = Some(arg(0)?);
+                continue;
+            }
+            Op::GradOf => {
+                params.push(ParamRef { param: arg(0)?, grad: arg(1)? });
+                continue;
+            }
+            Op::EigenbasisRefresh { side, frequency } => {
+                if inst.section != Section::Refresh {
+                    return Err(misplaced());
+                }
+                host_tasks.push(HostTask::EigenbasisRefresh {
+                    factor: arg(0)?,
+                    basis: arg(1)?,
+                    side: *side,
+                    exp_avg: arg(2)?,
+                    exp_avg_sq: arg(3)?,
+                    frequency: *frequency,
+                });
+                continue;
+            }
+            Op::Embedding => P::Embedding { table: arg(0)?, ids: arg(1)?, out: res(0)? },
+            Op::EmbeddingBackward => P::EmbeddingBackward { dout: arg(0)?, ids: arg(1)?, dtable: res(0)? },
+            Op::AddPositional { seq_len } => P::AddPositional { x: arg(0)?, pos: arg(1)?, out: res(0)?, seq_len: *seq_len },
+            Op::AddPositionalBackward { seq_len } => P::AddPositionalBackward { dout: arg(0)?, dpos: res(0)?, seq_len: *seq_len },
+            Op::LayerNorm { eps } => P::LayerNorm {
+                x: arg(0)?,
+                weight: arg(1)?,
+                bias: a.get(2).map(|&v| b(v)).transpose()?,
+                out: res(0)?,
+                eps: *eps,
+            },
+            Op::LayerNormBackward { eps, bias } => P::LayerNormBackward {
+                dout: arg(0)?,
+                x: arg(1)?,
+                weight: arg(2)?,
+                dx: res(0)?,
+                dweight: res(1)?,
+                dbias: if *bias { Some(res(2)?) } else { None },
+                eps: *eps,
+            },
+            Op::RmsNorm { eps } => P::RmsNorm { x: arg(0)?, weight: arg(1)?, out: res(0)?, eps: *eps },
+            Op::RmsNormBackward { eps } => {
+                P::RmsNormBackward { dout: arg(0)?, x: arg(1)?, weight: arg(2)?, dx: res(0)?, dweight: res(1)?, eps: *eps }
+            }
+            Op::MatMul { trans_a, trans_b } => {
+                P::MatMul { a: arg(0)?, b: arg(1)?, out: res(0)?, trans_a: *trans_a, trans_b: *trans_b, accumulate: false }
+            }
+            Op::BiasAdd => P::BiasAdd { x: arg(0)?, bias: arg(1)?, out: res(0)? },
+            Op::SumRows => P::SumRows { x: arg(0)?, out: res(0)? },
+            Op::Add => P::Add { a: arg(0)?, b: arg(1)?, out: res(0)? },
+            Op::Gelu => P::Gelu { x: arg(0)?, out: res(0)? },
+            Op::GeluBackward => P::GeluBackward { dout: arg(0)?, x: arg(1)?, dx: res(0)? },
+            Op::SwiGlu => P::SwiGlu { x: arg(0)?, out: res(0)? },
+            Op::SwiGluBackward => P::SwiGluBackward { dout: arg(0)?, x: arg(1)?, dx: res(0)? },
+            Op::Rope { seq_len, head_dim, rotated_cols, theta } => P::Rope {
+                x: arg(0)?,
+                out: res(0)?,
+                seq_len: *seq_len,
+                head_dim: *head_dim,
+                rotated_cols: *rotated_cols,
+                theta: *theta,
+            },
+            Op::RopeBackward { seq_len, head_dim, rotated_cols, theta } => P::RopeBackward {
+                dout: arg(0)?,
+                dx: res(0)?,
+                seq_len: *seq_len,
+                head_dim: *head_dim,
+                rotated_cols: *rotated_cols,
+                theta: *theta,
+            },
+            Op::Attention { batch, seq_len, n_heads } => {
+                P::Attention { qkv: arg(0)?, out: res(0)?, batch: *batch, seq_len: *seq_len, n_heads: *n_heads }
+            }
+            Op::AttentionBackward { batch, seq_len, n_heads } => P::AttentionBackward {
+                dout: arg(0)?,
+                qkv: arg(1)?,
+                dqkv: res(0)?,
+                batch: *batch,
+                seq_len: *seq_len,
+                n_heads: *n_heads,
+            },
+            Op::CrossEntropy => P::CrossEntropy { logits: arg(0)?, targets: arg(1)?, loss: res(0)? },
+            Op::CrossEntropyBackward => P::CrossEntropyBackward { logits: arg(0)?, targets: arg(1)?, dlogits: res(0)? },
+            Op::ClipGradNorm { max_norm } => P::ClipGradNorm {
+                grads: a.iter().map(|&v| b(v)).collect::<Result<_, _>>()?,
+                norm: res(0)?,
+                max_norm: *max_norm,
+            },
+            Op::AdamW { lr, beta1, beta2, eps, weight_decay } => P::AdamW {
+                param: arg(0)?,
+                grad: arg(1)?,
+                exp_avg: arg(2)?,
+                exp_avg_sq: arg(3)?,
+                lr: *lr,
+                beta1: *beta1,
+                beta2: *beta2,
+                eps: *eps,
+                weight_decay: *weight_decay,
+            },
+            Op::SoapUpdate { hyper, left, right } => {
+                let mut rest = a[4..].iter();
+                let basis_left = if *left { rest.next().map(|&v| b(v)).transpose()? } else { None };
+                let basis_right = if *right { rest.next().map(|&v| b(v)).transpose()? } else { None };
+                P::SoapUpdate {
+                    param: arg(0)?,
+                    grad: arg(1)?,
+                    exp_avg: arg(2)?,
+                    exp_avg_sq: arg(3)?,
+                    basis_left,
+                    basis_right,
+                    hyper: *hyper,
+                }
+            }
+            Op::SoapFactorUpdate { shampoo_beta, left, right } => {
+                let mut rest = a[1..].iter();
+                let factor_left = if *left { rest.next().map(|&v| b(v)).transpose()? } else { None };
+                let factor_right = if *right { rest.next().map(|&v| b(v)).transpose()? } else { None };
+                P::SoapFactorUpdate { grad: arg(0)?, factor_left, factor_right, shampoo_beta: *shampoo_beta }
+            }
+        };
+        match inst.section {
+            Section::Forward => forward.push(op),
+            Section::Backward => backward.push(op),
+            Section::Optimizer => optimizer.push(op),
+            Section::State | Section::Refresh => return Err(misplaced()),
+        }
+    }
+    let c = &module.config;
+    let missing = |what: &str| LowerError::Missing(format!("the module has no {what}"));
+    let plan = Plan {
+        format: PLAN_FORMAT.to_string(),
+        version: PLAN_VERSION,
+        name: c.name.clone(),
+        buffers,
+        params,
+        loss: loss.ok_or_else(|| missing("`loss`"))?,
+        forward,
+        backward,
+        optimizer,
+        host_tasks,
+        data: DataPlan {
+            corpus: match &c.data.corpus {
+                CorpusConfig::Builtin => Corpus::Builtin,
+                CorpusConfig::Files { paths } => Corpus::Files { paths: paths.clone() },
+            },
+            tokenizer: match c.data.tokenizer {
+                TokenizerKind::Gpt2 => Tokenizer::Gpt2,
+                TokenizerKind::Bytes => Tokenizer::Bytes,
+            },
+            batch_size: c.data.batch_size,
+            seq_len: c.data.seq_len,
+            val_fraction: c.data.val_fraction,
+            tokens: tokens.ok_or_else(|| missing("token input"))?,
+            targets: targets.ok_or_else(|| missing("target input"))?,
+        },
+        train: TrainPlan {
+            steps: c.train.steps,
+            warmup_steps: c.train.warmup_steps,
+            min_lr_ratio: c.train.min_lr_ratio,
+            eval_interval: c.train.eval_interval,
+            eval_batches: c.train.eval_batches,
+            seed: c.train.seed,
+        },
+        target: match &c.target {
+            TargetConfig::Cpu { threads, staleness } => TargetPlan::Cpu { threads: *threads, staleness: *staleness },
+            TargetConfig::Cuda { device, staleness } => TargetPlan::Cuda { device: *device, staleness: *staleness },
+        },
+    };
+    plan.verify()?;
+    Ok(plan)
+}

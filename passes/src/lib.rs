@@ -1,1 +1,69 @@
-//! asteria passes crate.
+//! asteria's compiler passes and the [`PassManager`] that runs them.
+//!
+//! The pipeline (in order; names are identical in the CLI flags, file names, dump headers and
+//! timing lines): `expand-model`, `autodiff`, `expand-optimizer`, `liveness`, `lower`.
+#![deny(missing_docs)]
+
+pub mod autodiff;
+pub mod expand_model;
+pub mod expand_optimizer;
+pub mod liveness;
+pub mod lower;
+mod manager;
+
+pub use manager::{PassManager, PassOptions, PassTiming};
+
+use ir::Module;
+use thiserror::Error;
+
+/// Error raised by a pass or by the verifier between passes.
+#[derive(Debug, Error)]
+pub enum PassError {
+    /// The module failed verification after (or before) a pass; `ir_text` is the module with
+    /// the errors printed inline.
+    #[error("IR verification failed after `{pass}`: {count} error(s)\n{ir_text}")]
+    Verify {
+        /// Pass after which verification ran.
+        pass: String,
+        /// Number of errors.
+        count: usize,
+        /// The IR with `; error:` annotations.
+        ir_text: String,
+    },
+    /// A pass found the module in a state it cannot handle (e.g. `autodiff` before
+    /// `expand-model`).
+    #[error("pass `{pass}`: {message}")]
+    Invalid {
+        /// Pass name.
+        pass: &'static str,
+        /// What is wrong.
+        message: String,
+    },
+    /// An unknown pass name was given to `--print-after` / `--print-before`.
+    #[error("unknown pass `{name}`; passes are: {}", PassManager::pass_names().join(", "))]
+    UnknownPass {
+        /// The name given.
+        name: String,
+    },
+}
+
+/// Results of analyses and lowering that passes leave for later passes and for the caller.
+#[derive(Default, Debug)]
+pub struct PassContext {
+    /// Filled by `liveness`.
+    pub liveness: Option<liveness::Liveness>,
+    /// Filled by `lower`.
+    pub plan: Option<schedule::Plan>,
+}
+
+/// One compiler pass: a named transformation (or analysis) of a [`Module`].
+pub trait Pass {
+    /// The pass name (kebab-case, as in `--print-after`).
+    fn name(&self) -> &'static str;
+    /// Runs the pass. Returns a one-line summary of what it did (for `--time-passes` / logs).
+    fn run(&mut self, module: &mut Module, cx: &mut PassContext) -> Result<String, PassError>;
+    /// Extra text printed after the IR in `--print-after` dumps (analysis results).
+    fn dump_extra(&self, _module: &Module, _cx: &PassContext) -> Option<String> {
+        None
+    }
+}

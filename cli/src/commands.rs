@@ -1,0 +1,118 @@
+//! Implementations of the `asteria` subcommands.
+use crate::{PassFlags, RunFlags};
+use miette::{miette, IntoDiagnostic, Result, WrapErr};
+use passes::liveness::{class_name, human_bytes, is_persistent};
+use passes::{PassManager, PassOptions};
+use schedule::{BufferClass, Plan, TargetPlan};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+
+/// Parses + checks a spec file and runs the pipeline; returns the plan.
+pub fn compile_spec(spec: &Path, flags: &PassFlags) -> Result<(Plan, passes::liveness::Liveness)> {
+    let config = frontend::load_spec(spec).map_err(miette::Report::new)?;
+    let mut module = ir::Module::new(config);
+    let options = PassOptions {
+        print_before: flags.print_before.clone(),
+        print_after: flags.print_after.clone(),
+        print_after_all: flags.print_after_all,
+        verify_each: flags.verify_each,
+        time_passes: flags.time_passes,
+    };
+    let mut pm = PassManager::new(options).map_err(|e| miette!("{e}"))?;
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let (cx, timings) = pm.run(&mut module, None, &mut out).map_err(|e| miette!("{e}"))?;
+    if flags.time_passes {
+        let total: f64 = timings.iter().map(|t| t.ms).sum();
+        eprintln!("{:>10}  {:<18} summary", "ms", "pass");
+        for t in &timings {
+            eprintln!("{:>10.3}  {:<18} {}", t.ms, t.pass, t.summary);
+        }
+        eprintln!("{total:>10.3}  total");
+    }
+    let plan = cx.plan.ok_or_else(|| miette!("internal: the pipeline produced no plan"))?;
+    let liveness = cx.liveness.ok_or_else(|| miette!("internal: the pipeline produced no liveness"))?;
+    Ok((plan, liveness))
+}
+
+/// `asteria compile`.
+pub fn compile(spec: &Path, output: Option<&Path>, flags: &PassFlags) -> Result<()> {
+    let (plan, _) = compile_spec(spec, flags)?;
+    match output {
+        Some(path) => {
+            std::fs::write(path, plan.to_json())
+                .into_diagnostic()
+                .wrap_err_with(|| format!("cannot write the plan to {}", path.display()))?;
+            eprintln!(
+                "wrote {} ({} buffers, {} ops per step, {} host tasks)",
+                path.display(),
+                plan.buffers.len(),
+                plan.forward.len() + plan.backward.len() + plan.optimizer.len(),
+                plan.host_tasks.len()
+            );
+        }
+        None => eprintln!("compiled {} (no -o given: plan not written)", spec.display()),
+    }
+    Ok(())
+}
+
+/// `asteria explain`: memory per class and tier, ops per step.
+pub fn explain(spec: &Path) -> Result<()> {
+    let (plan, liveness) = compile_spec(spec, &PassFlags::default())?;
+    let stdout = std::io::stdout();
+    let mut o = stdout.lock();
+    let params: usize = plan.params.iter().map(|p| plan.buffer(p.param).numel()).sum();
+    let tokens = plan.data.batch_size * plan.data.seq_len;
+    let tier = match plan.target {
+        TargetPlan::Cpu { .. } => "host",
+        TargetPlan::Cuda { .. } => "gpu",
+    };
+    let _ = writeln!(o, "plan `{}`: {} parameters in {} tensors, {} tokens per step", plan.name, params, plan.params.len(), tokens);
+    let _ = writeln!(o, "\nmemory per class (all placed in the `{tier}` tier; tier placement is a later pass):");
+    let mut total = 0;
+    for class in [
+        BufferClass::Parameter,
+        BufferClass::Gradient,
+        BufferClass::ExpAvg,
+        BufferClass::ExpAvgSq,
+        BufferClass::KroneckerFactor,
+        BufferClass::Eigenbasis,
+        BufferClass::Activation,
+        BufferClass::Input,
+        BufferClass::Scalar,
+    ] {
+        let b = plan.bytes_of(class);
+        if b == 0 {
+            continue;
+        }
+        total += b;
+        let life = if is_persistent(class) { "persistent" } else { "per step" };
+        let _ = writeln!(o, "  {:<17} {:>14} B  {:>11}  {life}", class_name(class), b, human_bytes(b));
+    }
+    let _ = writeln!(o, "  {:<17} {:>14} B  {:>11}", "total", total, human_bytes(total));
+    let _ = writeln!(
+        o,
+        "  peak live step-local tensors (with buffer reuse): {}",
+        human_bytes(liveness.peak_step_bytes)
+    );
+    let _ = writeln!(o, "\nmemory per tier:\n  {tier:<6} {:>11}", human_bytes(total));
+    let _ = writeln!(o, "\nops per step:");
+    for (section, prog) in [("forward", &plan.forward), ("backward", &plan.backward), ("optimizer", &plan.optimizer)] {
+        let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+        for op in prog {
+            *counts.entry(op.name()).or_default() += 1;
+        }
+        let list: Vec<String> = counts.iter().map(|(k, v)| format!("{k}×{v}")).collect();
+        let _ = writeln!(o, "  {section:<9} {:>4}  {}", prog.len(), list.join(", "));
+    }
+    let mut freq: BTreeMap<u64, usize> = BTreeMap::new();
+    for t in &plan.host_tasks {
+        let schedule::HostTask::EigenbasisRefresh { frequency, .. } = t;
+        *freq.entry(*frequency).or_default() += 1;
+    }
+    for (f, n) in freq {
+        let _ = writeln!(o, "  host      {n:>4}  eigenbasis_refresh every {f} steps");
+    }
+    Ok(())
+}

@@ -1,0 +1,225 @@
+//! The IR container: a [`Module`] holds the run [`Config`], the values (SSA, typed, named) and the
+//! instructions, kept in a petgraph `StableGraph` whose edges are def → use data dependencies,
+//! plus a layout (program order) like Cranelift's `Layout`. Ids are newtypes; petgraph's
+//! `NodeIndex` never appears in the API.
+use crate::config::Config;
+use crate::op::{Op, Section};
+use crate::types::TensorType;
+use petgraph::stable_graph::{NodeIndex, StableDiGraph};
+use std::collections::HashMap;
+use std::fmt;
+
+/// An SSA value. Prints as `%name` (its unique name in the module).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ValueId(u32);
+
+impl ValueId {
+    /// Dense index of the value (`0..module.num_values()`).
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// An instruction. Prints as `inst<n>`; in dumps instructions are identified by their results.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct InstId(NodeIndex<u32>);
+
+impl fmt::Display for InstId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "inst{}", self.0.index())
+    }
+}
+
+/// Data of one value.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValueData {
+    /// Unique name (without `%`).
+    pub name: String,
+    /// Tensor type.
+    pub ty: TensorType,
+    /// Defining instruction.
+    pub def: InstId,
+}
+
+/// One instruction: an op applied to argument values, defining result values.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Inst {
+    /// The operation and its attributes.
+    pub op: Op,
+    /// Operands, in the order the op documents.
+    pub args: Vec<ValueId>,
+    /// Defined values.
+    pub results: Vec<ValueId>,
+    /// Program section.
+    pub section: Section,
+}
+
+/// An IR module: one training step of one run.
+#[derive(Clone, Debug)]
+pub struct Module {
+    /// The run configuration (model, optimizer, data, train, target).
+    pub config: Config,
+    graph: StableDiGraph<Inst, ValueId, u32>,
+    values: Vec<ValueData>,
+    names: HashMap<String, ValueId>,
+    layout: Vec<InstId>,
+}
+
+impl Module {
+    /// An empty module for `config`.
+    pub fn new(config: Config) -> Self {
+        Module { config, graph: StableDiGraph::default(), values: Vec::new(), names: HashMap::new(), layout: Vec::new() }
+    }
+
+    /// Appends an instruction at the end of the layout. `results` gives each result's name hint
+    /// and type; names are made unique by suffixing `.1`, `.2`, ... Returns the instruction and
+    /// its result values. Arguments must be values of this module (checked by the verifier).
+    pub fn push(
+        &mut self,
+        section: Section,
+        op: Op,
+        args: &[ValueId],
+        results: Vec<(String, TensorType)>,
+    ) -> (InstId, Vec<ValueId>) {
+        let node = self.graph.add_node(Inst { op, args: args.to_vec(), results: Vec::new(), section });
+        let inst = InstId(node);
+        let mut ids = Vec::with_capacity(results.len());
+        for (hint, ty) in results {
+            let name = self.unique_name(&hint);
+            let id = ValueId(self.values.len() as u32);
+            self.names.insert(name.clone(), id);
+            self.values.push(ValueData { name, ty, def: inst });
+            ids.push(id);
+        }
+        self.graph[node].results = ids.clone();
+        for &a in args {
+            if let Some(v) = self.values.get(a.index()) {
+                let def = v.def.0;
+                self.graph.add_edge(def, node, a);
+            }
+        }
+        self.layout.push(inst);
+        (inst, ids)
+    }
+
+    /// Appends a single-result instruction and returns its value.
+    pub fn push1(&mut self, section: Section, op: Op, args: &[ValueId], name: &str, ty: TensorType) -> ValueId {
+        let (_, r) = self.push(section, op, args, vec![(name.to_string(), ty)]);
+        r[0]
+    }
+
+    /// Appends an instruction without results (markers, in-place updates).
+    pub fn push0(&mut self, section: Section, op: Op, args: &[ValueId]) -> InstId {
+        self.push(section, op, args, Vec::new()).0
+    }
+
+    fn unique_name(&self, hint: &str) -> String {
+        let base: String = hint
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '.' { c } else { '_' })
+            .collect();
+        let base = if base.is_empty() { "v".to_string() } else { base };
+        if !self.names.contains_key(&base) {
+            return base;
+        }
+        (1..)
+            .map(|i| format!("{base}.{i}"))
+            .find(|n| !self.names.contains_key(n))
+            .expect("invariant: an unused suffix exists")
+    }
+
+    /// Instructions in program order.
+    pub fn insts(&self) -> impl Iterator<Item = InstId> + '_ {
+        self.layout.iter().copied()
+    }
+
+    /// Instructions of `section` in program order.
+    pub fn section(&self, section: Section) -> impl Iterator<Item = InstId> + '_ {
+        self.layout.iter().copied().filter(move |&i| self.graph[i.0].section == section)
+    }
+
+    /// The instruction `id`.
+    pub fn inst(&self, id: InstId) -> &Inst {
+        &self.graph[id.0]
+    }
+
+    /// Mutable access to an instruction's op attributes (not its operands).
+    pub fn op_mut(&mut self, id: InstId) -> &mut Op {
+        &mut self.graph[id.0].op
+    }
+
+    /// The value `id`.
+    pub fn value(&self, id: ValueId) -> &ValueData {
+        &self.values[id.index()]
+    }
+
+    /// Number of values ever created.
+    pub fn num_values(&self) -> usize {
+        self.values.len()
+    }
+
+    /// Looks a value up by name (without `%`).
+    pub fn value_by_name(&self, name: &str) -> Option<ValueId> {
+        self.names.get(name).copied()
+    }
+
+    /// Whether `id` names a value of this module.
+    pub fn contains_value(&self, id: ValueId) -> bool {
+        id.index() < self.values.len()
+    }
+
+    /// Instructions that use `value` as an argument, in program order.
+    pub fn uses(&self, value: ValueId) -> Vec<InstId> {
+        let def = self.values[value.index()].def.0;
+        let mut users: Vec<InstId> = self
+            .graph
+            .edges_directed(def, petgraph::Direction::Outgoing)
+            .filter(|e| *e.weight() == value)
+            .map(|e| InstId(petgraph::visit::EdgeRef::target(&e)))
+            .collect();
+        users.sort_by_key(|u| self.layout.iter().position(|l| l == u));
+        users.dedup();
+        users
+    }
+
+    /// Removes instructions whose results are all unused and that have no effects
+    /// (markers, in-place ops and `State`/`Input` are kept). Returns how many were removed.
+    pub fn remove_dead(&mut self) -> usize {
+        let mut removed = 0;
+        loop {
+            let dead: Vec<InstId> = self
+                .layout
+                .iter()
+                .copied()
+                .filter(|&i| {
+                    let inst = &self.graph[i.0];
+                    !inst.results.is_empty()
+                        && !inst.op.is_in_place()
+                        && !matches!(inst.op, Op::State { .. } | Op::Input { .. })
+                        && self.graph.edges_directed(i.0, petgraph::Direction::Outgoing).next().is_none()
+                })
+                .collect();
+            if dead.is_empty() {
+                return removed;
+            }
+            for d in &dead {
+                self.graph.remove_node(d.0);
+            }
+            self.layout.retain(|l| !dead.contains(l));
+            removed += dead.len();
+        }
+    }
+
+    /// Display name of a value, `%name`.
+    pub fn display_value(&self, id: ValueId) -> String {
+        match self.values.get(id.index()) {
+            Some(v) => format!("%{}", v.name),
+            None => format!("%<invalid {}>", id.0),
+        }
+    }
+
+    /// Crate-internal: creates a value id from a raw index (parser, tests).
+    pub fn value_id_from_index(index: usize) -> ValueId {
+        ValueId(index as u32)
+    }
+}

@@ -1,0 +1,263 @@
+//! The closed set of IR operations. Operands are SSA values (`Inst::args`); attributes are
+//! fields of the variant. Each op documents its arguments and results; the verifier checks them.
+//! Math and layouts are those of the plan instruction with the same name
+//! (`schedule::Op`), which `lower` emits one-for-one.
+use schedule::{BufferClass, Init, SoapHyper};
+
+/// Role of a per-step input.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum InputRole {
+    /// Token ids `i32[N]`.
+    Tokens,
+    /// Next-token targets `i32[N]`.
+    Targets,
+}
+
+/// Program section an instruction belongs to; sections run in this order every step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Section {
+    /// Persistent buffers (parameters, optimizer state) and per-step inputs.
+    State,
+    /// Forward program, ends at the loss.
+    Forward,
+    /// Backward program, writes parameter gradients.
+    Backward,
+    /// Optimizer program (in-place updates).
+    Optimizer,
+    /// Host tasks (eigenbasis refreshes), after the optimizer program.
+    Refresh,
+}
+
+impl Section {
+    /// All sections in execution order.
+    pub const ALL: [Section; 5] =
+        [Section::State, Section::Forward, Section::Backward, Section::Optimizer, Section::Refresh];
+    /// Keyword used in the text format.
+    pub fn keyword(self) -> &'static str {
+        match self {
+            Section::State => "state",
+            Section::Forward => "forward",
+            Section::Backward => "backward",
+            Section::Optimizer => "optimizer",
+            Section::Refresh => "refresh",
+        }
+    }
+}
+
+/// An IR operation. `args` / `results` below refer to [`crate::Inst::args`] /
+/// [`crate::Inst::results`]; shapes use N = tokens per step, C = width, V = vocab.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    /// A persistent buffer (parameter or optimizer state). args: none; results: 1.
+    State {
+        /// What it holds.
+        class: BufferClass,
+        /// Initial contents.
+        init: Init,
+    },
+    /// A per-step input. args: none; results: 1 (`i32[N]`).
+    Input {
+        /// Which input.
+        role: InputRole,
+    },
+    /// Marks the scalar loss. args: `[loss f32[1]]`; results: none.
+    Loss,
+    /// Marks `grad` as d loss / d `param`. args: `[param, grad]`; results: none.
+    GradOf,
+    /// args `[table [V,C], ids i32[N]]` → `[N, C]`.
+    Embedding,
+    /// args `[dout [N,C], ids, table [V,C]]` (table only for its shape) → dtable `[V, C]`.
+    EmbeddingBackward,
+    /// args `[x [N,C], pos [P,C]]` → `[N, C]`.
+    AddPositional {
+        /// Tokens per sequence T.
+        seq_len: usize,
+    },
+    /// args `[dout [N,C], pos [P,C]]` (pos only for its shape) → dpos `[P, C]`.
+    AddPositionalBackward {
+        /// Tokens per sequence T.
+        seq_len: usize,
+    },
+    /// args `[x, weight]` or `[x, weight, bias]` → `[N, C]`.
+    LayerNorm {
+        /// Variance epsilon.
+        eps: f64,
+    },
+    /// args `[dout, x, weight]` → `[dx, dweight]`, plus `dbias` when `bias` is set.
+    LayerNormBackward {
+        /// Variance epsilon.
+        eps: f64,
+        /// Whether the forward had a bias (adds a third result).
+        bias: bool,
+    },
+    /// args `[x, weight]` → `[N, C]`.
+    RmsNorm {
+        /// Epsilon.
+        eps: f64,
+    },
+    /// args `[dout, x, weight]` → `[dx, dweight]`.
+    RmsNormBackward {
+        /// Epsilon.
+        eps: f64,
+    },
+    /// args `[a, b]` → `op(a) op(b)`.
+    MatMul {
+        /// Transpose a.
+        trans_a: bool,
+        /// Transpose b.
+        trans_b: bool,
+    },
+    /// args `[x [N,C], bias [C]]` → `[N, C]`.
+    BiasAdd,
+    /// args `[x [N,C]]` → `[C]`.
+    SumRows,
+    /// args `[a, b]` (same type) → same type.
+    Add,
+    /// args `[x]` → same type (tanh approximation).
+    Gelu,
+    /// args `[dout, x]` → dx.
+    GeluBackward,
+    /// args `[x [N,2F]]` → `[N, F]`.
+    SwiGlu,
+    /// args `[dout [N,F], x [N,2F]]` → dx `[N, 2F]`.
+    SwiGluBackward,
+    /// args `[x [N,W]]` → `[N, W]`.
+    Rope {
+        /// Tokens per sequence.
+        seq_len: usize,
+        /// Head dimension (even).
+        head_dim: usize,
+        /// Leading columns rotated (2C for a fused qkv).
+        rotated_cols: usize,
+        /// Base θ.
+        theta: f64,
+    },
+    /// args `[dout [N,W]]` → dx `[N, W]`.
+    RopeBackward {
+        /// Tokens per sequence.
+        seq_len: usize,
+        /// Head dimension (even).
+        head_dim: usize,
+        /// Leading columns rotated.
+        rotated_cols: usize,
+        /// Base θ.
+        theta: f64,
+    },
+    /// args `[qkv [N,3C]]` → `[N, C]` (causal).
+    Attention {
+        /// Sequences B.
+        batch: usize,
+        /// Tokens per sequence T.
+        seq_len: usize,
+        /// Heads.
+        n_heads: usize,
+    },
+    /// args `[dout [N,C], qkv [N,3C]]` → dqkv `[N, 3C]`.
+    AttentionBackward {
+        /// Sequences B.
+        batch: usize,
+        /// Tokens per sequence T.
+        seq_len: usize,
+        /// Heads.
+        n_heads: usize,
+    },
+    /// args `[logits [N,V], targets i32[N]]` → loss `[1]` (mean, nats).
+    CrossEntropy,
+    /// args `[logits, targets]` → dlogits `[N, V]`.
+    CrossEntropyBackward,
+    /// args: every gradient; results: `[norm f32[1]]`; scales grads in place when clipping.
+    ClipGradNorm {
+        /// Clip threshold (`None` = only measure).
+        max_norm: Option<f64>,
+    },
+    /// args `[param, grad, exp_avg, exp_avg_sq]`; updates in place; no results.
+    AdamW {
+        /// Peak lr.
+        lr: f64,
+        /// β₁.
+        beta1: f64,
+        /// β₂.
+        beta2: f64,
+        /// ε.
+        eps: f64,
+        /// Decoupled weight decay.
+        weight_decay: f64,
+    },
+    /// args `[param, grad, exp_avg, exp_avg_sq]` + `basis_left` if `left` + `basis_right` if
+    /// `right`; in place; no results.
+    SoapUpdate {
+        /// Hyperparameters.
+        hyper: SoapHyper,
+        /// Left (row) side is rotated.
+        left: bool,
+        /// Right (column) side is rotated.
+        right: bool,
+    },
+    /// args `[grad]` + `factor_left` if `left` + `factor_right` if `right`; in place.
+    SoapFactorUpdate {
+        /// EMA factor β_s.
+        shampoo_beta: f64,
+        /// Left factor present.
+        left: bool,
+        /// Right factor present.
+        right: bool,
+    },
+    /// args `[factor, basis, exp_avg, exp_avg_sq]`; host task; in place.
+    EigenbasisRefresh {
+        /// 0 = left factor, 1 = right.
+        side: u8,
+        /// Refresh period in steps.
+        frequency: u64,
+    },
+}
+
+impl Op {
+    /// The op's name in the text format (snake_case, as the plan's `op` tag).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::State { .. } => "state",
+            Op::Input { .. } => "input",
+            Op::Loss => "loss",
+            Op::GradOf => "grad_of",
+            Op::Embedding => "embedding",
+            Op::EmbeddingBackward => "embedding_backward",
+            Op::AddPositional { .. } => "add_positional",
+            Op::AddPositionalBackward { .. } => "add_positional_backward",
+            Op::LayerNorm { .. } => "layer_norm",
+            Op::LayerNormBackward { .. } => "layer_norm_backward",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::RmsNormBackward { .. } => "rms_norm_backward",
+            Op::MatMul { .. } => "mat_mul",
+            Op::BiasAdd => "bias_add",
+            Op::SumRows => "sum_rows",
+            Op::Add => "add",
+            Op::Gelu => "gelu",
+            Op::GeluBackward => "gelu_backward",
+            Op::SwiGlu => "swi_glu",
+            Op::SwiGluBackward => "swi_glu_backward",
+            Op::Rope { .. } => "rope",
+            Op::RopeBackward { .. } => "rope_backward",
+            Op::Attention { .. } => "attention",
+            Op::AttentionBackward { .. } => "attention_backward",
+            Op::CrossEntropy => "cross_entropy",
+            Op::CrossEntropyBackward => "cross_entropy_backward",
+            Op::ClipGradNorm { .. } => "clip_grad_norm",
+            Op::AdamW { .. } => "adam_w",
+            Op::SoapUpdate { .. } => "soap_update",
+            Op::SoapFactorUpdate { .. } => "soap_factor_update",
+            Op::EigenbasisRefresh { .. } => "eigenbasis_refresh",
+        }
+    }
+
+    /// Whether the op mutates its arguments in place (optimizer ops, clipping, host tasks).
+    pub fn is_in_place(&self) -> bool {
+        matches!(
+            self,
+            Op::ClipGradNorm { .. }
+                | Op::AdamW { .. }
+                | Op::SoapUpdate { .. }
+                | Op::SoapFactorUpdate { .. }
+                | Op::EigenbasisRefresh { .. }
+        )
+    }
+}

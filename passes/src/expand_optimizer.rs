@@ -1,0 +1,108 @@
+//! `expand-optimizer`: per parameter (from the `grad_of` markers), creates the optimizer state
+//! tensors and the update ops: a global `clip_grad_norm`, then AdamW or SOAP.
+//!
+//! SOAP (Vyas et al. 2024, reference `soap.py`) for a 2-D parameter `[m, n]`: Adam moments
+//! `[m, n]` kept in the eigenbasis, Kronecker factors `L [m, m]`, `R [n, n]` and their
+//! eigenbases `Q_L`, `Q_R` for each side whose size is ≤ `max_precond_dim` (a larger side, e.g.
+//! the vocabulary side of an embedding, stays unrotated); ops `soap_update` then
+//! `soap_factor_update` each step, and one `eigenbasis_refresh` host task per factor.
+//! 1-D parameters get no factors (Adam in the identity basis, as the reference with
+//! `precondition_1d = False`). AdamW applies weight decay to 2-D parameters only (nanoGPT);
+//! SOAP applies it to all parameters, as the reference does.
+use crate::{Pass, PassContext, PassError};
+use ir::config::OptimizerConfig;
+use ir::{BufferClass, Init, Module, Op, Section, SoapHyper, TensorType, ValueId};
+
+/// The `expand-optimizer` pass.
+pub struct ExpandOptimizer;
+
+fn state(m: &mut Module, class: BufferClass, name: String, ty: TensorType) -> ValueId {
+    m.push1(Section::State, Op::State { class, init: Init::Zeros }, &[], &name, ty)
+}
+
+impl Pass for ExpandOptimizer {
+    fn name(&self) -> &'static str {
+        "expand-optimizer"
+    }
+
+    fn run(&mut self, module: &mut Module, _cx: &mut PassContext) -> Result<String, PassError> {
+        if module.section(Section::Optimizer).next().is_some() {
+            return Err(PassError::Invalid { pass: "expand-optimizer", message: "module already has an optimizer section".into() });
+        }
+        let pairs: Vec<(ValueId, ValueId)> = module
+            .section(Section::Backward)
+            .filter(|&i| module.inst(i).op == Op::GradOf)
+            .map(|i| (module.inst(i).args[0], module.inst(i).args[1]))
+            .collect();
+        if pairs.is_empty() {
+            return Err(PassError::Invalid { pass: "expand-optimizer", message: "no `grad_of` markers (run autodiff first)".into() });
+        }
+        let grads: Vec<ValueId> = pairs.iter().map(|p| p.1).collect();
+        let max_norm = module.config.train.grad_clip;
+        module.push1(Section::Optimizer, Op::ClipGradNorm { max_norm }, &grads, "grad_norm", TensorType::f32([1]));
+        let opt = module.config.optimizer.clone();
+        let (mut n_factors, mut n_unrotated) = (0, 0);
+        for (p, g) in pairs {
+            let pname = module.value(p).name.clone();
+            let ty = module.value(p).ty.clone();
+            let exp_avg = state(module, BufferClass::ExpAvg, format!("{pname}.exp_avg"), ty.clone());
+            let exp_avg_sq = state(module, BufferClass::ExpAvgSq, format!("{pname}.exp_avg_sq"), ty.clone());
+            match &opt {
+                OptimizerConfig::Adamw(c) => {
+                    let weight_decay = if ty.shape.len() >= 2 { c.weight_decay } else { 0.0 };
+                    let op = Op::AdamW { lr: c.lr, beta1: c.beta1, beta2: c.beta2, eps: c.eps, weight_decay };
+                    module.push0(Section::Optimizer, op, &[p, g, exp_avg, exp_avg_sq]);
+                }
+                OptimizerConfig::Soap(c) => {
+                    let hyper = SoapHyper {
+                        lr: c.lr,
+                        beta1: c.beta1,
+                        beta2: c.beta2,
+                        eps: c.eps,
+                        weight_decay: c.weight_decay,
+                        correct_bias: c.correct_bias,
+                        normalize_grads: c.normalize_grads,
+                    };
+                    // One entry per side: (factor, basis) when that side is preconditioned.
+                    let mut sides: [Option<(ValueId, ValueId)>; 2] = [None, None];
+                    if let [rows, cols] = ty.shape[..] {
+                        for (side, d) in [rows, cols].into_iter().enumerate() {
+                            if d <= c.max_precond_dim {
+                                let which = if side == 0 { "L" } else { "R" };
+                                let sq = TensorType::f32([d, d]);
+                                let f = state(module, BufferClass::KroneckerFactor, format!("{pname}.{which}"), sq.clone());
+                                let q = state(module, BufferClass::Eigenbasis, format!("{pname}.Q{which}"), sq);
+                                sides[side] = Some((f, q));
+                                n_factors += 1;
+                            } else {
+                                n_unrotated += 1;
+                            }
+                        }
+                    }
+                    let (left, right) = (sides[0].is_some(), sides[1].is_some());
+                    let mut args = vec![p, g, exp_avg, exp_avg_sq];
+                    args.extend(sides.iter().flatten().map(|s| s.1));
+                    module.push0(Section::Optimizer, Op::SoapUpdate { hyper, left, right }, &args);
+                    if left || right {
+                        let mut args = vec![g];
+                        args.extend(sides.iter().flatten().map(|s| s.0));
+                        module.push0(Section::Optimizer, Op::SoapFactorUpdate { shampoo_beta: c.shampoo_beta, left, right }, &args);
+                    }
+                    for (side, s) in sides.iter().enumerate() {
+                        if let Some((f, q)) = s {
+                            let op = Op::EigenbasisRefresh { side: side as u8, frequency: c.precondition_frequency };
+                            module.push0(Section::Refresh, op, &[*f, *q, exp_avg, exp_avg_sq]);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(match opt {
+            OptimizerConfig::Adamw(_) => format!("adamw on {} parameters", grads.len()),
+            OptimizerConfig::Soap(_) => format!(
+                "soap on {} parameters: {n_factors} Kronecker factors, {n_unrotated} unrotated sides",
+                grads.len()
+            ),
+        })
+    }
+}

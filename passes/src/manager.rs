@@ -1,0 +1,116 @@
+//! The [`PassManager`]: runs the pipeline with `--print-before`, `--print-after`,
+//! `--print-after-all`, `--verify-each` and `--time-passes`, in the style of LLVM's and
+//! Cranelift's pass drivers.
+use crate::{Pass, PassContext, PassError};
+use ir::Module;
+use std::time::Instant;
+
+/// What the pass manager prints and checks between passes.
+#[derive(Clone, Debug, Default)]
+pub struct PassOptions {
+    /// Print the IR before these passes.
+    pub print_before: Vec<String>,
+    /// Print the IR after these passes.
+    pub print_after: Vec<String>,
+    /// Print the IR after every pass.
+    pub print_after_all: bool,
+    /// Run the IR verifier after every pass (it always runs once after the last IR pass).
+    pub verify_each: bool,
+    /// Record per-pass wall time.
+    pub time_passes: bool,
+}
+
+/// Wall time of one pass.
+#[derive(Clone, Debug)]
+pub struct PassTiming {
+    /// Pass name.
+    pub pass: &'static str,
+    /// Wall time in milliseconds.
+    pub ms: f64,
+    /// The pass's one-line summary.
+    pub summary: String,
+}
+
+/// Runs the fixed asteria pipeline.
+pub struct PassManager {
+    passes: Vec<Box<dyn Pass>>,
+    options: PassOptions,
+}
+
+impl PassManager {
+    /// Names of the pipeline's passes, in order.
+    pub fn pass_names() -> Vec<&'static str> {
+        Self::default_passes().iter().map(|p| p.name()).collect()
+    }
+
+    fn default_passes() -> Vec<Box<dyn Pass>> {
+        vec![
+            Box::new(crate::expand_model::ExpandModel),
+            Box::new(crate::autodiff::Autodiff),
+            Box::new(crate::expand_optimizer::ExpandOptimizer),
+            Box::new(crate::liveness::LivenessPass),
+            Box::new(crate::lower::Lower),
+        ]
+    }
+
+    /// A manager for the default pipeline. Fails if a print option names an unknown pass.
+    pub fn new(options: PassOptions) -> Result<Self, PassError> {
+        let names = Self::pass_names();
+        for n in options.print_after.iter().chain(&options.print_before) {
+            if !names.contains(&n.as_str()) {
+                return Err(PassError::UnknownPass { name: n.clone() });
+            }
+        }
+        Ok(PassManager { passes: Self::default_passes(), options })
+    }
+
+    /// Runs every pass up to and including `stop_after` (all when `None`) on `module`.
+    /// Dumps requested by the options are written to `out`. Returns the context (liveness,
+    /// plan) and the per-pass timings.
+    pub fn run(
+        &mut self,
+        module: &mut Module,
+        stop_after: Option<&str>,
+        out: &mut dyn std::io::Write,
+    ) -> Result<(PassContext, Vec<PassTiming>), PassError> {
+        let mut cx = PassContext::default();
+        let mut timings = Vec::new();
+        for pass in &mut self.passes {
+            let name = pass.name();
+            if self.options.print_before.iter().any(|p| p == name) {
+                let _ = writeln!(out, "; IR before {name}\n{module}");
+            }
+            let _span = tracing::info_span!("pass", name).entered();
+            let start = Instant::now();
+            let summary = pass.run(module, &mut cx)?;
+            let ms = start.elapsed().as_secs_f64() * 1e3;
+            tracing::debug!(pass = name, ms, %summary, "pass done");
+            if self.options.verify_each || stop_after == Some(name) || name == "liveness" {
+                if let Err(errors) = module.verify() {
+                    return Err(PassError::Verify {
+                        pass: name.to_string(),
+                        count: errors.len(),
+                        ir_text: module.display_with_errors(&errors),
+                    });
+                }
+            }
+            if self.options.print_after_all || self.options.print_after.iter().any(|p| p == name) {
+                if name == "lower" {
+                    if let Some(plan) = &cx.plan {
+                        let _ = writeln!(out, "; plan after lower\n{}", plan.to_json());
+                    }
+                } else {
+                    let _ = writeln!(out, "; IR after {name}\n{module}");
+                    if let Some(extra) = pass.dump_extra(module, &cx) {
+                        let _ = writeln!(out, "{extra}");
+                    }
+                }
+            }
+            timings.push(PassTiming { pass: name, ms, summary });
+            if stop_after == Some(name) {
+                break;
+            }
+        }
+        Ok((cx, timings))
+    }
+}
