@@ -35,10 +35,13 @@ impl Builder<'_> {
     /// `y = x Wᵀ (+ b)` for W `[out, in]`.
     fn linear(&mut self, x: ValueId, w: ValueId, b: Option<ValueId>, name: &str, out: usize) -> ValueId {
         let n = self.n;
-        let y = self.fwd(Op::MatMul { trans_a: false, trans_b: true }, &[x, w], name, &[n, out]);
+        let mm = Op::MatMul { trans_a: false, trans_b: true };
         match b {
-            Some(b) => self.fwd(Op::BiasAdd, &[y, b], &format!("{name}.bias"), &[n, out]),
-            None => y,
+            Some(b) => {
+                let y = self.fwd(mm, &[x, w], &format!("{name}.xw"), &[n, out]);
+                self.fwd(Op::BiasAdd, &[y, b], name, &[n, out])
+            }
+            None => self.fwd(mm, &[x, w], name, &[n, out]),
         }
     }
 }

@@ -64,6 +64,24 @@ impl PassManager {
         Ok(PassManager { passes: Self::default_passes(), options })
     }
 
+    /// Runs the single pass `name` on `module` (file tests: IR in, IR out), then verifies.
+    pub fn run_one(name: &str, module: &mut Module) -> Result<PassContext, PassError> {
+        let mut cx = PassContext::default();
+        let mut pass = Self::default_passes()
+            .into_iter()
+            .find(|p| p.name() == name)
+            .ok_or_else(|| PassError::UnknownPass { name: name.to_string() })?;
+        pass.run(module, &mut cx)?;
+        if let Err(errors) = module.verify() {
+            return Err(PassError::Verify {
+                pass: name.to_string(),
+                count: errors.len(),
+                ir_text: module.display_with_errors(&errors),
+            });
+        }
+        Ok(cx)
+    }
+
     /// Runs every pass up to and including `stop_after` (all when `None`) on `module`.
     /// Dumps requested by the options are written to `out`. Returns the context (liveness,
     /// plan) and the per-pass timings.

@@ -70,3 +70,23 @@ fn unknown_pass_name_is_an_error() {
     let err = PassManager::new(PassOptions { print_after: vec!["autodif".into()], ..Default::default() });
     assert!(err.is_err());
 }
+
+/// Regenerates the file-test inputs in `passes/filetests/` from `small.asteria` (the IR before
+/// each tested pass). Run by hand: `cargo test --release -p asteria-passes --test pipeline --
+/// --ignored regenerate`.
+#[test]
+#[ignore]
+fn regenerate_filetest_inputs() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("filetests");
+    let config = frontend::load_spec(&dir.join("small.asteria")).expect("spec");
+    for (file, before, pass) in [
+        ("autodiff-gpt2.ir", "expand-model", "autodiff"),
+        ("expand-optimizer-soap.ir", "autodiff", "expand-optimizer"),
+        ("liveness-soap.ir", "expand-optimizer", "liveness"),
+    ] {
+        let mut m = ir::Module::new(config.clone());
+        let mut pm = PassManager::new(PassOptions::default()).expect("pm");
+        pm.run(&mut m, Some(before), &mut std::io::sink()).expect("pipeline");
+        std::fs::write(dir.join(file), format!("; test: {pass}\n{m}")).expect("write");
+    }
+}
