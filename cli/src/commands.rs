@@ -116,3 +116,58 @@ pub fn explain(spec: &Path) -> Result<()> {
     }
     Ok(())
 }
+
+fn train_options(run: &RunFlags) -> Result<engine::TrainOptions> {
+    let solver = optim::solver_by_name(&run.eigensolver).map_err(|e| miette!("--eigensolver: {e}"))?;
+    let cache_dir = run.cache_dir.clone().unwrap_or_else(|| std::env::temp_dir().join("asteria-token-cache"));
+    Ok(engine::TrainOptions {
+        steps: run.steps,
+        cache_dir: Some(cache_dir),
+        metrics_path: run.metrics.clone(),
+        quiet: run.quiet,
+        engine: engine::EngineOptions { eigensolver: std::sync::Arc::from(solver), ..Default::default() },
+    })
+}
+
+fn execute(plan: &Plan, run: &RunFlags) -> Result<()> {
+    if let TargetPlan::Cuda { .. } = plan.target {
+        return Err(miette!(
+            "plan `{}` targets CUDA, but this build's engine runs plans on the CPU only (the CUDA \
+             interpreter is not built yet); set `target cpu` in the spec",
+            plan.name
+        ));
+    }
+    // The engine prints the progress bar and the summary line itself.
+    engine::train(plan, &train_options(run)?).map_err(|e| miette!("{e}"))?;
+    Ok(())
+}
+
+/// `asteria run`: verify a plan file, then execute it.
+pub fn run(path: &Path, run: &RunFlags) -> Result<()> {
+    let text = std::fs::read_to_string(path)
+        .into_diagnostic()
+        .wrap_err_with(|| format!("cannot read plan {}", path.display()))?;
+    let plan = Plan::from_json(&text).map_err(|e| miette!("rejected plan {}: {e}", path.display()))?;
+    execute(&plan, run)
+}
+
+/// `asteria train`: compile a spec, then execute the plan.
+pub fn train(spec: &Path, run: &RunFlags, flags: &PassFlags) -> Result<()> {
+    let (plan, _) = compile_spec(spec, flags)?;
+    execute(&plan, run)
+}
+
+/// `asteria bench eigh`: median eigensolve times per backend, size and thread count.
+pub fn bench_eigh(sizes: &[usize], threads: &[usize], reps: usize) -> Result<()> {
+    println!("{:<8} {:>6} {:>8} {:>12}", "solver", "n", "threads", "median ms");
+    for name in optim::solver_names() {
+        let solver = optim::solver_by_name(name).map_err(|e| miette!("{e}"))?;
+        for &n in sizes {
+            for &t in threads {
+                let ms = optim::bench::eigh_median_ms(solver.as_ref(), n, t, reps).map_err(|e| miette!("{e}"))?;
+                println!("{name:<8} {n:>6} {t:>8} {ms:>12.1}");
+            }
+        }
+    }
+    Ok(())
+}
