@@ -1,0 +1,284 @@
+//! SOAP eigenbasis refresh for one side of a parameter (plan host task `EigenbasisRefresh`;
+//! `soap.py` `get_orthogonal_matrix`, `get_orthogonal_matrix_QR` and the exp_avg
+//! re-projection in `update_preconditioner`).
+use crate::linalg::{gemm, thin_qr_q, view, view_mut};
+use crate::{check_len, EigenError, HostEigensolver, Real, ShapeError};
+
+/// What [`eigenbasis_refresh`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RefreshOutcome {
+    /// End of step 1: the basis was set from a full eigendecomposition.
+    Initialized,
+    /// A power iteration + QR refresh ran (step t > 1 with (t − 1) mod frequency = 0).
+    Refreshed,
+    /// Not a refresh step; nothing was read or written.
+    Skipped,
+}
+
+/// Why a refresh was refused. In every case **no state was modified**: basis, `exp_avg` and
+/// `exp_avg_sq` are bitwise as before. The numerical failures ([`RefreshError::is_numerical`])
+/// are expected occasionally in training: the caller counts and logs them and keeps going.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum RefreshError {
+    /// A slice does not match the dimensions (caller bug).
+    #[error(transparent)]
+    Shape(#[from] ShapeError),
+    /// `side` is neither 0 (left) nor 1 (right) (caller bug).
+    #[error("eigenbasis refresh: invalid side {side} (0 = left, 1 = right)")]
+    InvalidSide {
+        /// The side given.
+        side: u8,
+    },
+    /// The Kronecker factor contains NaN or ±Inf (usually a non-finite gradient).
+    #[error("eigenbasis refresh side {side}: factor [{dim}x{dim}] has {count} non-finite entries; basis kept")]
+    NonFiniteFactor {
+        /// 0 = left, 1 = right.
+        side: u8,
+        /// Factor side length.
+        dim: usize,
+        /// Number of NaN/Inf entries.
+        count: usize,
+    },
+    /// The eigensolver failed (step 1).
+    #[error("eigenbasis refresh side {side}: eigensolver `{solver}` failed; basis kept")]
+    Eigensolver {
+        /// 0 = left, 1 = right.
+        side: u8,
+        /// Solver name.
+        solver: &'static str,
+        /// The solver's error.
+        #[source]
+        source: EigenError,
+    },
+    /// The candidate basis (or the re-projected exp_avg) is non-finite or not orthonormal, or
+    /// the stored basis already was non-finite.
+    #[error("eigenbasis refresh side {side}: {what}; basis kept")]
+    BadBasis {
+        /// 0 = left, 1 = right.
+        side: u8,
+        /// What was wrong.
+        what: &'static str,
+    },
+}
+
+impl RefreshError {
+    /// True for numerical failures the engine counts and survives (non-finite factor, solver
+    /// failure, bad basis); false for caller bugs (shapes, side).
+    pub fn is_numerical(&self) -> bool {
+        !matches!(
+            self,
+            RefreshError::Shape(_) | RefreshError::InvalidSide { .. }
+        )
+    }
+}
+
+/// Whether the row-major `[d, d]` matrix `q` is finite with unit-norm columns (within `tol`).
+fn columns_unit<T: Real>(q: &[T], d: usize, tol: f64) -> bool {
+    if !q.iter().all(|x| x.is_finite()) {
+        return false;
+    }
+    let mut norms = vec![0.0f64; d];
+    for row in q.chunks_exact(d.max(1)) {
+        for (acc, x) in norms.iter_mut().zip(row) {
+            *acc += x.f64() * x.f64();
+        }
+    }
+    norms.iter().all(|s| (s - 1.0).abs() <= tol)
+}
+
+/// Refreshes the eigenbasis of one Kronecker factor at the end of 1-based engine step `t`.
+///
+/// Shapes (row-major, `T`): the parameter is `[m, n]`; `side` 0 = left (`factor`, `basis`
+/// `[m, m]`, acting on rows), 1 = right (`[n, n]`, acting on columns); `exp_avg`,
+/// `exp_avg_sq` `[m, n]` (stored in the eigenbasis). Basis columns are the basis vectors.
+///
+/// - `t == 1`: `basis ← eigenvectors of (factor + 1e-30·I)`, columns in **descending**
+///   eigenvalue order (`soap.py` `get_orthogonal_matrix`: `eigh` then `flip`). Moments untouched.
+/// - `t > 1`, `frequency > 0`, `(t − 1) % frequency == 0` (`soap.py` `get_orthogonal_matrix_QR`):
+///   `est = diag(Qᵀ F Q)`; `idx` = argsort(est) descending; `exp_avg_sq` is permuted along
+///   `side` by `idx`; `Q_new = qr(F · Q[:, idx]).Q` (Householder; column signs arbitrary);
+///   `exp_avg` is re-projected from the old basis to the new one: side 0 `E ← Q_newᵀ Q_old E`,
+///   side 1 `E ← E Q_oldᵀ Q_new`. Applying both sides equals `soap.py`'s
+///   `project(project_back(E, Q_old), Q_new) = Q_L,newᵀ (Q_L,old E Q_R,oldᵀ) Q_R,new`.
+/// - otherwise: [`RefreshOutcome::Skipped`], nothing read.
+///
+/// `solver` is only used at `t == 1`. GEMMs and QR run on the current rayon pool when large.
+///
+/// # Errors
+/// [`RefreshError`]; on any error nothing is modified (the previous basis stays in use).
+/// Rank-deficient and all-zero factors are fine (orthonormal bases, no NaN).
+#[allow(clippy::too_many_arguments)]
+pub fn eigenbasis_refresh<T: Real>(
+    solver: &dyn HostEigensolver,
+    t: u64,
+    frequency: u64,
+    side: u8,
+    factor: &[T],
+    basis: &mut [T],
+    exp_avg: &mut [T],
+    exp_avg_sq: &mut [T],
+    m: usize,
+    n: usize,
+) -> Result<RefreshOutcome, RefreshError> {
+    const OP: &str = "eigenbasis_refresh";
+    let d = match side {
+        0 => m,
+        1 => n,
+        _ => return Err(RefreshError::InvalidSide { side }),
+    };
+    check_len(OP, "factor", factor.len(), d * d)?;
+    check_len(OP, "basis", basis.len(), d * d)?;
+    check_len(OP, "exp_avg", exp_avg.len(), m * n)?;
+    check_len(OP, "exp_avg_sq", exp_avg_sq.len(), m * n)?;
+
+    let init = t == 1;
+    // `%` rather than `is_multiple_of` (needs rustc 1.87; the workspace MSRV is 1.85).
+    #[allow(clippy::manual_is_multiple_of)]
+    let qr_step = t > 1 && frequency > 0 && (t - 1) % frequency == 0;
+    if !init && !qr_step {
+        return Ok(RefreshOutcome::Skipped);
+    }
+    if d == 0 {
+        return Ok(if init {
+            RefreshOutcome::Initialized
+        } else {
+            RefreshOutcome::Refreshed
+        });
+    }
+    let count = factor.iter().filter(|x| !x.is_finite()).count();
+    if count > 0 {
+        return Err(RefreshError::NonFiniteFactor {
+            side,
+            dim: d,
+            count,
+        });
+    }
+    // Householder/eigh columns are unit to ~d·ε; anything far off is garbage.
+    let tol = (1e-2f64).max(1e3 * d as f64 * T::epsilon().f64());
+
+    if init {
+        let mut a = factor.to_vec();
+        for i in 0..d {
+            a[i * d + i] += T::of(1e-30);
+        }
+        let e = T::eigh_with(solver, &a, d).map_err(|source| RefreshError::Eigensolver {
+            side,
+            solver: solver.name(),
+            source,
+        })?;
+        if e.vectors.len() != d * d {
+            let source = EigenError::BadShape {
+                n: d,
+                got: e.vectors.len(),
+            };
+            return Err(RefreshError::Eigensolver {
+                side,
+                solver: solver.name(),
+                source,
+            });
+        }
+        let mut q = vec![T::zero(); d * d];
+        for i in 0..d {
+            for j in 0..d {
+                q[i * d + j] = e.vectors[i * d + (d - 1 - j)];
+            }
+        }
+        if !columns_unit(&q, d, tol) {
+            return Err(RefreshError::BadBasis {
+                side,
+                what: "eigenvectors are non-finite or not unit",
+            });
+        }
+        basis.copy_from_slice(&q);
+        return Ok(RefreshOutcome::Initialized);
+    }
+
+    if !basis.iter().all(|x| x.is_finite()) {
+        return Err(RefreshError::BadBasis {
+            side,
+            what: "stored basis is non-finite",
+        });
+    }
+    let q_old: &[T] = basis;
+    // FQ = F · Q_old; est_j = q_jᵀ F q_j = Σ_i Q[i, j] · FQ[i, j].
+    let mut fq = vec![T::zero(); d * d];
+    gemm(
+        view_mut(&mut fq, d, d),
+        None,
+        view(factor, d, d),
+        view(q_old, d, d),
+        T::one(),
+    );
+    let mut est = vec![0.0f64; d];
+    for (qrow, frow) in q_old.chunks_exact(d).zip(fq.chunks_exact(d)) {
+        for ((acc, q), f) in est.iter_mut().zip(qrow).zip(frow) {
+            *acc += q.f64() * f.f64();
+        }
+    }
+    let mut idx: Vec<usize> = (0..d).collect();
+    idx.sort_by(|&a, &b| est[b].total_cmp(&est[a]));
+    // Power iteration on the sorted basis: F · Q[:, idx] = (F Q)[:, idx].
+    let mut power = vec![T::zero(); d * d];
+    for (prow, frow) in power.chunks_exact_mut(d).zip(fq.chunks_exact(d)) {
+        for (p, &j) in prow.iter_mut().zip(&idx) {
+            *p = frow[j];
+        }
+    }
+    let q_new = thin_qr_q(&power, d, d)?;
+    if !columns_unit(&q_new, d, tol) {
+        return Err(RefreshError::BadBasis {
+            side,
+            what: "QR produced a non-finite or non-orthonormal basis",
+        });
+    }
+    // C = Q_oldᵀ Q_new; side 0: E ← Cᵀ E, side 1: E ← E C.
+    let mut c = vec![T::zero(); d * d];
+    gemm(
+        view_mut(&mut c, d, d),
+        None,
+        view(q_old, d, d).transpose(),
+        view(&q_new, d, d),
+        T::one(),
+    );
+    let mut e_new = vec![T::zero(); m * n];
+    if side == 0 {
+        gemm(
+            view_mut(&mut e_new, m, n),
+            None,
+            view(&c, m, m).transpose(),
+            view(exp_avg, m, n),
+            T::one(),
+        );
+    } else {
+        gemm(
+            view_mut(&mut e_new, m, n),
+            None,
+            view(exp_avg, m, n),
+            view(&c, n, n),
+            T::one(),
+        );
+    }
+    if !c.iter().all(|x| x.is_finite()) {
+        return Err(RefreshError::BadBasis {
+            side,
+            what: "basis change is non-finite",
+        });
+    }
+    // exp_avg_sq.index_select(side, idx).
+    let mut v_new = vec![T::zero(); m * n];
+    if side == 0 {
+        for (i, &src) in idx.iter().enumerate() {
+            v_new[i * n..(i + 1) * n].copy_from_slice(&exp_avg_sq[src * n..(src + 1) * n]);
+        }
+    } else {
+        for (vrow, orow) in v_new.chunks_exact_mut(n).zip(exp_avg_sq.chunks_exact(n)) {
+            for (v, &src) in vrow.iter_mut().zip(&idx) {
+                *v = orow[src];
+            }
+        }
+    }
+    basis.copy_from_slice(&q_new);
+    exp_avg.copy_from_slice(&e_new);
+    exp_avg_sq.copy_from_slice(&v_new);
+    Ok(RefreshOutcome::Refreshed)
+}
