@@ -1,0 +1,416 @@
+//! Per-op rules of the verifier: operand roles and counts, dtypes and shapes (ported from the
+//! plan verifier, `schedule/src/verify.rs`, so a verified module lowers to a plan that
+//! verifies), the markers, and which `state` buffers in-place optimizer ops may update.
+use super::ctx::{Ctx, R};
+use super::{describe, Verifier, VerifierError};
+use crate::module::InstId;
+use crate::op::{Op, Section};
+use schedule::{BufferClass, DType};
+
+/// Argument roles of `op` given `found` arguments, or the allowed count(s) as text.
+fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
+    let exact: Vec<&'static str> = match op {
+        Op::LayerNorm { .. } => {
+            return match found {
+                2 => Ok(vec!["x", "weight"]),
+                3 => Ok(vec!["x", "weight", "bias"]),
+                _ => Err("2 (x, weight) or 3 (x, weight, bias)".into()),
+            }
+        }
+        Op::ClipGradNorm { .. } => {
+            return if found >= 1 {
+                Ok(vec!["grads"; found])
+            } else {
+                Err("at least 1 (the gradients)".into())
+            };
+        }
+        Op::SoapUpdate { left, right, .. } => {
+            let mut v = vec!["param", "grad", "exp_avg", "exp_avg_sq"];
+            v.extend(left.then_some("basis_left"));
+            v.extend(right.then_some("basis_right"));
+            v
+        }
+        Op::SoapFactorUpdate { left, right, .. } => {
+            let mut v = vec!["grad"];
+            v.extend(left.then_some("factor_left"));
+            v.extend(right.then_some("factor_right"));
+            v
+        }
+        Op::State { .. } | Op::Input { .. } => vec![],
+        Op::Loss => vec!["loss"],
+        Op::GradOf => vec!["param", "grad"],
+        Op::Embedding => vec!["table", "ids"],
+        Op::EmbeddingBackward => vec!["dout", "ids", "table"],
+        Op::AddPositional { .. } => vec!["x", "pos"],
+        Op::AddPositionalBackward { .. } => vec!["dout", "pos"],
+        Op::LayerNormBackward { .. } | Op::RmsNormBackward { .. } => vec!["dout", "x", "weight"],
+        Op::RmsNorm { .. } => vec!["x", "weight"],
+        Op::MatMul { .. } | Op::Add => vec!["a", "b"],
+        Op::BiasAdd => vec!["x", "bias"],
+        Op::SumRows | Op::Gelu | Op::SwiGlu | Op::Rope { .. } => vec!["x"],
+        Op::GeluBackward | Op::SwiGluBackward => vec!["dout", "x"],
+        Op::RopeBackward { .. } => vec!["dout"],
+        Op::Attention { .. } => vec!["qkv"],
+        Op::AttentionBackward { .. } => vec!["dout", "qkv"],
+        Op::CrossEntropy | Op::CrossEntropyBackward => vec!["logits", "targets"],
+        Op::AdamW { .. } => vec!["param", "grad", "exp_avg", "exp_avg_sq"],
+        Op::EigenbasisRefresh { .. } => vec!["factor", "basis", "exp_avg", "exp_avg_sq"],
+    };
+    match found == exact.len() {
+        true => Ok(exact),
+        false => Err(match op {
+            Op::SoapUpdate { .. } | Op::SoapFactorUpdate { .. } => {
+                format!("{} (given `left` / `right`)", exact.len())
+            }
+            _ => exact.len().to_string(),
+        }),
+    }
+}
+
+/// Result roles of `op`.
+fn result_roles(op: &Op) -> Vec<&'static str> {
+    match op {
+        Op::State { .. } | Op::Input { .. } => vec!["value"],
+        Op::LayerNormBackward { bias: true, .. } => vec!["dx", "dweight", "dbias"],
+        Op::LayerNormBackward { bias: false, .. } | Op::RmsNormBackward { .. } => {
+            vec!["dx", "dweight"]
+        }
+        Op::EmbeddingBackward => vec!["dtable"],
+        Op::AddPositionalBackward { .. } => vec!["dpos"],
+        Op::GeluBackward | Op::SwiGluBackward | Op::RopeBackward { .. } => vec!["dx"],
+        Op::AttentionBackward { .. } => vec!["dqkv"],
+        Op::CrossEntropy => vec!["loss"],
+        Op::CrossEntropyBackward => vec!["dlogits"],
+        Op::ClipGradNorm { .. } => vec!["norm"],
+        Op::Loss
+        | Op::GradOf
+        | Op::AdamW { .. }
+        | Op::SoapUpdate { .. }
+        | Op::SoapFactorUpdate { .. }
+        | Op::EigenbasisRefresh { .. } => vec![],
+        _ => vec!["out"],
+    }
+}
+
+/// Checks one instruction whose arguments are all defined values.
+pub(super) fn check_inst(v: &Verifier<'_>, id: InstId) -> R {
+    let m = v.m;
+    let inst = m.inst(id);
+    let at = describe(m, id);
+    let roles =
+        arg_roles(&inst.op, inst.args.len()).map_err(|expected| VerifierError::ArgCount {
+            inst: id,
+            at: at.clone(),
+            expected,
+            found: inst.args.len(),
+        })?;
+    let results = result_roles(&inst.op);
+    if results.len() != inst.results.len() {
+        let (expected, found) = (results.len().to_string(), inst.results.len());
+        return Err(VerifierError::ResultCount {
+            inst: id,
+            at,
+            expected,
+            found,
+        });
+    }
+    let operands = roles
+        .into_iter()
+        .zip(inst.args.iter().copied())
+        .chain(results.into_iter().zip(inst.results.iter().copied()));
+    let c = Ctx {
+        v,
+        id,
+        at,
+        operands: operands.collect(),
+    };
+    for &(role, val) in &c.operands {
+        let i32_ok = matches!(role, "ids" | "targets") || matches!(inst.op, Op::Input { .. });
+        let want = if i32_ok { DType::I32 } else { DType::F32 };
+        if m.value(val).ty.dtype != want {
+            return Err(c.fail_value(
+                role,
+                val,
+                format!("must be {}", if i32_ok { "i32" } else { "f32" }),
+            ));
+        }
+    }
+    check_shapes(&c, &inst.op)
+}
+
+fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
+    let m = c.v.m;
+    match *op {
+        Op::State { .. } => {}
+        Op::Input { role } => {
+            let n = m
+                .config
+                .data
+                .batch_size
+                .saturating_mul(m.config.data.seq_len);
+            c.dims("value", &[n])?;
+            let earlier = m
+                .section(Section::State)
+                .take_while(|&i| i != c.id)
+                .find(|&i| m.inst(i).op == *op);
+            if let Some(first) = earlier {
+                return Err(c.attr(format!(
+                    "a second `{}` input (the first is {first})",
+                    crate::printer::role_keyword(role)
+                )));
+            }
+        }
+        Op::Loss => {
+            c.dims("loss", &[1])?;
+            let (id, _) = c.get("loss")?;
+            if c.v
+                .def(id)
+                .is_some_and(|d| m.inst(d).section != Section::Forward)
+            {
+                let problem = format!(
+                    "the loss {} must be computed in the forward section",
+                    m.display_value(id)
+                );
+                return Err(VerifierError::Marker {
+                    inst: c.id,
+                    at: c.at.clone(),
+                    problem,
+                });
+            }
+        }
+        Op::GradOf => {
+            c.class("param", BufferClass::Parameter)?;
+            c.same("param", "grad")?;
+        }
+        Op::Embedding => {
+            let (_, ch) = c.rank2("table")?;
+            let n = c.get("ids")?.1.numel();
+            c.dims("out", &[n, ch])?;
+        }
+        Op::EmbeddingBackward => {
+            let (_, ch) = c.rank2("table")?;
+            let n = c.get("ids")?.1.numel();
+            c.dims("dout", &[n, ch])?;
+            c.same("table", "dtable")?;
+        }
+        Op::AddPositional { seq_len } | Op::AddPositionalBackward { seq_len } => {
+            let x = if matches!(op, Op::AddPositional { .. }) {
+                "x"
+            } else {
+                "dout"
+            };
+            let (n, ch) = c.rank2(x)?;
+            let (p, pc) = c.rank2("pos")?;
+            if pc != ch || seq_len == 0 || seq_len > p || n % seq_len != 0 {
+                return Err(c.fail(
+                    "pos",
+                    format!("incompatible with {x} [{n}, {ch}] and seq_len {seq_len}"),
+                ));
+            }
+            match op {
+                Op::AddPositional { .. } => c.same("x", "out")?,
+                _ => c.same("pos", "dpos")?,
+            }
+        }
+        Op::LayerNorm { .. } | Op::RmsNorm { .. } => {
+            let (_, ch) = c.rank2("x")?;
+            c.dims("weight", &[ch])?;
+            if c.get("bias").is_ok() {
+                c.dims("bias", &[ch])?;
+            }
+            c.same("x", "out")?;
+        }
+        Op::LayerNormBackward { .. } | Op::RmsNormBackward { .. } => {
+            let (_, ch) = c.rank2("x")?;
+            c.dims("weight", &[ch])?;
+            c.dims("dweight", &[ch])?;
+            if c.get("dbias").is_ok() {
+                c.dims("dbias", &[ch])?;
+            }
+            c.same("x", "dout")?;
+            c.same("x", "dx")?;
+        }
+        Op::MatMul { trans_a, trans_b } => {
+            let (ar, ac) = c.rank2("a")?;
+            let (br, bc) = c.rank2("b")?;
+            let (rows, k) = if trans_a { (ac, ar) } else { (ar, ac) };
+            let (k2, cols) = if trans_b { (bc, br) } else { (br, bc) };
+            if k != k2 {
+                return Err(c.fail("b", format!("inner dimension {k2} does not match a's {k}")));
+            }
+            c.dims("out", &[rows, cols])?;
+        }
+        Op::BiasAdd => {
+            let (_, ch) = c.rank2("x")?;
+            c.dims("bias", &[ch])?;
+            c.same("x", "out")?;
+        }
+        Op::SumRows => {
+            let (_, ch) = c.rank2("x")?;
+            c.dims("out", &[ch])?;
+        }
+        Op::Add => {
+            c.same("a", "b")?;
+            c.same("a", "out")?;
+        }
+        Op::Gelu => c.same("x", "out")?,
+        Op::GeluBackward => {
+            c.same("x", "dout")?;
+            c.same("x", "dx")?;
+        }
+        Op::SwiGlu | Op::SwiGluBackward => {
+            let (n, w) = c.rank2("x")?;
+            if w % 2 != 0 {
+                return Err(c.fail("x", "must have an even number of columns [gate | up]"));
+            }
+            match op {
+                Op::SwiGlu => c.dims("out", &[n, w / 2])?,
+                _ => {
+                    c.dims("dout", &[n, w / 2])?;
+                    c.same("x", "dx")?;
+                }
+            }
+        }
+        Op::Rope {
+            seq_len,
+            head_dim,
+            rotated_cols,
+            ..
+        }
+        | Op::RopeBackward {
+            seq_len,
+            head_dim,
+            rotated_cols,
+            ..
+        } => {
+            let (x, out) = if matches!(op, Op::Rope { .. }) {
+                ("x", "out")
+            } else {
+                ("dout", "dx")
+            };
+            let (n, w) = c.rank2(x)?;
+            if seq_len == 0
+                || n % seq_len != 0
+                || head_dim == 0
+                || head_dim % 2 != 0
+                || rotated_cols % head_dim != 0
+                || rotated_cols > w
+            {
+                let p = format!("incompatible with seq_len {seq_len}, head_dim {head_dim}, rotated_cols {rotated_cols}");
+                return Err(c.fail(x, p));
+            }
+            c.same(x, out)?;
+        }
+        Op::Attention {
+            batch,
+            seq_len,
+            n_heads,
+        }
+        | Op::AttentionBackward {
+            batch,
+            seq_len,
+            n_heads,
+        } => {
+            let (n, w) = c.rank2("qkv")?;
+            if Some(n) != batch.checked_mul(seq_len)
+                || w % 3 != 0
+                || n_heads == 0
+                || (w / 3) % n_heads != 0
+            {
+                return Err(c.fail(
+                    "qkv",
+                    format!(
+                        "incompatible with batch {batch}, seq_len {seq_len}, n_heads {n_heads}"
+                    ),
+                ));
+            }
+            match op {
+                Op::Attention { .. } => c.dims("out", &[n, w / 3])?,
+                _ => {
+                    c.dims("dout", &[n, w / 3])?;
+                    c.same("qkv", "dqkv")?;
+                }
+            }
+        }
+        Op::CrossEntropy | Op::CrossEntropyBackward => {
+            let (n, _) = c.rank2("logits")?;
+            c.dims("targets", &[n])?;
+            match op {
+                Op::CrossEntropy => c.dims("loss", &[1])?,
+                _ => c.same("logits", "dlogits")?,
+            }
+        }
+        Op::ClipGradNorm { max_norm } => {
+            c.dims("norm", &[1])?;
+            if let Some(x) = max_norm.filter(|x| !(x.is_finite() && *x > 0.0)) {
+                return Err(c.attr(format!("max_norm must be positive, got {x:?}")));
+            }
+            for &(_, g) in c.operands.iter().filter(|o| o.0 == "grads") {
+                if !c.v.grads.values().any(|&x| x == g) {
+                    return Err(c.fail_value("grads", g, "must be a gradient marked by `grad_of`"));
+                }
+            }
+        }
+        Op::AdamW { .. } | Op::SoapUpdate { .. } => {
+            c.class("param", BufferClass::Parameter)?;
+            c.gradient("grad", Some(c.get("param")?.0))?;
+            for (role, class) in [
+                ("exp_avg", BufferClass::ExpAvg),
+                ("exp_avg_sq", BufferClass::ExpAvgSq),
+            ] {
+                c.same("param", role)?;
+                c.class(role, class)?;
+            }
+            c.same("param", "grad")?;
+            if let Op::SoapUpdate { left, right, .. } = *op {
+                let (l, r) = (left.then_some("basis_left"), right.then_some("basis_right"));
+                c.sides("param", l, r)?;
+                for role in [l, r].into_iter().flatten() {
+                    c.class(role, BufferClass::Eigenbasis)?;
+                }
+            }
+        }
+        Op::SoapFactorUpdate {
+            shampoo_beta,
+            left,
+            right,
+        } => {
+            if !(0.0..1.0).contains(&shampoo_beta) {
+                return Err(c.attr(format!(
+                    "shampoo_beta must be in [0, 1), got {shampoo_beta:?}"
+                )));
+            }
+            c.gradient("grad", None)?;
+            let (l, r) = (
+                left.then_some("factor_left"),
+                right.then_some("factor_right"),
+            );
+            c.sides("grad", l, r)?;
+            for role in [l, r].into_iter().flatten() {
+                c.class(role, BufferClass::KroneckerFactor)?;
+            }
+        }
+        Op::EigenbasisRefresh { side, frequency } => {
+            if side > 1 || frequency == 0 {
+                return Err(c.attr(format!(
+                    "side must be 0 or 1 and frequency positive, got {side} and {frequency}"
+                )));
+            }
+            let (d, d2) = c.rank2("factor")?;
+            if d != d2 {
+                return Err(c.fail("factor", "must be square"));
+            }
+            c.dims("basis", &[d, d])?;
+            c.same("exp_avg", "exp_avg_sq")?;
+            let (rows, cols) = c.rank2("exp_avg")?;
+            if [rows, cols][side as usize] != d {
+                return Err(c.fail("exp_avg", format!("side {side} does not have length {d}")));
+            }
+            c.class("factor", BufferClass::KroneckerFactor)?;
+            c.class("basis", BufferClass::Eigenbasis)?;
+            c.class("exp_avg", BufferClass::ExpAvg)?;
+            c.class("exp_avg_sq", BufferClass::ExpAvgSq)?;
+        }
+    }
+    Ok(())
+}
