@@ -1,1 +1,158 @@
-//! asteria frontend crate.
+//! asteria's spec language: a `*.asteria` file describes the model, optimizer, data, training
+//! loop and target of one run; this crate parses it (nom + `nom_locate`) into a syntax tree with
+//! spans ([`ast`]), checks it, and produces the validated [`ir::config::Config`].
+//!
+//! Every syntax and semantic error becomes a miette diagnostic with the file name, line:column
+//! and the span underlined, and all errors of a file are reported at once ([`SpecErrors`]).
+//! No input makes the parser panic.
+//!
+//! ```text
+//! model gpt2 { vocab = 50257  context = 64  d_model = 64  layers = 2  heads = 4 }
+//! optimizer soap { lr = 3e-3 }
+//! data { batch_size = 8  seq_len = 64 }
+//! train { steps = 500 }
+//! ```
+//! The grammar is in [`parser`]; the keys, types, ranges and defaults of each block are
+//! documented in `examples/*.asteria` and enforced by `src/lower/` (one file per block family).
+//!
+//! Entry points: [`parse_spec`] (text), [`parse_spec_bytes`] (bytes, UTF-8 checked),
+//! [`load_spec`] (a file). Render a [`SpecErrors`] with any miette report handler.
+#![deny(missing_docs)]
+
+pub mod ast;
+mod check;
+pub mod diagnostics;
+mod files;
+mod lex;
+mod lower;
+pub mod parser;
+
+use std::path::Path;
+
+use ir::config::Config;
+
+use crate::ast::Span;
+pub use crate::diagnostics::{SpecError, SpecErrors};
+
+/// Parses and checks the spec text `source`, named `name` in diagnostics (usually the file
+/// name); relative corpus paths are resolved against `base_dir`. `Config::name` is the stem of
+/// `name` (`tiny.asteria` → `tiny`).
+///
+/// # Errors
+/// Every syntax and semantic error of the file, at once.
+pub fn parse_spec(name: &str, source: &str, base_dir: &Path) -> Result<Config, SpecErrors> {
+    let (spec, mut errors) = parser::parse(source);
+    if spec.blocks.is_empty() && errors.is_empty() {
+        errors.push(
+            SpecError::new(
+                "spec::empty",
+                Span::new(0, 0),
+                "the spec file is empty",
+                "nothing here",
+            )
+            .with_help(
+                "a spec has `model`, `optimizer`, `data` and `train` blocks \
+                 (and optionally `target`); see examples/tiny.asteria",
+            ),
+        );
+    }
+    if !errors.is_empty() && spec.blocks.is_empty() {
+        return Err(SpecErrors::new(name, source.to_string(), errors));
+    }
+    let mut checker = check::Checker { errors };
+    let config = lower::lower(&spec, &run_name(name), base_dir, &mut checker);
+    match config {
+        Some(config) if checker.errors.is_empty() => Ok(config),
+        _ => Err(SpecErrors::new(name, source.to_string(), checker.errors)),
+    }
+}
+
+/// Like [`parse_spec`] for raw bytes: input that is not UTF-8 is reported with the byte offset,
+/// line and column of every invalid sequence.
+///
+/// # Errors
+/// Invalid UTF-8, or every syntax and semantic error of the file.
+pub fn parse_spec_bytes(name: &str, bytes: &[u8], base_dir: &Path) -> Result<Config, SpecErrors> {
+    match std::str::from_utf8(bytes) {
+        Ok(source) => parse_spec(name, source, base_dir),
+        Err(_) => {
+            let (text, errors) = decode_lossy(bytes);
+            Err(SpecErrors::new(name, text, errors))
+        }
+    }
+}
+
+/// Reads the spec file at `path` and parses it with [`parse_spec_bytes`]; corpus paths are
+/// resolved against the file's folder and the diagnostics name the file as given.
+///
+/// # Errors
+/// The file cannot be read, is empty or not UTF-8, or has syntax or semantic errors.
+pub fn load_spec(path: &Path) -> Result<Config, SpecErrors> {
+    let name = path.display().to_string();
+    let base_dir = path.parent().unwrap_or_else(|| Path::new(""));
+    match std::fs::read(path) {
+        Ok(bytes) => parse_spec_bytes(&name, &bytes, base_dir),
+        Err(e) => {
+            let err = SpecError::new(
+                "spec::unreadable",
+                Span::new(0, 0),
+                format!("cannot read spec file `{name}`: {e}"),
+                "unreadable",
+            );
+            Err(SpecErrors::new(&name, String::new(), vec![err]))
+        }
+    }
+}
+
+/// The run name for a spec named `name`: its file stem.
+fn run_name(name: &str) -> String {
+    Path::new(name)
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| name.to_string())
+}
+
+/// Decodes `bytes` replacing each invalid sequence with U+FFFD; one error per run of adjacent
+/// invalid sequences, spanning its replacement characters and giving the original byte offset.
+fn decode_lossy(bytes: &[u8]) -> (String, Vec<SpecError>) {
+    let mut text = String::with_capacity(bytes.len());
+    let mut errors = Vec::new();
+    // The pending run of invalid bytes: (offset in `bytes`, offset in `text`, the bytes).
+    let mut run: Option<(usize, usize, Vec<u8>)> = None;
+    let mut byte_offset = 0;
+    for chunk in bytes.utf8_chunks() {
+        if !chunk.valid().is_empty() {
+            if let Some(r) = run.take() {
+                errors.push(not_utf8(&text, r));
+            }
+            text.push_str(chunk.valid());
+            byte_offset += chunk.valid().len();
+        }
+        let bad = chunk.invalid();
+        if !bad.is_empty() {
+            let r = run.get_or_insert_with(|| (byte_offset, text.len(), Vec::new()));
+            r.2.extend_from_slice(bad);
+            text.push(char::REPLACEMENT_CHARACTER);
+            byte_offset += bad.len();
+        }
+    }
+    if let Some(r) = run.take() {
+        errors.push(not_utf8(&text, r));
+    }
+    (text, errors)
+}
+
+/// The error for one run of invalid bytes (see [`decode_lossy`]).
+fn not_utf8(text: &str, (byte_offset, start, bad): (usize, usize, Vec<u8>)) -> SpecError {
+    let (line, col) = diagnostics::line_col(text, start);
+    let hex: Vec<String> = bad.iter().map(|b| format!("{b:#04x}")).collect();
+    let plural = if bad.len() == 1 { "" } else { "s" };
+    SpecError::new(
+        "spec::not-utf8",
+        Span::new(start, text.len()),
+        format!("invalid UTF-8 at byte offset {byte_offset} (line {line}, column {col})"),
+        format!("invalid byte{plural} {}", hex.join(" ")),
+    )
+    .with_help("spec files must be UTF-8 text")
+}

@@ -1,0 +1,171 @@
+//! The blocks around the model: `data { ... }` (corpus, tokenizer, batch shape), `train { ... }`
+//! (schedule, clipping, evaluation) and `target <cpu|cuda> { ... }`.
+
+use std::path::Path;
+
+use ir::config::{CorpusConfig, DataConfig, TargetConfig, TokenizerKind, TrainConfig};
+
+use super::{block_name, missing_name, no_name, TOKENIZERS};
+use crate::ast::{Block, Value, ValueKind};
+use crate::check::{unknown_name, Checker, Fields, Range};
+use crate::diagnostics::SpecError;
+use crate::files::check_corpus_path;
+
+const DATA_KEYS: &[&str] = &[
+    "corpus",
+    "tokenizer",
+    "batch_size",
+    "seq_len",
+    "val_fraction",
+];
+const TRAIN_KEYS: &[&str] = &[
+    "steps",
+    "warmup",
+    "min_lr_ratio",
+    "grad_clip",
+    "eval_interval",
+    "eval_batches",
+    "seed",
+];
+const TARGETS: &[&str] = &["cpu", "cuda"];
+
+/// `data { ... }`.
+pub(crate) fn data<'a>(c: &mut Checker, b: &'a Block, base_dir: &Path) -> (DataConfig, Fields<'a>) {
+    no_name(c, b);
+    let f = c.fields(b, "data", DATA_KEYS, &[]);
+    let corpus = match f.get("corpus") {
+        None => CorpusConfig::Builtin,
+        Some(e) => corpus(c, &e.value, base_dir),
+    };
+    let tokenizer = match f.get("tokenizer") {
+        None => Some("gpt2"),
+        Some(e) => c.name_value("tokenizer", &e.value, "tokenizer", TOKENIZERS),
+    };
+    let config = DataConfig {
+        corpus,
+        tokenizer: if tokenizer == Some("bytes") {
+            TokenizerKind::Bytes
+        } else {
+            TokenizerKind::Gpt2
+        },
+        batch_size: c.uint_req(&f, "batch_size", 1).unwrap_or(1),
+        seq_len: c.uint_req(&f, "seq_len", 1).unwrap_or(1),
+        val_fraction: c.float_or(&f, "val_fraction", Range::OpenUnit, 0.1),
+    };
+    (config, f)
+}
+
+/// `corpus = builtin | "path" | ["path", ...]`; files must exist and be readable, a directory
+/// stands for the `*.txt` files under it.
+fn corpus(c: &mut Checker, v: &Value, base_dir: &Path) -> CorpusConfig {
+    let mut paths = Vec::new();
+    let mut check = |c: &mut Checker, item: &Value| match &item.kind {
+        ValueKind::Str(p) => match check_corpus_path(base_dir, p, item.span) {
+            Ok(found) => paths.extend(found),
+            Err(e) => c.push(*e),
+        },
+        _ => c.wrong_type("corpus", item, "a file path string"),
+    };
+    match &v.kind {
+        ValueKind::Ident(name) if name == "builtin" => return CorpusConfig::Builtin,
+        ValueKind::Ident(name) => c.push(
+            unknown_name("corpus", name, v.span, &["builtin"])
+                .with_help(format!("use `builtin`, or quote a file path: \"{name}\"")),
+        ),
+        ValueKind::Str(_) => check(c, v),
+        ValueKind::List(items) if items.is_empty() => c.push(SpecError::new(
+            "spec::empty-list",
+            v.span,
+            "`corpus` lists no file",
+            "empty list",
+        )),
+        ValueKind::List(items) => items.iter().for_each(|item| check(c, item)),
+        _ => c.wrong_type("corpus", v, "`builtin`, a path string or a list of paths"),
+    }
+    CorpusConfig::Files { paths }
+}
+
+/// `train { ... }`.
+pub(crate) fn train(c: &mut Checker, b: &Block) -> TrainConfig {
+    no_name(c, b);
+    let f = c.fields(b, "train", TRAIN_KEYS, &[]);
+    let steps = c.uint_req::<u64>(&f, "steps", 1);
+    let warmup_steps = c.uint_or(&f, "warmup", 0, 0u64);
+    if let (Some(s), Some(w)) = (steps, f.get("warmup")) {
+        if warmup_steps > s {
+            c.push(SpecError::new(
+                "spec::out-of-range",
+                w.value.span,
+                format!("`warmup` ({warmup_steps}) is longer than `steps` ({s})"),
+                "more than steps",
+            ));
+        }
+    }
+    let grad_clip = match f.get("grad_clip") {
+        None => Some(1.0),
+        Some(e) if e.value.kind == ValueKind::None => None,
+        Some(e) => match c.float_value("grad_clip", &e.value, Range::Positive) {
+            Some(x) => Some(x),
+            None => {
+                if let Some(last) = c.errors.last_mut() {
+                    last.help = Some("write `grad_clip = none` to disable clipping".into());
+                }
+                None
+            }
+        },
+    };
+    TrainConfig {
+        steps: steps.unwrap_or(1),
+        warmup_steps,
+        min_lr_ratio: c.float_or(&f, "min_lr_ratio", Range::ClosedUnit, 0.1),
+        grad_clip,
+        eval_interval: c.uint_or(&f, "eval_interval", 0, 0),
+        eval_batches: c.uint_or(&f, "eval_batches", 1, 4),
+        seed: c.uint_or(&f, "seed", 0, 1337),
+    }
+}
+
+/// `target <cpu|cuda> { ... }`.
+pub(crate) fn target(c: &mut Checker, b: &Block) -> Option<TargetConfig> {
+    let kind = match &b.name {
+        None => {
+            c.push(missing_name(
+                b,
+                "target",
+                "target cpu { }` or `target cuda { device = 0 }",
+            ));
+            None
+        }
+        Some(n) if TARGETS.contains(&n.name.as_str()) => Some(n.name.as_str()),
+        Some(n) => {
+            c.push(unknown_name("target", &n.name, n.span, TARGETS));
+            None
+        }
+    };
+    let (allowed, foreign): (&[&str], &[(&str, &str)]) = match kind {
+        Some("cpu") => (
+            &["threads", "staleness"],
+            &[("device", "`device` applies to `target cuda` only")],
+        ),
+        Some("cuda") => (
+            &["device", "staleness"],
+            &[("threads", "`threads` applies to `target cpu` only")],
+        ),
+        _ => (&["threads", "device", "staleness"], &[]),
+    };
+    let f = c.fields(b, &block_name(b), allowed, foreign);
+    let staleness = c.uint_or(&f, "staleness", 0, 0u32);
+    match kind? {
+        "cuda" => Some(TargetConfig::Cuda {
+            device: c.uint_or(&f, "device", 0, 0),
+            staleness,
+        }),
+        _ => {
+            let threads = match f.get("threads") {
+                Some(e) if e.value.kind != ValueKind::None => c.uint_value("threads", &e.value, 1),
+                _ => None,
+            };
+            Some(TargetConfig::Cpu { threads, staleness })
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! Every spec in `examples/` parses, and the small ones give the documented configuration.
+
+mod common;
+
+use std::path::Path;
+
+use frontend::load_spec;
+use ir::config::{
+    AdamWConfig, CorpusConfig, DataConfig, Family, ModelConfig, OptimizerConfig, SoapConfig,
+    TargetConfig, TokenizerKind, TrainConfig,
+};
+
+fn examples_dir() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples")
+}
+
+fn load(name: &str) -> ir::config::Config {
+    let path = examples_dir().join(name);
+    match load_spec(&path) {
+        Ok(c) => c,
+        Err(e) => panic!("{name} does not parse:\n{}", common::render(&e)),
+    }
+}
+
+#[test]
+fn all_examples_parse() {
+    let mut n = 0;
+    for entry in std::fs::read_dir(examples_dir()).expect("examples/ exists") {
+        let path = entry.expect("dir entry").path();
+        if path.extension().is_some_and(|e| e == "asteria") {
+            if let Err(e) = load_spec(&path) {
+                panic!("{} does not parse:\n{}", path.display(), common::render(&e));
+            }
+            n += 1;
+        }
+    }
+    assert!(n >= 4, "expected at least 4 example specs, found {n}");
+}
+
+fn tiny_model(family: Family, mlp_hidden: usize) -> ModelConfig {
+    ModelConfig {
+        family,
+        vocab_size: 50257,
+        context: 64,
+        d_model: 64,
+        n_layers: 2,
+        n_heads: 4,
+        mlp_hidden,
+        norm_eps: 1e-5,
+        init_std: 0.02,
+        rope_theta: 10000.0,
+    }
+}
+
+fn tiny_data() -> DataConfig {
+    DataConfig {
+        corpus: CorpusConfig::Builtin,
+        tokenizer: TokenizerKind::Gpt2,
+        batch_size: 16,
+        seq_len: 64,
+        val_fraction: 0.1,
+    }
+}
+
+fn tiny_train() -> TrainConfig {
+    TrainConfig {
+        steps: 400,
+        warmup_steps: 20,
+        min_lr_ratio: 0.1,
+        grad_clip: Some(1.0),
+        eval_interval: 100,
+        eval_batches: 8,
+        seed: 1337,
+    }
+}
+
+fn soap_defaults(lr: f64) -> SoapConfig {
+    SoapConfig {
+        lr,
+        beta1: 0.95,
+        beta2: 0.95,
+        shampoo_beta: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        precondition_frequency: 10,
+        max_precond_dim: 10000,
+        correct_bias: true,
+        normalize_grads: false,
+    }
+}
+
+#[test]
+fn tiny() {
+    let c = load("tiny.asteria");
+    assert_eq!(c.name, "tiny");
+    assert_eq!(c.model, tiny_model(Family::Gpt2, 256));
+    let adamw = AdamWConfig {
+        lr: 2e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    assert_eq!(c.optimizer, OptimizerConfig::Adamw(adamw));
+    assert_eq!(c.data, tiny_data());
+    assert_eq!(c.train, tiny_train());
+    assert_eq!(
+        c.target,
+        TargetConfig::Cpu {
+            threads: None,
+            staleness: 0
+        }
+    );
+}
+
+#[test]
+fn tiny_soap() {
+    let c = load("tiny-soap.asteria");
+    assert_eq!(c.name, "tiny-soap");
+    assert_eq!(c.model, tiny_model(Family::Gpt2, 256));
+    assert_eq!(c.optimizer, OptimizerConfig::Soap(soap_defaults(3e-3)));
+    assert_eq!(c.data, tiny_data());
+    assert_eq!(c.train, tiny_train());
+}
+
+#[test]
+fn tiny_llama_soap() {
+    let c = load("tiny-llama-soap.asteria");
+    assert_eq!(c.model, tiny_model(Family::Llama, 192));
+    assert_eq!(c.optimizer, OptimizerConfig::Soap(soap_defaults(3e-3)));
+    assert_eq!(
+        c.target,
+        TargetConfig::Cpu {
+            threads: None,
+            staleness: 0
+        }
+    );
+}
+
+#[test]
+fn gpt2_124m() {
+    let c = load("gpt2-124m.asteria");
+    assert_eq!(
+        (c.model.d_model, c.model.n_layers, c.model.n_heads),
+        (768, 12, 12)
+    );
+    assert_eq!((c.model.context, c.model.mlp_hidden), (1024, 3072));
+    assert_eq!((c.data.batch_size, c.data.seq_len), (16, 1024));
+    assert_eq!(c.train.steps, 300);
+    assert_eq!(
+        c.target,
+        TargetConfig::Cuda {
+            device: 0,
+            staleness: 0
+        }
+    );
+}

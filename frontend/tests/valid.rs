@@ -1,0 +1,199 @@
+//! Valid specs: defaults, the syntax's liberties (separators, comments, CRLF, BOM), corpus
+//! lists and folders, and the `load_spec` entry point.
+
+mod common;
+
+use std::path::Path;
+
+use common::{parse, tests_dir};
+use frontend::{load_spec, parse_spec};
+use ir::config::{
+    AdamWConfig, CorpusConfig, OptimizerConfig, TargetConfig, TokenizerKind, TrainConfig,
+};
+
+const MODEL: &str = "model gpt2 { vocab = 50257 context = 64 d_model = 64 layers = 2 heads = 4 }\n";
+const REST: &str = "data { batch_size = 8 seq_len = 64 }\ntrain { steps = 10 }\n";
+
+fn spec(optimizer: &str, extra: &str) -> String {
+    format!("{MODEL}{optimizer}\n{REST}{extra}")
+}
+
+#[test]
+fn defaults() {
+    let c = parse(&spec("optimizer adamw { }", "")).expect("valid");
+    let adamw = AdamWConfig {
+        lr: 6e-4,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    assert_eq!(c.optimizer, OptimizerConfig::Adamw(adamw));
+    let train = TrainConfig {
+        steps: 10,
+        warmup_steps: 0,
+        min_lr_ratio: 0.1,
+        grad_clip: Some(1.0),
+        eval_interval: 0,
+        eval_batches: 4,
+        seed: 1337,
+    };
+    assert_eq!(c.train, train);
+    assert_eq!(
+        c.target,
+        TargetConfig::Cpu {
+            threads: None,
+            staleness: 0
+        }
+    );
+    assert_eq!(c.data.corpus, CorpusConfig::Builtin);
+    assert_eq!(c.data.tokenizer, TokenizerKind::Gpt2);
+    assert_eq!(c.data.val_fraction, 0.1);
+    assert_eq!(c.model.mlp_hidden, 256, "gpt2 default is 4 * d_model");
+    assert_eq!((c.model.norm_eps, c.model.init_std), (1e-5, 0.02));
+    assert_eq!(c.name, "test");
+}
+
+#[test]
+fn soap_shampoo_beta_defaults_to_beta2() {
+    let c = parse(&spec("optimizer soap { betas = (0.9, 0.99) }", "")).expect("valid");
+    let OptimizerConfig::Soap(s) = c.optimizer else {
+        panic!("not soap")
+    };
+    assert_eq!((s.beta1, s.beta2, s.shampoo_beta), (0.9, 0.99, 0.99));
+    assert_eq!(
+        (s.lr, s.weight_decay, s.precondition_frequency),
+        (3e-3, 0.01, 10)
+    );
+    assert_eq!(
+        (s.max_precond_dim, s.correct_bias, s.normalize_grads),
+        (10000, true, false)
+    );
+}
+
+#[test]
+fn llama_default_mlp_hidden() {
+    let src = spec("optimizer soap { }", "").replace("model gpt2", "model llama");
+    let c = parse(&src).expect("valid");
+    assert_eq!(
+        c.model.mlp_hidden, 192,
+        "ceil(8/3 * 64) = 171, rounded up to 192"
+    );
+    let src = src.replace("d_model = 64", "d_model = 768");
+    assert_eq!(parse(&src).expect("valid").model.mlp_hidden, 2048);
+}
+
+#[test]
+fn syntax_liberties() {
+    let src = "\u{feff}# BOM, CRLF, `;`, trailing commas, signs, underscores\r\n\
+        model gpt2 { vocab = 50_304; context = 64; d_model = 64; layers = 2; heads = 4 }\r\n\
+        optimizer adamw {\r\n  lr = 1  # an integer where a float is expected\r\n\
+          betas = (\r\n    0.9,\r\n    0.95,\r\n  )\r\n  eps = +1E-8\r\n}\r\n\
+        data{batch_size=8 seq_len=64 corpus=[\"fixtures/hello.txt\",]}\r\n\
+        train { steps = 1_000 grad_clip = none seed = 0 }\r\n\
+        target cpu { threads = 2 staleness = 3 }";
+    let c = parse(src).expect("valid");
+    assert_eq!(c.model.vocab_size, 50304);
+    let adamw = AdamWConfig {
+        lr: 1.0,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    assert_eq!(c.optimizer, OptimizerConfig::Adamw(adamw));
+    assert_eq!(
+        (c.train.steps, c.train.grad_clip, c.train.seed),
+        (1000, None, 0)
+    );
+    assert_eq!(
+        c.target,
+        TargetConfig::Cpu {
+            threads: Some(2),
+            staleness: 3
+        }
+    );
+}
+
+#[test]
+fn cuda_target_and_threads_none() {
+    let c = parse(&spec(
+        "optimizer adamw { }",
+        "target cuda { device = 1 staleness = 4 }",
+    ))
+    .expect("valid");
+    assert_eq!(
+        c.target,
+        TargetConfig::Cuda {
+            device: 1,
+            staleness: 4
+        }
+    );
+    let c = parse(&spec(
+        "optimizer adamw { }",
+        "target cpu { threads = none }",
+    ))
+    .expect("valid");
+    assert_eq!(
+        c.target,
+        TargetConfig::Cpu {
+            threads: None,
+            staleness: 0
+        }
+    );
+}
+
+#[test]
+fn corpus_files_and_folders() {
+    let data =
+        "data { batch_size = 8 seq_len = 64 corpus = [\"fixtures/hello.txt\", \"fixtures/more\"] }";
+    let src = format!("{MODEL}optimizer adamw {{ }}\n{data}\ntrain {{ steps = 10 }}\n");
+    let c = parse(&src).expect("valid");
+    let p = |rel: &str| tests_dir().join(rel).display().to_string();
+    let paths = vec![p("fixtures/hello.txt"), p("fixtures/more/world.txt")];
+    assert_eq!(c.data.corpus, CorpusConfig::Files { paths });
+}
+
+#[test]
+fn run_name_is_the_file_stem() {
+    let c = parse_spec(
+        "runs/gpt2-small.asteria",
+        &spec("optimizer adamw { }", ""),
+        &tests_dir(),
+    );
+    assert_eq!(c.expect("valid").name, "gpt2-small");
+}
+
+#[test]
+fn load_spec_reports_unreadable_file() {
+    let e = load_spec(Path::new("no/such/spec.asteria")).expect_err("missing");
+    let items = e.items();
+    assert_eq!(items.len(), 1);
+    assert!(
+        items[0]
+            .2
+            .starts_with("cannot read spec file `no/such/spec.asteria`"),
+        "{items:?}"
+    );
+}
+
+#[test]
+fn load_spec_resolves_corpus_from_the_spec_folder() {
+    let dir = std::env::temp_dir().join(format!("asteria-frontend-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    std::fs::write(dir.join("text.txt"), "hello\n").expect("write corpus");
+    let data = "data { batch_size = 8 seq_len = 64 corpus = \"text.txt\" }";
+    let src = format!("{MODEL}optimizer adamw {{ }}\n{data}\ntrain {{ steps = 10 }}\n");
+    std::fs::write(dir.join("run.asteria"), src).expect("write spec");
+    let c = load_spec(&dir.join("run.asteria"));
+    let expected = dir.join("text.txt").display().to_string();
+    std::fs::remove_dir_all(&dir).ok();
+    let c = c.expect("valid");
+    assert_eq!(c.name, "run");
+    assert_eq!(
+        c.data.corpus,
+        CorpusConfig::Files {
+            paths: vec![expected]
+        }
+    );
+}
