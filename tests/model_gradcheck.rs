@@ -24,7 +24,7 @@ fn config(family: Family) -> Config {
         optimizer: OptimizerConfig::Adamw(AdamWConfig { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }),
         data: DataConfig { corpus: CorpusConfig::Builtin, tokenizer: TokenizerKind::Bytes, batch_size: 2, seq_len: 5, val_fraction: 0.1 },
         train: TrainConfig { steps: 1, warmup_steps: 0, min_lr_ratio: 0.1, grad_clip: None, eval_interval: 0, eval_batches: 1, seed: 7 },
-        target: TargetConfig::Cpu { threads: Some(1), staleness: 0 },
+        target: TargetConfig::Cpu { threads: Some(1), staleness: 0, calibration: None },
     }
 }
 

@@ -18,7 +18,7 @@ struct Cli {
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct PassFlags {
     /// Print the IR after this pass (repeatable): expand-model, autodiff, expand-optimizer,
-    /// liveness, lower.
+    /// liveness, precond-scheduling, lower.
     #[arg(long = "print-after", value_name = "PASS")]
     pub print_after: Vec<String>,
     /// Print the IR after every pass.

@@ -104,7 +104,7 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 params.push(ParamRef { param: arg(0)?, grad: arg(1)? });
                 continue;
             }
-            Op::EigenbasisRefresh { side, frequency } => {
+            Op::EigenbasisRefresh { side, frequency, offset, staleness, placement } => {
                 if inst.section != Section::Refresh {
                     return Err(misplaced());
                 }
@@ -115,6 +115,9 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                     exp_avg: arg(2)?,
                     exp_avg_sq: arg(3)?,
                     frequency: *frequency,
+                    offset: *offset,
+                    staleness: *staleness,
+                    placement: *placement,
                 });
                 continue;
             }
@@ -262,8 +265,8 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
             seed: c.train.seed,
         },
         target: match &c.target {
-            TargetConfig::Cpu { threads, staleness } => TargetPlan::Cpu { threads: *threads, staleness: *staleness },
-            TargetConfig::Cuda { device, staleness } => TargetPlan::Cuda { device: *device, staleness: *staleness },
+            TargetConfig::Cpu { threads, staleness, .. } => TargetPlan::Cpu { threads: *threads, staleness: *staleness },
+            TargetConfig::Cuda { device, staleness, .. } => TargetPlan::Cuda { device: *device, staleness: *staleness },
         },
     };
     plan.verify()?;

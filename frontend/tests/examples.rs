@@ -108,7 +108,8 @@ fn tiny() {
         c.target,
         TargetConfig::Cpu {
             threads: None,
-            staleness: 0
+            staleness: 0,
+            calibration: None
         }
     );
 }
@@ -132,7 +133,8 @@ fn tiny_llama_soap() {
         c.target,
         TargetConfig::Cpu {
             threads: None,
-            staleness: 0
+            staleness: 0,
+            calibration: None
         }
     );
 }
@@ -151,7 +153,8 @@ fn gpt2_124m() {
         c.target,
         TargetConfig::Cuda {
             device: 0,
-            staleness: 0
+            staleness: 0,
+            calibration: None
         }
     );
 }

@@ -43,7 +43,8 @@ fn defaults() {
         c.target,
         TargetConfig::Cpu {
             threads: None,
-            staleness: 0
+            staleness: 0,
+            calibration: None
         }
     );
     assert_eq!(c.data.corpus, CorpusConfig::Builtin);
@@ -110,7 +111,8 @@ fn syntax_liberties() {
         c.target,
         TargetConfig::Cpu {
             threads: Some(2),
-            staleness: 3
+            staleness: 3,
+            calibration: None
         }
     );
 }
@@ -126,7 +128,8 @@ fn cuda_target_and_threads_none() {
         c.target,
         TargetConfig::Cuda {
             device: 1,
-            staleness: 4
+            staleness: 4,
+            calibration: None
         }
     );
     let c = parse(&spec(
@@ -138,7 +141,8 @@ fn cuda_target_and_threads_none() {
         c.target,
         TargetConfig::Cpu {
             threads: None,
-            staleness: 0
+            staleness: 0,
+            calibration: None
         }
     );
 }

@@ -172,6 +172,11 @@ pub enum TargetConfig {
         threads: Option<usize>,
         /// Preconditioner staleness bound in steps (0 = synchronous).
         staleness: u32,
+        /// Target description for the cost model: a built-in name (`cpu`, `h200`, `gh200`,
+        /// `gb10`) or the path of a JSON file written by `asteria calibrate` (resolved against
+        /// the spec's folder). `None` = the built-in `cpu`.
+        #[serde(default)]
+        calibration: Option<String>,
     },
     /// CUDA engine.
     Cuda {
@@ -179,5 +184,23 @@ pub enum TargetConfig {
         device: u32,
         /// Preconditioner staleness bound in steps.
         staleness: u32,
+        /// As for `Cpu`; `None` = the built-in `h200`.
+        #[serde(default)]
+        calibration: Option<String>,
     },
+}
+
+impl TargetConfig {
+    /// The preconditioner staleness bound in steps.
+    pub fn staleness(&self) -> u32 {
+        match self {
+            TargetConfig::Cpu { staleness, .. } | TargetConfig::Cuda { staleness, .. } => *staleness,
+        }
+    }
+    /// The cost-model description named by the spec, if any.
+    pub fn calibration(&self) -> Option<&str> {
+        match self {
+            TargetConfig::Cpu { calibration, .. } | TargetConfig::Cuda { calibration, .. } => calibration.as_deref(),
+        }
+    }
 }

@@ -2,7 +2,7 @@
 //! fields of the variant. Each op documents its arguments and results; the verifier checks them.
 //! Math and layouts are those of the plan instruction with the same name
 //! (`schedule::Op`), which `lower` emits one-for-one.
-use schedule::{BufferClass, Init, SoapHyper};
+use schedule::{BufferClass, Init, Placement, SoapHyper};
 
 /// Role of a per-step input.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -202,12 +202,19 @@ pub enum Op {
         /// Right factor present.
         right: bool,
     },
-    /// args `[factor, basis, exp_avg, exp_avg_sq]`; host task; in place.
+    /// args `[factor, basis, exp_avg, exp_avg_sq]`; host task; in place. The scheduling
+    /// attributes are set by `precond-scheduling` (see `schedule::HostTask`).
     EigenbasisRefresh {
         /// 0 = left factor, 1 = right.
         side: u8,
         /// Refresh period in steps.
         frequency: u64,
+        /// Step offset within the period (staggering); `< frequency`.
+        offset: u64,
+        /// Staleness bound in steps (0 = synchronous).
+        staleness: u32,
+        /// Where the refresh runs.
+        placement: Placement,
     },
 }
 

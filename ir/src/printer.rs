@@ -70,6 +70,8 @@ pub(crate) enum Attr {
     B(bool),
     /// An optional float (`none` when absent).
     OptF(Option<f64>),
+    /// A bare word (`host`).
+    W(String),
 }
 
 impl fmt::Display for Attr {
@@ -79,6 +81,7 @@ impl fmt::Display for Attr {
             Attr::OptF(None) => f.write_str("none"),
             Attr::U(x) => write!(f, "{x}"),
             Attr::B(x) => write!(f, "{x}"),
+            Attr::W(x) => f.write_str(x),
         }
     }
 }
@@ -166,8 +169,14 @@ pub(crate) fn attrs(op: &Op) -> Vec<(&'static str, Attr)> {
                 ("right", B(right)),
             ]
         }
-        Op::EigenbasisRefresh { side, frequency } => {
-            vec![("side", U(side as u64)), ("frequency", U(frequency))]
+        Op::EigenbasisRefresh { side, frequency, offset, staleness, placement } => {
+            vec![
+                ("side", U(side as u64)),
+                ("frequency", U(frequency)),
+                ("offset", U(offset)),
+                ("staleness", U(staleness as u64)),
+                ("placement", W(placement.to_string())),
+            ]
         }
         Op::State { .. }
         | Op::Input { .. }

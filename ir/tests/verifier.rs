@@ -429,12 +429,19 @@ fn swapped_moments_are_caught_by_class() {
 #[test]
 fn eigenbasis_refresh_side() {
     let text = common::tiny().to_string().replacen(
-        "{side = 1, frequency = 10}",
-        "{side = 2, frequency = 10}",
+        "{side = 1, frequency = 10,",
+        "{side = 2, frequency = 10,",
         1,
     );
     let m = parse_module(&text).unwrap();
     one(&m, &["(eigenbasis_refresh)", "side must be 0 or 1"]);
+}
+
+#[test]
+fn eigenbasis_refresh_offset_below_frequency() {
+    let text = common::tiny().to_string().replacen("offset = 1,", "offset = 10,", 1);
+    let m = parse_module(&text).unwrap();
+    one(&m, &["(eigenbasis_refresh)", "offset below it"]);
 }
 
 #[test]
@@ -493,7 +500,7 @@ fn all_errors_are_reported_in_program_order() {
     let text = common::tiny()
         .to_string()
         .replace("%qkv: f32[8, 48] = mat_mul", "%qkv: f32[8, 47] = mat_mul")
-        .replacen("{side = 1, frequency = 10}", "{side = 1, frequency = 0}", 1);
+        .replacen("{side = 1, frequency = 10,", "{side = 1, frequency = 0,", 1);
     let m = parse_module(&text).unwrap();
     let errs = errors(&m);
     assert_eq!(errs.len(), 3, "{errs:?}");

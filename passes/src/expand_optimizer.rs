@@ -90,7 +90,15 @@ impl Pass for ExpandOptimizer {
                     }
                     for (side, s) in sides.iter().enumerate() {
                         if let Some((f, q)) = s {
-                            let op = Op::EigenbasisRefresh { side: side as u8, frequency: c.precondition_frequency };
+                            // Native schedule; `precond-scheduling` decides placement,
+                            // staggering and staleness.
+                            let op = Op::EigenbasisRefresh {
+                                side: side as u8,
+                                frequency: c.precondition_frequency,
+                                offset: 0,
+                                staleness: 0,
+                                placement: ir::Placement::Host,
+                            };
                             module.push0(Section::Refresh, op, &[*f, *q, exp_avg, exp_avg_sq]);
                         }
                     }

@@ -1,14 +1,17 @@
 //! asteria's compiler passes and the [`PassManager`] that runs them.
 //!
 //! The pipeline (in order; names are identical in the CLI flags, file names, dump headers and
-//! timing lines): `expand-model`, `autodiff`, `expand-optimizer`, `liveness`, `lower`.
+//! timing lines): `expand-model`, `autodiff`, `expand-optimizer`, `liveness`,
+//! `precond-scheduling`, `lower`.
 #![deny(missing_docs)]
 
 pub mod autodiff;
+pub mod cost_model;
 pub mod expand_model;
 pub mod expand_optimizer;
 pub mod liveness;
 pub mod lower;
+pub mod precond_scheduling;
 mod manager;
 
 pub use manager::{PassManager, PassOptions, PassTiming};

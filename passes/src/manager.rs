@@ -49,6 +49,7 @@ impl PassManager {
             Box::new(crate::autodiff::Autodiff),
             Box::new(crate::expand_optimizer::ExpandOptimizer),
             Box::new(crate::liveness::LivenessPass),
+            Box::new(crate::precond_scheduling::PrecondScheduling::default()),
             Box::new(crate::lower::Lower),
         ]
     }
@@ -65,7 +66,8 @@ impl PassManager {
     }
 
     /// Runs the single pass `name` on `module` (file tests: IR in, IR out), then verifies.
-    pub fn run_one(name: &str, module: &mut Module) -> Result<PassContext, PassError> {
+    /// Returns the context and the pass's extra dump text (analysis report, decisions).
+    pub fn run_one(name: &str, module: &mut Module) -> Result<(PassContext, Option<String>), PassError> {
         let mut cx = PassContext::default();
         let mut pass = Self::default_passes()
             .into_iter()
@@ -79,7 +81,8 @@ impl PassManager {
                 ir_text: module.display_with_errors(&errors),
             });
         }
-        Ok(cx)
+        let extra = pass.dump_extra(module, &cx);
+        Ok((cx, extra))
     }
 
     /// Runs every pass up to and including `stop_after` (all when `None`) on `module`.

@@ -41,10 +41,10 @@ fn filetests() {
             .map(str::trim)
             .unwrap_or_else(|| panic!("{}: missing `; test: <pass>` header", file.display()));
         let mut module = ir::parse_module(&text).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
-        let cx = PassManager::run_one(pass, &mut module).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        let (cx, extra) = PassManager::run_one(pass, &mut module).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
         let mut actual = module.to_string();
-        if let Some(l) = &cx.liveness {
-            actual.push_str(&l.report(&module));
+        if let Some(extra) = extra {
+            actual.push_str(&extra);
         }
         if let Some(plan) = &cx.plan {
             actual = plan.to_json();

@@ -36,7 +36,7 @@ fn every_example_compiles_and_round_trips_after_every_pass() {
         let mut pm = PassManager::new(PassOptions::default()).expect("pm");
         let mut m = ir::Module::new(module.config.clone());
         let (cx, timings) = pm.run(&mut m, None, &mut std::io::sink()).expect("pipeline runs");
-        assert_eq!(timings.len(), 5);
+        assert_eq!(timings.len(), 6);
         let plan = cx.plan.expect("plan");
         plan.verify().expect("plan verifies");
         let back = schedule::Plan::from_json(&plan.to_json()).expect("plan JSON round trips");
@@ -83,6 +83,7 @@ fn regenerate_filetest_inputs() {
         ("autodiff-gpt2.ir", "expand-model", "autodiff"),
         ("expand-optimizer-soap.ir", "autodiff", "expand-optimizer"),
         ("liveness-soap.ir", "expand-optimizer", "liveness"),
+        ("precond-scheduling-soap.ir", "liveness", "precond-scheduling"),
     ] {
         let mut m = ir::Module::new(config.clone());
         let mut pm = PassManager::new(PassOptions::default()).expect("pm");

@@ -15,7 +15,7 @@
 mod op;
 mod verify;
 
-pub use op::{HostTask, Op, SoapHyper};
+pub use op::{HostTask, Op, Placement, SoapHyper};
 pub use verify::PlanError;
 
 use serde::{Deserialize, Serialize};

@@ -130,6 +130,38 @@ pub enum Op {
     },
 }
 
+/// Where a preconditioner refresh runs (decided by the `precond-scheduling` pass).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Placement {
+    /// The host worker pool, through the `HostEigensolver` (on a discrete GPU: the factor is
+    /// staged D2H into pinned memory and the basis copied back on the copy streams).
+    Host,
+    /// The low-priority GPU side stream, through cuSOLVER (falls back to the host on the CPU
+    /// engine).
+    GpuSide,
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Placement::Host => "host",
+            Placement::GpuSide => "gpu_side",
+        })
+    }
+}
+
+impl std::str::FromStr for Placement {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "host" => Ok(Placement::Host),
+            "gpu_side" => Ok(Placement::GpuSide),
+            _ => Err(format!("unknown placement `{s}` (expected `host` or `gpu_side`)")),
+        }
+    }
+}
+
 /// A task the engine runs outside the step's kernel programs (on the host worker pool), at the
 /// end of the steps its schedule selects.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -147,6 +179,13 @@ pub enum HostTask {
     ///   (stored in the eigenbasis) is re-projected: `E ← Q_newᵀ Q_old E` (side 0) or
     ///   `E ← E Q_oldᵀ Q_new` (side 1).
     /// A non-finite factor or a failed eigensolve keeps the previous basis (counted, logged).
+    ///
+    /// Scheduling (from `precond-scheduling`): QR refreshes happen at the end of the steps t > 1
+    /// with (t − 1 − `offset`) mod `frequency` = 0 (`offset` staggers factors across the steps of
+    /// a period; 0 = the reference schedule). With `staleness` S > 0 the refresh works on a
+    /// snapshot of the factor while training continues with the previous basis; its result is
+    /// swapped in at a later step boundary, at the latest before step t + S + 1 (the engine
+    /// waits only then). S = 0 is the synchronous, native behaviour.
     EigenbasisRefresh {
         factor: BufferId,
         basis: BufferId,
@@ -154,5 +193,15 @@ pub enum HostTask {
         exp_avg: BufferId,
         exp_avg_sq: BufferId,
         frequency: u64,
+        #[serde(default)]
+        offset: u64,
+        #[serde(default)]
+        staleness: u32,
+        #[serde(default = "default_placement")]
+        placement: Placement,
     },
+}
+
+fn default_placement() -> Placement {
+    Placement::Host
 }

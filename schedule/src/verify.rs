@@ -497,7 +497,7 @@ impl Plan {
             for (name, id) in task.operands() {
                 in_range(&location, name, id)?;
             }
-            let HostTask::EigenbasisRefresh { factor, basis, side, exp_avg, exp_avg_sq, frequency } = task;
+            let HostTask::EigenbasisRefresh { factor, basis, side, exp_avg, exp_avg_sq, frequency, offset, .. } = task;
             let c = Checker { plan: self, location: location.clone() };
             let (d, d2) = c.rank2("factor", *factor)?;
             if d != d2 {
@@ -510,8 +510,10 @@ impl Plan {
             if *side > 1 || want != d {
                 return Err(c.fail("exp_avg", *exp_avg, format!("side {side} does not have length {d}")));
             }
-            if *frequency == 0 {
-                return Err(PlanError::Invalid(format!("{location}: frequency must be positive")));
+            if *frequency == 0 || offset >= frequency {
+                return Err(PlanError::Invalid(format!(
+                    "{location}: frequency must be positive and offset below it (got {frequency}, {offset})"
+                )));
             }
         }
         Ok(())

@@ -87,10 +87,11 @@ pub fn lower(spec: &Spec, run_name: &str, base_dir: &Path, c: &mut Checker) -> O
     let data = by_kind.get("data").map(|b| run::data(c, b, base_dir));
     let train = by_kind.get("train").map(|b| run::train(c, b));
     let target = match by_kind.get("target") {
-        Some(b) => run::target(c, b),
+        Some(b) => run::target(c, b, base_dir),
         None => Some(TargetConfig::Cpu {
             threads: None,
             staleness: 0,
+            calibration: None,
         }),
     };
     if let (Some((m, mf)), Some((d, df))) = (&model, &data) {

@@ -125,8 +125,47 @@ pub(crate) fn train(c: &mut Checker, b: &Block) -> TrainConfig {
     }
 }
 
+/// Built-in cost-model target descriptions (`passes::cost_model`).
+const CALIBRATIONS: &[&str] = &["cpu", "h200", "gh200", "gb10"];
+
+/// `calibration = h200 | "calib.json"`: a built-in target description or the file written by
+/// `asteria calibrate` (must exist; resolved against the spec's folder).
+fn calibration(c: &mut Checker, v: &Value, base_dir: &Path) -> Option<String> {
+    match &v.kind {
+        ValueKind::Ident(name) if CALIBRATIONS.contains(&name.as_str()) => Some(name.clone()),
+        ValueKind::Ident(name) => {
+            c.push(
+                unknown_name("calibration", name, v.span, CALIBRATIONS)
+                    .with_help(format!("use a built-in target, or quote a calibration file path: \"{name}\"")),
+            );
+            None
+        }
+        ValueKind::Str(p) => {
+            let path = base_dir.join(p);
+            if path.is_file() {
+                Some(path.display().to_string())
+            } else {
+                c.push(
+                    SpecError::new(
+                        "spec::calibration-file",
+                        v.span,
+                        format!("calibration file not found: `{p}`"),
+                        format!("no such file: {}", path.display()),
+                    )
+                    .with_help("write one with `asteria calibrate -o FILE.json`, or name a built-in target (cpu, h200, gh200, gb10)"),
+                );
+                None
+            }
+        }
+        _ => {
+            c.wrong_type("calibration", v, "a built-in target name or a calibration file path");
+            None
+        }
+    }
+}
+
 /// `target <cpu|cuda> { ... }`.
-pub(crate) fn target(c: &mut Checker, b: &Block) -> Option<TargetConfig> {
+pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<TargetConfig> {
     let kind = match &b.name {
         None => {
             c.push(missing_name(
@@ -144,28 +183,34 @@ pub(crate) fn target(c: &mut Checker, b: &Block) -> Option<TargetConfig> {
     };
     let (allowed, foreign): (&[&str], &[(&str, &str)]) = match kind {
         Some("cpu") => (
-            &["threads", "staleness"],
+            &["threads", "staleness", "calibration"],
             &[("device", "`device` applies to `target cuda` only")],
         ),
         Some("cuda") => (
-            &["device", "staleness"],
+            &["device", "staleness", "calibration"],
             &[("threads", "`threads` applies to `target cpu` only")],
         ),
-        _ => (&["threads", "device", "staleness"], &[]),
+        _ => (&["threads", "device", "staleness", "calibration"], &[]),
     };
     let f = c.fields(b, &block_name(b), allowed, foreign);
     let staleness = c.uint_or(&f, "staleness", 0, 0u32);
+    let calibration = f.get("calibration").and_then(|e| calibration(c, &e.value, base_dir));
     match kind? {
         "cuda" => Some(TargetConfig::Cuda {
             device: c.uint_or(&f, "device", 0, 0),
             staleness,
+            calibration,
         }),
         _ => {
             let threads = match f.get("threads") {
                 Some(e) if e.value.kind != ValueKind::None => c.uint_value("threads", &e.value, 1),
                 _ => None,
             };
-            Some(TargetConfig::Cpu { threads, staleness })
+            Some(TargetConfig::Cpu {
+                threads,
+                staleness,
+                calibration,
+            })
         }
     }
 }

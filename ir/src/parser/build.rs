@@ -347,6 +347,9 @@ pub(super) fn build_op<'a>(
         "eigenbasis_refresh" => Op::EigenbasisRefresh {
             side: a.num("side", "0 or 1")?,
             frequency: a.num("frequency", "a positive integer")?,
+            offset: a.num("offset", "a non-negative integer")?,
+            staleness: a.num("staleness", "a non-negative integer")?,
+            placement: a.num("placement", "`host` or `gpu_side`")?,
         },
         _ => return Err(unknown(c, op_at, "op", name, &OP_NAMES)),
     };

@@ -390,10 +390,11 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 c.class(role, BufferClass::KroneckerFactor)?;
             }
         }
-        Op::EigenbasisRefresh { side, frequency } => {
-            if side > 1 || frequency == 0 {
+        Op::EigenbasisRefresh { side, frequency, offset, .. } => {
+            if side > 1 || frequency == 0 || offset >= frequency {
                 return Err(c.attr(format!(
-                    "side must be 0 or 1 and frequency positive, got {side} and {frequency}"
+                    "side must be 0 or 1, frequency positive and offset below it; got side {side}, \
+                     frequency {frequency}, offset {offset}"
                 )));
             }
             let (d, d2) = c.rank2("factor")?;

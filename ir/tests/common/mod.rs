@@ -50,6 +50,7 @@ pub fn config() -> Config {
         target: TargetConfig::Cpu {
             threads: None,
             staleness: 0,
+            calibration: None,
         },
     }
 }
@@ -476,6 +477,9 @@ pub fn tiny() -> Module {
             Op::EigenbasisRefresh {
                 side,
                 frequency: 10,
+                offset: side as u64,
+                staleness: 2,
+                placement: if side == 0 { ir::Placement::Host } else { ir::Placement::GpuSide },
             },
             &[f, q, m, v],
         );

@@ -1,0 +1,230 @@
+//! `precond-scheduling`: for every Kronecker factor's eigenbasis refresh, decides **where** it
+//! runs (host worker pool or GPU side stream), **when** (its offset within the refresh period,
+//! staggering factors so that no step carries them all) and **how stale** its result may be
+//! (the spec's `staleness` S; S = 0 keeps the native, synchronous schedule).
+//!
+//! The decisions come from the cost model ([`crate::cost_model`]) of the target: per factor of
+//! size d, the host refresh costs `host_qr(d)` (+ staging copies on a discrete GPU) of pool time
+//! and is invisible to the step when it finishes within S steps and the pool is not
+//! oversubscribed over a period; a GPU side-stream refresh costs `gpu_qr(d)`, of which the
+//! `side_stream_interference` fraction shows up in the step. With S = 0 every refresh is
+//! visible and the faster place wins. Largest factors are placed first (LPT), and offsets
+//! balance the per-step load of each place (Paper §3.2: off-critical-path preconditioner work).
+use crate::cost_model::TargetDescription;
+use crate::{Pass, PassContext, PassError};
+use ir::config::TargetConfig;
+use ir::{InstId, Module, Op, Placement, Section};
+use std::fmt::Write;
+
+/// One refresh decision, as reported by `--print-after precond-scheduling`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    /// The `eigenbasis_refresh` instruction.
+    pub inst: InstId,
+    /// Factor name (`%h0.attn.c_attn.weight.L`).
+    pub factor: String,
+    /// Factor size d (the factor is `d × d`).
+    pub dim: usize,
+    /// Chosen place.
+    pub placement: Placement,
+    /// Offset within the period.
+    pub offset: u64,
+    /// Predicted host refresh time, ms (incl. staging copies).
+    pub host_ms: f64,
+    /// Predicted GPU side-stream refresh time, ms (`None` without GPU).
+    pub gpu_ms: Option<f64>,
+    /// Predicted time this refresh adds to the steps of one period, ms.
+    pub visible_ms: f64,
+}
+
+/// The pass's result: the target description used and every decision.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Schedule {
+    /// Description name.
+    pub target: String,
+    /// Staleness bound S.
+    pub staleness: u32,
+    /// Predicted training-step time without refreshes, ms.
+    pub step_ms: f64,
+    /// Decisions in program order.
+    pub decisions: Vec<Decision>,
+}
+
+impl Schedule {
+    /// Predicted refresh time visible per step, averaged over a period, ms.
+    pub fn visible_ms_per_step(&self, frequency: u64) -> f64 {
+        self.decisions.iter().map(|d| d.visible_ms).sum::<f64>() / frequency.max(1) as f64
+    }
+    /// Share of refreshes placed on the host.
+    pub fn host_share(&self) -> f64 {
+        let host = self.decisions.iter().filter(|d| d.placement == Placement::Host).count();
+        host as f64 / self.decisions.len().max(1) as f64
+    }
+}
+
+/// Loads the target description named by the spec (a built-in or a calibration file); the
+/// default is `cpu` for a CPU target and `h200` for CUDA.
+pub fn target_description(target: &TargetConfig) -> Result<TargetDescription, PassError> {
+    let name = target.calibration().unwrap_or(match target {
+        TargetConfig::Cpu { .. } => "cpu",
+        TargetConfig::Cuda { .. } => "h200",
+    });
+    if let Some(d) = TargetDescription::builtin(name) {
+        return Ok(d);
+    }
+    let bad = |m: String| PassError::Invalid { pass: "precond-scheduling", message: m };
+    let text = std::fs::read_to_string(name).map_err(|e| bad(format!("cannot read calibration file {name}: {e}")))?;
+    serde_json::from_str(&text).map_err(|e| bad(format!("calibration file {name} is not a target description: {e}")))
+}
+
+/// Computes the decisions for `module` on `desc` without changing the module.
+pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
+    let staleness = module.config.target.staleness();
+    let params: usize = module
+        .section(Section::State)
+        .filter(|&i| matches!(module.inst(i).op, Op::State { class: ir::BufferClass::Parameter, .. }))
+        .map(|i| module.value(module.inst(i).results[0]).ty.numel())
+        .sum();
+    let tokens = module.config.data.batch_size * module.config.data.seq_len;
+    let step_ms = desc.predicted_step_ms(params, tokens).max(1e-3);
+    let items: Vec<(InstId, usize, u64, String)> = module
+        .section(Section::Refresh)
+        .filter_map(|i| match module.inst(i).op {
+            Op::EigenbasisRefresh { frequency, .. } => {
+                let f = module.inst(i).args[0];
+                Some((i, module.value(f).ty.shape[0], frequency, module.display_value(f)))
+            }
+            _ => None,
+        })
+        .collect();
+    let frequency = items.iter().map(|x| x.2).max().unwrap_or(1).max(1);
+    let host_capacity = frequency as f64 * step_ms; // host-pool time available per period
+    let latency_budget = staleness as f64 * step_ms; // a host result must land within S steps
+    // 1. Placement. With S = 0 the faster place wins. Otherwise host work is free while it fits
+    // the pool's time per period and meets the latency budget; the GPU side stream costs its
+    // interference. Fill the host in order of "visible GPU time saved per host ms" (a greedy
+    // knapsack), ties by size, so cheap small factors move to the host first.
+    let cost = |dim: usize| (desc.host_refresh_ms(dim, false), desc.gpu_refresh_ms(dim, false));
+    let mut order: Vec<usize> = (0..items.len()).collect();
+    let density = |i: usize| {
+        let (h, g) = cost(items[i].1);
+        g.map_or(f64::INFINITY, |g| g * desc.side_stream_interference / h.max(1e-9))
+    };
+    order.sort_by(|&a, &b| density(b).total_cmp(&density(a)).then(items[b].1.cmp(&items[a].1)));
+    let mut placement = vec![Placement::Host; items.len()];
+    let mut visible = vec![0.0f64; items.len()];
+    let mut host_load = 0.0;
+    for i in order {
+        let (host_ms, gpu_ms) = cost(items[i].1);
+        let (p, v) = match gpu_ms {
+            None => {
+                // No GPU: everything on the host; what exceeds the pool's time shows up.
+                let over = if staleness == 0 { host_ms } else { (host_load + host_ms - host_capacity).clamp(0.0, host_ms) };
+                (Placement::Host, over)
+            }
+            Some(g) if staleness == 0 => {
+                if host_ms <= g { (Placement::Host, host_ms) } else { (Placement::GpuSide, g) }
+            }
+            Some(g) => {
+                if host_ms <= latency_budget && host_load + host_ms <= host_capacity {
+                    (Placement::Host, 0.0)
+                } else {
+                    (Placement::GpuSide, g * desc.side_stream_interference)
+                }
+            }
+        };
+        if p == Placement::Host {
+            host_load += host_ms;
+        }
+        placement[i] = p;
+        visible[i] = v;
+    }
+    // 2. Offsets (S > 0): largest first into the least-loaded step of the period, per place.
+    let mut by_size: Vec<usize> = (0..items.len()).collect();
+    by_size.sort_by(|&a, &b| items[b].1.cmp(&items[a].1));
+    let (mut host_slots, mut gpu_slots) = (vec![0.0f64; frequency as usize], vec![0.0f64; frequency as usize]);
+    let mut offsets = vec![0u64; items.len()];
+    if staleness > 0 {
+        for i in by_size {
+            let (host_ms, gpu_ms) = cost(items[i].1);
+            let (slots, c) = match placement[i] {
+                Placement::Host => (&mut host_slots, host_ms),
+                Placement::GpuSide => (&mut gpu_slots, gpu_ms.unwrap_or(host_ms)),
+            };
+            let period = (items[i].2.min(frequency)) as usize;
+            let best = (0..period).min_by(|&a, &b| slots[a].total_cmp(&slots[b])).unwrap_or(0);
+            slots[best] += c;
+            offsets[i] = best as u64;
+        }
+    }
+    let mut decisions: Vec<Decision> = items
+        .into_iter()
+        .enumerate()
+        .map(|(i, (inst, dim, _, factor))| {
+            let (host_ms, gpu_ms) = cost(dim);
+            Decision { inst, factor, dim, placement: placement[i], offset: offsets[i], host_ms, gpu_ms, visible_ms: visible[i] }
+        })
+        .collect();
+    decisions.sort_by_key(|d| module.section(Section::Refresh).position(|i| i == d.inst));
+    Schedule { target: desc.name.clone(), staleness, step_ms, decisions }
+}
+
+/// The `precond-scheduling` pass.
+#[derive(Default)]
+pub struct PrecondScheduling {
+    last: Option<Schedule>,
+}
+
+impl Pass for PrecondScheduling {
+    fn name(&self) -> &'static str {
+        "precond-scheduling"
+    }
+
+    fn run(&mut self, module: &mut Module, _cx: &mut PassContext) -> Result<String, PassError> {
+        let desc = target_description(&module.config.target)?;
+        let schedule = plan_refreshes(module, &desc);
+        for d in &schedule.decisions {
+            if let Op::EigenbasisRefresh { offset, staleness, placement, .. } = module.op_mut(d.inst) {
+                *offset = d.offset;
+                *staleness = schedule.staleness;
+                *placement = d.placement;
+            }
+        }
+        let n = schedule.decisions.len();
+        let summary = format!(
+            "{n} refreshes on `{}`: {:.0}% host, S = {}, predicted step {:.2} ms",
+            schedule.target,
+            100.0 * schedule.host_share(),
+            schedule.staleness,
+            schedule.step_ms
+        );
+        self.last = Some(schedule);
+        Ok(summary)
+    }
+
+    fn dump_extra(&self, _module: &Module, _cx: &PassContext) -> Option<String> {
+        let s = self.last.as_ref()?;
+        let mut out = format!(
+            "; precond-scheduling on `{}`: staleness S = {}, predicted step {:.3} ms\n\
+             ;   factor                                   d  place     offset   host ms    gpu ms  visible ms/period\n",
+            s.target, s.staleness, s.step_ms
+        );
+        for d in &s.decisions {
+            let gpu = d.gpu_ms.map_or("-".to_string(), |g| format!("{g:.3}"));
+            let _ = writeln!(
+                out,
+                ";   {:<38} {:>5}  {:<8} {:>6} {:>9.3} {:>9} {:>10.3}",
+                d.factor,
+                d.dim,
+                d.placement.to_string(),
+                d.offset,
+                d.host_ms,
+                gpu,
+                d.visible_ms
+            );
+        }
+        let period: f64 = s.decisions.iter().map(|d| d.visible_ms).sum();
+        let _ = writeln!(out, "; predicted visible refresh time per period: {period:.3} ms; host share {:.0}%", 100.0 * s.host_share());
+        Some(out)
+    }
+}

@@ -1,0 +1,107 @@
+//! `precond-scheduling` decisions on GPT-2 124M with SOAP: the cost model picks different places
+//! on a discrete-GPU host (H200 PCIe: host eigensolves 8–34× slower than the GPU's) and on
+//! unified-memory targets (GH200 / GB10, simulated); S = 0 keeps the native schedule.
+use ir::config::{OptimizerConfig, SoapConfig, TargetConfig};
+use ir::Placement;
+use passes::cost_model::{interpolate, TargetDescription};
+use passes::precond_scheduling::{plan_refreshes, Schedule};
+use passes::{PassManager, PassOptions};
+use std::path::PathBuf;
+
+fn gpt2_124m_soap(staleness: u32, calibration: &str) -> ir::Module {
+    let spec = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/gpt2-124m.asteria");
+    let mut config = frontend::load_spec(&spec).expect("spec");
+    config.optimizer = OptimizerConfig::Soap(SoapConfig {
+        lr: 3e-3,
+        beta1: 0.95,
+        beta2: 0.95,
+        shampoo_beta: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        precondition_frequency: 10,
+        max_precond_dim: 10000,
+        correct_bias: true,
+        normalize_grads: false,
+    });
+    config.target = TargetConfig::Cuda { device: 0, staleness, calibration: Some(calibration.into()) };
+    let mut m = ir::Module::new(config);
+    let mut pm = PassManager::new(PassOptions::default()).expect("pm");
+    pm.run(&mut m, Some("expand-optimizer"), &mut std::io::sink()).expect("pipeline");
+    m
+}
+
+fn schedule(staleness: u32, target: &str) -> Schedule {
+    let m = gpt2_124m_soap(staleness, target);
+    plan_refreshes(&m, &TargetDescription::builtin(target).expect("builtin"))
+}
+
+#[test]
+fn discrete_gpu_and_unified_memory_targets_choose_differently() {
+    let h200 = schedule(5, "h200");
+    let gh200 = schedule(5, "gh200");
+    let gb10 = schedule(5, "gb10");
+    eprintln!(
+        "host share: h200 {:.2}, gh200 {:.2}, gb10 {:.2}",
+        h200.host_share(),
+        gh200.host_share(),
+        gb10.host_share()
+    );
+    assert_eq!(h200.decisions.len(), 99, "GPT-2 124M: 8 factors per block, wte R, wpe L and R");
+    // On the H200 PCIe host the big (2304/3072) factors cannot finish on the host within S
+    // steps: they go to the GPU side stream.
+    for d in h200.decisions.iter().filter(|d| d.dim >= 2304) {
+        assert_eq!(d.placement, Placement::GpuSide, "{} (d = {}) on h200", d.factor, d.dim);
+    }
+    assert!(h200.host_share() < 0.5, "h200 should keep most refreshes on the GPU");
+    assert!(gh200.host_share() > h200.host_share() + 0.2, "gh200 should move work to its host");
+    assert!(gb10.host_share() > 0.6, "gb10's weak GPU and unified memory favour the host");
+    // Staggering: with S > 0 refreshes spread over the steps of the period.
+    let offsets: std::collections::BTreeSet<u64> = h200.decisions.iter().map(|d| d.offset).collect();
+    assert_eq!(offsets.len(), 10, "offsets should cover every step of the period");
+    assert!(h200.visible_ms_per_step(10) < schedule(0, "h200").visible_ms_per_step(10));
+}
+
+#[test]
+fn zero_staleness_keeps_the_native_schedule() {
+    let s = schedule(0, "h200");
+    assert!(s.decisions.iter().all(|d| d.offset == 0));
+    // Synchronous: the faster place wins, which on the H200 is always its GPU.
+    assert!(s.decisions.iter().all(|d| d.placement == Placement::GpuSide));
+}
+
+#[test]
+fn cpu_target_runs_everything_on_the_host() {
+    let m = gpt2_124m_soap(3, "cpu");
+    let s = plan_refreshes(&m, &TargetDescription::builtin("cpu").expect("cpu"));
+    assert!(s.decisions.iter().all(|d| d.placement == Placement::Host && d.gpu_ms.is_none()));
+}
+
+#[test]
+fn the_pass_writes_its_decisions_into_the_ir() {
+    let mut m = gpt2_124m_soap(5, "h200");
+    PassManager::run_one("liveness", &mut m).expect("liveness");
+    let (_, extra) = PassManager::run_one("precond-scheduling", &mut m).expect("pass");
+    let text = m.to_string();
+    assert!(text.contains("placement = gpu_side") && text.contains("staleness = 5"));
+    let report = extra.expect("decision table");
+    assert!(report.contains("precond-scheduling on `h200`") && report.contains("gpu_side"));
+}
+
+#[test]
+fn interpolation_is_exact_at_points_and_cubic_outside() {
+    let t = [(768, 7.9), (2048, 24.8)];
+    assert_eq!(interpolate(&t, 768), Some(7.9));
+    assert!((interpolate(&t, 2048).expect("v") - 24.8).abs() < 1e-9);
+    let mid = interpolate(&t, 1024).expect("v");
+    assert!(mid > 7.9 && mid < 24.8);
+    assert!((interpolate(&t, 4096).expect("v") - 24.8 * 8.0).abs() < 1e-9);
+    assert_eq!(interpolate(&[], 5), None);
+}
+
+#[test]
+fn calibration_files_round_trip() {
+    let d = TargetDescription::builtin("h200").expect("h200");
+    let json = serde_json::to_string(&d).expect("json");
+    let back: TargetDescription = serde_json::from_str(&json).expect("parse");
+    assert_eq!(back, d);
+}
