@@ -171,3 +171,70 @@ pub fn bench_eigh(sizes: &[usize], threads: &[usize], reps: usize) -> Result<()>
     }
     Ok(())
 }
+
+fn median_ms(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?; // warm-up
+    let mut t = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let s = std::time::Instant::now();
+        f()?;
+        t.push(s.elapsed().as_secs_f64() * 1e3);
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+/// `asteria calibrate`: measures this host's eigensolve and power-iteration+QR times and GEMM
+/// rate, and writes a target description for the `precond-scheduling` cost model.
+pub fn calibrate(output: Option<&Path>, sizes: &[usize], threads: Option<usize>, reps: usize) -> Result<()> {
+    let threads = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let pool = rayon_pool(threads)?;
+    let solver = optim::solver_by_name("faer").map_err(|e| miette!("{e}"))?;
+    let (mut eigh, mut qr) = (Vec::new(), Vec::new());
+    let mut gflops = 0.0f64;
+    pool.install(|| -> Result<()> {
+        for &n in sizes {
+            let a = optim::bench::random_spd_f32(n, 7);
+            let e = median_ms(reps, || solver.eigh_f32(&a, n).map(|_| ()).map_err(|e| miette!("{e}")))?;
+            let q = solver.eigh_f32(&a, n).map_err(|e| miette!("{e}"))?.vectors;
+            let mut fq = vec![0.0f32; n * n];
+            let r = median_ms(reps, || {
+                optim::matmul(&mut fq, &a, false, &q, false, n, n, n).map_err(|e| miette!("{e}"))?;
+                optim::thin_qr_q(&fq, n, n).map(|_| ()).map_err(|e| miette!("{e}"))
+            })?;
+            let mm = median_ms(reps, || optim::matmul(&mut fq, &a, false, &q, false, n, n, n).map_err(|e| miette!("{e}")))?;
+            gflops = gflops.max(2.0 * (n as f64).powi(3) / (mm * 1e6));
+            eprintln!("n = {n:>5}: eigh {e:>9.2} ms   power iteration + QR {r:>9.2} ms   GEMM {:.1} GFLOP/s", 2.0 * (n as f64).powi(3) / (mm * 1e6));
+            eigh.push((n, e));
+            qr.push((n, r));
+        }
+        Ok(())
+    })?;
+    let host = std::env::var("HOSTNAME").ok().or_else(|| std::fs::read_to_string("/etc/hostname").ok()).unwrap_or_default();
+    let desc = passes::cost_model::TargetDescription {
+        name: format!("calibrated-{}", host.trim()),
+        host_cores: threads,
+        host_gpu_gbps: None,
+        unified_memory: false,
+        host_eigh_ms: eigh,
+        host_qr_ms: qr,
+        gpu_eigh_ms: vec![],
+        gpu_qr_ms: vec![],
+        // Whole training steps reach about half the GEMM rate on the CPU engine.
+        train_tflops: 0.5 * gflops / 1e3,
+        side_stream_interference: 0.0,
+    };
+    let json = serde_json::to_string_pretty(&desc).into_diagnostic()?;
+    match output {
+        Some(p) => {
+            std::fs::write(p, &json).into_diagnostic().wrap_err_with(|| format!("cannot write {}", p.display()))?;
+            eprintln!("wrote {} (name it in a spec: target cpu {{ calibration = \"{}\" }})", p.display(), p.display());
+        }
+        None => println!("{json}"),
+    }
+    Ok(())
+}
+
+fn rayon_pool(threads: usize) -> Result<rayon::ThreadPool> {
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build().into_diagnostic()
+}

@@ -88,6 +88,22 @@ enum Command {
         #[command(flatten)]
         passes: PassFlags,
     },
+    /// Measure this host (eigensolve and QR times per size, GEMM rate) and write a target
+    /// description for the `precond-scheduling` cost model (`target { calibration = "FILE" }`).
+    Calibrate {
+        /// Where to write the JSON description (stdout when absent).
+        #[arg(short, long, value_name = "FILE.json")]
+        output: Option<PathBuf>,
+        /// Matrix sizes to measure.
+        #[arg(long, value_delimiter = ',', default_value = "64,128,256,512,1024")]
+        sizes: Vec<usize>,
+        /// Worker threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Repetitions per measurement (median reported).
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+    },
     /// Micro-benchmarks of the runtime's building blocks.
     Bench {
         #[command(subcommand)]
@@ -124,6 +140,7 @@ fn main() -> ExitCode {
         Command::Explain { spec } => commands::explain(&spec),
         Command::Run { plan, run } => commands::run(&plan, &run),
         Command::Train { spec, run, passes } => commands::train(&spec, &run, &passes),
+        Command::Calibrate { output, sizes, threads, reps } => commands::calibrate(output.as_deref(), &sizes, threads, reps),
         Command::Bench { what: BenchCommand::Eigh { sizes, threads, reps } } => commands::bench_eigh(&sizes, &threads, reps),
     };
     match result {

@@ -1,0 +1,52 @@
+// GELU (tanh approximation, GPT-2) and SwiGLU, forward and backward (plan ops `Gelu`,
+// `GeluBackward`, `SwiGlu`, `SwiGluBackward`). Grid-stride loops over 64-bit element counts.
+
+#define GELU_S 0.7978845608028654f
+#define GELU_C 0.044715f
+
+// out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+extern "C" __global__ void gelu_forward(const float* __restrict__ x, float* __restrict__ out, long long n) {
+    for (long long i = gtid(); i < n; i += gstride()) {
+        const float v = x[i];
+        out[i] = 0.5f * v * (1.0f + tanhf(GELU_S * (v + GELU_C * v * v * v)));
+    }
+}
+
+// dx = dout * (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)).
+extern "C" __global__ void gelu_backward(const float* __restrict__ dout, const float* __restrict__ x,
+                                         float* __restrict__ dx, long long n) {
+    for (long long i = gtid(); i < n; i += gstride()) {
+        const float v = x[i];
+        const float t = tanhf(GELU_S * (v + GELU_C * v * v * v));
+        const float g = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * GELU_S * (1.0f + 3.0f * GELU_C * v * v);
+        dx[i] = dout[i] * g;
+    }
+}
+
+__device__ __forceinline__ float sigmoidf_(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+// x [rows, 2f] = [gate | up]; out[r, k] = silu(gate) * up, out [rows, f].
+extern "C" __global__ void swiglu_forward(const float* __restrict__ x, float* __restrict__ out, long long total, int f) {
+    for (long long i = gtid(); i < total; i += gstride()) {
+        const long long r = i / f;
+        const int k = (int)(i - r * f);
+        const float g = x[r * 2 * f + k];
+        const float u = x[r * 2 * f + f + k];
+        out[i] = g * sigmoidf_(g) * u;
+    }
+}
+
+// dgate = dout * up * s (1 + g (1 - s)), dup = dout * g * s with s = sigmoid(g).
+extern "C" __global__ void swiglu_backward(const float* __restrict__ dout, const float* __restrict__ x,
+                                           float* __restrict__ dx, long long total, int f) {
+    for (long long i = gtid(); i < total; i += gstride()) {
+        const long long r = i / f;
+        const int k = (int)(i - r * f);
+        const float g = x[r * 2 * f + k];
+        const float u = x[r * 2 * f + f + k];
+        const float s = sigmoidf_(g);
+        const float d = dout[i];
+        dx[r * 2 * f + k] = d * u * s * (1.0f + g * (1.0f - s));
+        dx[r * 2 * f + f + k] = d * g * s;
+    }
+}

@@ -1,0 +1,292 @@
+//! GEMMs through cuBLAS with the row-major conventions of plan op `MatMul`:
+//! `out[M, P] = op(a) · op(b)` (`+ out` when accumulating), `a` stored `[M, K]` (or `[K, M]`
+//! with `trans_a`), `b` stored `[K, P]` (or `[P, K]` with `trans_b`).
+//!
+//! cuBLAS is column-major; a row-major `X` is the column-major `Xᵀ`, so `C = op(A) op(B)` is
+//! computed as `Cᵀ = op(B)ᵀ op(A)ᵀ`: cuBLAS gets `(B, A)` with the same transpose flags,
+//! `m = P`, `n = M`, leading dimensions the stored column counts. fp32 runs in plain fp32
+//! (`CUBLAS_DEFAULT_MATH`, no TF32); the bf16 path takes bf16 operands with fp32 accumulation
+//! and an fp32 output (`cublasGemmEx`, `CUBLAS_COMPUTE_32F`).
+use crate::device::{Device, INT_MAX};
+use crate::error::{cublas, CudaError, Result};
+use crate::memory::{Buf, Elem};
+use cudarc::cublas::{result as cb, sys as cbsys};
+use std::ffi::c_void;
+
+/// Stored shape of a row-major matrix operand, `[rows, cols]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dims {
+    /// Rows as stored.
+    pub rows: usize,
+    /// Columns as stored.
+    pub cols: usize,
+}
+
+impl Dims {
+    /// `[rows, cols]`.
+    pub fn new(rows: usize, cols: usize) -> Dims {
+        Dims { rows, cols }
+    }
+}
+
+/// A checked row-major GEMM problem `out[m, p] = op(a)[m, k] · op(b)[k, p]` in cuBLAS terms.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Geometry {
+    pub(crate) m: usize,
+    pub(crate) k: usize,
+    pub(crate) p: usize,
+    pub(crate) trans_a: bool,
+    pub(crate) trans_b: bool,
+}
+
+impl Geometry {
+    /// Checks the inner dimensions agree and every size fits cuBLAS's `int`.
+    pub(crate) fn new(
+        op: &'static str,
+        a: Dims,
+        b: Dims,
+        trans_a: bool,
+        trans_b: bool,
+    ) -> Result<Geometry> {
+        let (m, k) = if trans_a {
+            (a.cols, a.rows)
+        } else {
+            (a.rows, a.cols)
+        };
+        let (k2, p) = if trans_b {
+            (b.cols, b.rows)
+        } else {
+            (b.rows, b.cols)
+        };
+        if k2 != k {
+            return Err(CudaError::Shape {
+                op,
+                operand: "b (inner dimension)",
+                expected: k,
+                got: k2,
+            });
+        }
+        if m > INT_MAX || k > INT_MAX || p > INT_MAX {
+            return Err(CudaError::Invalid {
+                op,
+                what: format!("[{m}, {k}] x [{k}, {p}] exceeds cuBLAS's int range"),
+            });
+        }
+        Ok(Geometry {
+            m,
+            k,
+            p,
+            trans_a,
+            trans_b,
+        })
+    }
+    fn op(t: bool) -> cbsys::cublasOperation_t {
+        if t {
+            cbsys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            cbsys::cublasOperation_t::CUBLAS_OP_N
+        }
+    }
+    fn lda(&self) -> i32 {
+        (if self.trans_a { self.m } else { self.k }).max(1) as i32
+    }
+    fn ldb(&self) -> i32 {
+        (if self.trans_b { self.k } else { self.p }).max(1) as i32
+    }
+    fn ldc(&self) -> i32 {
+        self.p.max(1) as i32
+    }
+}
+
+fn check_operands(
+    op: &'static str,
+    a: &Buf,
+    a_dims: Dims,
+    b: &Buf,
+    b_dims: Dims,
+    elem: Elem,
+) -> Result<()> {
+    a.expect(op, "a", elem, a_dims.rows * a_dims.cols)?;
+    b.expect(op, "b", elem, b_dims.rows * b_dims.cols)
+}
+
+/// Plan op `MatMul` in fp32: `out = op(a)·op(b)` (+ `out` when `accumulate`). See module docs.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    dev: &Device,
+    a: &Buf,
+    a_dims: Dims,
+    b: &Buf,
+    b_dims: Dims,
+    out: &Buf,
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+) -> Result<()> {
+    gemm_f32(
+        dev,
+        a,
+        a_dims,
+        b,
+        b_dims,
+        out,
+        trans_a,
+        trans_b,
+        1.0,
+        if accumulate { 1.0 } else { 0.0 },
+    )
+}
+
+/// `out = alpha · op(a)·op(b) + beta · out` in fp32 (row-major; see module docs).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_f32(
+    dev: &Device,
+    a: &Buf,
+    a_dims: Dims,
+    b: &Buf,
+    b_dims: Dims,
+    out: &Buf,
+    trans_a: bool,
+    trans_b: bool,
+    alpha: f32,
+    beta: f32,
+) -> Result<()> {
+    const OP: &str = "gemm_f32";
+    check_operands(OP, a, a_dims, b, b_dims, Elem::F32)?;
+    let g = Geometry::new(OP, a_dims, b_dims, trans_a, trans_b)?;
+    out.expect(OP, "out", Elem::F32, g.m * g.p)?;
+    gemm_strided_batched_f32(dev, g, alpha, a.ptr(), 0, b.ptr(), 0, beta, out.ptr(), 0, 1)
+}
+
+/// `batch` independent row-major GEMMs of geometry `g`, operand `i` at `ptr + i·stride`
+/// (strides in elements). The caller guarantees the pointers cover the strided ranges.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_strided_batched_f32(
+    dev: &Device,
+    g: Geometry,
+    alpha: f32,
+    a: u64,
+    stride_a: usize,
+    b: u64,
+    stride_b: usize,
+    beta: f32,
+    c: u64,
+    stride_c: usize,
+    batch: usize,
+) -> Result<()> {
+    if g.m == 0 || g.p == 0 || batch == 0 {
+        return Ok(());
+    }
+    if batch > INT_MAX {
+        return Err(CudaError::Invalid {
+            op: "gemm_f32",
+            what: format!("batch {batch} exceeds int"),
+        });
+    }
+    dev.context().bind_to_thread()?;
+    let h = dev.cublas_handle();
+    // SAFETY: the callers checked that every operand covers its (strided) matrix; alpha/beta
+    // are host scalars (the handle's default pointer mode).
+    unsafe {
+        if batch == 1 {
+            cb::sgemm(
+                h,
+                Geometry::op(g.trans_b),
+                Geometry::op(g.trans_a),
+                g.p as i32,
+                g.m as i32,
+                g.k as i32,
+                &alpha,
+                b as *const f32,
+                g.ldb(),
+                a as *const f32,
+                g.lda(),
+                &beta,
+                c as *mut f32,
+                g.ldc(),
+            )
+            .map_err(cublas("sgemm"))
+        } else {
+            cb::sgemm_strided_batched(
+                h,
+                Geometry::op(g.trans_b),
+                Geometry::op(g.trans_a),
+                g.p as i32,
+                g.m as i32,
+                g.k as i32,
+                &alpha,
+                b as *const f32,
+                g.ldb(),
+                stride_b as i64,
+                a as *const f32,
+                g.lda(),
+                stride_a as i64,
+                &beta,
+                c as *mut f32,
+                g.ldc(),
+                stride_c as i64,
+                batch as i32,
+            )
+            .map_err(cublas("sgemm_strided_batched"))
+        }
+    }
+}
+
+/// bf16 operands, fp32 accumulation and output: `out = op(a)·op(b)` (+ `out` when
+/// `accumulate`). `a`, `b` are [`Elem::BF16`] (see [`cast_f32_to_bf16`]); `out` is f32.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_bf16(
+    dev: &Device,
+    a: &Buf,
+    a_dims: Dims,
+    b: &Buf,
+    b_dims: Dims,
+    out: &Buf,
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+) -> Result<()> {
+    const OP: &str = "matmul_bf16";
+    check_operands(OP, a, a_dims, b, b_dims, Elem::BF16)?;
+    let g = Geometry::new(OP, a_dims, b_dims, trans_a, trans_b)?;
+    out.expect(OP, "out", Elem::F32, g.m * g.p)?;
+    if g.m == 0 || g.p == 0 {
+        return Ok(());
+    }
+    let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+    dev.context().bind_to_thread()?;
+    // SAFETY: operands checked above; alpha/beta are host f32 scalars matching COMPUTE_32F.
+    unsafe {
+        cb::gemm_ex(
+            dev.cublas_handle(),
+            Geometry::op(g.trans_b),
+            Geometry::op(g.trans_a),
+            g.p as i32,
+            g.m as i32,
+            g.k as i32,
+            (&alpha as *const f32).cast::<c_void>(),
+            b.ptr() as *const c_void,
+            cbsys::cudaDataType::CUDA_R_16BF,
+            g.ldb(),
+            a.ptr() as *const c_void,
+            cbsys::cudaDataType::CUDA_R_16BF,
+            g.lda(),
+            (&beta as *const f32).cast::<c_void>(),
+            out.ptr() as *mut c_void,
+            cbsys::cudaDataType::CUDA_R_32F,
+            g.ldc(),
+            cbsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cbsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+        .map_err(cublas("gemm_ex bf16"))
+    }
+}
+
+/// `out = bf16(x)` elementwise (round to nearest even) on the compute stream.
+pub fn cast_f32_to_bf16(dev: &Device, x: &Buf, out: &Buf) -> Result<()> {
+    x.expect("cast_f32_to_bf16", "x", Elem::F32, x.len())?;
+    out.expect("cast_f32_to_bf16", "out", Elem::BF16, x.len())?;
+    let n = x.len();
+    let args = crate::kernels::Args::new().buf(x).buf(out).i64(n as i64);
+    dev.launch("cast_f32_bf16", (dev.grid_for(n), 1, 1), (256, 1, 1), args)
+}

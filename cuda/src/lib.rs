@@ -1,0 +1,32 @@
+//! asteria's CUDA backend: the GPU side of the engine (DESIGN.md, "Schedule and engine").
+//!
+//! - [`Device`]: a CUDA context with the `compute`, `copy-in`, `copy-out` and `side` streams,
+//!   a cuBLAS handle, and every kernel family compiled by NVRTC for the device's own compute
+//!   capability at start-up (cached on disk, see [`nvrtc`]);
+//! - [`Arena`] / [`Buf`]: one allocation per tier (device, pinned host), carved at offsets;
+//!   peak memory in [`Device::memory_report`];
+//! - [`kernels`]: hand-written CUDA C in `cuda/kernels/*.cu`, one family per file;
+//! - [`ops`] and [`gemm`]: one host launcher per plan op ([`schedule::Op`]) with the exact
+//!   semantics of its docstring and of the CPU kernels in `engine::cpu` / `optim`;
+//! - [`selftest`]: runs every launcher on fresh random inputs against those CPU kernels.
+//!
+//! Nothing here needs CUDA to build: cudarc loads `libcuda`, `libnvrtc` and `libcublas` at run
+//! time, and [`Device::new`] returns [`CudaError::NoDriver`] on a machine without a driver.
+//! Not yet here (later work): the plan interpreter, pinned-host prefetch of offloaded state,
+//! GPU eigensolves on the side stream (cuSOLVER), and NCCL — cudarc 0.19 opens `libnccl.so`
+//! only, while GPU hosts often ship just `libnccl.so.2` (see shared/GPU.md), so the NCCL
+//! loader must try the versioned soname itself.
+#![deny(missing_docs)]
+
+mod device;
+mod error;
+pub mod gemm;
+pub mod kernels;
+mod memory;
+pub mod nvrtc;
+pub mod ops;
+pub mod selftest;
+
+pub use device::{driver_present, Device, DeviceInfo, HostElem, MemoryReport, StreamKind};
+pub use error::{CudaError, Result, Tier};
+pub use memory::{Arena, Buf, Carver, Elem, BUF_ALIGN};

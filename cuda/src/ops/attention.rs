@@ -1,0 +1,252 @@
+//! Causal multi-head self-attention (plan ops `Attention`, `AttentionBackward`) as cuBLAS
+//! strided-batched GEMMs around permutes and a causal row softmax (kernel family `attention`).
+//!
+//! Per (batch, head) with `Q, K, V` `[T, d]`, `s = 1/√d`: `S = s·Q Kᵀ`, `P = softmax(S + mask)`,
+//! `O = P V`. Backward (P recomputed): `dV = Pᵀ dO`, `dP = dO Vᵀ`,
+//! `dS = P ⊙ (dP − rowsum(P ⊙ dP))`, `dQ = s·dS K`, `dK = s·dSᵀ Q`. The full `T × T` scores
+//! are materialised (a fused flash-style kernel is future work).
+use super::{int, row_threads};
+use crate::device::Device;
+use crate::error::{CudaError, Result};
+use crate::gemm::{gemm_strided_batched_f32, Dims, Geometry};
+use crate::kernels::Args;
+use crate::memory::{Buf, Elem};
+
+/// Geometry of an attention call: qkv `[batch·seq_len, 3C]`, `C = n_heads · head_dim`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnDims {
+    /// Sequences in the batch.
+    pub batch: usize,
+    /// Tokens per sequence `T`.
+    pub seq_len: usize,
+    /// Number of heads.
+    pub n_heads: usize,
+    /// Model width `C`.
+    pub channels: usize,
+}
+
+impl AttnDims {
+    fn check(&self, op: &'static str) -> Result<usize> {
+        if self.n_heads == 0
+            || self.channels % self.n_heads != 0
+            || self.batch == 0
+            || self.seq_len == 0
+        {
+            return Err(CudaError::Invalid {
+                op,
+                what: format!("inconsistent geometry {self:?}"),
+            });
+        }
+        let hd = self.channels / self.n_heads;
+        int(
+            op,
+            "B*NH*T*T",
+            self.batch * self.n_heads * self.seq_len * self.seq_len,
+        )?;
+        int(op, "3*N*C", 3 * self.batch * self.seq_len * self.channels)?;
+        Ok(hd)
+    }
+    fn nc(&self) -> usize {
+        self.batch * self.seq_len * self.channels
+    }
+    fn scores(&self) -> usize {
+        self.batch * self.n_heads * self.seq_len * self.seq_len
+    }
+}
+
+/// Scratch elements (f32) of [`attention_forward`]: `3·N·C + B·NH·T²`.
+pub fn attention_forward_scratch_len(d: &AttnDims) -> usize {
+    3 * d.nc() + d.scores()
+}
+
+/// Scratch elements (f32) of [`attention_backward`]: `7·N·C + 2·B·NH·T²`.
+pub fn attention_backward_scratch_len(d: &AttnDims) -> usize {
+    7 * d.nc() + 2 * d.scores()
+}
+
+struct Heads {
+    bh: usize,
+    t: usize,
+    hd: usize,
+}
+
+impl Heads {
+    /// Batched GEMM over heads: `c_i = alpha·op(a_i)·op(b_i)`, operands `[rows, cols]` as stored.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        dev: &Device,
+        a: &Buf,
+        a_dims: Dims,
+        trans_a: bool,
+        b: &Buf,
+        b_dims: Dims,
+        trans_b: bool,
+        c: &Buf,
+        alpha: f32,
+    ) -> Result<()> {
+        let g = Geometry::new("attention", a_dims, b_dims, trans_a, trans_b)?;
+        let (sa, sb, sc) = (
+            a_dims.rows * a_dims.cols,
+            b_dims.rows * b_dims.cols,
+            g.m * g.p,
+        );
+        debug_assert!(
+            a.len() >= sa * self.bh && b.len() >= sb * self.bh && c.len() >= sc * self.bh
+        );
+        gemm_strided_batched_f32(
+            dev,
+            g,
+            alpha,
+            a.ptr(),
+            sa,
+            b.ptr(),
+            sb,
+            0.0,
+            c.ptr(),
+            sc,
+            self.bh,
+        )
+    }
+    fn th(&self) -> Dims {
+        Dims::new(self.t, self.hd)
+    }
+    fn tt(&self) -> Dims {
+        Dims::new(self.t, self.t)
+    }
+}
+
+/// Appends the `(batch, seq_len, n_heads, hd)` kernel parameters.
+fn geom(a: Args, d: &AttnDims, hd: usize) -> Args {
+    a.i32(d.batch as i32)
+        .i32(d.seq_len as i32)
+        .i32(d.n_heads as i32)
+        .i32(hd as i32)
+}
+
+fn softmax(dev: &Device, kernel: &'static str, args: Args, rows: usize, t: usize) -> Result<()> {
+    dev.launch(
+        kernel,
+        (int(kernel, "rows", rows)? as u32, 1, 1),
+        (row_threads(t), 1, 1),
+        args,
+    )
+}
+
+/// Plan op `Attention`: qkv `[N, 3C]` → out `[N, C]`, causal, scale `1/√(C/n_heads)`.
+/// `scratch` f32 of at least [`attention_forward_scratch_len`].
+pub fn attention_forward(
+    dev: &Device,
+    qkv: &Buf,
+    out: &Buf,
+    d: &AttnDims,
+    scratch: &Buf,
+) -> Result<()> {
+    const OP: &str = "attention";
+    let hd = d.check(OP)?;
+    let nc = d.nc();
+    qkv.expect(OP, "qkv", Elem::F32, 3 * nc)?;
+    out.expect(OP, "out", Elem::F32, nc)?;
+    let need = attention_forward_scratch_len(d);
+    if scratch.len() < need || scratch.elem() != Elem::F32 {
+        return Err(CudaError::Shape {
+            op: OP,
+            operand: "scratch",
+            expected: need,
+            got: scratch.len(),
+        });
+    }
+    let (q, k, v) = (
+        scratch.slice(0, nc)?,
+        scratch.slice(nc, nc)?,
+        scratch.slice(2 * nc, nc)?,
+    );
+    let s = scratch.slice(3 * nc, d.scores())?;
+    let h = Heads {
+        bh: d.batch * d.n_heads,
+        t: d.seq_len,
+        hd,
+    };
+    let scale = (1.0 / (hd as f64).sqrt()) as f32;
+    let grid = (dev.grid_for(nc), 1, 1);
+
+    let split = geom(Args::new().buf(qkv).buf(&q).buf(&k).buf(&v), d, hd);
+    dev.launch("attn_split_qkv", grid, (256, 1, 1), split)?;
+    h.gemm(dev, &q, h.th(), false, &k, h.th(), true, &s, scale)?;
+    softmax(
+        dev,
+        "attn_softmax_causal",
+        Args::new().buf(&s).i64((h.bh * h.t) as i64).i32(h.t as i32),
+        h.bh * h.t,
+        h.t,
+    )?;
+    // O = P V into q's space (Q is no longer needed), then scatter to [N, C].
+    h.gemm(dev, &s, h.tt(), false, &v, h.th(), false, &q, 1.0)?;
+    let perm = geom(Args::new().buf(out).buf(&q), d, hd).i32(0);
+    dev.launch("attn_permute_heads", grid, (256, 1, 1), perm)
+}
+
+/// Plan op `AttentionBackward`: dout `[N, C]`, qkv `[N, 3C]` → dqkv `[N, 3C]` (overwritten),
+/// probabilities recomputed. `scratch` f32 of at least [`attention_backward_scratch_len`].
+pub fn attention_backward(
+    dev: &Device,
+    dout: &Buf,
+    qkv: &Buf,
+    dqkv: &Buf,
+    d: &AttnDims,
+    scratch: &Buf,
+) -> Result<()> {
+    const OP: &str = "attention_backward";
+    let hd = d.check(OP)?;
+    let nc = d.nc();
+    qkv.expect(OP, "qkv", Elem::F32, 3 * nc)?;
+    dqkv.expect(OP, "dqkv", Elem::F32, 3 * nc)?;
+    dout.expect(OP, "dout", Elem::F32, nc)?;
+    let need = attention_backward_scratch_len(d);
+    if scratch.len() < need || scratch.elem() != Elem::F32 {
+        return Err(CudaError::Shape {
+            op: OP,
+            operand: "scratch",
+            expected: need,
+            got: scratch.len(),
+        });
+    }
+    let part = |i: usize| scratch.slice(i * nc, nc);
+    let (q, k, v, g_o) = (part(0)?, part(1)?, part(2)?, part(3)?);
+    let (dq, dk, dv) = (part(4)?, part(5)?, part(6)?);
+    let p = scratch.slice(7 * nc, d.scores())?;
+    let dp = scratch.slice(7 * nc + d.scores(), d.scores())?;
+    let h = Heads {
+        bh: d.batch * d.n_heads,
+        t: d.seq_len,
+        hd,
+    };
+    let scale = (1.0 / (hd as f64).sqrt()) as f32;
+    let grid = (dev.grid_for(nc), 1, 1);
+    let rows = h.bh * h.t;
+
+    let split = geom(Args::new().buf(qkv).buf(&q).buf(&k).buf(&v), d, hd);
+    dev.launch("attn_split_qkv", grid, (256, 1, 1), split)?;
+    let perm = geom(Args::new().buf(dout).buf(&g_o), d, hd).i32(1);
+    dev.launch("attn_permute_heads", grid, (256, 1, 1), perm)?;
+    h.gemm(dev, &q, h.th(), false, &k, h.th(), true, &p, scale)?;
+    softmax(
+        dev,
+        "attn_softmax_causal",
+        Args::new().buf(&p).i64(rows as i64).i32(h.t as i32),
+        rows,
+        h.t,
+    )?;
+    h.gemm(dev, &p, h.tt(), true, &g_o, h.th(), false, &dv, 1.0)?;
+    h.gemm(dev, &g_o, h.th(), false, &v, h.th(), true, &dp, 1.0)?;
+    let sb = Args::new()
+        .buf(&p)
+        .buf(&dp)
+        .i64(rows as i64)
+        .i32(h.t as i32);
+    softmax(dev, "attn_softmax_causal_backward", sb, rows, h.t)?;
+    h.gemm(dev, &dp, h.tt(), false, &k, h.th(), false, &dq, scale)?;
+    h.gemm(dev, &dp, h.tt(), true, &q, h.th(), false, &dk, scale)?;
+    let merge = geom(Args::new().buf(&dq).buf(&dk).buf(&dv).buf(dqkv), d, hd);
+    dev.launch("attn_merge_qkv", grid, (256, 1, 1), merge)
+}

@@ -1,0 +1,178 @@
+//! Launchers of the loss and reduction ops: softmax cross-entropy (plan ops `CrossEntropy`,
+//! `CrossEntropyBackward`; family `cross_entropy`) and the global gradient norm with clipping
+//! (plan op `ClipGradNorm`; families `reduce`, `elementwise`). Reductions accumulate in f64
+//! over fixed partitions and add partials in a fixed order: results are deterministic.
+use super::{int, row_threads, rows_of};
+use crate::device::Device;
+use crate::error::{CudaError, Result};
+use crate::kernels::Args;
+use crate::memory::{Buf, Elem};
+
+/// Blocks (= f64 partials) per buffer of a sum-of-squares reduction.
+pub const SUMSQ_BLOCKS: usize = 256;
+
+/// Scratch elements (f32) of [`cross_entropy_forward`]: `2N` (N f64 row losses).
+pub fn cross_entropy_scratch_len(n_rows: usize) -> usize {
+    2 * n_rows
+}
+
+/// Plan op `CrossEntropy`: `loss[0] = (1/N) Σ_n [logsumexp(logits[n]) − logits[n, targets[n]]]`
+/// (nats). logits f32 `[N, vocab]`, targets i32 `[N]`, loss `[1]`. A bad target makes the loss
+/// NaN and is reported by [`Device::take_status`]. `scratch` f32 of at least
+/// [`cross_entropy_scratch_len`].
+pub fn cross_entropy_forward(
+    dev: &Device,
+    logits: &Buf,
+    targets: &Buf,
+    loss: &Buf,
+    vocab: usize,
+    scratch: &Buf,
+) -> Result<()> {
+    const OP: &str = "cross_entropy";
+    let n = targets.len();
+    targets.expect(OP, "targets", Elem::I32, n)?;
+    logits.expect(OP, "logits", Elem::F32, n * vocab)?;
+    loss.expect(OP, "loss", Elem::F32, 1)?;
+    let rows = scratch
+        .reinterpret(Elem::F64, n)
+        .map_err(|_| CudaError::Shape {
+            op: OP,
+            operand: "scratch",
+            expected: cross_entropy_scratch_len(n),
+            got: scratch.len(),
+        })?;
+    if n > 0 {
+        let args = Args::new()
+            .buf(logits)
+            .buf(targets)
+            .buf(&rows)
+            .i32(int(OP, "N", n)?)
+            .i32(int(OP, "V", vocab)?)
+            .buf(dev.status());
+        dev.launch(
+            "xent_row_loss",
+            (n as u32, 1, 1),
+            (row_threads(vocab), 1, 1),
+            args,
+        )?;
+    }
+    dev.launch(
+        "xent_mean",
+        (1, 1, 1),
+        (1024, 1, 1),
+        Args::new().buf(&rows).buf(loss).i32(n as i32),
+    )
+}
+
+/// Plan op `CrossEntropyBackward`: `dlogits = (softmax(logits) − onehot(targets)) / N`.
+pub fn cross_entropy_backward(
+    dev: &Device,
+    logits: &Buf,
+    targets: &Buf,
+    dlogits: &Buf,
+    vocab: usize,
+) -> Result<()> {
+    const OP: &str = "cross_entropy_backward";
+    let n = rows_of(OP, "logits", logits.len(), vocab)?;
+    targets.expect(OP, "targets", Elem::I32, n)?;
+    logits.expect(OP, "logits", Elem::F32, n * vocab)?;
+    dlogits.expect(OP, "dlogits", Elem::F32, n * vocab)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let args = Args::new()
+        .buf(logits)
+        .buf(targets)
+        .buf(dlogits)
+        .i32(int(OP, "N", n)?)
+        .i32(int(OP, "V", vocab)?)
+        .f32((1.0 / n as f64) as f32)
+        .buf(dev.status());
+    dev.launch(
+        "xent_backward",
+        (n as u32, 1, 1),
+        (row_threads(vocab), 1, 1),
+        args,
+    )
+}
+
+/// Scratch elements (f32) of [`clip_grad_norm`] over `n_grads` buffers:
+/// `2·256·n_grads` (f64 partials) `+ 2` (the scale factor).
+pub fn clip_grad_norm_scratch_len(n_grads: usize) -> usize {
+    2 * SUMSQ_BLOCKS * n_grads + 2
+}
+
+/// Writes `Σ x²` partials of `x` (f32) into `partials[slot·256 .. slot·256 + 256]` (f64).
+pub(crate) fn sumsq_partials(dev: &Device, x: &Buf, partials: &Buf, slot: usize) -> Result<()> {
+    x.expect("sumsq", "x", Elem::F32, x.len())?;
+    if partials.elem() != Elem::F64 || partials.len() < (slot + 1) * SUMSQ_BLOCKS {
+        return Err(CudaError::Shape {
+            op: "sumsq",
+            operand: "partials",
+            expected: (slot + 1) * SUMSQ_BLOCKS,
+            got: partials.len(),
+        });
+    }
+    let args = Args::new()
+        .buf(x)
+        .i64(x.len() as i64)
+        .buf(partials)
+        .i32(slot as i32);
+    dev.launch(
+        "sumsq_partials",
+        (SUMSQ_BLOCKS as u32, 1, 1),
+        (256, 1, 1),
+        args,
+    )
+}
+
+/// Plan op `ClipGradNorm`: `norm[0] = √(Σ_g Σ_i g_i²)` (f64 accumulation); when `max_norm` is
+/// set and the norm is finite and above it, every gradient is scaled by `max_norm / norm` on
+/// the GPU (no host round trip). The caller reads `norm` back to skip the optimizer program
+/// on a non-finite norm. `scratch` f32 of at least [`clip_grad_norm_scratch_len`].
+pub fn clip_grad_norm(
+    dev: &Device,
+    grads: &[&Buf],
+    norm: &Buf,
+    max_norm: Option<f64>,
+    scratch: &Buf,
+) -> Result<()> {
+    const OP: &str = "clip_grad_norm";
+    norm.expect(OP, "norm", Elem::F32, 1)?;
+    let k = grads.len();
+    let need = clip_grad_norm_scratch_len(k);
+    if scratch.len() < need || scratch.elem() != Elem::F32 {
+        return Err(CudaError::Shape {
+            op: OP,
+            operand: "scratch",
+            expected: need,
+            got: scratch.len(),
+        });
+    }
+    let partials = scratch.reinterpret(Elem::F64, SUMSQ_BLOCKS * k.max(1))?;
+    let scale = scratch.slice(need - 2, 1)?;
+    for (i, g) in grads.iter().enumerate() {
+        sumsq_partials(dev, g, &partials, i)?;
+    }
+    let count = int(OP, "partials", SUMSQ_BLOCKS * k)?;
+    let args = Args::new()
+        .buf(&partials)
+        .i32(count)
+        .buf(norm)
+        .buf(&scale)
+        .f64(max_norm.unwrap_or(-1.0));
+    dev.launch("grad_norm_finalize", (1, 1, 1), (1024, 1, 1), args)?;
+    if max_norm.is_some() {
+        for g in grads {
+            let n = g.len();
+            let args = Args::new().buf(g).buf(&scale).i64(n as i64);
+            dev.launch(
+                "scale_by_device_scalar",
+                (dev.grid_for(n), 1, 1),
+                (256, 1, 1),
+                args,
+            )?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,227 @@
+//! Optimizer launchers: fused AdamW (plan op `AdamW`, family `adamw`), the SOAP parameter
+//! update (plan op `SoapUpdate`: cuBLAS projections around the fused eigenbasis-Adam kernel,
+//! family `soap`) and the Kronecker-factor accumulation (plan op `SoapFactorUpdate`, GEMMs).
+//! Semantics match `optim::adamw_update`, `optim::soap_update`, `optim::soap_factor_update`.
+use super::loss::{sumsq_partials, SUMSQ_BLOCKS};
+use crate::device::Device;
+use crate::error::{CudaError, Result};
+use crate::gemm::{gemm_f32, Dims};
+use crate::kernels::Args;
+use crate::memory::{Buf, Elem};
+use schedule::SoapHyper;
+
+/// AdamW hyperparameters of one step; `lr` is the scheduled learning rate of this step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWStep {
+    /// 1-based step (bias correction).
+    pub t: u64,
+    /// Scheduled learning rate.
+    pub lr: f64,
+    /// β₁.
+    pub beta1: f64,
+    /// β₂.
+    pub beta2: f64,
+    /// ε added to the bias-corrected √v.
+    pub eps: f64,
+    /// Decoupled weight decay (multiplied by `lr`).
+    pub weight_decay: f64,
+}
+
+/// Plan op `AdamW` (PyTorch `torch.optim.AdamW` semantics, torch.lerp for the first moment),
+/// in place on param/exp_avg/exp_avg_sq; all four buffers the same length.
+pub fn adamw(
+    dev: &Device,
+    s: &AdamWStep,
+    param: &Buf,
+    grad: &Buf,
+    exp_avg: &Buf,
+    exp_avg_sq: &Buf,
+) -> Result<()> {
+    const OP: &str = "adamw";
+    let n = grad.len();
+    for (name, b) in [
+        ("param", param),
+        ("grad", grad),
+        ("exp_avg", exp_avg),
+        ("exp_avg_sq", exp_avg_sq),
+    ] {
+        b.expect(OP, name, Elem::F32, n)?;
+    }
+    let t = s.t.max(1).min(i32::MAX as u64) as i32;
+    let bc1 = 1.0 - s.beta1.powi(t);
+    let bc2_sqrt = (1.0 - s.beta2.powi(t)).sqrt();
+    let args = Args::new()
+        .buf(param)
+        .buf(grad)
+        .buf(exp_avg)
+        .buf(exp_avg_sq)
+        .i64(n as i64)
+        .f32((1.0 - s.lr * s.weight_decay) as f32)
+        .i32((s.weight_decay != 0.0) as i32)
+        .f32((1.0 - s.beta1) as f32)
+        .f32(s.beta2 as f32)
+        .f32((1.0 - s.beta2) as f32)
+        .f32((s.lr / bc1) as f32)
+        .f32(bc2_sqrt as f32)
+        .f32(s.eps as f32);
+    dev.launch("adamw_step", (dev.grid_for(n), 1, 1), (256, 1, 1), args)
+}
+
+/// Scratch elements (f32) of [`soap_update`] for an `[m, n]` parameter:
+/// `2·256 + 2 + 3·m·n` (f64 partials, the RMS divisor, projections).
+pub fn soap_update_scratch_len(m: usize, n: usize) -> usize {
+    3 * m * n + 2 * SUMSQ_BLOCKS + 2
+}
+
+/// Plan op `SoapUpdate` on a parameter `[m, n]` at 1-based step `t` with scheduled `lr`
+/// (`hp.lr` is ignored): nothing at `t ≤ 1`; otherwise with k = t − 1,
+/// `G' = Q_Lᵀ G Q_R`, fused `exp_avg ← β₁·exp_avg + (1−β₁)G'`,
+/// `exp_avg_sq ← β₂·exp_avg_sq + (1−β₂)G'²`, `pre = exp_avg/(√exp_avg_sq + ε)`,
+/// `N = Q_L pre Q_Rᵀ` (optionally divided by `1e-30 + RMS(N)`),
+/// `W ← W − lr·√(1−β₂ᵏ)/(1−β₁ᵏ)·N`, then `W ← W − lr·wd·W`. A missing basis is the identity.
+/// `scratch` f32 of at least [`soap_update_scratch_len`].
+#[allow(clippy::too_many_arguments)]
+pub fn soap_update(
+    dev: &Device,
+    t: u64,
+    lr: f64,
+    hp: &SoapHyper,
+    param: &Buf,
+    grad: &Buf,
+    exp_avg: &Buf,
+    exp_avg_sq: &Buf,
+    basis_left: Option<&Buf>,
+    basis_right: Option<&Buf>,
+    m: usize,
+    n: usize,
+    scratch: &Buf,
+) -> Result<()> {
+    const OP: &str = "soap_update";
+    let mn = m * n;
+    for (name, b) in [
+        ("param", param),
+        ("grad", grad),
+        ("exp_avg", exp_avg),
+        ("exp_avg_sq", exp_avg_sq),
+    ] {
+        b.expect(OP, name, Elem::F32, mn)?;
+    }
+    if let Some(q) = basis_left {
+        q.expect(OP, "basis_left", Elem::F32, m * m)?;
+    }
+    if let Some(q) = basis_right {
+        q.expect(OP, "basis_right", Elem::F32, n * n)?;
+    }
+    let need = soap_update_scratch_len(m, n);
+    if scratch.len() < need || scratch.elem() != Elem::F32 {
+        return Err(CudaError::Shape {
+            op: OP,
+            operand: "scratch",
+            expected: need,
+            got: scratch.len(),
+        });
+    }
+    if t <= 1 || mn == 0 {
+        return Ok(());
+    }
+    let k = i32::try_from(t - 1).unwrap_or(i32::MAX);
+    // Layout: f64 partials first (8-byte aligned like the scratch itself), the divisor, then
+    // the three [m, n] work matrices.
+    let head = 2 * SUMSQ_BLOCKS + 2;
+    let partials = scratch
+        .slice(0, 2 * SUMSQ_BLOCKS)?
+        .reinterpret(Elem::F64, SUMSQ_BLOCKS)?;
+    let divisor = scratch.slice(2 * SUMSQ_BLOCKS, 1)?;
+    let gp = scratch.slice(head, mn)?;
+    let tmp = scratch.slice(head + mn, mn)?;
+    let pre = scratch.slice(head + 2 * mn, mn)?;
+    let (dm, dn, dmm, dnn) = (
+        Dims::new(m, n),
+        Dims::new(m, n),
+        Dims::new(m, m),
+        Dims::new(n, n),
+    );
+
+    // G' = Q_Lᵀ G Q_R.
+    let mut cur = grad.clone();
+    if let Some(ql) = basis_left {
+        gemm_f32(dev, ql, dmm, &cur, dm, &tmp, true, false, 1.0, 0.0)?;
+        cur = tmp.clone();
+    }
+    if let Some(qr) = basis_right {
+        gemm_f32(dev, &cur, dm, qr, dnn, &gp, false, false, 1.0, 0.0)?;
+        cur = gp.clone();
+    }
+    let args = Args::new()
+        .buf(&cur)
+        .buf(exp_avg)
+        .buf(exp_avg_sq)
+        .buf(&pre)
+        .i64(mn as i64)
+        .f32(hp.beta1 as f32)
+        .f32((1.0 - hp.beta1) as f32)
+        .f32(hp.beta2 as f32)
+        .f32((1.0 - hp.beta2) as f32)
+        .f32(hp.eps as f32);
+    dev.launch(
+        "soap_adam_eigen",
+        (dev.grid_for(mn), 1, 1),
+        (256, 1, 1),
+        args,
+    )?;
+
+    // N = Q_L pre Q_Rᵀ.
+    let mut upd = pre.clone();
+    if let Some(ql) = basis_left {
+        gemm_f32(dev, ql, dmm, &upd, dn, &tmp, false, false, 1.0, 0.0)?;
+        upd = tmp.clone();
+    }
+    if let Some(qr) = basis_right {
+        gemm_f32(dev, &upd, dn, qr, dnn, &gp, false, true, 1.0, 0.0)?;
+        upd = gp.clone();
+    }
+    if hp.normalize_grads {
+        sumsq_partials(dev, &upd, &partials, 0)?;
+        let args = Args::new()
+            .buf(&partials)
+            .i32(SUMSQ_BLOCKS as i32)
+            .i64(mn as i64)
+            .buf(&divisor);
+        dev.launch("rms_finalize", (1, 1, 1), (256, 1, 1), args)?;
+    }
+    let mut step = lr;
+    if hp.correct_bias {
+        step = step * (1.0 - hp.beta2.powi(k)).sqrt() / (1.0 - hp.beta1.powi(k));
+    }
+    let args = Args::new()
+        .buf(param)
+        .buf(&upd)
+        .i64(mn as i64)
+        .f32(-step as f32)
+        .opt(hp.normalize_grads.then_some(&divisor))
+        .i32((hp.weight_decay > 0.0) as i32)
+        .f32((-lr * hp.weight_decay) as f32);
+    dev.launch("soap_apply", (dev.grid_for(mn), 1, 1), (256, 1, 1), args)
+}
+
+/// Plan op `SoapFactorUpdate`: `L ← β·L + (1−β)·G Gᵀ` `[m, m]`, `R ← β·R + (1−β)·Gᵀ G`
+/// `[n, n]` (cuBLAS GEMMs with α = 1−β, β = shampoo_beta); a `None` factor is skipped.
+pub fn soap_factor_update(
+    dev: &Device,
+    grad: &Buf,
+    factor_left: Option<&Buf>,
+    factor_right: Option<&Buf>,
+    m: usize,
+    n: usize,
+    shampoo_beta: f64,
+) -> Result<()> {
+    let g = Dims::new(m, n);
+    let (alpha, beta) = ((1.0 - shampoo_beta) as f32, shampoo_beta as f32);
+    if let Some(l) = factor_left {
+        gemm_f32(dev, grad, g, grad, g, l, false, true, alpha, beta)?;
+    }
+    if let Some(r) = factor_right {
+        gemm_f32(dev, grad, g, grad, g, r, true, false, alpha, beta)?;
+    }
+    Ok(())
+}

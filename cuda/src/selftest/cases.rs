@@ -1,0 +1,541 @@
+//! Self-test cases of the model, attention, loss, GEMM and elementwise launchers.
+use super::{cpu, rel_err, wide, Case, Ctx, Outcome, TOL_BF16, TOL_F32};
+use crate::error::Result;
+use crate::gemm::{self, Dims};
+use crate::memory::Elem;
+use crate::ops::{attention as gattn, loss as gloss, nn as g};
+use engine::cpu as c;
+
+/// Registers a case.
+pub(crate) fn case(
+    kernel: &'static str,
+    size: String,
+    tol: f64,
+    big: bool,
+    run: impl Fn(&mut Ctx<'_>) -> Result<Outcome> + 'static,
+) -> Case {
+    Case {
+        kernel,
+        size,
+        tol,
+        big,
+        run: Box::new(run),
+    }
+}
+
+fn one(name: &'static str, err: f64, gpu_ms: f64) -> Outcome {
+    Outcome {
+        errs: vec![(name, err)],
+        gpu_ms,
+    }
+}
+
+pub(crate) fn cases() -> Vec<Case> {
+    let mut v = Vec::new();
+    embedding(&mut v);
+    positional(&mut v);
+    norms(&mut v);
+    activations(&mut v);
+    elementwise(&mut v);
+    rope(&mut v);
+    attention(&mut v);
+    cross_entropy(&mut v);
+    matmul(&mut v);
+    v
+}
+
+fn embedding(v: &mut Vec<Case>) {
+    for (vocab, ch, n, big) in [(50, 3, 783, false), (50257, 783, 4096, true)] {
+        let size = format!("V={vocab} C={ch} N={n}");
+        v.push(case("embedding", size.clone(), TOL_F32, big, move |cx| {
+            let table = cx.normal(vocab * ch, 0.0, 1.0);
+            let ids = cx.ids(n, vocab);
+            let (tb, ib, ob) = (cx.up(&table)?, cx.up(&ids)?, cx.out(n * ch)?);
+            let ms = cx.timed(|| g::embedding_forward(cx.dev, &tb, &ib, &ob, vocab, ch))?;
+            let mut r = vec![0.0; n * ch];
+            c::embedding::embedding_forward(&wide(&table), vocab, ch, &ids, &mut r).map_err(cpu)?;
+            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+        }));
+        v.push(case("embedding_backward", size, TOL_F32, big, move |cx| {
+            let dout = cx.normal(n * ch, 0.0, 1.0);
+            let ids = cx.ids(n, vocab);
+            let (db, ib, tb) = (cx.up(&dout)?, cx.up(&ids)?, cx.out(vocab * ch)?);
+            let ms = cx.timed(|| g::embedding_backward(cx.dev, &db, &ib, &tb, vocab, ch))?;
+            let mut r = vec![0.0; vocab * ch];
+            c::embedding::embedding_backward(&wide(&dout), &ids, &mut r, vocab, ch).map_err(cpu)?;
+            Ok(one("dtable", rel_err(&cx.down(&tb)?, &r), ms))
+        }));
+    }
+    v.push(case(
+        "embedding_bad_id",
+        "V=50 C=3 N=50, id 50 at row 17".into(),
+        0.0,
+        false,
+        |cx| {
+            let table = cx.normal(50 * 3, 0.0, 1.0);
+            let mut ids = cx.ids(50, 50);
+            ids[17] = 50;
+            ids[31] = -1;
+            let (tb, ib, ob) = (cx.up(&table)?, cx.up(&ids)?, cx.out(50 * 3)?);
+            g::embedding_forward(cx.dev, &tb, &ib, &ob, 50, 3)?;
+            let reported = matches!(
+                cx.dev.take_status(),
+                Err(crate::CudaError::IndexOutOfRange { position: 17 })
+            );
+            let cleared = cx.dev.take_status().is_ok();
+            Ok(one(
+                "status",
+                if reported && cleared { 0.0 } else { 1.0 },
+                0.0,
+            ))
+        },
+    ));
+}
+
+fn positional(v: &mut Vec<Case>) {
+    for (b, t, ch, p, big) in [
+        (2, 3, 50, 5, false),
+        (3, 783, 50, 1024, false),
+        (2, 4096, 783, 4096, true),
+    ] {
+        let size = format!("B={b} T={t} C={ch} P={p}");
+        v.push(case(
+            "add_positional",
+            size.clone(),
+            TOL_F32,
+            big,
+            move |cx| {
+                let x = cx.normal(b * t * ch, 0.0, 1.0);
+                let pos = cx.normal(p * ch, 0.0, 1.0);
+                let (xb, pb, ob) = (cx.up(&x)?, cx.up(&pos)?, cx.out(b * t * ch)?);
+                let ms = cx.timed(|| g::add_positional(cx.dev, &xb, &pb, &ob, ch, t))?;
+                let mut r = vec![0.0; x.len()];
+                c::positional::add_positional(&wide(&x), &wide(&pos), &mut r, ch, t)
+                    .map_err(cpu)?;
+                Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+            },
+        ));
+        v.push(case(
+            "add_positional_backward",
+            size,
+            TOL_F32,
+            big,
+            move |cx| {
+                let dout = cx.normal(b * t * ch, 0.0, 1.0);
+                let (db, pb) = (cx.up(&dout)?, cx.out(p * ch)?);
+                let ms = cx.timed(|| g::add_positional_backward(cx.dev, &db, &pb, ch, t))?;
+                let mut r = vec![0.0; p * ch];
+                c::positional::add_positional_backward(&wide(&dout), &mut r, ch, t).map_err(cpu)?;
+                Ok(one("dpos", rel_err(&cx.down(&pb)?, &r), ms))
+            },
+        ));
+    }
+}
+
+fn norms(v: &mut Vec<Case>) {
+    for (n, ch, bias, big) in [
+        (3, 50, true, false),
+        (783, 783, false, false),
+        (50, 4096, true, false),
+        (4096, 4096, true, true),
+    ] {
+        let size = format!("N={n} C={ch}{}", if bias { "" } else { " no-bias" });
+        let eps = 1e-5;
+        v.push(case("layer_norm", size.clone(), TOL_F32, big, move |cx| {
+            let x = cx.normal(n * ch, 0.5, 2.0);
+            let w = cx.normal(ch, 1.0, 0.1);
+            let bv = cx.normal(ch, 0.0, 1.0);
+            let (xb, wb, bb, ob) = (cx.up(&x)?, cx.up(&w)?, cx.up(&bv)?, cx.out(n * ch)?);
+            let bias_b = bias.then_some(&bb);
+            let ms = cx.timed(|| g::layernorm_forward(cx.dev, &xb, &wb, bias_b, &ob, ch, eps))?;
+            let mut r = vec![0.0; n * ch];
+            let bw = wide(&bv);
+            c::norms::layernorm_forward(
+                &wide(&x),
+                &wide(&w),
+                bias.then_some(bw.as_slice()),
+                &mut r,
+                ch,
+                eps,
+            )
+            .map_err(cpu)?;
+            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+        }));
+        v.push(case(
+            "layer_norm_backward",
+            size.clone(),
+            TOL_F32,
+            big,
+            move |cx| {
+                let x = cx.normal(n * ch, 0.5, 2.0);
+                let w = cx.normal(ch, 1.0, 0.1);
+                let dout = cx.normal(n * ch, 0.0, 1.0);
+                let (xb, wb, gb) = (cx.up(&x)?, cx.up(&w)?, cx.up(&dout)?);
+                let (dxb, dwb, dbb) = (cx.out(n * ch)?, cx.out(ch)?, cx.out(ch)?);
+                let sb = cx.out(g::layernorm_backward_scratch_len(n))?;
+                let dbias = bias.then_some(&dbb);
+                let ms = cx.timed(|| {
+                    g::layernorm_backward(cx.dev, &gb, &xb, &wb, &dxb, &dwb, dbias, ch, eps, &sb)
+                })?;
+                let (mut dx, mut dw, mut db) = (vec![0.0; n * ch], vec![0.0; ch], vec![0.0; ch]);
+                let db_ref = if bias { Some(db.as_mut_slice()) } else { None };
+                c::norms::layernorm_backward(
+                    &wide(&dout),
+                    &wide(&x),
+                    &wide(&w),
+                    &mut dx,
+                    &mut dw,
+                    db_ref,
+                    ch,
+                    eps,
+                )
+                .map_err(cpu)?;
+                let mut errs = vec![
+                    ("dx", rel_err(&cx.down(&dxb)?, &dx)),
+                    ("dweight", rel_err(&cx.down(&dwb)?, &dw)),
+                ];
+                if bias {
+                    errs.push(("dbias", rel_err(&cx.down(&dbb)?, &db)));
+                }
+                Ok(Outcome { errs, gpu_ms: ms })
+            },
+        ));
+        v.push(case("rms_norm", size.clone(), TOL_F32, big, move |cx| {
+            let x = cx.normal(n * ch, 0.5, 2.0);
+            let w = cx.normal(ch, 1.0, 0.1);
+            let (xb, wb, ob) = (cx.up(&x)?, cx.up(&w)?, cx.out(n * ch)?);
+            let ms = cx.timed(|| g::rmsnorm_forward(cx.dev, &xb, &wb, &ob, ch, eps))?;
+            let mut r = vec![0.0; n * ch];
+            c::norms::rmsnorm_forward(&wide(&x), &wide(&w), &mut r, ch, eps).map_err(cpu)?;
+            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+        }));
+        v.push(case("rms_norm_backward", size, TOL_F32, big, move |cx| {
+            let x = cx.normal(n * ch, 0.5, 2.0);
+            let w = cx.normal(ch, 1.0, 0.1);
+            let dout = cx.normal(n * ch, 0.0, 1.0);
+            let (xb, wb, gb) = (cx.up(&x)?, cx.up(&w)?, cx.up(&dout)?);
+            let (dxb, dwb) = (cx.out(n * ch)?, cx.out(ch)?);
+            let sb = cx.out(g::rmsnorm_backward_scratch_len(n))?;
+            let ms =
+                cx.timed(|| g::rmsnorm_backward(cx.dev, &gb, &xb, &wb, &dxb, &dwb, ch, eps, &sb))?;
+            let (mut dx, mut dw) = (vec![0.0; n * ch], vec![0.0; ch]);
+            c::norms::rmsnorm_backward(
+                &wide(&dout),
+                &wide(&x),
+                &wide(&w),
+                &mut dx,
+                &mut dw,
+                ch,
+                eps,
+            )
+            .map_err(cpu)?;
+            let errs = vec![
+                ("dx", rel_err(&cx.down(&dxb)?, &dx)),
+                ("dweight", rel_err(&cx.down(&dwb)?, &dw)),
+            ];
+            Ok(Outcome { errs, gpu_ms: ms })
+        }));
+    }
+}
+
+fn activations(v: &mut Vec<Case>) {
+    for (n, big) in [(3, false), (783 * 50, false), (4096 * 783, true)] {
+        let size = format!("n={n}");
+        v.push(case("gelu", size.clone(), TOL_F32, big, move |cx| {
+            let x = cx.normal(n, 0.0, 3.0);
+            let (xb, ob) = (cx.up(&x)?, cx.out(n)?);
+            let ms = cx.timed(|| g::gelu_forward(cx.dev, &xb, &ob))?;
+            let mut r = vec![0.0; n];
+            c::elementwise::gelu(&wide(&x), &mut r).map_err(cpu)?;
+            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+        }));
+        v.push(case("gelu_backward", size, TOL_F32, big, move |cx| {
+            let x = cx.normal(n, 0.0, 3.0);
+            let dout = cx.normal(n, 0.0, 1.0);
+            let (xb, gb, ob) = (cx.up(&x)?, cx.up(&dout)?, cx.out(n)?);
+            let ms = cx.timed(|| g::gelu_backward(cx.dev, &gb, &xb, &ob))?;
+            let mut r = vec![0.0; n];
+            c::elementwise::gelu_backward(&wide(&dout), &wide(&x), &mut r).map_err(cpu)?;
+            Ok(one("dx", rel_err(&cx.down(&ob)?, &r), ms))
+        }));
+    }
+    for (rows, f, big) in [(3, 50, false), (50, 783, false), (783, 4096, true)] {
+        let size = format!("N={rows} F={f}");
+        v.push(case("swi_glu", size.clone(), TOL_F32, big, move |cx| {
+            let x = cx.normal(rows * 2 * f, 0.0, 3.0);
+            let (xb, ob) = (cx.up(&x)?, cx.out(rows * f)?);
+            let ms = cx.timed(|| g::swiglu_forward(cx.dev, &xb, &ob, f))?;
+            let mut r = vec![0.0; rows * f];
+            c::elementwise::swiglu(&wide(&x), &mut r, f).map_err(cpu)?;
+            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+        }));
+        v.push(case("swi_glu_backward", size, TOL_F32, big, move |cx| {
+            let x = cx.normal(rows * 2 * f, 0.0, 3.0);
+            let dout = cx.normal(rows * f, 0.0, 1.0);
+            let (xb, gb, ob) = (cx.up(&x)?, cx.up(&dout)?, cx.out(rows * 2 * f)?);
+            let ms = cx.timed(|| g::swiglu_backward(cx.dev, &gb, &xb, &ob, f))?;
+            let mut r = vec![0.0; rows * 2 * f];
+            c::elementwise::swiglu_backward(&wide(&dout), &wide(&x), &mut r, f).map_err(cpu)?;
+            Ok(one("dx", rel_err(&cx.down(&ob)?, &r), ms))
+        }));
+    }
+}
+
+fn elementwise(v: &mut Vec<Case>) {
+    for (n, ch, big) in [(3, 50, false), (783, 3, false), (4096, 783, true)] {
+        let size = format!("N={n} C={ch}");
+        v.push(case("add", size.clone(), TOL_F32, big, move |cx| {
+            let (a, b) = (cx.normal(n * ch, 0.0, 1.0), cx.normal(n * ch, 0.0, 1.0));
+            let (ab, bb, ob) = (cx.up(&a)?, cx.up(&b)?, cx.out(n * ch)?);
+            let ms = cx.timed(|| g::add(cx.dev, &ab, &bb, &ob))?;
+            let mut r = vec![0.0; n * ch];
+            c::elementwise::add(&wide(&a), &wide(&b), &mut r).map_err(cpu)?;
+            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+        }));
+        v.push(case("bias_add", size.clone(), TOL_F32, big, move |cx| {
+            let (x, b) = (cx.normal(n * ch, 0.0, 1.0), cx.normal(ch, 0.0, 1.0));
+            let (xb, bb, ob) = (cx.up(&x)?, cx.up(&b)?, cx.out(n * ch)?);
+            let ms = cx.timed(|| g::bias_add(cx.dev, &xb, &bb, &ob, ch))?;
+            let mut r = vec![0.0; n * ch];
+            c::elementwise::bias_add(&wide(&x), &wide(&b), &mut r, ch).map_err(cpu)?;
+            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+        }));
+        v.push(case("sum_rows", size, TOL_F32, big, move |cx| {
+            let x = cx.normal(n * ch, 0.3, 1.0);
+            let (xb, ob) = (cx.up(&x)?, cx.out(ch)?);
+            let ms = cx.timed(|| g::sum_rows(cx.dev, &xb, &ob, ch))?;
+            let mut r = vec![0.0; ch];
+            c::elementwise::sum_rows(&wide(&x), &mut r, ch).map_err(cpu)?;
+            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+        }));
+    }
+}
+
+fn rope(v: &mut Vec<Case>) {
+    // (rows, width, seq_len, head_dim, rotated_cols, theta)
+    let configs = [
+        (3, 12, 3, 4, 8, 10000.0, false),
+        (100, 150, 50, 10, 100, 10000.0, false),
+        (2 * 783, 768, 783, 64, 512, 10000.0, false),
+        (4096, 3 * 1024, 4096, 128, 2048, 500000.0, true),
+    ];
+    for (rows, width, seq_len, head_dim, rotated_cols, theta, big) in configs {
+        let size = format!(
+            "N={rows} W={width} T={seq_len} hd={head_dim} rot={rotated_cols} theta={theta}"
+        );
+        let gd = g::RopeDims {
+            width,
+            seq_len,
+            head_dim,
+            rotated_cols,
+            theta,
+        };
+        let cd = c::rope::RopeDims {
+            width,
+            seq_len,
+            head_dim,
+            rotated_cols,
+            theta,
+        };
+        for backward in [false, true] {
+            let name = if backward { "rope_backward" } else { "rope" };
+            v.push(case(name, size.clone(), TOL_F32, big, move |cx| {
+                let x = cx.normal(rows * width, 0.0, 1.0);
+                let (xb, ob) = (cx.up(&x)?, cx.out(rows * width)?);
+                let mut r = vec![0.0; rows * width];
+                let ms = if backward {
+                    let ms = cx.timed(|| g::rope_backward(cx.dev, &xb, &ob, &gd))?;
+                    c::rope::rope_backward(&wide(&x), &mut r, &cd).map_err(cpu)?;
+                    ms
+                } else {
+                    let ms = cx.timed(|| g::rope_forward(cx.dev, &xb, &ob, &gd))?;
+                    c::rope::rope_forward(&wide(&x), &mut r, &cd).map_err(cpu)?;
+                    ms
+                };
+                Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+            }));
+        }
+    }
+}
+
+fn attention(v: &mut Vec<Case>) {
+    // (batch, seq_len, n_heads, channels)
+    for (b, t, nh, ch, big) in [
+        (1, 3, 1, 50, false),
+        (2, 50, 2, 48, false),
+        (2, 783, 4, 256, false),
+        (2, 1024, 12, 768, true),
+    ] {
+        let size = format!("B={b} T={t} NH={nh} C={ch}");
+        let gd = gattn::AttnDims {
+            batch: b,
+            seq_len: t,
+            n_heads: nh,
+            channels: ch,
+        };
+        let cd = c::attention::AttnDims {
+            batch: b,
+            seq_len: t,
+            n_heads: nh,
+            channels: ch,
+        };
+        let nc = b * t * ch;
+        v.push(case("attention", size.clone(), TOL_F32, big, move |cx| {
+            let qkv = cx.normal(3 * nc, 0.0, 1.0);
+            let (qb, ob) = (cx.up(&qkv)?, cx.out(nc)?);
+            let sb = cx.out(gattn::attention_forward_scratch_len(&gd))?;
+            let ms = cx.timed(|| gattn::attention_forward(cx.dev, &qb, &ob, &gd, &sb))?;
+            let mut r = vec![0.0; nc];
+            c::attention::attention_forward(&wide(&qkv), &mut r, &cd).map_err(cpu)?;
+            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+        }));
+        v.push(case("attention_backward", size, TOL_F32, big, move |cx| {
+            let qkv = cx.normal(3 * nc, 0.0, 1.0);
+            let dout = cx.normal(nc, 0.0, 1.0);
+            let (qb, gb, db) = (cx.up(&qkv)?, cx.up(&dout)?, cx.out(3 * nc)?);
+            let sb = cx.out(gattn::attention_backward_scratch_len(&gd))?;
+            let ms = cx.timed(|| gattn::attention_backward(cx.dev, &gb, &qb, &db, &gd, &sb))?;
+            let mut r = vec![0.0; 3 * nc];
+            c::attention::attention_backward(&wide(&dout), &wide(&qkv), &mut r, &cd)
+                .map_err(cpu)?;
+            let got = cx.down(&db)?;
+            let errs = (0..3)
+                .map(|part| {
+                    let pick = |s: &[f32]| -> Vec<f32> {
+                        s.chunks(3 * ch)
+                            .flat_map(|row| row[part * ch..(part + 1) * ch].to_vec())
+                            .collect()
+                    };
+                    let pick64 = |s: &[f64]| -> Vec<f64> {
+                        s.chunks(3 * ch)
+                            .flat_map(|row| row[part * ch..(part + 1) * ch].to_vec())
+                            .collect()
+                    };
+                    (["dq", "dk", "dv"][part], rel_err(&pick(&got), &pick64(&r)))
+                })
+                .collect();
+            Ok(Outcome { errs, gpu_ms: ms })
+        }));
+    }
+}
+
+fn cross_entropy(v: &mut Vec<Case>) {
+    for (n, vocab, big) in [
+        (3, 3, false),
+        (783, 50, false),
+        (50, 50257, false),
+        (4096, 783, false),
+        (783, 50257, true),
+    ] {
+        let size = format!("N={n} V={vocab}");
+        v.push(case(
+            "cross_entropy",
+            size.clone(),
+            TOL_F32,
+            big,
+            move |cx| {
+                let logits = cx.normal(n * vocab, 0.0, 2.0);
+                let targets = cx.ids(n, vocab);
+                let (lb, tb, ob) = (cx.up(&logits)?, cx.up(&targets)?, cx.out(1)?);
+                let sb = cx.out(gloss::cross_entropy_scratch_len(n))?;
+                let ms =
+                    cx.timed(|| gloss::cross_entropy_forward(cx.dev, &lb, &tb, &ob, vocab, &sb))?;
+                let r = c::cross_entropy::cross_entropy_forward(&wide(&logits), &targets, vocab)
+                    .map_err(cpu)?;
+                Ok(one("loss", rel_err(&cx.down(&ob)?, &[r]), ms))
+            },
+        ));
+        v.push(case(
+            "cross_entropy_backward",
+            size,
+            TOL_F32,
+            big,
+            move |cx| {
+                let logits = cx.normal(n * vocab, 0.0, 2.0);
+                let targets = cx.ids(n, vocab);
+                let (lb, tb, ob) = (cx.up(&logits)?, cx.up(&targets)?, cx.out(n * vocab)?);
+                let ms =
+                    cx.timed(|| gloss::cross_entropy_backward(cx.dev, &lb, &tb, &ob, vocab))?;
+                let mut r = vec![0.0; n * vocab];
+                c::cross_entropy::cross_entropy_backward(&wide(&logits), &targets, &mut r, vocab)
+                    .map_err(cpu)?;
+                Ok(one("dlogits", rel_err(&cx.down(&ob)?, &r), ms))
+            },
+        ));
+    }
+}
+
+fn matmul(v: &mut Vec<Case>) {
+    // (M, K, P, trans_a, trans_b, accumulate)
+    let f32_cases = [
+        (3, 50, 783, false, false, false, false),
+        (783, 4096, 50, false, true, true, false),
+        (50, 783, 3, true, false, false, false),
+        (783, 783, 4096, true, true, true, false),
+        (4096, 783, 4096, false, true, false, true),
+    ];
+    for (m, k, p, ta, tb, acc, big) in f32_cases {
+        let size = format!(
+            "M={m} K={k} P={p} ta={} tb={} acc={}",
+            ta as u8, tb as u8, acc as u8
+        );
+        v.push(case("mat_mul", size, TOL_F32, big, move |cx| {
+            let (a, b) = (cx.normal(m * k, 0.0, 1.0), cx.normal(k * p, 0.0, 1.0));
+            let out0 = cx.normal(m * p, 0.0, 1.0);
+            let ad = if ta { Dims::new(k, m) } else { Dims::new(m, k) };
+            let bd = if tb { Dims::new(p, k) } else { Dims::new(k, p) };
+            let (abuf, bbuf) = (cx.up(&a)?, cx.up(&b)?);
+            let ob = if acc { cx.up(&out0)? } else { cx.out(m * p)? };
+            let ms = cx.timed(|| gemm::matmul(cx.dev, &abuf, ad, &bbuf, bd, &ob, ta, tb, acc))?;
+            let mut r = if acc { wide(&out0) } else { vec![0.0; m * p] };
+            let (cad, cbd) = (
+                c::matmul::Dims {
+                    rows: ad.rows,
+                    cols: ad.cols,
+                },
+                c::matmul::Dims {
+                    rows: bd.rows,
+                    cols: bd.cols,
+                },
+            );
+            c::matmul::matmul(&wide(&a), cad, &wide(&b), cbd, &mut r, ta, tb, acc).map_err(cpu)?;
+            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+        }));
+    }
+    for (m, k, p, ta, tb, acc, big) in [
+        (783, 4096, 50, false, true, false, false),
+        (1024, 783, 4096, true, false, true, true),
+    ] {
+        let size = format!(
+            "M={m} K={k} P={p} ta={} tb={} acc={}",
+            ta as u8, tb as u8, acc as u8
+        );
+        v.push(case("mat_mul_bf16", size, TOL_BF16, big, move |cx| {
+            let (a, b) = (cx.normal(m * k, 0.0, 1.0), cx.normal(k * p, 0.0, 1.0));
+            let out0 = cx.normal(m * p, 0.0, 1.0);
+            let ad = if ta { Dims::new(k, m) } else { Dims::new(m, k) };
+            let bd = if tb { Dims::new(p, k) } else { Dims::new(k, p) };
+            let (a32, b32) = (cx.up(&a)?, cx.up(&b)?);
+            let (a16, b16) = (cx.raw(Elem::BF16, a.len())?, cx.raw(Elem::BF16, b.len())?);
+            let ob = if acc { cx.up(&out0)? } else { cx.out(m * p)? };
+            let ms = cx.timed(|| {
+                gemm::cast_f32_to_bf16(cx.dev, &a32, &a16)?;
+                gemm::cast_f32_to_bf16(cx.dev, &b32, &b16)?;
+                gemm::matmul_bf16(cx.dev, &a16, ad, &b16, bd, &ob, ta, tb, acc)
+            })?;
+            let mut r = if acc { wide(&out0) } else { vec![0.0; m * p] };
+            let (cad, cbd) = (
+                c::matmul::Dims {
+                    rows: ad.rows,
+                    cols: ad.cols,
+                },
+                c::matmul::Dims {
+                    rows: bd.rows,
+                    cols: bd.cols,
+                },
+            );
+            c::matmul::matmul(&wide(&a), cad, &wide(&b), cbd, &mut r, ta, tb, acc).map_err(cpu)?;
+            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+        }));
+    }
+}

@@ -1,0 +1,242 @@
+//! Self-test cases of the optimizer and gradient-norm launchers (against `optim` and
+//! `engine::cpu::clip`). Moments start from random, warm states (v > 0) so that `m/(√v+ε)` is
+//! smooth in its inputs, as it is after the first steps of training.
+use super::cases::case;
+use super::{cpu, rel_err, wide, Case, Ctx, Outcome, TOL_F32};
+use crate::error::Result;
+use crate::memory::Buf;
+use crate::ops::{loss as gloss, optim as gopt};
+use schedule::SoapHyper;
+
+pub(crate) fn cases() -> Vec<Case> {
+    let mut v = Vec::new();
+    clip(&mut v);
+    adamw(&mut v);
+    soap(&mut v);
+    v
+}
+
+/// Parameter change `new − old` of the GPU (f64) and the reference.
+fn delta(new: &[f32], old: &[f32]) -> Vec<f32> {
+    new.iter()
+        .zip(old)
+        .map(|(&a, &b)| ((a as f64) - (b as f64)) as f32)
+        .collect()
+}
+
+fn delta64(new: &[f64], old: &[f32]) -> Vec<f64> {
+    new.iter().zip(old).map(|(&a, &b)| a - b as f64).collect()
+}
+
+fn clip(v: &mut Vec<Case>) {
+    for (max_norm, label) in [(Some(0.5), "clip to 0.5·norm"), (None, "no clipping")] {
+        let sizes = [3usize, 783 * 50, 4096 * 783];
+        let size = format!("{sizes:?} {label}");
+        v.push(case("clip_grad_norm", size, TOL_F32, false, move |cx| {
+            let grads: Vec<Vec<f32>> = sizes.iter().map(|&n| cx.normal(n, 0.0, 1.0)).collect();
+            let bufs = grads
+                .iter()
+                .map(|g| cx.up(g))
+                .collect::<Result<Vec<Buf>>>()?;
+            let norm = cx.out(1)?;
+            let scratch = cx.out(gloss::clip_grad_norm_scratch_len(grads.len()))?;
+            // Reference norm first, to pick a max_norm that clips.
+            let wides: Vec<Vec<f64>> = grads.iter().map(|g| wide(g)).collect();
+            let ref_norm = engine::cpu::clip::global_norm(
+                &wides.iter().map(Vec::as_slice).collect::<Vec<_>>(),
+            );
+            let max = max_norm.map(|f| f * ref_norm);
+            let refs: Vec<&Buf> = bufs.iter().collect();
+            let ms = cx.timed(|| gloss::clip_grad_norm(cx.dev, &refs, &norm, max, &scratch))?;
+            let mut clipped = wides.clone();
+            if let Some(m) = max {
+                let mut views: Vec<&mut [f64]> =
+                    clipped.iter_mut().map(Vec::as_mut_slice).collect();
+                engine::cpu::clip::clip_to(&mut views, ref_norm, m);
+            }
+            let mut errs = vec![("norm", rel_err(&cx.down(&norm)?, &[ref_norm]))];
+            for (i, b) in bufs.iter().enumerate() {
+                errs.push((
+                    ["grad0", "grad1", "grad2"][i],
+                    rel_err(&cx.down(b)?, &clipped[i]),
+                ));
+            }
+            Ok(Outcome { errs, gpu_ms: ms })
+        }));
+    }
+}
+
+fn adamw(v: &mut Vec<Case>) {
+    for (n, wd, big) in [
+        (3usize, 0.1, false),
+        (783 * 50, 0.0, false),
+        (783 * 4096, 0.1, true),
+    ] {
+        let size = format!("n={n} t=7 wd={wd}");
+        v.push(case("adam_w", size, TOL_F32, big, move |cx| {
+            let s = gopt::AdamWStep {
+                t: 7,
+                lr: 0.05,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: wd,
+            };
+            let p = cx.normal(n, 0.0, 1.0);
+            let g = cx.normal(n, 0.0, 0.1);
+            let m = cx.normal(n, 0.0, 0.05);
+            let vv = cx.uniform(n, 0.005, 0.015);
+            let (pb, gb, mb, vb) = (cx.up(&p)?, cx.up(&g)?, cx.up(&m)?, cx.up(&vv)?);
+            let ms = cx.timed(|| gopt::adamw(cx.dev, &s, &pb, &gb, &mb, &vb))?;
+            let (mut rp, mut rm, mut rv) = (wide(&p), wide(&m), wide(&vv));
+            let hp = optim::AdamWParams {
+                lr: s.lr,
+                beta1: s.beta1,
+                beta2: s.beta2,
+                eps: s.eps,
+                weight_decay: s.weight_decay,
+            };
+            optim::adamw_update(s.t, &hp, &mut rp, &wide(&g), &mut rm, &mut rv).map_err(cpu)?;
+            let errs = vec![
+                (
+                    "param delta",
+                    rel_err(&delta(&cx.down(&pb)?, &p), &delta64(&rp, &p)),
+                ),
+                ("exp_avg", rel_err(&cx.down(&mb)?, &rm)),
+                ("exp_avg_sq", rel_err(&cx.down(&vb)?, &rv)),
+            ];
+            Ok(Outcome { errs, gpu_ms: ms })
+        }));
+    }
+}
+
+/// A random `[d, d]` orthogonal matrix (QR of a Gaussian matrix), rounded to f32.
+fn orthogonal(cx: &mut Ctx<'_>, d: usize) -> Result<Vec<f32>> {
+    let a: Vec<f64> = (0..d * d).map(|_| cx.rng.normal()).collect();
+    let q = optim::thin_qr_q(&a, d, d).map_err(cpu)?;
+    Ok(q.iter().map(|&x| x as f32).collect())
+}
+
+fn soap(v: &mut Vec<Case>) {
+    // (m, n, left basis, right basis, normalize_grads, correct_bias)
+    let configs = [
+        (3, 50, true, true, false, true, false),
+        (783, 50, true, true, true, true, false),
+        (50, 783, true, false, false, true, false),
+        (50, 783, false, true, false, false, false),
+        (1, 783, false, false, false, true, false),
+        (783, 783, true, true, false, true, true),
+    ];
+    for (m, n, left, right, normalize, correct, big) in configs {
+        let size = format!(
+            "[{m}, {n}] Q_L={} Q_R={} norm={} bias_corr={} t=5",
+            left as u8, right as u8, normalize as u8, correct as u8
+        );
+        v.push(case("soap_update", size, TOL_F32, big, move |cx| {
+            let hp = SoapHyper {
+                lr: 0.0,
+                beta1: 0.95,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.01,
+                correct_bias: correct,
+                normalize_grads: normalize,
+            };
+            let (t, lr) = (5u64, 0.5);
+            let p = cx.normal(m * n, 0.0, 1.0);
+            let g = cx.normal(m * n, 0.0, 1.0);
+            let ea = cx.normal(m * n, 0.0, 0.3);
+            let eas = cx.uniform(m * n, 0.5, 1.5);
+            let ql = if left { Some(orthogonal(cx, m)?) } else { None };
+            let qr = if right {
+                Some(orthogonal(cx, n)?)
+            } else {
+                None
+            };
+            let (pb, gb, eb, sb) = (cx.up(&p)?, cx.up(&g)?, cx.up(&ea)?, cx.up(&eas)?);
+            let qlb = ql.as_deref().map(|q| cx.up(q)).transpose()?;
+            let qrb = qr.as_deref().map(|q| cx.up(q)).transpose()?;
+            let scratch = cx.out(gopt::soap_update_scratch_len(m, n))?;
+            let ms = cx.timed(|| {
+                gopt::soap_update(
+                    cx.dev,
+                    t,
+                    lr,
+                    &hp,
+                    &pb,
+                    &gb,
+                    &eb,
+                    &sb,
+                    qlb.as_ref(),
+                    qrb.as_ref(),
+                    m,
+                    n,
+                    &scratch,
+                )
+            })?;
+            let (mut rp, mut re, mut rs) = (wide(&p), wide(&ea), wide(&eas));
+            let params = optim::SoapParams {
+                beta1: hp.beta1,
+                beta2: hp.beta2,
+                eps: hp.eps,
+                weight_decay: hp.weight_decay,
+                correct_bias: hp.correct_bias,
+                normalize_grads: hp.normalize_grads,
+            };
+            let (ql64, qr64) = (ql.as_deref().map(wide), qr.as_deref().map(wide));
+            optim::soap_update(
+                t,
+                lr,
+                &params,
+                &mut rp,
+                &wide(&g),
+                &mut re,
+                &mut rs,
+                ql64.as_deref(),
+                qr64.as_deref(),
+                m,
+                n,
+            )
+            .map_err(cpu)?;
+            let errs = vec![
+                (
+                    "param delta",
+                    rel_err(&delta(&cx.down(&pb)?, &p), &delta64(&rp, &p)),
+                ),
+                ("exp_avg", rel_err(&cx.down(&eb)?, &re)),
+                ("exp_avg_sq", rel_err(&cx.down(&sb)?, &rs)),
+            ];
+            Ok(Outcome { errs, gpu_ms: ms })
+        }));
+    }
+    for (m, n) in [(50usize, 783usize), (783, 3)] {
+        v.push(case(
+            "soap_factor_update",
+            format!("G [{m}, {n}] beta=0.95"),
+            TOL_F32,
+            false,
+            move |cx| {
+                let g = cx.normal(m * n, 0.0, 1.0);
+                let sym = |cx: &mut Ctx<'_>, d: usize| -> Vec<f32> {
+                    let a = cx.normal(d * d, 0.0, 1.0);
+                    (0..d * d)
+                        .map(|i| 0.5 * (a[i] + a[(i % d) * d + i / d]))
+                        .collect()
+                };
+                let (l0, r0) = (sym(cx, m), sym(cx, n));
+                let (gb, lb, rb) = (cx.up(&g)?, cx.up(&l0)?, cx.up(&r0)?);
+                let ms = cx.timed(|| {
+                    gopt::soap_factor_update(cx.dev, &gb, Some(&lb), Some(&rb), m, n, 0.95)
+                })?;
+                let (mut rl, mut rr) = (wide(&l0), wide(&r0));
+                optim::soap_factor_update(&wide(&g), Some(&mut rl), Some(&mut rr), m, n, 0.95)
+                    .map_err(cpu)?;
+                let errs = vec![
+                    ("L", rel_err(&cx.down(&lb)?, &rl)),
+                    ("R", rel_err(&cx.down(&rb)?, &rr)),
+                ];
+                Ok(Outcome { errs, gpu_ms: ms })
+            },
+        ));
+    }
+}

@@ -1,0 +1,32 @@
+//! Compiles every kernel family with NVRTC for sm_90 (the H200/H100) and sm_80, when NVRTC is
+//! present; skips (passing) on machines without it, such as CI. NVRTC needs no GPU, so a
+//! development machine with the `nvidia-cuda-nvrtc` and `nvidia-cuda-runtime` wheels unpacked
+//! (LD_LIBRARY_PATH=…/nvidia/cu13/lib, CUDA_HOME=…/nvidia/cu13) checks the CUDA C here.
+use cuda::kernels::{COMMON, FAMILIES};
+use cuda::nvrtc;
+
+#[test]
+fn every_family_compiles_for_sm90_and_sm80() {
+    // SAFETY: only tries to dlopen libnvrtc.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        eprintln!("libnvrtc not found: skipping the NVRTC compile check");
+        return;
+    }
+    let include = nvrtc::include_dir();
+    let mut failures = Vec::new();
+    for arch in ["sm_90", "sm_80"] {
+        let options = nvrtc::options(arch, include.as_deref());
+        for fam in FAMILIES {
+            let source = format!("{COMMON}\n#line 1 \"{}.cu\"\n{}", fam.name, fam.source);
+            match nvrtc::compile_cubin(fam.name, &source, arch, &options) {
+                Ok(cubin) => assert!(!cubin.is_empty(), "{} produced an empty CUBIN", fam.name),
+                Err(e) => failures.push(format!("{arch} {}: {e}", fam.name)),
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "NVRTC failures:\n{}",
+        failures.join("\n")
+    );
+}
