@@ -1,1 +1,20 @@
-//! asteria engine crate.
+//! The asteria engine: executes a verified [`schedule::Plan`].
+//!
+//! The engine interprets a plan generically — it has no notion of a GPT. This crate holds the
+//! CPU backend ([`cpu`]: kernels generic over [`cpu::Float`] and the interpreter
+//! [`cpu::CpuEngine`]), the host eigensolver tasks (through `asteria-optim`), and the training
+//! loop [`train`] (data through `asteria-data`). It depends only on the plan format, never on
+//! the compiler crates.
+#![deny(missing_docs)]
+// `usize::is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
+#![allow(clippy::manual_is_multiple_of)]
+
+pub mod cpu;
+mod error;
+mod rng;
+mod train;
+
+pub use cpu::{CpuEngine, EngineOptions, EngineStats, HostTaskReport};
+pub use error::EngineError;
+pub use rng::Rng;
+pub use train::{train, TrainOptions, TrainSummary};

@@ -1,0 +1,337 @@
+//! [`CpuEngine`]: allocates a verified plan's buffers and runs its programs on the CPU.
+use super::exec::{exec_op, OpOutcome};
+use super::store::{Data, Loc, Store};
+use super::Float;
+use crate::rng::Rng;
+use crate::EngineError;
+use optim::{FaerEigensolver, HostEigensolver, Real};
+use schedule::{BufferId, Init, Op, Plan, TargetPlan};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Construction options of a [`CpuEngine`].
+#[derive(Clone)]
+pub struct EngineOptions {
+    /// Seed for parameter initialisation; `None` = `plan.train.seed`.
+    pub seed: Option<u64>,
+    /// Kernel worker threads; `None` = the plan target's `threads` (`None` there = all cores).
+    pub threads: Option<usize>,
+    /// Eigensolver for [`schedule::HostTask::EigenbasisRefresh`] (default: faer).
+    pub eigensolver: Arc<dyn HostEigensolver>,
+    /// Consecutive failed refreshes of one host task after which the run stops with
+    /// [`EngineError::RefreshFailures`] (default 3).
+    pub max_consecutive_refresh_failures: u32,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            seed: None,
+            threads: None,
+            eigensolver: Arc::new(FaerEigensolver),
+            max_consecutive_refresh_failures: 3,
+        }
+    }
+}
+
+impl std::fmt::Debug for EngineOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineOptions")
+            .field("seed", &self.seed)
+            .field("threads", &self.threads)
+            .field("eigensolver", &self.eigensolver.name())
+            .field(
+                "max_consecutive_refresh_failures",
+                &self.max_consecutive_refresh_failures,
+            )
+            .finish()
+    }
+}
+
+/// Counters an engine keeps across steps.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EngineStats {
+    /// Optimizer steps whose program was cut short by a non-finite gradient norm.
+    pub skipped_steps: u64,
+    /// Global gradient norm of the last optimizer step that ran a `ClipGradNorm` (before
+    /// clipping).
+    pub last_grad_norm: Option<f64>,
+    /// Successful eigenbasis refreshes, all tasks.
+    pub refreshes: u64,
+    /// Failed refreshes, per host task (index of `plan.host_tasks`), all time.
+    pub refresh_failures: Vec<u64>,
+    /// Current run of consecutive failures, per host task.
+    pub consecutive_refresh_failures: Vec<u32>,
+    /// Wall time spent in host tasks, ms.
+    pub host_task_ms: f64,
+}
+
+impl EngineStats {
+    /// Failed refreshes summed over all host tasks.
+    pub fn total_refresh_failures(&self) -> u64 {
+        self.refresh_failures.iter().sum()
+    }
+}
+
+/// The CPU interpreter of a [`Plan`], generic over the element type (`f32` to train, `f64`
+/// for gradient checks). Every float buffer of the plan is held as a `Vec<T>`, i32 buffers as
+/// `Vec<i32>`.
+///
+/// A step is [`load_batch`](Self::load_batch), [`forward`](Self::forward),
+/// [`backward`](Self::backward), [`optimizer_step`](Self::optimizer_step),
+/// [`run_host_tasks`](Self::run_host_tasks). Kernels run on the engine's own rayon pool.
+pub struct CpuEngine<T> {
+    pub(crate) plan: Plan,
+    pub(crate) store: Store<T>,
+    pub(crate) opts: EngineOptions,
+    pub(crate) stats: EngineStats,
+    pool: Arc<rayon::ThreadPool>,
+    pub(crate) host_pool: Arc<rayon::ThreadPool>,
+    by_name: HashMap<String, BufferId>,
+}
+
+fn build_pool(threads: usize, tag: &'static str) -> Result<rayon::ThreadPool, EngineError> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(move |i| format!("asteria-{tag}-{i}"))
+        .build()
+        .map_err(|e| EngineError::Unsupported(format!("cannot start {threads} {tag} threads: {e}")))
+}
+
+impl<T: Float + Real> CpuEngine<T> {
+    /// Verifies `plan`, allocates every buffer and initialises it from its [`Init`] (normal
+    /// draws from one generator seeded by `opts.seed` or `plan.train.seed`, in buffer order:
+    /// the same seed gives the same weights).
+    ///
+    /// # Errors
+    /// [`EngineError::Plan`] when verification fails; [`EngineError::Option`] for a zero
+    /// thread count or failure limit.
+    pub fn new(plan: Plan, opts: EngineOptions) -> Result<Self, EngineError> {
+        plan.verify()?;
+        if opts.max_consecutive_refresh_failures == 0 {
+            return Err(EngineError::Option(
+                "max_consecutive_refresh_failures must be at least 1".into(),
+            ));
+        }
+        let target_threads = match plan.target {
+            TargetPlan::Cpu { threads, .. } => threads,
+            TargetPlan::Cuda { .. } => None,
+        };
+        let threads = opts.threads.or(target_threads).unwrap_or(0);
+        if opts.threads == Some(0) {
+            return Err(EngineError::Option("threads must be at least 1".into()));
+        }
+        let pool = Arc::new(build_pool(threads, "kernel")?);
+        let host_pool = Arc::new(build_pool(threads, "host")?);
+        let mut store = Store::zeros(&plan);
+        let mut rng = Rng::new(opts.seed.unwrap_or(plan.train.seed));
+        for (b, data) in plan.buffers.iter().zip(store.data.iter_mut()) {
+            match (b.init, data) {
+                (Init::Zeros, _) => {}
+                (Init::Ones, Data::F(v)) => v.iter_mut().for_each(|x| *x = T::one()),
+                (Init::Ones, Data::I(v)) => v.iter_mut().for_each(|x| *x = 1),
+                (Init::Normal { std }, Data::F(v)) => v
+                    .iter_mut()
+                    .for_each(|x| *x = <T as Float>::from_f64(std * rng.normal())),
+                (Init::Normal { std }, Data::I(v)) => v
+                    .iter_mut()
+                    .for_each(|x| *x = (std * rng.normal()).round() as i32),
+            }
+        }
+        let tasks = plan.host_tasks.len();
+        let by_name = plan
+            .buffers
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (b.name.clone(), BufferId(i as u32)))
+            .collect();
+        Ok(CpuEngine {
+            plan,
+            store,
+            opts,
+            stats: EngineStats {
+                refresh_failures: vec![0; tasks],
+                consecutive_refresh_failures: vec![0; tasks],
+                ..EngineStats::default()
+            },
+            pool,
+            host_pool,
+            by_name,
+        })
+    }
+
+    /// The plan this engine runs.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Counters (skipped steps, refresh failures, last gradient norm).
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    /// Number of kernel worker threads.
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+
+    /// The id of the buffer called `name`.
+    pub fn buffer_id(&self, name: &str) -> Result<BufferId, EngineError> {
+        self.by_name
+            .get(name)
+            .copied()
+            .ok_or_else(|| EngineError::UnknownBuffer(name.to_string()))
+    }
+
+    /// Copies the contents of buffer `name` out as f64 (i32 buffers are converted too).
+    pub fn buffer(&self, name: &str) -> Result<Vec<f64>, EngineError> {
+        let id = self.buffer_id(name)?;
+        Ok(match &self.store.data[id.index()] {
+            Data::F(v) => v.iter().map(|&x| Float::to_f64(x)).collect(),
+            Data::I(v) => v.iter().map(|&x| x as f64).collect(),
+        })
+    }
+
+    /// Overwrites buffer `name` with `values` (rounded to `T`, or to i32 for i32 buffers).
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownBuffer`], or [`EngineError::Length`] when `values` does not have
+    /// the buffer's element count.
+    pub fn set_buffer(&mut self, name: &str, values: &[f64]) -> Result<(), EngineError> {
+        let id = self.buffer_id(name)?;
+        let len = match &self.store.data[id.index()] {
+            Data::F(v) => v.len(),
+            Data::I(v) => v.len(),
+        };
+        if values.len() != len {
+            return Err(EngineError::Length {
+                buffer: name.to_string(),
+                expected: len,
+                got: values.len(),
+            });
+        }
+        match &mut self.store.data[id.index()] {
+            Data::F(v) => v
+                .iter_mut()
+                .zip(values)
+                .for_each(|(x, &y)| *x = <T as Float>::from_f64(y)),
+            Data::I(v) => v
+                .iter_mut()
+                .zip(values)
+                .for_each(|(x, &y)| *x = y.round() as i32),
+        }
+        Ok(())
+    }
+
+    /// Every parameter as `(name, values as f64)`, in `plan.params` order.
+    pub fn params(&self) -> Vec<(String, Vec<f64>)> {
+        self.plan
+            .params
+            .iter()
+            .filter_map(|p| {
+                let name = self.store.names.get(p.param.index())?.clone();
+                let values = self.buffer(&name).ok()?;
+                Some((name, values))
+            })
+            .collect()
+    }
+
+    /// Copies one batch into the plan's input buffers: `tokens` and `targets` are i32
+    /// `[batch_size · seq_len]` (row `n = b·seq_len + t`). Ids are range-checked by the kernels
+    /// that read them.
+    ///
+    /// # Errors
+    /// [`EngineError::Length`] when a slice has the wrong length.
+    pub fn load_batch(&mut self, tokens: &[i32], targets: &[i32]) -> Result<(), EngineError> {
+        for (id, values) in [
+            (self.plan.data.tokens, tokens),
+            (self.plan.data.targets, targets),
+        ] {
+            let name = self.store.names[id.index()].clone();
+            match &mut self.store.data[id.index()] {
+                Data::I(v) if v.len() == values.len() => v.copy_from_slice(values),
+                Data::I(v) => {
+                    return Err(EngineError::Length {
+                        buffer: name,
+                        expected: v.len(),
+                        got: values.len(),
+                    })
+                }
+                Data::F(_) => {
+                    return Err(EngineError::DType {
+                        buffer: name,
+                        expected: "i32",
+                        actual: "f32",
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs `program` (a clone of one of the plan's programs) on the kernel pool.
+    fn run(
+        &mut self,
+        section: &'static str,
+        program: &[Op],
+        t: u64,
+        lr_multiplier: f64,
+    ) -> Result<bool, EngineError> {
+        let pool = Arc::clone(&self.pool);
+        let store = &mut self.store;
+        let stats = &mut self.stats;
+        pool.install(|| {
+            for (index, op) in program.iter().enumerate() {
+                let loc = Loc { section, index, op: op.name() };
+                match exec_op(store, op, loc, t, lr_multiplier)? {
+                    OpOutcome::Done => {}
+                    OpOutcome::GradNorm(norm) => {
+                        stats.last_grad_norm = Some(norm);
+                        if !norm.is_finite() {
+                            stats.skipped_steps += 1;
+                            tracing::warn!(step = t, grad_norm = norm, "non-finite gradient norm: skipping the optimizer update of this step");
+                            return Ok(false);
+                        }
+                    }
+                }
+            }
+            Ok(true)
+        })
+    }
+
+    /// Runs the forward program and returns the loss (mean cross-entropy, nats) read from
+    /// `plan.loss`.
+    ///
+    /// # Errors
+    /// Any kernel error, e.g. [`EngineError::IndexOutOfRange`] for a bad token id.
+    pub fn forward(&mut self) -> Result<f64, EngineError> {
+        let program = std::mem::take(&mut self.plan.forward);
+        let r = self.run("forward", &program, 0, 1.0);
+        self.plan.forward = program;
+        r?;
+        Ok(self
+            .store
+            .f(self.plan.loss)?
+            .first()
+            .map_or(f64::NAN, |&x| Float::to_f64(x)))
+    }
+
+    /// Runs the backward program (writes every parameter's gradient). Call after
+    /// [`forward`](Self::forward) on the same batch.
+    pub fn backward(&mut self) -> Result<(), EngineError> {
+        let program = std::mem::take(&mut self.plan.backward);
+        let r = self.run("backward", &program, 0, 1.0);
+        self.plan.backward = program;
+        r.map(|_| ())
+    }
+
+    /// Runs the optimizer program for 1-based step `t`, with every op's lr scaled by
+    /// `lr_multiplier`. Returns `false` when a `ClipGradNorm` found a non-finite norm and the
+    /// rest of the program was skipped (counted in [`EngineStats::skipped_steps`], warned).
+    pub fn optimizer_step(&mut self, t: u64, lr_multiplier: f64) -> Result<bool, EngineError> {
+        let program = std::mem::take(&mut self.plan.optimizer);
+        let r = self.run("optimizer", &program, t.max(1), lr_multiplier);
+        self.plan.optimizer = program;
+        r
+    }
+}

@@ -1,0 +1,436 @@
+//! The op dispatcher: one `match` over [`schedule::Op`] that fetches the operands from the
+//! store and calls the kernel (or the `asteria-optim` update) with buffer slices.
+use super::attention::{attention_backward, attention_forward, AttnDims};
+use super::matmul::{matmul, Dims};
+use super::rope::{rope_backward, rope_forward, RopeDims};
+use super::store::{Loc, Store};
+use super::{
+    clip, cross_entropy as ce, elementwise as ew, embedding as emb, norms, positional as pos, Float,
+};
+use crate::EngineError;
+use optim::Real;
+use schedule::{BufferId, Op};
+
+/// What an op reports back to the program loop.
+pub(crate) enum OpOutcome {
+    /// Nothing to report.
+    Done,
+    /// A `ClipGradNorm` computed this global gradient norm (before clipping).
+    GradNorm(f64),
+}
+
+fn optim_err(loc: Loc, e: impl std::fmt::Display) -> EngineError {
+    EngineError::Optim {
+        location: loc.to_string(),
+        message: e.to_string(),
+    }
+}
+
+/// Executes one op. `t` (1-based) and `lr_multiplier` are only used by optimizer ops.
+pub(crate) fn exec_op<T: Float + Real>(
+    st: &mut Store<T>,
+    op: &Op,
+    loc: Loc,
+    t: u64,
+    lr_multiplier: f64,
+) -> Result<OpOutcome, EngineError> {
+    use OpOutcome::Done;
+    let cols = |st: &Store<T>, id: BufferId| st.dims2(id).1;
+    match op {
+        Op::Embedding { table, ids, out } => {
+            let (v, c) = st.dims2(*table);
+            st.with_outs(loc, &[("out", *out)], &[*table, *ids], |s, o| {
+                emb::embedding_forward(s.f(*table)?, v, c, s.i(*ids)?, &mut o[0])
+            })?;
+        }
+        Op::EmbeddingBackward { dout, ids, dtable } => {
+            let (v, c) = st.dims2(*dtable);
+            st.with_outs(loc, &[("dtable", *dtable)], &[*dout, *ids], |s, o| {
+                emb::embedding_backward(s.f(*dout)?, s.i(*ids)?, &mut o[0], v, c)
+            })?;
+        }
+        Op::AddPositional {
+            x,
+            pos: p,
+            out,
+            seq_len,
+        } => {
+            let c = cols(st, *x);
+            st.with_outs(loc, &[("out", *out)], &[*x, *p], |s, o| {
+                pos::add_positional(s.f(*x)?, s.f(*p)?, &mut o[0], c, *seq_len)
+            })?;
+        }
+        Op::AddPositionalBackward {
+            dout,
+            dpos,
+            seq_len,
+        } => {
+            let c = cols(st, *dout);
+            st.with_outs(loc, &[("dpos", *dpos)], &[*dout], |s, o| {
+                pos::add_positional_backward(s.f(*dout)?, &mut o[0], c, *seq_len)
+            })?;
+        }
+        Op::LayerNorm {
+            x,
+            weight,
+            bias,
+            out,
+            eps,
+        } => {
+            let c = cols(st, *x);
+            let reads: Vec<BufferId> = [*x, *weight].into_iter().chain(*bias).collect();
+            st.with_outs(loc, &[("out", *out)], &reads, |s, o| {
+                norms::layernorm_forward(
+                    s.f(*x)?,
+                    s.f(*weight)?,
+                    s.opt_f(*bias)?,
+                    &mut o[0],
+                    c,
+                    *eps,
+                )
+            })?;
+        }
+        Op::LayerNormBackward {
+            dout,
+            x,
+            weight,
+            dx,
+            dweight,
+            dbias,
+            eps,
+        } => {
+            let c = cols(st, *x);
+            let mut outs = vec![("dx", *dx), ("dweight", *dweight)];
+            outs.extend(dbias.map(|b| ("dbias", b)));
+            st.with_outs(loc, &outs, &[*dout, *x, *weight], |s, o| {
+                let (dxv, rest) = o.split_at_mut(1);
+                let (dw, db) = rest.split_at_mut(1);
+                let db = db.first_mut().map(|v| v.as_mut_slice());
+                norms::layernorm_backward(
+                    s.f(*dout)?,
+                    s.f(*x)?,
+                    s.f(*weight)?,
+                    &mut dxv[0],
+                    &mut dw[0],
+                    db,
+                    c,
+                    *eps,
+                )
+            })?;
+        }
+        Op::RmsNorm {
+            x,
+            weight,
+            out,
+            eps,
+        } => {
+            let c = cols(st, *x);
+            st.with_outs(loc, &[("out", *out)], &[*x, *weight], |s, o| {
+                norms::rmsnorm_forward(s.f(*x)?, s.f(*weight)?, &mut o[0], c, *eps)
+            })?;
+        }
+        Op::RmsNormBackward {
+            dout,
+            x,
+            weight,
+            dx,
+            dweight,
+            eps,
+        } => {
+            let c = cols(st, *x);
+            st.with_outs(
+                loc,
+                &[("dx", *dx), ("dweight", *dweight)],
+                &[*dout, *x, *weight],
+                |s, o| {
+                    let (a, b) = o.split_at_mut(1);
+                    norms::rmsnorm_backward(
+                        s.f(*dout)?,
+                        s.f(*x)?,
+                        s.f(*weight)?,
+                        &mut a[0],
+                        &mut b[0],
+                        c,
+                        *eps,
+                    )
+                },
+            )?;
+        }
+        Op::MatMul {
+            a,
+            b,
+            out,
+            trans_a,
+            trans_b,
+            accumulate,
+        } => {
+            let (ar, ac) = st.dims2(*a);
+            let (br, bc) = st.dims2(*b);
+            st.with_outs(loc, &[("out", *out)], &[*a, *b], |s, o| {
+                let (ad, bd) = (Dims { rows: ar, cols: ac }, Dims { rows: br, cols: bc });
+                matmul(
+                    s.f(*a)?,
+                    ad,
+                    s.f(*b)?,
+                    bd,
+                    &mut o[0],
+                    *trans_a,
+                    *trans_b,
+                    *accumulate,
+                )
+            })?;
+        }
+        Op::BiasAdd { x, bias, out } => {
+            let c = cols(st, *x);
+            st.with_outs(loc, &[("out", *out)], &[*x, *bias], |s, o| {
+                ew::bias_add(s.f(*x)?, s.f(*bias)?, &mut o[0], c)
+            })?;
+        }
+        Op::SumRows { x, out } => {
+            let c = cols(st, *x);
+            st.with_outs(loc, &[("out", *out)], &[*x], |s, o| {
+                ew::sum_rows(s.f(*x)?, &mut o[0], c)
+            })?;
+        }
+        Op::Add { a, b, out } => {
+            st.with_outs(loc, &[("out", *out)], &[*a, *b], |s, o| {
+                ew::add(s.f(*a)?, s.f(*b)?, &mut o[0])
+            })?;
+        }
+        Op::Gelu { x, out } => {
+            st.with_outs(loc, &[("out", *out)], &[*x], |s, o| {
+                ew::gelu(s.f(*x)?, &mut o[0])
+            })?;
+        }
+        Op::GeluBackward { dout, x, dx } => {
+            st.with_outs(loc, &[("dx", *dx)], &[*dout, *x], |s, o| {
+                ew::gelu_backward(s.f(*dout)?, s.f(*x)?, &mut o[0])
+            })?;
+        }
+        Op::SwiGlu { x, out } => {
+            let f = cols(st, *out);
+            st.with_outs(loc, &[("out", *out)], &[*x], |s, o| {
+                ew::swiglu(s.f(*x)?, &mut o[0], f)
+            })?;
+        }
+        Op::SwiGluBackward { dout, x, dx } => {
+            let f = cols(st, *dout);
+            st.with_outs(loc, &[("dx", *dx)], &[*dout, *x], |s, o| {
+                ew::swiglu_backward(s.f(*dout)?, s.f(*x)?, &mut o[0], f)
+            })?;
+        }
+        Op::Rope {
+            x,
+            out,
+            seq_len,
+            head_dim,
+            rotated_cols,
+            theta,
+        } => {
+            let d = RopeDims {
+                width: cols(st, *x),
+                seq_len: *seq_len,
+                head_dim: *head_dim,
+                rotated_cols: *rotated_cols,
+                theta: *theta,
+            };
+            st.with_outs(loc, &[("out", *out)], &[*x], |s, o| {
+                rope_forward(s.f(*x)?, &mut o[0], &d)
+            })?;
+        }
+        Op::RopeBackward {
+            dout,
+            dx,
+            seq_len,
+            head_dim,
+            rotated_cols,
+            theta,
+        } => {
+            let d = RopeDims {
+                width: cols(st, *dout),
+                seq_len: *seq_len,
+                head_dim: *head_dim,
+                rotated_cols: *rotated_cols,
+                theta: *theta,
+            };
+            st.with_outs(loc, &[("dx", *dx)], &[*dout], |s, o| {
+                rope_backward(s.f(*dout)?, &mut o[0], &d)
+            })?;
+        }
+        Op::Attention {
+            qkv,
+            out,
+            batch,
+            seq_len,
+            n_heads,
+        } => {
+            let d = AttnDims {
+                batch: *batch,
+                seq_len: *seq_len,
+                n_heads: *n_heads,
+                channels: cols(st, *qkv) / 3,
+            };
+            st.with_outs(loc, &[("out", *out)], &[*qkv], |s, o| {
+                attention_forward(s.f(*qkv)?, &mut o[0], &d)
+            })?;
+        }
+        Op::AttentionBackward {
+            dout,
+            qkv,
+            dqkv,
+            batch,
+            seq_len,
+            n_heads,
+        } => {
+            let d = AttnDims {
+                batch: *batch,
+                seq_len: *seq_len,
+                n_heads: *n_heads,
+                channels: cols(st, *qkv) / 3,
+            };
+            st.with_outs(loc, &[("dqkv", *dqkv)], &[*dout, *qkv], |s, o| {
+                attention_backward(s.f(*dout)?, s.f(*qkv)?, &mut o[0], &d)
+            })?;
+        }
+        Op::CrossEntropy {
+            logits,
+            targets,
+            loss,
+        } => {
+            let v = cols(st, *logits);
+            st.with_outs(loc, &[("loss", *loss)], &[*logits], |s, o| {
+                let l = ce::cross_entropy_forward(s.f(*logits)?, s.i(*targets)?, v)?;
+                o[0].iter_mut().for_each(|x| *x = <T as Float>::from_f64(l));
+                Ok(())
+            })?;
+        }
+        Op::CrossEntropyBackward {
+            logits,
+            targets,
+            dlogits,
+        } => {
+            let v = cols(st, *logits);
+            st.with_outs(loc, &[("dlogits", *dlogits)], &[*logits], |s, o| {
+                ce::cross_entropy_backward(s.f(*logits)?, s.i(*targets)?, &mut o[0], v)
+            })?;
+        }
+        Op::ClipGradNorm {
+            grads,
+            norm,
+            max_norm,
+        } => {
+            let mut outs: Vec<(&'static str, BufferId)> =
+                grads.iter().map(|&g| ("grads", g)).collect();
+            outs.push(("norm", *norm));
+            let total = st.with_outs(loc, &outs, &[], |_, o| {
+                let (gs, nb) = o.split_at_mut(grads.len());
+                let total = clip::global_norm(&gs.iter().map(|g| g.as_slice()).collect::<Vec<_>>());
+                nb[0]
+                    .iter_mut()
+                    .for_each(|x| *x = <T as Float>::from_f64(total));
+                if let Some(m) = max_norm {
+                    clip::clip_to(
+                        &mut gs.iter_mut().map(|g| g.as_mut_slice()).collect::<Vec<_>>(),
+                        total,
+                        *m,
+                    );
+                }
+                Ok(total)
+            })?;
+            return Ok(OpOutcome::GradNorm(total));
+        }
+        Op::AdamW {
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => {
+            let hp = optim::AdamWParams {
+                lr: lr * lr_multiplier,
+                beta1: *beta1,
+                beta2: *beta2,
+                eps: *eps,
+                weight_decay: *weight_decay,
+            };
+            let outs = [
+                ("param", *param),
+                ("exp_avg", *exp_avg),
+                ("exp_avg_sq", *exp_avg_sq),
+            ];
+            st.with_outs(loc, &outs, &[*grad], |s, o| {
+                let [p, m, v] = o else {
+                    return Err(optim_err(loc, "internal: operand count"));
+                };
+                optim::adamw_update(t, &hp, p, s.f(*grad)?, m, v).map_err(|e| optim_err(loc, e))
+            })?;
+        }
+        Op::SoapUpdate {
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            basis_left,
+            basis_right,
+            hyper,
+        } => {
+            let (m, n) = st.dims2(*param);
+            let hp = optim::SoapParams {
+                beta1: hyper.beta1,
+                beta2: hyper.beta2,
+                eps: hyper.eps,
+                weight_decay: hyper.weight_decay,
+                correct_bias: hyper.correct_bias,
+                normalize_grads: hyper.normalize_grads,
+            };
+            let lr = hyper.lr * lr_multiplier;
+            let outs = [
+                ("param", *param),
+                ("exp_avg", *exp_avg),
+                ("exp_avg_sq", *exp_avg_sq),
+            ];
+            let reads: Vec<BufferId> = [*grad]
+                .into_iter()
+                .chain(*basis_left)
+                .chain(*basis_right)
+                .collect();
+            st.with_outs(loc, &outs, &reads, |s, o| {
+                let [p, ea, eas] = o else {
+                    return Err(optim_err(loc, "internal: operand count"));
+                };
+                let (ql, qr) = (s.opt_f(*basis_left)?, s.opt_f(*basis_right)?);
+                optim::soap_update(t, lr, &hp, p, s.f(*grad)?, ea, eas, ql, qr, m, n)
+                    .map_err(|e| optim_err(loc, e))
+            })?;
+        }
+        Op::SoapFactorUpdate {
+            grad,
+            factor_left,
+            factor_right,
+            shampoo_beta,
+        } => {
+            let (m, n) = st.dims2(*grad);
+            let outs: Vec<(&'static str, BufferId)> = factor_left
+                .map(|f| ("factor_left", f))
+                .into_iter()
+                .chain(factor_right.map(|f| ("factor_right", f)))
+                .collect();
+            st.with_outs(loc, &outs, &[*grad], |s, o| {
+                let mut it = o.iter_mut();
+                let fl = factor_left
+                    .and_then(|_| it.next())
+                    .map(|v| v.as_mut_slice());
+                let fr = factor_right
+                    .and_then(|_| it.next())
+                    .map(|v| v.as_mut_slice());
+                optim::soap_factor_update(s.f(*grad)?, fl, fr, m, n, *shampoo_beta)
+                    .map_err(|e| optim_err(loc, e))
+            })?;
+        }
+    }
+    Ok(Done)
+}

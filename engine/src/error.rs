@@ -1,0 +1,111 @@
+//! The engine's one error type. Every runtime problem (a bad plan, an out-of-range token id, a
+//! failed data load, repeated eigensolver failures) is an [`EngineError`], never a panic.
+use thiserror::Error;
+
+/// Anything that can go wrong while building or running a plan.
+#[derive(Debug, Error)]
+pub enum EngineError {
+    /// The plan failed [`schedule::Plan::verify`].
+    #[error("invalid plan: {0}")]
+    Plan(#[from] schedule::PlanError),
+    /// A kernel received a slice of the wrong length (only possible when buffers were
+    /// replaced behind the engine's back, or a kernel is called directly with bad sizes).
+    #[error("{op}: operand `{operand}` has {got} elements, expected {expected}")]
+    Shape {
+        /// Kernel name.
+        op: &'static str,
+        /// Operand name.
+        operand: &'static str,
+        /// Required element count.
+        expected: usize,
+        /// Actual element count.
+        got: usize,
+    },
+    /// A token id or target is outside `[0, bound)`.
+    #[error("{op}: {what} {value} at position {position} is outside [0, {bound})")]
+    IndexOutOfRange {
+        /// Kernel name.
+        op: &'static str,
+        /// `token id` or `target`.
+        what: &'static str,
+        /// Row of the offending value.
+        position: usize,
+        /// The value.
+        value: i64,
+        /// Exclusive upper bound (vocabulary size).
+        bound: usize,
+    },
+    /// An op writes a buffer that it also reads (the plan format forbids in-place kernels
+    /// except the optimizer's).
+    #[error("{location}: output `{operand}` aliases one of its inputs (buffer {buffer})")]
+    Aliased {
+        /// Where (`forward[3] (mat_mul)`).
+        location: String,
+        /// Output operand name.
+        operand: &'static str,
+        /// Buffer name.
+        buffer: String,
+    },
+    /// A buffer has the wrong element type for how it is used.
+    #[error("buffer `{buffer}` is {actual}, expected {expected}")]
+    DType {
+        /// Buffer name.
+        buffer: String,
+        /// Required dtype.
+        expected: &'static str,
+        /// Actual dtype.
+        actual: &'static str,
+    },
+    /// No buffer with this name.
+    #[error("no buffer named `{0}`")]
+    UnknownBuffer(String),
+    /// `set_buffer` / `load_batch` got the wrong number of values.
+    #[error("buffer `{buffer}` has {expected} elements, got {got} values")]
+    Length {
+        /// Buffer name.
+        buffer: String,
+        /// Buffer element count.
+        expected: usize,
+        /// Values given.
+        got: usize,
+    },
+    /// The same eigenbasis refresh failed too many times in a row.
+    #[error("host task {task} (eigenbasis refresh of `{factor}`) failed {failures} times in a row (limit {limit}); last error: {last}")]
+    RefreshFailures {
+        /// Index in `plan.host_tasks`.
+        task: usize,
+        /// Name of the factor buffer.
+        factor: String,
+        /// Consecutive failures.
+        failures: u32,
+        /// The configured limit.
+        limit: u32,
+        /// The last failure's message.
+        last: String,
+    },
+    /// An optimizer kernel from `asteria-optim` rejected its inputs.
+    #[error("{location}: optimizer kernel failed: {message}")]
+    Optim {
+        /// Where (`optimizer[2] (soap_update)`).
+        location: String,
+        /// The optimizer crate's message.
+        message: String,
+    },
+    /// Loading or tokenizing the corpus, or sampling batches, failed.
+    #[error("data: {0}")]
+    Data(#[from] data::DataError),
+    /// Writing metrics failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// File path.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The plan asks for something this engine cannot do (a CUDA target, ...).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// A training option is invalid.
+    #[error("invalid option: {0}")]
+    Option(String),
+}

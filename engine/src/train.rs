@@ -1,0 +1,281 @@
+//! The training loop: data through `asteria-data`, steps through [`CpuEngine`], validation,
+//! JSONL metrics, a progress bar and a summary.
+use crate::cpu::{CpuEngine, EngineOptions};
+use crate::EngineError;
+use data::{BatchSampler, CorpusSource, Dataset};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use schedule::{Corpus, Op, Plan, Tokenizer};
+use std::io::{BufWriter, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Options of [`train`] (everything not in the plan).
+#[derive(Clone, Debug, Default)]
+pub struct TrainOptions {
+    /// Number of steps; `None` = `plan.train.steps`.
+    pub steps: Option<u64>,
+    /// Folder for the tokenized-corpus cache (llm.c u16 token files); `None` = no cache.
+    pub cache_dir: Option<PathBuf>,
+    /// Write one JSON object per line here: per step
+    /// `{"step","loss","lr","grad_norm","step_ms","tokens_per_s"}`, per evaluation
+    /// `{"step","val_loss"}` (step 0 = before training).
+    pub metrics_path: Option<PathBuf>,
+    /// No progress bar and no summary line on stderr (the bar is also hidden when stderr is
+    /// not a terminal).
+    pub quiet: bool,
+    /// Engine options (seed override, threads, eigensolver, refresh failure limit).
+    pub engine: EngineOptions,
+}
+
+/// What a training run did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TrainSummary {
+    /// Steps run.
+    pub steps: u64,
+    /// Training loss (nats) of every step, in order.
+    pub train_losses: Vec<f64>,
+    /// `(step, validation loss)` of every evaluation; step 0 is before training.
+    pub val_losses: Vec<(u64, f64)>,
+    /// Median wall time of one step (forward, backward, optimizer, host tasks), ms.
+    pub median_step_ms: f64,
+    /// Training tokens per second over all steps.
+    pub tokens_per_s: f64,
+    /// Failed eigenbasis refreshes (all tasks).
+    pub refresh_failures: u64,
+    /// Optimizer steps skipped for a non-finite gradient norm.
+    pub skipped_steps: u64,
+    /// Tokens in the training / validation splits.
+    pub train_tokens: usize,
+    /// Tokens in the validation split.
+    pub val_tokens: usize,
+}
+
+impl TrainSummary {
+    /// Loss of the last step (NaN when no step ran).
+    pub fn final_train_loss(&self) -> f64 {
+        self.train_losses.last().copied().unwrap_or(f64::NAN)
+    }
+    /// Last validation loss, if any evaluation ran.
+    pub fn final_val_loss(&self) -> Option<f64> {
+        self.val_losses.last().map(|v| v.1)
+    }
+}
+
+impl std::fmt::Display for TrainSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let val = self
+            .final_val_loss()
+            .map_or("-".to_string(), |v| format!("{v:.4}"));
+        write!(
+            f,
+            "steps {} | train loss {:.4} | val loss {} | median step {:.1} ms | {:.0} tok/s | refresh failures {} | skipped steps {}",
+            self.steps,
+            self.final_train_loss(),
+            val,
+            self.median_step_ms,
+            self.tokens_per_s,
+            self.refresh_failures,
+            self.skipped_steps
+        )
+    }
+}
+
+/// JSONL metrics sink (no-op without a path).
+struct Metrics {
+    out: Option<(PathBuf, BufWriter<std::fs::File>)>,
+}
+
+impl Metrics {
+    fn open(path: Option<&Path>) -> Result<Self, EngineError> {
+        let out = match path {
+            None => None,
+            Some(p) => {
+                let io = |source| EngineError::Io {
+                    path: p.display().to_string(),
+                    source,
+                };
+                if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
+                    std::fs::create_dir_all(dir).map_err(io)?;
+                }
+                Some((
+                    p.to_path_buf(),
+                    BufWriter::new(std::fs::File::create(p).map_err(io)?),
+                ))
+            }
+        };
+        Ok(Metrics { out })
+    }
+    fn write(&mut self, value: serde_json::Value) -> Result<(), EngineError> {
+        if let Some((path, w)) = &mut self.out {
+            writeln!(w, "{value}")
+                .and_then(|_| w.flush())
+                .map_err(|source| EngineError::Io {
+                    path: path.display().to_string(),
+                    source,
+                })?;
+        }
+        Ok(())
+    }
+}
+
+/// The peak lr of the first optimizer op that has one (for the metrics' `lr`).
+fn peak_lr(plan: &Plan) -> Option<f64> {
+    plan.optimizer.iter().find_map(|op| match op {
+        Op::AdamW { lr, .. } => Some(*lr),
+        Op::SoapUpdate { hyper, .. } => Some(hyper.lr),
+        _ => None,
+    })
+}
+
+/// Loads the plan's corpus through `asteria-data` and returns the batch sampler.
+fn load_data(plan: &Plan, opts: &TrainOptions) -> Result<BatchSampler, EngineError> {
+    let source = match &plan.data.corpus {
+        Corpus::Builtin => CorpusSource::Builtin,
+        Corpus::Files { paths } => CorpusSource::Files(paths.iter().map(PathBuf::from).collect()),
+    };
+    let tokenizer = match plan.data.tokenizer {
+        Tokenizer::Gpt2 => data::Tokenizer::Gpt2,
+        Tokenizer::Bytes => data::Tokenizer::Bytes,
+    };
+    let tokens = data::load_corpus_tokens(&source, tokenizer, opts.cache_dir.as_deref())?;
+    let dataset = Dataset::new(tokens, plan.data.val_fraction, plan.data.seq_len)?;
+    Ok(BatchSampler::new(dataset, plan.train.seed))
+}
+
+/// Mean validation loss over `plan.train.eval_batches` deterministic validation batches.
+fn evaluate(
+    engine: &mut CpuEngine<f32>,
+    sampler: &BatchSampler,
+    x: &mut [i32],
+    y: &mut [i32],
+) -> Result<f64, EngineError> {
+    let (b, t, k) = (
+        engine.plan().data.batch_size,
+        engine.plan().data.seq_len,
+        engine.plan().train.eval_batches,
+    );
+    let mut sum = 0.0;
+    for i in 0..k {
+        sampler.val_batch(i as usize, b, t, x, y)?;
+        engine.load_batch(x, y)?;
+        sum += engine.forward()?;
+    }
+    Ok(sum / k.max(1) as f64)
+}
+
+fn progress_bar(steps: u64, quiet: bool) -> ProgressBar {
+    let pb = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stderr());
+    if quiet || !std::io::stderr().is_terminal() {
+        pb.set_draw_target(ProgressDrawTarget::hidden());
+    }
+    if let Ok(style) = ProgressStyle::with_template("step {pos}/{len} [{bar:30}] {msg} ETA {eta}") {
+        pb.set_style(style.progress_chars("=> "));
+    }
+    pb
+}
+
+/// Trains `plan` on the CPU in f32: loads and tokenizes the corpus (`plan.data`, cached under
+/// `opts.cache_dir`), samples seeded batches (`plan.train.seed`), and runs `steps` steps of
+/// load → forward → backward → optimizer (lr × `plan.train.lr_multiplier(t)`) → host tasks.
+/// Validation loss (mean over `eval_batches` fixed validation batches) is measured once before
+/// training (≈ ln(vocab) for a fresh model), every `eval_interval` steps and after the last
+/// step (`eval_interval = 0`: never).
+///
+/// # Errors
+/// Any [`EngineError`]: invalid plan, data loading, a kernel error (bad token id), metrics
+/// I/O, or too many consecutive eigenbasis refresh failures.
+pub fn train(plan: &Plan, opts: &TrainOptions) -> Result<TrainSummary, EngineError> {
+    plan.verify()?;
+    let steps = opts.steps.unwrap_or(plan.train.steps);
+    let sampler_start = Instant::now();
+    let mut sampler = load_data(plan, opts)?;
+    tracing::info!(
+        train_tokens = sampler.dataset().train().len(),
+        val_tokens = sampler.dataset().val().len(),
+        elapsed_ms = sampler_start.elapsed().as_millis() as u64,
+        "data ready"
+    );
+    let mut engine = CpuEngine::<f32>::new(plan.clone(), opts.engine.clone())?;
+    tracing::info!(
+        threads = engine.threads(),
+        steps,
+        "training on the CPU engine"
+    );
+    let mut metrics = Metrics::open(opts.metrics_path.as_deref())?;
+    let (b, t) = (plan.data.batch_size, plan.data.seq_len);
+    let tokens_per_step = (b * t) as f64;
+    let (mut x, mut y) = (vec![0i32; b * t], vec![0i32; b * t]);
+    let evals = plan.train.eval_interval > 0 && plan.train.eval_batches > 0;
+    let peak = peak_lr(plan);
+    let mut summary = TrainSummary {
+        train_tokens: sampler.dataset().train().len(),
+        val_tokens: sampler.dataset().val().len(),
+        ..TrainSummary::default()
+    };
+    let mut eval = |engine: &mut CpuEngine<f32>,
+                    sampler: &BatchSampler,
+                    step: u64,
+                    summary: &mut TrainSummary,
+                    metrics: &mut Metrics| {
+        let v = evaluate(engine, sampler, &mut x, &mut y)?;
+        tracing::info!(step, val_loss = v, "validation");
+        summary.val_losses.push((step, v));
+        metrics.write(serde_json::json!({ "step": step, "val_loss": v }))
+    };
+    if evals {
+        eval(&mut engine, &sampler, 0, &mut summary, &mut metrics)?;
+    }
+    let pb = progress_bar(steps, opts.quiet);
+    let mut step_ms = Vec::with_capacity(steps as usize);
+    let (mut bx, mut by) = (vec![0i32; b * t], vec![0i32; b * t]);
+    for step in 1..=steps {
+        let start = Instant::now();
+        sampler.next_train_batch(b, t, &mut bx, &mut by)?;
+        engine.load_batch(&bx, &by)?;
+        let loss = engine.forward()?;
+        engine.backward()?;
+        let mult = plan.train.lr_multiplier(step);
+        engine.optimizer_step(step, mult)?;
+        engine.run_host_tasks(step)?;
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        step_ms.push(ms);
+        summary.train_losses.push(loss);
+        let tps = tokens_per_step / (ms / 1e3);
+        let grad_norm = engine.stats().last_grad_norm.filter(|_| {
+            plan.optimizer
+                .iter()
+                .any(|o| matches!(o, Op::ClipGradNorm { .. }))
+        });
+        metrics.write(serde_json::json!({
+            "step": step,
+            "loss": loss,
+            "lr": peak.map_or(mult, |p| p * mult),
+            "grad_norm": grad_norm.filter(|g| g.is_finite()),
+            "step_ms": ms,
+            "tokens_per_s": tps,
+        }))?;
+        tracing::debug!(step, loss, step_ms = ms, "step");
+        pb.set_position(step);
+        pb.set_message(format!("loss {loss:.4} | {tps:.0} tok/s"));
+        if evals && (step % plan.train.eval_interval == 0 || step == steps) {
+            eval(&mut engine, &sampler, step, &mut summary, &mut metrics)?;
+        }
+    }
+    pb.finish_and_clear();
+    summary.steps = steps;
+    let total_s: f64 = step_ms.iter().sum::<f64>() / 1e3;
+    summary.tokens_per_s = if total_s > 0.0 {
+        tokens_per_step * steps as f64 / total_s
+    } else {
+        0.0
+    };
+    step_ms.sort_by(|a, b| a.total_cmp(b));
+    summary.median_step_ms = step_ms.get(step_ms.len() / 2).copied().unwrap_or(0.0);
+    summary.refresh_failures = engine.stats().total_refresh_failures();
+    summary.skipped_steps = engine.stats().skipped_steps;
+    tracing::info!(%summary, "training done");
+    if !opts.quiet {
+        eprintln!("{summary}");
+    }
+    Ok(summary)
+}
