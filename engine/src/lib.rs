@@ -17,4 +17,4 @@ mod train;
 pub use cpu::{CpuEngine, EngineOptions, EngineStats, HostTaskReport};
 pub use error::EngineError;
 pub use rng::Rng;
-pub use train::{train, TrainOptions, TrainSummary};
+pub use train::{train, train_with, StepExecutor, TrainOptions, TrainSummary};

@@ -1,6 +1,6 @@
 //! The training loop: data through `asteria-data`, steps through [`CpuEngine`], validation,
 //! JSONL metrics, a progress bar and a summary.
-use crate::cpu::{CpuEngine, EngineOptions};
+use crate::cpu::{CpuEngine, EngineOptions, EngineStats, HostTaskReport};
 use crate::EngineError;
 use data::{BatchSampler, CorpusSource, Dataset};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -142,9 +142,64 @@ fn load_data(plan: &Plan, opts: &TrainOptions) -> Result<BatchSampler, EngineErr
     Ok(BatchSampler::new(dataset, plan.train.seed))
 }
 
+/// A backend that executes the steps of a verified plan (the CPU engine; the CUDA engine in
+/// `asteria-cuda`). [`train_with`] drives any of them with the same data, schedule, metrics
+/// and evaluation.
+pub trait StepExecutor {
+    /// The plan being executed.
+    fn plan(&self) -> &Plan;
+    /// Copies one batch of token ids and targets (i32 `[batch * seq_len]`) into the plan's
+    /// input buffers.
+    fn load_batch(&mut self, tokens: &[i32], targets: &[i32]) -> Result<(), EngineError>;
+    /// Runs the forward program; returns the mean loss in nats.
+    fn forward(&mut self) -> Result<f64, EngineError>;
+    /// Runs the backward program.
+    fn backward(&mut self) -> Result<(), EngineError>;
+    /// Runs the optimizer program for 1-based step `t` with the schedule's lr multiplier;
+    /// `false` when the step was skipped (non-finite gradient norm).
+    fn optimizer_step(&mut self, t: u64, lr_multiplier: f64) -> Result<bool, EngineError>;
+    /// Runs (or launches) the host tasks due at the end of step `t`.
+    fn run_host_tasks(&mut self, t: u64) -> Result<HostTaskReport, EngineError>;
+    /// Counters kept across steps.
+    fn stats(&self) -> &EngineStats;
+    /// One line naming the backend for logs (`cpu (2 threads)`, `cuda:0 NVIDIA H200`).
+    fn describe(&self) -> String;
+    /// Blocks until the step's device work is done (for honest step timings). CPU: no-op.
+    fn synchronize(&mut self) -> Result<(), EngineError> {
+        Ok(())
+    }
+}
+
+impl StepExecutor for CpuEngine<f32> {
+    fn plan(&self) -> &Plan {
+        CpuEngine::plan(self)
+    }
+    fn load_batch(&mut self, tokens: &[i32], targets: &[i32]) -> Result<(), EngineError> {
+        CpuEngine::load_batch(self, tokens, targets)
+    }
+    fn forward(&mut self) -> Result<f64, EngineError> {
+        CpuEngine::forward(self)
+    }
+    fn backward(&mut self) -> Result<(), EngineError> {
+        CpuEngine::backward(self)
+    }
+    fn optimizer_step(&mut self, t: u64, lr_multiplier: f64) -> Result<bool, EngineError> {
+        CpuEngine::optimizer_step(self, t, lr_multiplier)
+    }
+    fn run_host_tasks(&mut self, t: u64) -> Result<HostTaskReport, EngineError> {
+        CpuEngine::run_host_tasks(self, t)
+    }
+    fn stats(&self) -> &EngineStats {
+        CpuEngine::stats(self)
+    }
+    fn describe(&self) -> String {
+        format!("cpu ({} threads)", self.threads())
+    }
+}
+
 /// Mean validation loss over `plan.train.eval_batches` deterministic validation batches.
-fn evaluate(
-    engine: &mut CpuEngine<f32>,
+fn evaluate<E: StepExecutor>(
+    engine: &mut E,
     sampler: &BatchSampler,
     x: &mut [i32],
     y: &mut [i32],
@@ -186,6 +241,16 @@ fn progress_bar(steps: u64, quiet: bool) -> ProgressBar {
 /// I/O, or too many consecutive eigenbasis refresh failures.
 pub fn train(plan: &Plan, opts: &TrainOptions) -> Result<TrainSummary, EngineError> {
     plan.verify()?;
+    let mut engine = CpuEngine::<f32>::new(plan.clone(), opts.engine.clone())?;
+    train_with(&mut engine, opts)
+}
+
+/// The training loop of [`train`] over any [`StepExecutor`] (the plan is the executor's).
+///
+/// # Errors
+/// As [`train`].
+pub fn train_with<E: StepExecutor>(engine: &mut E, opts: &TrainOptions) -> Result<TrainSummary, EngineError> {
+    let plan = &engine.plan().clone();
     let steps = opts.steps.unwrap_or(plan.train.steps);
     let sampler_start = Instant::now();
     let mut sampler = load_data(plan, opts)?;
@@ -195,12 +260,7 @@ pub fn train(plan: &Plan, opts: &TrainOptions) -> Result<TrainSummary, EngineErr
         elapsed_ms = sampler_start.elapsed().as_millis() as u64,
         "data ready"
     );
-    let mut engine = CpuEngine::<f32>::new(plan.clone(), opts.engine.clone())?;
-    tracing::info!(
-        threads = engine.threads(),
-        steps,
-        "training on the CPU engine"
-    );
+    tracing::info!(backend = %engine.describe(), steps, "training");
     let mut metrics = Metrics::open(opts.metrics_path.as_deref())?;
     let (b, t) = (plan.data.batch_size, plan.data.seq_len);
     let tokens_per_step = (b * t) as f64;
@@ -212,7 +272,7 @@ pub fn train(plan: &Plan, opts: &TrainOptions) -> Result<TrainSummary, EngineErr
         val_tokens: sampler.dataset().val().len(),
         ..TrainSummary::default()
     };
-    let mut eval = |engine: &mut CpuEngine<f32>,
+    let mut eval = |engine: &mut E,
                     sampler: &BatchSampler,
                     step: u64,
                     summary: &mut TrainSummary,
@@ -223,7 +283,7 @@ pub fn train(plan: &Plan, opts: &TrainOptions) -> Result<TrainSummary, EngineErr
         metrics.write(serde_json::json!({ "step": step, "val_loss": v }))
     };
     if evals {
-        eval(&mut engine, &sampler, 0, &mut summary, &mut metrics)?;
+        eval(engine, &sampler, 0, &mut summary, &mut metrics)?;
     }
     let pb = progress_bar(steps, opts.quiet);
     let mut step_ms = Vec::with_capacity(steps as usize);
@@ -237,6 +297,7 @@ pub fn train(plan: &Plan, opts: &TrainOptions) -> Result<TrainSummary, EngineErr
         let mult = plan.train.lr_multiplier(step);
         engine.optimizer_step(step, mult)?;
         engine.run_host_tasks(step)?;
+        engine.synchronize()?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
         step_ms.push(ms);
         summary.train_losses.push(loss);
@@ -258,7 +319,7 @@ pub fn train(plan: &Plan, opts: &TrainOptions) -> Result<TrainSummary, EngineErr
         pb.set_position(step);
         pb.set_message(format!("loss {loss:.4} | {tps:.0} tok/s"));
         if evals && (step % plan.train.eval_interval == 0 || step == steps) {
-            eval(&mut engine, &sampler, step, &mut summary, &mut metrics)?;
+            eval(engine, &sampler, step, &mut summary, &mut metrics)?;
         }
     }
     pb.finish_and_clear();
