@@ -266,7 +266,9 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
         },
         target: match &c.target {
             TargetConfig::Cpu { threads, staleness, .. } => TargetPlan::Cpu { threads: *threads, staleness: *staleness },
-            TargetConfig::Cuda { device, staleness, .. } => TargetPlan::Cuda { device: *device, staleness: *staleness },
+            TargetConfig::Cuda { device, staleness, precision, .. } => {
+                TargetPlan::Cuda { device: *device, staleness: *staleness, precision: *precision }
+            }
         },
     };
     plan.verify()?;

@@ -154,7 +154,8 @@ fn gpt2_124m() {
         TargetConfig::Cuda {
             device: 0,
             staleness: 0,
-            calibration: None
+            calibration: None,
+            precision: ir::Precision::Bf16
         }
     );
 }

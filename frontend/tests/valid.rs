@@ -129,7 +129,8 @@ fn cuda_target_and_threads_none() {
         TargetConfig::Cuda {
             device: 1,
             staleness: 4,
-            calibration: None
+            calibration: None,
+            precision: ir::Precision::Bf16
         }
     );
     let c = parse(&spec(

@@ -184,6 +184,9 @@ pub enum TargetConfig {
         device: u32,
         /// Preconditioner staleness bound in steps.
         staleness: u32,
+        /// GEMM precision: `bf16` (bf16 inputs, fp32 accumulation; default) or `fp32`.
+        #[serde(default)]
+        precision: crate::Precision,
         /// As for `Cpu`; `None` = the built-in `h200`.
         #[serde(default)]
         calibration: Option<String>,

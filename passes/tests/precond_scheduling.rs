@@ -23,7 +23,12 @@ fn gpt2_124m_soap(staleness: u32, calibration: &str) -> ir::Module {
         correct_bias: true,
         normalize_grads: false,
     });
-    config.target = TargetConfig::Cuda { device: 0, staleness, calibration: Some(calibration.into()) };
+    config.target = TargetConfig::Cuda {
+        device: 0,
+        staleness,
+        calibration: Some(calibration.into()),
+        precision: ir::Precision::Bf16,
+    };
     let mut m = ir::Module::new(config);
     let mut pm = PassManager::new(PassOptions::default()).expect("pm");
     pm.run(&mut m, Some("expand-optimizer"), &mut std::io::sink()).expect("pipeline");

@@ -225,7 +225,21 @@ pub enum TargetPlan {
         device: u32,
         /// Preconditioner staleness bound in steps.
         staleness: u32,
+        /// GEMM precision policy (master weights, optimizer state and accumulation are fp32).
+        #[serde(default)]
+        precision: Precision,
     },
+}
+
+/// GEMM precision policy of the CUDA engine.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    /// bf16 GEMM inputs with fp32 accumulation (the default; cuBLAS `GemmEx`).
+    #[default]
+    Bf16,
+    /// Full fp32 GEMMs (no TF32): for checking against the CPU engine.
+    Fp32,
 }
 
 /// A complete, self-contained execution plan.

@@ -184,13 +184,16 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
     let (allowed, foreign): (&[&str], &[(&str, &str)]) = match kind {
         Some("cpu") => (
             &["threads", "staleness", "calibration"],
-            &[("device", "`device` applies to `target cuda` only")],
+            &[
+                ("device", "`device` applies to `target cuda` only"),
+                ("precision", "`precision` applies to `target cuda` only"),
+            ],
         ),
         Some("cuda") => (
-            &["device", "staleness", "calibration"],
+            &["device", "staleness", "calibration", "precision"],
             &[("threads", "`threads` applies to `target cpu` only")],
         ),
-        _ => (&["threads", "device", "staleness", "calibration"], &[]),
+        _ => (&["threads", "device", "staleness", "calibration", "precision"], &[]),
     };
     let f = c.fields(b, &block_name(b), allowed, foreign);
     let staleness = c.uint_or(&f, "staleness", 0, 0u32);
@@ -200,6 +203,13 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
             device: c.uint_or(&f, "device", 0, 0),
             staleness,
             calibration,
+            precision: match f.get("precision") {
+                None => ir::Precision::Bf16,
+                Some(e) => match c.name_value("precision", &e.value, "precision", &["bf16", "fp32"]) {
+                    Some("fp32") => ir::Precision::Fp32,
+                    _ => ir::Precision::Bf16,
+                },
+            },
         }),
         _ => {
             let threads = match f.get("threads") {
