@@ -40,6 +40,7 @@ class GPT(nn.Module):
     def __init__(s):
         super().__init__()
         s.wte = nn.Embedding(a.vocab, a.d); s.wpe = nn.Embedding(a.ctx, a.d)
+        for w in (s.wte.weight, s.wpe.weight): nn.init.normal_(w, std=0.02)  # GPT-2 init, as asteria
         s.h = nn.ModuleList([Block() for _ in range(a.layers)]); s.ln_f = nn.LayerNorm(a.d)
     def forward(s, idx, tgt):
         x = s.wte(idx) + s.wpe(torch.arange(idx.shape[1]))
@@ -58,4 +59,4 @@ for i in range(a.warmup + a.steps):
     if i >= a.warmup: ts.append((time.perf_counter() - t0) * 1e3)
 ts.sort(); med = ts[len(ts) // 2]
 print("RESULT " + json.dumps(dict(what="torch_cpu_tiny_adamw", threads=a.threads, torch=torch.__version__,
-      median_step_ms=med, tokens_per_s=a.batch * a.ctx / med * 1e3, loss=float(loss))), flush=True)
+      median_step_ms=med, tokens_per_s=a.batch * a.ctx / med * 1e3, loss=loss.item())), flush=True)
