@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # CPU-side benchmarks on the GPU host (CUDA hidden): asteria CPU engine vs PyTorch on the
 # same tiny GPT-2, and the host eigensolvers. Output: $OUT/cpu-bench.log
+# Expects beside it: the stripped `asteria` (built with --features lapack), tiny-t2.asteria and
+# tiny-t16.asteria (examples/tiny.asteria with steps = 40, eval_interval = 0, threads = 2 / 16)
+# and torch_cpu_tiny.py; copy them into a git-ignored folder and carry it to the GPU host.
 set -o pipefail
 cd "$(dirname "$0")"
 export CUDA_VISIBLE_DEVICES=
