@@ -130,15 +130,48 @@ fn train_options(run: &RunFlags) -> Result<engine::TrainOptions> {
 }
 
 fn execute(plan: &Plan, run: &RunFlags) -> Result<()> {
+    let opts = train_options(run)?;
     if let TargetPlan::Cuda { .. } = plan.target {
+        return execute_cuda(plan, &opts);
+    }
+    // The engine prints the progress bar and the summary line itself.
+    engine::train(plan, &opts).map_err(|e| miette!("{e}"))?;
+    Ok(())
+}
+
+/// Runs a CUDA plan on [`cuda::CudaEngine`] through the same training loop as the CPU engine.
+/// `ASTERIA_CUDA_REFRESH` (plan|gpu|host) and `ASTERIA_CUDA_BF16_GEMM` (cast|fast) tune it.
+fn execute_cuda(plan: &Plan, opts: &engine::TrainOptions) -> Result<()> {
+    if !cuda::driver_present() {
         return Err(miette!(
-            "plan `{}` targets CUDA, but this build's engine runs plans on the CPU only (the CUDA \
-             interpreter is not built yet); set `target cpu` in the spec",
+            "plan `{}` targets CUDA, but no CUDA driver (libcuda.so) can be loaded on this machine; \
+             run it on a GPU host, or set `target cpu` in the spec",
             plan.name
         ));
     }
-    // The engine prints the progress bar and the summary line itself.
-    engine::train(plan, &train_options(run)?).map_err(|e| miette!("{e}"))?;
+    let copts = cuda::CudaOptions::from_env(opts.engine.clone()).map_err(|e| miette!("{e}"))?;
+    let mut eng = cuda::CudaEngine::new(plan.clone(), copts).map_err(|e| miette!("plan `{}` targets CUDA: {e}", plan.name))?;
+    let (arena, refresh) = eng.arena_bytes();
+    if !opts.quiet {
+        eprintln!(
+            "{}; plan arena {}, refresh work {}",
+            engine::StepExecutor::describe(&eng),
+            human_bytes(arena),
+            human_bytes(refresh)
+        );
+    }
+    engine::train_with(&mut eng, opts).map_err(|e| miette!("{e}"))?;
+    let stats = engine::StepExecutor::stats(&eng);
+    eprintln!(
+        "cuda: {}; host tasks {:.0} ms total, {} refreshes",
+        eng.memory_report(),
+        stats.host_task_ms,
+        stats.refreshes
+    );
+    let profile = eng.profile_table();
+    if !profile.is_empty() {
+        eprintln!("per-op GPU time (ASTERIA_CUDA_PROFILE: every op synchronized):\n{profile}");
+    }
     Ok(())
 }
 
@@ -237,4 +270,141 @@ pub fn calibrate(output: Option<&Path>, sizes: &[usize], threads: Option<usize>,
 
 fn rayon_pool(threads: usize) -> Result<rayon::ThreadPool> {
     rayon::ThreadPoolBuilder::new().num_threads(threads).build().into_diagnostic()
+}
+
+/// Arguments of `asteria selftest`.
+pub struct SelftestArgs {
+    pub device: String,
+    pub ordinal: usize,
+    pub seed: Option<u64>,
+    pub filter: Option<String>,
+    pub quick: bool,
+    pub no_kernels: bool,
+    pub train_match: Vec<std::path::PathBuf>,
+    pub steps: u64,
+    pub tol: f64,
+    pub refresh: String,
+    pub cache_dir: Option<std::path::PathBuf>,
+}
+
+/// `asteria selftest --device cuda`: the kernel self-test and the CPU-vs-GPU training checks.
+pub fn selftest(a: &SelftestArgs) -> Result<()> {
+    if a.device != "cuda" {
+        return Err(miette!("`--device {}`: only the cuda backend has a self-test (the CPU engine is the reference)", a.device));
+    }
+    if !cuda::driver_present() {
+        return Err(miette!("no CUDA driver (libcuda.so) can be loaded on this machine: the CUDA self-test needs a GPU host"));
+    }
+    let mut failed = Vec::new();
+    if !a.no_kernels {
+        let dev = cuda::Device::new(a.ordinal).map_err(|e| miette!("{e}"))?;
+        println!("{}", dev.info());
+        let opts = cuda::selftest::Options { seed: a.seed, filter: a.filter.clone(), quick: a.quick, verbose: false };
+        let report = cuda::selftest::run(&dev, &opts);
+        print!("{}", report.table());
+        if !report.passed() {
+            failed.push("kernel self-test".to_string());
+        }
+    }
+    let refresh: cuda::RefreshMode = a.refresh.parse().map_err(|e: String| miette!("--refresh: {e}"))?;
+    for spec in &a.train_match {
+        let (plan, _) = compile_spec(spec, &PassFlags::default())?;
+        let opts = cuda::train_match::MatchOptions {
+            steps: a.steps,
+            tol: a.tol,
+            refresh,
+            cache_dir: Some(a.cache_dir.clone().unwrap_or_else(|| std::env::temp_dir().join("asteria-token-cache"))),
+            threads: None,
+        };
+        match cuda::train_match::train_match(&plan, &opts) {
+            Ok(r) => {
+                println!();
+                print!("{}", r.table());
+                if !r.passed() {
+                    failed.push(format!("train-match {}", spec.display()));
+                }
+            }
+            Err(e) => {
+                println!("train-match {}: ERROR {e}", spec.display());
+                failed.push(format!("train-match {}", spec.display()));
+            }
+        }
+    }
+    if failed.is_empty() {
+        println!("\nselftest: all passed");
+        Ok(())
+    } else {
+        Err(miette!("selftest failed: {}", failed.join(", ")))
+    }
+}
+
+/// One series of a metrics file: `(step, loss)` and `(step, val_loss)`.
+type Series = (String, Vec<(f64, f64)>, Vec<(f64, f64)>);
+
+fn read_series(arg: &str) -> Result<Series> {
+    let (name, path) = match arg.split_once('=') {
+        Some((n, p)) => (n.to_string(), std::path::PathBuf::from(p)),
+        None => {
+            let p = std::path::PathBuf::from(arg);
+            (p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(), p)
+        }
+    };
+    let text = std::fs::read_to_string(&path).into_diagnostic().wrap_err_with(|| format!("cannot read {}", path.display()))?;
+    let (mut train, mut val) = (Vec::new(), Vec::new());
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .into_diagnostic()
+            .wrap_err_with(|| format!("{}:{}: not JSON", path.display(), i + 1))?;
+        let step = v.get("step").and_then(serde_json::Value::as_f64);
+        match (step, v.get("loss").and_then(serde_json::Value::as_f64), v.get("val_loss").and_then(serde_json::Value::as_f64)) {
+            (Some(s), Some(l), _) if l.is_finite() => train.push((s, l)),
+            (Some(s), _, Some(l)) if l.is_finite() => val.push((s, l)),
+            _ => {}
+        }
+    }
+    Ok((name, train, val))
+}
+
+/// `asteria plot`: training (lines) and validation (markers) loss of metrics files as an SVG.
+pub fn plot(metrics: &[String], output: &Path, title: &str) -> Result<()> {
+    use plotters::prelude::*;
+    let series = metrics.iter().map(|m| read_series(m)).collect::<Result<Vec<_>>>()?;
+    let all = || series.iter().flat_map(|(_, t, v)| t.iter().chain(v));
+    let x_max = all().map(|p| p.0).fold(1.0f64, f64::max);
+    let y_min = all().map(|p| p.1).fold(f64::INFINITY, f64::min);
+    let y_max = all().map(|p| p.1).fold(f64::NEG_INFINITY, f64::max);
+    if !y_min.is_finite() || !y_max.is_finite() {
+        return Err(miette!("no finite losses in the metrics files"));
+    }
+    let pad = 0.05 * (y_max - y_min).max(1e-3);
+    let draw = || -> std::result::Result<(), Box<dyn std::error::Error>> {
+        let root = SVGBackend::new(output, (900, 560)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 22))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(56)
+            .build_cartesian_2d(0f64..x_max, (y_min - pad)..(y_max + pad))?;
+        chart.configure_mesh().x_desc("step").y_desc("loss (nats)").draw()?;
+        for (i, (name, train, val)) in series.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            chart
+                .draw_series(LineSeries::new(train.iter().copied(), color.stroke_width(2)))?
+                .label(format!("{name} train"))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+            if !val.is_empty() {
+                chart
+                    .draw_series(val.iter().map(|&(x, y)| Circle::new((x, y), 4, color.filled())))?
+                    .label(format!("{name} val"))
+                    .legend(move |(x, y)| Circle::new((x + 9, y), 4, color.filled()));
+            }
+        }
+        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+        root.present()?;
+        Ok(())
+    };
+    draw().map_err(|e| miette!("plotting to {}: {e}", output.display()))?;
+    eprintln!("wrote {}", output.display());
+    Ok(())
 }

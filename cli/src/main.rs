@@ -104,6 +104,56 @@ enum Command {
         #[arg(long, default_value_t = 3)]
         reps: usize,
     },
+    /// Check a backend: `--device cuda` runs every CUDA kernel against the CPU kernels and,
+    /// with `--train-match SPEC`, trains SPEC on the CPU and the GPU engine in one process and
+    /// compares the losses step by step (GPU in fp32). Exit status 1 on any failure.
+    Selftest {
+        /// The backend to check (only `cuda` has a self-test).
+        #[arg(long, default_value = "cuda")]
+        device: String,
+        /// CUDA device ordinal.
+        #[arg(long, default_value_t = 0)]
+        ordinal: usize,
+        /// Seed of the kernel self-test's inputs (default: from the clock).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Only kernel cases whose name contains this.
+        #[arg(long)]
+        filter: Option<String>,
+        /// Skip the largest kernel sizes.
+        #[arg(long)]
+        quick: bool,
+        /// Skip the kernel self-test (only the train-match checks).
+        #[arg(long)]
+        no_kernels: bool,
+        /// Spec to train on both engines and compare (repeatable).
+        #[arg(long = "train-match", value_name = "SPEC")]
+        train_match: Vec<PathBuf>,
+        /// Steps of each train-match.
+        #[arg(long, default_value_t = 20)]
+        steps: u64,
+        /// Largest allowed relative loss difference of any step.
+        #[arg(long, default_value_t = 1e-4)]
+        tol: f64,
+        /// Where the GPU engine refreshes eigenbases in the train-match: gpu, host or plan.
+        #[arg(long, default_value = "gpu")]
+        refresh: String,
+        /// Folder for the token cache.
+        #[arg(long, value_name = "DIR")]
+        cache_dir: Option<PathBuf>,
+    },
+    /// Plot loss curves of metrics files (`--metrics` JSONL of `asteria train`) as an SVG.
+    Plot {
+        /// Metrics files; each is one series, named by its file stem (or `NAME=FILE`).
+        #[arg(required = true)]
+        metrics: Vec<String>,
+        /// The SVG to write.
+        #[arg(short, long, value_name = "FILE.svg")]
+        output: PathBuf,
+        /// Title of the plot.
+        #[arg(long, default_value = "training loss")]
+        title: String,
+    },
     /// Micro-benchmarks of the runtime's building blocks.
     Bench {
         #[command(subcommand)]
@@ -142,6 +192,22 @@ fn main() -> ExitCode {
         Command::Train { spec, run, passes } => commands::train(&spec, &run, &passes),
         Command::Calibrate { output, sizes, threads, reps } => commands::calibrate(output.as_deref(), &sizes, threads, reps),
         Command::Bench { what: BenchCommand::Eigh { sizes, threads, reps } } => commands::bench_eigh(&sizes, &threads, reps),
+        Command::Selftest { device, ordinal, seed, filter, quick, no_kernels, train_match, steps, tol, refresh, cache_dir } => {
+            commands::selftest(&commands::SelftestArgs {
+                device,
+                ordinal,
+                seed,
+                filter,
+                quick,
+                no_kernels,
+                train_match,
+                steps,
+                tol,
+                refresh,
+                cache_dir,
+            })
+        }
+        Command::Plot { metrics, output, title } => commands::plot(&metrics, &output, &title),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

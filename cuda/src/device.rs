@@ -9,7 +9,7 @@ use cudarc::cublas::{result as cb, sys as cbsys};
 use cudarc::driver::{
     result as drv, sys, CudaContext, CudaEvent, CudaStream, LaunchConfig, PushKernelArg,
 };
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// True when the CUDA driver library can be loaded (checked before touching cudarc, whose
@@ -147,6 +147,17 @@ pub struct Device {
     counters: Arc<MemCounters>,
     status: Buf,
     _internal: Arena,
+    fast_bf16: AtomicBool,
+}
+
+/// How the fp32-storage GEMMs ([`crate::gemm::gemm_f32`] and the attention GEMMs) compute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GemmMath {
+    /// Plain fp32 (`CUBLAS_DEFAULT_MATH`, no TF32): the default, and always for optimizer math.
+    Fp32,
+    /// Inputs rounded to bf16 inside cuBLAS, fp32 accumulation and output
+    /// (`CUBLAS_COMPUTE_32F_FAST_16BF`): the model GEMMs of a `precision = bf16` plan.
+    Bf16,
 }
 
 /// 1 << 31 − 1: dimensions passed to kernels as `int` must stay below it.
@@ -249,9 +260,31 @@ impl Device {
             counters,
             status,
             _internal: internal,
+            fast_bf16: AtomicBool::new(false),
         };
         dev.upload(&dev.status, &[i32::MAX])?;
         Ok(dev)
+    }
+
+    /// Sets how later fp32-storage GEMMs compute (see [`GemmMath`]); returns the previous mode.
+    pub fn set_gemm_math(&self, math: GemmMath) -> GemmMath {
+        let was = self
+            .fast_bf16
+            .swap(math == GemmMath::Bf16, Ordering::Relaxed);
+        if was {
+            GemmMath::Bf16
+        } else {
+            GemmMath::Fp32
+        }
+    }
+
+    /// The current [`GemmMath`].
+    pub fn gemm_math(&self) -> GemmMath {
+        if self.fast_bf16.load(Ordering::Relaxed) {
+            GemmMath::Bf16
+        } else {
+            GemmMath::Fp32
+        }
     }
 
     /// What the driver says about the device.

@@ -185,6 +185,38 @@ pub(crate) fn gemm_strided_batched_f32(
     }
     dev.context().bind_to_thread()?;
     let h = dev.cublas_handle();
+    if dev.gemm_math() == crate::device::GemmMath::Bf16 {
+        let f32t = cbsys::cudaDataType::CUDA_R_32F;
+        // SAFETY: as below; fp32 storage, bf16-rounded inputs, fp32 accumulation.
+        return unsafe {
+            cb::gemm_strided_batched_ex(
+                h,
+                Geometry::op(g.trans_b),
+                Geometry::op(g.trans_a),
+                g.p as i32,
+                g.m as i32,
+                g.k as i32,
+                (&alpha as *const f32).cast::<c_void>(),
+                b as *const c_void,
+                f32t,
+                g.ldb(),
+                stride_b as i64,
+                a as *const c_void,
+                f32t,
+                g.lda(),
+                stride_a as i64,
+                (&beta as *const f32).cast::<c_void>(),
+                c as *mut c_void,
+                f32t,
+                g.ldc(),
+                stride_c as i64,
+                batch as i32,
+                cbsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
+                cbsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+            .map_err(cublas("gemm_strided_batched_ex fast-bf16"))
+        };
+    }
     // SAFETY: the callers checked that every operand covers its (strided) matrix; alpha/beta
     // are host scalars (the handle's default pointer mode).
     unsafe {

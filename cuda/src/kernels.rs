@@ -90,6 +90,18 @@ pub const FAMILIES: &[Family] = &[
     ),
     family!("adamw", ["adamw_step"]),
     family!("soap", ["soap_adam_eigen", "soap_apply"]),
+    family!(
+        "refresh",
+        [
+            "add_diag",
+            "eigvecs_descending",
+            "column_dots",
+            "gather_cols_transpose",
+            "permute_rows",
+            "permute_cols",
+            "count_nonfinite"
+        ]
+    ),
 ];
 
 /// The names declared `extern "C" __global__ void NAME(` in `source`, in order.

@@ -12,21 +12,32 @@
 //!
 //! Nothing here needs CUDA to build: cudarc loads `libcuda`, `libnvrtc` and `libcublas` at run
 //! time, and [`Device::new`] returns [`CudaError::NoDriver`] on a machine without a driver.
-//! Not yet here (later work): the plan interpreter, pinned-host prefetch of offloaded state,
-//! GPU eigensolves on the side stream (cuSOLVER), and NCCL — cudarc 0.19 opens `libnccl.so`
+//! - [`CudaEngine`]: the plan interpreter (an `engine::StepExecutor`), with synchronous
+//!   eigenbasis refreshes through cuSOLVER ([`refresh`]) or the host solver;
+//! - [`train_match`]: trains one plan on the CPU engine and on the GPU in one process and
+//!   compares the losses step by step.
+//!
+//! Not yet here (later work): pinned-host prefetch of offloaded state, asynchronous refreshes
+//! on the side stream with bounded staleness, and NCCL — cudarc 0.19 opens `libnccl.so`
 //! only, while GPU hosts often ship just `libnccl.so.2` (see shared/GPU.md), so the NCCL
 //! loader must try the versioned soname itself.
 #![deny(missing_docs)]
 
 mod device;
+mod engine;
 mod error;
 pub mod gemm;
 pub mod kernels;
 mod memory;
 pub mod nvrtc;
 pub mod ops;
+pub mod refresh;
 pub mod selftest;
+pub mod train_match;
 
-pub use device::{driver_present, Device, DeviceInfo, HostElem, MemoryReport, StreamKind};
+pub use device::{
+    driver_present, Device, DeviceInfo, GemmMath, HostElem, MemoryReport, StreamKind,
+};
+pub use engine::{Bf16Gemm, CudaEngine, CudaOptions, RefreshMode};
 pub use error::{CudaError, Result, Tier};
 pub use memory::{Arena, Buf, Carver, Elem, BUF_ALIGN};

@@ -1,0 +1,57 @@
+"""Summarizes asteria metrics JSONL files and PyTorch RESULT lines into the BENCHMARKS.md table.
+Usage: python3 summarize.py [--skip 12] NAME=metrics.jsonl[:stderr.txt] ... [--torch torch.txt]
+Step statistics use the steps after the first `--skip` (the torch reference times 60 steps after
+12 warm-up steps). tokens/s = batch tokens / median step time (as torch_baseline.py)."""
+import json, re, sys
+
+def pct(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q / 100.0
+    f = int(k); c = min(f + 1, len(xs) - 1)
+    return xs[f] + (xs[c] - xs[f]) * (k - f)
+
+args = sys.argv[1:]
+skip, torch_file, runs = 12, None, []
+i = 0
+while i < len(args):
+    if args[i] == "--skip":
+        skip = int(args[i + 1]); i += 2
+    elif args[i] == "--torch":
+        torch_file = args[i + 1]; i += 2
+    else:
+        runs.append(args[i]); i += 1
+
+rows = []
+for r in runs:
+    name, rest = r.split("=", 1)
+    path, _, err = rest.partition(":")
+    steps = [json.loads(l) for l in open(path) if l.strip()]
+    tr = [s for s in steps if "loss" in s]
+    val = [s for s in steps if "val_loss" in s]
+    ms = [s["step_ms"] for s in tr[skip:]]
+    tok = tr[0]["tokens_per_s"] * tr[0]["step_ms"] / 1e3 if tr else 0
+    peak = ""
+    if err:
+        m = re.search(r"GPU peak used ([0-9.]+) GiB", open(err, errors="replace").read())
+        peak = m.group(1) if m else ""
+    med = pct(ms, 50)
+    rows.append(dict(name=name, steps=len(tr), median=med, p99=pct(ms, 99), max=max(ms) if ms else float("nan"),
+                     mean=sum(ms) / max(len(ms), 1), tps=tok / (med / 1e3) if med == med and med > 0 else 0,
+                     loss=tr[-1]["loss"] if tr else float("nan"), val=val[-1]["val_loss"] if val else float("nan"), peak=peak))
+if torch_file:
+    for line in open(torch_file, errors="replace"):
+        if line.startswith("RESULT "):
+            d = json.loads(line[7:])
+            if d.get("what") == "gpt_train":
+                rows.append(dict(name="torch " + d["opt"] + (" compile" if d["compile"] else " eager"), steps=60,
+                                 median=d["median_ms"], p99=d["p99_ms"], max=d["max_ms"], mean=d["mean_ms"],
+                                 tps=d["tokens_per_s"], loss=d["last_loss"], val=float("nan"), peak="%.1f" % d["peak_mem_GiB"]))
+ref = next((r for r in rows if r["name"] == "torch adamw eager"), None)
+print("| run | steps | median ms | p99 ms | max ms | mean ms | tokens/s | vs torch eager AdamW | last loss | last val loss | peak GiB |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
+for r in rows:
+    ratio = "%.2fx" % (r["tps"] / ref["tps"]) if ref and ref["tps"] else "-"
+    print("| %s | %d | %.1f | %.1f | %.1f | %.1f | %.0f | %s | %.3f | %.3f | %s |" % (
+        r["name"], r["steps"], r["median"], r["p99"], r["max"], r["mean"], r["tps"], ratio, r["loss"], r["val"], r["peak"] or "-"))

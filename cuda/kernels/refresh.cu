@@ -1,0 +1,68 @@
+// Helpers of the GPU eigenbasis refresh (plan host task `EigenbasisRefresh`, SOAP's
+// `get_orthogonal_matrix` / `get_orthogonal_matrix_QR`): cuSOLVER does the eigendecomposition
+// and the QR; these kernels move columns between the row-major plan layout and cuSOLVER's
+// column-major one, sort, permute and check. All matrices are f32.
+
+// a[i, i] += v for i < d (a row-major [d, d]).
+extern "C" __global__ void add_diag(float* __restrict__ a, int d, float v) {
+    for (long long i = gtid(); i < d; i += gstride()) a[i * (long long)d + i] += v;
+}
+
+// Eigenvectors from cuSOLVER (column-major, ascending eigenvalues) to a row-major basis with
+// columns in descending eigenvalue order: q[i, j] = w[(d - 1 - j) * d + i].
+extern "C" __global__ void eigvecs_descending(const float* __restrict__ w, float* __restrict__ q, int d) {
+    const long long total = (long long)d * d;
+    for (long long k = gtid(); k < total; k += gstride()) {
+        const long long i = k / d, j = k % d;
+        q[k] = w[(long long)(d - 1 - j) * d + i];
+    }
+}
+
+// est[j] = sum_i q[i, j] * fq[i, j] (f64 accumulation, fixed order); one thread per column.
+extern "C" __global__ void column_dots(const float* __restrict__ q, const float* __restrict__ fq,
+                                       double* __restrict__ est, int d) {
+    for (long long j = gtid(); j < d; j += gstride()) {
+        double acc = 0.0;
+        for (long long i = 0; i < d; ++i) acc += (double)q[i * d + j] * (double)fq[i * d + j];
+        est[j] = acc;
+    }
+}
+
+// out[j * rows + i] = x[i * cols + idx[j]] for j < cols: the columns idx of row-major x
+// [rows, cols], written column-major (= the row-major transpose). idx = null means identity.
+extern "C" __global__ void gather_cols_transpose(const float* __restrict__ x, const int* __restrict__ idx,
+                                                 float* __restrict__ out, int rows, int cols) {
+    const long long total = (long long)rows * cols;
+    for (long long k = gtid(); k < total; k += gstride()) {
+        const long long j = k / rows, i = k % rows;
+        const long long src = idx ? idx[j] : j;
+        out[k] = x[i * cols + src];
+    }
+}
+
+// Row permutation: out[i, :] = x[idx[i], :]; x/out row-major [rows, cols].
+extern "C" __global__ void permute_rows(const float* __restrict__ x, const int* __restrict__ idx,
+                                        float* __restrict__ out, int rows, int cols) {
+    const long long total = (long long)rows * cols;
+    for (long long k = gtid(); k < total; k += gstride()) {
+        const long long i = k / cols, j = k % cols;
+        out[k] = x[(long long)idx[i] * cols + j];
+    }
+}
+
+// Column permutation: out[:, j] = x[:, idx[j]]; x/out row-major [rows, cols].
+extern "C" __global__ void permute_cols(const float* __restrict__ x, const int* __restrict__ idx,
+                                        float* __restrict__ out, int rows, int cols) {
+    const long long total = (long long)rows * cols;
+    for (long long k = gtid(); k < total; k += gstride()) {
+        const long long i = k / cols, j = k % cols;
+        out[k] = x[i * cols + idx[j]];
+    }
+}
+
+// *count += number of NaN / Inf entries of x (count must be zeroed first).
+extern "C" __global__ void count_nonfinite(const float* __restrict__ x, long long n, int* __restrict__ count) {
+    int local = 0;
+    for (long long i = gtid(); i < n; i += gstride()) local += isfinite(x[i]) ? 0 : 1;
+    if (local) atomicAdd(count, local);
+}

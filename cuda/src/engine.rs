@@ -1,0 +1,1159 @@
+//! [`CudaEngine`]: runs a verified plan on one GPU through the launchers of [`crate::ops`] and
+//! [`crate::gemm`], as an [`engine::StepExecutor`] (so `engine::train_with` drives it with the
+//! same data, schedule, metrics and evaluation as the CPU engine).
+//!
+//! - Memory: every plan buffer, the largest op scratch and (bf16 `cast` mode) the bf16 shadows
+//!   of GEMM operands are carved from **one** device arena; eigenbasis-refresh work buffers
+//!   and cuSOLVER's workspace from a second. Peak use: [`CudaEngine::memory_report`].
+//! - Init: the CPU engine's exact procedure (one `engine::Rng` seeded by the options' or the
+//!   plan's seed, normal draws in buffer order) on the host, uploaded: the same seed gives
+//!   bit-identical initial weights on both engines.
+//! - Precision (`TargetPlan::Cuda::precision`): `fp32` runs every GEMM in plain fp32 (no TF32);
+//!   `bf16` runs the model GEMMs (plan `MatMul`s and the attention GEMMs of forward and
+//!   backward) with bf16 inputs and fp32 accumulation and output. Optimizer math (AdamW, SOAP
+//!   projections, factor updates, refreshes) is always fp32.
+//! - `ClipGradNorm` reads the norm back; a non-finite norm skips the rest of the optimizer
+//!   program (counted in `EngineStats::skipped_steps`), as on the CPU.
+//! - Bad token ids / targets: the kernels set the device status word; `forward` checks it
+//!   ([`crate::Device::take_status`]) and reports the offending row and value.
+//! - Host tasks (`EigenbasisRefresh`): synchronous, either on the GPU through cuSOLVER
+//!   ([`crate::refresh`]) or on the host through `optim::eigenbasis_refresh` (the CPU engine's
+//!   function; factor, basis and moments are downloaded and the results uploaded), chosen by
+//!   [`RefreshMode`].
+use crate::device::{Device, GemmMath};
+use crate::error::{CudaError, Tier};
+use crate::gemm::{self, Dims};
+use crate::memory::{Arena, Buf, Elem, BUF_ALIGN};
+use crate::ops::{attention as at, loss, nn, optim as op};
+use crate::refresh::{GpuRefresher, RefreshFailure};
+use engine::{EngineError, EngineOptions, EngineStats, HostTaskReport, Rng, StepExecutor};
+use schedule::{BufferId, DType, HostTask, Init, Op, Placement, Plan, Precision, TargetPlan};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Where `EigenbasisRefresh` host tasks run on the CUDA engine.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RefreshMode {
+    /// Each task where the plan placed it: `gpu_side` → cuSOLVER, `host` → the host solver.
+    #[default]
+    Plan,
+    /// Every task on the GPU (cuSOLVER).
+    Gpu,
+    /// Every task on the host (`optim::eigenbasis_refresh`, as the CPU engine).
+    Host,
+}
+
+impl std::str::FromStr for RefreshMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "plan" => Ok(RefreshMode::Plan),
+            "gpu" => Ok(RefreshMode::Gpu),
+            "host" => Ok(RefreshMode::Host),
+            _ => Err(format!("unknown refresh mode `{s}` (plan, gpu or host)")),
+        }
+    }
+}
+
+/// How the plan `MatMul`s run under `precision = bf16`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Bf16Gemm {
+    /// Explicit f32 → bf16 casts into cached shadow buffers, then `cublasGemmEx` on bf16
+    /// operands (the self-tested `matmul_bf16` path).
+    #[default]
+    Cast,
+    /// fp32 operands with `CUBLAS_COMPUTE_32F_FAST_16BF` (cuBLAS rounds to bf16 inside).
+    Fast,
+}
+
+/// Options of a [`CudaEngine`].
+#[derive(Clone, Debug, Default)]
+pub struct CudaOptions {
+    /// Seed, eigensolver (host refreshes) and refresh failure limit, as for the CPU engine.
+    pub engine: EngineOptions,
+    /// Where refreshes run.
+    pub refresh: RefreshMode,
+    /// The bf16 GEMM flavour.
+    pub bf16_gemm: Bf16Gemm,
+    /// Device ordinal; `None` = the plan's.
+    pub device: Option<usize>,
+}
+
+impl CudaOptions {
+    /// Defaults overridden by `ASTERIA_CUDA_REFRESH` (`plan|gpu|host`) and
+    /// `ASTERIA_CUDA_BF16_GEMM` (`cast|fast`).
+    ///
+    /// # Errors
+    /// An unknown value, named.
+    pub fn from_env(engine: EngineOptions) -> Result<CudaOptions, String> {
+        let mut o = CudaOptions {
+            engine,
+            ..CudaOptions::default()
+        };
+        if let Ok(v) = std::env::var("ASTERIA_CUDA_REFRESH") {
+            o.refresh = v
+                .parse()
+                .map_err(|e| format!("ASTERIA_CUDA_REFRESH: {e}"))?;
+        }
+        if let Ok(v) = std::env::var("ASTERIA_CUDA_BF16_GEMM") {
+            o.bf16_gemm = match v.as_str() {
+                "cast" => Bf16Gemm::Cast,
+                "fast" => Bf16Gemm::Fast,
+                _ => return Err(format!("ASTERIA_CUDA_BF16_GEMM: `{v}` is not cast or fast")),
+            };
+        }
+        Ok(o)
+    }
+}
+
+fn cuda_err(where_: &str, e: CudaError) -> EngineError {
+    EngineError::Unsupported(format!("CUDA backend, {where_}: {e}"))
+}
+
+/// `(rows, cols)` of a buffer as the CPU engine sees it (`[r, c]`, `[n]` → `(1, n)`, higher
+/// ranks: first dim × the rest).
+fn dims2(shape: &[usize]) -> (usize, usize) {
+    match shape {
+        [r, c] => (*r, *c),
+        [n] => (1, *n),
+        s => (s.first().copied().unwrap_or(0), s.iter().skip(1).product()),
+    }
+}
+
+/// Operand names that an op writes.
+fn is_output(name: &str) -> bool {
+    matches!(
+        name,
+        "out"
+            | "dtable"
+            | "dpos"
+            | "dx"
+            | "dweight"
+            | "dbias"
+            | "dqkv"
+            | "loss"
+            | "dlogits"
+            | "grads"
+            | "norm"
+            | "param"
+            | "exp_avg"
+            | "exp_avg_sq"
+            | "factor_left"
+            | "factor_right"
+    )
+}
+
+/// Elements of f32 scratch `op` needs (0 for none).
+fn scratch_need(plan: &Plan, op: &Op) -> usize {
+    let shape = |id: BufferId| plan.buffer(id).shape.as_slice();
+    let rows = |id: BufferId| dims2(shape(id)).0;
+    let cols = |id: BufferId| dims2(shape(id)).1;
+    match op {
+        Op::LayerNormBackward { x, .. } => nn::layernorm_backward_scratch_len(rows(*x)),
+        Op::RmsNormBackward { x, .. } => nn::rmsnorm_backward_scratch_len(rows(*x)),
+        Op::Attention {
+            qkv,
+            batch,
+            seq_len,
+            n_heads,
+            ..
+        } => at::attention_forward_scratch_len(&attn_dims(*batch, *seq_len, *n_heads, cols(*qkv))),
+        Op::AttentionBackward {
+            qkv,
+            batch,
+            seq_len,
+            n_heads,
+            ..
+        } => at::attention_backward_scratch_len(&attn_dims(*batch, *seq_len, *n_heads, cols(*qkv))),
+        Op::CrossEntropy { targets, .. } => {
+            loss::cross_entropy_scratch_len(plan.buffer(*targets).numel())
+        }
+        Op::ClipGradNorm { grads, .. } => loss::clip_grad_norm_scratch_len(grads.len()),
+        Op::SoapUpdate { param, .. } => {
+            let (m, n) = dims2(shape(*param));
+            op::soap_update_scratch_len(m, n)
+        }
+        _ => 0,
+    }
+}
+
+fn attn_dims(batch: usize, seq_len: usize, n_heads: usize, qkv_cols: usize) -> at::AttnDims {
+    at::AttnDims {
+        batch,
+        seq_len,
+        n_heads,
+        channels: qkv_cols / 3,
+    }
+}
+
+fn aligned(bytes: usize) -> usize {
+    bytes.next_multiple_of(BUF_ALIGN)
+}
+
+/// The CUDA interpreter of a [`Plan`]. See the module docs.
+pub struct CudaEngine {
+    plan: Plan,
+    dev: Device,
+    opts: CudaOptions,
+    precision: Precision,
+    bufs: Vec<Buf>,
+    shadows: Vec<Option<Buf>>,
+    shadow_fresh: Vec<bool>,
+    scratch: Buf,
+    ones: Buf,
+    refresher: Option<GpuRefresher>,
+    host_pool: Option<Arc<rayon::ThreadPool>>,
+    stats: EngineStats,
+    last_tokens: Vec<i32>,
+    last_targets: Vec<i32>,
+    _arena: Arena,
+    arena_bytes: usize,
+    refresh_bytes: usize,
+    profile: Option<std::collections::BTreeMap<String, (u64, f64)>>,
+}
+
+impl CudaEngine {
+    /// Opens the plan's device, allocates every buffer and initialises it as the CPU engine
+    /// does (see the module docs).
+    ///
+    /// # Errors
+    /// [`EngineError::Plan`] for an invalid plan, [`EngineError::Unsupported`] wrapping the
+    /// [`CudaError`] when there is no driver / device or an allocation fails, and
+    /// [`EngineError::Option`] for a zero failure limit.
+    pub fn new(plan: Plan, opts: CudaOptions) -> Result<CudaEngine, EngineError> {
+        plan.verify()?;
+        if opts.engine.max_consecutive_refresh_failures == 0 {
+            return Err(EngineError::Option(
+                "max_consecutive_refresh_failures must be at least 1".into(),
+            ));
+        }
+        let (ordinal, precision) = match plan.target {
+            TargetPlan::Cuda {
+                device, precision, ..
+            } => (device as usize, precision),
+            TargetPlan::Cpu { .. } => (0, Precision::Fp32),
+        };
+        let ordinal = opts.device.unwrap_or(ordinal);
+        let dev = Device::new(ordinal).map_err(|e| cuda_err("opening the device", e))?;
+        Self::with_device(plan, opts, dev, precision)
+    }
+
+    fn with_device(
+        plan: Plan,
+        opts: CudaOptions,
+        dev: Device,
+        precision: Precision,
+    ) -> Result<CudaEngine, EngineError> {
+        let e = |w: &'static str| move |err: CudaError| cuda_err(w, err);
+        // Sizes: buffers, scratch, bf16 shadows.
+        let programs = || {
+            plan.forward
+                .iter()
+                .chain(&plan.backward)
+                .chain(&plan.optimizer)
+        };
+        let scratch_len = programs()
+            .map(|o| scratch_need(&plan, o))
+            .max()
+            .unwrap_or(0)
+            .max(2);
+        let mut needs_shadow = vec![false; plan.buffers.len()];
+        if precision == Precision::Bf16 && opts.bf16_gemm == Bf16Gemm::Cast {
+            for o in plan.forward.iter().chain(&plan.backward) {
+                if let Op::MatMul { a, b, .. } = o {
+                    needs_shadow[a.index()] = true;
+                    needs_shadow[b.index()] = true;
+                }
+            }
+        }
+        // SumRows runs as a GEMM `ones[1, N] · x[N, C]`: the ones vector.
+        let ones_len = programs()
+            .filter_map(|o| match o {
+                Op::SumRows { x, .. } => Some(dims2(&plan.buffer(*x).shape).0),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let mut bytes: usize = plan.buffers.iter().map(|b| aligned(b.size_bytes())).sum();
+        bytes += aligned(scratch_len * 4) + aligned(ones_len * 4);
+        bytes += plan
+            .buffers
+            .iter()
+            .zip(&needs_shadow)
+            .filter(|(_, &s)| s)
+            .map(|(b, _)| aligned(b.numel() * 2))
+            .sum::<usize>();
+        let mut arena = dev
+            .arena("plan", Tier::Device, bytes)
+            .map_err(e("allocating the plan arena"))?;
+        let mut bufs = Vec::with_capacity(plan.buffers.len());
+        for b in &plan.buffers {
+            let elem = match b.dtype {
+                DType::F32 => Elem::F32,
+                DType::I32 => Elem::I32,
+            };
+            bufs.push(arena.buf(elem, b.numel()).map_err(e("carving a buffer"))?);
+        }
+        let scratch = arena
+            .buf(Elem::F32, scratch_len)
+            .map_err(e("carving scratch"))?;
+        let ones = arena.buf(Elem::F32, ones_len).map_err(e("carving ones"))?;
+        dev.upload(&ones, &vec![1.0f32; ones_len])
+            .map_err(e("filling ones"))?;
+        let mut shadows = Vec::with_capacity(plan.buffers.len());
+        for (b, &s) in plan.buffers.iter().zip(&needs_shadow) {
+            shadows.push(if s {
+                Some(
+                    arena
+                        .buf(Elem::BF16, b.numel())
+                        .map_err(e("carving a bf16 shadow"))?,
+                )
+            } else {
+                None
+            });
+        }
+
+        // Refresh machinery, sized for the largest task.
+        let wants_gpu = |p: Placement| match opts.refresh {
+            RefreshMode::Gpu => true,
+            RefreshMode::Host => false,
+            RefreshMode::Plan => p == Placement::GpuSide,
+        };
+        let (mut max_dim, mut max_mn, mut any_gpu, mut any_host) = (0, 0, false, false);
+        for t in &plan.host_tasks {
+            let HostTask::EigenbasisRefresh {
+                factor,
+                exp_avg,
+                placement,
+                ..
+            } = t;
+            max_dim = max_dim.max(dims2(&plan.buffer(*factor).shape).0);
+            max_mn = max_mn.max(plan.buffer(*exp_avg).numel());
+            if wants_gpu(*placement) {
+                any_gpu = true;
+            } else {
+                any_host = true;
+            }
+        }
+        let (refresher, refresh_bytes) = if any_gpu {
+            let (r, b) = GpuRefresher::new(&dev, max_dim, max_mn)
+                .map_err(e("setting up cuSOLVER refreshes"))?;
+            (Some(r), b)
+        } else {
+            (None, 0)
+        };
+        let host_pool = if any_host {
+            Some(Arc::new(
+                rayon::ThreadPoolBuilder::new()
+                    .thread_name(|i| format!("asteria-cuda-host-{i}"))
+                    .build()
+                    .map_err(|err| EngineError::Unsupported(format!("host pool: {err}")))?,
+            ))
+        } else {
+            None
+        };
+
+        let tasks = plan.host_tasks.len();
+        let n_bufs = plan.buffers.len();
+        let mut eng = CudaEngine {
+            dev,
+            opts,
+            precision,
+            bufs,
+            shadows,
+            shadow_fresh: vec![false; n_bufs],
+            scratch,
+            ones,
+            refresher,
+            host_pool,
+            stats: EngineStats {
+                refresh_failures: vec![0; tasks],
+                consecutive_refresh_failures: vec![0; tasks],
+                ..EngineStats::default()
+            },
+            last_tokens: Vec::new(),
+            last_targets: Vec::new(),
+            _arena: arena,
+            arena_bytes: bytes,
+            refresh_bytes,
+            profile: std::env::var_os("ASTERIA_CUDA_PROFILE").map(|_| Default::default()),
+            plan,
+        };
+        eng.init_buffers()?;
+        Ok(eng)
+    }
+
+    /// The CPU engine's initialisation (`engine::CpuEngine::new`), on the host, uploaded.
+    fn init_buffers(&mut self) -> Result<(), EngineError> {
+        let e = |err: CudaError| cuda_err("initialising buffers", err);
+        let mut rng = Rng::new(self.opts.engine.seed.unwrap_or(self.plan.train.seed));
+        for (b, buf) in self.plan.buffers.iter().zip(&self.bufs) {
+            match (b.init, b.dtype) {
+                (Init::Zeros, _) => self.dev.zero(buf).map_err(e)?,
+                (Init::Ones, DType::F32) => {
+                    self.dev.upload(buf, &vec![1.0f32; b.numel()]).map_err(e)?
+                }
+                (Init::Ones, DType::I32) => {
+                    self.dev.upload(buf, &vec![1i32; b.numel()]).map_err(e)?
+                }
+                (Init::Normal { std }, DType::F32) => {
+                    let v: Vec<f32> = (0..b.numel())
+                        .map(|_| (std * rng.normal()) as f32)
+                        .collect();
+                    self.dev.upload(buf, &v).map_err(e)?
+                }
+                (Init::Normal { std }, DType::I32) => {
+                    let v: Vec<i32> = (0..b.numel())
+                        .map(|_| (std * rng.normal()).round() as i32)
+                        .collect();
+                    self.dev.upload(buf, &v).map_err(e)?
+                }
+            }
+        }
+        self.dev.synchronize().map_err(e)
+    }
+
+    /// With `ASTERIA_CUDA_PROFILE` set, every op is synchronized and timed (slower steps):
+    /// this is the table of `(op, calls, total ms)`, largest first; empty otherwise.
+    pub fn profile_table(&self) -> String {
+        let Some(p) = &self.profile else {
+            return String::new();
+        };
+        let mut rows: Vec<_> = p.iter().collect();
+        rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+        let total: f64 = rows.iter().map(|r| r.1 .1).sum();
+        let mut s =
+            String::from("| op (section/name) | calls | total ms | share |\n|---|---|---|---|\n");
+        for (k, (n, ms)) in rows {
+            s += &format!(
+                "| {k} | {n} | {ms:.1} | {:.1}% |\n",
+                100.0 * ms / total.max(1e-9)
+            );
+        }
+        s += &format!("| total | | {total:.1} | |\n");
+        s
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    /// Current and peak GPU memory (driver view and arenas).
+    pub fn memory_report(&self) -> crate::MemoryReport {
+        self.dev.memory_report()
+    }
+
+    /// Bytes of the plan arena (buffers + scratch + bf16 shadows) and of the refresh work.
+    pub fn arena_bytes(&self) -> (usize, usize) {
+        (self.arena_bytes, self.refresh_bytes)
+    }
+
+    fn id(&self, name: &str) -> Result<BufferId, EngineError> {
+        self.plan
+            .buffers
+            .iter()
+            .position(|b| b.name == name)
+            .map(|i| BufferId(i as u32))
+            .ok_or_else(|| EngineError::UnknownBuffer(name.to_string()))
+    }
+
+    /// Buffer `name` downloaded as f64 (i32 buffers converted).
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownBuffer`], or a CUDA error.
+    pub fn buffer(&self, name: &str) -> Result<Vec<f64>, EngineError> {
+        let id = self.id(name)?;
+        let b = &self.bufs[id.index()];
+        let e = |err| cuda_err("download", err);
+        Ok(match b.elem() {
+            Elem::I32 => self
+                .dev
+                .download::<i32>(b)
+                .map_err(e)?
+                .into_iter()
+                .map(f64::from)
+                .collect(),
+            _ => self
+                .dev
+                .download::<f32>(b)
+                .map_err(e)?
+                .into_iter()
+                .map(f64::from)
+                .collect(),
+        })
+    }
+
+    fn b(&self, id: BufferId) -> &Buf {
+        &self.bufs[id.index()]
+    }
+
+    fn dims(&self, id: BufferId) -> (usize, usize) {
+        dims2(&self.plan.buffer(id).shape)
+    }
+
+    /// The bf16 copy of buffer `id`, cast now unless still fresh.
+    fn shadow(&mut self, id: BufferId) -> Result<Buf, CudaError> {
+        let s = self.shadows[id.index()].clone().ok_or(CudaError::Invalid {
+            op: "mat_mul",
+            what: format!("buffer {id} has no bf16 shadow"),
+        })?;
+        if !self.shadow_fresh[id.index()] {
+            gemm::cast_f32_to_bf16(&self.dev, &self.bufs[id.index()], &s)?;
+            self.shadow_fresh[id.index()] = true;
+        }
+        Ok(s)
+    }
+
+    /// Runs one op; `Ok(Some(norm))` from a `ClipGradNorm`.
+    fn exec(&mut self, op: &Op, t: u64, lr_mult: f64) -> Result<Option<f64>, CudaError> {
+        for (name, id) in op.operands() {
+            if is_output(name) {
+                self.shadow_fresh[id.index()] = false;
+            }
+        }
+        let dev = &self.dev;
+        let s = &self.scratch;
+        match op {
+            Op::Embedding { table, ids, out } => {
+                let (v, c) = self.dims(*table);
+                nn::embedding_forward(dev, self.b(*table), self.b(*ids), self.b(*out), v, c)?;
+            }
+            Op::EmbeddingBackward { dout, ids, dtable } => {
+                let (v, c) = self.dims(*dtable);
+                nn::embedding_backward(dev, self.b(*dout), self.b(*ids), self.b(*dtable), v, c)?;
+            }
+            Op::AddPositional {
+                x,
+                pos,
+                out,
+                seq_len,
+            } => {
+                let c = self.dims(*x).1;
+                nn::add_positional(dev, self.b(*x), self.b(*pos), self.b(*out), c, *seq_len)?;
+            }
+            Op::AddPositionalBackward {
+                dout,
+                dpos,
+                seq_len,
+            } => {
+                let c = self.dims(*dout).1;
+                nn::add_positional_backward(dev, self.b(*dout), self.b(*dpos), c, *seq_len)?;
+            }
+            Op::LayerNorm {
+                x,
+                weight,
+                bias,
+                out,
+                eps,
+            } => {
+                let c = self.dims(*x).1;
+                let bias = bias.map(|b| self.b(b));
+                nn::layernorm_forward(
+                    dev,
+                    self.b(*x),
+                    self.b(*weight),
+                    bias,
+                    self.b(*out),
+                    c,
+                    *eps,
+                )?;
+            }
+            Op::LayerNormBackward {
+                dout,
+                x,
+                weight,
+                dx,
+                dweight,
+                dbias,
+                eps,
+            } => {
+                let c = self.dims(*x).1;
+                let dbias = dbias.map(|b| self.b(b));
+                nn::layernorm_backward(
+                    dev,
+                    self.b(*dout),
+                    self.b(*x),
+                    self.b(*weight),
+                    self.b(*dx),
+                    self.b(*dweight),
+                    dbias,
+                    c,
+                    *eps,
+                    s,
+                )?;
+            }
+            Op::RmsNorm {
+                x,
+                weight,
+                out,
+                eps,
+            } => {
+                let c = self.dims(*x).1;
+                nn::rmsnorm_forward(dev, self.b(*x), self.b(*weight), self.b(*out), c, *eps)?;
+            }
+            Op::RmsNormBackward {
+                dout,
+                x,
+                weight,
+                dx,
+                dweight,
+                eps,
+            } => {
+                let c = self.dims(*x).1;
+                nn::rmsnorm_backward(
+                    dev,
+                    self.b(*dout),
+                    self.b(*x),
+                    self.b(*weight),
+                    self.b(*dx),
+                    self.b(*dweight),
+                    c,
+                    *eps,
+                    s,
+                )?;
+            }
+            Op::MatMul {
+                a,
+                b,
+                out,
+                trans_a,
+                trans_b,
+                accumulate,
+            } => {
+                let (ar, ac) = self.dims(*a);
+                let (br, bc) = self.dims(*b);
+                let (ad, bd) = (Dims::new(ar, ac), Dims::new(br, bc));
+                let cast = self.precision == Precision::Bf16
+                    && self.opts.bf16_gemm == Bf16Gemm::Cast
+                    && self.shadows[a.index()].is_some()
+                    && self.shadows[b.index()].is_some();
+                if cast {
+                    let (sa, sb) = (self.shadow(*a)?, self.shadow(*b)?);
+                    let out = self.b(*out);
+                    gemm::matmul_bf16(
+                        &self.dev,
+                        &sa,
+                        ad,
+                        &sb,
+                        bd,
+                        out,
+                        *trans_a,
+                        *trans_b,
+                        *accumulate,
+                    )?;
+                } else {
+                    let (a, b, out) = (self.b(*a), self.b(*b), self.b(*out));
+                    gemm::matmul(dev, a, ad, b, bd, out, *trans_a, *trans_b, *accumulate)?;
+                }
+            }
+            Op::BiasAdd { x, bias, out } => {
+                let c = self.dims(*x).1;
+                nn::bias_add(dev, self.b(*x), self.b(*bias), self.b(*out), c)?;
+            }
+            Op::SumRows { x, out } => {
+                // out[1, C] = ones[1, N] · x[N, C] in fp32 (the column-tile kernel `sum_rows`
+                // has only C/32 blocks: 24 for C = 768).
+                let (n, c) = self.dims(*x);
+                let ones = self.ones.slice(0, n)?;
+                let prev = dev.set_gemm_math(GemmMath::Fp32);
+                let r = gemm::gemm_f32(
+                    dev,
+                    &ones,
+                    Dims::new(1, n),
+                    self.b(*x),
+                    Dims::new(n, c),
+                    self.b(*out),
+                    false,
+                    false,
+                    1.0,
+                    0.0,
+                );
+                dev.set_gemm_math(prev);
+                r?;
+            }
+            Op::Add { a, b, out } => nn::add(dev, self.b(*a), self.b(*b), self.b(*out))?,
+            Op::Gelu { x, out } => nn::gelu_forward(dev, self.b(*x), self.b(*out))?,
+            Op::GeluBackward { dout, x, dx } => {
+                nn::gelu_backward(dev, self.b(*dout), self.b(*x), self.b(*dx))?
+            }
+            Op::SwiGlu { x, out } => {
+                let f = self.dims(*out).1;
+                nn::swiglu_forward(dev, self.b(*x), self.b(*out), f)?;
+            }
+            Op::SwiGluBackward { dout, x, dx } => {
+                let f = self.dims(*dout).1;
+                nn::swiglu_backward(dev, self.b(*dout), self.b(*x), self.b(*dx), f)?;
+            }
+            Op::Rope {
+                x,
+                out,
+                seq_len,
+                head_dim,
+                rotated_cols,
+                theta,
+            } => {
+                let d = nn::RopeDims {
+                    width: self.dims(*x).1,
+                    seq_len: *seq_len,
+                    head_dim: *head_dim,
+                    rotated_cols: *rotated_cols,
+                    theta: *theta,
+                };
+                nn::rope_forward(dev, self.b(*x), self.b(*out), &d)?;
+            }
+            Op::RopeBackward {
+                dout,
+                dx,
+                seq_len,
+                head_dim,
+                rotated_cols,
+                theta,
+            } => {
+                let d = nn::RopeDims {
+                    width: self.dims(*dout).1,
+                    seq_len: *seq_len,
+                    head_dim: *head_dim,
+                    rotated_cols: *rotated_cols,
+                    theta: *theta,
+                };
+                nn::rope_backward(dev, self.b(*dout), self.b(*dx), &d)?;
+            }
+            Op::Attention {
+                qkv,
+                out,
+                batch,
+                seq_len,
+                n_heads,
+            } => {
+                let d = attn_dims(*batch, *seq_len, *n_heads, self.dims(*qkv).1);
+                at::attention_forward(dev, self.b(*qkv), self.b(*out), &d, s)?;
+            }
+            Op::AttentionBackward {
+                dout,
+                qkv,
+                dqkv,
+                batch,
+                seq_len,
+                n_heads,
+            } => {
+                let d = attn_dims(*batch, *seq_len, *n_heads, self.dims(*qkv).1);
+                at::attention_backward(dev, self.b(*dout), self.b(*qkv), self.b(*dqkv), &d, s)?;
+            }
+            Op::CrossEntropy {
+                logits,
+                targets,
+                loss: l,
+            } => {
+                let v = self.dims(*logits).1;
+                loss::cross_entropy_forward(
+                    dev,
+                    self.b(*logits),
+                    self.b(*targets),
+                    self.b(*l),
+                    v,
+                    s,
+                )?;
+            }
+            Op::CrossEntropyBackward {
+                logits,
+                targets,
+                dlogits,
+            } => {
+                let v = self.dims(*logits).1;
+                loss::cross_entropy_backward(
+                    dev,
+                    self.b(*logits),
+                    self.b(*targets),
+                    self.b(*dlogits),
+                    v,
+                )?;
+            }
+            Op::ClipGradNorm {
+                grads,
+                norm,
+                max_norm,
+            } => {
+                let gs: Vec<&Buf> = grads.iter().map(|g| self.b(*g)).collect();
+                loss::clip_grad_norm(dev, &gs, self.b(*norm), *max_norm, s)?;
+                let v = dev.download::<f32>(self.b(*norm))?;
+                return Ok(Some(v.first().map_or(f64::NAN, |&x| f64::from(x))));
+            }
+            Op::AdamW {
+                param,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
+                let st = op::AdamWStep {
+                    t,
+                    lr: lr * lr_mult,
+                    beta1: *beta1,
+                    beta2: *beta2,
+                    eps: *eps,
+                    weight_decay: *weight_decay,
+                };
+                op::adamw(
+                    dev,
+                    &st,
+                    self.b(*param),
+                    self.b(*grad),
+                    self.b(*exp_avg),
+                    self.b(*exp_avg_sq),
+                )?;
+            }
+            Op::SoapUpdate {
+                param,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                basis_left,
+                basis_right,
+                hyper,
+            } => {
+                let (m, n) = self.dims(*param);
+                op::soap_update(
+                    dev,
+                    t,
+                    hyper.lr * lr_mult,
+                    hyper,
+                    self.b(*param),
+                    self.b(*grad),
+                    self.b(*exp_avg),
+                    self.b(*exp_avg_sq),
+                    basis_left.map(|q| self.b(q)),
+                    basis_right.map(|q| self.b(q)),
+                    m,
+                    n,
+                    s,
+                )?;
+            }
+            Op::SoapFactorUpdate {
+                grad,
+                factor_left,
+                factor_right,
+                shampoo_beta,
+            } => {
+                let (m, n) = self.dims(*grad);
+                op::soap_factor_update(
+                    dev,
+                    self.b(*grad),
+                    factor_left.map(|f| self.b(f)),
+                    factor_right.map(|f| self.b(f)),
+                    m,
+                    n,
+                    *shampoo_beta,
+                )?;
+            }
+        }
+        Ok(None)
+    }
+
+    /// Runs one program; `false` when a non-finite gradient norm cut it short.
+    fn run(&mut self, section: &'static str, t: u64, lr_mult: f64) -> Result<bool, EngineError> {
+        let program = match section {
+            "forward" => std::mem::take(&mut self.plan.forward),
+            "backward" => std::mem::take(&mut self.plan.backward),
+            _ => std::mem::take(&mut self.plan.optimizer),
+        };
+        let math = if section != "optimizer" && self.precision == Precision::Bf16 {
+            GemmMath::Bf16
+        } else {
+            GemmMath::Fp32
+        };
+        // The fast mode of the plan MatMuls goes through the same device switch.
+        let prev = self.dev.set_gemm_math(math);
+        let mut result = Ok(true);
+        for (index, op) in program.iter().enumerate() {
+            let started = self.profile.is_some().then(|| {
+                let _ = self.dev.synchronize();
+                Instant::now()
+            });
+            let outcome = self.exec(op, t, lr_mult);
+            if let Some(t0) = started {
+                let _ = self.dev.synchronize();
+                let key = format!("{section}/{}", op.name());
+                if let Some(p) = self.profile.as_mut() {
+                    let e = p.entry(key).or_insert((0, 0.0));
+                    e.0 += 1;
+                    e.1 += t0.elapsed().as_secs_f64() * 1e3;
+                }
+            }
+            match outcome {
+                Ok(None) => {}
+                Ok(Some(norm)) => {
+                    self.stats.last_grad_norm = Some(norm);
+                    if !norm.is_finite() {
+                        self.stats.skipped_steps += 1;
+                        tracing::warn!(
+                            step = t,
+                            grad_norm = norm,
+                            "non-finite gradient norm: skipping the optimizer update of this step"
+                        );
+                        result = Ok(false);
+                        break;
+                    }
+                }
+                Err(err) => {
+                    result = Err(cuda_err(
+                        &format!("{section}[{index}] ({})", op.name()),
+                        err,
+                    ));
+                    break;
+                }
+            }
+        }
+        self.dev.set_gemm_math(prev);
+        match section {
+            "forward" => self.plan.forward = program,
+            "backward" => self.plan.backward = program,
+            _ => self.plan.optimizer = program,
+        }
+        result
+    }
+
+    /// Turns the device status word into the CPU engine's error, naming row and value.
+    fn check_status(&self) -> Result<(), EngineError> {
+        match self.dev.take_status() {
+            Ok(()) => Ok(()),
+            Err(CudaError::IndexOutOfRange { position }) => {
+                let p = position.max(0) as usize;
+                let vocab = self
+                    .plan
+                    .forward
+                    .iter()
+                    .find_map(|o| match o {
+                        Op::Embedding { table, .. } => Some(self.dims(*table).0),
+                        _ => None,
+                    })
+                    .unwrap_or(0);
+                let (what, value) = match self.last_tokens.get(p) {
+                    Some(&v) if v < 0 || v as usize >= vocab => ("token id", v),
+                    _ => ("target", self.last_targets.get(p).copied().unwrap_or(-1)),
+                };
+                Err(EngineError::IndexOutOfRange {
+                    op: if what == "token id" {
+                        "embedding"
+                    } else {
+                        "cross_entropy"
+                    },
+                    what,
+                    position: p,
+                    value: i64::from(value),
+                    bound: vocab,
+                })
+            }
+            Err(e) => Err(cuda_err("status", e)),
+        }
+    }
+
+    fn refresh_one(&mut self, index: usize, t: u64) -> Result<Result<bool, String>, EngineError> {
+        let HostTask::EigenbasisRefresh {
+            factor,
+            basis,
+            side,
+            exp_avg,
+            exp_avg_sq,
+            frequency,
+            offset,
+            placement,
+            ..
+        } = self.plan.host_tasks[index].clone();
+        let (m, n) = self.dims(exp_avg);
+        let on_gpu = match self.opts.refresh {
+            RefreshMode::Gpu => true,
+            RefreshMode::Host => false,
+            RefreshMode::Plan => placement == Placement::GpuSide,
+        };
+        let e = |err| cuda_err("eigenbasis refresh", err);
+        if on_gpu {
+            let r = self
+                .refresher
+                .as_ref()
+                .ok_or_else(|| EngineError::Unsupported("internal: no GPU refresher".into()))?;
+            let (f, q, ea, eas) = (
+                self.b(factor),
+                self.b(basis),
+                self.b(exp_avg),
+                self.b(exp_avg_sq),
+            );
+            return Ok(r
+                .refresh(&self.dev, t == 1, side, f, q, ea, eas, m, n)
+                .map_err(e)?
+                .map(|()| true)
+                .map_err(|f: RefreshFailure| f.to_string()));
+        }
+        // Host: the CPU engine's call, on downloaded state.
+        let t_optim = if t == 1 || offset == 0 {
+            t
+        } else {
+            1 + frequency
+        };
+        let f = self.dev.download::<f32>(self.b(factor)).map_err(e)?;
+        let mut q = self.dev.download::<f32>(self.b(basis)).map_err(e)?;
+        let mut ea = self.dev.download::<f32>(self.b(exp_avg)).map_err(e)?;
+        let mut eas = self.dev.download::<f32>(self.b(exp_avg_sq)).map_err(e)?;
+        let solver = Arc::clone(&self.opts.engine.eigensolver);
+        let pool = self
+            .host_pool
+            .clone()
+            .ok_or_else(|| EngineError::Unsupported("internal: no host pool".into()))?;
+        let out = pool.install(|| {
+            optim::eigenbasis_refresh(
+                solver.as_ref(),
+                t_optim,
+                frequency,
+                side,
+                &f,
+                &mut q,
+                &mut ea,
+                &mut eas,
+                m,
+                n,
+            )
+        });
+        match out {
+            Ok(optim::RefreshOutcome::Skipped) => Ok(Ok(false)),
+            Ok(_) => {
+                self.dev.upload(self.b(basis), &q).map_err(e)?;
+                self.dev.upload(self.b(exp_avg), &ea).map_err(e)?;
+                self.dev.upload(self.b(exp_avg_sq), &eas).map_err(e)?;
+                Ok(Ok(true))
+            }
+            Err(err) if err.is_numerical() => Ok(Err(err.to_string())),
+            Err(err) => Err(EngineError::Optim {
+                location: format!("host_tasks[{index}] (eigenbasis_refresh)"),
+                message: err.to_string(),
+            }),
+        }
+    }
+}
+
+impl StepExecutor for CudaEngine {
+    fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    fn load_batch(&mut self, tokens: &[i32], targets: &[i32]) -> Result<(), EngineError> {
+        for (id, values) in [
+            (self.plan.data.tokens, tokens),
+            (self.plan.data.targets, targets),
+        ] {
+            let expected = self.plan.buffer(id).numel();
+            if values.len() != expected {
+                return Err(EngineError::Length {
+                    buffer: self.plan.buffer(id).name.clone(),
+                    expected,
+                    got: values.len(),
+                });
+            }
+            self.dev
+                .upload(self.b(id), values)
+                .map_err(|e| cuda_err("load_batch", e))?;
+            self.shadow_fresh[id.index()] = false;
+        }
+        self.last_tokens.clear();
+        self.last_tokens.extend_from_slice(tokens);
+        self.last_targets.clear();
+        self.last_targets.extend_from_slice(targets);
+        Ok(())
+    }
+
+    fn forward(&mut self) -> Result<f64, EngineError> {
+        self.run("forward", 0, 1.0)?;
+        self.check_status()?;
+        let v = self
+            .dev
+            .download::<f32>(self.b(self.plan.loss))
+            .map_err(|e| cuda_err("reading the loss", e))?;
+        Ok(v.first().map_or(f64::NAN, |&x| f64::from(x)))
+    }
+
+    fn backward(&mut self) -> Result<(), EngineError> {
+        self.run("backward", 0, 1.0).map(|_| ())
+    }
+
+    fn optimizer_step(&mut self, t: u64, lr_multiplier: f64) -> Result<bool, EngineError> {
+        self.run("optimizer", t.max(1), lr_multiplier)
+    }
+
+    fn run_host_tasks(&mut self, t: u64) -> Result<HostTaskReport, EngineError> {
+        let start = Instant::now();
+        let mut report = HostTaskReport::default();
+        let limit = self.opts.engine.max_consecutive_refresh_failures;
+        for index in 0..self.plan.host_tasks.len() {
+            let HostTask::EigenbasisRefresh {
+                factor,
+                frequency,
+                offset,
+                ..
+            } = self.plan.host_tasks[index].clone();
+            if !engine::cpu::refresh_due(t, frequency, offset) {
+                continue;
+            }
+            match self.refresh_one(index, t)? {
+                Ok(false) => {}
+                Ok(true) => {
+                    report.refreshed += 1;
+                    self.stats.refreshes += 1;
+                    self.stats.consecutive_refresh_failures[index] = 0;
+                }
+                Err(msg) => {
+                    report.failed += 1;
+                    self.stats.refresh_failures[index] += 1;
+                    self.stats.consecutive_refresh_failures[index] += 1;
+                    let run = self.stats.consecutive_refresh_failures[index];
+                    let name = self.plan.buffer(factor).name.clone();
+                    tracing::warn!(step = t, task = index, factor = %name, consecutive = run, error = %msg,
+                        "eigenbasis refresh failed; keeping the previous basis");
+                    if run >= limit {
+                        return Err(EngineError::RefreshFailures {
+                            task: index,
+                            factor: name,
+                            failures: run,
+                            limit,
+                            last: msg,
+                        });
+                    }
+                }
+            }
+        }
+        if report.refreshed + report.failed > 0 {
+            self.dev.synchronize().map_err(|e| cuda_err("refresh", e))?;
+        }
+        self.stats.host_task_ms += start.elapsed().as_secs_f64() * 1e3;
+        Ok(report)
+    }
+
+    fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    fn describe(&self) -> String {
+        let i = self.dev.info();
+        format!(
+            "cuda:{} {} ({}), precision {}, bf16 gemm {:?}, refresh {:?}",
+            i.ordinal,
+            i.name,
+            i.arch,
+            match self.precision {
+                Precision::Bf16 => "bf16",
+                Precision::Fp32 => "fp32",
+            },
+            self.opts.bf16_gemm,
+            self.opts.refresh
+        )
+    }
+
+    fn synchronize(&mut self) -> Result<(), EngineError> {
+        self.dev
+            .synchronize()
+            .map_err(|e| cuda_err("synchronize", e))
+    }
+}
