@@ -66,6 +66,29 @@ pub enum Bf16Gemm {
     Fast,
 }
 
+/// Which attention kernels run the plan's `Attention` / `AttentionBackward`
+/// (`ASTERIA_CUDA_ATTENTION=gemm|fused`).
+///
+/// The default is `Gemm`: on the H200 (GPT-2 124M AdamW, `precision = bf16`) the fp32-SIMT fused
+/// kernels measured a 195.1 ms median step against 167.9 ms for the GEMM path, whose attention
+/// GEMMs run on bf16 tensor cores (BENCHMARKS.md, "CUDA backend"). Flip the default once the
+/// fused kernels use tensor-core MMA.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionImpl {
+    /// The fused flash-style kernels ([`at::flash_attention_forward`]; head dim ≤ 128, wider
+    /// heads fall back to `Gemm`). fp32 throughout, no `T × T` buffer.
+    Fused,
+    /// cuBLAS GEMMs around a materialised `T × T` score matrix ([`at::attention_forward`]).
+    #[default]
+    Gemm,
+}
+
+impl AttentionImpl {
+    fn fused_for(self, d: &at::AttnDims) -> bool {
+        self == AttentionImpl::Fused && at::flash_supported(d)
+    }
+}
+
 /// Options of a [`CudaEngine`].
 #[derive(Clone, Debug, Default)]
 pub struct CudaOptions {
@@ -77,11 +100,13 @@ pub struct CudaOptions {
     pub bf16_gemm: Bf16Gemm,
     /// Device ordinal; `None` = the plan's.
     pub device: Option<usize>,
+    /// The attention kernels.
+    pub attention: AttentionImpl,
 }
 
 impl CudaOptions {
-    /// Defaults overridden by `ASTERIA_CUDA_REFRESH` (`plan|gpu|host`) and
-    /// `ASTERIA_CUDA_BF16_GEMM` (`cast|fast`).
+    /// Defaults overridden by `ASTERIA_CUDA_REFRESH` (`plan|gpu|host`),
+    /// `ASTERIA_CUDA_BF16_GEMM` (`cast|fast`) and `ASTERIA_CUDA_ATTENTION` (`fused|gemm`).
     ///
     /// # Errors
     /// An unknown value, named.
@@ -100,6 +125,17 @@ impl CudaOptions {
                 "cast" => Bf16Gemm::Cast,
                 "fast" => Bf16Gemm::Fast,
                 _ => return Err(format!("ASTERIA_CUDA_BF16_GEMM: `{v}` is not cast or fast")),
+            };
+        }
+        if let Ok(v) = std::env::var("ASTERIA_CUDA_ATTENTION") {
+            o.attention = match v.as_str() {
+                "fused" | "flash" => AttentionImpl::Fused,
+                "gemm" => AttentionImpl::Gemm,
+                _ => {
+                    return Err(format!(
+                        "ASTERIA_CUDA_ATTENTION: `{v}` is not fused or gemm"
+                    ))
+                }
             };
         }
         Ok(o)
@@ -144,7 +180,7 @@ fn is_output(name: &str) -> bool {
 }
 
 /// Elements of f32 scratch `op` needs (0 for none).
-fn scratch_need(plan: &Plan, op: &Op) -> usize {
+fn scratch_need(plan: &Plan, op: &Op, attention: AttentionImpl) -> usize {
     let shape = |id: BufferId| plan.buffer(id).shape.as_slice();
     let rows = |id: BufferId| dims2(shape(id)).0;
     let cols = |id: BufferId| dims2(shape(id)).1;
@@ -157,14 +193,28 @@ fn scratch_need(plan: &Plan, op: &Op) -> usize {
             seq_len,
             n_heads,
             ..
-        } => at::attention_forward_scratch_len(&attn_dims(*batch, *seq_len, *n_heads, cols(*qkv))),
+        } => {
+            let d = attn_dims(*batch, *seq_len, *n_heads, cols(*qkv));
+            if attention.fused_for(&d) {
+                at::flash_forward_scratch_len(&d)
+            } else {
+                at::attention_forward_scratch_len(&d)
+            }
+        }
         Op::AttentionBackward {
             qkv,
             batch,
             seq_len,
             n_heads,
             ..
-        } => at::attention_backward_scratch_len(&attn_dims(*batch, *seq_len, *n_heads, cols(*qkv))),
+        } => {
+            let d = attn_dims(*batch, *seq_len, *n_heads, cols(*qkv));
+            if attention.fused_for(&d) {
+                at::flash_backward_scratch_len(&d)
+            } else {
+                at::attention_backward_scratch_len(&d)
+            }
+        }
         Op::CrossEntropy { targets, .. } => {
             loss::cross_entropy_scratch_len(plan.buffer(*targets).numel())
         }
@@ -253,7 +303,7 @@ impl CudaEngine {
                 .chain(&plan.optimizer)
         };
         let scratch_len = programs()
-            .map(|o| scratch_need(&plan, o))
+            .map(|o| scratch_need(&plan, o, opts.attention))
             .max()
             .unwrap_or(0)
             .max(2);
@@ -728,7 +778,11 @@ impl CudaEngine {
                 n_heads,
             } => {
                 let d = attn_dims(*batch, *seq_len, *n_heads, self.dims(*qkv).1);
-                at::attention_forward(dev, self.b(*qkv), self.b(*out), &d, s)?;
+                if self.opts.attention.fused_for(&d) {
+                    at::flash_attention_forward(dev, self.b(*qkv), self.b(*out), &d, s)?;
+                } else {
+                    at::attention_forward(dev, self.b(*qkv), self.b(*out), &d, s)?;
+                }
             }
             Op::AttentionBackward {
                 dout,
@@ -739,7 +793,12 @@ impl CudaEngine {
                 n_heads,
             } => {
                 let d = attn_dims(*batch, *seq_len, *n_heads, self.dims(*qkv).1);
-                at::attention_backward(dev, self.b(*dout), self.b(*qkv), self.b(*dqkv), &d, s)?;
+                let (g, q, dq) = (self.b(*dout), self.b(*qkv), self.b(*dqkv));
+                if self.opts.attention.fused_for(&d) {
+                    at::flash_attention_backward(dev, g, q, dq, &d, s)?;
+                } else {
+                    at::attention_backward(dev, g, q, dq, &d, s)?;
+                }
             }
             Op::CrossEntropy {
                 logits,

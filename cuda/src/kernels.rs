@@ -81,6 +81,20 @@ pub const FAMILIES: &[Family] = &[
         ]
     ),
     family!(
+        "flash_attention",
+        [
+            "flash_attn_fwd_d32",
+            "flash_attn_fwd_d64",
+            "flash_attn_fwd_d128",
+            "flash_attn_bwd_dkdv_d32",
+            "flash_attn_bwd_dkdv_d64",
+            "flash_attn_bwd_dkdv_d128",
+            "flash_attn_bwd_dq_d32",
+            "flash_attn_bwd_dq_d64",
+            "flash_attn_bwd_dq_d128",
+        ]
+    ),
+    family!(
         "cross_entropy",
         ["xent_row_loss", "xent_mean", "xent_backward"]
     ),

@@ -39,6 +39,7 @@ pub(crate) fn cases() -> Vec<Case> {
     elementwise(&mut v);
     rope(&mut v);
     attention(&mut v);
+    flash_attention(&mut v);
     cross_entropy(&mut v);
     matmul(&mut v);
     v
@@ -416,6 +417,90 @@ fn attention(v: &mut Vec<Case>) {
                 .collect();
             Ok(Outcome { errs, gpu_ms: ms })
         }));
+    }
+}
+
+/// The fused (flash-style) attention kernels against the CPU reference at awkward sizes: every
+/// head-dim variant (d32, d64, d128 with padding), T not a multiple of the 64-row block or the
+/// 32-row tile, T = 1, several batches. Outputs and scratch NaN-poisoned.
+fn flash_attention(v: &mut Vec<Case>) {
+    // (batch, seq_len, n_heads, channels)
+    for (b, t, nh, ch, big) in [
+        (1, 1, 1, 16, false),
+        (2, 7, 2, 64, false),
+        (3, 50, 1, 16, false),
+        (1, 3, 1, 50, false),
+        (2, 129, 2, 64, false),
+        (1, 129, 12, 768, false),
+        (2, 50, 3, 300, false),
+        (1, 200, 2, 256, false),
+        (3, 1024, 2, 64, false),
+        (1, 1024, 12, 768, true),
+        (2, 1024, 12, 768, true),
+    ] {
+        let size = format!("B={b} T={t} NH={nh} C={ch}");
+        let gd = gattn::AttnDims {
+            batch: b,
+            seq_len: t,
+            n_heads: nh,
+            channels: ch,
+        };
+        let cd = c::attention::AttnDims {
+            batch: b,
+            seq_len: t,
+            n_heads: nh,
+            channels: ch,
+        };
+        let nc = b * t * ch;
+        v.push(case(
+            "flash_attention",
+            size.clone(),
+            TOL_F32,
+            big,
+            move |cx| {
+                let qkv = cx.normal(3 * nc, 0.0, 1.0);
+                let (qb, ob) = (cx.up(&qkv)?, cx.out(nc)?);
+                let sb = cx.out(gattn::flash_forward_scratch_len(&gd))?;
+                let ms = cx.timed(|| gattn::flash_attention_forward(cx.dev, &qb, &ob, &gd, &sb))?;
+                let mut r = vec![0.0; nc];
+                c::attention::attention_forward(&wide(&qkv), &mut r, &cd).map_err(cpu)?;
+                Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+            },
+        ));
+        v.push(case(
+            "flash_attention_backward",
+            size,
+            TOL_F32,
+            big,
+            move |cx| {
+                let qkv = cx.normal(3 * nc, 0.0, 1.0);
+                let dout = cx.normal(nc, 0.0, 1.0);
+                let (qb, gb, db) = (cx.up(&qkv)?, cx.up(&dout)?, cx.out(3 * nc)?);
+                let sb = cx.out(gattn::flash_backward_scratch_len(&gd))?;
+                let ms =
+                    cx.timed(|| gattn::flash_attention_backward(cx.dev, &gb, &qb, &db, &gd, &sb))?;
+                let mut r = vec![0.0; 3 * nc];
+                c::attention::attention_backward(&wide(&dout), &wide(&qkv), &mut r, &cd)
+                    .map_err(cpu)?;
+                let got = cx.down(&db)?;
+                let errs = (0..3)
+                    .map(|part| {
+                        let pick = |s: &[f32]| -> Vec<f32> {
+                            s.chunks(3 * ch)
+                                .flat_map(|row| row[part * ch..(part + 1) * ch].to_vec())
+                                .collect()
+                        };
+                        let pick64 = |s: &[f64]| -> Vec<f64> {
+                            s.chunks(3 * ch)
+                                .flat_map(|row| row[part * ch..(part + 1) * ch].to_vec())
+                                .collect()
+                        };
+                        (["dq", "dk", "dv"][part], rel_err(&pick(&got), &pick64(&r)))
+                    })
+                    .collect();
+                Ok(Outcome { errs, gpu_ms: ms })
+            },
+        ));
     }
 }
 
