@@ -125,7 +125,11 @@ fn train_options(run: &RunFlags) -> Result<engine::TrainOptions> {
         cache_dir: Some(cache_dir),
         metrics_path: run.metrics.clone(),
         quiet: run.quiet,
-        engine: engine::EngineOptions { eigensolver: std::sync::Arc::from(solver), ..Default::default() },
+        engine: engine::EngineOptions {
+            eigensolver: std::sync::Arc::from(solver),
+            max_consecutive_refresh_failures: run.max_refresh_failures,
+            ..Default::default()
+        },
     })
 }
 

@@ -53,6 +53,10 @@ pub struct RunFlags {
     /// Folder for the token cache (default: the system temp dir).
     #[arg(long, value_name = "DIR")]
     pub cache_dir: Option<PathBuf>,
+    /// Stop the run after this many consecutive failed eigenbasis refreshes of one factor
+    /// (each failure keeps the previous basis).
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_refresh_failures: u32,
 }
 
 #[derive(Subcommand)]

@@ -17,8 +17,13 @@ pub struct TrainOptions {
     /// Folder for the tokenized-corpus cache (llm.c u16 token files); `None` = no cache.
     pub cache_dir: Option<PathBuf>,
     /// Write one JSON object per line here: per step
-    /// `{"step","loss","lr","grad_norm","step_ms","tokens_per_s"}`, per evaluation
-    /// `{"step","val_loss"}` (step 0 = before training).
+    /// `{"step","loss","lr","grad_norm","step_ms","tokens_per_s","optimizer_ms",
+    /// "refresh_wait_ms","refreshes_launched","refreshes_swapped","max_swap_staleness"}`, per
+    /// evaluation `{"step","val_loss"}` (step 0 = before training). `optimizer_ms` is the wall
+    /// time of the optimizer program plus the host tasks on the critical path (the visible
+    /// optimizer overhead); `refresh_wait_ms` the part of it blocked on background refreshes;
+    /// `max_swap_staleness` (steps between launch and swap, max over this step's swaps) is null
+    /// when nothing was swapped in.
     pub metrics_path: Option<PathBuf>,
     /// No progress bar and no summary line on stderr (the bar is also hidden when stderr is
     /// not a terminal).
@@ -42,6 +47,20 @@ pub struct TrainSummary {
     pub tokens_per_s: f64,
     /// Failed eigenbasis refreshes (all tasks).
     pub refresh_failures: u64,
+    /// Eigenbasis refresh results swapped in (all tasks, inline ones included).
+    pub refresh_swaps: u64,
+    /// Mean steps between a refresh's launch and its swap, over all swaps.
+    pub mean_swap_staleness: f64,
+    /// Largest steps between a refresh's launch and its swap.
+    pub max_swap_staleness: u64,
+    /// Times a step blocked on a background refresh (its staleness bound was reached).
+    pub refresh_waits: u64,
+    /// Total time blocked on background refreshes, ms.
+    pub refresh_wait_ms: f64,
+    /// Median optimizer time per step (optimizer program + host tasks on the critical path), ms.
+    pub median_optimizer_ms: f64,
+    /// Largest optimizer time of one step (the refresh latency spike of native SOAP), ms.
+    pub max_optimizer_ms: f64,
     /// Optimizer steps skipped for a non-finite gradient norm.
     pub skipped_steps: u64,
     /// Tokens in the training / validation splits.
@@ -68,12 +87,19 @@ impl std::fmt::Display for TrainSummary {
             .map_or("-".to_string(), |v| format!("{v:.4}"));
         write!(
             f,
-            "steps {} | train loss {:.4} | val loss {} | median step {:.1} ms | {:.0} tok/s | refresh failures {} | skipped steps {}",
+            "steps {} | train loss {:.4} | val loss {} | median step {:.1} ms (optimizer {:.1} ms, max {:.1} ms) | {:.0} tok/s | refreshes {} swapped, staleness mean {:.2} max {}, {} waits {:.1} ms | refresh failures {} | skipped steps {}",
             self.steps,
             self.final_train_loss(),
             val,
             self.median_step_ms,
+            self.median_optimizer_ms,
+            self.max_optimizer_ms,
             self.tokens_per_s,
+            self.refresh_swaps,
+            self.mean_swap_staleness,
+            self.max_swap_staleness,
+            self.refresh_waits,
+            self.refresh_wait_ms,
             self.refresh_failures,
             self.skipped_steps
         )
@@ -249,7 +275,10 @@ pub fn train(plan: &Plan, opts: &TrainOptions) -> Result<TrainSummary, EngineErr
 ///
 /// # Errors
 /// As [`train`].
-pub fn train_with<E: StepExecutor>(engine: &mut E, opts: &TrainOptions) -> Result<TrainSummary, EngineError> {
+pub fn train_with<E: StepExecutor>(
+    engine: &mut E,
+    opts: &TrainOptions,
+) -> Result<TrainSummary, EngineError> {
     let plan = &engine.plan().clone();
     let steps = opts.steps.unwrap_or(plan.train.steps);
     let sampler_start = Instant::now();
@@ -287,6 +316,7 @@ pub fn train_with<E: StepExecutor>(engine: &mut E, opts: &TrainOptions) -> Resul
     }
     let pb = progress_bar(steps, opts.quiet);
     let mut step_ms = Vec::with_capacity(steps as usize);
+    let mut optimizer_ms = Vec::with_capacity(steps as usize);
     let (mut bx, mut by) = (vec![0i32; b * t], vec![0i32; b * t]);
     for step in 1..=steps {
         let start = Instant::now();
@@ -295,11 +325,14 @@ pub fn train_with<E: StepExecutor>(engine: &mut E, opts: &TrainOptions) -> Resul
         let loss = engine.forward()?;
         engine.backward()?;
         let mult = plan.train.lr_multiplier(step);
+        let opt_start = Instant::now();
         engine.optimizer_step(step, mult)?;
-        engine.run_host_tasks(step)?;
+        let host = engine.run_host_tasks(step)?;
+        let opt_ms = opt_start.elapsed().as_secs_f64() * 1e3;
         engine.synchronize()?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
         step_ms.push(ms);
+        optimizer_ms.push(opt_ms);
         summary.train_losses.push(loss);
         let tps = tokens_per_step / (ms / 1e3);
         let grad_norm = engine.stats().last_grad_norm.filter(|_| {
@@ -314,6 +347,11 @@ pub fn train_with<E: StepExecutor>(engine: &mut E, opts: &TrainOptions) -> Resul
             "grad_norm": grad_norm.filter(|g| g.is_finite()),
             "step_ms": ms,
             "tokens_per_s": tps,
+            "optimizer_ms": opt_ms,
+            "refresh_wait_ms": host.wait_ms,
+            "refreshes_launched": host.launched,
+            "refreshes_swapped": host.swapped,
+            "max_swap_staleness": host.max_swap_staleness,
         }))?;
         tracing::debug!(step, loss, step_ms = ms, "step");
         pb.set_position(step);
@@ -332,7 +370,19 @@ pub fn train_with<E: StepExecutor>(engine: &mut E, opts: &TrainOptions) -> Resul
     };
     step_ms.sort_by(|a, b| a.total_cmp(b));
     summary.median_step_ms = step_ms.get(step_ms.len() / 2).copied().unwrap_or(0.0);
-    summary.refresh_failures = engine.stats().total_refresh_failures();
+    optimizer_ms.sort_by(|a, b| a.total_cmp(b));
+    summary.max_optimizer_ms = optimizer_ms.last().copied().unwrap_or(0.0);
+    summary.median_optimizer_ms = optimizer_ms
+        .get(optimizer_ms.len() / 2)
+        .copied()
+        .unwrap_or(0.0);
+    let stats = engine.stats();
+    summary.refresh_failures = stats.total_refresh_failures();
+    summary.refresh_swaps = stats.refresh_swaps;
+    summary.mean_swap_staleness = stats.mean_swap_staleness();
+    summary.max_swap_staleness = stats.max_swap_staleness;
+    summary.refresh_waits = stats.refresh_waits;
+    summary.refresh_wait_ms = stats.refresh_wait_ms;
     summary.skipped_steps = engine.stats().skipped_steps;
     tracing::info!(%summary, "training done");
     if !opts.quiet {

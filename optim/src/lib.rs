@@ -15,7 +15,9 @@
 //! - engine steps `t` are 1-based.
 //!
 //! The engine calls, per SOAP parameter and step: [`soap_update`], then
-//! [`soap_factor_update`], then [`eigenbasis_refresh`] for each side that has a factor.
+//! [`soap_factor_update`], then [`eigenbasis_refresh`] for each side that has a factor (or,
+//! off the critical path, [`refresh_compute`] on snapshots on a worker thread and
+//! [`refresh_apply`] at a later step boundary).
 #![deny(missing_docs)]
 
 mod adamw;
@@ -34,7 +36,9 @@ pub use eigh::{solver_by_name, solver_names, EigenError, Eigh, FaerEigensolver, 
 pub use lapack_solver::LapackEigensolver;
 pub use linalg::{matmul, thin_qr_q};
 pub use real::Real;
-pub use refresh::{eigenbasis_refresh, RefreshError, RefreshOutcome};
+pub use refresh::{
+    eigenbasis_refresh, refresh_apply, refresh_compute, RefreshError, RefreshOutcome, RefreshResult,
+};
 pub use soap::{precond_dims, soap_factor_update, soap_update, SoapParams};
 
 /// A slice passed to an optimizer function has the wrong length for the dimensions given.

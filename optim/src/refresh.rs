@@ -50,6 +50,21 @@ pub enum RefreshError {
         #[source]
         source: EigenError,
     },
+    /// The power-iteration image `F · Q` of a QR refresh has no numerical rank at all (an
+    /// all-zero or vanishing factor): the new basis would be the QR's arbitrary completion
+    /// rather than anything learned from the factor, so the previous basis is kept. Merely
+    /// rank-deficient factors (the normal case in SOAP) are refreshed as in `soap.py`. Only
+    /// checked at QR refreshes (t > 1); the first eigendecomposition accepts any finite
+    /// factor.
+    #[error("eigenbasis refresh side {side}: factor [{dim}x{dim}] is rank-deficient (numerical rank {rank}); basis kept")]
+    RankDeficient {
+        /// 0 = left, 1 = right.
+        side: u8,
+        /// Factor side length.
+        dim: usize,
+        /// Numerical rank of `F · Q` (diagonal entries of R above the tolerance).
+        rank: usize,
+    },
     /// The candidate basis (or the re-projected exp_avg) is non-finite or not orthonormal, or
     /// the stored basis already was non-finite.
     #[error("eigenbasis refresh side {side}: {what}; basis kept")]
@@ -86,64 +101,101 @@ fn columns_unit<T: Real>(q: &[T], d: usize, tol: f64) -> bool {
     norms.iter().all(|s| (s - 1.0).abs() <= tol)
 }
 
-/// Refreshes the eigenbasis of one Kronecker factor at the end of 1-based engine step `t`.
+/// A computed eigenbasis refresh that is not installed yet (the result of [`refresh_compute`],
+/// consumed by [`refresh_apply`]). It only depends on snapshots of the factor and the basis,
+/// so it can be computed on a worker thread while training continues with the old basis.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RefreshResult<T> {
+    kind: RefreshOutcome,
+    side: u8,
+    dim: usize,
+    basis: Vec<T>,
+    permutation: Vec<usize>,
+}
+
+impl<T> RefreshResult<T> {
+    /// [`RefreshOutcome::Initialized`] (t = 1, from `eigh`) or [`RefreshOutcome::Refreshed`]
+    /// (power iteration + QR).
+    pub fn kind(&self) -> RefreshOutcome {
+        self.kind
+    }
+    /// 0 = left factor, 1 = right factor.
+    pub fn side(&self) -> u8 {
+        self.side
+    }
+    /// Side length d of the factor and basis.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+    /// The new basis, row-major `[d, d]`, columns = basis vectors (descending).
+    pub fn basis(&self) -> &[T] {
+        &self.basis
+    }
+    /// For a QR refresh: `idx`, the argsort of `diag(Q_oldᵀ F Q_old)` descending; new column
+    /// j continues old column `idx[j]` (`exp_avg_sq` is permuted along `side` by it). Empty
+    /// for an initialization.
+    pub fn permutation(&self) -> &[usize] {
+        &self.permutation
+    }
+}
+
+/// The pure half of a refresh: computes the new basis of one Kronecker factor at the end of
+/// 1-based engine step `t` from `factor` and the current `basis` (both read only; typically
+/// snapshots), without touching any state. `None` when `t` is not a refresh step.
 ///
 /// Shapes (row-major, `T`): the parameter is `[m, n]`; `side` 0 = left (`factor`, `basis`
-/// `[m, m]`, acting on rows), 1 = right (`[n, n]`, acting on columns); `exp_avg`,
-/// `exp_avg_sq` `[m, n]` (stored in the eigenbasis). Basis columns are the basis vectors.
-///
-/// - `t == 1`: `basis ← eigenvectors of (factor + 1e-30·I)`, columns in **descending**
-///   eigenvalue order (`soap.py` `get_orthogonal_matrix`: `eigh` then `flip`). Moments untouched.
-/// - `t > 1`, `frequency > 0`, `(t − 1) % frequency == 0` (`soap.py` `get_orthogonal_matrix_QR`):
-///   `est = diag(Qᵀ F Q)`; `idx` = argsort(est) descending; `exp_avg_sq` is permuted along
-///   `side` by `idx`; `Q_new = qr(F · Q[:, idx]).Q` (Householder; column signs arbitrary);
-///   `exp_avg` is re-projected from the old basis to the new one: side 0 `E ← Q_newᵀ Q_old E`,
-///   side 1 `E ← E Q_oldᵀ Q_new`. Applying both sides equals `soap.py`'s
-///   `project(project_back(E, Q_old), Q_new) = Q_L,newᵀ (Q_L,old E Q_R,oldᵀ) Q_R,new`.
-/// - otherwise: [`RefreshOutcome::Skipped`], nothing read.
+/// `[m, m]`), 1 = right (`[n, n]`).
+/// - `t == 1`: eigenvectors of `factor + 1e-30·I`, columns in descending eigenvalue order
+///   (`soap.py` `get_orthogonal_matrix`: `eigh` then `flip`).
+/// - `t > 1`, `frequency > 0`, `(t − 1) % frequency == 0` (`soap.py`
+///   `get_orthogonal_matrix_QR`): `est = diag(Qᵀ F Q)`, `idx` = argsort(est) descending,
+///   `Q_new = qr(F · Q[:, idx]).Q` (Householder; column signs arbitrary).
 ///
 /// `solver` is only used at `t == 1`. GEMMs and QR run on the current rayon pool when large.
 ///
 /// # Errors
-/// [`RefreshError`]; on any error nothing is modified (the previous basis stays in use).
-/// Rank-deficient and all-zero factors are fine (orthonormal bases, no NaN).
+/// [`RefreshError`]: shape/side mismatch (caller bug), non-finite factor, solver failure, a
+/// non-finite stored basis, a power image without numerical rank at a QR refresh (all-zero
+/// factor), or a non-finite / non-unit candidate basis. Rank-deficient factors are fine.
 #[allow(clippy::too_many_arguments)]
-pub fn eigenbasis_refresh<T: Real>(
+pub fn refresh_compute<T: Real>(
     solver: &dyn HostEigensolver,
     t: u64,
     frequency: u64,
     side: u8,
     factor: &[T],
-    basis: &mut [T],
-    exp_avg: &mut [T],
-    exp_avg_sq: &mut [T],
+    basis: &[T],
     m: usize,
     n: usize,
-) -> Result<RefreshOutcome, RefreshError> {
-    const OP: &str = "eigenbasis_refresh";
-    let d = match side {
-        0 => m,
-        1 => n,
-        _ => return Err(RefreshError::InvalidSide { side }),
-    };
+) -> Result<Option<RefreshResult<T>>, RefreshError> {
+    const OP: &str = "refresh_compute";
+    let d = side_dim(side, m, n)?;
     check_len(OP, "factor", factor.len(), d * d)?;
     check_len(OP, "basis", basis.len(), d * d)?;
-    check_len(OP, "exp_avg", exp_avg.len(), m * n)?;
-    check_len(OP, "exp_avg_sq", exp_avg_sq.len(), m * n)?;
 
     let init = t == 1;
     // `%` rather than `is_multiple_of` (needs rustc 1.87; the workspace MSRV is 1.85).
     #[allow(clippy::manual_is_multiple_of)]
     let qr_step = t > 1 && frequency > 0 && (t - 1) % frequency == 0;
     if !init && !qr_step {
-        return Ok(RefreshOutcome::Skipped);
+        return Ok(None);
     }
+    let kind = if init {
+        RefreshOutcome::Initialized
+    } else {
+        RefreshOutcome::Refreshed
+    };
+    let result = |basis: Vec<T>, permutation: Vec<usize>| {
+        Ok(Some(RefreshResult {
+            kind,
+            side,
+            dim: d,
+            basis,
+            permutation,
+        }))
+    };
     if d == 0 {
-        return Ok(if init {
-            RefreshOutcome::Initialized
-        } else {
-            RefreshOutcome::Refreshed
-        });
+        return result(Vec::new(), Vec::new());
     }
     let count = factor.iter().filter(|x| !x.is_finite()).count();
     if count > 0 {
@@ -189,8 +241,7 @@ pub fn eigenbasis_refresh<T: Real>(
                 what: "eigenvectors are non-finite or not unit",
             });
         }
-        basis.copy_from_slice(&q);
-        return Ok(RefreshOutcome::Initialized);
+        return result(q, Vec::new());
     }
 
     if !basis.iter().all(|x| x.is_finite()) {
@@ -199,7 +250,7 @@ pub fn eigenbasis_refresh<T: Real>(
             what: "stored basis is non-finite",
         });
     }
-    let q_old: &[T] = basis;
+    let q_old = basis;
     // FQ = F · Q_old; est_j = q_jᵀ F q_j = Σ_i Q[i, j] · FQ[i, j].
     let mut fq = vec![T::zero(); d * d];
     gemm(
@@ -231,13 +282,85 @@ pub fn eigenbasis_refresh<T: Real>(
             what: "QR produced a non-finite or non-orthonormal basis",
         });
     }
+    // Only a power image with no numerical rank at all (an all-zero or vanishing factor)
+    // fails. A rank-deficient factor is the normal case in SOAP — `L = Σ G Gᵀ` of a `[3C, C]`
+    // weight has rank ≤ C, and LayerNorm'd inputs make `R` lose a direction — and the
+    // reference `soap.py` refreshes it anyway: Householder QR completes the basis
+    // orthonormally (checked above). Keeping the previous basis there would freeze the
+    // eigenbasis of most layers and, with the consecutive-failure limit, stop the run.
+    // (Lead's decision; the issue lists "rank-deficient" among failures, read here as
+    // "no usable rank".)
+    let rank = numerical_rank(&q_new, &power, d, T::epsilon().f64());
+    if rank == 0 {
+        return Err(RefreshError::RankDeficient { side, dim: d, rank });
+    }
+    result(q_new, idx)
+}
+
+/// Numerical rank of `A = Q R` from R's diagonal `r_jj = q_jᵀ a_j`: the entries with
+/// `|r_jj| > d · eps · max_j |r_jj|` (0 for an all-zero `A`). Unpivoted, so an estimate; it
+/// is only compared with 0 (an all-zero or vanishing factor).
+fn numerical_rank<T: Real>(q: &[T], a: &[T], d: usize, eps: f64) -> usize {
+    let mut r = vec![0.0f64; d];
+    for (qrow, arow) in q.chunks_exact(d).zip(a.chunks_exact(d)) {
+        for ((acc, x), y) in r.iter_mut().zip(qrow).zip(arow) {
+            *acc += x.f64() * y.f64();
+        }
+    }
+    let max = r.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    if max == 0.0 || !max.is_finite() {
+        return 0;
+    }
+    let cut = max * d as f64 * eps;
+    r.iter().filter(|x| x.abs() > cut).count()
+}
+
+/// Installs a computed refresh: for a QR refresh, `exp_avg_sq` is permuted along `side` by
+/// [`RefreshResult::permutation`] and `exp_avg` (stored in the eigenbasis) is re-projected
+/// from the current basis to the new one with `C = Q_oldᵀ Q_new`: side 0 `E ← Cᵀ E`
+/// (= `Q_newᵀ Q_old E`), side 1 `E ← E C`. Applying both sides equals `soap.py`'s
+/// `project(project_back(E, Q_old), Q_new)`. Then `basis ← Q_new`. An initialization only
+/// installs the basis (moments untouched).
+///
+/// `basis` must be the basis the result was computed from (the engine guarantees this: a
+/// factor has at most one refresh in flight, and only its own refreshes write the basis).
+/// Shapes as in [`refresh_compute`]; `exp_avg`, `exp_avg_sq` `[m, n]`.
+///
+/// # Errors
+/// [`RefreshError::Shape`] when the slices do not match `m`, `n` and the result's side, or
+/// [`RefreshError::BadBasis`] when the basis change is non-finite. On any error nothing is
+/// modified.
+pub fn refresh_apply<T: Real>(
+    result: &RefreshResult<T>,
+    basis: &mut [T],
+    exp_avg: &mut [T],
+    exp_avg_sq: &mut [T],
+    m: usize,
+    n: usize,
+) -> Result<RefreshOutcome, RefreshError> {
+    const OP: &str = "refresh_apply";
+    let side = result.side;
+    let d = side_dim(side, m, n)?;
+    check_len(OP, "result basis", result.basis.len(), d * d)?;
+    check_len(OP, "basis", basis.len(), d * d)?;
+    check_len(OP, "exp_avg", exp_avg.len(), m * n)?;
+    check_len(OP, "exp_avg_sq", exp_avg_sq.len(), m * n)?;
+    if d == 0 {
+        return Ok(result.kind);
+    }
+    if result.kind == RefreshOutcome::Initialized {
+        basis.copy_from_slice(&result.basis);
+        return Ok(result.kind);
+    }
+    check_len(OP, "permutation", result.permutation.len(), d)?;
+    let (q_old, q_new, idx): (&[T], &[T], &[usize]) = (basis, &result.basis, &result.permutation);
     // C = Q_oldᵀ Q_new; side 0: E ← Cᵀ E, side 1: E ← E C.
     let mut c = vec![T::zero(); d * d];
     gemm(
         view_mut(&mut c, d, d),
         None,
         view(q_old, d, d).transpose(),
-        view(&q_new, d, d),
+        view(q_new, d, d),
         T::one(),
     );
     let mut e_new = vec![T::zero(); m * n];
@@ -272,13 +395,71 @@ pub fn eigenbasis_refresh<T: Real>(
         }
     } else {
         for (vrow, orow) in v_new.chunks_exact_mut(n).zip(exp_avg_sq.chunks_exact(n)) {
-            for (v, &src) in vrow.iter_mut().zip(&idx) {
+            for (v, &src) in vrow.iter_mut().zip(idx) {
                 *v = orow[src];
             }
         }
     }
-    basis.copy_from_slice(&q_new);
+    basis.copy_from_slice(q_new);
     exp_avg.copy_from_slice(&e_new);
     exp_avg_sq.copy_from_slice(&v_new);
     Ok(RefreshOutcome::Refreshed)
+}
+
+/// The factor side length for `side` (0 → m, 1 → n).
+fn side_dim(side: u8, m: usize, n: usize) -> Result<usize, RefreshError> {
+    match side {
+        0 => Ok(m),
+        1 => Ok(n),
+        _ => Err(RefreshError::InvalidSide { side }),
+    }
+}
+
+/// Refreshes the eigenbasis of one Kronecker factor at the end of 1-based engine step `t`:
+/// [`refresh_compute`] on `factor` and `basis`, then [`refresh_apply`] (the synchronous,
+/// "native" SOAP refresh).
+///
+/// Shapes (row-major, `T`): the parameter is `[m, n]`; `side` 0 = left (`factor`, `basis`
+/// `[m, m]`, acting on rows), 1 = right (`[n, n]`, acting on columns); `exp_avg`,
+/// `exp_avg_sq` `[m, n]` (stored in the eigenbasis). Basis columns are the basis vectors.
+///
+/// - `t == 1`: `basis ← eigenvectors of (factor + 1e-30·I)`, columns in **descending**
+///   eigenvalue order (`soap.py` `get_orthogonal_matrix`: `eigh` then `flip`). Moments untouched.
+/// - `t > 1`, `frequency > 0`, `(t − 1) % frequency == 0` (`soap.py` `get_orthogonal_matrix_QR`):
+///   `est = diag(Qᵀ F Q)`; `idx` = argsort(est) descending; `exp_avg_sq` is permuted along
+///   `side` by `idx`; `Q_new = qr(F · Q[:, idx]).Q` (Householder; column signs arbitrary);
+///   `exp_avg` is re-projected from the old basis to the new one: side 0 `E ← Q_newᵀ Q_old E`,
+///   side 1 `E ← E Q_oldᵀ Q_new`. Applying both sides equals `soap.py`'s
+///   `project(project_back(E, Q_old), Q_new) = Q_L,newᵀ (Q_L,old E Q_R,oldᵀ) Q_R,new`.
+/// - otherwise: [`RefreshOutcome::Skipped`], nothing read.
+///
+/// `solver` is only used at `t == 1`. GEMMs and QR run on the current rayon pool when large.
+///
+/// # Errors
+/// [`RefreshError`]; on any error nothing is modified (the previous basis stays in use).
+/// Rank-deficient factors are fine (orthonormal bases, no NaN); an all-zero factor is
+/// accepted at `t == 1` and refused at a QR refresh ([`RefreshError::RankDeficient`]).
+#[allow(clippy::too_many_arguments)]
+pub fn eigenbasis_refresh<T: Real>(
+    solver: &dyn HostEigensolver,
+    t: u64,
+    frequency: u64,
+    side: u8,
+    factor: &[T],
+    basis: &mut [T],
+    exp_avg: &mut [T],
+    exp_avg_sq: &mut [T],
+    m: usize,
+    n: usize,
+) -> Result<RefreshOutcome, RefreshError> {
+    const OP: &str = "eigenbasis_refresh";
+    let d = side_dim(side, m, n)?;
+    check_len(OP, "factor", factor.len(), d * d)?;
+    check_len(OP, "basis", basis.len(), d * d)?;
+    check_len(OP, "exp_avg", exp_avg.len(), m * n)?;
+    check_len(OP, "exp_avg_sq", exp_avg_sq.len(), m * n)?;
+    match refresh_compute(solver, t, frequency, side, factor, basis, m, n)? {
+        None => Ok(RefreshOutcome::Skipped),
+        Some(result) => refresh_apply(&result, basis, exp_avg, exp_avg_sq, m, n),
+    }
 }

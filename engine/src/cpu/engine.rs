@@ -1,11 +1,12 @@
 //! [`CpuEngine`]: allocates a verified plan's buffers and runs its programs on the CPU.
 use super::exec::{exec_op, OpOutcome};
+use super::host::Pending;
 use super::store::{Data, Loc, Store};
 use super::Float;
 use crate::rng::Rng;
 use crate::EngineError;
 use optim::{FaerEigensolver, HostEigensolver, Real};
-use schedule::{BufferId, Init, Op, Plan, TargetPlan};
+use schedule::{BufferId, HostTask, Init, Op, Placement, Plan, TargetPlan};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -21,6 +22,9 @@ pub struct EngineOptions {
     /// Consecutive failed refreshes of one host task after which the run stops with
     /// [`EngineError::RefreshFailures`] (default 3).
     pub max_consecutive_refresh_failures: u32,
+    /// Run every refresh as one synchronous `optim::eigenbasis_refresh` call at the end of its
+    /// step, ignoring the plan's `staleness` (the reference path; default false).
+    pub synchronous_refresh: bool,
 }
 
 impl Default for EngineOptions {
@@ -30,6 +34,7 @@ impl Default for EngineOptions {
             threads: None,
             eigensolver: Arc::new(FaerEigensolver),
             max_consecutive_refresh_failures: 3,
+            synchronous_refresh: false,
         }
     }
 }
@@ -44,6 +49,7 @@ impl std::fmt::Debug for EngineOptions {
                 "max_consecutive_refresh_failures",
                 &self.max_consecutive_refresh_failures,
             )
+            .field("synchronous_refresh", &self.synchronous_refresh)
             .finish()
     }
 }
@@ -62,14 +68,36 @@ pub struct EngineStats {
     pub refresh_failures: Vec<u64>,
     /// Current run of consecutive failures, per host task.
     pub consecutive_refresh_failures: Vec<u32>,
-    /// Wall time spent in host tasks, ms.
+    /// Wall time spent in host tasks on the critical path (inline refreshes, swaps, waits), ms.
     pub host_task_ms: f64,
+    /// Refresh computations started, inline (S = 0, t = 1) or in the background.
+    pub refreshes_launched: u64,
+    /// Refresh results swapped in (installed), inline ones included.
+    pub refresh_swaps: u64,
+    /// Sum over swaps of the swap staleness (steps between launch and swap).
+    pub swap_staleness_sum: u64,
+    /// Largest swap staleness so far, steps.
+    pub max_swap_staleness: u64,
+    /// Times a step boundary blocked on a background refresh (its staleness bound was reached
+    /// before it finished, or the task's next refresh was due).
+    pub refresh_waits: u64,
+    /// Time blocked on background refreshes, ms.
+    pub refresh_wait_ms: f64,
 }
 
 impl EngineStats {
     /// Failed refreshes summed over all host tasks.
     pub fn total_refresh_failures(&self) -> u64 {
         self.refresh_failures.iter().sum()
+    }
+
+    /// Mean swap staleness over all swaps, steps (0 when none).
+    pub fn mean_swap_staleness(&self) -> f64 {
+        if self.refresh_swaps == 0 {
+            0.0
+        } else {
+            self.swap_staleness_sum as f64 / self.refresh_swaps as f64
+        }
     }
 }
 
@@ -79,14 +107,19 @@ impl EngineStats {
 ///
 /// A step is [`load_batch`](Self::load_batch), [`forward`](Self::forward),
 /// [`backward`](Self::backward), [`optimizer_step`](Self::optimizer_step),
-/// [`run_host_tasks`](Self::run_host_tasks). Kernels run on the engine's own rayon pool.
+/// [`run_host_tasks`](Self::run_host_tasks). Kernels run on the engine's own rayon pool;
+/// eigenbasis refreshes with staleness S > 0 run on a second (host) pool in the background and
+/// are swapped in at the start of a later `run_host_tasks` (see the `host` module docs).
 pub struct CpuEngine<T> {
     pub(crate) plan: Plan,
     pub(crate) store: Store<T>,
     pub(crate) opts: EngineOptions,
     pub(crate) stats: EngineStats,
-    pool: Arc<rayon::ThreadPool>,
+    pub(crate) pool: Arc<rayon::ThreadPool>,
     pub(crate) host_pool: Arc<rayon::ThreadPool>,
+    pub(crate) pending: Pending<T>,
+    /// Per host task: whether its first eigendecomposition succeeded.
+    pub(crate) initialized: Vec<bool>,
     by_name: HashMap<String, BufferId>,
 }
 
@@ -139,6 +172,25 @@ impl<T: Float + Real> CpuEngine<T> {
             }
         }
         let tasks = plan.host_tasks.len();
+        let gpu_side = plan
+            .host_tasks
+            .iter()
+            .filter(|t| {
+                matches!(
+                    t,
+                    HostTask::EigenbasisRefresh {
+                        placement: Placement::GpuSide,
+                        ..
+                    }
+                )
+            })
+            .count();
+        if gpu_side > 0 {
+            tracing::info!(
+                tasks = gpu_side,
+                "the CPU engine has no GPU side stream: refreshes placed on `gpu_side` run on the host pool"
+            );
+        }
         let by_name = plan
             .buffers
             .iter()
@@ -156,6 +208,8 @@ impl<T: Float + Real> CpuEngine<T> {
             },
             pool,
             host_pool,
+            pending: Pending::new(tasks),
+            initialized: vec![false; tasks],
             by_name,
         })
     }
