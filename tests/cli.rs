@@ -16,26 +16,49 @@ fn root() -> PathBuf {
 }
 
 fn text(o: &Output) -> (String, String) {
-    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
 }
 
 fn compiled_plan(dir: &Path) -> (PathBuf, serde_json::Value) {
     let plan = dir.join("tiny.plan.json");
-    let o = asteria(&["compile", "examples/tiny-soap.asteria", "-o", plan.to_str().expect("utf8 path")]);
+    let o = asteria(&[
+        "compile",
+        "examples/tiny-soap.asteria",
+        "-o",
+        plan.to_str().expect("utf8 path"),
+    ]);
     assert!(o.status.success(), "{:?}", text(&o));
-    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan).expect("plan written")).expect("json");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan).expect("plan written")).expect("json");
     (plan, json)
 }
 
 fn run_rejects(dir: &Path, name: &str, json: &str, expect: &str) {
     let path = dir.join(name);
     std::fs::write(&path, json).expect("write");
-    let o = asteria(&["run", path.to_str().expect("utf8"), "--steps", "1", "--quiet"]);
+    let o = asteria(&[
+        "run",
+        path.to_str().expect("utf8"),
+        "--steps",
+        "1",
+        "--quiet",
+    ]);
     // miette wraps long lines and draws a margin: compare on collapsed whitespace.
-    let err = text(&o).1.replace('│', " ").split_whitespace().collect::<Vec<_>>().join(" ");
+    let err = text(&o)
+        .1
+        .replace('│', " ")
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
     assert!(!o.status.success(), "{name}: a bad plan must fail");
     assert!(err.contains("rejected plan"), "{name}: {err}");
-    assert!(err.contains(expect), "{name}: expected `{expect}` in:\n{err}");
+    assert!(
+        err.contains(expect),
+        "{name}: expected `{expect}` in:\n{err}"
+    );
 }
 
 #[test]
@@ -43,8 +66,18 @@ fn truncated_malformed_and_tampered_plans_are_rejected_before_running() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (plan, json) = compiled_plan(dir.path());
     let full = std::fs::read_to_string(&plan).expect("read");
-    run_rejects(dir.path(), "truncated.json", &full[..full.len() / 2], "not a valid asteria plan");
-    run_rejects(dir.path(), "garbage.json", "this is not json", "not a valid asteria plan");
+    run_rejects(
+        dir.path(),
+        "truncated.json",
+        &full[..full.len() / 2],
+        "not a valid asteria plan",
+    );
+    run_rejects(
+        dir.path(),
+        "garbage.json",
+        "this is not json",
+        "not a valid asteria plan",
+    );
 
     let mut v = json.clone();
     v["version"] = serde_json::json!(99);
@@ -53,7 +86,12 @@ fn truncated_malformed_and_tampered_plans_are_rejected_before_running() {
     let mut v = json.clone();
     let n = v["buffers"].as_array().expect("buffers").len();
     v["forward"][0]["out"] = serde_json::json!(n + 5);
-    run_rejects(dir.path(), "out-of-range.json", &v.to_string(), "refers to buffer");
+    run_rejects(
+        dir.path(),
+        "out-of-range.json",
+        &v.to_string(),
+        "refers to buffer",
+    );
 
     let mut v = json.clone();
     let out = v["forward"][0]["out"].as_u64().expect("id") as usize;
@@ -71,11 +109,20 @@ fn truncated_malformed_and_tampered_plans_are_rejected_before_running() {
 
 #[test]
 fn print_after_all_prints_all_five_passes_and_time_passes_reports_each() {
-    let o = asteria(&["compile", "examples/tiny.asteria", "--print-after-all", "--time-passes", "--verify-each"]);
+    let o = asteria(&[
+        "compile",
+        "examples/tiny.asteria",
+        "--print-after-all",
+        "--time-passes",
+        "--verify-each",
+    ]);
     let (out, err) = text(&o);
     assert!(o.status.success(), "{err}");
     for p in ["expand-model", "autodiff", "expand-optimizer", "liveness"] {
-        assert!(out.contains(&format!("; IR after {p}")), "missing dump after {p}");
+        assert!(
+            out.contains(&format!("; IR after {p}")),
+            "missing dump after {p}"
+        );
         assert!(err.contains(p), "--time-passes misses {p}");
     }
     assert!(out.contains("; plan after lower"));
@@ -84,12 +131,22 @@ fn print_after_all_prints_all_five_passes_and_time_passes_reports_each() {
 
 #[test]
 fn print_after_one_pass_and_unknown_pass() {
-    let o = asteria(&["compile", "examples/tiny-soap.asteria", "--print-after", "expand-optimizer"]);
+    let o = asteria(&[
+        "compile",
+        "examples/tiny-soap.asteria",
+        "--print-after",
+        "expand-optimizer",
+    ]);
     let (out, _) = text(&o);
     assert!(o.status.success());
     assert!(out.contains("; IR after expand-optimizer") && !out.contains("; IR after autodiff"));
     assert!(out.contains("soap_update") && out.contains("eigenbasis_refresh"));
-    let o = asteria(&["compile", "examples/tiny.asteria", "--print-after", "autodif"]);
+    let o = asteria(&[
+        "compile",
+        "examples/tiny.asteria",
+        "--print-after",
+        "autodif",
+    ]);
     assert!(!o.status.success());
     assert!(text(&o).1.contains("unknown pass `autodif`"));
 }
@@ -99,7 +156,16 @@ fn explain_reports_bytes_per_class_and_ops() {
     let o = asteria(&["explain", "examples/tiny-soap.asteria"]);
     let (out, err) = text(&o);
     assert!(o.status.success(), "{err}");
-    for w in ["parameter", "kronecker_factor", "eigenbasis", "exp_avg_sq", "activation", "memory per tier", "ops per step", "eigenbasis_refresh every 10 steps"] {
+    for w in [
+        "parameter",
+        "kronecker_factor",
+        "eigenbasis",
+        "exp_avg_sq",
+        "activation",
+        "memory per tier",
+        "ops per step",
+        "eigenbasis_refresh every 10 steps",
+    ] {
         assert!(out.contains(w), "explain output lacks `{w}`:\n{out}");
     }
 }
@@ -114,16 +180,30 @@ fn bad_spec_fails_with_location_and_nonzero_exit() {
     let (_, err) = text(&o);
     assert!(!o.status.success());
     assert!(err.contains("bad.asteria"), "{err}");
-    assert!(err.contains("d_model"), "expected a did-you-mean hint: {err}");
+    assert!(
+        err.contains("d_model"),
+        "expected a did-you-mean hint: {err}"
+    );
 }
 
 #[test]
 fn cuda_plan_is_refused_by_the_cpu_build_with_a_clear_message() {
     let dir = tempfile::tempdir().expect("tempdir");
     let plan = dir.path().join("gpu.json");
-    let o = asteria(&["compile", "examples/gpt2-124m.asteria", "-o", plan.to_str().expect("utf8")]);
+    let o = asteria(&[
+        "compile",
+        "examples/gpt2-124m.asteria",
+        "-o",
+        plan.to_str().expect("utf8"),
+    ]);
     assert!(o.status.success(), "{:?}", text(&o));
-    let o = asteria(&["run", plan.to_str().expect("utf8"), "--steps", "1", "--quiet"]);
+    let o = asteria(&[
+        "run",
+        plan.to_str().expect("utf8"),
+        "--steps",
+        "1",
+        "--quiet",
+    ]);
     assert!(!o.status.success());
     assert!(text(&o).1.contains("targets CUDA"), "{:?}", text(&o));
 }
@@ -133,7 +213,15 @@ fn run_executes_a_compiled_plan_and_writes_metrics() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (plan, _) = compiled_plan(dir.path());
     let metrics = dir.path().join("m.jsonl");
-    let o = asteria(&["run", plan.to_str().expect("utf8"), "--steps", "3", "--quiet", "--metrics", metrics.to_str().expect("utf8")]);
+    let o = asteria(&[
+        "run",
+        plan.to_str().expect("utf8"),
+        "--steps",
+        "3",
+        "--quiet",
+        "--metrics",
+        metrics.to_str().expect("utf8"),
+    ]);
     assert!(o.status.success(), "{:?}", text(&o));
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
         .expect("metrics")
@@ -148,5 +236,8 @@ fn run_executes_a_compiled_plan_and_writes_metrics() {
         }
         assert!(s["loss"].as_f64().expect("loss").is_finite());
     }
-    assert!(lines.iter().any(|l| l.get("val_loss").is_some()), "no validation line");
+    assert!(
+        lines.iter().any(|l| l.get("val_loss").is_some()),
+        "no validation line"
+    );
 }

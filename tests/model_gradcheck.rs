@@ -21,19 +21,46 @@ fn config(family: Family) -> Config {
             init_std: 0.02,
             rope_theta: 10000.0,
         },
-        optimizer: OptimizerConfig::Adamw(AdamWConfig { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }),
-        data: DataConfig { corpus: CorpusConfig::Builtin, tokenizer: TokenizerKind::Bytes, batch_size: 2, seq_len: 5, val_fraction: 0.1 },
-        train: TrainConfig { steps: 1, warmup_steps: 0, min_lr_ratio: 0.1, grad_clip: None, eval_interval: 0, eval_batches: 1, seed: 7 },
-        target: TargetConfig::Cpu { threads: Some(1), staleness: 0, calibration: None },
+        optimizer: OptimizerConfig::Adamw(AdamWConfig {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        }),
+        data: DataConfig {
+            corpus: CorpusConfig::Builtin,
+            tokenizer: TokenizerKind::Bytes,
+            batch_size: 2,
+            seq_len: 5,
+            val_fraction: 0.1,
+        },
+        train: TrainConfig {
+            steps: 1,
+            warmup_steps: 0,
+            min_lr_ratio: 0.1,
+            grad_clip: None,
+            eval_interval: 0,
+            eval_batches: 1,
+            seed: 7,
+        },
+        target: TargetConfig::Cpu {
+            threads: Some(1),
+            staleness: 0,
+            calibration: None,
+        },
     }
 }
 
 fn check(family: Family) {
     let mut module = ir::Module::new(config(family));
     let mut pm = PassManager::new(PassOptions::default()).expect("pass manager");
-    let (cx, _) = pm.run(&mut module, None, &mut std::io::sink()).expect("pipeline");
+    let (cx, _) = pm
+        .run(&mut module, None, &mut std::io::sink())
+        .expect("pipeline");
     let plan = cx.plan.expect("plan");
-    let mut e: CpuEngine<f64> = CpuEngine::new(plan.clone(), EngineOptions::default()).expect("engine");
+    let mut e: CpuEngine<f64> =
+        CpuEngine::new(plan.clone(), EngineOptions::default()).expect("engine");
     let mut rng = Rng::new(0xC0FFEE);
     // Random (not initial) values everywhere, so norm weights ≠ 1 and biases ≠ 0 are exercised.
     for p in &plan.params {
@@ -57,7 +84,11 @@ fn check(family: Family) {
         let count = base.len().min(16);
         let (mut max_diff, mut max_grad) = (0.0f64, 0.0f64);
         for k in 0..count {
-            let idx = if count == base.len() { k } else { (rng.next_u64() as usize) % base.len() };
+            let idx = if count == base.len() {
+                k
+            } else {
+                (rng.next_u64() as usize) % base.len()
+            };
             let mut v = base.clone();
             v[idx] = base[idx] + h;
             e.set_buffer(&name, &v).expect("set");
@@ -70,14 +101,23 @@ fn check(family: Family) {
             max_grad = max_grad.max(grad[idx].abs()).max(fd.abs());
         }
         e.set_buffer(&name, &base).expect("restore");
-        assert!(max_grad > 1e-9, "{family:?} {name}: gradient is identically zero on the sampled entries");
+        assert!(
+            max_grad > 1e-9,
+            "{family:?} {name}: gradient is identically zero on the sampled entries"
+        );
         let rel = max_diff / max_grad;
         if rel > worst.0 {
             worst = (rel, name.clone());
         }
-        assert!(rel <= 1e-6, "{family:?} {name}: finite-difference relative error {rel:e} > 1e-6");
+        assert!(
+            rel <= 1e-6,
+            "{family:?} {name}: finite-difference relative error {rel:e} > 1e-6"
+        );
     }
-    eprintln!("{family:?}: worst relative error {:e} ({})", worst.0, worst.1);
+    eprintln!(
+        "{family:?}: worst relative error {:e} ({})",
+        worst.0, worst.1
+    );
 }
 
 #[test]

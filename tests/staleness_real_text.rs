@@ -22,7 +22,11 @@ fn train(spec: &Path, root: &Path, dir: &Path, tag: &str) -> Run {
         .current_dir(root)
         .output()
         .expect("asteria runs");
-    assert!(o.status.success(), "{tag}: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "{tag}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let text = std::fs::read_to_string(&metrics).expect("metrics written");
     let (mut val, mut steps) = (Vec::new(), Vec::new());
     for line in text.lines() {
@@ -64,11 +68,19 @@ fn staleness_5_matches_synchronous_soap_on_moby_dick() {
         v5.1,
         v5.1 - v0.1
     );
-    assert!((v5.1 - v0.1).abs() <= 0.02, "S = 5 {} vs S = 0 {}", v5.1, v0.1);
+    assert!(
+        (v5.1 - v0.1).abs() <= 0.02,
+        "S = 5 {} vs S = 0 {}",
+        v5.1,
+        v0.1
+    );
 
     // S = 0: every refresh is installed at the step that launched it.
     for s in &sync.steps {
-        assert!(s["max_swap_staleness"].is_null() || s["max_swap_staleness"] == 0, "{s}");
+        assert!(
+            s["max_swap_staleness"].is_null() || s["max_swap_staleness"] == 0,
+            "{s}"
+        );
         assert_eq!(s["refresh_wait_ms"], 0.0, "{s}");
     }
     // S = 5: results arrive late (≥ 1 step: the swap point is the next step boundary), never
@@ -78,17 +90,29 @@ fn staleness_5_matches_synchronous_soap_on_moby_dick() {
         .iter()
         .filter_map(|s| s["max_swap_staleness"].as_u64())
         .collect();
-    assert!(staleness.iter().any(|&s| s > 0), "no late swap: {staleness:?}");
+    assert!(
+        staleness.iter().any(|&s| s > 0),
+        "no late swap: {staleness:?}"
+    );
     assert!(staleness.iter().all(|&s| s <= 5), "{staleness:?}");
-    let (launched, swapped) = (count(&late, "refreshes_launched"), count(&late, "refreshes_swapped"));
-    assert!(swapped > 0 && swapped <= launched, "{swapped} of {launched}");
+    let (launched, swapped) = (
+        count(&late, "refreshes_launched"),
+        count(&late, "refreshes_swapped"),
+    );
+    assert!(
+        swapped > 0 && swapped <= launched,
+        "{swapped} of {launched}"
+    );
     let waits = late
         .steps
         .iter()
         .filter(|s| s["refresh_wait_ms"].as_f64().expect("refresh_wait_ms") > 0.0)
         .count() as u64;
     eprintln!("S = 5: {launched} launched, {swapped} swapped, steps with a wait: {waits}");
-    assert!(waits * 20 <= swapped, "waits are not rare: {waits} steps waited, {swapped} swaps");
+    assert!(
+        waits * 20 <= swapped,
+        "waits are not rare: {waits} steps waited, {swapped} swaps"
+    );
     for s in &late.steps {
         assert!(s["optimizer_ms"].as_f64().expect("optimizer_ms") >= 0.0);
     }

@@ -14,7 +14,11 @@ fn train(spec: &str) -> Vec<(u64, f64)> {
         .current_dir(&root)
         .output()
         .expect("asteria runs");
-    assert!(o.status.success(), "{spec}: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "{spec}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let text = std::fs::read_to_string(&metrics).expect("metrics written");
     let mut val = Vec::new();
     for line in text.lines() {
@@ -29,10 +33,22 @@ fn train(spec: &str) -> Vec<(u64, f64)> {
 
 fn check(spec: &str) {
     let val = train(spec);
-    let (first, last) = (val.first().expect("eval at step 0"), val.last().expect("final eval"));
+    let (first, last) = (
+        val.first().expect("eval at step 0"),
+        val.last().expect("final eval"),
+    );
     assert_eq!(first.0, 0);
-    assert!((first.1 - 10.8).abs() < 0.3, "{spec}: initial val loss {} is not ≈ ln(50257)", first.1);
-    assert!(last.1 < 6.0, "{spec}: final val loss {} (step {}) is not below 6.0", last.1, last.0);
+    assert!(
+        (first.1 - 10.8).abs() < 0.3,
+        "{spec}: initial val loss {} is not ≈ ln(50257)",
+        first.1
+    );
+    assert!(
+        last.1 < 6.0,
+        "{spec}: final val loss {} (step {}) is not below 6.0",
+        last.1,
+        last.0
+    );
 }
 
 #[test]

@@ -22,7 +22,9 @@ pub fn compile_spec(spec: &Path, flags: &PassFlags) -> Result<(Plan, passes::liv
     let mut pm = PassManager::new(options).map_err(|e| miette!("{e}"))?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    let (cx, timings) = pm.run(&mut module, None, &mut out).map_err(|e| miette!("{e}"))?;
+    let (cx, timings) = pm
+        .run(&mut module, None, &mut out)
+        .map_err(|e| miette!("{e}"))?;
     if flags.time_passes {
         let total: f64 = timings.iter().map(|t| t.ms).sum();
         eprintln!("{:>10}  {:<18} summary", "ms", "pass");
@@ -31,8 +33,12 @@ pub fn compile_spec(spec: &Path, flags: &PassFlags) -> Result<(Plan, passes::liv
         }
         eprintln!("{total:>10.3}  total");
     }
-    let plan = cx.plan.ok_or_else(|| miette!("internal: the pipeline produced no plan"))?;
-    let liveness = cx.liveness.ok_or_else(|| miette!("internal: the pipeline produced no liveness"))?;
+    let plan = cx
+        .plan
+        .ok_or_else(|| miette!("internal: the pipeline produced no plan"))?;
+    let liveness = cx
+        .liveness
+        .ok_or_else(|| miette!("internal: the pipeline produced no liveness"))?;
     Ok((plan, liveness))
 }
 
@@ -52,7 +58,10 @@ pub fn compile(spec: &Path, output: Option<&Path>, flags: &PassFlags) -> Result<
                 plan.host_tasks.len()
             );
         }
-        None => eprintln!("compiled {} (no -o given: plan not written)", spec.display()),
+        None => eprintln!(
+            "compiled {} (no -o given: plan not written)",
+            spec.display()
+        ),
     }
     Ok(())
 }
@@ -62,14 +71,28 @@ pub fn explain(spec: &Path) -> Result<()> {
     let (plan, liveness) = compile_spec(spec, &PassFlags::default())?;
     let stdout = std::io::stdout();
     let mut o = stdout.lock();
-    let params: usize = plan.params.iter().map(|p| plan.buffer(p.param).numel()).sum();
+    let params: usize = plan
+        .params
+        .iter()
+        .map(|p| plan.buffer(p.param).numel())
+        .sum();
     let tokens = plan.data.batch_size * plan.data.seq_len;
     let tier = match plan.target {
         TargetPlan::Cpu { .. } => "host",
         TargetPlan::Cuda { .. } => "gpu",
     };
-    let _ = writeln!(o, "plan `{}`: {} parameters in {} tensors, {} tokens per step", plan.name, params, plan.params.len(), tokens);
-    let _ = writeln!(o, "\nmemory per class (all placed in the `{tier}` tier; tier placement is a later pass):");
+    let _ = writeln!(
+        o,
+        "plan `{}`: {} parameters in {} tensors, {} tokens per step",
+        plan.name,
+        params,
+        plan.params.len(),
+        tokens
+    );
+    let _ = writeln!(
+        o,
+        "\nmemory per class (all placed in the `{tier}` tier; tier placement is a later pass):"
+    );
     let mut total = 0;
     for class in [
         BufferClass::Parameter,
@@ -87,18 +110,42 @@ pub fn explain(spec: &Path) -> Result<()> {
             continue;
         }
         total += b;
-        let life = if is_persistent(class) { "persistent" } else { "per step" };
-        let _ = writeln!(o, "  {:<17} {:>14} B  {:>11}  {life}", class_name(class), b, human_bytes(b));
+        let life = if is_persistent(class) {
+            "persistent"
+        } else {
+            "per step"
+        };
+        let _ = writeln!(
+            o,
+            "  {:<17} {:>14} B  {:>11}  {life}",
+            class_name(class),
+            b,
+            human_bytes(b)
+        );
     }
-    let _ = writeln!(o, "  {:<17} {:>14} B  {:>11}", "total", total, human_bytes(total));
+    let _ = writeln!(
+        o,
+        "  {:<17} {:>14} B  {:>11}",
+        "total",
+        total,
+        human_bytes(total)
+    );
     let _ = writeln!(
         o,
         "  peak live step-local tensors (with buffer reuse): {}",
         human_bytes(liveness.peak_step_bytes)
     );
-    let _ = writeln!(o, "\nmemory per tier:\n  {tier:<6} {:>11}", human_bytes(total));
+    let _ = writeln!(
+        o,
+        "\nmemory per tier:\n  {tier:<6} {:>11}",
+        human_bytes(total)
+    );
     let _ = writeln!(o, "\nops per step:");
-    for (section, prog) in [("forward", &plan.forward), ("backward", &plan.backward), ("optimizer", &plan.optimizer)] {
+    for (section, prog) in [
+        ("forward", &plan.forward),
+        ("backward", &plan.backward),
+        ("optimizer", &plan.optimizer),
+    ] {
         let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
         for op in prog {
             *counts.entry(op.name()).or_default() += 1;
@@ -118,8 +165,12 @@ pub fn explain(spec: &Path) -> Result<()> {
 }
 
 fn train_options(run: &RunFlags) -> Result<engine::TrainOptions> {
-    let solver = optim::solver_by_name(&run.eigensolver).map_err(|e| miette!("--eigensolver: {e}"))?;
-    let cache_dir = run.cache_dir.clone().unwrap_or_else(|| std::env::temp_dir().join("asteria-token-cache"));
+    let solver =
+        optim::solver_by_name(&run.eigensolver).map_err(|e| miette!("--eigensolver: {e}"))?;
+    let cache_dir = run
+        .cache_dir
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join("asteria-token-cache"));
     Ok(engine::TrainOptions {
         steps: run.steps,
         cache_dir: Some(cache_dir),
@@ -154,7 +205,8 @@ fn execute_cuda(plan: &Plan, opts: &engine::TrainOptions) -> Result<()> {
         ));
     }
     let copts = cuda::CudaOptions::from_env(opts.engine.clone()).map_err(|e| miette!("{e}"))?;
-    let mut eng = cuda::CudaEngine::new(plan.clone(), copts).map_err(|e| miette!("plan `{}` targets CUDA: {e}", plan.name))?;
+    let mut eng = cuda::CudaEngine::new(plan.clone(), copts)
+        .map_err(|e| miette!("plan `{}` targets CUDA: {e}", plan.name))?;
     let (arena, refresh) = eng.arena_bytes();
     if !opts.quiet {
         eprintln!(
@@ -184,7 +236,8 @@ pub fn run(path: &Path, run: &RunFlags) -> Result<()> {
     let text = std::fs::read_to_string(path)
         .into_diagnostic()
         .wrap_err_with(|| format!("cannot read plan {}", path.display()))?;
-    let plan = Plan::from_json(&text).map_err(|e| miette!("rejected plan {}: {e}", path.display()))?;
+    let plan =
+        Plan::from_json(&text).map_err(|e| miette!("rejected plan {}: {e}", path.display()))?;
     execute(&plan, run)
 }
 
@@ -196,12 +249,16 @@ pub fn train(spec: &Path, run: &RunFlags, flags: &PassFlags) -> Result<()> {
 
 /// `asteria bench eigh`: median eigensolve times per backend, size and thread count.
 pub fn bench_eigh(sizes: &[usize], threads: &[usize], reps: usize) -> Result<()> {
-    println!("{:<8} {:>6} {:>8} {:>12}", "solver", "n", "threads", "median ms");
+    println!(
+        "{:<8} {:>6} {:>8} {:>12}",
+        "solver", "n", "threads", "median ms"
+    );
     for name in optim::solver_names() {
         let solver = optim::solver_by_name(name).map_err(|e| miette!("{e}"))?;
         for &n in sizes {
             for &t in threads {
-                let ms = optim::bench::eigh_median_ms(solver.as_ref(), n, t, reps).map_err(|e| miette!("{e}"))?;
+                let ms = optim::bench::eigh_median_ms(solver.as_ref(), n, t, reps)
+                    .map_err(|e| miette!("{e}"))?;
                 println!("{name:<8} {n:>6} {t:>8} {ms:>12.1}");
             }
         }
@@ -223,8 +280,14 @@ fn median_ms(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 
 /// `asteria calibrate`: measures this host's eigensolve and power-iteration+QR times and GEMM
 /// rate, and writes a target description for the `precond-scheduling` cost model.
-pub fn calibrate(output: Option<&Path>, sizes: &[usize], threads: Option<usize>, reps: usize) -> Result<()> {
-    let threads = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+pub fn calibrate(
+    output: Option<&Path>,
+    sizes: &[usize],
+    threads: Option<usize>,
+    reps: usize,
+) -> Result<()> {
+    let threads =
+        threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let pool = rayon_pool(threads)?;
     let solver = optim::solver_by_name("faer").map_err(|e| miette!("{e}"))?;
     let (mut eigh, mut qr) = (Vec::new(), Vec::new());
@@ -247,7 +310,10 @@ pub fn calibrate(output: Option<&Path>, sizes: &[usize], threads: Option<usize>,
         }
         Ok(())
     })?;
-    let host = std::env::var("HOSTNAME").ok().or_else(|| std::fs::read_to_string("/etc/hostname").ok()).unwrap_or_default();
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+        .unwrap_or_default();
     let desc = passes::cost_model::TargetDescription {
         name: format!("calibrated-{}", host.trim()),
         host_cores: threads,
@@ -264,8 +330,14 @@ pub fn calibrate(output: Option<&Path>, sizes: &[usize], threads: Option<usize>,
     let json = serde_json::to_string_pretty(&desc).into_diagnostic()?;
     match output {
         Some(p) => {
-            std::fs::write(p, &json).into_diagnostic().wrap_err_with(|| format!("cannot write {}", p.display()))?;
-            eprintln!("wrote {} (name it in a spec: target cpu {{ calibration = \"{}\" }})", p.display(), p.display());
+            std::fs::write(p, &json)
+                .into_diagnostic()
+                .wrap_err_with(|| format!("cannot write {}", p.display()))?;
+            eprintln!(
+                "wrote {} (name it in a spec: target cpu {{ calibration = \"{}\" }})",
+                p.display(),
+                p.display()
+            );
         }
         None => println!("{json}"),
     }
@@ -273,7 +345,10 @@ pub fn calibrate(output: Option<&Path>, sizes: &[usize], threads: Option<usize>,
 }
 
 fn rayon_pool(threads: usize) -> Result<rayon::ThreadPool> {
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build().into_diagnostic()
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .into_diagnostic()
 }
 
 /// Arguments of `asteria selftest`.
@@ -303,21 +378,33 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
     if !a.no_kernels {
         let dev = cuda::Device::new(a.ordinal).map_err(|e| miette!("{e}"))?;
         println!("{}", dev.info());
-        let opts = cuda::selftest::Options { seed: a.seed, filter: a.filter.clone(), quick: a.quick, verbose: false };
+        let opts = cuda::selftest::Options {
+            seed: a.seed,
+            filter: a.filter.clone(),
+            quick: a.quick,
+            verbose: false,
+        };
         let report = cuda::selftest::run(&dev, &opts);
         print!("{}", report.table());
         if !report.passed() {
             failed.push("kernel self-test".to_string());
         }
     }
-    let refresh: cuda::RefreshMode = a.refresh.parse().map_err(|e: String| miette!("--refresh: {e}"))?;
+    let refresh: cuda::RefreshMode = a
+        .refresh
+        .parse()
+        .map_err(|e: String| miette!("--refresh: {e}"))?;
     for spec in &a.train_match {
         let (plan, _) = compile_spec(spec, &PassFlags::default())?;
         let opts = cuda::train_match::MatchOptions {
             steps: a.steps,
             tol: a.tol,
             refresh,
-            cache_dir: Some(a.cache_dir.clone().unwrap_or_else(|| std::env::temp_dir().join("asteria-token-cache"))),
+            cache_dir: Some(
+                a.cache_dir
+                    .clone()
+                    .unwrap_or_else(|| std::env::temp_dir().join("asteria-token-cache")),
+            ),
             threads: None,
         };
         match cuda::train_match::train_match(&plan, &opts) {
@@ -350,17 +437,32 @@ fn read_series(arg: &str) -> Result<Series> {
         Some((n, p)) => (n.to_string(), std::path::PathBuf::from(p)),
         None => {
             let p = std::path::PathBuf::from(arg);
-            (p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(), p)
+            (
+                p.file_stem()
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                p,
+            )
         }
     };
-    let text = std::fs::read_to_string(&path).into_diagnostic().wrap_err_with(|| format!("cannot read {}", path.display()))?;
+    let text = std::fs::read_to_string(&path)
+        .into_diagnostic()
+        .wrap_err_with(|| format!("cannot read {}", path.display()))?;
     let (mut train, mut val) = (Vec::new(), Vec::new());
-    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
         let v: serde_json::Value = serde_json::from_str(line)
             .into_diagnostic()
             .wrap_err_with(|| format!("{}:{}: not JSON", path.display(), i + 1))?;
         let step = v.get("step").and_then(serde_json::Value::as_f64);
-        match (step, v.get("loss").and_then(serde_json::Value::as_f64), v.get("val_loss").and_then(serde_json::Value::as_f64)) {
+        match (
+            step,
+            v.get("loss").and_then(serde_json::Value::as_f64),
+            v.get("val_loss").and_then(serde_json::Value::as_f64),
+        ) {
             (Some(s), Some(l), _) if l.is_finite() => train.push((s, l)),
             (Some(s), _, Some(l)) if l.is_finite() => val.push((s, l)),
             _ => {}
@@ -372,7 +474,10 @@ fn read_series(arg: &str) -> Result<Series> {
 /// `asteria plot`: training (lines) and validation (markers) loss of metrics files as an SVG.
 pub fn plot(metrics: &[String], output: &Path, title: &str) -> Result<()> {
     use plotters::prelude::*;
-    let series = metrics.iter().map(|m| read_series(m)).collect::<Result<Vec<_>>>()?;
+    let series = metrics
+        .iter()
+        .map(|m| read_series(m))
+        .collect::<Result<Vec<_>>>()?;
     let all = || series.iter().flat_map(|(_, t, v)| t.iter().chain(v));
     let x_max = all().map(|p| p.0).fold(1.0f64, f64::max);
     let y_min = all().map(|p| p.1).fold(f64::INFINITY, f64::min);
@@ -390,21 +495,37 @@ pub fn plot(metrics: &[String], output: &Path, title: &str) -> Result<()> {
             .x_label_area_size(40)
             .y_label_area_size(56)
             .build_cartesian_2d(0f64..x_max, (y_min - pad)..(y_max + pad))?;
-        chart.configure_mesh().x_desc("step").y_desc("loss (nats)").draw()?;
+        chart
+            .configure_mesh()
+            .x_desc("step")
+            .y_desc("loss (nats)")
+            .draw()?;
         for (i, (name, train, val)) in series.iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
             chart
-                .draw_series(LineSeries::new(train.iter().copied(), color.stroke_width(2)))?
+                .draw_series(LineSeries::new(
+                    train.iter().copied(),
+                    color.stroke_width(2),
+                ))?
                 .label(format!("{name} train"))
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                });
             if !val.is_empty() {
                 chart
-                    .draw_series(val.iter().map(|&(x, y)| Circle::new((x, y), 4, color.filled())))?
+                    .draw_series(
+                        val.iter()
+                            .map(|&(x, y)| Circle::new((x, y), 4, color.filled())),
+                    )?
                     .label(format!("{name} val"))
                     .legend(move |(x, y)| Circle::new((x + 9, y), 4, color.filled()));
             }
         }
-        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()?;
         root.present()?;
         Ok(())
     };

@@ -184,34 +184,65 @@ enum BenchCommand {
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Compile { spec, output, passes } => commands::compile(&spec, output.as_deref(), &passes),
+        Command::Compile {
+            spec,
+            output,
+            passes,
+        } => commands::compile(&spec, output.as_deref(), &passes),
         Command::Explain { spec } => commands::explain(&spec),
         Command::Run { plan, run } => commands::run(&plan, &run),
         Command::Train { spec, run, passes } => commands::train(&spec, &run, &passes),
-        Command::Calibrate { output, sizes, threads, reps } => commands::calibrate(output.as_deref(), &sizes, threads, reps),
-        Command::Bench { what: BenchCommand::Eigh { sizes, threads, reps } } => commands::bench_eigh(&sizes, &threads, reps),
-        Command::Selftest { device, ordinal, seed, filter, quick, no_kernels, train_match, steps, tol, refresh, cache_dir } => {
-            commands::selftest(&commands::SelftestArgs {
-                device,
-                ordinal,
-                seed,
-                filter,
-                quick,
-                no_kernels,
-                train_match,
-                steps,
-                tol,
-                refresh,
-                cache_dir,
-            })
-        }
-        Command::Plot { metrics, output, title } => commands::plot(&metrics, &output, &title),
+        Command::Calibrate {
+            output,
+            sizes,
+            threads,
+            reps,
+        } => commands::calibrate(output.as_deref(), &sizes, threads, reps),
+        Command::Bench {
+            what:
+                BenchCommand::Eigh {
+                    sizes,
+                    threads,
+                    reps,
+                },
+        } => commands::bench_eigh(&sizes, &threads, reps),
+        Command::Selftest {
+            device,
+            ordinal,
+            seed,
+            filter,
+            quick,
+            no_kernels,
+            train_match,
+            steps,
+            tol,
+            refresh,
+            cache_dir,
+        } => commands::selftest(&commands::SelftestArgs {
+            device,
+            ordinal,
+            seed,
+            filter,
+            quick,
+            no_kernels,
+            train_match,
+            steps,
+            tol,
+            refresh,
+            cache_dir,
+        }),
+        Command::Plot {
+            metrics,
+            output,
+            title,
+        } => commands::plot(&metrics, &output, &title),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -8,8 +8,8 @@
 use ir::config::{CorpusConfig, TargetConfig, TokenizerKind};
 use ir::{BufferClass, Init, InputRole, Module, Op, Section, ValueId};
 use schedule::{
-    Buffer, BufferId, Corpus, DataPlan, HostTask, Op as P, ParamRef, Plan, PlanError, TargetPlan, Tokenizer,
-    TrainPlan, PLAN_FORMAT, PLAN_VERSION,
+    Buffer, BufferId, Corpus, DataPlan, HostTask, Op as P, ParamRef, Plan, PlanError, TargetPlan,
+    Tokenizer, TrainPlan, PLAN_FORMAT, PLAN_VERSION,
 };
 use thiserror::Error;
 
@@ -76,23 +76,35 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
             });
         }
     }
-    let b = |v: ValueId| ids[v.index()].ok_or_else(|| LowerError::Missing(format!("value {} has no buffer", module.display_value(v))));
+    let b = |v: ValueId| {
+        ids[v.index()].ok_or_else(|| {
+            LowerError::Missing(format!("value {} has no buffer", module.display_value(v)))
+        })
+    };
     let (mut tokens, mut targets, mut loss) = (None, None, None);
     let mut params = Vec::new();
-    let (mut forward, mut backward, mut optimizer, mut host_tasks) = (vec![], vec![], vec![], vec![]);
+    let (mut forward, mut backward, mut optimizer, mut host_tasks) =
+        (vec![], vec![], vec![], vec![]);
     for i in module.insts() {
         let inst = module.inst(i);
         let a = &inst.args;
         let arg = |k: usize| b(a[k]);
         let res = |k: usize| b(inst.results[k]);
-        let misplaced = || LowerError::Misplaced { op: inst.op.name(), section: inst.section.keyword() };
+        let misplaced = || LowerError::Misplaced {
+            op: inst.op.name(),
+            section: inst.section.keyword(),
+        };
         let op = match &inst.op {
             Op::State { .. } => continue,
-            Op::Input { role: InputRole::Tokens } => {
+            Op::Input {
+                role: InputRole::Tokens,
+            } => {
                 tokens = Some(res(0)?);
                 continue;
             }
-            Op::Input { role: InputRole::Targets } => {
+            Op::Input {
+                role: InputRole::Targets,
+            } => {
                 targets = Some(res(0)?);
                 continue;
             }
@@ -101,10 +113,19 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 continue;
             }
             Op::GradOf => {
-                params.push(ParamRef { param: arg(0)?, grad: arg(1)? });
+                params.push(ParamRef {
+                    param: arg(0)?,
+                    grad: arg(1)?,
+                });
                 continue;
             }
-            Op::EigenbasisRefresh { side, frequency, offset, staleness, placement } => {
+            Op::EigenbasisRefresh {
+                side,
+                frequency,
+                offset,
+                staleness,
+                placement,
+            } => {
                 if inst.section != Section::Refresh {
                     return Err(misplaced());
                 }
@@ -121,10 +142,27 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 });
                 continue;
             }
-            Op::Embedding => P::Embedding { table: arg(0)?, ids: arg(1)?, out: res(0)? },
-            Op::EmbeddingBackward => P::EmbeddingBackward { dout: arg(0)?, ids: arg(1)?, dtable: res(0)? },
-            Op::AddPositional { seq_len } => P::AddPositional { x: arg(0)?, pos: arg(1)?, out: res(0)?, seq_len: *seq_len },
-            Op::AddPositionalBackward { seq_len } => P::AddPositionalBackward { dout: arg(0)?, dpos: res(0)?, seq_len: *seq_len },
+            Op::Embedding => P::Embedding {
+                table: arg(0)?,
+                ids: arg(1)?,
+                out: res(0)?,
+            },
+            Op::EmbeddingBackward => P::EmbeddingBackward {
+                dout: arg(0)?,
+                ids: arg(1)?,
+                dtable: res(0)?,
+            },
+            Op::AddPositional { seq_len } => P::AddPositional {
+                x: arg(0)?,
+                pos: arg(1)?,
+                out: res(0)?,
+                seq_len: *seq_len,
+            },
+            Op::AddPositionalBackward { seq_len } => P::AddPositionalBackward {
+                dout: arg(0)?,
+                dpos: res(0)?,
+                seq_len: *seq_len,
+            },
             Op::LayerNorm { eps } => P::LayerNorm {
                 x: arg(0)?,
                 weight: arg(1)?,
@@ -141,21 +179,66 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 dbias: if *bias { Some(res(2)?) } else { None },
                 eps: *eps,
             },
-            Op::RmsNorm { eps } => P::RmsNorm { x: arg(0)?, weight: arg(1)?, out: res(0)?, eps: *eps },
-            Op::RmsNormBackward { eps } => {
-                P::RmsNormBackward { dout: arg(0)?, x: arg(1)?, weight: arg(2)?, dx: res(0)?, dweight: res(1)?, eps: *eps }
-            }
-            Op::MatMul { trans_a, trans_b } => {
-                P::MatMul { a: arg(0)?, b: arg(1)?, out: res(0)?, trans_a: *trans_a, trans_b: *trans_b, accumulate: false }
-            }
-            Op::BiasAdd => P::BiasAdd { x: arg(0)?, bias: arg(1)?, out: res(0)? },
-            Op::SumRows => P::SumRows { x: arg(0)?, out: res(0)? },
-            Op::Add => P::Add { a: arg(0)?, b: arg(1)?, out: res(0)? },
-            Op::Gelu => P::Gelu { x: arg(0)?, out: res(0)? },
-            Op::GeluBackward => P::GeluBackward { dout: arg(0)?, x: arg(1)?, dx: res(0)? },
-            Op::SwiGlu => P::SwiGlu { x: arg(0)?, out: res(0)? },
-            Op::SwiGluBackward => P::SwiGluBackward { dout: arg(0)?, x: arg(1)?, dx: res(0)? },
-            Op::Rope { seq_len, head_dim, rotated_cols, theta } => P::Rope {
+            Op::RmsNorm { eps } => P::RmsNorm {
+                x: arg(0)?,
+                weight: arg(1)?,
+                out: res(0)?,
+                eps: *eps,
+            },
+            Op::RmsNormBackward { eps } => P::RmsNormBackward {
+                dout: arg(0)?,
+                x: arg(1)?,
+                weight: arg(2)?,
+                dx: res(0)?,
+                dweight: res(1)?,
+                eps: *eps,
+            },
+            Op::MatMul { trans_a, trans_b } => P::MatMul {
+                a: arg(0)?,
+                b: arg(1)?,
+                out: res(0)?,
+                trans_a: *trans_a,
+                trans_b: *trans_b,
+                accumulate: false,
+            },
+            Op::BiasAdd => P::BiasAdd {
+                x: arg(0)?,
+                bias: arg(1)?,
+                out: res(0)?,
+            },
+            Op::SumRows => P::SumRows {
+                x: arg(0)?,
+                out: res(0)?,
+            },
+            Op::Add => P::Add {
+                a: arg(0)?,
+                b: arg(1)?,
+                out: res(0)?,
+            },
+            Op::Gelu => P::Gelu {
+                x: arg(0)?,
+                out: res(0)?,
+            },
+            Op::GeluBackward => P::GeluBackward {
+                dout: arg(0)?,
+                x: arg(1)?,
+                dx: res(0)?,
+            },
+            Op::SwiGlu => P::SwiGlu {
+                x: arg(0)?,
+                out: res(0)?,
+            },
+            Op::SwiGluBackward => P::SwiGluBackward {
+                dout: arg(0)?,
+                x: arg(1)?,
+                dx: res(0)?,
+            },
+            Op::Rope {
+                seq_len,
+                head_dim,
+                rotated_cols,
+                theta,
+            } => P::Rope {
                 x: arg(0)?,
                 out: res(0)?,
                 seq_len: *seq_len,
@@ -163,7 +246,12 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 rotated_cols: *rotated_cols,
                 theta: *theta,
             },
-            Op::RopeBackward { seq_len, head_dim, rotated_cols, theta } => P::RopeBackward {
+            Op::RopeBackward {
+                seq_len,
+                head_dim,
+                rotated_cols,
+                theta,
+            } => P::RopeBackward {
                 dout: arg(0)?,
                 dx: res(0)?,
                 seq_len: *seq_len,
@@ -171,10 +259,22 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 rotated_cols: *rotated_cols,
                 theta: *theta,
             },
-            Op::Attention { batch, seq_len, n_heads } => {
-                P::Attention { qkv: arg(0)?, out: res(0)?, batch: *batch, seq_len: *seq_len, n_heads: *n_heads }
-            }
-            Op::AttentionBackward { batch, seq_len, n_heads } => P::AttentionBackward {
+            Op::Attention {
+                batch,
+                seq_len,
+                n_heads,
+            } => P::Attention {
+                qkv: arg(0)?,
+                out: res(0)?,
+                batch: *batch,
+                seq_len: *seq_len,
+                n_heads: *n_heads,
+            },
+            Op::AttentionBackward {
+                batch,
+                seq_len,
+                n_heads,
+            } => P::AttentionBackward {
                 dout: arg(0)?,
                 qkv: arg(1)?,
                 dqkv: res(0)?,
@@ -182,14 +282,28 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 seq_len: *seq_len,
                 n_heads: *n_heads,
             },
-            Op::CrossEntropy => P::CrossEntropy { logits: arg(0)?, targets: arg(1)?, loss: res(0)? },
-            Op::CrossEntropyBackward => P::CrossEntropyBackward { logits: arg(0)?, targets: arg(1)?, dlogits: res(0)? },
+            Op::CrossEntropy => P::CrossEntropy {
+                logits: arg(0)?,
+                targets: arg(1)?,
+                loss: res(0)?,
+            },
+            Op::CrossEntropyBackward => P::CrossEntropyBackward {
+                logits: arg(0)?,
+                targets: arg(1)?,
+                dlogits: res(0)?,
+            },
             Op::ClipGradNorm { max_norm } => P::ClipGradNorm {
                 grads: a.iter().map(|&v| b(v)).collect::<Result<_, _>>()?,
                 norm: res(0)?,
                 max_norm: *max_norm,
             },
-            Op::AdamW { lr, beta1, beta2, eps, weight_decay } => P::AdamW {
+            Op::AdamW {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => P::AdamW {
                 param: arg(0)?,
                 grad: arg(1)?,
                 exp_avg: arg(2)?,
@@ -202,8 +316,16 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
             },
             Op::SoapUpdate { hyper, left, right } => {
                 let mut rest = a[4..].iter();
-                let basis_left = if *left { rest.next().map(|&v| b(v)).transpose()? } else { None };
-                let basis_right = if *right { rest.next().map(|&v| b(v)).transpose()? } else { None };
+                let basis_left = if *left {
+                    rest.next().map(|&v| b(v)).transpose()?
+                } else {
+                    None
+                };
+                let basis_right = if *right {
+                    rest.next().map(|&v| b(v)).transpose()?
+                } else {
+                    None
+                };
                 P::SoapUpdate {
                     param: arg(0)?,
                     grad: arg(1)?,
@@ -214,11 +336,28 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                     hyper: *hyper,
                 }
             }
-            Op::SoapFactorUpdate { shampoo_beta, left, right } => {
+            Op::SoapFactorUpdate {
+                shampoo_beta,
+                left,
+                right,
+            } => {
                 let mut rest = a[1..].iter();
-                let factor_left = if *left { rest.next().map(|&v| b(v)).transpose()? } else { None };
-                let factor_right = if *right { rest.next().map(|&v| b(v)).transpose()? } else { None };
-                P::SoapFactorUpdate { grad: arg(0)?, factor_left, factor_right, shampoo_beta: *shampoo_beta }
+                let factor_left = if *left {
+                    rest.next().map(|&v| b(v)).transpose()?
+                } else {
+                    None
+                };
+                let factor_right = if *right {
+                    rest.next().map(|&v| b(v)).transpose()?
+                } else {
+                    None
+                };
+                P::SoapFactorUpdate {
+                    grad: arg(0)?,
+                    factor_left,
+                    factor_right,
+                    shampoo_beta: *shampoo_beta,
+                }
             }
         };
         match inst.section {
@@ -244,7 +383,9 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
         data: DataPlan {
             corpus: match &c.data.corpus {
                 CorpusConfig::Builtin => Corpus::Builtin,
-                CorpusConfig::Files { paths } => Corpus::Files { paths: paths.clone() },
+                CorpusConfig::Files { paths } => Corpus::Files {
+                    paths: paths.clone(),
+                },
             },
             tokenizer: match c.data.tokenizer {
                 TokenizerKind::Gpt2 => Tokenizer::Gpt2,
@@ -265,10 +406,22 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
             seed: c.train.seed,
         },
         target: match &c.target {
-            TargetConfig::Cpu { threads, staleness, .. } => TargetPlan::Cpu { threads: *threads, staleness: *staleness },
-            TargetConfig::Cuda { device, staleness, precision, .. } => {
-                TargetPlan::Cuda { device: *device, staleness: *staleness, precision: *precision }
-            }
+            TargetConfig::Cpu {
+                threads, staleness, ..
+            } => TargetPlan::Cpu {
+                threads: *threads,
+                staleness: *staleness,
+            },
+            TargetConfig::Cuda {
+                device,
+                staleness,
+                precision,
+                ..
+            } => TargetPlan::Cuda {
+                device: *device,
+                staleness: *staleness,
+                precision: *precision,
+            },
         },
     };
     plan.verify()?;

@@ -197,13 +197,17 @@ impl TargetConfig {
     /// The preconditioner staleness bound in steps.
     pub fn staleness(&self) -> u32 {
         match self {
-            TargetConfig::Cpu { staleness, .. } | TargetConfig::Cuda { staleness, .. } => *staleness,
+            TargetConfig::Cpu { staleness, .. } | TargetConfig::Cuda { staleness, .. } => {
+                *staleness
+            }
         }
     }
     /// The cost-model description named by the spec, if any.
     pub fn calibration(&self) -> Option<&str> {
         match self {
-            TargetConfig::Cpu { calibration, .. } | TargetConfig::Cuda { calibration, .. } => calibration.as_deref(),
+            TargetConfig::Cpu { calibration, .. } | TargetConfig::Cuda { calibration, .. } => {
+                calibration.as_deref()
+            }
         }
     }
 }

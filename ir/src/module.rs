@@ -68,7 +68,13 @@ pub struct Module {
 impl Module {
     /// An empty module for `config`.
     pub fn new(config: Config) -> Self {
-        Module { config, graph: StableDiGraph::default(), values: Vec::new(), names: HashMap::new(), layout: Vec::new() }
+        Module {
+            config,
+            graph: StableDiGraph::default(),
+            values: Vec::new(),
+            names: HashMap::new(),
+            layout: Vec::new(),
+        }
     }
 
     /// Appends an instruction at the end of the layout. `results` gives each result's name hint
@@ -81,14 +87,23 @@ impl Module {
         args: &[ValueId],
         results: Vec<(String, TensorType)>,
     ) -> (InstId, Vec<ValueId>) {
-        let node = self.graph.add_node(Inst { op, args: args.to_vec(), results: Vec::new(), section });
+        let node = self.graph.add_node(Inst {
+            op,
+            args: args.to_vec(),
+            results: Vec::new(),
+            section,
+        });
         let inst = InstId(node);
         let mut ids = Vec::with_capacity(results.len());
         for (hint, ty) in results {
             let name = self.unique_name(&hint);
             let id = ValueId(self.values.len() as u32);
             self.names.insert(name.clone(), id);
-            self.values.push(ValueData { name, ty, def: inst });
+            self.values.push(ValueData {
+                name,
+                ty,
+                def: inst,
+            });
             ids.push(id);
         }
         self.graph[node].results = ids.clone();
@@ -103,7 +118,14 @@ impl Module {
     }
 
     /// Appends a single-result instruction and returns its value.
-    pub fn push1(&mut self, section: Section, op: Op, args: &[ValueId], name: &str, ty: TensorType) -> ValueId {
+    pub fn push1(
+        &mut self,
+        section: Section,
+        op: Op,
+        args: &[ValueId],
+        name: &str,
+        ty: TensorType,
+    ) -> ValueId {
         let (_, r) = self.push(section, op, args, vec![(name.to_string(), ty)]);
         r[0]
     }
@@ -116,9 +138,19 @@ impl Module {
     fn unique_name(&self, hint: &str) -> String {
         let base: String = hint
             .chars()
-            .map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '.' { c } else { '_' })
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '_' || c == '.' {
+                    c
+                } else {
+                    '_'
+                }
+            })
             .collect();
-        let base = if base.is_empty() { "v".to_string() } else { base };
+        let base = if base.is_empty() {
+            "v".to_string()
+        } else {
+            base
+        };
         if !self.names.contains_key(&base) {
             return base;
         }
@@ -135,7 +167,10 @@ impl Module {
 
     /// Instructions of `section` in program order.
     pub fn section(&self, section: Section) -> impl Iterator<Item = InstId> + '_ {
-        self.layout.iter().copied().filter(move |&i| self.graph[i.0].section == section)
+        self.layout
+            .iter()
+            .copied()
+            .filter(move |&i| self.graph[i.0].section == section)
     }
 
     /// The instruction `id`.
@@ -196,7 +231,11 @@ impl Module {
                     !inst.results.is_empty()
                         && !inst.op.is_in_place()
                         && !matches!(inst.op, Op::State { .. } | Op::Input { .. })
-                        && self.graph.edges_directed(i.0, petgraph::Direction::Outgoing).next().is_none()
+                        && self
+                            .graph
+                            .edges_directed(i.0, petgraph::Direction::Outgoing)
+                            .next()
+                            .is_none()
                 })
                 .collect();
             if dead.is_empty() {

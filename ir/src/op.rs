@@ -30,8 +30,13 @@ pub enum Section {
 
 impl Section {
     /// All sections in execution order.
-    pub const ALL: [Section; 5] =
-        [Section::State, Section::Forward, Section::Backward, Section::Optimizer, Section::Refresh];
+    pub const ALL: [Section; 5] = [
+        Section::State,
+        Section::Forward,
+        Section::Backward,
+        Section::Optimizer,
+        Section::Refresh,
+    ];
     /// Keyword used in the text format.
     pub fn keyword(self) -> &'static str {
         match self {

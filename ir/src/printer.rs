@@ -169,7 +169,13 @@ pub(crate) fn attrs(op: &Op) -> Vec<(&'static str, Attr)> {
                 ("right", B(right)),
             ]
         }
-        Op::EigenbasisRefresh { side, frequency, offset, staleness, placement } => {
+        Op::EigenbasisRefresh {
+            side,
+            frequency,
+            offset,
+            staleness,
+            placement,
+        } => {
             vec![
                 ("side", U(side as u64)),
                 ("frequency", U(frequency)),

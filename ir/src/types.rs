@@ -14,11 +14,17 @@ pub struct TensorType {
 impl TensorType {
     /// An f32 tensor of `shape`.
     pub fn f32(shape: impl Into<Vec<usize>>) -> Self {
-        TensorType { dtype: DType::F32, shape: shape.into() }
+        TensorType {
+            dtype: DType::F32,
+            shape: shape.into(),
+        }
     }
     /// An i32 tensor of `shape`.
     pub fn i32(shape: impl Into<Vec<usize>>) -> Self {
-        TensorType { dtype: DType::I32, shape: shape.into() }
+        TensorType {
+            dtype: DType::I32,
+            shape: shape.into(),
+        }
     }
     /// Element count.
     pub fn numel(&self) -> usize {

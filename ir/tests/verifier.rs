@@ -439,7 +439,9 @@ fn eigenbasis_refresh_side() {
 
 #[test]
 fn eigenbasis_refresh_offset_below_frequency() {
-    let text = common::tiny().to_string().replacen("offset = 1,", "offset = 10,", 1);
+    let text = common::tiny()
+        .to_string()
+        .replacen("offset = 1,", "offset = 10,", 1);
     let m = parse_module(&text).unwrap();
     one(&m, &["(eigenbasis_refresh)", "offset below it"]);
 }

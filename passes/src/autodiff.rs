@@ -52,17 +52,34 @@ impl Pass for Autodiff {
 
     fn run(&mut self, module: &mut Module, _cx: &mut PassContext) -> Result<String, PassError> {
         let forward: Vec<_> = module.section(Section::Forward).collect();
-        let loss_marker = forward.iter().find(|&&i| module.inst(i).op == Op::Loss).copied();
+        let loss_marker = forward
+            .iter()
+            .find(|&&i| module.inst(i).op == Op::Loss)
+            .copied();
         let Some(loss_marker) = loss_marker else {
-            return Err(PassError::Invalid { pass: "autodiff", message: "no `loss` in the forward section (run expand-model first)".into() });
+            return Err(PassError::Invalid {
+                pass: "autodiff",
+                message: "no `loss` in the forward section (run expand-model first)".into(),
+            });
         };
         if module.section(Section::Backward).next().is_some() {
-            return Err(PassError::Invalid { pass: "autodiff", message: "module already has a backward section".into() });
+            return Err(PassError::Invalid {
+                pass: "autodiff",
+                message: "module already has a backward section".into(),
+            });
         }
         let loss = module.inst(loss_marker).args[0];
         let params: Vec<ValueId> = module
             .section(Section::State)
-            .filter(|&i| matches!(module.inst(i).op, Op::State { class: BufferClass::Parameter, .. }))
+            .filter(|&i| {
+                matches!(
+                    module.inst(i).op,
+                    Op::State {
+                        class: BufferClass::Parameter,
+                        ..
+                    }
+                )
+            })
             .map(|i| module.inst(i).results[0])
             .collect();
         // Values that depend on a parameter (need a gradient).
@@ -73,7 +90,10 @@ impl Pass for Autodiff {
                 active.extend(inst.results.iter().copied());
             }
         }
-        let mut g = Grads { m: module, parts: HashMap::new() };
+        let mut g = Grads {
+            m: module,
+            parts: HashMap::new(),
+        };
         let mut n_rules = 0;
         for &i in forward.iter().rev() {
             let inst = g.m.inst(i).clone();
@@ -95,12 +115,20 @@ impl Pass for Autodiff {
             let dname = |g: &Grads, v: ValueId| format!("d.{}", g.name(v));
             match inst.op {
                 Op::CrossEntropy => {
-                    let d = g.bwd(Op::CrossEntropyBackward, &[a[0], a[1]], dname(&g, a[0]), g.ty(a[0]));
+                    let d = g.bwd(
+                        Op::CrossEntropyBackward,
+                        &[a[0], a[1]],
+                        dname(&g, a[0]),
+                        g.ty(a[0]),
+                    );
                     g.add_part(a[0], d);
                 }
                 Op::MatMul { trans_a, trans_b } => {
                     let d = dout.ok_or_else(no_grad)?;
-                    let mm = |ta, tb| Op::MatMul { trans_a: ta, trans_b: tb };
+                    let mm = |ta, tb| Op::MatMul {
+                        trans_a: ta,
+                        trans_b: tb,
+                    };
                     // out = op(A) op(B); see the module docs for the four cases.
                     if want(&a[0]) {
                         let (op, args) = match (trans_a, trans_b) {
@@ -143,19 +171,41 @@ impl Pass for Autodiff {
                 }
                 Op::Gelu | Op::SwiGlu => {
                     let d = dout.ok_or_else(no_grad)?;
-                    let op = if inst.op == Op::Gelu { Op::GeluBackward } else { Op::SwiGluBackward };
+                    let op = if inst.op == Op::Gelu {
+                        Op::GeluBackward
+                    } else {
+                        Op::SwiGluBackward
+                    };
                     let dx = g.bwd(op, &[d, a[0]], dname(&g, a[0]), g.ty(a[0]));
                     g.add_part(a[0], dx);
                 }
-                Op::Rope { seq_len, head_dim, rotated_cols, theta } => {
+                Op::Rope {
+                    seq_len,
+                    head_dim,
+                    rotated_cols,
+                    theta,
+                } => {
                     let d = dout.ok_or_else(no_grad)?;
-                    let op = Op::RopeBackward { seq_len, head_dim, rotated_cols, theta };
+                    let op = Op::RopeBackward {
+                        seq_len,
+                        head_dim,
+                        rotated_cols,
+                        theta,
+                    };
                     let dx = g.bwd(op, &[d], dname(&g, a[0]), g.ty(a[0]));
                     g.add_part(a[0], dx);
                 }
-                Op::Attention { batch, seq_len, n_heads } => {
+                Op::Attention {
+                    batch,
+                    seq_len,
+                    n_heads,
+                } => {
                     let d = dout.ok_or_else(no_grad)?;
-                    let op = Op::AttentionBackward { batch, seq_len, n_heads };
+                    let op = Op::AttentionBackward {
+                        batch,
+                        seq_len,
+                        n_heads,
+                    };
                     let dx = g.bwd(op, &[d, a[0]], dname(&g, a[0]), g.ty(a[0]));
                     g.add_part(a[0], dx);
                 }
@@ -166,7 +216,8 @@ impl Pass for Autodiff {
                         Op::LayerNorm { .. } => Op::LayerNormBackward { eps, bias },
                         _ => Op::RmsNormBackward { eps },
                     };
-                    let mut results = vec![(dname(&g, a[0]), g.ty(a[0])), (dname(&g, a[1]), g.ty(a[1]))];
+                    let mut results =
+                        vec![(dname(&g, a[0]), g.ty(a[0])), (dname(&g, a[1]), g.ty(a[1]))];
                     if bias {
                         results.push((dname(&g, a[2]), g.ty(a[2])));
                     }
@@ -180,7 +231,12 @@ impl Pass for Autodiff {
                 Op::Embedding => {
                     let d = dout.ok_or_else(no_grad)?;
                     if want(&a[0]) {
-                        let dt = g.bwd(Op::EmbeddingBackward, &[d, a[1], a[0]], dname(&g, a[0]), g.ty(a[0]));
+                        let dt = g.bwd(
+                            Op::EmbeddingBackward,
+                            &[d, a[1], a[0]],
+                            dname(&g, a[0]),
+                            g.ty(a[0]),
+                        );
                         g.add_part(a[0], dt);
                     }
                 }
@@ -190,14 +246,22 @@ impl Pass for Autodiff {
                         g.add_part(a[0], d);
                     }
                     if want(&a[1]) {
-                        let dp = g.bwd(Op::AddPositionalBackward { seq_len }, &[d, a[1]], dname(&g, a[1]), g.ty(a[1]));
+                        let dp = g.bwd(
+                            Op::AddPositionalBackward { seq_len },
+                            &[d, a[1]],
+                            dname(&g, a[1]),
+                            g.ty(a[1]),
+                        );
                         g.add_part(a[1], dp);
                     }
                 }
                 ref other => {
                     return Err(PassError::Invalid {
                         pass: "autodiff",
-                        message: format!("no gradient rule for `{}` in the forward section", other.name()),
+                        message: format!(
+                            "no gradient rule for `{}` in the forward section",
+                            other.name()
+                        ),
                     })
                 }
             }
@@ -210,13 +274,20 @@ impl Pass for Autodiff {
                     g.m.push0(Section::Backward, Op::GradOf, &[p, dp]);
                     marked += 1;
                 }
-                None => tracing::warn!(param = %g.name(p), "parameter does not reach the loss; it gets no gradient"),
+                None => {
+                    tracing::warn!(param = %g.name(p), "parameter does not reach the loss; it gets no gradient")
+                }
             }
         }
-        Ok(format!("{n_rules} gradient rules applied, {marked} parameter gradients"))
+        Ok(format!(
+            "{n_rules} gradient rules applied, {marked} parameter gradients"
+        ))
     }
 }
 
 fn no_grad() -> PassError {
-    PassError::Invalid { pass: "autodiff", message: "internal: missing upstream gradient".into() }
+    PassError::Invalid {
+        pass: "autodiff",
+        message: "internal: missing upstream gradient".into(),
+    }
 }

@@ -50,7 +50,12 @@ pub fn interpolate(table: &[(usize, f64)], n: usize) -> Option<f64> {
         return Some(cube(last));
     }
     let w = table.windows(2).find(|w| n >= w[0].0 && n <= w[1].0)?;
-    let (x0, y0, x1, y1) = ((w[0].0 as f64).ln(), w[0].1.ln(), (w[1].0 as f64).ln(), w[1].1.ln());
+    let (x0, y0, x1, y1) = (
+        (w[0].0 as f64).ln(),
+        w[0].1.ln(),
+        (w[1].0 as f64).ln(),
+        w[1].1.ln(),
+    );
     let t = ((n as f64).ln() - x0) / (x1 - x0);
     Some((y0 + t * (y1 - y0)).exp())
 }
@@ -62,7 +67,8 @@ impl TargetDescription {
         let h200_gpu_eigh = vec![(768, 7.9), (2048, 24.8), (4096, 88.6)];
         let h200_gpu_qr = vec![(768, 3.2), (2048, 10.8), (4096, 29.1)];
         let h200_host_eigh = vec![(768, 61.0), (2048, 523.0), (4096, 2973.0)];
-        let scale = |t: &[(usize, f64)], s: f64| t.iter().map(|&(n, ms)| (n, ms * s)).collect::<Vec<_>>();
+        let scale =
+            |t: &[(usize, f64)], s: f64| t.iter().map(|&(n, ms)| (n, ms * s)).collect::<Vec<_>>();
         Some(match name {
             "h200" => TargetDescription {
                 name: "h200".into(),
@@ -132,7 +138,11 @@ impl TargetDescription {
     /// Host refresh of an `n × n` factor, ms: the power iteration + QR (or `eigh` for the first
     /// basis), plus on a discrete GPU the copies (factor down, basis up) over the host link.
     pub fn host_refresh_ms(&self, n: usize, first: bool) -> f64 {
-        let table = if first { &self.host_eigh_ms } else { &self.host_qr_ms };
+        let table = if first {
+            &self.host_eigh_ms
+        } else {
+            &self.host_qr_ms
+        };
         let compute = interpolate(table, n).unwrap_or(f64::INFINITY);
         compute + self.transfer_ms(n)
     }
@@ -147,7 +157,11 @@ impl TargetDescription {
 
     /// GPU side-stream refresh of an `n × n` factor, ms (`None` without a GPU).
     pub fn gpu_refresh_ms(&self, n: usize, first: bool) -> Option<f64> {
-        let table = if first { &self.gpu_eigh_ms } else { &self.gpu_qr_ms };
+        let table = if first {
+            &self.gpu_eigh_ms
+        } else {
+            &self.gpu_qr_ms
+        };
         if !self.has_gpu() {
             return None;
         }

@@ -23,19 +23,33 @@ impl Builder<'_> {
     fn param(&mut self, name: &str, shape: &[usize], init: Init) -> ValueId {
         self.m.push1(
             Section::State,
-            Op::State { class: BufferClass::Parameter, init },
+            Op::State {
+                class: BufferClass::Parameter,
+                init,
+            },
             &[],
             name,
             TensorType::f32(shape),
         )
     }
     fn fwd(&mut self, op: Op, args: &[ValueId], name: &str, shape: &[usize]) -> ValueId {
-        self.m.push1(Section::Forward, op, args, name, TensorType::f32(shape))
+        self.m
+            .push1(Section::Forward, op, args, name, TensorType::f32(shape))
     }
     /// `y = x Wᵀ (+ b)` for W `[out, in]`.
-    fn linear(&mut self, x: ValueId, w: ValueId, b: Option<ValueId>, name: &str, out: usize) -> ValueId {
+    fn linear(
+        &mut self,
+        x: ValueId,
+        w: ValueId,
+        b: Option<ValueId>,
+        name: &str,
+        out: usize,
+    ) -> ValueId {
         let n = self.n;
-        let mm = Op::MatMul { trans_a: false, trans_b: true };
+        let mm = Op::MatMul {
+            trans_a: false,
+            trans_b: true,
+        };
         match b {
             Some(b) => {
                 let y = self.fwd(mm, &[x, w], &format!("{name}.xw"), &[n, out]);
@@ -53,7 +67,10 @@ impl Pass for ExpandModel {
 
     fn run(&mut self, module: &mut Module, _cx: &mut PassContext) -> Result<String, PassError> {
         if module.insts().next().is_some() {
-            return Err(PassError::Invalid { pass: "expand-model", message: "module is not empty".into() });
+            return Err(PassError::Invalid {
+                pass: "expand-model",
+                message: "module is not empty".into(),
+            });
         }
         let cfg: ModelConfig = module.config.model.clone();
         let (batch, t) = (module.config.data.batch_size, module.config.data.seq_len);
@@ -91,24 +108,48 @@ impl Pass for ExpandModel {
             let ln2 = pair(&mut b, "ln_2", &[c], Init::Ones, c);
             let fc = pair(&mut b, "mlp.c_fc", &[fc_out, c], normal(std), fc_out);
             let fc_proj = pair(&mut b, "mlp.c_proj", &[c, f], normal(proj_std), c);
-            layers.push(Layer { ln1, qkv, proj, ln2, fc, fc_proj });
+            layers.push(Layer {
+                ln1,
+                qkv,
+                proj,
+                ln2,
+                fc,
+                fc_proj,
+            });
         }
         let lnf_w = b.param("ln_f.weight", &[c], Init::Ones);
         let lnf_b = gpt2.then(|| b.param("ln_f.bias", &[c], Init::Zeros));
         let lm_head = (!gpt2).then(|| b.param("lm_head.weight", &[v, c], normal(std)));
-        let tokens = b.m.push1(Section::State, Op::Input { role: InputRole::Tokens }, &[], "tokens", TensorType::i32([n]));
-        let targets = b.m.push1(Section::State, Op::Input { role: InputRole::Targets }, &[], "targets", TensorType::i32([n]));
+        let tokens = b.m.push1(
+            Section::State,
+            Op::Input {
+                role: InputRole::Tokens,
+            },
+            &[],
+            "tokens",
+            TensorType::i32([n]),
+        );
+        let targets = b.m.push1(
+            Section::State,
+            Op::Input {
+                role: InputRole::Targets,
+            },
+            &[],
+            "targets",
+            TensorType::i32([n]),
+        );
 
         let eps = cfg.norm_eps;
-        let norm = |b: &mut Builder, x: ValueId, (w, bias): (ValueId, Option<ValueId>), name: &str| {
-            if gpt2 {
-                let mut args = vec![x, w];
-                args.extend(bias);
-                b.fwd(Op::LayerNorm { eps }, &args, name, &[n, c])
-            } else {
-                b.fwd(Op::RmsNorm { eps }, &[x, w], name, &[n, c])
-            }
-        };
+        let norm =
+            |b: &mut Builder, x: ValueId, (w, bias): (ValueId, Option<ValueId>), name: &str| {
+                if gpt2 {
+                    let mut args = vec![x, w];
+                    args.extend(bias);
+                    b.fwd(Op::LayerNorm { eps }, &args, name, &[n, c])
+                } else {
+                    b.fwd(Op::RmsNorm { eps }, &[x, w], name, &[n, c])
+                }
+            };
         let mut x = b.fwd(Op::Embedding, &[wte, tokens], "tok_emb", &[n, c]);
         if let Some(wpe) = wpe {
             x = b.fwd(Op::AddPositional { seq_len: t }, &[x, wpe], "emb", &[n, c]);
@@ -118,10 +159,24 @@ impl Pass for ExpandModel {
             let h = norm(&mut b, x, ly.ln1, &format!("{p}.ln_1"));
             let mut qkv = b.linear(h, ly.qkv.0, ly.qkv.1, &format!("{p}.qkv"), 3 * c);
             if !gpt2 {
-                let rope = Op::Rope { seq_len: t, head_dim: c / cfg.n_heads, rotated_cols: 2 * c, theta: cfg.rope_theta };
+                let rope = Op::Rope {
+                    seq_len: t,
+                    head_dim: c / cfg.n_heads,
+                    rotated_cols: 2 * c,
+                    theta: cfg.rope_theta,
+                };
                 qkv = b.fwd(rope, &[qkv], &format!("{p}.qkv.rope"), &[n, 3 * c]);
             }
-            let att = b.fwd(Op::Attention { batch, seq_len: t, n_heads: cfg.n_heads }, &[qkv], &format!("{p}.attn"), &[n, c]);
+            let att = b.fwd(
+                Op::Attention {
+                    batch,
+                    seq_len: t,
+                    n_heads: cfg.n_heads,
+                },
+                &[qkv],
+                &format!("{p}.attn"),
+                &[n, c],
+            );
             let o = b.linear(att, ly.proj.0, ly.proj.1, &format!("{p}.attn_proj"), c);
             x = b.fwd(Op::Add, &[x, o], &format!("{p}.res_1"), &[n, c]);
             let h2 = norm(&mut b, x, ly.ln2, &format!("{p}.ln_2"));
@@ -137,23 +192,44 @@ impl Pass for ExpandModel {
         let h = norm(&mut b, x, (lnf_w, lnf_b), "ln_f");
         let head = lm_head.unwrap_or(wte);
         let logits = b.linear(h, head, None, "logits", v);
-        let loss = b.m.push1(Section::Forward, Op::CrossEntropy, &[logits, targets], "loss", TensorType::f32([1]));
+        let loss = b.m.push1(
+            Section::Forward,
+            Op::CrossEntropy,
+            &[logits, targets],
+            "loss",
+            TensorType::f32([1]),
+        );
         b.m.push0(Section::Forward, Op::Loss, &[loss]);
         let params = b.m.section(Section::State).count() - 2;
-        Ok(format!("{} family, {params} parameter tensors, {} forward ops", if gpt2 { "gpt2" } else { "llama" }, b.m.section(Section::Forward).count()))
+        Ok(format!(
+            "{} family, {params} parameter tensors, {} forward ops",
+            if gpt2 { "gpt2" } else { "llama" },
+            b.m.section(Section::Forward).count()
+        ))
     }
 }
 
 fn check(cfg: &ModelConfig, seq_len: usize) -> Result<(), PassError> {
-    let bad = |m: String| Err(PassError::Invalid { pass: "expand-model", message: m });
+    let bad = |m: String| {
+        Err(PassError::Invalid {
+            pass: "expand-model",
+            message: m,
+        })
+    };
     if cfg.n_heads == 0 || cfg.d_model % cfg.n_heads != 0 {
-        return bad(format!("heads ({}) must divide d_model ({})", cfg.n_heads, cfg.d_model));
+        return bad(format!(
+            "heads ({}) must divide d_model ({})",
+            cfg.n_heads, cfg.d_model
+        ));
     }
     if cfg.family == Family::Llama && (cfg.d_model / cfg.n_heads) % 2 != 0 {
         return bad("RoPE needs an even head dimension".into());
     }
     if seq_len > cfg.context {
-        return bad(format!("seq_len {seq_len} exceeds the model context {}", cfg.context));
+        return bad(format!(
+            "seq_len {seq_len} exceeds the model context {}",
+            cfg.context
+        ));
     }
     Ok(())
 }

@@ -17,7 +17,16 @@ use ir::{BufferClass, Init, Module, Op, Section, SoapHyper, TensorType, ValueId}
 pub struct ExpandOptimizer;
 
 fn state(m: &mut Module, class: BufferClass, name: String, ty: TensorType) -> ValueId {
-    m.push1(Section::State, Op::State { class, init: Init::Zeros }, &[], &name, ty)
+    m.push1(
+        Section::State,
+        Op::State {
+            class,
+            init: Init::Zeros,
+        },
+        &[],
+        &name,
+        ty,
+    )
 }
 
 impl Pass for ExpandOptimizer {
@@ -27,7 +36,10 @@ impl Pass for ExpandOptimizer {
 
     fn run(&mut self, module: &mut Module, _cx: &mut PassContext) -> Result<String, PassError> {
         if module.section(Section::Optimizer).next().is_some() {
-            return Err(PassError::Invalid { pass: "expand-optimizer", message: "module already has an optimizer section".into() });
+            return Err(PassError::Invalid {
+                pass: "expand-optimizer",
+                message: "module already has an optimizer section".into(),
+            });
         }
         let pairs: Vec<(ValueId, ValueId)> = module
             .section(Section::Backward)
@@ -35,22 +47,51 @@ impl Pass for ExpandOptimizer {
             .map(|i| (module.inst(i).args[0], module.inst(i).args[1]))
             .collect();
         if pairs.is_empty() {
-            return Err(PassError::Invalid { pass: "expand-optimizer", message: "no `grad_of` markers (run autodiff first)".into() });
+            return Err(PassError::Invalid {
+                pass: "expand-optimizer",
+                message: "no `grad_of` markers (run autodiff first)".into(),
+            });
         }
         let grads: Vec<ValueId> = pairs.iter().map(|p| p.1).collect();
         let max_norm = module.config.train.grad_clip;
-        module.push1(Section::Optimizer, Op::ClipGradNorm { max_norm }, &grads, "grad_norm", TensorType::f32([1]));
+        module.push1(
+            Section::Optimizer,
+            Op::ClipGradNorm { max_norm },
+            &grads,
+            "grad_norm",
+            TensorType::f32([1]),
+        );
         let opt = module.config.optimizer.clone();
         let (mut n_factors, mut n_unrotated) = (0, 0);
         for (p, g) in pairs {
             let pname = module.value(p).name.clone();
             let ty = module.value(p).ty.clone();
-            let exp_avg = state(module, BufferClass::ExpAvg, format!("{pname}.exp_avg"), ty.clone());
-            let exp_avg_sq = state(module, BufferClass::ExpAvgSq, format!("{pname}.exp_avg_sq"), ty.clone());
+            let exp_avg = state(
+                module,
+                BufferClass::ExpAvg,
+                format!("{pname}.exp_avg"),
+                ty.clone(),
+            );
+            let exp_avg_sq = state(
+                module,
+                BufferClass::ExpAvgSq,
+                format!("{pname}.exp_avg_sq"),
+                ty.clone(),
+            );
             match &opt {
                 OptimizerConfig::Adamw(c) => {
-                    let weight_decay = if ty.shape.len() >= 2 { c.weight_decay } else { 0.0 };
-                    let op = Op::AdamW { lr: c.lr, beta1: c.beta1, beta2: c.beta2, eps: c.eps, weight_decay };
+                    let weight_decay = if ty.shape.len() >= 2 {
+                        c.weight_decay
+                    } else {
+                        0.0
+                    };
+                    let op = Op::AdamW {
+                        lr: c.lr,
+                        beta1: c.beta1,
+                        beta2: c.beta2,
+                        eps: c.eps,
+                        weight_decay,
+                    };
                     module.push0(Section::Optimizer, op, &[p, g, exp_avg, exp_avg_sq]);
                 }
                 OptimizerConfig::Soap(c) => {
@@ -70,8 +111,18 @@ impl Pass for ExpandOptimizer {
                             if d <= c.max_precond_dim {
                                 let which = if side == 0 { "L" } else { "R" };
                                 let sq = TensorType::f32([d, d]);
-                                let f = state(module, BufferClass::KroneckerFactor, format!("{pname}.{which}"), sq.clone());
-                                let q = state(module, BufferClass::Eigenbasis, format!("{pname}.Q{which}"), sq);
+                                let f = state(
+                                    module,
+                                    BufferClass::KroneckerFactor,
+                                    format!("{pname}.{which}"),
+                                    sq.clone(),
+                                );
+                                let q = state(
+                                    module,
+                                    BufferClass::Eigenbasis,
+                                    format!("{pname}.Q{which}"),
+                                    sq,
+                                );
                                 sides[side] = Some((f, q));
                                 n_factors += 1;
                             } else {
@@ -82,11 +133,23 @@ impl Pass for ExpandOptimizer {
                     let (left, right) = (sides[0].is_some(), sides[1].is_some());
                     let mut args = vec![p, g, exp_avg, exp_avg_sq];
                     args.extend(sides.iter().flatten().map(|s| s.1));
-                    module.push0(Section::Optimizer, Op::SoapUpdate { hyper, left, right }, &args);
+                    module.push0(
+                        Section::Optimizer,
+                        Op::SoapUpdate { hyper, left, right },
+                        &args,
+                    );
                     if left || right {
                         let mut args = vec![g];
                         args.extend(sides.iter().flatten().map(|s| s.0));
-                        module.push0(Section::Optimizer, Op::SoapFactorUpdate { shampoo_beta: c.shampoo_beta, left, right }, &args);
+                        module.push0(
+                            Section::Optimizer,
+                            Op::SoapFactorUpdate {
+                                shampoo_beta: c.shampoo_beta,
+                                left,
+                                right,
+                            },
+                            &args,
+                        );
                     }
                     for (side, s) in sides.iter().enumerate() {
                         if let Some((f, q)) = s {

@@ -11,8 +11,8 @@ pub mod expand_model;
 pub mod expand_optimizer;
 pub mod liveness;
 pub mod lower;
-pub mod precond_scheduling;
 mod manager;
+pub mod precond_scheduling;
 
 pub use manager::{PassManager, PassOptions, PassTiming};
 

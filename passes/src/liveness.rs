@@ -56,7 +56,11 @@ pub fn class_name(c: BufferClass) -> &'static str {
 pub fn is_persistent(c: BufferClass) -> bool {
     matches!(
         c,
-        BufferClass::Parameter | BufferClass::ExpAvg | BufferClass::ExpAvgSq | BufferClass::KroneckerFactor | BufferClass::Eigenbasis
+        BufferClass::Parameter
+            | BufferClass::ExpAvg
+            | BufferClass::ExpAvgSq
+            | BufferClass::KroneckerFactor
+            | BufferClass::Eigenbasis
     )
 }
 
@@ -78,7 +82,10 @@ pub fn analyze(module: &Module) -> Liveness {
             last[a.index()] = last[a.index()].max(pos);
         }
     }
-    let mut out = Liveness { ops_per_section, ..Default::default() };
+    let mut out = Liveness {
+        ops_per_section,
+        ..Default::default()
+    };
     let mut delta = vec![0i64; order.len() + 1];
     for (idx, &d) in def.iter().enumerate() {
         if d == usize::MAX {
@@ -92,7 +99,13 @@ pub fn analyze(module: &Module) -> Liveness {
             delta[d] += bytes as i64;
             delta[last[idx] + 1] -= bytes as i64;
         }
-        out.values.push(ValueLiveness { value: v, class, bytes, def: d, last_use: last[idx] });
+        out.values.push(ValueLiveness {
+            value: v,
+            class,
+            bytes,
+            def: d,
+            last_use: last[idx],
+        });
     }
     let mut live = 0i64;
     for d in delta {
@@ -125,7 +138,12 @@ impl Liveness {
         for (c, b) in &self.bytes_per_class {
             let _ = writeln!(s, ";   {c:<17} {:>14} B  ({})", b, human_bytes(*b));
         }
-        let _ = writeln!(s, "; peak live step-local bytes: {} ({})", self.peak_step_bytes, human_bytes(self.peak_step_bytes));
+        let _ = writeln!(
+            s,
+            "; peak live step-local bytes: {} ({})",
+            self.peak_step_bytes,
+            human_bytes(self.peak_step_bytes)
+        );
         let _ = writeln!(s, "; live ranges (def..last_use, program positions):");
         for v in &self.values {
             let _ = writeln!(
@@ -152,7 +170,12 @@ impl Pass for LivenessPass {
     fn run(&mut self, module: &mut Module, cx: &mut PassContext) -> Result<String, PassError> {
         let l = analyze(module);
         let total: usize = l.bytes_per_class.values().sum();
-        let summary = format!("{} values, {} total, peak step-local {}", l.values.len(), human_bytes(total), human_bytes(l.peak_step_bytes));
+        let summary = format!(
+            "{} values, {} total, peak step-local {}",
+            l.values.len(),
+            human_bytes(total),
+            human_bytes(l.peak_step_bytes)
+        );
         cx.liveness = Some(l);
         Ok(summary)
     }

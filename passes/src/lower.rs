@@ -10,7 +10,10 @@ impl Pass for Lower {
         "lower"
     }
     fn run(&mut self, module: &mut Module, cx: &mut PassContext) -> Result<String, PassError> {
-        let plan = codegen::lower(module).map_err(|e| PassError::Invalid { pass: "lower", message: e.to_string() })?;
+        let plan = codegen::lower(module).map_err(|e| PassError::Invalid {
+            pass: "lower",
+            message: e.to_string(),
+        })?;
         let summary = format!(
             "{} buffers, {} forward / {} backward / {} optimizer ops, {} host tasks",
             plan.buffers.len(),

@@ -62,17 +62,25 @@ impl PassManager {
                 return Err(PassError::UnknownPass { name: n.clone() });
             }
         }
-        Ok(PassManager { passes: Self::default_passes(), options })
+        Ok(PassManager {
+            passes: Self::default_passes(),
+            options,
+        })
     }
 
     /// Runs the single pass `name` on `module` (file tests: IR in, IR out), then verifies.
     /// Returns the context and the pass's extra dump text (analysis report, decisions).
-    pub fn run_one(name: &str, module: &mut Module) -> Result<(PassContext, Option<String>), PassError> {
+    pub fn run_one(
+        name: &str,
+        module: &mut Module,
+    ) -> Result<(PassContext, Option<String>), PassError> {
         let mut cx = PassContext::default();
         let mut pass = Self::default_passes()
             .into_iter()
             .find(|p| p.name() == name)
-            .ok_or_else(|| PassError::UnknownPass { name: name.to_string() })?;
+            .ok_or_else(|| PassError::UnknownPass {
+                name: name.to_string(),
+            })?;
         pass.run(module, &mut cx)?;
         if let Err(errors) = module.verify() {
             return Err(PassError::Verify {
@@ -127,7 +135,11 @@ impl PassManager {
                     }
                 }
             }
-            timings.push(PassTiming { pass: name, ms, summary });
+            timings.push(PassTiming {
+                pass: name,
+                ms,
+                summary,
+            });
             if stop_after == Some(name) {
                 break;
             }

@@ -57,7 +57,11 @@ impl Schedule {
     }
     /// Share of refreshes placed on the host.
     pub fn host_share(&self) -> f64 {
-        let host = self.decisions.iter().filter(|d| d.placement == Placement::Host).count();
+        let host = self
+            .decisions
+            .iter()
+            .filter(|d| d.placement == Placement::Host)
+            .count();
         host as f64 / self.decisions.len().max(1) as f64
     }
 }
@@ -72,9 +76,17 @@ pub fn target_description(target: &TargetConfig) -> Result<TargetDescription, Pa
     if let Some(d) = TargetDescription::builtin(name) {
         return Ok(d);
     }
-    let bad = |m: String| PassError::Invalid { pass: "precond-scheduling", message: m };
-    let text = std::fs::read_to_string(name).map_err(|e| bad(format!("cannot read calibration file {name}: {e}")))?;
-    serde_json::from_str(&text).map_err(|e| bad(format!("calibration file {name} is not a target description: {e}")))
+    let bad = |m: String| PassError::Invalid {
+        pass: "precond-scheduling",
+        message: m,
+    };
+    let text = std::fs::read_to_string(name)
+        .map_err(|e| bad(format!("cannot read calibration file {name}: {e}")))?;
+    serde_json::from_str(&text).map_err(|e| {
+        bad(format!(
+            "calibration file {name} is not a target description: {e}"
+        ))
+    })
 }
 
 /// Computes the decisions for `module` on `desc` without changing the module.
@@ -82,7 +94,15 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
     let staleness = module.config.target.staleness();
     let params: usize = module
         .section(Section::State)
-        .filter(|&i| matches!(module.inst(i).op, Op::State { class: ir::BufferClass::Parameter, .. }))
+        .filter(|&i| {
+            matches!(
+                module.inst(i).op,
+                Op::State {
+                    class: ir::BufferClass::Parameter,
+                    ..
+                }
+            )
+        })
         .map(|i| module.value(module.inst(i).results[0]).ty.numel())
         .sum();
     let tokens = module.config.data.batch_size * module.config.data.seq_len;
@@ -92,7 +112,12 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
         .filter_map(|i| match module.inst(i).op {
             Op::EigenbasisRefresh { frequency, .. } => {
                 let f = module.inst(i).args[0];
-                Some((i, module.value(f).ty.shape[0], frequency, module.display_value(f)))
+                Some((
+                    i,
+                    module.value(f).ty.shape[0],
+                    frequency,
+                    module.display_value(f),
+                ))
             }
             _ => None,
         })
@@ -100,17 +125,28 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
     let frequency = items.iter().map(|x| x.2).max().unwrap_or(1).max(1);
     let host_capacity = frequency as f64 * step_ms; // host-pool time available per period
     let latency_budget = staleness as f64 * step_ms; // a host result must land within S steps
-    // 1. Placement. With S = 0 the faster place wins. Otherwise host work is free while it fits
-    // the pool's time per period and meets the latency budget; the GPU side stream costs its
-    // interference. Fill the host in order of "visible GPU time saved per host ms" (a greedy
-    // knapsack), ties by size, so cheap small factors move to the host first.
-    let cost = |dim: usize| (desc.host_refresh_ms(dim, false), desc.gpu_refresh_ms(dim, false));
+                                                     // 1. Placement. With S = 0 the faster place wins. Otherwise host work is free while it fits
+                                                     // the pool's time per period and meets the latency budget; the GPU side stream costs its
+                                                     // interference. Fill the host in order of "visible GPU time saved per host ms" (a greedy
+                                                     // knapsack), ties by size, so cheap small factors move to the host first.
+    let cost = |dim: usize| {
+        (
+            desc.host_refresh_ms(dim, false),
+            desc.gpu_refresh_ms(dim, false),
+        )
+    };
     let mut order: Vec<usize> = (0..items.len()).collect();
     let density = |i: usize| {
         let (h, g) = cost(items[i].1);
-        g.map_or(f64::INFINITY, |g| g * desc.side_stream_interference / h.max(1e-9))
+        g.map_or(f64::INFINITY, |g| {
+            g * desc.side_stream_interference / h.max(1e-9)
+        })
     };
-    order.sort_by(|&a, &b| density(b).total_cmp(&density(a)).then(items[b].1.cmp(&items[a].1)));
+    order.sort_by(|&a, &b| {
+        density(b)
+            .total_cmp(&density(a))
+            .then(items[b].1.cmp(&items[a].1))
+    });
     let mut placement = vec![Placement::Host; items.len()];
     let mut visible = vec![0.0f64; items.len()];
     let mut host_load = 0.0;
@@ -119,11 +155,19 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
         let (p, v) = match gpu_ms {
             None => {
                 // No GPU: everything on the host; what exceeds the pool's time shows up.
-                let over = if staleness == 0 { host_ms } else { (host_load + host_ms - host_capacity).clamp(0.0, host_ms) };
+                let over = if staleness == 0 {
+                    host_ms
+                } else {
+                    (host_load + host_ms - host_capacity).clamp(0.0, host_ms)
+                };
                 (Placement::Host, over)
             }
             Some(g) if staleness == 0 => {
-                if host_ms <= g { (Placement::Host, host_ms) } else { (Placement::GpuSide, g) }
+                if host_ms <= g {
+                    (Placement::Host, host_ms)
+                } else {
+                    (Placement::GpuSide, g)
+                }
             }
             Some(g) => {
                 if host_ms <= latency_budget && host_load + host_ms <= host_capacity {
@@ -142,7 +186,10 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
     // 2. Offsets (S > 0): largest first into the least-loaded step of the period, per place.
     let mut by_size: Vec<usize> = (0..items.len()).collect();
     by_size.sort_by(|&a, &b| items[b].1.cmp(&items[a].1));
-    let (mut host_slots, mut gpu_slots) = (vec![0.0f64; frequency as usize], vec![0.0f64; frequency as usize]);
+    let (mut host_slots, mut gpu_slots) = (
+        vec![0.0f64; frequency as usize],
+        vec![0.0f64; frequency as usize],
+    );
     let mut offsets = vec![0u64; items.len()];
     if staleness > 0 {
         for i in by_size {
@@ -152,7 +199,9 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
                 Placement::GpuSide => (&mut gpu_slots, gpu_ms.unwrap_or(host_ms)),
             };
             let period = (items[i].2.min(frequency)) as usize;
-            let best = (0..period).min_by(|&a, &b| slots[a].total_cmp(&slots[b])).unwrap_or(0);
+            let best = (0..period)
+                .min_by(|&a, &b| slots[a].total_cmp(&slots[b]))
+                .unwrap_or(0);
             slots[best] += c;
             offsets[i] = best as u64;
         }
@@ -162,11 +211,25 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
         .enumerate()
         .map(|(i, (inst, dim, _, factor))| {
             let (host_ms, gpu_ms) = cost(dim);
-            Decision { inst, factor, dim, placement: placement[i], offset: offsets[i], host_ms, gpu_ms, visible_ms: visible[i] }
+            Decision {
+                inst,
+                factor,
+                dim,
+                placement: placement[i],
+                offset: offsets[i],
+                host_ms,
+                gpu_ms,
+                visible_ms: visible[i],
+            }
         })
         .collect();
     decisions.sort_by_key(|d| module.section(Section::Refresh).position(|i| i == d.inst));
-    Schedule { target: desc.name.clone(), staleness, step_ms, decisions }
+    Schedule {
+        target: desc.name.clone(),
+        staleness,
+        step_ms,
+        decisions,
+    }
 }
 
 /// The `precond-scheduling` pass.
@@ -184,7 +247,13 @@ impl Pass for PrecondScheduling {
         let desc = target_description(&module.config.target)?;
         let schedule = plan_refreshes(module, &desc);
         for d in &schedule.decisions {
-            if let Op::EigenbasisRefresh { offset, staleness, placement, .. } = module.op_mut(d.inst) {
+            if let Op::EigenbasisRefresh {
+                offset,
+                staleness,
+                placement,
+                ..
+            } = module.op_mut(d.inst)
+            {
                 *offset = d.offset;
                 *staleness = schedule.staleness;
                 *placement = d.placement;
@@ -224,7 +293,11 @@ impl Pass for PrecondScheduling {
             );
         }
         let period: f64 = s.decisions.iter().map(|d| d.visible_ms).sum();
-        let _ = writeln!(out, "; predicted visible refresh time per period: {period:.3} ms; host share {:.0}%", 100.0 * s.host_share());
+        let _ = writeln!(
+            out,
+            "; predicted visible refresh time per period: {period:.3} ms; host share {:.0}%",
+            100.0 * s.host_share()
+        );
         Some(out)
     }
 }

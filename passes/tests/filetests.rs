@@ -12,7 +12,12 @@ fn diff(expected: &str, actual: &str) -> String {
     for i in 0..e.len().max(a.len()) {
         let (x, y) = (e.get(i).copied(), a.get(i).copied());
         if x != y {
-            out.push_str(&format!("line {}:\n  - {}\n  + {}\n", i + 1, x.unwrap_or("<none>"), y.unwrap_or("<none>")));
+            out.push_str(&format!(
+                "line {}:\n  - {}\n  + {}\n",
+                i + 1,
+                x.unwrap_or("<none>"),
+                y.unwrap_or("<none>")
+            ));
             if out.len() > 4000 {
                 break;
             }
@@ -31,7 +36,11 @@ fn filetests() {
         .filter(|p| p.extension().is_some_and(|e| e == "ir"))
         .collect();
     files.sort();
-    assert!(!files.is_empty(), "no file tests found in {}", dir.display());
+    assert!(
+        !files.is_empty(),
+        "no file tests found in {}",
+        dir.display()
+    );
     let mut failures = Vec::new();
     for file in &files {
         let text = std::fs::read_to_string(file).expect("read");
@@ -40,8 +49,10 @@ fn filetests() {
             .find_map(|l| l.strip_prefix("; test:"))
             .map(str::trim)
             .unwrap_or_else(|| panic!("{}: missing `; test: <pass>` header", file.display()));
-        let mut module = ir::parse_module(&text).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
-        let (cx, extra) = PassManager::run_one(pass, &mut module).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        let mut module =
+            ir::parse_module(&text).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        let (cx, extra) = PassManager::run_one(pass, &mut module)
+            .unwrap_or_else(|e| panic!("{}: {e}", file.display()));
         let mut actual = module.to_string();
         if let Some(extra) = extra {
             actual.push_str(&extra);
@@ -55,11 +66,24 @@ fn filetests() {
             std::fs::write(&expected_path, &actual).expect("write expectation");
             continue;
         }
-        let expected = std::fs::read_to_string(&expected_path)
-            .unwrap_or_else(|_| panic!("{}: no expectation; run with ASTERIA_BLESS=1", expected_path.display()));
+        let expected = std::fs::read_to_string(&expected_path).unwrap_or_else(|_| {
+            panic!(
+                "{}: no expectation; run with ASTERIA_BLESS=1",
+                expected_path.display()
+            )
+        });
         if expected != actual {
-            failures.push(format!("{} ({pass}):\n{}", file.display(), diff(&expected, &actual)));
+            failures.push(format!(
+                "{} ({pass}):\n{}",
+                file.display(),
+                diff(&expected, &actual)
+            ));
         }
     }
-    assert!(failures.is_empty(), "{} file test(s) failed (ASTERIA_BLESS=1 rewrites):\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} file test(s) failed (ASTERIA_BLESS=1 rewrites):\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }

@@ -18,24 +18,44 @@ fn examples() -> Vec<PathBuf> {
 #[test]
 fn every_example_compiles_and_round_trips_after_every_pass() {
     for spec in examples() {
-        let config = frontend::load_spec(&spec).unwrap_or_else(|e| panic!("{}: {e:?}", spec.display()));
+        let config =
+            frontend::load_spec(&spec).unwrap_or_else(|e| panic!("{}: {e:?}", spec.display()));
         let mut module = ir::Module::new(config);
         for pass in PassManager::pass_names() {
             if pass == "lower" {
                 break;
             }
-            let mut pm = PassManager::new(PassOptions { verify_each: true, ..Default::default() }).expect("pm");
+            let mut pm = PassManager::new(PassOptions {
+                verify_each: true,
+                ..Default::default()
+            })
+            .expect("pm");
             let mut fresh = ir::Module::new(module.config.clone());
-            let (_cx, _) = pm.run(&mut fresh, Some(pass), &mut std::io::sink()).expect("pipeline runs");
+            let (_cx, _) = pm
+                .run(&mut fresh, Some(pass), &mut std::io::sink())
+                .expect("pipeline runs");
             let text = fresh.to_string();
-            let parsed = ir::parse_module(&text).unwrap_or_else(|e| panic!("{} after {pass}: {e}", spec.display()));
-            assert_eq!(parsed.to_string(), text, "{} after {pass}: print → parse → print differs", spec.display());
-            ir::verify(&parsed).unwrap_or_else(|e| panic!("{} after {pass}: parsed module fails verify: {e:?}", spec.display()));
+            let parsed = ir::parse_module(&text)
+                .unwrap_or_else(|e| panic!("{} after {pass}: {e}", spec.display()));
+            assert_eq!(
+                parsed.to_string(),
+                text,
+                "{} after {pass}: print → parse → print differs",
+                spec.display()
+            );
+            ir::verify(&parsed).unwrap_or_else(|e| {
+                panic!(
+                    "{} after {pass}: parsed module fails verify: {e:?}",
+                    spec.display()
+                )
+            });
             module = fresh;
         }
         let mut pm = PassManager::new(PassOptions::default()).expect("pm");
         let mut m = ir::Module::new(module.config.clone());
-        let (cx, timings) = pm.run(&mut m, None, &mut std::io::sink()).expect("pipeline runs");
+        let (cx, timings) = pm
+            .run(&mut m, None, &mut std::io::sink())
+            .expect("pipeline runs");
         assert_eq!(timings.len(), 6);
         let plan = cx.plan.expect("plan");
         plan.verify().expect("plan verifies");
@@ -49,7 +69,11 @@ fn print_after_all_prints_all_five_passes() {
     let spec = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/tiny-soap.asteria");
     let config = frontend::load_spec(&spec).expect("spec");
     let mut m = ir::Module::new(config);
-    let mut pm = PassManager::new(PassOptions { print_after_all: true, ..Default::default() }).expect("pm");
+    let mut pm = PassManager::new(PassOptions {
+        print_after_all: true,
+        ..Default::default()
+    })
+    .expect("pm");
     let mut out = Vec::new();
     pm.run(&mut m, None, &mut out).expect("pipeline runs");
     let text = String::from_utf8(out).expect("utf8");
@@ -60,14 +84,20 @@ fn print_after_all_prints_all_five_passes() {
         "; IR after liveness",
         "; plan after lower",
     ] {
-        assert!(text.contains(header), "missing `{header}` in --print-after-all output");
+        assert!(
+            text.contains(header),
+            "missing `{header}` in --print-after-all output"
+        );
     }
     assert!(text.contains("; liveness: bytes per class"));
 }
 
 #[test]
 fn unknown_pass_name_is_an_error() {
-    let err = PassManager::new(PassOptions { print_after: vec!["autodif".into()], ..Default::default() });
+    let err = PassManager::new(PassOptions {
+        print_after: vec!["autodif".into()],
+        ..Default::default()
+    });
     assert!(err.is_err());
 }
 
@@ -83,11 +113,16 @@ fn regenerate_filetest_inputs() {
         ("autodiff-gpt2.ir", "expand-model", "autodiff"),
         ("expand-optimizer-soap.ir", "autodiff", "expand-optimizer"),
         ("liveness-soap.ir", "expand-optimizer", "liveness"),
-        ("precond-scheduling-soap.ir", "liveness", "precond-scheduling"),
+        (
+            "precond-scheduling-soap.ir",
+            "liveness",
+            "precond-scheduling",
+        ),
     ] {
         let mut m = ir::Module::new(config.clone());
         let mut pm = PassManager::new(PassOptions::default()).expect("pm");
-        pm.run(&mut m, Some(before), &mut std::io::sink()).expect("pipeline");
+        pm.run(&mut m, Some(before), &mut std::io::sink())
+            .expect("pipeline");
         std::fs::write(dir.join(file), format!("; test: {pass}\n{m}")).expect("write");
     }
 }

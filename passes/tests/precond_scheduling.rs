@@ -31,7 +31,8 @@ fn gpt2_124m_soap(staleness: u32, calibration: &str) -> ir::Module {
     };
     let mut m = ir::Module::new(config);
     let mut pm = PassManager::new(PassOptions::default()).expect("pm");
-    pm.run(&mut m, Some("expand-optimizer"), &mut std::io::sink()).expect("pipeline");
+    pm.run(&mut m, Some("expand-optimizer"), &mut std::io::sink())
+        .expect("pipeline");
     m
 }
 
@@ -51,18 +52,42 @@ fn discrete_gpu_and_unified_memory_targets_choose_differently() {
         gh200.host_share(),
         gb10.host_share()
     );
-    assert_eq!(h200.decisions.len(), 99, "GPT-2 124M: 8 factors per block, wte R, wpe L and R");
+    assert_eq!(
+        h200.decisions.len(),
+        99,
+        "GPT-2 124M: 8 factors per block, wte R, wpe L and R"
+    );
     // On the H200 PCIe host the big (2304/3072) factors cannot finish on the host within S
     // steps: they go to the GPU side stream.
     for d in h200.decisions.iter().filter(|d| d.dim >= 2304) {
-        assert_eq!(d.placement, Placement::GpuSide, "{} (d = {}) on h200", d.factor, d.dim);
+        assert_eq!(
+            d.placement,
+            Placement::GpuSide,
+            "{} (d = {}) on h200",
+            d.factor,
+            d.dim
+        );
     }
-    assert!(h200.host_share() < 0.5, "h200 should keep most refreshes on the GPU");
-    assert!(gh200.host_share() > h200.host_share() + 0.2, "gh200 should move work to its host");
-    assert!(gb10.host_share() > 0.6, "gb10's weak GPU and unified memory favour the host");
+    assert!(
+        h200.host_share() < 0.5,
+        "h200 should keep most refreshes on the GPU"
+    );
+    assert!(
+        gh200.host_share() > h200.host_share() + 0.2,
+        "gh200 should move work to its host"
+    );
+    assert!(
+        gb10.host_share() > 0.6,
+        "gb10's weak GPU and unified memory favour the host"
+    );
     // Staggering: with S > 0 refreshes spread over the steps of the period.
-    let offsets: std::collections::BTreeSet<u64> = h200.decisions.iter().map(|d| d.offset).collect();
-    assert_eq!(offsets.len(), 10, "offsets should cover every step of the period");
+    let offsets: std::collections::BTreeSet<u64> =
+        h200.decisions.iter().map(|d| d.offset).collect();
+    assert_eq!(
+        offsets.len(),
+        10,
+        "offsets should cover every step of the period"
+    );
     assert!(h200.visible_ms_per_step(10) < schedule(0, "h200").visible_ms_per_step(10));
 }
 
@@ -71,14 +96,20 @@ fn zero_staleness_keeps_the_native_schedule() {
     let s = schedule(0, "h200");
     assert!(s.decisions.iter().all(|d| d.offset == 0));
     // Synchronous: the faster place wins, which on the H200 is always its GPU.
-    assert!(s.decisions.iter().all(|d| d.placement == Placement::GpuSide));
+    assert!(s
+        .decisions
+        .iter()
+        .all(|d| d.placement == Placement::GpuSide));
 }
 
 #[test]
 fn cpu_target_runs_everything_on_the_host() {
     let m = gpt2_124m_soap(3, "cpu");
     let s = plan_refreshes(&m, &TargetDescription::builtin("cpu").expect("cpu"));
-    assert!(s.decisions.iter().all(|d| d.placement == Placement::Host && d.gpu_ms.is_none()));
+    assert!(s
+        .decisions
+        .iter()
+        .all(|d| d.placement == Placement::Host && d.gpu_ms.is_none()));
 }
 
 #[test]

@@ -202,7 +202,8 @@ impl TrainPlan {
             return step as f64 / self.warmup_steps as f64;
         }
         let decay_steps = self.steps.saturating_sub(self.warmup_steps).max(1);
-        let progress = (step.saturating_sub(self.warmup_steps) as f64 / decay_steps as f64).min(1.0);
+        let progress =
+            (step.saturating_sub(self.warmup_steps) as f64 / decay_steps as f64).min(1.0);
         let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
         self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine
     }
@@ -299,6 +300,10 @@ impl Plan {
 
     /// Bytes of all buffers of `class`.
     pub fn bytes_of(&self, class: BufferClass) -> usize {
-        self.buffers.iter().filter(|b| b.class == class).map(Buffer::size_bytes).sum()
+        self.buffers
+            .iter()
+            .filter(|b| b.class == class)
+            .map(Buffer::size_bytes)
+            .sum()
     }
 }

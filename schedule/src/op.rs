@@ -30,16 +30,39 @@ pub struct SoapHyper {
 pub enum Op {
     /// `out[n, :] = table[ids[n], :]`. table f32 `[V, C]`, ids i32 `[N]`, out f32 `[N, C]`.
     /// An id outside `[0, V)` is a runtime error.
-    Embedding { table: BufferId, ids: BufferId, out: BufferId },
+    Embedding {
+        table: BufferId,
+        ids: BufferId,
+        out: BufferId,
+    },
     /// `dtable = 0; dtable[ids[n], :] += dout[n, :]`. dout `[N, C]`, dtable `[V, C]`.
-    EmbeddingBackward { dout: BufferId, ids: BufferId, dtable: BufferId },
+    EmbeddingBackward {
+        dout: BufferId,
+        ids: BufferId,
+        dtable: BufferId,
+    },
     /// `out[b*T + t, :] = x[b*T + t, :] + pos[t, :]`. x/out `[N, C]`, pos `[P, C]`, `T = seq_len ≤ P`.
-    AddPositional { x: BufferId, pos: BufferId, out: BufferId, seq_len: usize },
+    AddPositional {
+        x: BufferId,
+        pos: BufferId,
+        out: BufferId,
+        seq_len: usize,
+    },
     /// `dpos[t, :] = Σ_b dout[b*T + t, :]` for `t < T`, zero for `t ≥ T`. dpos `[P, C]`.
-    AddPositionalBackward { dout: BufferId, dpos: BufferId, seq_len: usize },
+    AddPositionalBackward {
+        dout: BufferId,
+        dpos: BufferId,
+        seq_len: usize,
+    },
     /// LayerNorm over the last dim: `out = (x − μ)/√(σ² + eps) · weight + bias`.
     /// x/out `[N, C]`, weight/bias `[C]`.
-    LayerNorm { x: BufferId, weight: BufferId, bias: Option<BufferId>, out: BufferId, eps: f64 },
+    LayerNorm {
+        x: BufferId,
+        weight: BufferId,
+        bias: Option<BufferId>,
+        out: BufferId,
+        eps: f64,
+    },
     /// Gradients of [`Op::LayerNorm`] (statistics recomputed from `x`): dx `[N, C]`,
     /// dweight/dbias `[C]` (overwritten).
     LayerNormBackward {
@@ -52,47 +75,121 @@ pub enum Op {
         eps: f64,
     },
     /// RMSNorm over the last dim: `out = x / √(mean(x²) + eps) · weight`. x/out `[N, C]`, weight `[C]`.
-    RmsNorm { x: BufferId, weight: BufferId, out: BufferId, eps: f64 },
+    RmsNorm {
+        x: BufferId,
+        weight: BufferId,
+        out: BufferId,
+        eps: f64,
+    },
     /// Gradients of [`Op::RmsNorm`]: dx `[N, C]`, dweight `[C]` (overwritten).
-    RmsNormBackward { dout: BufferId, x: BufferId, weight: BufferId, dx: BufferId, dweight: BufferId, eps: f64 },
+    RmsNormBackward {
+        dout: BufferId,
+        x: BufferId,
+        weight: BufferId,
+        dx: BufferId,
+        dweight: BufferId,
+        eps: f64,
+    },
     /// `out = op(a) · op(b)` (+ `out` if `accumulate`), op = transpose when the flag is set.
     /// a `[M, K]` (or `[K, M]`), b `[K, P]` (or `[P, K]`), out `[M, P]`.
     /// A linear layer `y = x Wᵀ` is `a = x, b = W, trans_b = true`.
-    MatMul { a: BufferId, b: BufferId, out: BufferId, trans_a: bool, trans_b: bool, accumulate: bool },
+    MatMul {
+        a: BufferId,
+        b: BufferId,
+        out: BufferId,
+        trans_a: bool,
+        trans_b: bool,
+        accumulate: bool,
+    },
     /// `out[n, :] = x[n, :] + bias`. x/out `[N, C]`, bias `[C]`.
-    BiasAdd { x: BufferId, bias: BufferId, out: BufferId },
+    BiasAdd {
+        x: BufferId,
+        bias: BufferId,
+        out: BufferId,
+    },
     /// `out[c] = Σ_n x[n, c]` (bias gradient). x `[N, C]`, out `[C]`.
     SumRows { x: BufferId, out: BufferId },
     /// Elementwise `out = a + b`, same shapes.
-    Add { a: BufferId, b: BufferId, out: BufferId },
+    Add {
+        a: BufferId,
+        b: BufferId,
+        out: BufferId,
+    },
     /// GELU, tanh approximation (GPT-2). Same shapes.
     Gelu { x: BufferId, out: BufferId },
     /// `dx = dout · gelu'(x)`.
-    GeluBackward { dout: BufferId, x: BufferId, dx: BufferId },
+    GeluBackward {
+        dout: BufferId,
+        x: BufferId,
+        dx: BufferId,
+    },
     /// SwiGLU: x `[N, 2F]` = `[gate | up]`, `out[n, f] = silu(gate[n, f]) · up[n, f]`, out `[N, F]`.
     SwiGlu { x: BufferId, out: BufferId },
     /// Gradient of [`Op::SwiGlu`]: dout `[N, F]`, x/dx `[N, 2F]`.
-    SwiGluBackward { dout: BufferId, x: BufferId, dx: BufferId },
+    SwiGluBackward {
+        dout: BufferId,
+        x: BufferId,
+        dx: BufferId,
+    },
     /// Rotary position embedding (Su et al. 2021, LLaMA's rotate-half layout) applied to the
     /// first `rotated_cols` columns of x `[N, W]` (q and k of a fused qkv: `2C`), in chunks of
     /// `head_dim`; other columns are copied. Position of row n is `n mod seq_len`;
     /// frequency `theta^(−2i/head_dim)`.
-    Rope { x: BufferId, out: BufferId, seq_len: usize, head_dim: usize, rotated_cols: usize, theta: f64 },
+    Rope {
+        x: BufferId,
+        out: BufferId,
+        seq_len: usize,
+        head_dim: usize,
+        rotated_cols: usize,
+        theta: f64,
+    },
     /// Gradient of [`Op::Rope`] (the inverse rotation).
-    RopeBackward { dout: BufferId, dx: BufferId, seq_len: usize, head_dim: usize, rotated_cols: usize, theta: f64 },
+    RopeBackward {
+        dout: BufferId,
+        dx: BufferId,
+        seq_len: usize,
+        head_dim: usize,
+        rotated_cols: usize,
+        theta: f64,
+    },
     /// Causal multi-head self-attention on a fused qkv `[N, 3C]` (`[q | k | v]`, heads
     /// contiguous in each), softmax scale `1/√(C/n_heads)`; out `[N, C]`.
-    Attention { qkv: BufferId, out: BufferId, batch: usize, seq_len: usize, n_heads: usize },
+    Attention {
+        qkv: BufferId,
+        out: BufferId,
+        batch: usize,
+        seq_len: usize,
+        n_heads: usize,
+    },
     /// Gradient of [`Op::Attention`] (probabilities recomputed): dout `[N, C]`, dqkv `[N, 3C]`.
-    AttentionBackward { dout: BufferId, qkv: BufferId, dqkv: BufferId, batch: usize, seq_len: usize, n_heads: usize },
+    AttentionBackward {
+        dout: BufferId,
+        qkv: BufferId,
+        dqkv: BufferId,
+        batch: usize,
+        seq_len: usize,
+        n_heads: usize,
+    },
     /// Mean softmax cross-entropy in nats: logits f32 `[N, V]`, targets i32 `[N]`, loss `[1]`.
-    CrossEntropy { logits: BufferId, targets: BufferId, loss: BufferId },
+    CrossEntropy {
+        logits: BufferId,
+        targets: BufferId,
+        loss: BufferId,
+    },
     /// `dlogits = (softmax(logits) − onehot(targets)) / N` (d mean loss / d logits).
-    CrossEntropyBackward { logits: BufferId, targets: BufferId, dlogits: BufferId },
+    CrossEntropyBackward {
+        logits: BufferId,
+        targets: BufferId,
+        dlogits: BufferId,
+    },
     /// Global L2 norm of `grads` written to `norm` `[1]`; if `max_norm` is set and the norm
     /// exceeds it, every gradient is scaled by `max_norm / norm` (PyTorch `clip_grad_norm_`).
     /// A non-finite norm makes the engine skip the rest of the optimizer program this step.
-    ClipGradNorm { grads: Vec<BufferId>, norm: BufferId, max_norm: Option<f64> },
+    ClipGradNorm {
+        grads: Vec<BufferId>,
+        norm: BufferId,
+        max_norm: Option<f64>,
+    },
     /// AdamW (Loshchilov & Hutter; PyTorch `torch.optim.AdamW`) on one parameter, in place,
     /// with bias correction at the engine's 1-based step t and lr = `lr ·` schedule multiplier.
     AdamW {
@@ -157,7 +254,9 @@ impl std::str::FromStr for Placement {
         match s {
             "host" => Ok(Placement::Host),
             "gpu_side" => Ok(Placement::GpuSide),
-            _ => Err(format!("unknown placement `{s}` (expected `host` or `gpu_side`)")),
+            _ => Err(format!(
+                "unknown placement `{s}` (expected `host` or `gpu_side`)"
+            )),
         }
     }
 }

@@ -103,24 +103,63 @@ impl Op {
             }
         };
         match self {
-            Op::Embedding { table, ids, out } => v.extend([("table", *table), ("ids", *ids), ("out", *out)]),
+            Op::Embedding { table, ids, out } => {
+                v.extend([("table", *table), ("ids", *ids), ("out", *out)])
+            }
             Op::EmbeddingBackward { dout, ids, dtable } => {
                 v.extend([("dout", *dout), ("ids", *ids), ("dtable", *dtable)])
             }
-            Op::AddPositional { x, pos, out, .. } => v.extend([("x", *x), ("pos", *pos), ("out", *out)]),
-            Op::AddPositionalBackward { dout, dpos, .. } => v.extend([("dout", *dout), ("dpos", *dpos)]),
-            Op::LayerNorm { x, weight, bias, out, .. } => {
+            Op::AddPositional { x, pos, out, .. } => {
+                v.extend([("x", *x), ("pos", *pos), ("out", *out)])
+            }
+            Op::AddPositionalBackward { dout, dpos, .. } => {
+                v.extend([("dout", *dout), ("dpos", *dpos)])
+            }
+            Op::LayerNorm {
+                x,
+                weight,
+                bias,
+                out,
+                ..
+            } => {
                 v.extend([("x", *x), ("weight", *weight), ("out", *out)]);
                 opt(&mut v, "bias", bias);
             }
-            Op::LayerNormBackward { dout, x, weight, dx, dweight, dbias, .. } => {
-                v.extend([("dout", *dout), ("x", *x), ("weight", *weight), ("dx", *dx), ("dweight", *dweight)]);
+            Op::LayerNormBackward {
+                dout,
+                x,
+                weight,
+                dx,
+                dweight,
+                dbias,
+                ..
+            } => {
+                v.extend([
+                    ("dout", *dout),
+                    ("x", *x),
+                    ("weight", *weight),
+                    ("dx", *dx),
+                    ("dweight", *dweight),
+                ]);
                 opt(&mut v, "dbias", dbias);
             }
-            Op::RmsNorm { x, weight, out, .. } => v.extend([("x", *x), ("weight", *weight), ("out", *out)]),
-            Op::RmsNormBackward { dout, x, weight, dx, dweight, .. } => {
-                v.extend([("dout", *dout), ("x", *x), ("weight", *weight), ("dx", *dx), ("dweight", *dweight)])
+            Op::RmsNorm { x, weight, out, .. } => {
+                v.extend([("x", *x), ("weight", *weight), ("out", *out)])
             }
+            Op::RmsNormBackward {
+                dout,
+                x,
+                weight,
+                dx,
+                dweight,
+                ..
+            } => v.extend([
+                ("dout", *dout),
+                ("x", *x),
+                ("weight", *weight),
+                ("dx", *dx),
+                ("dweight", *dweight),
+            ]),
             Op::MatMul { a, b, out, .. } => v.extend([("a", *a), ("b", *b), ("out", *out)]),
             Op::BiasAdd { x, bias, out } => v.extend([("x", *x), ("bias", *bias), ("out", *out)]),
             Op::SumRows { x, out } => v.extend([("x", *x), ("out", *out)]),
@@ -132,26 +171,48 @@ impl Op {
             Op::Rope { x, out, .. } => v.extend([("x", *x), ("out", *out)]),
             Op::RopeBackward { dout, dx, .. } => v.extend([("dout", *dout), ("dx", *dx)]),
             Op::Attention { qkv, out, .. } => v.extend([("qkv", *qkv), ("out", *out)]),
-            Op::AttentionBackward { dout, qkv, dqkv, .. } => {
-                v.extend([("dout", *dout), ("qkv", *qkv), ("dqkv", *dqkv)])
-            }
-            Op::CrossEntropy { logits, targets, loss } => {
-                v.extend([("logits", *logits), ("targets", *targets), ("loss", *loss)])
-            }
-            Op::CrossEntropyBackward { logits, targets, dlogits } => {
-                v.extend([("logits", *logits), ("targets", *targets), ("dlogits", *dlogits)])
-            }
+            Op::AttentionBackward {
+                dout, qkv, dqkv, ..
+            } => v.extend([("dout", *dout), ("qkv", *qkv), ("dqkv", *dqkv)]),
+            Op::CrossEntropy {
+                logits,
+                targets,
+                loss,
+            } => v.extend([("logits", *logits), ("targets", *targets), ("loss", *loss)]),
+            Op::CrossEntropyBackward {
+                logits,
+                targets,
+                dlogits,
+            } => v.extend([
+                ("logits", *logits),
+                ("targets", *targets),
+                ("dlogits", *dlogits),
+            ]),
             Op::ClipGradNorm { grads, norm, .. } => {
                 v.extend(grads.iter().map(|g| ("grads", *g)));
                 v.push(("norm", *norm));
             }
-            Op::AdamW { param, grad, exp_avg, exp_avg_sq, .. } => v.extend([
+            Op::AdamW {
+                param,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                ..
+            } => v.extend([
                 ("param", *param),
                 ("grad", *grad),
                 ("exp_avg", *exp_avg),
                 ("exp_avg_sq", *exp_avg_sq),
             ]),
-            Op::SoapUpdate { param, grad, exp_avg, exp_avg_sq, basis_left, basis_right, .. } => {
+            Op::SoapUpdate {
+                param,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                basis_left,
+                basis_right,
+                ..
+            } => {
                 v.extend([
                     ("param", *param),
                     ("grad", *grad),
@@ -161,7 +222,12 @@ impl Op {
                 opt(&mut v, "basis_left", basis_left);
                 opt(&mut v, "basis_right", basis_right);
             }
-            Op::SoapFactorUpdate { grad, factor_left, factor_right, .. } => {
+            Op::SoapFactorUpdate {
+                grad,
+                factor_left,
+                factor_right,
+                ..
+            } => {
                 v.push(("grad", *grad));
                 opt(&mut v, "factor_left", factor_left);
                 opt(&mut v, "factor_right", factor_right);
@@ -175,7 +241,13 @@ impl HostTask {
     /// Every buffer operand with its field name.
     pub fn operands(&self) -> Vec<(&'static str, BufferId)> {
         match self {
-            HostTask::EigenbasisRefresh { factor, basis, exp_avg, exp_avg_sq, .. } => vec![
+            HostTask::EigenbasisRefresh {
+                factor,
+                basis,
+                exp_avg,
+                exp_avg_sq,
+                ..
+            } => vec![
                 ("factor", *factor),
                 ("basis", *basis),
                 ("exp_avg", *exp_avg),
@@ -224,10 +296,18 @@ impl Checker<'_> {
             _ => Err(self.fail(operand, id, "must be 2-D")),
         }
     }
-    fn same(&self, a: (&'static str, BufferId), b: (&'static str, BufferId)) -> Result<(), PlanError> {
+    fn same(
+        &self,
+        a: (&'static str, BufferId),
+        b: (&'static str, BufferId),
+    ) -> Result<(), PlanError> {
         if self.shape(a.0, a.1) != self.shape(b.0, b.1) {
             let want = self.shape(a.0, a.1).to_vec();
-            return Err(self.fail(b.0, b.1, format!("must have the shape of `{}` {want:?}", a.0)));
+            return Err(self.fail(
+                b.0,
+                b.1,
+                format!("must have the shape of `{}` {want:?}", a.0),
+            ));
         }
         Ok(())
     }
@@ -237,7 +317,11 @@ impl Checker<'_> {
 
     fn check_op(&self, op: &Op) -> Result<(), PlanError> {
         for (name, id) in op.operands() {
-            let want = if matches!(name, "ids" | "targets") { DType::I32 } else { DType::F32 };
+            let want = if matches!(name, "ids" | "targets") {
+                DType::I32
+            } else {
+                DType::F32
+            };
             self.dtype(name, id, want)?;
         }
         match op {
@@ -249,22 +333,45 @@ impl Checker<'_> {
                 let (_, c) = self.rank2("dtable", *dtable)?;
                 self.dims("dout", *dout, &[self.numel(*ids), c])?;
             }
-            Op::AddPositional { x, pos, out, seq_len } => {
+            Op::AddPositional {
+                x,
+                pos,
+                out,
+                seq_len,
+            } => {
                 let (n, c) = self.rank2("x", *x)?;
                 let (p, pc) = self.rank2("pos", *pos)?;
                 if pc != c || *seq_len == 0 || *seq_len > p || n % seq_len != 0 {
-                    return Err(self.fail("pos", *pos, format!("incompatible with x [{n}, {c}] and seq_len {seq_len}")));
+                    return Err(self.fail(
+                        "pos",
+                        *pos,
+                        format!("incompatible with x [{n}, {c}] and seq_len {seq_len}"),
+                    ));
                 }
                 self.same(("x", *x), ("out", *out))?;
             }
-            Op::AddPositionalBackward { dout, dpos, seq_len } => {
+            Op::AddPositionalBackward {
+                dout,
+                dpos,
+                seq_len,
+            } => {
                 let (n, c) = self.rank2("dout", *dout)?;
                 let (p, pc) = self.rank2("dpos", *dpos)?;
                 if pc != c || *seq_len == 0 || *seq_len > p || n % seq_len != 0 {
-                    return Err(self.fail("dpos", *dpos, format!("incompatible with dout [{n}, {c}] and seq_len {seq_len}")));
+                    return Err(self.fail(
+                        "dpos",
+                        *dpos,
+                        format!("incompatible with dout [{n}, {c}] and seq_len {seq_len}"),
+                    ));
                 }
             }
-            Op::LayerNorm { x, weight, bias, out, .. } => {
+            Op::LayerNorm {
+                x,
+                weight,
+                bias,
+                out,
+                ..
+            } => {
                 let (_, c) = self.rank2("x", *x)?;
                 self.dims("weight", *weight, &[c])?;
                 if let Some(b) = bias {
@@ -272,7 +379,15 @@ impl Checker<'_> {
                 }
                 self.same(("x", *x), ("out", *out))?;
             }
-            Op::LayerNormBackward { dout, x, weight, dx, dweight, dbias, .. } => {
+            Op::LayerNormBackward {
+                dout,
+                x,
+                weight,
+                dx,
+                dweight,
+                dbias,
+                ..
+            } => {
                 let (_, c) = self.rank2("x", *x)?;
                 self.dims("weight", *weight, &[c])?;
                 self.dims("dweight", *dweight, &[c])?;
@@ -287,20 +402,38 @@ impl Checker<'_> {
                 self.dims("weight", *weight, &[c])?;
                 self.same(("x", *x), ("out", *out))?;
             }
-            Op::RmsNormBackward { dout, x, weight, dx, dweight, .. } => {
+            Op::RmsNormBackward {
+                dout,
+                x,
+                weight,
+                dx,
+                dweight,
+                ..
+            } => {
                 let (_, c) = self.rank2("x", *x)?;
                 self.dims("weight", *weight, &[c])?;
                 self.dims("dweight", *dweight, &[c])?;
                 self.same(("x", *x), ("dout", *dout))?;
                 self.same(("x", *x), ("dx", *dx))?;
             }
-            Op::MatMul { a, b, out, trans_a, trans_b, .. } => {
+            Op::MatMul {
+                a,
+                b,
+                out,
+                trans_a,
+                trans_b,
+                ..
+            } => {
                 let (ar, ac) = self.rank2("a", *a)?;
                 let (br, bc) = self.rank2("b", *b)?;
                 let (m, k) = if *trans_a { (ac, ar) } else { (ar, ac) };
                 let (k2, p) = if *trans_b { (bc, br) } else { (br, bc) };
                 if k != k2 {
-                    return Err(self.fail("b", *b, format!("inner dimension {k2} does not match a's {k}")));
+                    return Err(self.fail(
+                        "b",
+                        *b,
+                        format!("inner dimension {k2} does not match a's {k}"),
+                    ));
                 }
                 self.dims("out", *out, &[m, p])?;
             }
@@ -325,52 +458,109 @@ impl Checker<'_> {
             Op::SwiGlu { x, out } => {
                 let (n, w) = self.rank2("x", *x)?;
                 if w % 2 != 0 {
-                    return Err(self.fail("x", *x, "must have an even number of columns [gate | up]"));
+                    return Err(self.fail(
+                        "x",
+                        *x,
+                        "must have an even number of columns [gate | up]",
+                    ));
                 }
                 self.dims("out", *out, &[n, w / 2])?;
             }
             Op::SwiGluBackward { dout, x, dx } => {
                 let (n, w) = self.rank2("x", *x)?;
                 if w % 2 != 0 {
-                    return Err(self.fail("x", *x, "must have an even number of columns [gate | up]"));
+                    return Err(self.fail(
+                        "x",
+                        *x,
+                        "must have an even number of columns [gate | up]",
+                    ));
                 }
                 self.dims("dout", *dout, &[n, w / 2])?;
                 self.same(("x", *x), ("dx", *dx))?;
             }
-            Op::Rope { x: a, out: b, seq_len, head_dim, rotated_cols, .. }
-            | Op::RopeBackward { dout: a, dx: b, seq_len, head_dim, rotated_cols, .. } => {
+            Op::Rope {
+                x: a,
+                out: b,
+                seq_len,
+                head_dim,
+                rotated_cols,
+                ..
+            }
+            | Op::RopeBackward {
+                dout: a,
+                dx: b,
+                seq_len,
+                head_dim,
+                rotated_cols,
+                ..
+            } => {
                 let (n, w) = self.rank2("x", *a)?;
-                if *seq_len == 0 || n % seq_len != 0 || *head_dim == 0 || head_dim % 2 != 0
-                    || rotated_cols % head_dim != 0 || *rotated_cols > w
+                if *seq_len == 0
+                    || n % seq_len != 0
+                    || *head_dim == 0
+                    || head_dim % 2 != 0
+                    || rotated_cols % head_dim != 0
+                    || *rotated_cols > w
                 {
                     return Err(self.fail("x", *a, format!(
                         "incompatible with seq_len {seq_len}, head_dim {head_dim}, rotated_cols {rotated_cols}")));
                 }
                 self.same(("x", *a), ("out", *b))?;
             }
-            Op::Attention { qkv, out, batch, seq_len, n_heads } => {
+            Op::Attention {
+                qkv,
+                out,
+                batch,
+                seq_len,
+                n_heads,
+            } => {
                 let (n, w) = self.rank2("qkv", *qkv)?;
                 if n != batch * seq_len || w % 3 != 0 || *n_heads == 0 || (w / 3) % n_heads != 0 {
-                    return Err(self.fail("qkv", *qkv, format!(
-                        "incompatible with batch {batch}, seq_len {seq_len}, n_heads {n_heads}")));
+                    return Err(self.fail(
+                        "qkv",
+                        *qkv,
+                        format!(
+                            "incompatible with batch {batch}, seq_len {seq_len}, n_heads {n_heads}"
+                        ),
+                    ));
                 }
                 self.dims("out", *out, &[n, w / 3])?;
             }
-            Op::AttentionBackward { dout, qkv, dqkv, batch, seq_len, n_heads } => {
+            Op::AttentionBackward {
+                dout,
+                qkv,
+                dqkv,
+                batch,
+                seq_len,
+                n_heads,
+            } => {
                 let (n, w) = self.rank2("qkv", *qkv)?;
                 if n != batch * seq_len || w % 3 != 0 || *n_heads == 0 || (w / 3) % n_heads != 0 {
-                    return Err(self.fail("qkv", *qkv, format!(
-                        "incompatible with batch {batch}, seq_len {seq_len}, n_heads {n_heads}")));
+                    return Err(self.fail(
+                        "qkv",
+                        *qkv,
+                        format!(
+                            "incompatible with batch {batch}, seq_len {seq_len}, n_heads {n_heads}"
+                        ),
+                    ));
                 }
                 self.dims("dout", *dout, &[n, w / 3])?;
                 self.same(("qkv", *qkv), ("dqkv", *dqkv))?;
             }
-            Op::CrossEntropy { logits, targets, loss } => {
+            Op::CrossEntropy {
+                logits,
+                targets,
+                loss,
+            } => {
                 let (n, _) = self.rank2("logits", *logits)?;
                 self.dims("targets", *targets, &[n])?;
                 self.dims("loss", *loss, &[1])?;
             }
-            Op::CrossEntropyBackward { logits, targets, dlogits } => {
+            Op::CrossEntropyBackward {
+                logits,
+                targets,
+                dlogits,
+            } => {
                 let (n, _) = self.rank2("logits", *logits)?;
                 self.dims("targets", *targets, &[n])?;
                 self.same(("logits", *logits), ("dlogits", *dlogits))?;
@@ -379,26 +569,61 @@ impl Checker<'_> {
                 self.dims("norm", *norm, &[1])?;
                 if let Some(m) = max_norm {
                     if !(m.is_finite() && *m > 0.0) {
-                        return Err(PlanError::Invalid(format!("{}: max_norm must be positive, got {m}", self.location)));
+                        return Err(PlanError::Invalid(format!(
+                            "{}: max_norm must be positive, got {m}",
+                            self.location
+                        )));
                     }
                 }
             }
-            Op::AdamW { param, grad, exp_avg, exp_avg_sq, .. } => {
+            Op::AdamW {
+                param,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                ..
+            } => {
                 self.same(("param", *param), ("grad", *grad))?;
                 self.same(("param", *param), ("exp_avg", *exp_avg))?;
                 self.same(("param", *param), ("exp_avg_sq", *exp_avg_sq))?;
             }
-            Op::SoapUpdate { param, grad, exp_avg, exp_avg_sq, basis_left, basis_right, .. } => {
+            Op::SoapUpdate {
+                param,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                basis_left,
+                basis_right,
+                ..
+            } => {
                 self.same(("param", *param), ("grad", *grad))?;
                 self.same(("param", *param), ("exp_avg", *exp_avg))?;
                 self.same(("param", *param), ("exp_avg_sq", *exp_avg_sq))?;
-                self.side_factors(*param, *basis_left, *basis_right, ("basis_left", "basis_right"))?;
+                self.side_factors(
+                    *param,
+                    *basis_left,
+                    *basis_right,
+                    ("basis_left", "basis_right"),
+                )?;
             }
-            Op::SoapFactorUpdate { grad, factor_left, factor_right, shampoo_beta } => {
+            Op::SoapFactorUpdate {
+                grad,
+                factor_left,
+                factor_right,
+                shampoo_beta,
+            } => {
                 if !(0.0..1.0).contains(shampoo_beta) {
-                    return Err(PlanError::Invalid(format!("{}: shampoo_beta must be in [0, 1)", self.location)));
+                    return Err(PlanError::Invalid(format!(
+                        "{}: shampoo_beta must be in [0, 1)",
+                        self.location
+                    )));
                 }
-                self.side_factors(*grad, *factor_left, *factor_right, ("factor_left", "factor_right"))?;
+                self.side_factors(
+                    *grad,
+                    *factor_left,
+                    *factor_right,
+                    ("factor_left", "factor_right"),
+                )?;
             }
         }
         Ok(())
@@ -422,7 +647,13 @@ impl Checker<'_> {
                 }
             }
             ([_], None, None) => {}
-            _ => return Err(self.fail("param", param, "must be 2-D, or 1-D without Kronecker factors")),
+            _ => {
+                return Err(self.fail(
+                    "param",
+                    param,
+                    "must be 2-D, or 1-D without Kronecker factors",
+                ))
+            }
         }
         Ok(())
     }
@@ -434,24 +665,45 @@ impl Plan {
     /// data inputs and loss buffers, and the host tasks.
     pub fn verify(&self) -> Result<(), PlanError> {
         if self.format != PLAN_FORMAT || self.version != PLAN_VERSION {
-            return Err(PlanError::Version { format: self.format.clone(), version: self.version });
+            return Err(PlanError::Version {
+                format: self.format.clone(),
+                version: self.version,
+            });
         }
         let mut names = std::collections::HashSet::new();
         for (i, b) in self.buffers.iter().enumerate() {
             if b.shape.is_empty() || b.shape.contains(&0) {
-                return Err(PlanError::Invalid(format!("buffer {i} `{}` has an empty or zero-sized shape {:?}", b.name, b.shape)));
+                return Err(PlanError::Invalid(format!(
+                    "buffer {i} `{}` has an empty or zero-sized shape {:?}",
+                    b.name, b.shape
+                )));
             }
-            if b.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).is_none_or(|n| n > (1usize << 40)) {
-                return Err(PlanError::Invalid(format!("buffer {i} `{}` is absurdly large: {:?}", b.name, b.shape)));
+            if b.shape
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .is_none_or(|n| n > (1usize << 40))
+            {
+                return Err(PlanError::Invalid(format!(
+                    "buffer {i} `{}` is absurdly large: {:?}",
+                    b.name, b.shape
+                )));
             }
             if !names.insert(b.name.as_str()) {
-                return Err(PlanError::Invalid(format!("buffer name `{}` is used twice", b.name)));
+                return Err(PlanError::Invalid(format!(
+                    "buffer name `{}` is used twice",
+                    b.name
+                )));
             }
         }
         let count = self.buffers.len();
         let in_range = |location: &str, operand: &'static str, id: BufferId| {
             if id.index() >= count {
-                Err(PlanError::BufferOutOfRange { location: location.to_string(), operand, id, count })
+                Err(PlanError::BufferOutOfRange {
+                    location: location.to_string(),
+                    operand,
+                    id,
+                    count,
+                })
             } else {
                 Ok(())
             }
@@ -464,32 +716,49 @@ impl Plan {
             in_range(&loc, "param", p.param)?;
             in_range(&loc, "grad", p.grad)?;
             if self.buffer(p.param).shape != self.buffer(p.grad).shape {
-                return Err(PlanError::Invalid(format!("{loc}: gradient shape differs from parameter shape")));
+                return Err(PlanError::Invalid(format!(
+                    "{loc}: gradient shape differs from parameter shape"
+                )));
             }
         }
         let n = self.data.batch_size * self.data.seq_len;
         if n == 0 {
-            return Err(PlanError::Invalid("data: batch_size and seq_len must be positive".into()));
+            return Err(PlanError::Invalid(
+                "data: batch_size and seq_len must be positive".into(),
+            ));
         }
         if !(self.data.val_fraction > 0.0 && self.data.val_fraction < 1.0) {
-            return Err(PlanError::Invalid("data: val_fraction must be in (0, 1)".into()));
+            return Err(PlanError::Invalid(
+                "data: val_fraction must be in (0, 1)".into(),
+            ));
         }
         for (what, id) in [("tokens", self.data.tokens), ("targets", self.data.targets)] {
             let b = self.buffer(id);
             if b.dtype != DType::I32 || b.shape != [n] {
-                return Err(PlanError::Invalid(format!("data.{what}: buffer `{}` must be i32 [{n}]", b.name)));
+                return Err(PlanError::Invalid(format!(
+                    "data.{what}: buffer `{}` must be i32 [{n}]",
+                    b.name
+                )));
             }
         }
         if self.buffer(self.loss).shape != [1] {
             return Err(PlanError::Invalid("loss buffer must have shape [1]".into()));
         }
-        for (section, prog) in [("forward", &self.forward), ("backward", &self.backward), ("optimizer", &self.optimizer)] {
+        for (section, prog) in [
+            ("forward", &self.forward),
+            ("backward", &self.backward),
+            ("optimizer", &self.optimizer),
+        ] {
             for (i, op) in prog.iter().enumerate() {
                 let location = format!("{section}[{i}] ({})", op.name());
                 for (name, id) in op.operands() {
                     in_range(&location, name, id)?;
                 }
-                Checker { plan: self, location }.check_op(op)?;
+                Checker {
+                    plan: self,
+                    location,
+                }
+                .check_op(op)?;
             }
         }
         for (i, task) in self.host_tasks.iter().enumerate() {
@@ -497,8 +766,20 @@ impl Plan {
             for (name, id) in task.operands() {
                 in_range(&location, name, id)?;
             }
-            let HostTask::EigenbasisRefresh { factor, basis, side, exp_avg, exp_avg_sq, frequency, offset, .. } = task;
-            let c = Checker { plan: self, location: location.clone() };
+            let HostTask::EigenbasisRefresh {
+                factor,
+                basis,
+                side,
+                exp_avg,
+                exp_avg_sq,
+                frequency,
+                offset,
+                ..
+            } = task;
+            let c = Checker {
+                plan: self,
+                location: location.clone(),
+            };
             let (d, d2) = c.rank2("factor", *factor)?;
             if d != d2 {
                 return Err(c.fail("factor", *factor, "must be square"));
@@ -508,7 +789,11 @@ impl Plan {
             let (m, n2) = c.rank2("exp_avg", *exp_avg)?;
             let want = if *side == 0 { m } else { n2 };
             if *side > 1 || want != d {
-                return Err(c.fail("exp_avg", *exp_avg, format!("side {side} does not have length {d}")));
+                return Err(c.fail(
+                    "exp_avg",
+                    *exp_avg,
+                    format!("side {side} does not have length {d}"),
+                ));
             }
             if *frequency == 0 || offset >= frequency {
                 return Err(PlanError::Invalid(format!(

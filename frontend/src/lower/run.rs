@@ -135,8 +135,9 @@ fn calibration(c: &mut Checker, v: &Value, base_dir: &Path) -> Option<String> {
         ValueKind::Ident(name) if CALIBRATIONS.contains(&name.as_str()) => Some(name.clone()),
         ValueKind::Ident(name) => {
             c.push(
-                unknown_name("calibration", name, v.span, CALIBRATIONS)
-                    .with_help(format!("use a built-in target, or quote a calibration file path: \"{name}\"")),
+                unknown_name("calibration", name, v.span, CALIBRATIONS).with_help(format!(
+                    "use a built-in target, or quote a calibration file path: \"{name}\""
+                )),
             );
             None
         }
@@ -158,7 +159,11 @@ fn calibration(c: &mut Checker, v: &Value, base_dir: &Path) -> Option<String> {
             }
         }
         _ => {
-            c.wrong_type("calibration", v, "a built-in target name or a calibration file path");
+            c.wrong_type(
+                "calibration",
+                v,
+                "a built-in target name or a calibration file path",
+            );
             None
         }
     }
@@ -193,11 +198,16 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
             &["device", "staleness", "calibration", "precision"],
             &[("threads", "`threads` applies to `target cpu` only")],
         ),
-        _ => (&["threads", "device", "staleness", "calibration", "precision"], &[]),
+        _ => (
+            &["threads", "device", "staleness", "calibration", "precision"],
+            &[],
+        ),
     };
     let f = c.fields(b, &block_name(b), allowed, foreign);
     let staleness = c.uint_or(&f, "staleness", 0, 0u32);
-    let calibration = f.get("calibration").and_then(|e| calibration(c, &e.value, base_dir));
+    let calibration = f
+        .get("calibration")
+        .and_then(|e| calibration(c, &e.value, base_dir));
     match kind? {
         "cuda" => Some(TargetConfig::Cuda {
             device: c.uint_or(&f, "device", 0, 0),
@@ -205,10 +215,12 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
             calibration,
             precision: match f.get("precision") {
                 None => ir::Precision::Bf16,
-                Some(e) => match c.name_value("precision", &e.value, "precision", &["bf16", "fp32"]) {
-                    Some("fp32") => ir::Precision::Fp32,
-                    _ => ir::Precision::Bf16,
-                },
+                Some(e) => {
+                    match c.name_value("precision", &e.value, "precision", &["bf16", "fp32"]) {
+                        Some("fp32") => ir::Precision::Fp32,
+                        _ => ir::Precision::Bf16,
+                    }
+                }
             },
         }),
         _ => {

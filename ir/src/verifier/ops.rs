@@ -390,7 +390,12 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 c.class(role, BufferClass::KroneckerFactor)?;
             }
         }
-        Op::EigenbasisRefresh { side, frequency, offset, .. } => {
+        Op::EigenbasisRefresh {
+            side,
+            frequency,
+            offset,
+            ..
+        } => {
             if side > 1 || frequency == 0 || offset >= frequency {
                 return Err(c.attr(format!(
                     "side must be 0 or 1, frequency positive and offset below it; got side {side}, \

@@ -479,7 +479,11 @@ pub fn tiny() -> Module {
                 frequency: 10,
                 offset: side as u64,
                 staleness: 2,
-                placement: if side == 0 { ir::Placement::Host } else { ir::Placement::GpuSide },
+                placement: if side == 0 {
+                    ir::Placement::Host
+                } else {
+                    ir::Placement::GpuSide
+                },
             },
             &[f, q, m, v],
         );
