@@ -196,7 +196,7 @@ pub trait StepExecutor {
     }
 }
 
-impl StepExecutor for CpuEngine<f32> {
+impl<T: crate::cpu::Float + optim::Real> StepExecutor for CpuEngine<T> {
     fn plan(&self) -> &Plan {
         CpuEngine::plan(self)
     }
