@@ -28,11 +28,16 @@ fn soap_fp32_vs_fp64_drift_over_20_steps() {
         cache_dir: Some(std::env::temp_dir().join("asteria-token-cache")),
         ..Default::default()
     };
-    let mut e32: CpuEngine<f32> = CpuEngine::new(plan.clone(), EngineOptions::default()).expect("f32");
+    let mut e32: CpuEngine<f32> =
+        CpuEngine::new(plan.clone(), EngineOptions::default()).expect("f32");
     let mut e64: CpuEngine<f64> = CpuEngine::new(plan, EngineOptions::default()).expect("f64");
     let a = train_with(&mut e32, &opts).expect("f32 run");
     let b = train_with(&mut e64, &opts).expect("f64 run");
     for (i, (x, y)) in a.train_losses.iter().zip(&b.train_losses).enumerate() {
-        eprintln!("step {:>2}: f32 {x:.7} f64 {y:.7} rel {:.2e}", i + 1, ((x - y) / y).abs());
+        eprintln!(
+            "step {:>2}: f32 {x:.7} f64 {y:.7} rel {:.2e}",
+            i + 1,
+            ((x - y) / y).abs()
+        );
     }
 }

@@ -364,6 +364,9 @@ pub struct SelftestArgs {
     pub tol: f64,
     pub refresh: String,
     pub cache_dir: Option<std::path::PathBuf>,
+    pub compare_state: bool,
+    pub resync: bool,
+    pub state_tol: f64,
 }
 
 /// `asteria selftest --device cuda`: the kernel self-test and the CPU-vs-GPU training checks.
@@ -406,6 +409,9 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
                     .unwrap_or_else(|| std::env::temp_dir().join("asteria-token-cache")),
             ),
             threads: None,
+            compare_state: a.compare_state,
+            resync: a.resync,
+            state_tol: a.state_tol,
         };
         match cuda::train_match::train_match(&plan, &opts) {
             Ok(r) => {

@@ -145,6 +145,17 @@ enum Command {
         /// Folder for the token cache.
         #[arg(long, value_name = "DIR")]
         cache_dir: Option<PathBuf>,
+        /// Train-match: run both engines in lockstep and compare every plan buffer after each
+        /// step (prints the buffers over `--state-tol`, worst 5).
+        #[arg(long)]
+        compare_state: bool,
+        /// With `--compare-state`: copy the CPU state into the GPU engine after each step, so
+        /// each step's differences are one step's.
+        #[arg(long)]
+        resync: bool,
+        /// With `--compare-state`: list buffers whose max|gpu - cpu| / max|cpu| exceeds this.
+        #[arg(long, default_value_t = 1e-5)]
+        state_tol: f64,
     },
     /// Plot loss curves of metrics files (`--metrics` JSONL of `asteria train`) as an SVG.
     Plot {
@@ -225,6 +236,9 @@ fn main() -> ExitCode {
             tol,
             refresh,
             cache_dir,
+            compare_state,
+            resync,
+            state_tol,
         } => commands::selftest(&commands::SelftestArgs {
             device,
             ordinal,
@@ -237,6 +251,9 @@ fn main() -> ExitCode {
             tol,
             refresh,
             cache_dir,
+            compare_state,
+            resync,
+            state_tol,
         }),
         Command::Plot {
             metrics,

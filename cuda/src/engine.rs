@@ -535,6 +535,38 @@ impl CudaEngine {
         })
     }
 
+    /// Overwrites buffer `name` with `values` (rounded to f32, or to i32 for i32 buffers), as
+    /// `engine::CpuEngine::set_buffer` (the train-match's `--resync` copies the CPU state in).
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownBuffer`], [`EngineError::Length`] on a wrong element count, or a
+    /// CUDA error.
+    pub fn set_buffer(&mut self, name: &str, values: &[f64]) -> Result<(), EngineError> {
+        let id = self.id(name)?;
+        let expected = self.plan.buffer(id).numel();
+        if values.len() != expected {
+            return Err(EngineError::Length {
+                buffer: name.to_string(),
+                expected,
+                got: values.len(),
+            });
+        }
+        let b = &self.bufs[id.index()];
+        let e = |err| cuda_err("upload", err);
+        match b.elem() {
+            Elem::I32 => {
+                let v: Vec<i32> = values.iter().map(|&x| x.round() as i32).collect();
+                self.dev.upload(b, &v).map_err(e)?;
+            }
+            _ => {
+                let v: Vec<f32> = values.iter().map(|&x| x as f32).collect();
+                self.dev.upload(b, &v).map_err(e)?;
+            }
+        }
+        self.shadow_fresh[id.index()] = false;
+        Ok(())
+    }
+
     fn b(&self, id: BufferId) -> &Buf {
         &self.bufs[id.index()]
     }

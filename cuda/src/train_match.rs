@@ -6,8 +6,13 @@
 //! The GPU side runs with `precision = fp32` (plain fp32 GEMMs, no TF32) whatever the plan
 //! says, so the only differences are rounding (summation order, fused kernels).
 use crate::engine::{CudaEngine, CudaOptions, RefreshMode};
-use engine::{train_with, CpuEngine, EngineOptions, StepExecutor, TrainOptions};
+use engine::{
+    train_with, CpuEngine, EngineError, EngineOptions, EngineStats, HostTaskReport, StepExecutor,
+    TrainOptions,
+};
+use schedule::{BufferClass, DType};
 use schedule::{Plan, Precision, TargetPlan};
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -25,6 +30,14 @@ pub struct MatchOptions {
     pub cache_dir: Option<PathBuf>,
     /// CPU engine threads (`None` = all cores).
     pub threads: Option<usize>,
+    /// Run both engines in lockstep and, after every step, compare every plan buffer
+    /// (`max|gpu − cpu| / max|cpu|`); see [`MatchReport::state_log`].
+    pub compare_state: bool,
+    /// With `compare_state`: after each step's comparison, copy the CPU engine's buffers into
+    /// the GPU engine, so each step's differences are one step's (not accumulated).
+    pub resync: bool,
+    /// Buffers whose relative difference exceeds this are listed (default 1e-5).
+    pub state_tol: f64,
 }
 
 impl Default for MatchOptions {
@@ -35,6 +48,9 @@ impl Default for MatchOptions {
             refresh: RefreshMode::Gpu,
             cache_dir: None,
             threads: None,
+            compare_state: false,
+            resync: false,
+            state_tol: 1e-5,
         }
     }
 }
@@ -60,6 +76,8 @@ pub struct MatchReport {
     pub seconds: (f64, f64),
     /// Refreshes done on the GPU engine.
     pub gpu_refreshes: u64,
+    /// With `compare_state`: per-step lines naming the buffers over `state_tol` (worst 5).
+    pub state_log: Vec<String>,
 }
 
 impl MatchReport {
@@ -75,6 +93,9 @@ impl MatchReport {
     pub fn table(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(s, "train-match `{}` on {}", self.name, self.gpu);
+        for line in &self.state_log {
+            let _ = writeln!(s, "{line}");
+        }
         let _ = writeln!(s, "| step | cpu loss | gpu loss | rel diff |");
         let _ = writeln!(s, "|---|---|---|---|");
         for (i, (c, g)) in self.cpu_losses.iter().zip(&self.gpu_losses).enumerate() {
@@ -131,6 +152,9 @@ pub fn train_match(plan: &Plan, opts: &MatchOptions) -> Result<MatchReport, Stri
             ..EngineOptions::default()
         },
     };
+    if opts.compare_state {
+        return lockstep_match(&plan, opts, &train_opts);
+    }
     let t0 = Instant::now();
     let mut gpu = CudaEngine::new(
         plan.clone(),
@@ -177,5 +201,332 @@ pub fn train_match(plan: &Plan, opts: &MatchOptions) -> Result<MatchReport, Stri
         tol: opts.tol,
         seconds: (cpu_s, gpu_s),
         gpu_refreshes: gpu.stats().refreshes,
+        state_log: Vec::new(),
+    })
+}
+
+/// Both engines driven by one `train_with` (same batches, steps, lr schedule); the CPU engine's
+/// losses are the run's, the GPU engine's are recorded, and every plan buffer is compared at
+/// the end of every step (after the host tasks).
+struct Lockstep<'a> {
+    cpu: &'a mut CpuEngine<f32>,
+    gpu: &'a mut CudaEngine,
+    resync: bool,
+    tol: f64,
+    /// GPU loss of the last forward not yet followed by a backward.
+    pending: Option<f64>,
+    gpu_train: Vec<f64>,
+    gpu_eval: Vec<f64>,
+    log: Vec<String>,
+    first: Option<(u64, String, f64)>,
+}
+
+/// `max|a − b| / max|b|` (0 for two all-zero buffers, ∞ for a NaN or a length mismatch;
+/// never NaN).
+fn state_rel(a: &[f64], b: &[f64]) -> (f64, f64) {
+    if a.len() != b.len() {
+        return (f64::INFINITY, 0.0);
+    }
+    let (mut d, mut m) = (0.0f64, 0.0f64);
+    for (x, y) in a.iter().zip(b) {
+        let diff = (x - y).abs();
+        if diff.is_nan() {
+            return (f64::INFINITY, m);
+        }
+        d = d.max(diff);
+        m = m.max(y.abs());
+    }
+    let r = if d == 0.0 {
+        0.0
+    } else if m == 0.0 {
+        f64::INFINITY
+    } else {
+        d / m
+    };
+    (r, m)
+}
+
+/// Column signs `s_j = sign(Σ_i a_ij b_ij)` of a row-major `[d, d]` basis (QR / eigh columns
+/// have arbitrary signs; a flipped column is the same basis vector).
+fn column_signs(a: &[f64], b: &[f64]) -> Vec<f64> {
+    let d = (a.len() as f64).sqrt().round() as usize;
+    if d == 0 || d * d != a.len() || a.len() != b.len() {
+        return Vec::new();
+    }
+    let mut dot = vec![0.0f64; d];
+    for (ra, rb) in a.chunks_exact(d).zip(b.chunks_exact(d)) {
+        for ((acc, x), y) in dot.iter_mut().zip(ra).zip(rb) {
+            *acc += x * y;
+        }
+    }
+    dot.iter()
+        .map(|&x| if x < 0.0 { -1.0 } else { 1.0 })
+        .collect()
+}
+
+impl Lockstep<'_> {
+    fn compare(&mut self, t: u64) -> Result<(), EngineError> {
+        let plan = self.cpu.plan().clone();
+        // Bases first: their column signs align the eigenbasis moments.
+        let mut order: Vec<usize> = (0..plan.buffers.len()).collect();
+        order.sort_by_key(|&i| plan.buffers[i].class != BufferClass::Eigenbasis);
+        let mut signs: HashMap<String, Vec<f64>> = HashMap::new();
+        let mut rows: Vec<(f64, String, f64)> = Vec::new();
+        let mut classes: Vec<BufferClass> = Vec::new();
+        for i in order {
+            let b = &plan.buffers[i];
+            let name = b.name.clone();
+            let mut g = self.gpu.buffer(&name)?;
+            let c = self.cpu.buffer(&name)?;
+            let mut label = name.clone();
+            match b.class {
+                BufferClass::Eigenbasis => {
+                    let s = column_signs(&g, &c);
+                    let d = s.len();
+                    if d > 0 && s.iter().any(|&x| x < 0.0) {
+                        let raw = state_rel(&g, &c).0;
+                        for row in g.chunks_exact_mut(d) {
+                            for (x, sj) in row.iter_mut().zip(&s) {
+                                *x *= sj;
+                            }
+                        }
+                        let flips = s.iter().filter(|&&x| x < 0.0).count();
+                        label = format!("{name} [{flips} col signs aligned; raw {raw:.1e}]");
+                    }
+                    signs.insert(name.clone(), s);
+                }
+                BufferClass::ExpAvg => {
+                    let p = name.strip_suffix(".exp_avg").unwrap_or(&name).to_string();
+                    let (m, n) = match b.shape[..] {
+                        [m, n] => (m, n),
+                        _ => (1, b.numel()),
+                    };
+                    let sl = signs.get(&format!("{p}.QL")).filter(|s| s.len() == m);
+                    let sr = signs.get(&format!("{p}.QR")).filter(|s| s.len() == n);
+                    let flips =
+                        |s: Option<&Vec<f64>>| s.is_some_and(|v| v.iter().any(|&x| x < 0.0));
+                    if flips(sl) || flips(sr) {
+                        for (r, row) in g.chunks_exact_mut(n.max(1)).enumerate() {
+                            let a = sl.map_or(1.0, |v| v[r]);
+                            for (j, x) in row.iter_mut().enumerate() {
+                                *x *= a * sr.map_or(1.0, |v| v[j]);
+                            }
+                        }
+                        label = format!("{name} [basis signs aligned]");
+                    }
+                }
+                _ => {}
+            }
+            let (r, m) = state_rel(&g, &c);
+            rows.push((r, label, m));
+            classes.push(b.class);
+        }
+        // Per class: buffers over tol and the worst one (bases would hide everything else in
+        // a plain worst-5 list).
+        let mut by_class: Vec<(String, usize, f64, String)> = Vec::new();
+        for ((r, name, _), class) in rows.iter().zip(&classes) {
+            if *r <= self.tol {
+                continue;
+            }
+            let key = format!("{class:?}");
+            match by_class.iter_mut().find(|e| e.0 == key) {
+                Some(e) => {
+                    e.1 += 1;
+                    if *r > e.2 {
+                        e.2 = *r;
+                        e.3 = name.clone();
+                    }
+                }
+                None => by_class.push((key, 1, *r, name.clone())),
+            }
+        }
+        rows.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let over: Vec<&(f64, String, f64)> = rows.iter().filter(|r| r.0 > self.tol).collect();
+        if over.is_empty() {
+            let w = &rows[0];
+            self.log.push(format!(
+                "state step {t}: all {} buffers within {:.0e} (worst {} {:.2e})",
+                rows.len(),
+                self.tol,
+                w.1,
+                w.0
+            ));
+        } else {
+            if self.first.is_none() {
+                self.first = Some((t, over[0].1.clone(), over[0].0));
+            }
+            let worst: Vec<String> = over
+                .iter()
+                .take(5)
+                .map(|(r, n, m)| format!("{n} {r:.2e} (max|cpu| {m:.2e})"))
+                .collect();
+            let classes: Vec<String> = by_class
+                .iter()
+                .map(|(c, k, r, n)| format!("{c} {k} (worst {n} {r:.2e})"))
+                .collect();
+            self.log.push(format!(
+                "state step {t}: {} of {} buffers over {:.0e}; by class: {}; worst: {}",
+                over.len(),
+                rows.len(),
+                self.tol,
+                classes.join(", "),
+                worst.join("; ")
+            ));
+        }
+        if self.resync {
+            // The state that carries over to the next step; activations are rewritten anyway.
+            for b in &plan.buffers {
+                if b.dtype == DType::F32 && b.class != BufferClass::Activation {
+                    let c = self.cpu.buffer(&b.name)?;
+                    self.gpu.set_buffer(&b.name, &c)?;
+                }
+            }
+            self.gpu.synchronize()?;
+        }
+        Ok(())
+    }
+}
+
+impl StepExecutor for Lockstep<'_> {
+    fn plan(&self) -> &Plan {
+        self.cpu.plan()
+    }
+    fn load_batch(&mut self, tokens: &[i32], targets: &[i32]) -> Result<(), EngineError> {
+        self.cpu.load_batch(tokens, targets)?;
+        self.gpu.load_batch(tokens, targets)
+    }
+    fn forward(&mut self) -> Result<f64, EngineError> {
+        let c = self.cpu.forward()?;
+        let g = StepExecutor::forward(self.gpu)?;
+        if let Some(prev) = self.pending.replace(g) {
+            self.gpu_eval.push(prev);
+        }
+        Ok(c)
+    }
+    fn backward(&mut self) -> Result<(), EngineError> {
+        self.cpu.backward()?;
+        StepExecutor::backward(self.gpu)?;
+        if let Some(g) = self.pending.take() {
+            self.gpu_train.push(g);
+        }
+        Ok(())
+    }
+    fn optimizer_step(&mut self, t: u64, lr_multiplier: f64) -> Result<bool, EngineError> {
+        let c = self.cpu.optimizer_step(t, lr_multiplier)?;
+        let g = StepExecutor::optimizer_step(self.gpu, t, lr_multiplier)?;
+        if c != g {
+            self.log.push(format!(
+                "step {t}: optimizer step taken on cpu {c}, gpu {g}"
+            ));
+        }
+        Ok(c)
+    }
+    fn run_host_tasks(&mut self, t: u64) -> Result<HostTaskReport, EngineError> {
+        let r = self.cpu.run_host_tasks(t)?;
+        let g = StepExecutor::run_host_tasks(self.gpu, t)?;
+        if r.refreshed != g.refreshed || r.failed != g.failed {
+            self.log.push(format!(
+                "step {t}: refreshes cpu {}/{} failed, gpu {}/{} failed",
+                r.refreshed, r.failed, g.refreshed, g.failed
+            ));
+        }
+        self.gpu.synchronize()?;
+        self.compare(t)?;
+        Ok(r)
+    }
+    fn stats(&self) -> &EngineStats {
+        self.cpu.stats()
+    }
+    fn describe(&self) -> String {
+        self.gpu.describe()
+    }
+    fn synchronize(&mut self) -> Result<(), EngineError> {
+        self.gpu.synchronize()
+    }
+}
+
+/// [`train_match`] with `compare_state`: both engines in lockstep (see [`Lockstep`]).
+fn lockstep_match(
+    plan: &Plan,
+    opts: &MatchOptions,
+    train_opts: &TrainOptions,
+) -> Result<MatchReport, String> {
+    let t0 = Instant::now();
+    let mut gpu = CudaEngine::new(
+        plan.clone(),
+        CudaOptions {
+            engine: train_opts.engine.clone(),
+            refresh: opts.refresh,
+            ..CudaOptions::default()
+        },
+    )
+    .map_err(|e| format!("CUDA engine: {e}"))?;
+    let mut cpu = CpuEngine::<f32>::new(plan.clone(), train_opts.engine.clone())
+        .map_err(|e| format!("CPU engine: {e}"))?;
+    let mut ls = Lockstep {
+        cpu: &mut cpu,
+        gpu: &mut gpu,
+        resync: opts.resync,
+        tol: opts.state_tol,
+        pending: None,
+        gpu_train: Vec::new(),
+        gpu_eval: Vec::new(),
+        log: vec![format!(
+            "state comparison: max|gpu - cpu| / max|cpu| per plan buffer after each step{}",
+            if opts.resync {
+                ", GPU re-synced to the CPU state after each step (one-step differences)"
+            } else {
+                " (accumulated)"
+            }
+        )],
+        first: None,
+    };
+    let c = train_with(&mut ls, train_opts).map_err(|e| format!("lockstep run: {e}"))?;
+    if let Some(g) = ls.pending.take() {
+        ls.gpu_eval.push(g);
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let mut log = std::mem::take(&mut ls.log);
+    log.push(match &ls.first {
+        Some((t, n, r)) => format!("first buffer over tol: step {t}, {n} ({r:.2e})"),
+        None => "no buffer over tol".to_string(),
+    });
+    let k = plan.train.eval_batches.max(1) as usize;
+    let gpu_val: Vec<f64> = ls
+        .gpu_eval
+        .chunks(k)
+        .map(|ch| ch.iter().sum::<f64>() / ch.len() as f64)
+        .collect();
+    let gpu_train = std::mem::take(&mut ls.gpu_train);
+    let mut max_rel = if c.train_losses.len() == gpu_train.len() {
+        0.0f64
+    } else {
+        f64::INFINITY
+    };
+    for (a, b) in c.train_losses.iter().zip(&gpu_train) {
+        let r = rel(*a, *b);
+        max_rel = if r.is_nan() {
+            f64::INFINITY
+        } else {
+            max_rel.max(r)
+        };
+    }
+    let val = c
+        .val_losses
+        .iter()
+        .zip(&gpu_val)
+        .map(|(a, b)| (a.0, a.1, *b))
+        .collect();
+    Ok(MatchReport {
+        name: plan.name.clone(),
+        gpu: gpu.describe(),
+        cpu_losses: c.train_losses,
+        gpu_losses: gpu_train,
+        val,
+        max_rel,
+        tol: opts.tol,
+        seconds: (secs, secs),
+        gpu_refreshes: gpu.stats().refreshes,
+        state_log: log,
     })
 }
