@@ -4,6 +4,14 @@ extern crate openblas_src;
 
 use crate::eigh::{check_input, check_output, EigenError, Eigh, HostEigensolver};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+/// Serializes every LAPACK call of the process. OpenBLAS's pthread build is not safe for
+/// concurrent calls from several caller threads while its (process-global) thread count is
+/// changed: two concurrent `?syevd` calls (e.g. two refresh workers, or parallel tests)
+/// intermittently returned non-finite eigenvectors here. Each call already uses all of
+/// OpenBLAS's threads, so serializing loses little.
+static LAPACK_LOCK: Mutex<()> = Mutex::new(());
 
 extern "C" {
     fn openblas_set_num_threads(num_threads: std::os::raw::c_int);
@@ -128,9 +136,12 @@ impl HostEigensolver for LapackEigensolver {
         "lapack"
     }
     fn eigh_f32(&self, a: &[f32], n: usize) -> Result<Eigh<f32>, EigenError> {
+        // A poisoned lock only means another call panicked; LAPACK holds no state of ours.
+        let _guard = LAPACK_LOCK.lock().unwrap_or_else(|p| p.into_inner());
         eigh_f32_impl(a, n)
     }
     fn eigh_f64(&self, a: &[f64], n: usize) -> Result<Eigh<f64>, EigenError> {
+        let _guard = LAPACK_LOCK.lock().unwrap_or_else(|p| p.into_inner());
         eigh_f64_impl(a, n)
     }
 }
