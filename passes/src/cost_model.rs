@@ -120,7 +120,7 @@ impl TargetDescription {
                 host_qr_ms: vec![(64, 0.2), (256, 4.0), (1024, 150.0)],
                 gpu_eigh_ms: vec![],
                 gpu_qr_ms: vec![],
-                train_tflops: 0.02,
+                train_tflops: 0.06,
                 side_stream_interference: 0.0,
             },
             _ => return None,
