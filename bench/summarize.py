@@ -31,7 +31,7 @@ for r in runs:
     tr = [s for s in steps if "loss" in s]
     val = [s for s in steps if "val_loss" in s]
     ms = [s["step_ms"] for s in tr[skip:]]
-    tok = tr[0]["tokens_per_s"] * tr[0]["step_ms"] / 1e3 if tr else 0
+    tok = tr[0].get("tokens_per_s", 0) * tr[0]["step_ms"] / 1e3 if tr else 0
     peak = ""
     if err:
         m = re.search(r"GPU peak used ([0-9.]+) GiB", open(err, errors="replace").read())
@@ -48,10 +48,13 @@ if torch_file:
                 rows.append(dict(name="torch " + d["opt"] + (" compile" if d["compile"] else " eager"), steps=60,
                                  median=d["median_ms"], p99=d["p99_ms"], max=d["max_ms"], mean=d["mean_ms"],
                                  tps=d["tokens_per_s"], loss=d["last_loss"], val=float("nan"), peak="%.1f" % d["peak_mem_GiB"]))
-ref = next((r for r in rows if r["name"] == "torch adamw eager"), None)
-print("| run | steps | median ms | p99 ms | max ms | mean ms | tokens/s | vs torch eager AdamW | last loss | last val loss | peak GiB |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
+ref = next((r for r in rows if r["name"].lower() == "torch adamw eager"), None)
+ours = next((r for r in rows if r["name"].lower() == "asteria adamw"), None)
+print("| run | steps | median ms | p99 ms | max ms | mean ms | max/median | mean vs asteria AdamW mean | tokens/s | vs torch eager AdamW | last loss | last val loss | peak GiB |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     ratio = "%.2fx" % (r["tps"] / ref["tps"]) if ref and ref["tps"] else "-"
-    print("| %s | %d | %.1f | %.1f | %.1f | %.1f | %.0f | %s | %.3f | %.3f | %s |" % (
-        r["name"], r["steps"], r["median"], r["p99"], r["max"], r["mean"], r["tps"], ratio, r["loss"], r["val"], r["peak"] or "-"))
+    vs_ours = "%.3fx" % (r["mean"] / ours["mean"]) if ours and ours["mean"] else "-"
+    print("| %s | %d | %.1f | %.1f | %.1f | %.1f | %.3f | %s | %.0f | %s | %.3f | %.3f | %s |" % (
+        r["name"], r["steps"], r["median"], r["p99"], r["max"], r["mean"], r["max"] / r["median"], vs_ours,
+        r["tps"], ratio, r["loss"], r["val"], r["peak"] or "-"))

@@ -224,6 +224,9 @@ fn execute_cuda(plan: &Plan, opts: &engine::TrainOptions) -> Result<()> {
         stats.host_task_ms,
         stats.refreshes
     );
+    if stats.refreshes > 0 {
+        eprintln!("cuda: {}", eng.refresh_timing());
+    }
     let profile = eng.profile_table();
     if !profile.is_empty() {
         eprintln!("per-op GPU time (ASTERIA_CUDA_PROFILE: every op synchronized):\n{profile}");
@@ -438,7 +441,7 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
 /// One series of a metrics file: `(step, loss)` and `(step, val_loss)`.
 type Series = (String, Vec<(f64, f64)>, Vec<(f64, f64)>);
 
-fn read_series(arg: &str) -> Result<Series> {
+fn read_series(arg: &str, metric: &str) -> Result<Series> {
     let (name, path) = match arg.split_once('=') {
         Some((n, p)) => (n.to_string(), std::path::PathBuf::from(p)),
         None => {
@@ -466,8 +469,10 @@ fn read_series(arg: &str) -> Result<Series> {
         let step = v.get("step").and_then(serde_json::Value::as_f64);
         match (
             step,
-            v.get("loss").and_then(serde_json::Value::as_f64),
-            v.get("val_loss").and_then(serde_json::Value::as_f64),
+            v.get(metric).and_then(serde_json::Value::as_f64),
+            v.get("val_loss")
+                .and_then(serde_json::Value::as_f64)
+                .filter(|_| metric == "loss"),
         ) {
             (Some(s), Some(l), _) if l.is_finite() => train.push((s, l)),
             (Some(s), _, Some(l)) if l.is_finite() => val.push((s, l)),
@@ -477,19 +482,23 @@ fn read_series(arg: &str) -> Result<Series> {
     Ok((name, train, val))
 }
 
-/// `asteria plot`: training (lines) and validation (markers) loss of metrics files as an SVG.
-pub fn plot(metrics: &[String], output: &Path, title: &str) -> Result<()> {
+/// `asteria plot`: training (lines) and validation (markers) loss of metrics files as an SVG;
+/// with `metric` other than `loss`, that per-step key instead (e.g. `step_ms`, ms per step).
+///
+/// # Errors
+/// Unreadable or non-JSON files, no finite values, SVG write failures.
+pub fn plot(metrics: &[String], output: &Path, title: &str, metric: &str) -> Result<()> {
     use plotters::prelude::*;
     let series = metrics
         .iter()
-        .map(|m| read_series(m))
+        .map(|m| read_series(m, metric))
         .collect::<Result<Vec<_>>>()?;
     let all = || series.iter().flat_map(|(_, t, v)| t.iter().chain(v));
     let x_max = all().map(|p| p.0).fold(1.0f64, f64::max);
     let y_min = all().map(|p| p.1).fold(f64::INFINITY, f64::min);
     let y_max = all().map(|p| p.1).fold(f64::NEG_INFINITY, f64::max);
     if !y_min.is_finite() || !y_max.is_finite() {
-        return Err(miette!("no finite losses in the metrics files"));
+        return Err(miette!("no finite `{metric}` values in the metrics files"));
     }
     let pad = 0.05 * (y_max - y_min).max(1e-3);
     let draw = || -> std::result::Result<(), Box<dyn std::error::Error>> {
@@ -504,7 +513,11 @@ pub fn plot(metrics: &[String], output: &Path, title: &str) -> Result<()> {
         chart
             .configure_mesh()
             .x_desc("step")
-            .y_desc("loss (nats)")
+            .y_desc(if metric == "loss" {
+                "loss (nats)".to_string()
+            } else {
+                metric.to_string()
+            })
             .draw()?;
         for (i, (name, train, val)) in series.iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
@@ -513,7 +526,11 @@ pub fn plot(metrics: &[String], output: &Path, title: &str) -> Result<()> {
                     train.iter().copied(),
                     color.stroke_width(2),
                 ))?
-                .label(format!("{name} train"))
+                .label(if metric == "loss" {
+                    format!("{name} train")
+                } else {
+                    name.clone()
+                })
                 .legend(move |(x, y)| {
                     PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
                 });

@@ -168,6 +168,9 @@ enum Command {
         /// Title of the plot.
         #[arg(long, default_value = "training loss")]
         title: String,
+        /// The per-step key to plot (`loss`, `step_ms`, `optimizer_ms`, `refresh_wait_ms`, ...).
+        #[arg(long, default_value = "loss")]
+        metric: String,
     },
     /// Micro-benchmarks of the runtime's building blocks.
     Bench {
@@ -259,7 +262,8 @@ fn main() -> ExitCode {
             metrics,
             output,
             title,
-        } => commands::plot(&metrics, &output, &title),
+            metric,
+        } => commands::plot(&metrics, &output, &title, &metric),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -66,3 +66,31 @@ extern "C" __global__ void count_nonfinite(const float* __restrict__ x, long lon
     for (long long i = gtid(); i < n; i += gstride()) local += isfinite(x[i]) ? 0 : 1;
     if (local) atomicAdd(count, local);
 }
+
+// Stable descending argsort of est[0..d) under IEEE total order (Rust's f64::total_cmp):
+// idx[r] = j where r = #{k : est[k] > est[j]} + #{k < j : est[k] == est[j]}. One thread per
+// element, O(d^2) comparisons (d <= max_precond_dim: microseconds), no host round trip.
+__device__ __forceinline__ long long total_key(double x) {
+    const long long b = __double_as_longlong(x);
+    return b ^ (long long)(((unsigned long long)(b >> 63)) >> 1);
+}
+extern "C" __global__ void argsort_desc(const double* __restrict__ est, int* __restrict__ idx, int d) {
+    for (long long j = gtid(); j < d; j += gstride()) {
+        const long long kj = total_key(est[j]);
+        int rank = 0;
+        for (int k = 0; k < d; ++k) {
+            const long long kk = total_key(est[k]);
+            rank += (kk > kj) || (kk == kj && k < j);
+        }
+        idx[rank] = (int)j;
+    }
+}
+
+// *out = max(*out, bits of |x[i]|) over i < n (non-negative floats order as their bit
+// patterns; NaN payloads sort above +Inf). *out must be zeroed first: 0 afterwards means an
+// all-zero x.
+extern "C" __global__ void abs_max_bits(const float* __restrict__ x, long long n, int* __restrict__ out) {
+    int local = 0;
+    for (long long i = gtid(); i < n; i += gstride()) local = max(local, __float_as_int(fabsf(x[i])));
+    if (local) atomicMax(out, local);
+}

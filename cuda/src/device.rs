@@ -9,7 +9,7 @@ use cudarc::cublas::{result as cb, sys as cbsys};
 use cudarc::driver::{
     result as drv, sys, CudaContext, CudaEvent, CudaStream, LaunchConfig, PushKernelArg,
 };
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 /// True when the CUDA driver library can be loaded (checked before touching cudarc, whose
@@ -142,12 +142,13 @@ pub struct Device {
     copy_out: Arc<CudaStream>,
     side: Arc<CudaStream>,
     cublas: Cublas,
+    cublas_side: Cublas,
     kernels: Kernels,
     info: DeviceInfo,
     counters: Arc<MemCounters>,
     status: Buf,
     _internal: Arena,
-    fast_bf16: AtomicBool,
+    gemm_math: AtomicU8,
 }
 
 /// How the fp32-storage GEMMs ([`crate::gemm::gemm_f32`] and the attention GEMMs) compute.
@@ -158,6 +159,27 @@ pub enum GemmMath {
     /// Inputs rounded to bf16 inside cuBLAS, fp32 accumulation and output
     /// (`CUBLAS_COMPUTE_32F_FAST_16BF`): the model GEMMs of a `precision = bf16` plan.
     Bf16,
+    /// TF32 tensor cores (inputs rounded to a 10-bit mantissa, fp32 accumulation and output;
+    /// `CUBLAS_COMPUTE_32F_FAST_TF32`, PyTorch's `allow_tf32 = True`): SOAP's per-step GEMMs
+    /// (factor accumulation, projections) of a `precision = bf16` plan. Refreshes stay fp32.
+    Tf32,
+}
+
+impl GemmMath {
+    fn code(self) -> u8 {
+        match self {
+            GemmMath::Fp32 => 0,
+            GemmMath::Bf16 => 1,
+            GemmMath::Tf32 => 2,
+        }
+    }
+    fn from_code(c: u8) -> GemmMath {
+        match c {
+            1 => GemmMath::Bf16,
+            2 => GemmMath::Tf32,
+            _ => GemmMath::Fp32,
+        }
+    }
 }
 
 /// 1 << 31 − 1: dimensions passed to kernels as `int` must stay below it.
@@ -209,13 +231,17 @@ impl Device {
 
         let handle = cb::create_handle().map_err(cublas("create_handle"))?;
         let cublas_h = Cublas(handle);
-        // SAFETY: live handle and stream.
-        unsafe {
-            cb::set_stream(handle, compute.cu_stream() as cbsys::cudaStream_t)
-                .map_err(cublas("set_stream"))?;
-            cbsys::cublasSetMathMode(handle, cbsys::cublasMath_t::CUBLAS_DEFAULT_MATH)
-                .result()
-                .map_err(cublas("set_math_mode"))?;
+        let side_handle = cb::create_handle().map_err(cublas("create_handle"))?;
+        let cublas_side = Cublas(side_handle);
+        for (h, s) in [(handle, &compute), (side_handle, &side)] {
+            // SAFETY: live handle and stream.
+            unsafe {
+                cb::set_stream(h, s.cu_stream() as cbsys::cudaStream_t)
+                    .map_err(cublas("set_stream"))?;
+                cbsys::cublasSetMathMode(h, cbsys::cublasMath_t::CUBLAS_DEFAULT_MATH)
+                    .result()
+                    .map_err(cublas("set_math_mode"))?;
+            }
         }
         let mut cublas_version = 0;
         // SAFETY: live handle, out-pointer to a live integer.
@@ -255,12 +281,13 @@ impl Device {
             copy_out,
             side,
             cublas: cublas_h,
+            cublas_side,
             kernels,
             info,
             counters,
             status,
             _internal: internal,
-            fast_bf16: AtomicBool::new(false),
+            gemm_math: AtomicU8::new(GemmMath::Fp32.code()),
         };
         dev.upload(&dev.status, &[i32::MAX])?;
         Ok(dev)
@@ -268,23 +295,12 @@ impl Device {
 
     /// Sets how later fp32-storage GEMMs compute (see [`GemmMath`]); returns the previous mode.
     pub fn set_gemm_math(&self, math: GemmMath) -> GemmMath {
-        let was = self
-            .fast_bf16
-            .swap(math == GemmMath::Bf16, Ordering::Relaxed);
-        if was {
-            GemmMath::Bf16
-        } else {
-            GemmMath::Fp32
-        }
+        GemmMath::from_code(self.gemm_math.swap(math.code(), Ordering::Relaxed))
     }
 
     /// The current [`GemmMath`].
     pub fn gemm_math(&self) -> GemmMath {
-        if self.fast_bf16.load(Ordering::Relaxed) {
-            GemmMath::Bf16
-        } else {
-            GemmMath::Fp32
-        }
+        GemmMath::from_code(self.gemm_math.load(Ordering::Relaxed))
     }
 
     /// What the driver says about the device.
@@ -461,6 +477,23 @@ impl Device {
         self.cublas.0
     }
 
+    /// The cuBLAS handle bound to stream `kind`: the side stream has its own (refreshes run
+    /// there); every other kind gets the compute stream's.
+    pub(crate) fn cublas_handle_on(&self, kind: StreamKind) -> cbsys::cublasHandle_t {
+        match kind {
+            StreamKind::Side => self.cublas_side.0,
+            _ => self.cublas.0,
+        }
+    }
+
+    /// Zeroes any buffer on stream `kind`.
+    pub fn zero_on(&self, b: &Buf, kind: StreamKind) -> Result<()> {
+        self.ctx.bind_to_thread()?;
+        // SAFETY: `b` covers `bytes()` bytes; stream-ordered on `kind`.
+        unsafe { drv::memset_d8_async(b.ptr(), 0, b.bytes(), self.stream(kind).cu_stream()) }?;
+        Ok(())
+    }
+
     /// Blocks for a grid-stride loop over `n` elements with 256 threads a block: enough to
     /// fill the GPU (32 blocks per SM at most), at least 1.
     pub(crate) fn grid_for(&self, n: usize) -> u32 {
@@ -476,13 +509,25 @@ impl Device {
         block: (u32, u32, u32),
         args: Args,
     ) -> Result<()> {
+        self.launch_on(StreamKind::Compute, kernel, grid, block, args)
+    }
+
+    /// Launches `kernel` on stream `kind`.
+    pub(crate) fn launch_on(
+        &self,
+        kind: StreamKind,
+        kernel: &'static str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        args: Args,
+    ) -> Result<()> {
         let func = self.kernels.get(kernel, &args)?;
         let cfg = LaunchConfig {
             grid_dim: grid,
             block_dim: block,
             shared_mem_bytes: 0,
         };
-        let mut b = self.compute.launch_builder(func);
+        let mut b = self.stream(kind).launch_builder(func);
         for s in &args.slots {
             b.arg(s);
         }

@@ -10,26 +10,28 @@
 //!   bit-identical initial weights on both engines.
 //! - Precision (`TargetPlan::Cuda::precision`): `fp32` runs every GEMM in plain fp32 (no TF32);
 //!   `bf16` runs the model GEMMs (plan `MatMul`s and the attention GEMMs of forward and
-//!   backward) with bf16 inputs and fp32 accumulation and output. Optimizer math (AdamW, SOAP
-//!   projections, factor updates, refreshes) is always fp32.
+//!   backward) with bf16 inputs and fp32 accumulation and output, and the optimizer program's
+//!   GEMMs (SOAP's factor accumulation and projections) on TF32 tensor cores (PyTorch's
+//!   `allow_tf32 = True`). Master weights, moments, elementwise optimizer math and every
+//!   eigenbasis refresh stay fp32.
 //! - `ClipGradNorm` reads the norm back; a non-finite norm skips the rest of the optimizer
 //!   program (counted in `EngineStats::skipped_steps`), as on the CPU.
 //! - Bad token ids / targets: the kernels set the device status word; `forward` checks it
 //!   ([`crate::Device::take_status`]) and reports the offending row and value.
-//! - Host tasks (`EigenbasisRefresh`): synchronous, either on the GPU through cuSOLVER
-//!   ([`crate::refresh`]) or on the host through `optim::eigenbasis_refresh` (the CPU engine's
-//!   function; factor, basis and moments are downloaded and the results uploaded), chosen by
-//!   [`RefreshMode`].
+//! - Host tasks (`EigenbasisRefresh`): on the GPU through cuSOLVER ([`crate::refresh`]) or on
+//!   the host through `optim` (the CPU engine's functions), as placed by the plan or forced by
+//!   [`RefreshMode`]; synchronous for S = 0, else off the critical path on the side stream or
+//!   the host pool with shadow states, double buffering and bounded staleness (module `tasks`).
 use crate::device::{Device, GemmMath};
 use crate::error::{CudaError, Tier};
 use crate::gemm::{self, Dims};
 use crate::memory::{Arena, Buf, Elem, BUF_ALIGN};
 use crate::ops::{attention as at, loss, nn, optim as op};
-use crate::refresh::{GpuRefresher, RefreshFailure};
 use engine::{EngineError, EngineOptions, EngineStats, HostTaskReport, Rng, StepExecutor};
-use schedule::{BufferId, DType, HostTask, Init, Op, Placement, Plan, Precision, TargetPlan};
-use std::sync::Arc;
+use schedule::{BufferId, DType, Init, Op, Plan, Precision, TargetPlan};
 use std::time::Instant;
+
+mod tasks;
 
 /// Where `EigenbasisRefresh` host tasks run on the CUDA engine.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -251,8 +253,7 @@ pub struct CudaEngine {
     shadow_fresh: Vec<bool>,
     scratch: Buf,
     ones: Buf,
-    refresher: Option<GpuRefresher>,
-    host_pool: Option<Arc<rayon::ThreadPool>>,
+    refreshes: tasks::Refreshes,
     stats: EngineStats,
     last_tokens: Vec<i32>,
     last_targets: Vec<i32>,
@@ -364,45 +365,9 @@ impl CudaEngine {
             });
         }
 
-        // Refresh machinery, sized for the largest task.
-        let wants_gpu = |p: Placement| match opts.refresh {
-            RefreshMode::Gpu => true,
-            RefreshMode::Host => false,
-            RefreshMode::Plan => p == Placement::GpuSide,
-        };
-        let (mut max_dim, mut max_mn, mut any_gpu, mut any_host) = (0, 0, false, false);
-        for t in &plan.host_tasks {
-            let HostTask::EigenbasisRefresh {
-                factor,
-                exp_avg,
-                placement,
-                ..
-            } = t;
-            max_dim = max_dim.max(dims2(&plan.buffer(*factor).shape).0);
-            max_mn = max_mn.max(plan.buffer(*exp_avg).numel());
-            if wants_gpu(*placement) {
-                any_gpu = true;
-            } else {
-                any_host = true;
-            }
-        }
-        let (refresher, refresh_bytes) = if any_gpu {
-            let (r, b) = GpuRefresher::new(&dev, max_dim, max_mn)
-                .map_err(e("setting up cuSOLVER refreshes"))?;
-            (Some(r), b)
-        } else {
-            (None, 0)
-        };
-        let host_pool = if any_host {
-            Some(Arc::new(
-                rayon::ThreadPoolBuilder::new()
-                    .thread_name(|i| format!("asteria-cuda-host-{i}"))
-                    .build()
-                    .map_err(|err| EngineError::Unsupported(format!("host pool: {err}")))?,
-            ))
-        } else {
-            None
-        };
+        // Refresh machinery: refreshers, swap buffers, shadows of asynchronous tasks.
+        let refreshes = tasks::Refreshes::new(&dev, &plan, opts.refresh)?;
+        let refresh_bytes = refreshes.bytes;
 
         let tasks = plan.host_tasks.len();
         let n_bufs = plan.buffers.len();
@@ -415,8 +380,7 @@ impl CudaEngine {
             shadow_fresh: vec![false; n_bufs],
             scratch,
             ones,
-            refresher,
-            host_pool,
+            refreshes,
             stats: EngineStats {
                 refresh_failures: vec![0; tasks],
                 consecutive_refresh_failures: vec![0; tasks],
@@ -953,10 +917,10 @@ impl CudaEngine {
             "backward" => std::mem::take(&mut self.plan.backward),
             _ => std::mem::take(&mut self.plan.optimizer),
         };
-        let math = if section != "optimizer" && self.precision == Precision::Bf16 {
-            GemmMath::Bf16
-        } else {
-            GemmMath::Fp32
+        let math = match (section, self.precision) {
+            (_, Precision::Fp32) => GemmMath::Fp32,
+            ("optimizer", Precision::Bf16) => GemmMath::Tf32,
+            (_, Precision::Bf16) => GemmMath::Bf16,
         };
         // The fast mode of the plan MatMuls goes through the same device switch.
         let prev = self.dev.set_gemm_math(math);
@@ -1043,87 +1007,6 @@ impl CudaEngine {
             Err(e) => Err(cuda_err("status", e)),
         }
     }
-
-    fn refresh_one(&mut self, index: usize, t: u64) -> Result<Result<bool, String>, EngineError> {
-        let HostTask::EigenbasisRefresh {
-            factor,
-            basis,
-            side,
-            exp_avg,
-            exp_avg_sq,
-            frequency,
-            offset,
-            placement,
-            ..
-        } = self.plan.host_tasks[index].clone();
-        let (m, n) = self.dims(exp_avg);
-        let on_gpu = match self.opts.refresh {
-            RefreshMode::Gpu => true,
-            RefreshMode::Host => false,
-            RefreshMode::Plan => placement == Placement::GpuSide,
-        };
-        let e = |err| cuda_err("eigenbasis refresh", err);
-        if on_gpu {
-            let r = self
-                .refresher
-                .as_ref()
-                .ok_or_else(|| EngineError::Unsupported("internal: no GPU refresher".into()))?;
-            let (f, q, ea, eas) = (
-                self.b(factor),
-                self.b(basis),
-                self.b(exp_avg),
-                self.b(exp_avg_sq),
-            );
-            return Ok(r
-                .refresh(&self.dev, t == 1, side, f, q, ea, eas, m, n)
-                .map_err(e)?
-                .map(|()| true)
-                .map_err(|f: RefreshFailure| f.to_string()));
-        }
-        // Host: the CPU engine's call, on downloaded state.
-        let t_optim = if t == 1 || offset == 0 {
-            t
-        } else {
-            1 + frequency
-        };
-        let f = self.dev.download::<f32>(self.b(factor)).map_err(e)?;
-        let mut q = self.dev.download::<f32>(self.b(basis)).map_err(e)?;
-        let mut ea = self.dev.download::<f32>(self.b(exp_avg)).map_err(e)?;
-        let mut eas = self.dev.download::<f32>(self.b(exp_avg_sq)).map_err(e)?;
-        let solver = Arc::clone(&self.opts.engine.eigensolver);
-        let pool = self
-            .host_pool
-            .clone()
-            .ok_or_else(|| EngineError::Unsupported("internal: no host pool".into()))?;
-        let out = pool.install(|| {
-            optim::eigenbasis_refresh(
-                solver.as_ref(),
-                t_optim,
-                frequency,
-                side,
-                &f,
-                &mut q,
-                &mut ea,
-                &mut eas,
-                m,
-                n,
-            )
-        });
-        match out {
-            Ok(optim::RefreshOutcome::Skipped) => Ok(Ok(false)),
-            Ok(_) => {
-                self.dev.upload(self.b(basis), &q).map_err(e)?;
-                self.dev.upload(self.b(exp_avg), &ea).map_err(e)?;
-                self.dev.upload(self.b(exp_avg_sq), &eas).map_err(e)?;
-                Ok(Ok(true))
-            }
-            Err(err) if err.is_numerical() => Ok(Err(err.to_string())),
-            Err(err) => Err(EngineError::Optim {
-                location: format!("host_tasks[{index}] (eigenbasis_refresh)"),
-                message: err.to_string(),
-            }),
-        }
-    }
 }
 
 impl StepExecutor for CudaEngine {
@@ -1175,51 +1058,7 @@ impl StepExecutor for CudaEngine {
     }
 
     fn run_host_tasks(&mut self, t: u64) -> Result<HostTaskReport, EngineError> {
-        let start = Instant::now();
-        let mut report = HostTaskReport::default();
-        let limit = self.opts.engine.max_consecutive_refresh_failures;
-        for index in 0..self.plan.host_tasks.len() {
-            let HostTask::EigenbasisRefresh {
-                factor,
-                frequency,
-                offset,
-                ..
-            } = self.plan.host_tasks[index].clone();
-            if !engine::cpu::refresh_due(t, frequency, offset) {
-                continue;
-            }
-            match self.refresh_one(index, t)? {
-                Ok(false) => {}
-                Ok(true) => {
-                    report.refreshed += 1;
-                    self.stats.refreshes += 1;
-                    self.stats.consecutive_refresh_failures[index] = 0;
-                }
-                Err(msg) => {
-                    report.failed += 1;
-                    self.stats.refresh_failures[index] += 1;
-                    self.stats.consecutive_refresh_failures[index] += 1;
-                    let run = self.stats.consecutive_refresh_failures[index];
-                    let name = self.plan.buffer(factor).name.clone();
-                    tracing::warn!(step = t, task = index, factor = %name, consecutive = run, error = %msg,
-                        "eigenbasis refresh failed; keeping the previous basis");
-                    if run >= limit {
-                        return Err(EngineError::RefreshFailures {
-                            task: index,
-                            factor: name,
-                            failures: run,
-                            limit,
-                            last: msg,
-                        });
-                    }
-                }
-            }
-        }
-        if report.refreshed + report.failed > 0 {
-            self.dev.synchronize().map_err(|e| cuda_err("refresh", e))?;
-        }
-        self.stats.host_task_ms += start.elapsed().as_secs_f64() * 1e3;
-        Ok(report)
+        self.host_tasks(t)
     }
 
     fn stats(&self) -> &EngineStats {

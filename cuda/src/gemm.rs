@@ -151,11 +151,55 @@ pub fn gemm_f32(
     alpha: f32,
     beta: f32,
 ) -> Result<()> {
+    gemm_f32_on(
+        dev,
+        crate::StreamKind::Compute,
+        a,
+        a_dims,
+        b,
+        b_dims,
+        out,
+        trans_a,
+        trans_b,
+        alpha,
+        beta,
+    )
+}
+
+/// [`gemm_f32`] on stream `kind` (the compute stream's cuBLAS handle, or the side stream's own
+/// for [`crate::StreamKind::Side`]).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_f32_on(
+    dev: &Device,
+    kind: crate::StreamKind,
+    a: &Buf,
+    a_dims: Dims,
+    b: &Buf,
+    b_dims: Dims,
+    out: &Buf,
+    trans_a: bool,
+    trans_b: bool,
+    alpha: f32,
+    beta: f32,
+) -> Result<()> {
     const OP: &str = "gemm_f32";
     check_operands(OP, a, a_dims, b, b_dims, Elem::F32)?;
     let g = Geometry::new(OP, a_dims, b_dims, trans_a, trans_b)?;
     out.expect(OP, "out", Elem::F32, g.m * g.p)?;
-    gemm_strided_batched_f32(dev, g, alpha, a.ptr(), 0, b.ptr(), 0, beta, out.ptr(), 0, 1)
+    gemm_strided_batched_f32_on(
+        dev,
+        kind,
+        g,
+        alpha,
+        a.ptr(),
+        0,
+        b.ptr(),
+        0,
+        beta,
+        out.ptr(),
+        0,
+        1,
+    )
 }
 
 /// `batch` independent row-major GEMMs of geometry `g`, operand `i` at `ptr + i·stride`
@@ -163,6 +207,37 @@ pub fn gemm_f32(
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm_strided_batched_f32(
     dev: &Device,
+    g: Geometry,
+    alpha: f32,
+    a: u64,
+    stride_a: usize,
+    b: u64,
+    stride_b: usize,
+    beta: f32,
+    c: u64,
+    stride_c: usize,
+    batch: usize,
+) -> Result<()> {
+    gemm_strided_batched_f32_on(
+        dev,
+        crate::StreamKind::Compute,
+        g,
+        alpha,
+        a,
+        stride_a,
+        b,
+        stride_b,
+        beta,
+        c,
+        stride_c,
+        batch,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_strided_batched_f32_on(
+    dev: &Device,
+    kind: crate::StreamKind,
     g: Geometry,
     alpha: f32,
     a: u64,
@@ -184,8 +259,17 @@ pub(crate) fn gemm_strided_batched_f32(
         });
     }
     dev.context().bind_to_thread()?;
-    let h = dev.cublas_handle();
-    if dev.gemm_math() == crate::device::GemmMath::Bf16 {
+    let h = dev.cublas_handle_on(kind);
+    let fast = match dev.gemm_math() {
+        crate::device::GemmMath::Fp32 => None,
+        crate::device::GemmMath::Bf16 => {
+            Some(cbsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF)
+        }
+        crate::device::GemmMath::Tf32 => {
+            Some(cbsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32)
+        }
+    };
+    if let Some(compute) = fast {
         let f32t = cbsys::cudaDataType::CUDA_R_32F;
         // SAFETY: as below; fp32 storage, bf16-rounded inputs, fp32 accumulation.
         return unsafe {
@@ -211,10 +295,10 @@ pub(crate) fn gemm_strided_batched_f32(
                 g.ldc(),
                 stride_c as i64,
                 batch as i32,
-                cbsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
+                compute,
                 cbsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
-            .map_err(cublas("gemm_strided_batched_ex fast-bf16"))
+            .map_err(cublas("gemm_strided_batched_ex (fast bf16/tf32)"))
         };
     }
     // SAFETY: the callers checked that every operand covers its (strided) matrix; alpha/beta

@@ -113,7 +113,9 @@ pub const FAMILIES: &[Family] = &[
             "gather_cols_transpose",
             "permute_rows",
             "permute_cols",
-            "count_nonfinite"
+            "count_nonfinite",
+            "argsort_desc",
+            "abs_max_bits"
         ]
     ),
 ];

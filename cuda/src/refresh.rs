@@ -5,22 +5,29 @@
 //! `optim::eigenbasis_refresh`, step for step:
 //!
 //! - init (end of step 1): `Q ← eigvecs(F + 1e-30·I)`, columns in descending eigenvalue order;
-//! - QR refresh: `est = diag(Qᵀ F Q)` (f64), `idx = argsort(est)` descending (stable, on the
-//!   host: `d` numbers), `exp_avg_sq` permuted along the side by `idx`,
-//!   `Q_new = qr(F Q[:, idx]).Q`, `exp_avg` re-projected with `C = Q_oldᵀ Q_new`
+//! - QR refresh: `est = diag(Qᵀ F Q)` (f64), `idx = argsort(est)` descending (stable, IEEE
+//!   total order, on the device: kernel `argsort_desc`), `exp_avg_sq` permuted along the side
+//!   by `idx`, `Q_new = qr(F Q[:, idx]).Q`, `exp_avg` re-projected with `C = Q_oldᵀ Q_new`
 //!   (side 0: `E ← Cᵀ E`, side 1: `E ← E C`).
 //!
-//! Everything is computed into work buffers first and copied over the state only when the
-//! result is finite, so a numerical failure (non-finite factor, solver `info ≠ 0`, non-finite
-//! basis) leaves basis and moments untouched. cuSOLVER is column-major; a symmetric factor is
-//! its own transpose, and `Q_oldᵀ F` computed row-major is `F Q_old` column-major, which is what
-//! the QR needs. Work runs on the compute stream (synchronous refreshes; the side stream and
-//! staleness are later work).
+//! A refresh is two halves, as on the CPU (`optim::refresh_compute` / `refresh_apply`):
+//! [`GpuRefresher::compute`] enqueues the candidate basis, permutation and status words into a
+//! [`RefreshSlot`] on the refresher's stream without blocking the host and without touching
+//! the state; [`apply`] (the swap, on the compute stream) installs them once the host has read
+//! the status words and [`verdict`] found them clean. So a numerical failure (non-finite factor
+//! or basis, solver `info ≠ 0`, all-zero factor at a QR refresh, non-finite new basis) leaves
+//! basis and moments untouched. The synchronous refresh (S = 0, and every first basis) runs
+//! both halves back to back on the compute stream with one status read in between; the
+//! asynchronous one (S > 0, `placement = gpu_side`) runs `compute` on the low-priority side
+//! stream on a snapshot of the factor and `apply` at a later step boundary (see
+//! `crate::engine`). cuSOLVER is column-major; a symmetric factor is its own transpose, and
+//! `Q_oldᵀ F` computed row-major is `F Q_old` column-major, which is what the QR needs.
 use crate::device::{Device, GemmMath};
 use crate::error::{CudaError, Result};
-use crate::gemm::{gemm_f32, Dims};
+use crate::gemm::{gemm_f32, gemm_f32_on, Dims};
 use crate::kernels::Args;
 use crate::memory::{Arena, Buf, Elem};
+use crate::StreamKind;
 use cudarc::cusolver::sys as cs;
 
 /// Why a GPU refresh kept the previous basis (the numerical failures of
@@ -43,9 +50,15 @@ pub enum RefreshFailure {
         /// Its info value.
         info: i32,
     },
-    /// The new basis or the basis change is non-finite.
+    /// The new basis is non-finite.
     #[error("the new basis is non-finite; basis kept")]
     BadBasis,
+    /// An all-zero factor at a QR refresh: its power image has no rank.
+    #[error("factor [{dim}x{dim}] is all zero: no rank to refresh from; basis kept")]
+    NoRank {
+        /// Side length.
+        dim: usize,
+    },
 }
 
 /// True when cuSOLVER (`libcusolver.so`) can be loaded.
@@ -65,22 +78,28 @@ fn check(call: &'static str, s: cs::cusolverStatus_t) -> Result<()> {
     }
 }
 
-/// A cuSOLVER dense handle bound to the compute stream, with work buffers sized for factors
-/// up to `max_dim` and moments up to `max_mn` elements.
+/// Words of a refresh status buffer (i32, device, written by the refresh kernels and cuSOLVER
+/// on the refresh's stream and read by the host only once the refresh's work is complete):
+/// `[0]` non-finite entries of the factor and stored basis, `[1]` `info` of syevd (init) or
+/// geqrf, `[2]` `info` of orgqr, `[3]` non-finite entries of the new basis, `[4]` the bit
+/// pattern of `max |F|` (0 = all-zero factor), `[5..8)` unused.
+pub(crate) const STATUS_WORDS: usize = 8;
+
+/// A cuSOLVER dense handle and the work buffers of one refresh at a time, bound to one stream
+/// (the compute stream for synchronous refreshes, the low-priority side stream for
+/// asynchronous ones). Everything it enqueues is stream-ordered: [`GpuRefresher::compute`]
+/// never blocks the host.
 pub(crate) struct GpuRefresher {
     handle: cs::cusolverDnHandle_t,
+    stream: StreamKind,
     a: Buf,
     b: Buf,
-    c: Buf,
-    w: Buf,
     tau: Buf,
     est: Buf,
-    idx: Buf,
-    info: Buf,
     work: Buf,
-    e_new: Buf,
-    v_new: Buf,
     max_dim: usize,
+    /// Host ms spent enqueueing: checks/kernels, GEMMs, syevd, geqrf, orgqr.
+    phase_ms: std::cell::Cell<[f64; 5]>,
 }
 
 impl Drop for GpuRefresher {
@@ -90,21 +109,83 @@ impl Drop for GpuRefresher {
     }
 }
 
-/// Elements (f32) of the work buffers [`GpuRefresher::new`] carves, before cuSOLVER's own
-/// workspace: 3 `d×d` matrices, eigenvalues, tau, f64 estimates, indices, info, 2 moments.
-pub(crate) fn refresh_work_bytes(max_dim: usize, max_mn: usize) -> usize {
+/// Bytes of the work buffers [`GpuRefresher::new`] carves before cuSOLVER's own workspace:
+/// 2 `d×d` f32 matrices, tau, f64 estimates.
+pub(crate) fn refresh_work_bytes(max_dim: usize) -> usize {
     let d = max_dim.max(1);
-    (3 * d * d + 2 * d + 2 * d + d + 2 + 2 * max_mn.max(1)) * 4 + 12 * crate::memory::BUF_ALIGN
+    (2 * d * d + d + 2 * d) * 4 + 6 * crate::memory::BUF_ALIGN
+}
+
+/// The outputs of one refresh computation: the candidate basis `q` (`[d, d]` f32 row-major,
+/// columns = basis vectors, descending), the permutation `idx` (`[d]` i32; QR refreshes) and
+/// the status words (`[STATUS_WORDS]` i32). Sized for the largest factor; a refresh of side
+/// length d uses the leading parts.
+#[derive(Clone)]
+pub(crate) struct RefreshSlot {
+    pub q: Buf,
+    pub idx: Buf,
+    pub status: Buf,
+}
+
+impl RefreshSlot {
+    /// Carves a slot for factors up to `d` from `arena`.
+    pub(crate) fn carve(arena: &mut Arena, d: usize) -> Result<RefreshSlot> {
+        Ok(RefreshSlot {
+            q: arena.buf(Elem::F32, d * d)?,
+            idx: arena.buf(Elem::I32, d)?,
+            status: arena.buf(Elem::I32, STATUS_WORDS)?,
+        })
+    }
+
+    /// Bytes [`RefreshSlot::carve`] takes.
+    pub(crate) fn bytes(d: usize) -> usize {
+        (d * d + d + STATUS_WORDS) * 4 + 3 * crate::memory::BUF_ALIGN
+    }
+}
+
+/// Reads the status words of a finished refresh of side length `d`: `Ok(())` when the
+/// candidate basis may be installed.
+pub(crate) fn verdict(
+    init: bool,
+    d: usize,
+    status: &[i32],
+) -> std::result::Result<(), RefreshFailure> {
+    let word = |i: usize| status.get(i).copied().unwrap_or(0);
+    if word(0) > 0 {
+        return Err(RefreshFailure::NonFinite {
+            dim: d,
+            count: word(0) as usize,
+        });
+    }
+    if !init && word(4) == 0 {
+        return Err(RefreshFailure::NoRank { dim: d });
+    }
+    if word(1) != 0 {
+        return Err(RefreshFailure::Solver {
+            call: if init { "syevd" } else { "geqrf" },
+            info: word(1),
+        });
+    }
+    if word(2) != 0 {
+        return Err(RefreshFailure::Solver {
+            call: "orgqr",
+            info: word(2),
+        });
+    }
+    if word(3) > 0 {
+        return Err(RefreshFailure::BadBasis);
+    }
+    Ok(())
 }
 
 impl GpuRefresher {
-    /// Creates the handle (bound to the compute stream) and allocates the work buffers (one
-    /// device arena of [`refresh_work_bytes`]) and cuSOLVER's workspace (a second arena, its
-    /// size queried here). Returns the refresher and the bytes it allocated.
+    /// Creates the handle (bound to `stream`) and allocates the work buffers (one device
+    /// arena of [`refresh_work_bytes`]) and cuSOLVER's workspace (a second arena, its size
+    /// queried here). Returns the refresher and the bytes it allocated.
     pub(crate) fn new(
         dev: &Device,
+        stream: StreamKind,
         max_dim: usize,
-        max_mn: usize,
     ) -> Result<(GpuRefresher, usize)> {
         if !cusolver_present() {
             return Err(CudaError::MissingLibrary {
@@ -120,42 +201,30 @@ impl GpuRefresher {
             check("cusolverDnCreate", cs::cusolverDnCreate(&mut handle))?;
             check(
                 "cusolverDnSetStream",
-                cs::cusolverDnSetStream(
-                    handle,
-                    dev.stream(crate::StreamKind::Compute).cu_stream() as cs::cudaStream_t,
-                ),
+                cs::cusolverDnSetStream(handle, dev.stream(stream).cu_stream() as cs::cudaStream_t),
             )?;
         }
-        let bytes = refresh_work_bytes(d, max_mn);
+        let bytes = refresh_work_bytes(d);
         let mut arena: Arena = dev.arena("refresh", crate::Tier::Device, bytes)?;
         let a = arena.buf(Elem::F32, d * d)?;
         let b = arena.buf(Elem::F32, d * d)?;
-        let c = arena.buf(Elem::F32, d * d)?;
-        let w = arena.buf(Elem::F32, d)?;
         let tau = arena.buf(Elem::F32, d)?;
         let est = arena.buf(Elem::F64, d)?;
-        let idx = arena.buf(Elem::I32, d)?;
-        let info = arena.buf(Elem::I32, 2)?;
-        let e_new = arena.buf(Elem::F32, max_mn.max(1))?;
-        let v_new = arena.buf(Elem::F32, max_mn.max(1))?;
+        let w = tau.clone();
         let lwork = Self::lwork(handle, &a, &w, &tau, d)?;
         let mut ws = dev.arena("cusolver-workspace", crate::Tier::Device, lwork * 4)?;
         let work = ws.buf(Elem::F32, lwork)?;
         Ok((
             GpuRefresher {
                 handle,
+                stream,
                 a,
                 b,
-                c,
-                w,
                 tau,
                 est,
-                idx,
-                info,
                 work,
-                e_new,
-                v_new,
                 max_dim: d,
+                phase_ms: std::cell::Cell::new([0.0; 5]),
             },
             bytes + lwork * 4,
         ))
@@ -201,269 +270,326 @@ impl GpuRefresher {
         Ok(l1.max(l2).max(l3).max(1) as usize)
     }
 
-    /// Counts NaN/Inf in `bufs` (one sync).
-    fn nonfinite(&self, dev: &Device, bufs: &[&Buf]) -> Result<usize> {
-        let count = self.info.slice(1, 1)?;
-        dev.zero(&count)?;
-        for b in bufs {
-            let n = b.len();
-            let args = Args::new().buf(b).i64(n as i64).buf(&count);
-            dev.launch(
-                "count_nonfinite",
+    /// The host time of the enqueue phases, one line.
+    pub(crate) fn phase_ms_line(&self) -> String {
+        let [k, g, e, q, o] = self.phase_ms.get();
+        format!("kernels {k:.0}, gemm {g:.0}, syevd {e:.0}, geqrf {q:.0}, orgqr {o:.0}")
+    }
+
+    fn timed<T>(&self, phase: usize, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let t0 = std::time::Instant::now();
+        let r = f();
+        let mut p = self.phase_ms.get();
+        p[phase] += t0.elapsed().as_secs_f64() * 1e3;
+        self.phase_ms.set(p);
+        r
+    }
+
+    fn launch(&self, dev: &Device, kernel: &'static str, n: usize, args: Args) -> Result<()> {
+        self.timed(0, || {
+            dev.launch_on(
+                self.stream,
+                kernel,
                 (dev.grid_for(n), 1, 1),
                 (256, 1, 1),
                 args,
+            )
+        })
+    }
+
+    /// `status[word] += #non-finite entries of each of bufs`.
+    fn count_nonfinite(
+        &self,
+        dev: &Device,
+        bufs: &[&Buf],
+        status: &Buf,
+        word: usize,
+    ) -> Result<()> {
+        let count = status.slice(word, 1)?;
+        for b in bufs {
+            let n = b.len();
+            self.launch(
+                dev,
+                "count_nonfinite",
+                n,
+                Args::new().buf(b).i64(n as i64).buf(&count),
             )?;
         }
-        Ok(dev.download::<i32>(&count)?[0].max(0) as usize)
+        Ok(())
     }
 
-    fn info_value(&self, dev: &Device) -> Result<i32> {
-        Ok(dev.download::<i32>(&self.info.slice(0, 1)?)?[0])
-    }
-
-    /// One refresh of `basis` (`[d, d]`, d = m for side 0, n for side 1) from `factor`, with
-    /// the moments `[m, n]`. `init` = the first (eigh) basis, else power iteration + QR.
-    /// `Ok(Err(_))` is a numerical failure with the state untouched.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn refresh(
+    /// Enqueues one refresh computation of a factor of side length `d` on this refresher's
+    /// stream, reading `factor` and `basis` (`[d, d]` f32; `basis` unused when `init`) and
+    /// writing `slot` (see [`RefreshSlot`], [`STATUS_WORDS`]); the state is not touched.
+    /// `init` = the first basis (`eigvecs(F + 1e-30·I)`, descending), else `est = diag(QᵀFQ)`,
+    /// `idx = argsort(est)` descending (stable, on the device), `Q_new = qr(F·Q[:, idx]).Q`.
+    /// GEMMs run in plain fp32 whatever the device's [`GemmMath`].
+    ///
+    /// # Errors
+    /// Shape errors (caller bugs) and CUDA / cuBLAS / cuSOLVER call failures. Numerical
+    /// failures are not errors: they land in the status words ([`verdict`]).
+    pub(crate) fn compute(
         &self,
         dev: &Device,
         init: bool,
-        side: u8,
+        d: usize,
         factor: &Buf,
         basis: &Buf,
-        exp_avg: &Buf,
-        exp_avg_sq: &Buf,
-        m: usize,
-        n: usize,
-    ) -> Result<std::result::Result<(), RefreshFailure>> {
+        slot: &RefreshSlot,
+    ) -> Result<()> {
         const OP: &str = "eigenbasis_refresh";
-        let d = match side {
-            0 => m,
-            1 => n,
-            s => {
-                return Err(CudaError::Invalid {
-                    op: OP,
-                    what: format!("side {s}"),
-                })
-            }
-        };
-        if d == 0 {
-            return Ok(Ok(()));
-        }
-        if d > self.max_dim || m * n > self.e_new.len() {
+        if d == 0 || d > self.max_dim || slot.q.len() < d * d || slot.idx.len() < d {
             return Err(CudaError::Invalid {
                 op: OP,
                 what: format!(
-                    "[{m}, {n}] side {side} exceeds the work buffers (max dim {})",
+                    "side length {d} exceeds the work buffers (max dim {})",
                     self.max_dim
                 ),
             });
         }
         factor.expect(OP, "factor", Elem::F32, d * d)?;
         basis.expect(OP, "basis", Elem::F32, d * d)?;
-        exp_avg.expect(OP, "exp_avg", Elem::F32, m * n)?;
-        exp_avg_sq.expect(OP, "exp_avg_sq", Elem::F32, m * n)?;
+        slot.status.expect(OP, "status", Elem::I32, STATUS_WORDS)?;
         let prev = dev.set_gemm_math(GemmMath::Fp32);
-        let r = if init {
-            self.init(dev, d, factor, basis)
-        } else {
-            self.qr(dev, d, side, factor, basis, exp_avg, exp_avg_sq, m, n)
-        };
+        let r = self.enqueue(dev, init, d, factor, basis, slot);
         dev.set_gemm_math(prev);
         r
     }
 
-    fn init(
+    fn enqueue(
         &self,
         dev: &Device,
+        init: bool,
         d: usize,
         factor: &Buf,
         basis: &Buf,
-    ) -> Result<std::result::Result<(), RefreshFailure>> {
-        let count = self.nonfinite(dev, &[factor])?;
-        if count > 0 {
-            return Ok(Err(RefreshFailure::NonFinite { dim: d, count }));
-        }
+        slot: &RefreshSlot,
+    ) -> Result<()> {
         let dd = d * d;
+        let st = &slot.status;
         let (a, b) = (self.a.slice(0, dd)?, self.b.slice(0, dd)?);
-        dev.copy(&a, factor, crate::StreamKind::Compute)?;
-        let args = Args::new().buf(&a).i32(d as i32).f32(1e-30);
-        dev.launch("add_diag", (dev.grid_for(d), 1, 1), (256, 1, 1), args)?;
+        let q = slot.q.slice(0, dd)?;
+        let idx = slot.idx.slice(0, d)?;
+        let info = |w: usize| st.slice(w, 1).map(|s| s.ptr() as *mut i32);
         let n = d as i32;
-        dev.context().bind_to_thread()?;
-        // SAFETY: a [d, d], w [d], work of the queried size and info are live device buffers;
-        // the handle runs on the compute stream after the copies above.
-        unsafe {
-            check(
-                "cusolverDnSsyevd",
-                cs::cusolverDnSsyevd(
-                    self.handle,
-                    cs::cusolverEigMode_t::CUSOLVER_EIG_MODE_VECTOR,
-                    cs::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
-                    n,
-                    a.ptr() as *mut f32,
-                    n,
-                    self.w.ptr() as *mut f32,
-                    self.work.ptr() as *mut f32,
-                    self.work.len() as i32,
-                    self.info.ptr() as *mut i32,
-                ),
+        dev.zero_on(st, self.stream)?;
+        let absmax = st.slice(4, 1)?;
+        self.launch(
+            dev,
+            "abs_max_bits",
+            dd,
+            Args::new().buf(factor).i64(dd as i64).buf(&absmax),
+        )?;
+        if init {
+            self.count_nonfinite(dev, &[factor], st, 0)?;
+            dev.copy(&a, factor, self.stream)?;
+            self.launch(dev, "add_diag", d, Args::new().buf(&a).i32(n).f32(1e-30))?;
+            dev.context().bind_to_thread()?;
+            // SAFETY: a [d, d], w (= b's first d floats) [d], work of the queried size and the
+            // info word are live device buffers; the handle runs on `self.stream`, after the
+            // copies above.
+            self.timed(2, || unsafe {
+                check(
+                    "cusolverDnSsyevd",
+                    cs::cusolverDnSsyevd(
+                        self.handle,
+                        cs::cusolverEigMode_t::CUSOLVER_EIG_MODE_VECTOR,
+                        cs::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
+                        n,
+                        a.ptr() as *mut f32,
+                        n,
+                        b.ptr() as *mut f32,
+                        self.work.ptr() as *mut f32,
+                        self.work.len() as i32,
+                        info(1)?,
+                    ),
+                )
+            })?;
+            self.launch(
+                dev,
+                "eigvecs_descending",
+                dd,
+                Args::new().buf(&a).buf(&q).i32(n),
             )?;
+            return self.count_nonfinite(dev, &[&q], st, 3);
         }
-        let info = self.info_value(dev)?;
-        if info != 0 {
-            return Ok(Err(RefreshFailure::Solver {
-                call: "syevd",
-                info,
-            }));
-        }
-        let args = Args::new().buf(&a).buf(&b).i32(n);
-        dev.launch(
-            "eigvecs_descending",
-            (dev.grid_for(dd), 1, 1),
-            (256, 1, 1),
-            args,
-        )?;
-        if self.nonfinite(dev, &[&b])? > 0 {
-            return Ok(Err(RefreshFailure::BadBasis));
-        }
-        dev.copy(basis, &b, crate::StreamKind::Compute)?;
-        Ok(Ok(()))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn qr(
-        &self,
-        dev: &Device,
-        d: usize,
-        side: u8,
-        factor: &Buf,
-        basis: &Buf,
-        exp_avg: &Buf,
-        exp_avg_sq: &Buf,
-        m: usize,
-        n: usize,
-    ) -> Result<std::result::Result<(), RefreshFailure>> {
-        let count = self.nonfinite(dev, &[factor, basis])?;
-        if count > 0 {
-            return Ok(Err(RefreshFailure::NonFinite { dim: d, count }));
-        }
-        let dd = d * d;
-        let (a, b, c) = (
-            self.a.slice(0, dd)?,
-            self.b.slice(0, dd)?,
-            self.c.slice(0, dd)?,
-        );
+        self.count_nonfinite(dev, &[factor, basis], st, 0)?;
         let sq = Dims::new(d, d);
-        // a = F · Q_old; est_j = Σ_i Q[i, j] · a[i, j].
-        gemm_f32(dev, factor, sq, basis, sq, &a, false, false, 1.0, 0.0)?;
+        // a = F · Q_old; est_j = Σ_i Q[i, j] · a[i, j]; idx = argsort(est) descending.
+        self.timed(1, || {
+            gemm_f32_on(
+                dev,
+                self.stream,
+                factor,
+                sq,
+                basis,
+                sq,
+                &a,
+                false,
+                false,
+                1.0,
+                0.0,
+            )
+        })?;
         let est = self.est.slice(0, d)?;
-        let args = Args::new().buf(basis).buf(&a).buf(&est).i32(d as i32);
-        dev.launch("column_dots", (dev.grid_for(d), 1, 1), (256, 1, 1), args)?;
-        let est_h = dev.download::<f64>(&est)?;
-        let mut order: Vec<usize> = (0..d).collect();
-        order.sort_by(|&x, &y| est_h[y].total_cmp(&est_h[x]));
-        let idx_h: Vec<i32> = order.iter().map(|&i| i as i32).collect();
-        let idx = self.idx.slice(0, d)?;
-        dev.upload(&idx, &idx_h)?;
-        // b (column-major) = (F Q)[:, idx]; QR in place; Q_new column-major in b.
-        let args = Args::new()
-            .buf(&a)
-            .buf(&idx)
-            .buf(&b)
-            .i32(d as i32)
-            .i32(d as i32);
-        dev.launch(
-            "gather_cols_transpose",
-            (dev.grid_for(dd), 1, 1),
-            (256, 1, 1),
-            args,
+        self.launch(
+            dev,
+            "column_dots",
+            d,
+            Args::new().buf(basis).buf(&a).buf(&est).i32(n),
         )?;
-        let nn = d as i32;
+        self.launch(
+            dev,
+            "argsort_desc",
+            d,
+            Args::new().buf(&est).buf(&idx).i32(n),
+        )?;
+        // b (column-major) = (F Q)[:, idx]; QR in place; Q_new column-major in b.
+        self.launch(
+            dev,
+            "gather_cols_transpose",
+            dd,
+            Args::new().buf(&a).buf(&idx).buf(&b).i32(n).i32(n),
+        )?;
         dev.context().bind_to_thread()?;
-        // SAFETY: b [d, d], tau [d], work of the queried size, info: live device buffers on
-        // the compute stream.
-        unsafe {
+        // SAFETY: b [d, d], tau [d], work of the queried size and the info words are live
+        // device buffers on `self.stream`.
+        self.timed(3, || unsafe {
             check(
                 "cusolverDnSgeqrf",
                 cs::cusolverDnSgeqrf(
                     self.handle,
-                    nn,
-                    nn,
+                    n,
+                    n,
                     b.ptr() as *mut f32,
-                    nn,
+                    n,
                     self.tau.ptr() as *mut f32,
                     self.work.ptr() as *mut f32,
                     self.work.len() as i32,
-                    self.info.ptr() as *mut i32,
+                    info(1)?,
                 ),
-            )?;
-        }
-        let info = self.info_value(dev)?;
-        if info != 0 {
-            return Ok(Err(RefreshFailure::Solver {
-                call: "geqrf",
-                info,
-            }));
-        }
+            )
+        })?;
         // SAFETY: as above.
-        unsafe {
+        self.timed(4, || unsafe {
             check(
                 "cusolverDnSorgqr",
                 cs::cusolverDnSorgqr(
                     self.handle,
-                    nn,
-                    nn,
-                    nn,
+                    n,
+                    n,
+                    n,
                     b.ptr() as *mut f32,
-                    nn,
+                    n,
                     self.tau.ptr() as *const f32,
                     self.work.ptr() as *mut f32,
                     self.work.len() as i32,
-                    self.info.ptr() as *mut i32,
+                    info(2)?,
                 ),
-            )?;
-        }
-        let info = self.info_value(dev)?;
-        if info != 0 {
-            return Ok(Err(RefreshFailure::Solver {
-                call: "orgqr",
-                info,
-            }));
-        }
-        // c = Q_new row-major (the transpose of b's row-major view).
-        let args = Args::new()
-            .buf(&b)
-            .opt(None)
-            .buf(&c)
-            .i32(d as i32)
-            .i32(d as i32);
-        dev.launch(
+            )
+        })?;
+        // q = Q_new row-major (the transpose of b's row-major view).
+        self.launch(
+            dev,
             "gather_cols_transpose",
-            (dev.grid_for(dd), 1, 1),
-            (256, 1, 1),
-            args,
+            dd,
+            Args::new().buf(&b).opt(None).buf(&q).i32(n).i32(n),
         )?;
-        // a = C = Q_oldᵀ Q_new; exp_avg re-projected into e_new.
-        gemm_f32(dev, basis, sq, &c, sq, &a, true, false, 1.0, 0.0)?;
-        let mn = m * n;
-        let (e_new, v_new) = (self.e_new.slice(0, mn)?, self.v_new.slice(0, mn)?);
-        let e = Dims::new(m, n);
-        if side == 0 {
-            gemm_f32(dev, &a, sq, exp_avg, e, &e_new, true, false, 1.0, 0.0)?;
-        } else {
-            gemm_f32(dev, exp_avg, e, &a, sq, &e_new, false, false, 1.0, 0.0)?;
+        self.count_nonfinite(dev, &[&q], st, 3)
+    }
+}
+
+/// Work buffers of [`apply`] on the compute stream: the basis change `C` (`[d, d]`) and the new
+/// moments (`[m·n]` each), sized for the largest task.
+pub(crate) struct SwapWork {
+    c: Buf,
+    e_new: Buf,
+    v_new: Buf,
+}
+
+impl SwapWork {
+    /// Bytes [`SwapWork::new`] allocates.
+    pub(crate) fn bytes(max_dim: usize, max_mn: usize) -> usize {
+        (max_dim.max(1).pow(2) + 2 * max_mn.max(1)) * 4 + 3 * crate::memory::BUF_ALIGN
+    }
+
+    /// One device arena for the largest factor side `max_dim` and moment size `max_mn`.
+    pub(crate) fn new(dev: &Device, max_dim: usize, max_mn: usize) -> Result<SwapWork> {
+        let (d, mn) = (max_dim.max(1), max_mn.max(1));
+        let mut arena = dev.arena("refresh-swap", crate::Tier::Device, Self::bytes(d, mn))?;
+        Ok(SwapWork {
+            c: arena.buf(Elem::F32, d * d)?,
+            e_new: arena.buf(Elem::F32, mn)?,
+            v_new: arena.buf(Elem::F32, mn)?,
+        })
+    }
+}
+
+/// Installs a computed refresh (the swap of the double buffer), on the compute stream: for an
+/// init, `basis ← q`; else `C = Q_oldᵀ Q_new`, `exp_avg` re-projected (side 0: `E ← Cᵀ E`,
+/// side 1: `E ← E C`), `exp_avg_sq` permuted along the side by `idx`, then basis and moments
+/// overwritten (`optim::refresh_apply`, step for step; GEMMs in fp32). The caller has made the
+/// compute stream wait for the refresh and checked its [`verdict`].
+///
+/// # Errors
+/// Shape errors (caller bugs) and CUDA / cuBLAS call failures.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn apply(
+    dev: &Device,
+    work: &SwapWork,
+    init: bool,
+    side: u8,
+    q_new: &Buf,
+    idx: &Buf,
+    basis: &Buf,
+    exp_avg: &Buf,
+    exp_avg_sq: &Buf,
+    m: usize,
+    n: usize,
+) -> Result<()> {
+    const OP: &str = "refresh_apply";
+    let d = match side {
+        0 => m,
+        1 => n,
+        s => {
+            return Err(CudaError::Invalid {
+                op: OP,
+                what: format!("side {s}"),
+            })
         }
-        if self.nonfinite(dev, &[&c, &a])? > 0 {
-            return Ok(Err(RefreshFailure::BadBasis));
+    };
+    let (dd, mn) = (d * d, m * n);
+    if dd > work.c.len() || mn > work.e_new.len() || q_new.len() < dd || idx.len() < d {
+        return Err(CudaError::Invalid {
+            op: OP,
+            what: format!("[{m}, {n}] side {side} exceeds the swap buffers"),
+        });
+    }
+    basis.expect(OP, "basis", Elem::F32, dd)?;
+    let q_new = q_new.slice(0, dd)?;
+    if init {
+        return dev.copy(basis, &q_new, StreamKind::Compute);
+    }
+    exp_avg.expect(OP, "exp_avg", Elem::F32, mn)?;
+    exp_avg_sq.expect(OP, "exp_avg_sq", Elem::F32, mn)?;
+    let prev = dev.set_gemm_math(GemmMath::Fp32);
+    let r = (|| {
+        let c = work.c.slice(0, dd)?;
+        let (e_new, v_new) = (work.e_new.slice(0, mn)?, work.v_new.slice(0, mn)?);
+        let sq = Dims::new(d, d);
+        let e = Dims::new(m, n);
+        gemm_f32(dev, basis, sq, &q_new, sq, &c, true, false, 1.0, 0.0)?;
+        if side == 0 {
+            gemm_f32(dev, &c, sq, exp_avg, e, &e_new, true, false, 1.0, 0.0)?;
+        } else {
+            gemm_f32(dev, exp_avg, e, &c, sq, &e_new, false, false, 1.0, 0.0)?;
         }
         let kernel = if side == 0 {
             "permute_rows"
         } else {
             "permute_cols"
         };
+        let idx = idx.slice(0, d)?;
         let args = Args::new()
             .buf(exp_avg_sq)
             .buf(&idx)
@@ -471,9 +597,10 @@ impl GpuRefresher {
             .i32(m as i32)
             .i32(n as i32);
         dev.launch(kernel, (dev.grid_for(mn), 1, 1), (256, 1, 1), args)?;
-        dev.copy(basis, &c, crate::StreamKind::Compute)?;
-        dev.copy(exp_avg, &e_new, crate::StreamKind::Compute)?;
-        dev.copy(exp_avg_sq, &v_new, crate::StreamKind::Compute)?;
-        Ok(Ok(()))
-    }
+        dev.copy(basis, &q_new, StreamKind::Compute)?;
+        dev.copy(exp_avg, &e_new, StreamKind::Compute)?;
+        dev.copy(exp_avg_sq, &v_new, StreamKind::Compute)
+    })();
+    dev.set_gemm_math(prev);
+    r
 }

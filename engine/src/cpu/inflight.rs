@@ -1,16 +1,17 @@
 //! Bookkeeping of eigenbasis refreshes running off the critical path: at most one refresh per
 //! host task in flight, each with the step that launched it and its staleness bound, and the
 //! decision, at each step boundary, of which results are swapped in (finished ones, and the
-//! ones whose bound is reached, which the engine then waits for) and in what order.
+//! ones whose bound is reached, which the engine then waits for) and in what order. Shared by
+//! the CPU engine (host-pool jobs) and the CUDA engine (side-stream and host-pool jobs).
 use optim::{RefreshError, RefreshResult};
 use std::sync::mpsc;
 
 /// What a background refresh computation produced.
-pub(crate) type JobOutput<T> = Result<Option<RefreshResult<T>>, JobError>;
+pub type JobOutput<T> = Result<Option<RefreshResult<T>>, JobError>;
 
 /// Why a background refresh produced no result.
 #[derive(Debug)]
-pub(crate) enum JobError {
+pub enum JobError {
     /// `refresh_compute` refused (numerical failure or caller bug).
     Refresh(RefreshError),
     /// The worker panicked or vanished (an engine bug; never a numerical failure).
@@ -18,19 +19,19 @@ pub(crate) enum JobError {
 }
 
 /// A refresh computation running on the host pool; its output arrives on a channel.
-pub(crate) struct Job<T> {
+pub struct Job<T> {
     rx: mpsc::Receiver<JobOutput<T>>,
     done: Option<JobOutput<T>>,
 }
 
 impl<T> Job<T> {
     /// A job whose worker sends its output on the other end of `rx`.
-    pub(crate) fn new(rx: mpsc::Receiver<JobOutput<T>>) -> Self {
+    pub fn new(rx: mpsc::Receiver<JobOutput<T>>) -> Self {
         Job { rx, done: None }
     }
 
     /// Whether the output is available (never blocks).
-    pub(crate) fn poll(&mut self) -> bool {
+    pub fn poll(&mut self) -> bool {
         if self.done.is_none() {
             match self.rx.try_recv() {
                 Ok(out) => self.done = Some(out),
@@ -46,7 +47,7 @@ impl<T> Job<T> {
     }
 
     /// The output, blocking until it arrives; also returns whether this call had to block.
-    pub(crate) fn wait(mut self) -> (JobOutput<T>, bool) {
+    pub fn wait(mut self) -> (JobOutput<T>, bool) {
         if let Some(out) = self.done.take() {
             return (out, false);
         }
@@ -61,7 +62,7 @@ impl<T> Job<T> {
 
 /// One refresh in flight.
 #[derive(Debug)]
-pub(crate) struct InFlight<J> {
+pub struct InFlight<J> {
     /// The 1-based step at whose end the refresh was launched (its factor snapshot's step).
     pub launched: u64,
     /// Staleness bound S, steps.
@@ -73,14 +74,14 @@ pub(crate) struct InFlight<J> {
 impl<J> InFlight<J> {
     /// The last step boundary (end of step `launched + S`) at which the result may be swapped
     /// in: it must be installed before step `launched + S + 1` starts.
-    pub(crate) fn deadline(&self) -> u64 {
+    pub fn deadline(&self) -> u64 {
         self.launched + u64::from(self.staleness)
     }
 }
 
 /// A swap decided at a step boundary.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Swap {
+pub struct Swap {
     /// Host task index.
     pub task: usize,
     /// The result is not finished and the deadline is reached: the engine blocks on it.
@@ -89,38 +90,37 @@ pub(crate) struct Swap {
 
 /// The refreshes in flight, one slot per host task.
 #[derive(Debug)]
-pub(crate) struct InFlightSet<J> {
+pub struct InFlightSet<J> {
     slots: Vec<Option<InFlight<J>>>,
 }
 
 impl<J> InFlightSet<J> {
     /// No refresh in flight, for `tasks` host tasks.
-    pub(crate) fn new(tasks: usize) -> Self {
+    pub fn new(tasks: usize) -> Self {
         InFlightSet {
             slots: (0..tasks).map(|_| None).collect(),
         }
     }
 
     /// Whether `task` has a refresh in flight.
-    pub(crate) fn is_in_flight(&self, task: usize) -> bool {
+    pub fn is_in_flight(&self, task: usize) -> bool {
         self.slots.get(task).is_some_and(Option::is_some)
     }
 
     /// Number of refreshes in flight.
-    pub(crate) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.slots.iter().filter(|s| s.is_some()).count()
+    }
+
+    /// Whether no refresh is in flight.
+    pub fn is_empty(&self) -> bool {
+        self.slots.iter().all(Option::is_none)
     }
 
     /// Registers a refresh of `task` launched at the end of step `launched` with bound
     /// `staleness`. A task holds at most one: when its slot is taken the job is handed back
     /// (the caller must swap the previous one in first).
-    pub(crate) fn launch(
-        &mut self,
-        task: usize,
-        launched: u64,
-        staleness: u32,
-        job: J,
-    ) -> Result<(), J> {
+    pub fn launch(&mut self, task: usize, launched: u64, staleness: u32, job: J) -> Result<(), J> {
         match self.slots.get_mut(task) {
             Some(slot @ None) => {
                 *slot = Some(InFlight {
@@ -137,11 +137,7 @@ impl<J> InFlightSet<J> {
     /// The swaps at the boundary at the end of step `t`, in task order: every refresh whose
     /// job is finished (`finished` polls it, never blocking), and every refresh whose
     /// deadline is reached (`deadline ≤ t`; marked `wait` when not finished).
-    pub(crate) fn boundary(
-        &mut self,
-        t: u64,
-        mut finished: impl FnMut(&mut J) -> bool,
-    ) -> Vec<Swap> {
+    pub fn boundary(&mut self, t: u64, mut finished: impl FnMut(&mut J) -> bool) -> Vec<Swap> {
         let mut swaps = Vec::new();
         for (task, slot) in self.slots.iter_mut().enumerate() {
             if let Some(f) = slot {
@@ -155,14 +151,14 @@ impl<J> InFlightSet<J> {
     }
 
     /// Every task with a refresh in flight, in task order (to drain them all).
-    pub(crate) fn tasks(&self) -> Vec<usize> {
+    pub fn tasks(&self) -> Vec<usize> {
         (0..self.slots.len())
             .filter(|&i| self.is_in_flight(i))
             .collect()
     }
 
     /// Removes and returns the refresh of `task`.
-    pub(crate) fn take(&mut self, task: usize) -> Option<InFlight<J>> {
+    pub fn take(&mut self, task: usize) -> Option<InFlight<J>> {
         self.slots.get_mut(task).and_then(Option::take)
     }
 }

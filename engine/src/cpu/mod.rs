@@ -15,7 +15,7 @@ mod engine;
 mod exec;
 mod float;
 mod host;
-mod inflight;
+pub mod inflight;
 pub mod matmul;
 pub mod norms;
 pub mod positional;

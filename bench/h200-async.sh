@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# H200 call of BENCHMARKS.md ("Off-critical-path refreshes on the H200"): every row in one call,
+# on one GPU: asteria AdamW, asteria SOAP S=0 (synchronous) and S=5 (off the critical path), the
+# PyTorch reference SOAP (fp32 and TF32 matmuls) and AdamW eager, all GPT-2 124M, batch
+# 16x1024, frequency 10, per-step times as metrics JSONL; then the table and the step-time SVG.
+# Before the runs: the kernel self-test (quick) and tiny-soap on the GPU with S=0 vs S=5.
+# Usage: bench/h200-async.sh OUT_DIR [STEPS]   (repository root, .gpu/ from bench/prepare-gpu)
+set -uo pipefail
+out="${1:?usage: bench/h200-async.sh OUT_DIR [STEPS]}"; steps="${2:-300}"
+export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+export LD_LIBRARY_PATH="$CUDA_HOME/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PYTHONUNBUFFERED=1 ASTERIA_CUDA_BF16_GEMM=cast
+B=.gpu/bin/asteria; S=.gpu/specs; TC=/tmp/asteria-token-cache; W=/tmp/asteria-specs
+mkdir -p $W; start=$(date +%s)
+stamp() { echo "== $(date -u +%H:%M:%S) (+$(( $(date +%s) - start ))s) $*"; }
+stamp machine; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+stamp selftest
+timeout 120 $B selftest --device cuda --quick --cache-dir $TC --train-match $S/tiny.asteria > "$out/selftest.txt" 2>&1
+echo "selftest rc=$?"; grep -E "passed|failed|^(PASS|FAIL)" "$out/selftest.txt" | tail -4; grep -E "FAIL" "$out/selftest.txt" | head -5
+# Spec variants: staleness 5, and tiny-soap on the GPU (fp32).
+sed 's/staleness = 0/staleness = 5/' $S/gpt2-124m-soap.asteria > $S/gpt2-124m-soap-s5.asteria
+for s in 0 5; do
+  sed -e 's/^target cpu {/target cuda {\n  precision = fp32/' -e "s/staleness = 0/staleness = $s/" $S/tiny-soap.asteria > $S/tiny-soap-cuda-s$s.asteria
+  stamp "tiny-soap cuda S=$s"
+  timeout 90 $B train $S/tiny-soap-cuda-s$s.asteria --quiet --cache-dir $TC --metrics "$out/tiny-soap-cuda-s$s.jsonl" > "$out/tiny-soap-cuda-s$s.txt" 2>&1
+  echo "rc=$?"; tail -3 "$out/tiny-soap-cuda-s$s.txt"
+done
+run() { # name spec timeout
+  stamp "$1"
+  timeout "$3" $B train "$2" --steps $steps --quiet --cache-dir $TC --metrics "$out/$1.jsonl" > "$out/$1.txt" 2>&1
+  echo "$1 rc=$?"; tail -3 "$out/$1.txt"
+}
+run adamw $S/gpt2-124m-adamw.asteria 120
+run soap-s5 $S/gpt2-124m-soap-s5.asteria 150
+run soap-s0 $S/gpt2-124m-soap.asteria 150
+for o in "soap" "soap --tf32" "adamw"; do
+  n="torch-$(echo $o | tr -d ' -')"
+  stamp "$n"
+  timeout 120 python3 .gpu/bench/torch_steps.py $o 100 "$out/$n.jsonl" > "$out/$n.txt" 2>&1 || echo "$n failed"; tail -2 "$out/$n.txt"
+done
+stamp summary
+python3 .gpu/bench/summarize.py --skip 12 "asteria AdamW=$out/adamw.jsonl:$out/adamw.txt" \
+  "asteria SOAP S=0=$out/soap-s0.jsonl:$out/soap-s0.txt" "asteria SOAP S=5=$out/soap-s5.jsonl:$out/soap-s5.txt" \
+  "torch SOAP fp32=$out/torch-soap.jsonl:$out/torch-soap.txt" "torch SOAP tf32=$out/torch-soaptf32.jsonl:$out/torch-soaptf32.txt" \
+  "torch AdamW eager=$out/torch-adamw.jsonl:$out/torch-adamw.txt" | tee "$out/summary.md"
+$B plot --metric step_ms --title "GPT-2 124M step time, H200 (batch 16x1024)" -o "$out/step-time.svg" \
+  "asteria AdamW=$out/adamw.jsonl" "asteria SOAP S=0=$out/soap-s0.jsonl" "asteria SOAP S=5=$out/soap-s5.jsonl" \
+  "PyTorch ref. SOAP (fp32)=$out/torch-soap.jsonl" "PyTorch ref. SOAP (tf32)=$out/torch-soaptf32.jsonl" 2>&1 | tail -1
+stamp done

@@ -1,0 +1,42 @@
+"""Per-step timings of the PyTorch reference (shared/bench/torch_baseline.py's GPT-2 124M and
+its optimizers), written as asteria-style metrics JSONL ({"step","loss","step_ms"}) so that
+`asteria plot --metric step_ms` and bench/summarize.py read both sides alike. Same model,
+batch (16x1024), bf16 autocast, grad clip 1.0 and timing (synchronize around each step) as
+torch_baseline.train_steps; the reference SOAP is nikhilvyas/SOAP soap.py (not committed, in
+../.ext), frequency 10, max_precond_dim 10000.
+Usage (GPU host): python3 torch_steps.py {adamw|soap} STEPS OUT.jsonl [--tf32]
+  --tf32: torch.backends.cuda.matmul.allow_tf32 = True (fp32 matmuls on TF32 tensor cores, as
+          asteria's `precision = bf16` runs SOAP's per-step GEMMs)."""
+import json, os, sys, time
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".ext"))
+import torch_baseline as tb
+torch = tb.torch
+
+opt_name, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+torch.backends.cuda.matmul.allow_tf32 = "--tf32" in sys.argv
+dev = tb.dev
+torch.manual_seed(0)
+model = tb.GPT().to(dev)
+if opt_name == "adamw":
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+else:
+    from soap import SOAP
+    opt = SOAP(model.parameters(), lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01,
+               precondition_frequency=10, max_precond_dim=10000)
+B, T = 16, 1024
+x = torch.randint(0, 50257, (B, T), device=dev); y = torch.randint(0, 50257, (B, T), device=dev)
+torch.cuda.reset_peak_memory_stats()
+with open(out, "w") as f:
+    for i in range(1, steps + 1):
+        torch.cuda.synchronize(); t = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step(); opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(); dt = (time.perf_counter() - t) * 1e3
+        f.write(json.dumps({"step": i, "loss": loss.item(), "step_ms": dt, "tokens_per_s": B * T / (dt / 1e3)}) + "\n")
+print("GPU peak used %.2f GiB" % (torch.cuda.max_memory_allocated() / 2**30))
+print(json.dumps({"what": "torch_steps", "opt": opt_name, "tf32": torch.backends.cuda.matmul.allow_tf32,
+                  "steps": steps, "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2**30}))
