@@ -13,7 +13,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch_baseline as tb
 torch = tb.torch
 
-opt_name, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+pos = [a for a in sys.argv[1:] if not a.startswith("--")]
+opt_name, steps, out = pos[0], int(pos[1]), pos[2]
 torch.backends.cuda.matmul.allow_tf32 = "--tf32" in sys.argv
 dev = tb.dev
 torch.manual_seed(0)

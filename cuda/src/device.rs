@@ -124,8 +124,15 @@ impl HostElem for half::bf16 {
     const ELEM: Elem = Elem::BF16;
 }
 
-/// An owned cuBLAS handle bound to the compute stream.
+/// An owned cuBLAS handle bound to one stream.
 struct Cublas(cbsys::cublasHandle_t);
+
+// SAFETY: a handle is used by one host thread at a time: the compute stream's by the engine
+// thread, the side stream's by the thread that enqueues side-stream refreshes (one at a time,
+// see `engine::tasks`). cuBLAS handles may move between threads.
+unsafe impl Send for Cublas {}
+// SAFETY: as above; shared references only hand the raw handle to calls made by its one user.
+unsafe impl Sync for Cublas {}
 
 impl Drop for Cublas {
     fn drop(&mut self) {

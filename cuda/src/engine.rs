@@ -29,6 +29,7 @@ use crate::memory::{Arena, Buf, Elem, BUF_ALIGN};
 use crate::ops::{attention as at, loss, nn, optim as op};
 use engine::{EngineError, EngineOptions, EngineStats, HostTaskReport, Rng, StepExecutor};
 use schedule::{BufferId, DType, Init, Op, Plan, Precision, TargetPlan};
+use std::sync::Arc;
 use std::time::Instant;
 
 mod tasks;
@@ -245,7 +246,7 @@ fn aligned(bytes: usize) -> usize {
 /// The CUDA interpreter of a [`Plan`]. See the module docs.
 pub struct CudaEngine {
     plan: Plan,
-    dev: Device,
+    dev: Arc<Device>,
     opts: CudaOptions,
     precision: Precision,
     bufs: Vec<Buf>,
@@ -286,13 +287,13 @@ impl CudaEngine {
         };
         let ordinal = opts.device.unwrap_or(ordinal);
         let dev = Device::new(ordinal).map_err(|e| cuda_err("opening the device", e))?;
-        Self::with_device(plan, opts, dev, precision)
+        Self::with_device(plan, opts, Arc::new(dev), precision)
     }
 
     fn with_device(
         plan: Plan,
         opts: CudaOptions,
-        dev: Device,
+        dev: Arc<Device>,
         precision: Precision,
     ) -> Result<CudaEngine, EngineError> {
         let e = |w: &'static str| move |err: CudaError| cuda_err(w, err);

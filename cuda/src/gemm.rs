@@ -182,6 +182,29 @@ pub fn gemm_f32_on(
     alpha: f32,
     beta: f32,
 ) -> Result<()> {
+    let math = dev.gemm_math();
+    gemm_f32_with(
+        dev, kind, math, a, a_dims, b, b_dims, out, trans_a, trans_b, alpha, beta,
+    )
+}
+
+/// [`gemm_f32_on`] with an explicit [`crate::GemmMath`] instead of the device's current one
+/// (for work enqueued from another host thread, e.g. side-stream refreshes).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_f32_with(
+    dev: &Device,
+    kind: crate::StreamKind,
+    math: crate::GemmMath,
+    a: &Buf,
+    a_dims: Dims,
+    b: &Buf,
+    b_dims: Dims,
+    out: &Buf,
+    trans_a: bool,
+    trans_b: bool,
+    alpha: f32,
+    beta: f32,
+) -> Result<()> {
     const OP: &str = "gemm_f32";
     check_operands(OP, a, a_dims, b, b_dims, Elem::F32)?;
     let g = Geometry::new(OP, a_dims, b_dims, trans_a, trans_b)?;
@@ -189,6 +212,7 @@ pub fn gemm_f32_on(
     gemm_strided_batched_f32_on(
         dev,
         kind,
+        math,
         g,
         alpha,
         a.ptr(),
@@ -221,6 +245,7 @@ pub(crate) fn gemm_strided_batched_f32(
     gemm_strided_batched_f32_on(
         dev,
         crate::StreamKind::Compute,
+        dev.gemm_math(),
         g,
         alpha,
         a,
@@ -238,6 +263,7 @@ pub(crate) fn gemm_strided_batched_f32(
 fn gemm_strided_batched_f32_on(
     dev: &Device,
     kind: crate::StreamKind,
+    math: crate::GemmMath,
     g: Geometry,
     alpha: f32,
     a: u64,
@@ -260,7 +286,7 @@ fn gemm_strided_batched_f32_on(
     }
     dev.context().bind_to_thread()?;
     let h = dev.cublas_handle_on(kind);
-    let fast = match dev.gemm_math() {
+    let fast = match math {
         crate::device::GemmMath::Fp32 => None,
         crate::device::GemmMath::Bf16 => {
             Some(cbsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF)

@@ -24,7 +24,7 @@
 //! `Q_oldᵀ F` computed row-major is `F Q_old` column-major, which is what the QR needs.
 use crate::device::{Device, GemmMath};
 use crate::error::{CudaError, Result};
-use crate::gemm::{gemm_f32, gemm_f32_on, Dims};
+use crate::gemm::{gemm_f32, gemm_f32_with, Dims};
 use crate::kernels::Args;
 use crate::memory::{Arena, Buf, Elem};
 use crate::StreamKind;
@@ -101,6 +101,11 @@ pub(crate) struct GpuRefresher {
     /// Host ms spent enqueueing: checks/kernels, GEMMs, syevd, geqrf, orgqr.
     phase_ms: std::cell::Cell<[f64; 5]>,
 }
+
+// SAFETY: the cuSOLVER handle is only used through `&self` by the one thread that owns the
+// refresher at a time (the engine thread, or the side-stream launcher thread it was moved to);
+// the `Cell` makes it `!Sync`, so it is never shared.
+unsafe impl Send for GpuRefresher {}
 
 impl Drop for GpuRefresher {
     fn drop(&mut self) {
@@ -323,7 +328,8 @@ impl GpuRefresher {
     /// writing `slot` (see [`RefreshSlot`], [`STATUS_WORDS`]); the state is not touched.
     /// `init` = the first basis (`eigvecs(F + 1e-30·I)`, descending), else `est = diag(QᵀFQ)`,
     /// `idx = argsort(est)` descending (stable, on the device), `Q_new = qr(F·Q[:, idx]).Q`.
-    /// GEMMs run in plain fp32 whatever the device's [`GemmMath`].
+    /// GEMMs run in plain fp32 whatever the device's [`GemmMath`]; nothing here reads or sets
+    /// device-wide state, so a side-stream refresher may enqueue from its own host thread.
     ///
     /// # Errors
     /// Shape errors (caller bugs) and CUDA / cuBLAS / cuSOLVER call failures. Numerical
@@ -350,10 +356,7 @@ impl GpuRefresher {
         factor.expect(OP, "factor", Elem::F32, d * d)?;
         basis.expect(OP, "basis", Elem::F32, d * d)?;
         slot.status.expect(OP, "status", Elem::I32, STATUS_WORDS)?;
-        let prev = dev.set_gemm_math(GemmMath::Fp32);
-        let r = self.enqueue(dev, init, d, factor, basis, slot);
-        dev.set_gemm_math(prev);
-        r
+        self.enqueue(dev, init, d, factor, basis, slot)
     }
 
     fn enqueue(
@@ -417,9 +420,10 @@ impl GpuRefresher {
         let sq = Dims::new(d, d);
         // a = F · Q_old; est_j = Σ_i Q[i, j] · a[i, j]; idx = argsort(est) descending.
         self.timed(1, || {
-            gemm_f32_on(
+            gemm_f32_with(
                 dev,
                 self.stream,
+                GemmMath::Fp32,
                 factor,
                 sq,
                 basis,
