@@ -370,6 +370,8 @@ pub struct SelftestArgs {
     pub compare_state: bool,
     pub resync: bool,
     pub state_tol: f64,
+    pub inject_cpu_refreshes: bool,
+    pub nccl: bool,
 }
 
 /// `asteria selftest --device cuda`: the kernel self-test and the CPU-vs-GPU training checks.
@@ -379,6 +381,12 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
     }
     if !cuda::driver_present() {
         return Err(miette!("no CUDA driver (libcuda.so) can be loaded on this machine: the CUDA self-test needs a GPU host"));
+    }
+    if a.nccl {
+        // Before any other work: this may re-execute the program with a libnccl.so alias.
+        let user = std::env::var("USER").unwrap_or_else(|_| "user".into());
+        let alias = std::env::temp_dir().join(format!("asteria-nccl-alias-{user}"));
+        cuda::nccl::ensure_loadable(&alias).map_err(|e| miette!("NCCL: {e}"))?;
     }
     let mut failed = Vec::new();
     if !a.no_kernels {
@@ -412,9 +420,10 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
                     .unwrap_or_else(|| std::env::temp_dir().join("asteria-token-cache")),
             ),
             threads: None,
-            compare_state: a.compare_state,
+            compare_state: a.compare_state || a.inject_cpu_refreshes,
             resync: a.resync,
             state_tol: a.state_tol,
+            inject_cpu_refreshes: a.inject_cpu_refreshes,
         };
         match cuda::train_match::train_match(&plan, &opts) {
             Ok(r) => {
@@ -427,6 +436,29 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
             Err(e) => {
                 println!("train-match {}: ERROR {e}", spec.display());
                 failed.push(format!("train-match {}", spec.display()));
+            }
+        }
+    }
+    if a.nccl {
+        match cuda::nccl::all_reduce_check(1_000_003, a.seed.unwrap_or(7)) {
+            Ok(c) => {
+                println!(
+                    "\n{}: NCCL {} all-reduce (sum) over {} GPU(s), {} f32 each: max rel err {:.2e} (tol {:.0e}), {:.2} ms",
+                    if c.passed() { "PASS" } else { "FAIL" },
+                    c.version,
+                    c.ranks,
+                    c.elems,
+                    c.max_rel_err,
+                    1e-6 * c.ranks as f64,
+                    c.ms
+                );
+                if !c.passed() {
+                    failed.push("nccl all-reduce".to_string());
+                }
+            }
+            Err(e) => {
+                println!("\nnccl all-reduce: ERROR {e}");
+                failed.push("nccl all-reduce".to_string());
             }
         }
     }

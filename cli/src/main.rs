@@ -156,6 +156,16 @@ enum Command {
         /// With `--compare-state`: list buffers whose max|gpu - cpu| / max|cpu| exceeds this.
         #[arg(long, default_value_t = 1e-5)]
         state_tol: f64,
+        /// Train-match: after every step with eigenbasis refreshes, copy the CPU engine's new
+        /// bases and re-projected moments into the GPU engine (checks everything but the GPU
+        /// eigensolver, whose bases of nearly degenerate factors legitimately differ; the
+        /// kernel self-test checks the GPU refresh itself). Implies `--compare-state`.
+        #[arg(long)]
+        inject_cpu_refreshes: bool,
+        /// Also check NCCL: a sum all-reduce over every visible GPU against the f64 sum (finds
+        /// `libnccl.so.2` when cudarc cannot, re-executing with a `libnccl.so` alias).
+        #[arg(long)]
+        nccl: bool,
     },
     /// Plot loss curves of metrics files (`--metrics` JSONL of `asteria train`) as an SVG.
     Plot {
@@ -242,6 +252,8 @@ fn main() -> ExitCode {
             compare_state,
             resync,
             state_tol,
+            inject_cpu_refreshes,
+            nccl,
         } => commands::selftest(&commands::SelftestArgs {
             device,
             ordinal,
@@ -257,6 +269,8 @@ fn main() -> ExitCode {
             compare_state,
             resync,
             state_tol,
+            inject_cpu_refreshes,
+            nccl,
         }),
         Command::Plot {
             metrics,

@@ -94,3 +94,34 @@ extern "C" __global__ void abs_max_bits(const float* __restrict__ x, long long n
     for (long long i = gtid(); i < n; i += gstride()) local = max(local, __float_as_int(fabsf(x[i])));
     if (local) atomicMax(out, local);
 }
+
+// Column normalisation (the first step of CholeskyQR: same Q, better-conditioned Gram matrix):
+// x[:, j] /= ||x[:, j]||_2 for the columns of row-major x [rows, cols] with a non-zero norm
+// (a zero column is left as it is: its Gram diagonal is 0 and the Cholesky factorisation then
+// fails, which sends the refresh to Householder QR). One thread per column, f64 accumulation.
+extern "C" __global__ void normalize_cols(float* __restrict__ x, int rows, int cols) {
+    for (long long j = gtid(); j < cols; j += gstride()) {
+        double acc = 0.0;
+        for (long long i = 0; i < rows; ++i) {
+            const double v = (double)x[i * cols + j];
+            acc += v * v;
+        }
+        if (acc > 0.0) {
+            const float s = (float)(1.0 / sqrt(acc));
+            for (long long i = 0; i < rows; ++i) x[i * cols + j] *= s;
+        }
+    }
+}
+
+// *out = max(*out, bits of |g[i, j] - delta_ij|) over row-major g [d, d] (the orthonormality
+// error of Q when g = Q^T Q; non-negative floats order as their bit patterns, NaN above Inf).
+extern "C" __global__ void ortho_error_bits(const float* __restrict__ g, int d, int* __restrict__ out) {
+    const long long total = (long long)d * d;
+    int local = 0;
+    for (long long k = gtid(); k < total; k += gstride()) {
+        const long long i = k / d, j = k % d;
+        const float e = fabsf(g[k] - (i == j ? 1.0f : 0.0f));
+        local = max(local, isnan(e) ? 0x7fffffff : __float_as_int(e));
+    }
+    if (local) atomicMax(out, local);
+}

@@ -396,6 +396,20 @@ impl Device {
         Ok(out)
     }
 
+    /// Copies `src` back to the host after stream `kind`'s earlier work, and waits for that
+    /// stream only (the side-stream refresh reads its status words this way).
+    pub fn download_on<T: HostElem>(&self, src: &Buf, kind: StreamKind) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); src.len()];
+        self.check_host("download", src, T::ELEM, out.len())?;
+        self.ctx.bind_to_thread()?;
+        let stream = self.stream(kind);
+        // SAFETY: `src` holds `out.len()` elements of T (checked); ordered after earlier work
+        // on `kind`, and `out` outlives the copy (we wait for it).
+        unsafe { drv::memcpy_dtoh_async(&mut out, src.ptr(), stream.cu_stream()) }?;
+        stream.synchronize()?;
+        Ok(out)
+    }
+
     fn check_host(&self, op: &'static str, b: &Buf, elem: Elem, len: usize) -> Result<()> {
         if b.elem() != elem || b.len() != len {
             return Err(CudaError::Operand {

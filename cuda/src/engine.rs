@@ -105,10 +105,13 @@ pub struct CudaOptions {
     pub device: Option<usize>,
     /// The attention kernels.
     pub attention: AttentionImpl,
+    /// How GPU QR refreshes orthonormalise (`ASTERIA_CUDA_QR=householder|cholesky2`).
+    pub qr: crate::refresh::QrMethod,
 }
 
 impl CudaOptions {
-    /// Defaults overridden by `ASTERIA_CUDA_REFRESH` (`plan|gpu|host`),
+    /// Defaults overridden by `ASTERIA_CUDA_REFRESH` (`plan|gpu|host`), `ASTERIA_CUDA_QR`
+    /// (`cholesky2|householder`),
     /// `ASTERIA_CUDA_BF16_GEMM` (`cast|fast`) and `ASTERIA_CUDA_ATTENTION` (`fused|gemm`).
     ///
     /// # Errors
@@ -129,6 +132,9 @@ impl CudaOptions {
                 "fast" => Bf16Gemm::Fast,
                 _ => return Err(format!("ASTERIA_CUDA_BF16_GEMM: `{v}` is not cast or fast")),
             };
+        }
+        if let Ok(v) = std::env::var("ASTERIA_CUDA_QR") {
+            o.qr = v.parse().map_err(|e| format!("ASTERIA_CUDA_QR: {e}"))?;
         }
         if let Ok(v) = std::env::var("ASTERIA_CUDA_ATTENTION") {
             o.attention = match v.as_str() {
@@ -367,7 +373,7 @@ impl CudaEngine {
         }
 
         // Refresh machinery: refreshers, swap buffers, shadows of asynchronous tasks.
-        let refreshes = tasks::Refreshes::new(&dev, &plan, opts.refresh)?;
+        let refreshes = tasks::Refreshes::new(&dev, &plan, opts.refresh, opts.qr)?;
         let refresh_bytes = refreshes.bytes;
 
         let tasks = plan.host_tasks.len();
@@ -1069,7 +1075,7 @@ impl StepExecutor for CudaEngine {
     fn describe(&self) -> String {
         let i = self.dev.info();
         format!(
-            "cuda:{} {} ({}), precision {}, bf16 gemm {:?}, refresh {:?}",
+            "cuda:{} {} ({}), precision {}, bf16 gemm {:?}, refresh {:?}, qr {:?}",
             i.ordinal,
             i.name,
             i.arch,
@@ -1078,7 +1084,8 @@ impl StepExecutor for CudaEngine {
                 Precision::Fp32 => "fp32",
             },
             self.opts.bf16_gemm,
-            self.opts.refresh
+            self.opts.refresh,
+            self.opts.qr
         )
     }
 

@@ -115,7 +115,9 @@ pub const FAMILIES: &[Family] = &[
             "permute_cols",
             "count_nonfinite",
             "argsort_desc",
-            "abs_max_bits"
+            "abs_max_bits",
+            "normalize_cols",
+            "ortho_error_bits"
         ]
     ),
 ];

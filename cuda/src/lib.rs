@@ -29,6 +29,7 @@ mod error;
 pub mod gemm;
 pub mod kernels;
 mod memory;
+pub mod nccl;
 pub mod nvrtc;
 pub mod ops;
 pub mod refresh;

@@ -28,6 +28,7 @@ use crate::gemm::{gemm_f32, gemm_f32_with, Dims};
 use crate::kernels::Args;
 use crate::memory::{Arena, Buf, Elem};
 use crate::StreamKind;
+use cudarc::cublas::sys as cbsys;
 use cudarc::cusolver::sys as cs;
 
 /// Why a GPU refresh kept the previous basis (the numerical failures of
@@ -98,9 +99,49 @@ pub(crate) struct GpuRefresher {
     est: Buf,
     work: Buf,
     max_dim: usize,
-    /// Host ms spent enqueueing: checks/kernels, GEMMs, syevd, geqrf, orgqr.
+    /// How QR refreshes orthonormalise.
+    qr: QrMethod,
+    /// Host ms spent enqueueing: checks/kernels, GEMMs, syevd, geqrf/potrf, orgqr/trsm.
     phase_ms: std::cell::Cell<[f64; 5]>,
+    /// Refreshes orthonormalised by CholeskyQR2, and those that fell back to Householder.
+    cholesky_counts: std::cell::Cell<(u64, u64)>,
 }
+
+/// How the QR refresh orthonormalises the power image `A = (F Q_old)[:, idx]`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum QrMethod {
+    /// cuSOLVER `Sgeqrf` + `Sorgqr` (Householder; soap.py's `torch.linalg.qr`). The default:
+    /// on GPT-2 124M's Kronecker factors CholeskyQR2 fell back to it in 1388 of 1538 QR
+    /// refreshes (H200, BENCHMARKS.md), so trying it first only added work.
+    #[default]
+    Householder,
+    /// CholeskyQR2 (Fukaya et al. 2014; Yamamoto et al. 2015): columns normalised, then twice
+    /// `G = AᵀA`, `R = chol(G)` (cuSOLVER `Spotrf`), `A ← A R⁻¹` (cuBLAS `Strsm`): GEMM-shaped
+    /// work instead of Householder panels. The Q of a full-rank `A` is unique up to column
+    /// signs, so this is Householder's basis up to signs, and SOAP is invariant to them
+    /// (`exp_avg` is re-projected through `Q_oldᵀ Q_new`, `exp_avg_sq` is unchanged by a sign).
+    /// Checked on the device: when a Cholesky factorisation fails (rank-deficient or too
+    /// ill-conditioned `A`) or `max|QᵀQ − I|` exceeds [`CHOLESKY_ORTHO_TOL`], the refresh is
+    /// redone with Householder QR. Opt-in (`ASTERIA_CUDA_QR=cholesky2`): well-conditioned
+    /// factors only.
+    CholeskyQr2,
+}
+
+impl std::str::FromStr for QrMethod {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "householder" => Ok(QrMethod::Householder),
+            "cholesky2" | "choleskyqr2" => Ok(QrMethod::CholeskyQr2),
+            _ => Err(format!(
+                "unknown QR method `{s}` (householder or cholesky2)"
+            )),
+        }
+    }
+}
+
+/// Largest `max|QᵀQ − I|` a CholeskyQR2 result may have before it is redone by Householder.
+pub const CHOLESKY_ORTHO_TOL: f32 = 1e-4;
 
 // SAFETY: the cuSOLVER handle is only used through `&self` by the one thread that owns the
 // refresher at a time (the engine thread, or the side-stream launcher thread it was moved to);
@@ -229,7 +270,9 @@ impl GpuRefresher {
                 est,
                 work,
                 max_dim: d,
+                qr: QrMethod::default(),
                 phase_ms: std::cell::Cell::new([0.0; 5]),
+                cholesky_counts: std::cell::Cell::new((0, 0)),
             },
             bytes + lwork * 4,
         ))
@@ -238,7 +281,7 @@ impl GpuRefresher {
     /// The largest workspace (f32 elements) syevd, geqrf and orgqr need at side length `d`.
     fn lwork(h: cs::cusolverDnHandle_t, a: &Buf, w: &Buf, tau: &Buf, d: usize) -> Result<usize> {
         let n = d as i32;
-        let (mut l1, mut l2, mut l3) = (0i32, 0i32, 0i32);
+        let (mut l1, mut l2, mut l3, mut l4) = (0i32, 0i32, 0i32, 0i32);
         // SAFETY: size queries only read the dimensions; the pointers are live device memory.
         unsafe {
             check(
@@ -271,14 +314,36 @@ impl GpuRefresher {
                     &mut l3,
                 ),
             )?;
+            check(
+                "cusolverDnSpotrf_bufferSize",
+                cs::cusolverDnSpotrf_bufferSize(
+                    h,
+                    cs::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                    n,
+                    a.ptr() as *mut f32,
+                    n,
+                    &mut l4,
+                ),
+            )?;
         }
-        Ok(l1.max(l2).max(l3).max(1) as usize)
+        Ok(l1.max(l2).max(l3).max(l4).max(1) as usize)
+    }
+
+    /// Sets how QR refreshes orthonormalise (default [`QrMethod::Householder`]).
+    pub(crate) fn set_qr_method(&mut self, qr: QrMethod) {
+        self.qr = qr;
+    }
+
+    /// QR refreshes done by CholeskyQR2, and those redone by Householder, so far.
+    pub(crate) fn cholesky_counts(&self) -> (u64, u64) {
+        self.cholesky_counts.get()
     }
 
     /// The host time of the enqueue phases, one line.
     pub(crate) fn phase_ms_line(&self) -> String {
         let [k, g, e, q, o] = self.phase_ms.get();
-        format!("kernels {k:.0}, gemm {g:.0}, syevd {e:.0}, geqrf {q:.0}, orgqr {o:.0}")
+        let (c, f) = self.cholesky_counts.get();
+        format!("kernels {k:.0}, gemm {g:.0}, syevd {e:.0}, geqrf/potrf {q:.0}, orgqr/trsm {o:.0}; CholeskyQR2 {c}, Householder fallbacks {f}")
     }
 
     fn timed<T>(&self, phase: usize, f: impl FnOnce() -> Result<T>) -> Result<T> {
@@ -448,6 +513,15 @@ impl GpuRefresher {
             d,
             Args::new().buf(&est).buf(&idx).i32(n),
         )?;
+        if self.qr == QrMethod::CholeskyQr2 {
+            let ok = self.cholesky_qr2(dev, d, &a, &idx, &q, st)?;
+            let (c, f) = self.cholesky_counts.get();
+            self.cholesky_counts
+                .set(if ok { (c + 1, f) } else { (c, f + 1) });
+            if ok {
+                return self.count_nonfinite(dev, &[&q], st, 3);
+            }
+        }
         // b (column-major) = (F Q)[:, idx]; QR in place; Q_new column-major in b.
         self.launch(
             dev,
@@ -500,6 +574,122 @@ impl GpuRefresher {
             Args::new().buf(&b).opt(None).buf(&q).i32(n).i32(n),
         )?;
         self.count_nonfinite(dev, &[&q], st, 3)
+    }
+}
+
+impl GpuRefresher {
+    /// CholeskyQR2 of `A = (F Q_old)[:, idx]` (`fq` = `F Q_old`, row-major) into `q` (row-major
+    /// `[d, d]`); `Ok(false)` when it must be redone by Householder (see [`QrMethod`]). Uses
+    /// `self.b` for the Gram matrix and status words 5 (potrf info) and 6 (orthonormality
+    /// error bits); blocks the calling thread to read them (once or twice).
+    fn cholesky_qr2(
+        &self,
+        dev: &Device,
+        d: usize,
+        fq: &Buf,
+        idx: &Buf,
+        q: &Buf,
+        st: &Buf,
+    ) -> Result<bool> {
+        let dd = d * d;
+        let n = d as i32;
+        let g = self.b.slice(0, dd)?;
+        let sq = Dims::new(d, d);
+        // q = A (row-major), columns normalised.
+        self.launch(
+            dev,
+            "permute_cols",
+            dd,
+            Args::new().buf(fq).buf(idx).buf(q).i32(n).i32(n),
+        )?;
+        self.launch(dev, "normalize_cols", d, Args::new().buf(q).i32(n).i32(n))?;
+        let gram = |q: &Buf| {
+            self.timed(1, || {
+                gemm_f32_with(
+                    dev,
+                    self.stream,
+                    GemmMath::Fp32,
+                    q,
+                    sq,
+                    q,
+                    sq,
+                    &g,
+                    true,
+                    false,
+                    1.0,
+                    0.0,
+                )
+            })
+        };
+        for pass in 0..2 {
+            // G = qᵀ q (symmetric: its row- and column-major layouts agree).
+            gram(q)?;
+            let info = st.slice(5, 1)?;
+            dev.context().bind_to_thread()?;
+            // SAFETY: g [d, d], the workspace of the queried size (potrf included) and the
+            // info word are live device buffers on `self.stream`.
+            self.timed(3, || unsafe {
+                check(
+                    "cusolverDnSpotrf",
+                    cs::cusolverDnSpotrf(
+                        self.handle,
+                        cs::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                        n,
+                        g.ptr() as *mut f32,
+                        n,
+                        self.work.ptr() as *mut f32,
+                        self.work.len() as i32,
+                        info.ptr() as *mut i32,
+                    ),
+                )
+            })?;
+            // G = UᵀU, U in g's column-major upper triangle. Row-major q = A is column-major
+            // Aᵀ, and row-major A U⁻¹ is column-major U⁻ᵀ Aᵀ: solve Uᵀ Y = Aᵀ in place. (After a
+            // failed potrf the result is garbage; it is caught below and discarded.)
+            let one = 1.0f32;
+            let h = dev.cublas_handle_on(self.stream);
+            self.timed(4, || {
+                // SAFETY: g and q are live [d, d] device buffers; alpha is a host scalar (the
+                // handle's default pointer mode); the handle is bound to `self.stream`.
+                unsafe {
+                    cbsys::cublasStrsm_v2(
+                        h,
+                        cbsys::cublasSideMode_t::CUBLAS_SIDE_LEFT,
+                        cbsys::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                        cbsys::cublasOperation_t::CUBLAS_OP_T,
+                        cbsys::cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
+                        n,
+                        n,
+                        &one,
+                        g.ptr() as *const f32,
+                        n,
+                        q.ptr() as *mut f32,
+                        n,
+                    )
+                }
+                .result()
+                .map_err(crate::error::cublas("strsm"))
+            })?;
+            if pass == 0 {
+                // A failed first factorisation makes the second pass pointless.
+                let w = dev.download_on::<i32>(&info, self.stream)?;
+                if w[0] != 0 {
+                    return Ok(false);
+                }
+            }
+        }
+        // Orthonormality: max|qᵀq − I|.
+        gram(q)?;
+        let err = st.slice(6, 1)?;
+        self.launch(
+            dev,
+            "ortho_error_bits",
+            dd,
+            Args::new().buf(&g).i32(n).buf(&err),
+        )?;
+        let w = dev.download_on::<i32>(&st.slice(5, 2)?, self.stream)?;
+        let ortho = f32::from_bits(w[1].max(0) as u32);
+        Ok(w[0] == 0 && ortho <= CHOLESKY_ORTHO_TOL)
     }
 }
 

@@ -267,6 +267,7 @@ impl Refreshes {
         dev: &Arc<Device>,
         plan: &Plan,
         mode: RefreshMode,
+        qr: refresh::QrMethod,
     ) -> Result<Refreshes, EngineError> {
         let e = |w: &'static str| move |err: CudaError| cuda_err(w, err);
         let tasks: Vec<Task> = plan.host_tasks.iter().map(|t| Task::of(t, mode)).collect();
@@ -286,8 +287,9 @@ impl Refreshes {
         let mut bytes = 0;
         let mut arenas = Vec::new();
         let (sync, sync_slot) = if any_gpu {
-            let (r, b) = GpuRefresher::new(dev, StreamKind::Compute, max_dim)
+            let (mut r, b) = GpuRefresher::new(dev, StreamKind::Compute, max_dim)
                 .map_err(e("setting up cuSOLVER refreshes"))?;
+            r.set_qr_method(qr);
             bytes += b + RefreshSlot::bytes(max_dim);
             let mut a = dev
                 .arena("refresh-slot", Tier::Device, RefreshSlot::bytes(max_dim))
@@ -301,8 +303,9 @@ impl Refreshes {
         };
         let side = match side_dim {
             Some(d) => {
-                let (r, b) = GpuRefresher::new(dev, StreamKind::Side, d)
+                let (mut r, b) = GpuRefresher::new(dev, StreamKind::Side, d)
                     .map_err(e("setting up side-stream cuSOLVER refreshes"))?;
+                r.set_qr_method(qr);
                 bytes += b;
                 Some(SideLauncher::spawn(Arc::clone(dev), r)?)
             }

@@ -10,6 +10,7 @@
 //! does not hide a wrong update) and the new moments.
 mod cases;
 mod cases_optim;
+mod cases_refresh;
 
 use crate::device::{Device, HostElem};
 use crate::error::{CudaError, Result, Tier};
@@ -231,6 +232,7 @@ pub(crate) fn cpu<E: std::fmt::Display>(e: E) -> CudaError {
 fn registry() -> Vec<Case> {
     let mut v = cases::cases();
     v.extend(cases_optim::cases());
+    v.extend(cases_refresh::cases());
     v
 }
 

@@ -1,0 +1,333 @@
+//! Self-test cases of the GPU eigenbasis refresh ([`crate::refresh`]: cuSOLVER + the `refresh`
+//! kernels) against `optim`'s refresh in float64 on the same (f32-rounded) inputs.
+//!
+//! Inputs are built so the answer is well defined: a random orthonormal `U` (float64 `eigh` of
+//! a random symmetric matrix), distinct eigenvalues `λ` spread over `[1, 5]` in a random order,
+//! `F = U diag(λ) Uᵀ + ε·S` with a small random symmetric `S` (ε = 1e-3 of the eigenvalue
+//! spacing: `diag(Uᵀ F U)` keeps its order, so the permutation is unique, and `F U` is well
+//! conditioned, so the QR factor is unique up to column signs).
+//! - `eigenbasis_init` (syevd): basis-invariant errors, since eigenvectors are only defined up
+//!   to sign: residual `max|F Q − Q diag(QᵀFQ)| / max|F|`, orthonormality `max|QᵀQ − I|`, and
+//!   the eigenvalues `diag(QᵀFQ)` (descending) against float64 `eigh` of the same `F`.
+//! - `eigenbasis_refresh` (power iteration + QR, then the swap): with `U` as the stored basis,
+//!   the new basis (columns sign-aligned to the reference), the permutation (exact), and the
+//!   moments after [`crate::refresh::apply`]: `exp_avg` re-projected (signs aligned) and
+//!   `exp_avg_sq` permuted, against `optim::refresh_compute` + `refresh_apply` in float64.
+//! - `eigenbasis_refresh` runs the opt-in CholeskyQR2 orthonormalisation,
+//!   `eigenbasis_refresh_householder` cuSOLVER's Householder QR (the default), and
+//!   `eigenbasis_refresh_fallback` a factor with an exactly zero block, where CholeskyQR2 must
+//!   hand over to Householder.
+//!
+//! Tolerance [`TOL_REFRESH`]: fp32 Householder QR / eigh have a backward error of order
+//! `d · 2⁻²⁴`, i.e. up to ~5e-5 at d = 783.
+use super::cases::case;
+use super::{cpu, Case, Ctx, Outcome};
+use crate::error::Result;
+use crate::refresh::{self, GpuRefresher, QrMethod, RefreshSlot, SwapWork};
+use crate::StreamKind;
+use optim::HostEigensolver;
+
+/// Tolerance of the refresh cases (norm-wise relative error).
+pub const TOL_REFRESH: f64 = 1e-4;
+
+pub(crate) fn cases() -> Vec<Case> {
+    let mut v = Vec::new();
+    for (d, other, big) in [
+        (3usize, 5usize, false),
+        (50, 7, false),
+        (257, 33, false),
+        (783, 50, true),
+    ] {
+        v.push(case(
+            "eigenbasis_init",
+            format!("d={d}"),
+            TOL_REFRESH,
+            big,
+            move |cx| init(cx, d),
+        ));
+        for side in [0u8, 1] {
+            let (m, n) = if side == 0 { (d, other) } else { (other, d) };
+            for (kernel, qr) in [
+                ("eigenbasis_refresh", QrMethod::CholeskyQr2),
+                ("eigenbasis_refresh_householder", QrMethod::Householder),
+            ] {
+                v.push(case(
+                    kernel,
+                    format!("side={side} m={m} n={n}"),
+                    TOL_REFRESH,
+                    big,
+                    move |cx| qr_refresh(cx, side, m, n, qr),
+                ));
+            }
+        }
+    }
+    for (d, r) in [(50usize, 30usize), (257, 100)] {
+        v.push(case(
+            "eigenbasis_refresh_fallback",
+            format!("d={d} rank={r}"),
+            TOL_REFRESH,
+            false,
+            move |cx| zero_block(cx, d, r),
+        ));
+    }
+    v
+}
+
+/// `U` (random orthonormal, row-major, columns), `λ` (distinct, shuffled) and `F` as in the
+/// module docs, all f32-rounded and widened back.
+fn factor(cx: &mut Ctx<'_>, d: usize) -> Result<(Vec<f64>, Vec<f64>, Vec<f64>)> {
+    let g: Vec<f64> = cx
+        .normal(d * d, 0.0, 1.0)
+        .iter()
+        .map(|&x| f64::from(x))
+        .collect();
+    let mut sym = vec![0.0f64; d * d];
+    for i in 0..d {
+        for j in 0..d {
+            sym[i * d + j] = g[i * d + j] + g[j * d + i];
+        }
+    }
+    let e = optim::FaerEigensolver.eigh_f64(&sym, d).map_err(cpu)?;
+    let u: Vec<f64> = e.vectors.iter().map(|&x| f64::from(x as f32)).collect();
+    // Distinct eigenvalues over [1, 5], shuffled (Fisher-Yates with the case's generator).
+    let spacing = 4.0 / d.max(2) as f64;
+    let mut lam: Vec<f64> = (0..d).map(|i| 1.0 + spacing * i as f64).collect();
+    for i in (1..d).rev() {
+        let j = (cx.rng.next_u64() % (i as u64 + 1)) as usize;
+        lam.swap(i, j);
+    }
+    let eps = 1e-3 * spacing;
+    let s = cx.normal(d * d, 0.0, 1.0);
+    let mut f = vec![0.0f64; d * d];
+    for i in 0..d {
+        for j in 0..=i {
+            let mut acc = 0.0;
+            for k in 0..d {
+                acc += u[i * d + k] * lam[k] * u[j * d + k];
+            }
+            let v = acc + eps * 0.5 * (f64::from(s[i * d + j]) + f64::from(s[j * d + i]));
+            let v = f64::from(v as f32);
+            f[i * d + j] = v;
+            f[j * d + i] = v;
+        }
+    }
+    Ok((u, lam, f))
+}
+
+fn narrow(v: &[f64]) -> Vec<f32> {
+    v.iter().map(|&x| x as f32).collect()
+}
+
+fn wide(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| f64::from(x)).collect()
+}
+
+/// `a · b` for row-major `[d, d]` f64 matrices.
+fn mm(a: &[f64], ta: bool, b: &[f64], d: usize) -> Vec<f64> {
+    let mut out = vec![0.0; d * d];
+    // The shapes are square and consistent by construction.
+    let _ = optim::matmul(&mut out, a, ta, b, false, d, d, d);
+    out
+}
+
+fn max_abs(v: &[f64]) -> f64 {
+    v.iter().fold(0.0f64, |m, x| m.max(x.abs()))
+}
+
+fn init(cx: &mut Ctx<'_>, d: usize) -> Result<Outcome> {
+    let (_, _, f) = factor(cx, d)?;
+    let dev = cx.dev;
+    let (r, _) = GpuRefresher::new(dev, StreamKind::Compute, d)?;
+    let mut arena = dev.arena(
+        "selftest-refresh",
+        crate::Tier::Device,
+        RefreshSlot::bytes(d),
+    )?;
+    let slot = RefreshSlot::carve(&mut arena, d)?;
+    dev.poison(&slot.q)?;
+    let fb = cx.up(&narrow(&f))?;
+    let basis = cx.out(d * d)?;
+    let ms = cx.timed(|| r.compute(dev, true, d, &fb, &basis, &slot))?;
+    let status = dev.download::<i32>(&slot.status)?;
+    if let Err(e) = refresh::verdict(true, d, &status) {
+        return Err(crate::CudaError::Invalid {
+            op: "eigenbasis_init",
+            what: e.to_string(),
+        });
+    }
+    let q = wide(&dev.download::<f32>(&slot.q)?);
+    // Residual, orthonormality, eigenvalues (descending).
+    let fq = mm(&f, false, &q, d);
+    let qfq = mm(&q, true, &fq, d);
+    let diag: Vec<f64> = (0..d).map(|j| qfq[j * d + j]).collect();
+    let mut resid = 0.0f64;
+    for i in 0..d {
+        for j in 0..d {
+            resid = resid.max((fq[i * d + j] - q[i * d + j] * diag[j]).abs());
+        }
+    }
+    let qtq = mm(&q, true, &q, d);
+    let mut orth = 0.0f64;
+    for i in 0..d {
+        for j in 0..d {
+            let want = if i == j { 1.0 } else { 0.0 };
+            orth = orth.max((qtq[i * d + j] - want).abs());
+        }
+    }
+    // The eigenvalues of F itself (float64 eigh), descending.
+    let mut want = optim::FaerEigensolver.eigh_f64(&f, d).map_err(cpu)?.values;
+    want.sort_by(|a, b| b.total_cmp(a));
+    let values = super::rel_err(&narrow(&diag), &want);
+    Ok(Outcome {
+        errs: vec![
+            ("residual", resid / max_abs(&f)),
+            ("orthonormality", orth),
+            ("eigenvalues", values),
+        ],
+        gpu_ms: ms,
+    })
+}
+
+fn qr_refresh(cx: &mut Ctx<'_>, side: u8, m: usize, n: usize, qr: QrMethod) -> Result<Outcome> {
+    let d = if side == 0 { m } else { n };
+    let (u, _, f) = factor(cx, d)?;
+    let ea = cx.normal(m * n, 0.0, 1.0);
+    let eas = cx.uniform(m * n, 0.1, 2.0);
+    let dev = cx.dev;
+    let (mut r, _) = GpuRefresher::new(dev, StreamKind::Compute, d)?;
+    r.set_qr_method(qr);
+    let mut arena = dev.arena(
+        "selftest-refresh",
+        crate::Tier::Device,
+        RefreshSlot::bytes(d),
+    )?;
+    let slot = RefreshSlot::carve(&mut arena, d)?;
+    let work = SwapWork::new(dev, d, m * n)?;
+    let (fb, qb) = (cx.up(&narrow(&f))?, cx.up(&narrow(&u))?);
+    let (eab, easb) = (cx.up(&ea)?, cx.up(&eas)?);
+    dev.poison(&slot.q)?;
+    let ms = cx.timed(|| {
+        r.compute(dev, false, d, &fb, &qb, &slot)?;
+        let status = dev.download::<i32>(&slot.status)?;
+        refresh::verdict(false, d, &status).map_err(|e| crate::CudaError::Invalid {
+            op: "eigenbasis_refresh",
+            what: e.to_string(),
+        })?;
+        refresh::apply(
+            dev, &work, false, side, &slot.q, &slot.idx, &qb, &eab, &easb, m, n,
+        )
+    })?;
+    let q_gpu = wide(&dev.download::<f32>(&qb)?);
+    let idx_gpu = dev.download::<i32>(&slot.idx.slice(0, d)?)?;
+    let mut ea_gpu = wide(&dev.download::<f32>(&eab)?);
+    let eas_gpu = dev.download::<f32>(&easb)?;
+    // Reference: float64 on the same f32 inputs.
+    let solver = optim::FaerEigensolver;
+    let res = optim::refresh_compute(&solver, 11, 10, side, &f, &u, m, n)
+        .map_err(cpu)?
+        .ok_or_else(|| cpu("reference refresh skipped"))?;
+    let (mut q_ref, mut ea_ref, mut eas_ref) = (u.clone(), wide(&ea), wide(&eas));
+    optim::refresh_apply(&res, &mut q_ref, &mut ea_ref, &mut eas_ref, m, n).map_err(cpu)?;
+    // Align GPU column signs to the reference (QR columns are defined up to sign); flip the
+    // matching exp_avg rows (side 0) or columns (side 1).
+    let mut q_al = q_gpu.clone();
+    for j in 0..d {
+        let dot: f64 = (0..d).map(|i| q_gpu[i * d + j] * q_ref[i * d + j]).sum();
+        if dot < 0.0 {
+            for i in 0..d {
+                q_al[i * d + j] = -q_al[i * d + j];
+            }
+            if side == 0 {
+                for c in 0..n {
+                    ea_gpu[j * n + c] = -ea_gpu[j * n + c];
+                }
+            } else {
+                for row in 0..m {
+                    ea_gpu[row * n + j] = -ea_gpu[row * n + j];
+                }
+            }
+        }
+    }
+    let perm_ok = idx_gpu
+        .iter()
+        .zip(res.permutation())
+        .all(|(&g, &c)| g >= 0 && g as usize == c);
+    Ok(Outcome {
+        errs: vec![
+            ("basis", super::rel_err(&narrow(&q_al), &q_ref)),
+            ("permutation", if perm_ok { 0.0 } else { f64::INFINITY }),
+            ("exp_avg", super::rel_err(&narrow(&ea_gpu), &ea_ref)),
+            ("exp_avg_sq", super::rel_err(&eas_gpu, &eas_ref)),
+        ],
+        gpu_ms: ms,
+    })
+}
+
+/// A factor that is zero outside its leading `r × r` block and the identity as stored basis:
+/// `A = F[:, idx]` has exactly zero columns, CholeskyQR2's Gram matrix is singular, and the
+/// refresh must fall back to Householder (checked through the refresher's counters). Only the
+/// first `r` columns (the range, ordered first by the descending estimates) are unique up to
+/// sign; they are compared with float64 `refresh_compute`, and the whole basis must be
+/// orthonormal.
+fn zero_block(cx: &mut Ctx<'_>, d: usize, r: usize) -> Result<Outcome> {
+    let (_, _, fr) = factor(cx, r)?;
+    let mut f = vec![0.0f64; d * d];
+    for i in 0..r {
+        f[i * d..i * d + r].copy_from_slice(&fr[i * r..(i + 1) * r]);
+    }
+    let mut eye = vec![0.0f64; d * d];
+    for i in 0..d {
+        eye[i * d + i] = 1.0;
+    }
+    let dev = cx.dev;
+    let (r_gpu, _) = GpuRefresher::new(dev, StreamKind::Compute, d)?;
+    let mut arena = dev.arena(
+        "selftest-refresh",
+        crate::Tier::Device,
+        RefreshSlot::bytes(d),
+    )?;
+    let slot = RefreshSlot::carve(&mut arena, d)?;
+    let (fb, qb) = (cx.up(&narrow(&f))?, cx.up(&narrow(&eye))?);
+    dev.poison(&slot.q)?;
+    let ms = cx.timed(|| r_gpu.compute(dev, false, d, &fb, &qb, &slot))?;
+    let status = dev.download::<i32>(&slot.status)?;
+    refresh::verdict(false, d, &status).map_err(|e| crate::CudaError::Invalid {
+        op: "eigenbasis_refresh_fallback",
+        what: e.to_string(),
+    })?;
+    let fell_back = r_gpu.cholesky_counts() == (0, 1);
+    let q = wide(&dev.download::<f32>(&slot.q.slice(0, d * d)?)?);
+    let res = optim::refresh_compute(&optim::FaerEigensolver, 11, 10, 0, &f, &eye, d, 1)
+        .map_err(cpu)?
+        .ok_or_else(|| cpu("reference refresh skipped"))?;
+    let q_ref = res.basis();
+    // Orthonormality of the whole GPU basis.
+    let qtq = mm(&q, true, &q, d);
+    let mut orth = 0.0f64;
+    for i in 0..d {
+        for j in 0..d {
+            orth = orth.max((qtq[i * d + j] - if i == j { 1.0 } else { 0.0 }).abs());
+        }
+    }
+    // The range columns, sign-aligned.
+    let (mut got, mut want) = (Vec::with_capacity(d * r), Vec::with_capacity(d * r));
+    for j in 0..r {
+        let dot: f64 = (0..d).map(|i| q[i * d + j] * q_ref[i * d + j]).sum();
+        let s = if dot < 0.0 { -1.0 } else { 1.0 };
+        for i in 0..d {
+            got.push((s * q[i * d + j]) as f32);
+            want.push(q_ref[i * d + j]);
+        }
+    }
+    Ok(Outcome {
+        errs: vec![
+            ("range columns", super::rel_err(&got, &want)),
+            ("orthonormality", orth),
+            (
+                "householder fallback taken",
+                if fell_back { 0.0 } else { f64::INFINITY },
+            ),
+        ],
+        gpu_ms: ms,
+    })
+}
