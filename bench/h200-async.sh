@@ -5,6 +5,7 @@
 # 16x1024, frequency 10, per-step times as metrics JSONL; then the table and the step-time SVG.
 # Before the runs: the kernel self-test (quick) and tiny-soap on the GPU with S=0 vs S=5.
 # Usage: bench/h200-async.sh OUT_DIR [STEPS]   (repository root, .gpu/ from bench/prepare-gpu)
+#   SKIP_CHECKS=1: skip the self-test and tiny-soap runs; TORCH_STEPS=N: PyTorch rows' steps.
 set -uo pipefail
 out="${1:?usage: bench/h200-async.sh OUT_DIR [STEPS]}"; steps="${2:-300}"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
@@ -14,17 +15,19 @@ B=.gpu/bin/asteria; S=.gpu/specs; TC=/tmp/asteria-token-cache; W=/tmp/asteria-sp
 mkdir -p $W; start=$(date +%s)
 stamp() { echo "== $(date -u +%H:%M:%S) (+$(( $(date +%s) - start ))s) $*"; }
 stamp machine; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+if [[ -z "${SKIP_CHECKS:-}" ]]; then
 stamp selftest
 timeout 120 $B selftest --device cuda --quick --cache-dir $TC --train-match $S/tiny.asteria > "$out/selftest.txt" 2>&1
 echo "selftest rc=$?"; grep -E "passed|failed|^(PASS|FAIL)" "$out/selftest.txt" | tail -4; grep -E "FAIL" "$out/selftest.txt" | head -5
-# Spec variants: staleness 5, and tiny-soap on the GPU (fp32).
-sed 's/staleness = 0/staleness = 5/' $S/gpt2-124m-soap.asteria > $S/gpt2-124m-soap-s5.asteria
+# Tiny-soap on the GPU (fp32), S = 0 and S = 5.
 for s in 0 5; do
   sed -e 's/^target cpu {/target cuda {\n  precision = fp32/' -e "s/staleness = 0/staleness = $s/" $S/tiny-soap.asteria > $S/tiny-soap-cuda-s$s.asteria
   stamp "tiny-soap cuda S=$s"
   timeout 90 $B train $S/tiny-soap-cuda-s$s.asteria --quiet --cache-dir $TC --metrics "$out/tiny-soap-cuda-s$s.jsonl" > "$out/tiny-soap-cuda-s$s.txt" 2>&1
   echo "rc=$?"; tail -3 "$out/tiny-soap-cuda-s$s.txt"
 done
+fi
+sed 's/staleness = 0/staleness = 5/' $S/gpt2-124m-soap.asteria > $S/gpt2-124m-soap-s5.asteria
 run() { # name spec timeout
   stamp "$1"
   timeout "$3" $B train "$2" --steps $steps --quiet --cache-dir $TC --metrics "$out/$1.jsonl" > "$out/$1.txt" 2>&1
@@ -36,7 +39,7 @@ run soap-s0 $S/gpt2-124m-soap.asteria 150
 for row in "torch-soap soap" "torch-soaptf32 soap --tf32" "torch-adamw adamw"; do
   set -- $row; n=$1; shift
   stamp "$n"
-  timeout 120 python3 .gpu/bench/torch_steps.py "$@" 100 "$out/$n.jsonl" > "$out/$n.txt" 2>&1 || echo "$n failed"; tail -2 "$out/$n.txt"
+  timeout 120 python3 .gpu/bench/torch_steps.py "$@" ${TORCH_STEPS:-100} "$out/$n.jsonl" > "$out/$n.txt" 2>&1 || echo "$n failed"; tail -2 "$out/$n.txt"
 done
 stamp summary
 python3 .gpu/bench/summarize.py --skip 12 "asteria AdamW=$out/adamw.jsonl:$out/adamw.txt" \
