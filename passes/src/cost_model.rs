@@ -79,10 +79,7 @@ impl TargetDescription {
                 host_eigh_ms: h200_host_eigh,
                 gpu_eigh_ms: h200_gpu_eigh,
                 gpu_qr_ms: h200_gpu_qr,
-                // asteria's CUDA engine on GPT-2 124M (AdamW, bf16): 97.6k tokens/s = 73 TFLOP/s
-                // effective (BENCHMARKS.md); PyTorch eager reaches ~280. The step time sets the
-                // host pool's time per period, so it must be the engine's own.
-                train_tflops: 73.0,
+                train_tflops: 280.0,
                 side_stream_interference: 0.6,
             },
             // Simulated: 72 Neoverse V2 cores (~4x the x86 host's eigh rate), NVLink-C2C
@@ -96,7 +93,7 @@ impl TargetDescription {
                 host_qr_ms: scale(&h200_host_eigh, 0.25 * 0.35),
                 gpu_eigh_ms: scale(&h200_gpu_eigh, 1.1),
                 gpu_qr_ms: scale(&h200_gpu_qr, 1.1),
-                train_tflops: 65.0, // the h200 engine rate × 250/280 (H100-class GPU)
+                train_tflops: 250.0,
                 side_stream_interference: 0.6,
             },
             // Simulated: 20 Arm cores, one LPDDR5x pool shared with a GPU ~1/8 of an H200.
@@ -109,7 +106,7 @@ impl TargetDescription {
                 host_qr_ms: scale(&h200_host_eigh, 0.8 * 0.35),
                 gpu_eigh_ms: scale(&h200_gpu_eigh, 8.0),
                 gpu_qr_ms: scale(&h200_gpu_qr, 8.0),
-                train_tflops: 9.1, // the h200 engine rate × 35/280 (~1/8 of an H200)
+                train_tflops: 35.0,
                 side_stream_interference: 0.8,
             },
             // A 2-core CI-class host without GPU (measured on the development machine with

@@ -57,10 +57,9 @@ fn discrete_gpu_and_unified_memory_targets_choose_differently() {
         99,
         "GPT-2 124M: 8 factors per block, wte R, wpe L and R"
     );
-    // On the H200 PCIe host the largest (3072) factors cannot finish on the host within S
-    // steps and its pool is full with the small ones: they go to the GPU side stream. (With
-    // the engine's measured step time, ~168 ms, the 62 factors of 768 fit the host pool.)
-    for d in h200.decisions.iter().filter(|d| d.dim >= 3072) {
+    // On the H200 PCIe host the big (2304/3072) factors cannot finish on the host within S
+    // steps: they go to the GPU side stream.
+    for d in h200.decisions.iter().filter(|d| d.dim >= 2304) {
         assert_eq!(
             d.placement,
             Placement::GpuSide,
@@ -70,11 +69,11 @@ fn discrete_gpu_and_unified_memory_targets_choose_differently() {
         );
     }
     assert!(
-        h200.decisions.iter().filter(|d| d.placement == Placement::GpuSide).count() >= 24,
-        "h200 keeps the big refreshes on the GPU"
+        h200.host_share() < 0.5,
+        "h200 should keep most refreshes on the GPU"
     );
     assert!(
-        gh200.host_share() > h200.host_share() + 0.15,
+        gh200.host_share() > h200.host_share() + 0.2,
         "gh200 should move work to its host"
     );
     assert!(
