@@ -798,3 +798,73 @@ pub(crate) fn apply(
     dev.set_gemm_math(prev);
     r
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(words: &[(usize, i32)]) -> [i32; STATUS_WORDS] {
+        let mut s = [0; STATUS_WORDS];
+        s[4] = 1; // a non-zero factor
+        for &(i, v) in words {
+            s[i] = v;
+        }
+        s
+    }
+
+    #[test]
+    fn clean_status_words_install_the_basis() {
+        assert_eq!(verdict(false, 8, &status(&[])), Ok(()));
+        // potrf / orthonormality words (CholeskyQR2 fell back) do not matter.
+        assert_eq!(verdict(false, 8, &status(&[(5, 3), (6, 99)])), Ok(()));
+    }
+
+    #[test]
+    fn each_failure_keeps_the_previous_basis_with_its_reason() {
+        assert_eq!(
+            verdict(false, 8, &status(&[(0, 2)])),
+            Err(RefreshFailure::NonFinite { dim: 8, count: 2 })
+        );
+        assert_eq!(
+            verdict(false, 8, &status(&[(4, 0)])),
+            Err(RefreshFailure::NoRank { dim: 8 })
+        );
+        // An all-zero factor is fine for the first basis (eigh of 1e-30·I).
+        assert_eq!(verdict(true, 8, &status(&[(4, 0)])), Ok(()));
+        assert_eq!(
+            verdict(true, 8, &status(&[(1, 5)])),
+            Err(RefreshFailure::Solver {
+                call: "syevd",
+                info: 5
+            })
+        );
+        assert_eq!(
+            verdict(false, 8, &status(&[(1, -3)])),
+            Err(RefreshFailure::Solver {
+                call: "geqrf",
+                info: -3
+            })
+        );
+        assert_eq!(
+            verdict(false, 8, &status(&[(2, 1)])),
+            Err(RefreshFailure::Solver {
+                call: "orgqr",
+                info: 1
+            })
+        );
+        assert_eq!(
+            verdict(false, 8, &status(&[(3, 1)])),
+            Err(RefreshFailure::BadBasis)
+        );
+        // A short status buffer reads as zeros (no panic).
+        assert_eq!(verdict(true, 8, &[]), Ok(()));
+    }
+
+    #[test]
+    fn qr_method_names_parse() {
+        assert_eq!("householder".parse(), Ok(QrMethod::Householder));
+        assert_eq!("cholesky2".parse(), Ok(QrMethod::CholeskyQr2));
+        assert!("cholesky".parse::<QrMethod>().is_err());
+        assert_eq!(QrMethod::default(), QrMethod::Householder);
+    }
+}

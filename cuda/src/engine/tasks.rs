@@ -874,7 +874,8 @@ impl CudaEngine {
     }
 
     /// Counts the outcome of one refresh of task `index` (launched at the end of step
-    /// `launched`, settled at the end of step `t`), as the CPU engine does.
+    /// `launched`, settled at the end of step `t`) as the CPU engine does
+    /// ([`engine::cpu::count_refresh_outcome`]).
     fn record(
         &mut self,
         index: usize,
@@ -884,43 +885,19 @@ impl CudaEngine {
         outcome: Outcome,
         report: &mut HostTaskReport,
     ) -> Result<(), EngineError> {
-        match outcome {
-            Ok(RefreshOutcome::Skipped) => Ok(()),
-            Ok(kind) => {
-                if kind == RefreshOutcome::Initialized {
-                    self.refreshes.initialized[index] = true;
-                }
-                let staleness = t - launched;
-                report.refreshed += 1;
-                report.swapped += 1;
-                report.max_swap_staleness = report.max_swap_staleness.max(Some(staleness));
-                self.stats.refreshes += 1;
-                self.stats.refresh_swaps += 1;
-                self.stats.swap_staleness_sum += staleness;
-                self.stats.max_swap_staleness = self.stats.max_swap_staleness.max(staleness);
-                self.stats.consecutive_refresh_failures[index] = 0;
-                Ok(())
-            }
-            Err(msg) => {
-                report.failed += 1;
-                self.stats.refresh_failures[index] += 1;
-                self.stats.consecutive_refresh_failures[index] += 1;
-                let run = self.stats.consecutive_refresh_failures[index];
-                let name = self.plan.buffer(task.factor).name.clone();
-                let limit = self.opts.engine.max_consecutive_refresh_failures;
-                tracing::warn!(step = t, launched, task = index, factor = %name, consecutive = run, error = %msg,
-                    "eigenbasis refresh failed; keeping the previous basis");
-                if run >= limit {
-                    return Err(EngineError::RefreshFailures {
-                        task: index,
-                        factor: name,
-                        failures: run,
-                        limit,
-                        last: msg,
-                    });
-                }
-                Ok(())
-            }
-        }
+        let name = self.plan.buffer(task.factor).name.clone();
+        engine::cpu::count_refresh_outcome(
+            &mut self.stats,
+            report,
+            &mut self.refreshes.initialized,
+            engine::cpu::RefreshEvent {
+                task: index,
+                factor: &name,
+                launched,
+                step: t,
+                limit: self.opts.engine.max_consecutive_refresh_failures,
+            },
+            outcome,
+        )
     }
 }

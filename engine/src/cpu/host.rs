@@ -56,6 +56,88 @@ pub fn refresh_due(t: u64, frequency: u64, offset: u64) -> bool {
     t == 1 || (t > 1 && t > offset && frequency > 0 && (t - 1 - offset) % frequency == 0)
 }
 
+/// Which refresh [`count_refresh_outcome`] counts: host task `task` of factor `factor`,
+/// launched at the end of step `launched`, settled at the end of step `step`, with the run's
+/// limit of consecutive failures.
+#[derive(Clone, Copy, Debug)]
+pub struct RefreshEvent<'a> {
+    /// Host task index.
+    pub task: usize,
+    /// The factor's buffer name (for logs and errors).
+    pub factor: &'a str,
+    /// 1-based step whose end launched the refresh.
+    pub launched: u64,
+    /// 1-based step whose end installs (or drops) the result.
+    pub step: u64,
+    /// `EngineOptions::max_consecutive_refresh_failures`.
+    pub limit: u32,
+}
+
+/// Counts the outcome of one eigenbasis refresh the same way on every engine: an installed
+/// result (`Ok(kind)`, not `Skipped`) is a swap of staleness `step − launched` and resets the
+/// task's failure run (an `Initialized` one marks the task initialised); a numerical failure
+/// (`Err(message)`: the previous basis was kept) is counted, logged with `tracing::warn!`, and
+/// stops the run once the task has failed `limit` times in a row.
+///
+/// # Errors
+/// [`EngineError::RefreshFailures`] at the limit.
+pub fn count_refresh_outcome(
+    stats: &mut super::EngineStats,
+    report: &mut HostTaskReport,
+    initialized: &mut [bool],
+    ev: RefreshEvent<'_>,
+    outcome: Result<RefreshOutcome, String>,
+) -> Result<(), EngineError> {
+    let index = ev.task;
+    match outcome {
+        Ok(RefreshOutcome::Skipped) => Ok(()),
+        Ok(kind) => {
+            if kind == RefreshOutcome::Initialized {
+                if let Some(flag) = initialized.get_mut(index) {
+                    *flag = true;
+                }
+            }
+            let staleness = ev.step.saturating_sub(ev.launched);
+            report.refreshed += 1;
+            report.swapped += 1;
+            report.max_swap_staleness = report.max_swap_staleness.max(Some(staleness));
+            stats.refreshes += 1;
+            stats.refresh_swaps += 1;
+            stats.swap_staleness_sum += staleness;
+            stats.max_swap_staleness = stats.max_swap_staleness.max(staleness);
+            if let Some(run) = stats.consecutive_refresh_failures.get_mut(index) {
+                *run = 0;
+            }
+            Ok(())
+        }
+        Err(msg) => {
+            report.failed += 1;
+            if let Some(n) = stats.refresh_failures.get_mut(index) {
+                *n += 1;
+            }
+            let run = match stats.consecutive_refresh_failures.get_mut(index) {
+                Some(run) => {
+                    *run += 1;
+                    *run
+                }
+                None => 1,
+            };
+            tracing::warn!(step = ev.step, launched = ev.launched, task = index, factor = %ev.factor,
+                consecutive = run, error = %msg, "eigenbasis refresh failed; keeping the previous basis");
+            if run >= ev.limit {
+                return Err(EngineError::RefreshFailures {
+                    task: index,
+                    factor: ev.factor.to_string(),
+                    failures: run,
+                    limit: ev.limit,
+                    last: msg,
+                });
+            }
+            Ok(())
+        }
+    }
+}
+
 /// The operands of one `EigenbasisRefresh` task.
 #[derive(Clone, Copy)]
 struct Task {
@@ -316,7 +398,8 @@ impl<T: Float + Real> CpuEngine<T> {
         self.record(index, task, launched, t, applied, report)
     }
 
-    /// Counts the outcome of one refresh of task `index`.
+    /// Counts the outcome of one refresh of task `index` ([`count_refresh_outcome`]); a
+    /// non-numerical refusal is an engine or plan bug and stops the run.
     fn record(
         &mut self,
         index: usize,
@@ -326,48 +409,30 @@ impl<T: Float + Real> CpuEngine<T> {
         outcome: Result<RefreshOutcome, RefreshError>,
         report: &mut HostTaskReport,
     ) -> Result<(), EngineError> {
-        match outcome {
-            Ok(RefreshOutcome::Skipped) => Ok(()),
-            Ok(kind) => {
-                if kind == RefreshOutcome::Initialized {
-                    self.initialized[index] = true;
-                }
-                let staleness = t - launched;
-                report.refreshed += 1;
-                report.swapped += 1;
-                report.max_swap_staleness = report.max_swap_staleness.max(Some(staleness));
-                self.stats.refreshes += 1;
-                self.stats.refresh_swaps += 1;
-                self.stats.swap_staleness_sum += staleness;
-                self.stats.max_swap_staleness = self.stats.max_swap_staleness.max(staleness);
-                self.stats.consecutive_refresh_failures[index] = 0;
-                Ok(())
+        let outcome = match outcome {
+            Ok(kind) => Ok(kind),
+            Err(e) if e.is_numerical() => Err(e.to_string()),
+            Err(e) => {
+                return Err(EngineError::Optim {
+                    location: loc(index).to_string(),
+                    message: e.to_string(),
+                })
             }
-            Err(e) if e.is_numerical() => {
-                report.failed += 1;
-                self.stats.refresh_failures[index] += 1;
-                self.stats.consecutive_refresh_failures[index] += 1;
-                let run = self.stats.consecutive_refresh_failures[index];
-                let name = self.store.names[task.factor.index()].clone();
-                let limit = self.opts.max_consecutive_refresh_failures;
-                tracing::warn!(step = t, launched, task = index, factor = %name, consecutive = run, error = %e,
-                    "eigenbasis refresh failed; keeping the previous basis");
-                if run >= limit {
-                    return Err(EngineError::RefreshFailures {
-                        task: index,
-                        factor: name,
-                        failures: run,
-                        limit,
-                        last: e.to_string(),
-                    });
-                }
-                Ok(())
-            }
-            Err(e) => Err(EngineError::Optim {
-                location: loc(index).to_string(),
-                message: e.to_string(),
-            }),
-        }
+        };
+        let name = self.store.names[task.factor.index()].clone();
+        count_refresh_outcome(
+            &mut self.stats,
+            report,
+            &mut self.initialized,
+            RefreshEvent {
+                task: index,
+                factor: &name,
+                launched,
+                step: t,
+                limit: self.opts.max_consecutive_refresh_failures,
+            },
+            outcome,
+        )
     }
 
     /// The reference path ([`super::EngineOptions::synchronous_refresh`]): one

@@ -24,7 +24,7 @@ mod store;
 
 pub use engine::{CpuEngine, EngineOptions, EngineStats};
 pub use float::{fast_exp_f32, Float};
-pub use host::{refresh_due, HostTaskReport};
+pub use host::{count_refresh_outcome, refresh_due, HostTaskReport, RefreshEvent};
 
 use crate::EngineError;
 use rayon::prelude::*;
