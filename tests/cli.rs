@@ -241,3 +241,33 @@ fn run_executes_a_compiled_plan_and_writes_metrics() {
         "no validation line"
     );
 }
+
+#[test]
+fn calibrate_names_its_devices_and_needs_a_driver_for_cuda() {
+    let out = asteria(&[
+        "calibrate",
+        "--device",
+        "tpu",
+        "--sizes",
+        "16",
+        "--reps",
+        "1",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("`cpu`") && err.contains("`cuda`"), "{err}");
+    if !cuda::driver_present() {
+        let out = asteria(&[
+            "calibrate",
+            "--device",
+            "cuda",
+            "--sizes",
+            "16",
+            "--reps",
+            "1",
+        ]);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("libcuda"), "{err}");
+    }
+}

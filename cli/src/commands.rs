@@ -282,13 +282,44 @@ fn median_ms(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 }
 
 /// `asteria calibrate`: measures this host's eigensolve and power-iteration+QR times and GEMM
-/// rate, and writes a target description for the `precond-scheduling` cost model.
+/// rate (and with `device = Some("cuda")` the GPU's refresh times, host→device bandwidth and
+/// bf16 GEMM rate), and writes a target description for the `precond-scheduling` cost model.
+///
+/// # Errors
+/// A device other than `cuda`, no CUDA driver or device, measurement or write failures.
 pub fn calibrate(
     output: Option<&Path>,
     sizes: &[usize],
     threads: Option<usize>,
     reps: usize,
+    device: Option<&str>,
+    ordinal: usize,
 ) -> Result<()> {
+    let gpu = match device {
+        None | Some("cpu") => None,
+        Some("cuda") => {
+            if !cuda::driver_present() {
+                return Err(miette!(
+                    "`--device cuda`: no CUDA driver (libcuda.so) can be loaded on this machine"
+                ));
+            }
+            let g = cuda::calibrate::measure(ordinal, sizes, reps)
+                .map_err(|e| miette!("GPU calibration: {e}"))?;
+            for ((n, e), (_, q)) in g.eigh_ms.iter().zip(&g.qr_ms) {
+                eprintln!("GPU n = {n:>5}: syevd refresh {e:>9.2} ms   power iteration + QR refresh {q:>9.2} ms");
+            }
+            eprintln!(
+                "GPU {}: pinned host->device {:.1} GB/s, bf16 GEMM {:.0} TFLOP/s",
+                g.device, g.h2d_gbps, g.bf16_gemm_tflops
+            );
+            Some(g)
+        }
+        Some(other) => {
+            return Err(miette!(
+                "`--device {other}`: calibrate knows `cpu` (the host only) and `cuda`"
+            ))
+        }
+    };
     let threads =
         threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let pool = rayon_pool(threads)?;
@@ -317,7 +348,7 @@ pub fn calibrate(
         .ok()
         .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
         .unwrap_or_default();
-    let desc = passes::cost_model::TargetDescription {
+    let mut desc = passes::cost_model::TargetDescription {
         name: format!("calibrated-{}", host.trim()),
         host_cores: threads,
         host_gpu_gbps: None,
@@ -330,6 +361,17 @@ pub fn calibrate(
         train_tflops: 0.5 * gflops / 1e3,
         side_stream_interference: 0.0,
     };
+    if let Some(g) = gpu {
+        desc.name = format!("{}-{}", desc.name, g.device.replace(' ', "_"));
+        desc.host_gpu_gbps = Some(g.h2d_gbps);
+        desc.gpu_eigh_ms = g.eigh_ms;
+        desc.gpu_qr_ms = g.qr_ms;
+        // asteria's CUDA engine reaches ~0.1 of the bf16 GEMM rate on whole GPT-2 steps
+        // (73 of 755 TFLOP/s on the H200, BENCHMARKS.md); interference as the `h200` built-in
+        // (not measured here).
+        desc.train_tflops = 0.097 * g.bf16_gemm_tflops;
+        desc.side_stream_interference = 0.6;
+    }
     let json = serde_json::to_string_pretty(&desc).into_diagnostic()?;
     match output {
         Some(p) => {

@@ -107,6 +107,14 @@ enum Command {
         /// Repetitions per measurement (median reported).
         #[arg(long, default_value_t = 3)]
         reps: usize,
+        /// Also measure a GPU (`cuda`): refresh times through the engine's cuSOLVER refresher,
+        /// pinned host→device bandwidth and the bf16 GEMM rate; the description then places
+        /// refreshes between the host pool and the GPU side stream.
+        #[arg(long)]
+        device: Option<String>,
+        /// CUDA device ordinal (with `--device cuda`).
+        #[arg(long, default_value_t = 0)]
+        ordinal: usize,
     },
     /// Check a backend: `--device cuda` runs every CUDA kernel against the CPU kernels and,
     /// with `--train-match SPEC`, trains SPEC on the CPU and the GPU engine in one process and
@@ -228,7 +236,16 @@ fn main() -> ExitCode {
             sizes,
             threads,
             reps,
-        } => commands::calibrate(output.as_deref(), &sizes, threads, reps),
+            device,
+            ordinal,
+        } => commands::calibrate(
+            output.as_deref(),
+            &sizes,
+            threads,
+            reps,
+            device.as_deref(),
+            ordinal,
+        ),
         Command::Bench {
             what:
                 BenchCommand::Eigh {

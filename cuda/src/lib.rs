@@ -23,6 +23,7 @@
 //! loader must try the versioned soname itself.
 #![deny(missing_docs)]
 
+pub mod calibrate;
 mod device;
 mod engine;
 mod error;
