@@ -252,6 +252,8 @@ fn aligned(bytes: usize) -> usize {
 /// The CUDA interpreter of a [`Plan`]. See the module docs.
 pub struct CudaEngine {
     plan: Plan,
+    // Dropped before `dev`: the refreshers' cuSOLVER handles are bound to its streams.
+    refreshes: tasks::Refreshes,
     dev: Arc<Device>,
     opts: CudaOptions,
     precision: Precision,
@@ -260,7 +262,6 @@ pub struct CudaEngine {
     shadow_fresh: Vec<bool>,
     scratch: Buf,
     ones: Buf,
-    refreshes: tasks::Refreshes,
     stats: EngineStats,
     last_tokens: Vec<i32>,
     last_targets: Vec<i32>,

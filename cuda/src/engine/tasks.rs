@@ -10,9 +10,10 @@
 //! basis and moments, runs `optim::eigenbasis_refresh` on the host pool and uploads the result.
 //!
 //! **Asynchronous** (S > 0), the shadow state and the double buffer:
-//! - at the end of step t the factor is copied on the compute stream into the task's device
-//!   snapshot (the factor keeps accumulating while the refresh runs; the basis is only written
-//!   by this task's own swap, so it is read live);
+//! - at the end of step t the factor (and, for `gpu_side`, the basis) is copied on the compute
+//!   stream into the task's device snapshot: the factor keeps accumulating while the refresh
+//!   runs, and the side-stream work is enqueued later by another thread, so it must not read
+//!   live state (the host path's copy-out is enqueued at once, behind the same event);
 //! - `gpu_side`: the low-priority side stream waits for that copy, computes the candidate basis
 //!   and permutation into the task's [`RefreshSlot`] (the back buffer) through its own cuSOLVER
 //!   and cuBLAS handles, copies the status words into pinned host memory and records the
@@ -107,6 +108,9 @@ impl Task {
 pub(super) struct Shadow {
     /// Device copy of the factor at launch, `[d, d]` f32.
     snapshot: Buf,
+    /// Device copy of the basis at launch, `[d, d]` f32 (`gpu_side`; the CPU engine also
+    /// snapshots it, and nothing outside the refresh may then race with it).
+    basis_snapshot: Option<Buf>,
     /// The back buffer: candidate basis, permutation, status words (device).
     slot: RefreshSlot,
     /// Pinned copy of the status words (`gpu_side`).
@@ -200,8 +204,16 @@ impl SideLauncher {
                     if let Ok(mut p) = shared.lock() {
                         *p = refresher.phase_ms_line();
                     }
-                    let _ = req.reply.send(r.map_err(|e| e.to_string()));
+                    let r = r.map_err(|e| {
+                        // Work already enqueued keeps reading the snapshot and writing the
+                        // slot: let it finish before anyone reuses them.
+                        let _ = dev.stream(StreamKind::Side).synchronize();
+                        e.to_string()
+                    });
+                    let _ = req.reply.send(r);
                 }
+                // The cuSOLVER handle goes before the device (and its streams).
+                drop(refresher);
             })
             .map_err(|e| EngineError::Unsupported(format!("side-stream launcher thread: {e}")))?;
         Ok(SideLauncher {
@@ -323,6 +335,9 @@ impl Refreshes {
         for t in tasks.iter().filter(|t| t.staleness > 0) {
             let d = t.dim(plan);
             dev_bytes += d * d * 4 + align + RefreshSlot::bytes(d);
+            if t.on_gpu {
+                dev_bytes += d * d * 4 + align;
+            }
             pin_bytes += STATUS_WORDS * 4 + align;
             if !t.on_gpu {
                 pin_bytes += 2 * d * d * 4 + d * 4 + 3 * align;
@@ -350,8 +365,14 @@ impl Refreshes {
                         pa.buf(elem, len).map(Some).map_err(c)
                     }
                 };
+                let basis_snapshot = if t.on_gpu {
+                    Some(da.buf(Elem::F32, d * d).map_err(c)?)
+                } else {
+                    None
+                };
                 shadows.push(Some(Shadow {
                     snapshot: da.buf(Elem::F32, d * d).map_err(c)?,
+                    basis_snapshot,
                     slot: RefreshSlot::carve(&mut da, d).map_err(c)?,
                     status_host: pa.buf(Elem::I32, STATUS_WORDS).map_err(c)?,
                     host_f: host(&mut pa, Elem::F32, d * d)?,
@@ -430,6 +451,9 @@ impl CudaEngine {
             report.launched += 1;
             self.stats.refreshes_launched += 1;
             let init = t == 1 || !self.refreshes.initialized[index];
+            if task.dim(&self.plan) == 0 {
+                continue; // an empty factor has nothing to refresh (`optim` skips it too)
+            }
             let t0 = Instant::now();
             let slot = if init || task.staleness == 0 || self.opts.engine.synchronous_refresh {
                 let outcome = self.refresh_now(index, task, t, init)?;
@@ -446,7 +470,11 @@ impl CudaEngine {
             self.refreshes.times[slot] += t0.elapsed().as_secs_f64() * 1e3;
         }
         if synced {
-            self.dev.synchronize().map_err(|e| cuda_err("refresh", e))?;
+            // The compute stream only: side-stream and host work in flight is not waited for.
+            self.dev
+                .stream(StreamKind::Compute)
+                .synchronize()
+                .map_err(|e| cuda_err("refresh", e.into()))?;
         }
         self.stats.host_task_ms += start.elapsed().as_secs_f64() * 1e3;
         Ok(report)
@@ -616,8 +644,14 @@ impl CudaEngine {
             .as_ref()
             .and_then(|s| s.tx.clone())
             .ok_or_else(|| EngineError::Unsupported("internal: no side-stream refresher".into()))?;
+        let basis = sh
+            .basis_snapshot
+            .clone()
+            .ok_or_else(|| EngineError::Unsupported("internal: no basis snapshot".into()))?;
         let dev = &self.dev;
         dev.copy(&sh.snapshot, self.b(task.factor), StreamKind::Compute)
+            .map_err(e)?;
+        dev.copy(&basis, self.b(task.basis), StreamKind::Compute)
             .map_err(e)?;
         let taken = dev.record(StreamKind::Compute, false).map_err(e)?;
         let (reply, rx) = mpsc::channel();
@@ -625,13 +659,14 @@ impl CudaEngine {
             taken,
             d,
             snapshot: sh.snapshot.clone(),
-            basis: self.b(task.basis).clone(),
+            basis,
             slot: sh.slot.clone(),
             status_host: sh.status_host.clone(),
             reply,
         };
-        tx.send(req).map_err(|_| {
-            EngineError::Unsupported("the side-stream launcher thread exited".into())
+        tx.send(req).map_err(|_| EngineError::Optim {
+            location: loc(index),
+            message: "the side-stream launcher thread exited".into(),
         })?;
         self.register(
             index,
@@ -720,7 +755,10 @@ impl CudaEngine {
                         .recv()
                         .unwrap_or_else(|_| Err("the side-stream launcher thread exited".into())),
                 }
-                .map_err(|msg| EngineError::Unsupported(format!("side-stream refresh: {msg}")))?;
+                .map_err(|msg| EngineError::Optim {
+                    location: loc(index),
+                    message: format!("side-stream refresh: {msg}"),
+                })?;
                 done.synchronize().map_err(|err| e(err.into()))?;
                 let waited = started.elapsed();
                 let outcome = self.swap_gpu(index, task, &done)?;
