@@ -151,9 +151,10 @@ pub fn gemm_f32(
     alpha: f32,
     beta: f32,
 ) -> Result<()> {
-    gemm_f32_on(
+    gemm_f32_with(
         dev,
         crate::StreamKind::Compute,
+        dev.gemm_math(),
         a,
         a_dims,
         b,
@@ -167,29 +168,9 @@ pub fn gemm_f32(
 }
 
 /// [`gemm_f32`] on stream `kind` (the compute stream's cuBLAS handle, or the side stream's own
-/// for [`crate::StreamKind::Side`]).
-#[allow(clippy::too_many_arguments)]
-pub fn gemm_f32_on(
-    dev: &Device,
-    kind: crate::StreamKind,
-    a: &Buf,
-    a_dims: Dims,
-    b: &Buf,
-    b_dims: Dims,
-    out: &Buf,
-    trans_a: bool,
-    trans_b: bool,
-    alpha: f32,
-    beta: f32,
-) -> Result<()> {
-    let math = dev.gemm_math();
-    gemm_f32_with(
-        dev, kind, math, a, a_dims, b, b_dims, out, trans_a, trans_b, alpha, beta,
-    )
-}
-
-/// [`gemm_f32_on`] with an explicit [`crate::GemmMath`] instead of the device's current one
-/// (for work enqueued from another host thread, e.g. side-stream refreshes).
+/// for [`crate::StreamKind::Side`]) with an explicit [`crate::GemmMath`] instead of the
+/// device's current one (for work enqueued from another host thread, e.g. side-stream
+/// refreshes).
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_f32_with(
     dev: &Device,
