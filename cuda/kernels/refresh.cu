@@ -95,33 +95,61 @@ extern "C" __global__ void abs_max_bits(const float* __restrict__ x, long long n
     if (local) atomicMax(out, local);
 }
 
-// Column normalisation (the first step of CholeskyQR: same Q, better-conditioned Gram matrix):
-// x[:, j] /= ||x[:, j]||_2 for the columns of row-major x [rows, cols] with a non-zero norm
-// (a zero column is left as it is: its Gram diagonal is 0 and the Cholesky factorisation then
-// fails, which sends the refresh to Householder QR). One thread per column, f64 accumulation.
-extern "C" __global__ void normalize_cols(float* __restrict__ x, int rows, int cols) {
+// Shifted CholeskyQR3 in float64 (GpuRefresher::shifted_cholesky_qr3).
+// out[i, j] = x[i, idx[j]] widened to f64; x row-major f32 [rows, cols], out row-major f64.
+extern "C" __global__ void permute_cols_f64(const float* __restrict__ x, const int* __restrict__ idx,
+                                            double* __restrict__ out, int rows, int cols) {
+    const long long total = (long long)rows * cols;
+    for (long long k = gtid(); k < total; k += gstride()) {
+        const long long i = k / cols, j = k % cols;
+        out[k] = (double)x[i * cols + idx[j]];
+    }
+}
+
+// x[:, j] /= ||x[:, j]||_2 for the columns of row-major f64 x [rows, cols] with a non-zero norm
+// (same Q, a better-conditioned Gram matrix; a zero column stays zero, so the unshifted passes'
+// Cholesky factorisation fails and the refresh goes to Householder QR). One thread per column:
+// adjacent threads read adjacent columns of a row (coalesced).
+extern "C" __global__ void normalize_cols_f64(double* __restrict__ x, int rows, int cols) {
     for (long long j = gtid(); j < cols; j += gstride()) {
         double acc = 0.0;
         for (long long i = 0; i < rows; ++i) {
-            const double v = (double)x[i * cols + j];
+            const double v = x[i * cols + j];
             acc += v * v;
         }
         if (acc > 0.0) {
-            const float s = (float)(1.0 / sqrt(acc));
+            const double s = 1.0 / sqrt(acc);
             for (long long i = 0; i < rows; ++i) x[i * cols + j] *= s;
         }
     }
 }
 
-// *out = max(*out, bits of |g[i, j] - delta_ij|) over row-major g [d, d] (the orthonormality
-// error of Q when g = Q^T Q; non-negative floats order as their bit patterns, NaN above Inf).
-extern "C" __global__ void ortho_error_bits(const float* __restrict__ g, int d, int* __restrict__ out) {
+// a[i, i] += v for i < d (a [d, d] f64; the diagonal is the same in either layout).
+extern "C" __global__ void add_diag_f64(double* __restrict__ a, int d, double v) {
+    for (long long i = gtid(); i < d; i += gstride()) a[i * (long long)d + i] += v;
+}
+
+// *all = *pass when *all is still 0 (keeps the first failing potrf's info). One thread.
+extern "C" __global__ void first_nonzero_info(const int* __restrict__ pass, int* __restrict__ all) {
+    if (gtid() == 0 && *all == 0) *all = *pass;
+}
+
+// *out = max(*out, bits of (float)|r[i, j] - delta_ij|) over the upper triangle (i <= j) of the
+// column-major f64 Cholesky factor r [d, d] (element (i, j) at r[j * d + i]); the lower triangle
+// still holds the Gram matrix and is skipped. NaN counts as the largest error.
+extern "C" __global__ void upper_identity_error_bits(const double* __restrict__ r, int d, int* __restrict__ out) {
     const long long total = (long long)d * d;
     int local = 0;
     for (long long k = gtid(); k < total; k += gstride()) {
-        const long long i = k / d, j = k % d;
-        const float e = fabsf(g[k] - (i == j ? 1.0f : 0.0f));
-        local = max(local, isnan(e) ? 0x7fffffff : __float_as_int(e));
+        const long long j = k / d, i = k % d;
+        if (i > j) continue;
+        const double e = fabs(r[k] - (i == j ? 1.0 : 0.0));
+        local = max(local, isnan(e) ? 0x7fffffff : __float_as_int((float)fmin(e, 3.0e38)));
     }
     if (local) atomicMax(out, local);
+}
+
+// y[i] = (float)x[i] for i < n.
+extern "C" __global__ void f64_to_f32(const double* __restrict__ x, float* __restrict__ y, long long n) {
+    for (long long i = gtid(); i < n; i += gstride()) y[i] = (float)x[i];
 }

@@ -45,12 +45,18 @@ fn timed(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result
     Ok(median(t))
 }
 
-/// Measures device `ordinal` at factor sizes `sizes` with `reps` repetitions (median).
+/// Measures device `ordinal` at factor sizes `sizes` with `reps` repetitions (median); QR
+/// refreshes orthonormalise with `qr` (the engine's method, so the cost model sees its times).
 ///
 /// # Errors
 /// No driver / device / cuSOLVER ([`CudaError`]), allocation failures, and a refresh whose
 /// status words report a failure on the random SPD inputs (a solver problem worth knowing).
-pub fn measure(ordinal: usize, sizes: &[usize], reps: usize) -> Result<GpuCalibration> {
+pub fn measure(
+    ordinal: usize,
+    sizes: &[usize],
+    reps: usize,
+    qr: refresh::QrMethod,
+) -> Result<GpuCalibration> {
     let dev = Device::new(ordinal)?;
     let mut rng = engine::Rng::new(7);
     let (mut eigh_ms, mut qr_ms) = (Vec::new(), Vec::new());
@@ -65,7 +71,8 @@ pub fn measure(ordinal: usize, sizes: &[usize], reps: usize) -> Result<GpuCalibr
                 f[i * n + j] = (fq[i * n + j] / n as f64 + if i == j { 1.0 } else { 0.0 }) as f32;
             }
         }
-        let (r, _) = GpuRefresher::new(&dev, StreamKind::Compute, n)?;
+        let (mut r, _) = GpuRefresher::new(&dev, StreamKind::Compute, n)?;
+        r.set_qr_method(&dev, qr)?;
         let mut arena = dev.arena(
             "calibrate",
             Tier::Device,

@@ -105,13 +105,13 @@ pub struct CudaOptions {
     pub device: Option<usize>,
     /// The attention kernels.
     pub attention: AttentionImpl,
-    /// How GPU QR refreshes orthonormalise (`ASTERIA_CUDA_QR=householder|cholesky2`).
+    /// How GPU QR refreshes orthonormalise (`ASTERIA_CUDA_QR=householder|cholesky3`).
     pub qr: crate::refresh::QrMethod,
 }
 
 impl CudaOptions {
     /// Defaults overridden by `ASTERIA_CUDA_REFRESH` (`plan|gpu|host`), `ASTERIA_CUDA_QR`
-    /// (`cholesky2|householder`),
+    /// (`cholesky3|householder`),
     /// `ASTERIA_CUDA_BF16_GEMM` (`cast|fast`) and `ASTERIA_CUDA_ATTENTION` (`fused|gemm`).
     ///
     /// # Errors

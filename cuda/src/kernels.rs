@@ -116,8 +116,12 @@ pub const FAMILIES: &[Family] = &[
             "count_nonfinite",
             "argsort_desc",
             "abs_max_bits",
-            "normalize_cols",
-            "ortho_error_bits"
+            "permute_cols_f64",
+            "normalize_cols_f64",
+            "add_diag_f64",
+            "first_nonzero_info",
+            "upper_identity_error_bits",
+            "f64_to_f32"
         ]
     ),
 ];

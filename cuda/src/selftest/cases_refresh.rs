@@ -13,9 +13,9 @@
 //!   the new basis (columns sign-aligned to the reference), the permutation (exact), and the
 //!   moments after [`crate::refresh::apply`]: `exp_avg` re-projected (signs aligned) and
 //!   `exp_avg_sq` permuted, against `optim::refresh_compute` + `refresh_apply` in float64.
-//! - `eigenbasis_refresh` runs the opt-in CholeskyQR2 orthonormalisation,
-//!   `eigenbasis_refresh_householder` cuSOLVER's Householder QR (the default), and
-//!   `eigenbasis_refresh_fallback` a factor with an exactly zero block, where CholeskyQR2 must
+//! - `eigenbasis_refresh` runs the float64 shifted CholeskyQR3 orthonormalisation,
+//!   `eigenbasis_refresh_householder` cuSOLVER's Householder QR, and
+//!   `eigenbasis_refresh_fallback` a factor with an exactly zero block, where CholeskyQR3 must
 //!   hand over to Householder.
 //!
 //! Tolerance [`TOL_REFRESH`]: fp32 Householder QR / eigh have a backward error of order
@@ -48,7 +48,7 @@ pub(crate) fn cases() -> Vec<Case> {
         for side in [0u8, 1] {
             let (m, n) = if side == 0 { (d, other) } else { (other, d) };
             for (kernel, qr) in [
-                ("eigenbasis_refresh", QrMethod::CholeskyQr2),
+                ("eigenbasis_refresh", QrMethod::ShiftedCholeskyQr3),
                 ("eigenbasis_refresh_householder", QrMethod::Householder),
             ] {
                 v.push(case(
@@ -195,7 +195,7 @@ fn qr_refresh(cx: &mut Ctx<'_>, side: u8, m: usize, n: usize, qr: QrMethod) -> R
     let eas = cx.uniform(m * n, 0.1, 2.0);
     let dev = cx.dev;
     let (mut r, _) = GpuRefresher::new(dev, StreamKind::Compute, d)?;
-    r.set_qr_method(qr);
+    r.set_qr_method(dev, qr)?;
     let mut arena = dev.arena(
         "selftest-refresh",
         crate::Tier::Device,
@@ -264,7 +264,7 @@ fn qr_refresh(cx: &mut Ctx<'_>, side: u8, m: usize, n: usize, qr: QrMethod) -> R
 }
 
 /// A factor that is zero outside its leading `r × r` block and the identity as stored basis:
-/// `A = F[:, idx]` has exactly zero columns, CholeskyQR2's Gram matrix is singular, and the
+/// `A = F[:, idx]` has exactly zero columns, CholeskyQR3's unshifted Gram matrix is singular, and the
 /// refresh must fall back to Householder (checked through the refresher's counters). Only the
 /// first `r` columns (the range, ordered first by the descending estimates) are unique up to
 /// sign; they are compared with float64 `refresh_compute`, and the whole basis must be
@@ -280,7 +280,8 @@ fn zero_block(cx: &mut Ctx<'_>, d: usize, r: usize) -> Result<Outcome> {
         eye[i * d + i] = 1.0;
     }
     let dev = cx.dev;
-    let (r_gpu, _) = GpuRefresher::new(dev, StreamKind::Compute, d)?;
+    let (mut r_gpu, _) = GpuRefresher::new(dev, StreamKind::Compute, d)?;
+    r_gpu.set_qr_method(dev, QrMethod::ShiftedCholeskyQr3)?;
     let mut arena = dev.arena(
         "selftest-refresh",
         crate::Tier::Device,
