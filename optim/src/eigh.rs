@@ -127,7 +127,7 @@ impl FaerEigensolver {
                 vectors: Vec::new(),
             });
         }
-        let par = if n >= 128 && rayon::current_num_threads() > 1 {
+        let par = if n >= 128 && !crate::linalg::sequential() {
             Par::rayon(0)
         } else {
             Par::Seq

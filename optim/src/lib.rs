@@ -34,7 +34,7 @@ pub use adamw::{adamw_update, AdamWParams};
 pub use eigh::{solver_by_name, solver_names, EigenError, Eigh, FaerEigensolver, HostEigensolver};
 #[cfg(feature = "lapack")]
 pub use lapack_solver::LapackEigensolver;
-pub use linalg::{matmul, thin_qr_q};
+pub use linalg::{matmul, thin_qr_q, with_sequential};
 pub use real::Real;
 pub use refresh::{
     eigenbasis_refresh, refresh_apply, refresh_compute, RefreshError, RefreshOutcome, RefreshResult,

@@ -17,10 +17,37 @@ use faer::{Accum, Conj, Mat, MatMut, MatRef, Par};
 /// pool costs more than it saves for small factors.
 const PAR_THRESHOLD_FLOPS: usize = 1 << 21;
 
-/// faer parallelism for an operation of about `flops` multiply-adds: sequential when small,
-/// otherwise all threads of the current rayon pool.
+thread_local! {
+    static SEQUENTIAL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with every faer operation of this crate on the calling thread single-threaded
+/// (`Par::Seq`), whatever the enclosing rayon pool. For throughput: a pool that runs one
+/// eigenbasis refresh per core finishes more refreshes per second than one that splits each
+/// refresh over all cores (faer's QR and `eigh` scale poorly at Kronecker-factor sizes;
+/// 768×768 power iteration + QR on 16 H200-host cores: BENCHMARKS.md). Nests; restores the
+/// previous setting on return (also on unwind).
+pub fn with_sequential<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SEQUENTIAL.with(|s| s.set(self.0));
+        }
+    }
+    let _restore = Restore(SEQUENTIAL.with(|s| s.replace(true)));
+    f()
+}
+
+/// Whether [`with_sequential`] is in force on this thread, or the current rayon pool has one
+/// thread: faer must then run `Par::Seq`.
+pub(crate) fn sequential() -> bool {
+    SEQUENTIAL.with(|s| s.get()) || rayon::current_num_threads() <= 1
+}
+
+/// faer parallelism for an operation of about `flops` multiply-adds: sequential when small
+/// (or under [`with_sequential`]), otherwise all threads of the current rayon pool.
 pub(crate) fn par_for(flops: usize) -> Par {
-    if flops < PAR_THRESHOLD_FLOPS || rayon::current_num_threads() <= 1 {
+    if flops < PAR_THRESHOLD_FLOPS || sequential() {
         Par::Seq
     } else {
         Par::rayon(0)

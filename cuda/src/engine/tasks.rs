@@ -273,6 +273,15 @@ fn pinned_write<T: Copy>(b: &Buf, src: &[T]) {
     unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), b.ptr() as *mut T, src.len()) }
 }
 
+/// Threads of the CUDA engine's host refresh pool: every core but two (the engine thread that
+/// enqueues the step, and the side-stream launcher), at least one.
+pub(super) fn host_pool_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .saturating_sub(2)
+        .max(1)
+}
+
 impl Refreshes {
     /// Allocates what the plan's tasks need under `mode`.
     pub(super) fn new(
@@ -301,7 +310,9 @@ impl Refreshes {
         let (sync, sync_slot) = if any_gpu {
             let (mut r, b) = GpuRefresher::new(dev, StreamKind::Compute, max_dim)
                 .map_err(e("setting up cuSOLVER refreshes"))?;
-            r.set_qr_method(qr);
+            bytes += r
+                .set_qr_method(dev, qr)
+                .map_err(e("allocating the CholeskyQR3 buffers"))?;
             bytes += b + RefreshSlot::bytes(max_dim);
             let mut a = dev
                 .arena("refresh-slot", Tier::Device, RefreshSlot::bytes(max_dim))
@@ -317,7 +328,9 @@ impl Refreshes {
             Some(d) => {
                 let (mut r, b) = GpuRefresher::new(dev, StreamKind::Side, d)
                     .map_err(e("setting up side-stream cuSOLVER refreshes"))?;
-                r.set_qr_method(qr);
+                bytes += r
+                    .set_qr_method(dev, qr)
+                    .map_err(e("allocating the side CholeskyQR3 buffers"))?;
                 bytes += b;
                 Some(SideLauncher::spawn(Arc::clone(dev), r)?)
             }
@@ -389,6 +402,7 @@ impl Refreshes {
         let host_pool = if any_host {
             Some(Arc::new(
                 rayon::ThreadPoolBuilder::new()
+                    .num_threads(host_pool_threads())
                     .thread_name(|i| format!("asteria-cuda-host-{i}"))
                     .build()
                     .map_err(|err| EngineError::Unsupported(format!("host pool: {err}")))?,
@@ -711,16 +725,20 @@ impl CudaEngine {
                 })?;
                 let f = pinned_slice::<f32>(&hf, d * d).to_vec();
                 let q = pinned_slice::<f32>(&hq, d * d).to_vec();
-                optim::refresh_compute(
-                    solver.as_ref(),
-                    t_optim,
-                    task.frequency,
-                    task.side,
-                    &f,
-                    &q,
-                    m,
-                    n,
-                )
+                // One refresh per pool thread, each single-threaded: the throughput setting
+                // `asteria calibrate` measures for the cost model.
+                optim::with_sequential(|| {
+                    optim::refresh_compute(
+                        solver.as_ref(),
+                        t_optim,
+                        task.frequency,
+                        task.side,
+                        &f,
+                        &q,
+                        m,
+                        n,
+                    )
+                })
                 .map_err(JobError::Refresh)
             }));
             let out = match out {

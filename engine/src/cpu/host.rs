@@ -302,17 +302,21 @@ impl<T: Float + Real> CpuEngine<T> {
         let t_optim = task.optim_step(t, false);
         let (tx, rx) = mpsc::channel();
         self.host_pool.spawn(move || {
+            // One refresh per pool thread, each single-threaded (throughput; see
+            // `optim::with_sequential`).
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                refresh_compute(
-                    solver.as_ref(),
-                    t_optim,
-                    task.frequency,
-                    task.side,
-                    &factor,
-                    &basis,
-                    m,
-                    n,
-                )
+                optim::with_sequential(|| {
+                    refresh_compute(
+                        solver.as_ref(),
+                        t_optim,
+                        task.frequency,
+                        task.side,
+                        &factor,
+                        &basis,
+                        m,
+                        n,
+                    )
+                })
             }));
             let out = match out {
                 Ok(r) => r.map_err(JobError::Refresh),
