@@ -126,10 +126,12 @@ pub(super) struct Shadow {
 /// A refresh in flight.
 pub(super) enum CudaJob {
     /// On the side stream: the launcher thread answers with the `done` event, recorded after
-    /// the status words reached pinned memory (or with the CUDA error that stopped it).
+    /// the status words reached pinned memory (or with the CUDA error that stopped it). `None`
+    /// instead of the event: the work is complete already (a side stream in a green context:
+    /// the launcher waited for it, so that the engine thread never touches that context).
     Gpu {
-        reply: mpsc::Receiver<Result<CudaEvent, String>>,
-        done: Option<Result<CudaEvent, String>>,
+        reply: mpsc::Receiver<SideReply>,
+        done: Option<SideReply>,
     },
     /// On the host pool.
     Host { job: Job<f32> },
@@ -151,7 +153,7 @@ impl CudaJob {
                 }
                 match done {
                     // An error here resurfaces at the swap's synchronize.
-                    Some(Ok(ev)) => ev.try_is_complete().unwrap_or(true),
+                    Some(Ok(Some(ev))) => ev.try_is_complete().unwrap_or(true),
                     _ => true,
                 }
             }
@@ -159,6 +161,9 @@ impl CudaJob {
         }
     }
 }
+
+/// The launcher thread's answer: the `done` event (`None`: already complete), or an error.
+type SideReply = Result<Option<CudaEvent>, String>;
 
 /// One side-stream refresh for the launcher thread.
 struct SideRequest {
@@ -168,7 +173,7 @@ struct SideRequest {
     basis: Buf,
     slot: RefreshSlot,
     status_host: Buf,
-    reply: mpsc::Sender<Result<CudaEvent, String>>,
+    reply: mpsc::Sender<SideReply>,
 }
 
 /// The thread that owns the side-stream refresher and enqueues its work, one request at a
@@ -188,7 +193,7 @@ impl SideLauncher {
             .name("asteria-side-refresh".into())
             .spawn(move || {
                 for req in rx {
-                    let r = (|| -> crate::error::Result<CudaEvent> {
+                    let r = (|| -> crate::error::Result<Option<CudaEvent>> {
                         dev.wait(StreamKind::Side, &req.taken)?;
                         refresher.compute(
                             &dev,
@@ -199,7 +204,14 @@ impl SideLauncher {
                             &req.slot,
                         )?;
                         dev.copy(&req.status_host, &req.slot.status, StreamKind::Side)?;
-                        dev.record(StreamKind::Side, false)
+                        let done = dev.record(StreamKind::Side, false)?;
+                        if dev.side_sms().is_some() {
+                            // A green context may be current on one thread at a time: wait
+                            // here, and the engine thread never touches its events.
+                            done.synchronize()?;
+                            return Ok(None);
+                        }
+                        Ok(Some(done))
                     })();
                     if let Ok(mut p) = shared.lock() {
                         *p = refresher.phase_ms_line();
@@ -523,8 +535,12 @@ impl CudaEngine {
             .as_ref()
             .map(GpuRefresher::phase_ms_line)
             .unwrap_or_default();
+        let sms = match self.dev.side_sms() {
+            Some(n) => format!("{n} SMs (green context)"),
+            None => "all SMs".to_string(),
+        };
         format!(
-            "refresh host ms: launch gpu_side {lg:.0}, launch host {lh:.0}, swap gpu_side {sg:.0}, swap host {sh:.0}, synchronous {sync:.0}; side launcher thread [{side}]; compute refresher [{compute}]"
+            "refresh host ms: launch gpu_side {lg:.0}, launch host {lh:.0}, swap gpu_side {sg:.0}, swap host {sh:.0}, synchronous {sync:.0}; side stream on {sms}, launcher thread [{side}]; compute refresher [{compute}]"
         )
     }
 
@@ -777,9 +793,11 @@ impl CudaEngine {
                     location: loc(index),
                     message: format!("side-stream refresh: {msg}"),
                 })?;
-                done.synchronize().map_err(|err| e(err.into()))?;
+                if let Some(ev) = &done {
+                    ev.synchronize().map_err(|err| e(err.into()))?;
+                }
                 let waited = started.elapsed();
-                let outcome = self.swap_gpu(index, task, &done)?;
+                let outcome = self.swap_gpu(index, task, done.as_ref())?;
                 (outcome, blocked, waited, 2)
             }
             CudaJob::Host { job } => {
@@ -810,7 +828,7 @@ impl CudaEngine {
         &mut self,
         index: usize,
         task: Task,
-        done: &CudaEvent,
+        done: Option<&CudaEvent>,
     ) -> Result<Outcome, EngineError> {
         let e = |err| cuda_err("swapping in a refresh", err);
         let d = task.dim(&self.plan);
@@ -825,7 +843,9 @@ impl CudaEngine {
             .swap
             .as_ref()
             .ok_or_else(|| EngineError::Unsupported("internal: no swap buffers".into()))?;
-        self.dev.wait(StreamKind::Compute, done).map_err(e)?;
+        if let Some(done) = done {
+            self.dev.wait(StreamKind::Compute, done).map_err(e)?;
+        }
         let (q, ea, eas) = (
             self.b(task.basis),
             self.b(task.exp_avg),
