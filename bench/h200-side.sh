@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # H200 call: where should off-critical-path refreshes run? GPT-2 124M SOAP S=5 beside AdamW,
-# all in one call: every refresh on the GPU side stream with all SMs and with the side stream
-# confined to a green-context SM partition (ASTERIA_CUDA_SIDE_SMS), and the cost model's own
-# placement from a target description calibrated on this machine (host refreshes one per
-# core). Usage: bench/h200-side.sh OUT_DIR [STEPS]   (repository root, .gpu/ prepared)
+# all in one call: every refresh on the GPU side stream (ASTERIA_CUDA_REFRESH=gpu) and the cost
+# model's own placement from a target description calibrated on this machine (host refreshes
+# one per core). (The green-context rows of BENCHMARKS.md ran this script at 71c0d92, which
+# had ASTERIA_CUDA_SIDE_SMS.) Usage: bench/h200-side.sh OUT_DIR [STEPS]   (repository root,
+# .gpu/ prepared)
+#   CAL=FILE: use that target description instead of calibrating; RUNS="name:env,env ...":
+#   the SOAP S=5 rows, ENV=VALUE pairs without the ASTERIA_CUDA_ prefix (default below; names
+#   starting with `cal` use the calibrated description).
 set -uo pipefail
 out="${1:?usage: bench/h200-side.sh OUT_DIR [STEPS]}"; steps="${2:-100}"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
@@ -13,9 +17,11 @@ B=.gpu/bin/asteria; S=.gpu/specs; TC=/tmp/asteria-token-cache
 start=$(date +%s)
 stamp() { echo "== $(date -u +%H:%M:%S) (+$(( $(date +%s) - start ))s) $*"; }
 stamp machine; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
+if [[ -n "${CAL:-}" ]]; then cp "$CAL" "$out/cal.json"; else
 stamp calibrate
 timeout 200 $B calibrate --device cuda --sizes 768,1024,2304,3072 --reps 3 -o "$out/cal.json" > "$out/cal.txt" 2>&1
 echo "rc=$?"; cat "$out/cal.txt"
+fi
 sed 's/staleness = 0/staleness = 5/' $S/gpt2-124m-soap.asteria > $S/gpt2-124m-soap-s5.asteria
 sed "s|staleness = 0|staleness = 5\n  calibration = \"$out/cal.json\"|" $S/gpt2-124m-soap.asteria > $S/gpt2-124m-soap-s5-cal.asteria
 $B compile $S/gpt2-124m-soap-s5-cal.asteria --print-after precond-scheduling -o /tmp/cal-plan.json > "$out/cal-decisions.txt" 2>&1
@@ -27,15 +33,17 @@ run() { # name timeout spec [env...]
   echo "$n rc=$?"; tail -2 "$out/$n.txt"
 }
 run adamw 90 $S/gpt2-124m-adamw.asteria
-run s5-gpu-sm32 120 $S/gpt2-124m-soap-s5.asteria ASTERIA_CUDA_REFRESH=gpu ASTERIA_CUDA_SIDE_SMS=32
-run s5-gpu 120 $S/gpt2-124m-soap-s5.asteria ASTERIA_CUDA_REFRESH=gpu
-run s5-gpu-sm16 120 $S/gpt2-124m-soap-s5.asteria ASTERIA_CUDA_REFRESH=gpu ASTERIA_CUDA_SIDE_SMS=16
-run s5-gpu-sm64 120 $S/gpt2-124m-soap-s5.asteria ASTERIA_CUDA_REFRESH=gpu ASTERIA_CUDA_SIDE_SMS=64
-run s5-cal 120 $S/gpt2-124m-soap-s5-cal.asteria
-run s5-cal-sm32 120 $S/gpt2-124m-soap-s5-cal.asteria ASTERIA_CUDA_SIDE_SMS=32
+RUNS="${RUNS:-gpu:REFRESH=gpu cal:}"
+names=()
+for r in $RUNS; do
+  n=s5-${r%%:*}; envs=${r#*:}; spec=$S/gpt2-124m-soap-s5.asteria
+  [[ $n == s5-cal* ]] && spec=$S/gpt2-124m-soap-s5-cal.asteria
+  ev=(); IFS=, read -ra kv <<< "$envs"; for x in "${kv[@]}"; do [[ -n $x ]] && ev+=("ASTERIA_CUDA_$x"); done
+  run $n 120 $spec "${ev[@]}"; names+=($n)
+done
 stamp summary
 args=("asteria AdamW=$out/adamw.jsonl:$out/adamw.txt")
-for n in s5-gpu s5-gpu-sm16 s5-gpu-sm32 s5-gpu-sm64 s5-cal s5-cal-sm32; do args+=("SOAP $n=$out/$n.jsonl:$out/$n.txt"); done
+for n in "${names[@]}"; do [[ -f $out/$n.jsonl ]] && args+=("SOAP $n=$out/$n.jsonl:$out/$n.txt"); done
 python3 .gpu/bench/summarize.py --skip 12 "${args[@]}" | tee "$out/summary.md"
 for f in "$out"/s5-*.txt; do echo "$f"; grep -h "refresh host ms\|waits\|wait" "$f" | tail -3; done
 stamp done

@@ -151,8 +151,6 @@ pub struct Device {
     cublas: Cublas,
     cublas_side: Cublas,
     kernels: Kernels,
-    /// The side stream's SM partition (`ASTERIA_CUDA_SIDE_SMS`), when there is one.
-    green: Option<GreenSide>,
     info: DeviceInfo,
     counters: Arc<MemCounters>,
     status: Buf,
@@ -188,83 +186,6 @@ impl GemmMath {
             2 => GemmMath::Tf32,
             _ => GemmMath::Fp32,
         }
-    }
-}
-
-/// A green context (CUDA 12.4+ driver API: an SM partition of the device sharing the primary
-/// context's memory) that the side stream lives in, so that off-critical-path refreshes run on
-/// at most `sms` multiprocessors while the compute stream keeps every SM. Its kernels are
-/// loaded into it separately.
-struct GreenSide {
-    /// Never dropped: cudarc would `cuCtxDestroy` the converted handle, which belongs to the
-    /// green context (one per process, released at exit).
-    _ctx: std::mem::ManuallyDrop<Arc<CudaContext>>,
-    kernels: Kernels,
-    sms: u32,
-}
-
-/// The side stream's SM budget from `ASTERIA_CUDA_SIDE_SMS` (unset or 0 = no partition).
-fn side_sms_from_env() -> Result<Option<u32>> {
-    match std::env::var("ASTERIA_CUDA_SIDE_SMS") {
-        Err(_) => Ok(None),
-        Ok(v) => match v.trim().parse::<u32>() {
-            Ok(0) => Ok(None),
-            Ok(n) => Ok(Some(n)),
-            Err(_) => Err(CudaError::Invalid {
-                op: "ASTERIA_CUDA_SIDE_SMS",
-                what: format!("`{v}` is not a number of multiprocessors"),
-            }),
-        },
-    }
-}
-
-/// Creates a green context of at least `sms` SMs on `ctx`'s device (rounded up by the driver
-/// to its partition granularity) and returns it as a cudarc context and its SM count.
-fn green_context(ctx: &Arc<CudaContext>, sms: u32) -> Result<(Arc<CudaContext>, u32)> {
-    let dev = ctx.cu_device();
-    let fail = |what: &str, r: sys::CUresult| CudaError::Invalid {
-        op: "green context",
-        what: format!("{what}: {r:?} (needs a CUDA 12.4+ driver and sm_60+)"),
-    };
-    // SAFETY: plain driver calls on out-pointers to zeroed, live structs of the right types;
-    // the resource and descriptor are consumed before they go out of scope.
-    unsafe {
-        let mut all: sys::CUdevResource = std::mem::zeroed();
-        let r = sys::cuDeviceGetDevResource(
-            dev,
-            &mut all,
-            sys::CUdevResourceType::CU_DEV_RESOURCE_TYPE_SM,
-        );
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(fail("cuDeviceGetDevResource", r));
-        }
-        let mut part: sys::CUdevResource = std::mem::zeroed();
-        let mut rest: sys::CUdevResource = std::mem::zeroed();
-        let mut groups: std::ffi::c_uint = 1;
-        let r = sys::cuDevSmResourceSplitByCount(&mut part, &mut groups, &all, &mut rest, 0, sms);
-        if r != sys::CUresult::CUDA_SUCCESS || groups != 1 {
-            return Err(fail("cuDevSmResourceSplitByCount", r));
-        }
-        let got = part.__bindgen_anon_1.sm.smCount;
-        let mut desc: sys::CUdevResourceDesc = std::ptr::null_mut();
-        let r = sys::cuDevResourceGenerateDesc(&mut desc, &mut part, 1);
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(fail("cuDevResourceGenerateDesc", r));
-        }
-        let mut green: sys::CUgreenCtx = std::ptr::null_mut();
-        let r = sys::cuGreenCtxCreate(&mut green, desc, dev, 0);
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(fail("cuGreenCtxCreate", r));
-        }
-        let mut raw: sys::CUcontext = std::ptr::null_mut();
-        let r = sys::cuCtxFromGreenCtx(&mut raw, green);
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(fail("cuCtxFromGreenCtx", r));
-        }
-        let g = CudaContext::from_raw_context(ctx.ordinal(), dev, raw)?;
-        // `from_raw_context` made it current: the primary context goes back.
-        ctx.bind_to_thread()?;
-        Ok((g, got))
     }
 }
 
@@ -313,40 +234,13 @@ impl Device {
         let compute = ctx.new_stream_with_priority(greatest)?;
         let copy_in = ctx.new_stream()?;
         let copy_out = ctx.new_stream()?;
-        let include = nvrtc::include_dir();
-        if include.is_none() {
-            tracing::warn!("no CUDA include folder found ($CUDA_HOME/include, /usr/local/cuda/include): families that include cuda_bf16.h will fail");
-        }
-        let options = nvrtc::options(&arch, include.as_deref());
-        let cache = nvrtc::cache_dir();
-        let (green, side) = match side_sms_from_env()? {
-            Some(want) => {
-                let (g, sms) = green_context(&ctx, want)?;
-                let side = g.new_stream_with_priority(least)?;
-                let kernels = Kernels::load(&g, &arch, &options, cache.as_deref());
-                ctx.bind_to_thread()?;
-                tracing::info!(sms, "side stream in a green context of {sms} SMs");
-                (
-                    Some(GreenSide {
-                        _ctx: std::mem::ManuallyDrop::new(g),
-                        kernels,
-                        sms,
-                    }),
-                    side,
-                )
-            }
-            None => (None, ctx.new_stream_with_priority(least)?),
-        };
+        let side = ctx.new_stream_with_priority(least)?;
 
         let handle = cb::create_handle().map_err(cublas("create_handle"))?;
         let cublas_h = Cublas(handle);
-        // The side handle belongs to the side stream's context.
-        side.context().bind_to_thread()?;
         let side_handle = cb::create_handle().map_err(cublas("create_handle"))?;
-        ctx.bind_to_thread()?;
         let cublas_side = Cublas(side_handle);
         for (h, s) in [(handle, &compute), (side_handle, &side)] {
-            s.context().bind_to_thread()?;
             // SAFETY: live handle and stream.
             unsafe {
                 cb::set_stream(h, s.cu_stream() as cbsys::cudaStream_t)
@@ -356,7 +250,6 @@ impl Device {
                     .map_err(cublas("set_math_mode"))?;
             }
         }
-        ctx.bind_to_thread()?;
         let mut cublas_version = 0;
         // SAFETY: live handle, out-pointer to a live integer.
         let _ = unsafe { cbsys::cublasGetVersion_v2(handle, &mut cublas_version) };
@@ -377,6 +270,12 @@ impl Device {
             nvrtc_version: nvrtc::nvrtc_version()?,
             cublas_version,
         };
+        let include = nvrtc::include_dir();
+        if include.is_none() {
+            tracing::warn!("no CUDA include folder found ($CUDA_HOME/include, /usr/local/cuda/include): families that include cuda_bf16.h will fail");
+        }
+        let options = nvrtc::options(&arch, include.as_deref());
+        let cache = nvrtc::cache_dir();
         let kernels = Kernels::load(&ctx, &arch, &options, cache.as_deref());
 
         let counters = Arc::new(MemCounters::default());
@@ -391,7 +290,6 @@ impl Device {
             cublas: cublas_h,
             cublas_side,
             kernels,
-            green,
             info,
             counters,
             status,
@@ -425,17 +323,6 @@ impl Device {
     /// The cudarc context.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
-    }
-
-    /// Makes the context of stream `kind` current on this thread (the side stream's green
-    /// context when `ASTERIA_CUDA_SIDE_SMS` partitions the SMs, else the device's context).
-    pub fn bind(&self, kind: StreamKind) -> Result<()> {
-        Ok(self.stream(kind).context().bind_to_thread()?)
-    }
-
-    /// SMs of the side stream's green context (`None`: the side stream may use every SM).
-    pub fn side_sms(&self) -> Option<u32> {
-        self.green.as_ref().map(|g| g.sms)
     }
 
     /// The stream of `kind`.
@@ -514,7 +401,7 @@ impl Device {
     pub fn download_on<T: HostElem>(&self, src: &Buf, kind: StreamKind) -> Result<Vec<T>> {
         let mut out = vec![T::default(); src.len()];
         self.check_host("download", src, T::ELEM, out.len())?;
-        self.bind(kind)?;
+        self.ctx.bind_to_thread()?;
         let stream = self.stream(kind);
         // SAFETY: `src` holds `out.len()` elements of T (checked); ordered after earlier work
         // on `kind`, and `out` outlives the copy (we wait for it).
@@ -573,7 +460,7 @@ impl Device {
                 got: dst.bytes(),
             });
         }
-        self.bind(kind)?;
+        self.ctx.bind_to_thread()?;
         // SAFETY: both ranges are live allocations of this context (unified addressing).
         unsafe {
             sys::cuMemcpyAsync(
@@ -622,7 +509,7 @@ impl Device {
 
     /// Zeroes any buffer on stream `kind`.
     pub fn zero_on(&self, b: &Buf, kind: StreamKind) -> Result<()> {
-        self.bind(kind)?;
+        self.ctx.bind_to_thread()?;
         // SAFETY: `b` covers `bytes()` bytes; stream-ordered on `kind`.
         unsafe { drv::memset_d8_async(b.ptr(), 0, b.bytes(), self.stream(kind).cu_stream()) }?;
         Ok(())
@@ -655,11 +542,7 @@ impl Device {
         block: (u32, u32, u32),
         args: Args,
     ) -> Result<()> {
-        let kernels = match (&self.green, kind) {
-            (Some(g), StreamKind::Side) => &g.kernels,
-            _ => &self.kernels,
-        };
-        let func = kernels.get(kernel, &args)?;
+        let func = self.kernels.get(kernel, &args)?;
         let cfg = LaunchConfig {
             grid_dim: grid,
             block_dim: block,

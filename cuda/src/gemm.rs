@@ -265,7 +265,7 @@ fn gemm_strided_batched_f32_on(
             what: format!("batch {batch} exceeds int"),
         });
     }
-    dev.bind(kind)?;
+    dev.context().bind_to_thread()?;
     let h = dev.cublas_handle_on(kind);
     let fast = match math {
         crate::device::GemmMath::Fp32 => None,

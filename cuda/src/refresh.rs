@@ -262,7 +262,7 @@ impl GpuRefresher {
             });
         }
         let d = max_dim.max(1);
-        dev.bind(stream)?;
+        dev.context().bind_to_thread()?;
         let mut handle: cs::cusolverDnHandle_t = std::ptr::null_mut();
         // SAFETY: out-pointer to a live handle slot; the stream belongs to this context.
         unsafe {
@@ -272,8 +272,6 @@ impl GpuRefresher {
                 cs::cusolverDnSetStream(handle, dev.stream(stream).cu_stream() as cs::cudaStream_t),
             )?;
         }
-        // The side stream may live in its own (green) context: the device's goes back.
-        dev.bind(StreamKind::Compute)?;
         let bytes = refresh_work_bytes(d);
         let mut arena: Arena = dev.arena("refresh", crate::Tier::Device, bytes)?;
         let a = arena.buf(Elem::F32, d * d)?;
@@ -368,7 +366,7 @@ impl GpuRefresher {
         let d = self.max_dim;
         let align = crate::memory::BUF_ALIGN;
         let mut lwork = 0i32;
-        dev.bind(self.stream)?;
+        dev.context().bind_to_thread()?;
         // SAFETY: a size query; it reads the dimensions only (the pointer is live memory).
         unsafe {
             check(
@@ -513,7 +511,7 @@ impl GpuRefresher {
             self.count_nonfinite(dev, &[factor], st, 0)?;
             dev.copy(&a, factor, self.stream)?;
             self.launch(dev, "add_diag", d, Args::new().buf(&a).i32(n).f32(1e-30))?;
-            dev.bind(self.stream)?;
+            dev.context().bind_to_thread()?;
             // SAFETY: a [d, d], w (= b's first d floats) [d], work of the queried size and the
             // info word are live device buffers; the handle runs on `self.stream`, after the
             // copies above.
@@ -590,7 +588,7 @@ impl GpuRefresher {
             dd,
             Args::new().buf(&a).buf(&idx).buf(&b).i32(n).i32(n),
         )?;
-        dev.bind(self.stream)?;
+        dev.context().bind_to_thread()?;
         // SAFETY: b [d, d], tau [d], work of the queried size and the info words are live
         // device buffers on `self.stream`.
         self.timed(3, || unsafe {
@@ -667,12 +665,7 @@ impl GpuRefresher {
             dd,
             Args::new().buf(fq).buf(idx).buf(&x).i32(n).i32(n),
         )?;
-        self.launch(
-            dev,
-            "normalize_cols_f64",
-            d,
-            Args::new().buf(&x).i32(n).i32(n),
-        )?;
+        self.launch(dev, "normalize_cols_f64", d, Args::new().buf(&x).i32(n).i32(n))?;
         let (info_all, info_pass) = (st.slice(5, 1)?, st.slice(7, 1)?);
         let h = dev.cublas_handle_on(self.stream);
         let (one, zero) = (1.0f64, 0.0f64);
@@ -682,7 +675,7 @@ impl GpuRefresher {
         for pass in 0..3 {
             // G = AᵀA: column-major, G = X Xᵀ with X = Aᵀ (the buffer as it is).
             self.timed(1, || {
-                dev.bind(self.stream)?;
+                dev.context().bind_to_thread()?;
                 // SAFETY: x and g are live [d, d] f64 device buffers; alpha/beta are host
                 // scalars (the handle's default pointer mode); the handle is on this stream.
                 unsafe {
@@ -707,12 +700,7 @@ impl GpuRefresher {
                 .map_err(crate::error::cublas("dgemm"))
             })?;
             if pass == 0 {
-                self.launch(
-                    dev,
-                    "add_diag_f64",
-                    d,
-                    Args::new().buf(&g).i32(n).f64(shift),
-                )?;
+                self.launch(dev, "add_diag_f64", d, Args::new().buf(&g).i32(n).f64(shift))?;
             }
             let info = if pass == 0 { &info_all } else { &info_pass };
             // SAFETY: g [d, d] f64, the f64 workspace of the queried size and the info word

@@ -126,12 +126,10 @@ pub(super) struct Shadow {
 /// A refresh in flight.
 pub(super) enum CudaJob {
     /// On the side stream: the launcher thread answers with the `done` event, recorded after
-    /// the status words reached pinned memory (or with the CUDA error that stopped it). `None`
-    /// instead of the event: the work is complete already (a side stream in a green context:
-    /// the launcher waited for it, so that the engine thread never touches that context).
+    /// the status words reached pinned memory (or with the CUDA error that stopped it).
     Gpu {
-        reply: mpsc::Receiver<SideReply>,
-        done: Option<SideReply>,
+        reply: mpsc::Receiver<Result<CudaEvent, String>>,
+        done: Option<Result<CudaEvent, String>>,
     },
     /// On the host pool.
     Host { job: Job<f32> },
@@ -153,7 +151,7 @@ impl CudaJob {
                 }
                 match done {
                     // An error here resurfaces at the swap's synchronize.
-                    Some(Ok(Some(ev))) => ev.try_is_complete().unwrap_or(true),
+                    Some(Ok(ev)) => ev.try_is_complete().unwrap_or(true),
                     _ => true,
                 }
             }
@@ -161,9 +159,6 @@ impl CudaJob {
         }
     }
 }
-
-/// The launcher thread's answer: the `done` event (`None`: already complete), or an error.
-type SideReply = Result<Option<CudaEvent>, String>;
 
 /// One side-stream refresh for the launcher thread.
 struct SideRequest {
@@ -173,7 +168,7 @@ struct SideRequest {
     basis: Buf,
     slot: RefreshSlot,
     status_host: Buf,
-    reply: mpsc::Sender<SideReply>,
+    reply: mpsc::Sender<Result<CudaEvent, String>>,
 }
 
 /// The thread that owns the side-stream refresher and enqueues its work, one request at a
@@ -193,7 +188,7 @@ impl SideLauncher {
             .name("asteria-side-refresh".into())
             .spawn(move || {
                 for req in rx {
-                    let r = (|| -> crate::error::Result<Option<CudaEvent>> {
+                    let r = (|| -> crate::error::Result<CudaEvent> {
                         dev.wait(StreamKind::Side, &req.taken)?;
                         refresher.compute(
                             &dev,
@@ -204,14 +199,7 @@ impl SideLauncher {
                             &req.slot,
                         )?;
                         dev.copy(&req.status_host, &req.slot.status, StreamKind::Side)?;
-                        let done = dev.record(StreamKind::Side, false)?;
-                        if dev.side_sms().is_some() {
-                            // A green context may be current on one thread at a time: wait
-                            // here, and the engine thread never touches its events.
-                            done.synchronize()?;
-                            return Ok(None);
-                        }
-                        Ok(Some(done))
+                        dev.record(StreamKind::Side, false)
                     })();
                     if let Ok(mut p) = shared.lock() {
                         *p = refresher.phase_ms_line();
@@ -535,12 +523,8 @@ impl CudaEngine {
             .as_ref()
             .map(GpuRefresher::phase_ms_line)
             .unwrap_or_default();
-        let sms = match self.dev.side_sms() {
-            Some(n) => format!("{n} SMs (green context)"),
-            None => "all SMs".to_string(),
-        };
         format!(
-            "refresh host ms: launch gpu_side {lg:.0}, launch host {lh:.0}, swap gpu_side {sg:.0}, swap host {sh:.0}, synchronous {sync:.0}; side stream on {sms}, launcher thread [{side}]; compute refresher [{compute}]"
+            "refresh host ms: launch gpu_side {lg:.0}, launch host {lh:.0}, swap gpu_side {sg:.0}, swap host {sh:.0}, synchronous {sync:.0}; side launcher thread [{side}]; compute refresher [{compute}]"
         )
     }
 
@@ -793,11 +777,9 @@ impl CudaEngine {
                     location: loc(index),
                     message: format!("side-stream refresh: {msg}"),
                 })?;
-                if let Some(ev) = &done {
-                    ev.synchronize().map_err(|err| e(err.into()))?;
-                }
+                done.synchronize().map_err(|err| e(err.into()))?;
                 let waited = started.elapsed();
-                let outcome = self.swap_gpu(index, task, done.as_ref())?;
+                let outcome = self.swap_gpu(index, task, &done)?;
                 (outcome, blocked, waited, 2)
             }
             CudaJob::Host { job } => {
@@ -828,7 +810,7 @@ impl CudaEngine {
         &mut self,
         index: usize,
         task: Task,
-        done: Option<&CudaEvent>,
+        done: &CudaEvent,
     ) -> Result<Outcome, EngineError> {
         let e = |err| cuda_err("swapping in a refresh", err);
         let d = task.dim(&self.plan);
@@ -843,9 +825,7 @@ impl CudaEngine {
             .swap
             .as_ref()
             .ok_or_else(|| EngineError::Unsupported("internal: no swap buffers".into()))?;
-        if let Some(done) = done {
-            self.dev.wait(StreamKind::Compute, done).map_err(e)?;
-        }
+        self.dev.wait(StreamKind::Compute, done).map_err(e)?;
         let (q, ea, eas) = (
             self.b(task.basis),
             self.b(task.exp_avg),
