@@ -4,7 +4,7 @@
 //! worker pool or on the GPU side stream.
 //!
 //! Descriptions are JSON files written by `asteria calibrate` (measured on the machine) or one
-//! of the built-ins: `h200` (the anchors in DESIGN.md, measured on an H200 PCIe host), `gh200`
+//! of the built-ins: `h200` (measured on the H200 host with `asteria calibrate`), `gh200`
 //! and `gb10` (simulated unified-memory Grace/Blackwell systems: NVLink-C2C or shared LPDDR5x,
 //! no staging copies, strong Arm hosts — numbers estimated, not measured), and `cpu`
 //! (a 2-core host without GPU, the CI machine).
@@ -24,7 +24,10 @@ pub struct TargetDescription {
     pub unified_memory: bool,
     /// Host `eigh` (values + vectors) time per size, all pool cores: `(n, ms)`, ascending n.
     pub host_eigh_ms: Vec<(usize, f64)>,
-    /// Host refresh time (one power iteration `F·Q` + thin QR + the `diag(QᵀFQ)` sort) per size.
+    /// Host refresh time (one power iteration `F·Q` + thin QR + the `diag(QᵀFQ)` sort) per
+    /// size, **on one core while every pool core runs one**: the engines run asynchronous host
+    /// refreshes one per pool thread, single-threaded (`optim::with_sequential`), which is how
+    /// `asteria calibrate` measures it.
     pub host_qr_ms: Vec<(usize, f64)>,
     /// GPU `syevd` time per size (empty without a GPU).
     pub gpu_eigh_ms: Vec<(usize, f64)>,
@@ -63,56 +66,62 @@ pub fn interpolate(table: &[(usize, f64)], n: usize) -> Option<f64> {
 impl TargetDescription {
     /// A built-in description by name: `h200`, `gh200`, `gb10`, `cpu`.
     pub fn builtin(name: &str) -> Option<TargetDescription> {
-        // DESIGN.md anchors (H200 PCIe host, 16 cores, 2026-11-30).
-        let h200_gpu_eigh = vec![(768, 7.9), (2048, 24.8), (4096, 88.6)];
-        let h200_gpu_qr = vec![(768, 3.2), (2048, 10.8), (4096, 29.1)];
-        let h200_host_eigh = vec![(768, 61.0), (2048, 523.0), (4096, 2973.0)];
+        // Measured on the H200 host (16 cores, driver 580) with `asteria calibrate --device
+        // cuda --sizes 768,1024,2304,3072` (bench/results/h200-side/cal-h200.json, rounded):
+        // host QR times are one refresh per core with all 16 cores busy (how the engines run
+        // them), GPU times are cuSOLVER through the engine's refresher.
+        let h200_gpu_eigh = vec![(768, 7.7), (1024, 10.6), (2304, 31.6), (3072, 50.9)];
+        let h200_gpu_qr = vec![(768, 3.3), (1024, 4.7), (2304, 13.7), (3072, 20.6)];
+        let h200_host_eigh = vec![(768, 55.7), (1024, 107.0), (2304, 660.0), (3072, 1076.0)];
+        let h200_host_qr = vec![(768, 65.0), (1024, 163.0), (2304, 1302.0), (3072, 4056.0)];
         let scale =
             |t: &[(usize, f64)], s: f64| t.iter().map(|&(n, ms)| (n, ms * s)).collect::<Vec<_>>();
         Some(match name {
             "h200" => TargetDescription {
                 name: "h200".into(),
                 host_cores: 16,
-                host_gpu_gbps: Some(55.0),
+                host_gpu_gbps: Some(55.4),
                 unified_memory: false,
-                host_qr_ms: scale(&h200_host_eigh, 0.35),
                 host_eigh_ms: h200_host_eigh,
+                host_qr_ms: h200_host_qr,
                 gpu_eigh_ms: h200_gpu_eigh,
                 gpu_qr_ms: h200_gpu_qr,
-                // PyTorch eager's rate. asteria's own engine reaches 73 TFLOP/s on GPT-2 124M;
-                // with that step time the pass moves 64 of 99 GPT-2 refreshes to the host pool
-                // and the H200 measured a lower mean step (1.30× vs 1.37× AdamW) but waits at
-                // the staleness bound (max/median 1.28 vs 1.07): the host QR table below
-                // underestimates refreshes that share the pool with each other and the engine
-                // (BENCHMARKS.md, call 6). Kept until the host table is calibrated in-engine.
-                train_tflops: 280.0,
+                // asteria's CUDA engine on GPT-2 124M (0.097 of the measured 770 TFLOP/s bf16
+                // GEMM rate, as `asteria calibrate` derives it). With it the pass keeps the
+                // 2304/3072 factors on the side stream and moves the 768/1024 ones to the host
+                // pool; measured: mean step 1.285x AdamW vs 1.419x all on the side stream, no
+                // waits (BENCHMARKS.md, "Where refreshes run").
+                train_tflops: 75.0,
                 side_stream_interference: 0.6,
             },
-            // Simulated: 72 Neoverse V2 cores (~4x the x86 host's eigh rate), NVLink-C2C
-            // 450 GB/s with coherent unified memory, an H100-class GPU.
+            // Simulated: 72 Neoverse V2 cores, NVLink-C2C 450 GB/s with coherent unified
+            // memory, an H100-class GPU with asteria's H200 engine rate. Estimated, not
+            // measured: a Grace core ~1.7x one of the H200 VM's x86 cores at the power
+            // iteration + QR (~32 GFLOP/s measured there), all-core eigh ~4x.
             "gh200" => TargetDescription {
                 name: "gh200".into(),
                 host_cores: 72,
                 host_gpu_gbps: Some(450.0),
                 unified_memory: true,
                 host_eigh_ms: scale(&h200_host_eigh, 0.25),
-                host_qr_ms: scale(&h200_host_eigh, 0.25 * 0.35),
+                host_qr_ms: scale(&h200_host_qr, 0.6),
                 gpu_eigh_ms: scale(&h200_gpu_eigh, 1.1),
                 gpu_qr_ms: scale(&h200_gpu_qr, 1.1),
-                train_tflops: 250.0,
+                train_tflops: 75.0,
                 side_stream_interference: 0.6,
             },
-            // Simulated: 20 Arm cores, one LPDDR5x pool shared with a GPU ~1/8 of an H200.
+            // Simulated: 20 Arm cores (about the H200 VM's per core), one LPDDR5x pool shared
+            // with a GPU ~1/8 of an H200 (asteria's engine rate scaled alike).
             "gb10" => TargetDescription {
                 name: "gb10".into(),
                 host_cores: 20,
                 host_gpu_gbps: Some(273.0),
                 unified_memory: true,
                 host_eigh_ms: scale(&h200_host_eigh, 0.8),
-                host_qr_ms: scale(&h200_host_eigh, 0.8 * 0.35),
+                host_qr_ms: h200_host_qr,
                 gpu_eigh_ms: scale(&h200_gpu_eigh, 8.0),
                 gpu_qr_ms: scale(&h200_gpu_qr, 8.0),
-                train_tflops: 35.0,
+                train_tflops: 75.0 / 8.0,
                 side_stream_interference: 0.8,
             },
             // A 2-core CI-class host without GPU (measured on the development machine with
@@ -123,7 +132,7 @@ impl TargetDescription {
                 host_gpu_gbps: None,
                 unified_memory: false,
                 host_eigh_ms: vec![(64, 0.5), (256, 12.0), (1024, 420.0)],
-                host_qr_ms: vec![(64, 0.2), (256, 4.0), (1024, 150.0)],
+                host_qr_ms: vec![(64, 0.3), (256, 3.5), (1024, 190.0)],
                 gpu_eigh_ms: vec![],
                 gpu_qr_ms: vec![],
                 train_tflops: 0.06,
@@ -135,6 +144,16 @@ impl TargetDescription {
 
     /// Names of the built-in descriptions.
     pub const BUILTINS: [&'static str; 4] = ["h200", "gh200", "gb10", "cpu"];
+
+    /// Threads of the host refresh pool: on a GPU target every core but the two that enqueue
+    /// GPU work (the engine thread and the side-stream launcher), else every core; at least 1.
+    pub fn host_pool_threads(&self) -> usize {
+        if self.host_gpu_gbps.is_some() {
+            self.host_cores.saturating_sub(2).max(1)
+        } else {
+            self.host_cores.max(1)
+        }
+    }
 
     /// Whether the target has a GPU side stream to refresh on.
     pub fn has_gpu(&self) -> bool {

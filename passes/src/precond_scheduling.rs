@@ -16,6 +16,10 @@ use ir::config::TargetConfig;
 use ir::{InstId, Module, Op, Placement, Section};
 use std::fmt::Write;
 
+/// Share of the host pool's time per period that refreshes may fill (the rest is left to the
+/// engine's own host work).
+pub const HOST_HEADROOM: f64 = 0.8;
+
 /// One refresh decision, as reported by `--print-after precond-scheduling`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Decision {
@@ -123,12 +127,17 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
         })
         .collect();
     let frequency = items.iter().map(|x| x.2).max().unwrap_or(1).max(1);
-    let host_capacity = frequency as f64 * step_ms; // host-pool time available per period
-    let latency_budget = staleness as f64 * step_ms; // a host result must land within S steps
-                                                     // 1. Placement. With S = 0 the faster place wins. Otherwise host work is free while it fits
-                                                     // the pool's time per period and meets the latency budget; the GPU side stream costs its
-                                                     // interference. Fill the host in order of "visible GPU time saved per host ms" (a greedy
-                                                     // knapsack), ties by size, so cheap small factors move to the host first.
+    // Host-pool time available per period (core-ms): every pool thread runs one refresh at a
+    // time, single-threaded; HOST_HEADROOM of it, since the engine's own host work (data,
+    // launches, swaps) shares the cores.
+    let host_capacity =
+        HOST_HEADROOM * desc.host_pool_threads() as f64 * frequency as f64 * step_ms;
+    // A host result must land within S steps.
+    let latency_budget = staleness as f64 * step_ms;
+    // 1. Placement. With S = 0 the faster place wins. Otherwise host work is free while it fits
+    // the pool's time per period and meets the latency budget; the GPU side stream costs its
+    // interference. Fill the host in order of "visible GPU time saved per host ms" (a greedy
+    // knapsack), ties by size, so cheap small factors move to the host first.
     let cost = |dim: usize| {
         (
             desc.host_refresh_ms(dim, false),

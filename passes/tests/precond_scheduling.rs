@@ -57,29 +57,31 @@ fn discrete_gpu_and_unified_memory_targets_choose_differently() {
         99,
         "GPT-2 124M: 8 factors per block, wte R, wpe L and R"
     );
-    // On the H200 PCIe host the big (2304/3072) factors cannot finish on the host within S
-    // steps: they go to the GPU side stream.
-    for d in h200.decisions.iter().filter(|d| d.dim >= 2304) {
-        assert_eq!(
-            d.placement,
-            Placement::GpuSide,
-            "{} (d = {}) on h200",
-            d.factor,
-            d.dim
-        );
+    // On the H200 host the big (2304/3072) factors cannot finish on one host core within S
+    // steps: they go to the GPU side stream; the 768/1024 ones fit the host pool.
+    for d in &h200.decisions {
+        let want = if d.dim >= 2304 {
+            Placement::GpuSide
+        } else {
+            Placement::Host
+        };
+        assert_eq!(d.placement, want, "{} (d = {}) on h200", d.factor, d.dim);
     }
+    // The simulated Grace host's faster cores also fit the 2304 factors; GB10's weak GPU and
+    // unified memory favour its host for everything that fits the pool.
     assert!(
-        h200.host_share() < 0.5,
-        "h200 should keep most refreshes on the GPU"
+        gh200.host_share() > h200.host_share() + 0.1,
+        "gh200 should move more work to its host"
     );
     assert!(
-        gh200.host_share() > h200.host_share() + 0.2,
-        "gh200 should move work to its host"
-    );
-    assert!(
-        gb10.host_share() > 0.6,
+        gb10.host_share() > gh200.host_share(),
         "gb10's weak GPU and unified memory favour the host"
     );
+    assert!(gh200
+        .decisions
+        .iter()
+        .filter(|d| d.dim == 3072)
+        .all(|d| d.placement == Placement::GpuSide));
     // Staggering: with S > 0 refreshes spread over the steps of the period.
     let offsets: std::collections::BTreeSet<u64> =
         h200.decisions.iter().map(|d| d.offset).collect();
