@@ -102,9 +102,39 @@ fn truncated_malformed_and_tampered_plans_are_rejected_before_running() {
     v["host_tasks"][0]["side"] = serde_json::json!(7);
     run_rejects(dir.path(), "side.json", &v.to_string(), "side 7");
 
-    let mut v = json;
+    let mut v = json.clone();
     v["data"]["val_fraction"] = serde_json::json!(1.5);
     run_rejects(dir.path(), "val.json", &v.to_string(), "val_fraction");
+
+    // Memory plan: a misaligned offset, a buffer past its arena, two persistent buffers on
+    // the same bytes.
+    let mut v = json.clone();
+    let off = v["memory"]["slots"][0]["offset"].as_u64().expect("offset");
+    v["memory"]["slots"][0]["offset"] = serde_json::json!(off + 8);
+    run_rejects(
+        dir.path(),
+        "misaligned.json",
+        &v.to_string(),
+        "not a multiple of the 256-byte alignment",
+    );
+    let mut v = json.clone();
+    v["memory"]["slots"][0]["offset"] = serde_json::json!(1u64 << 40);
+    run_rejects(
+        dir.path(),
+        "outside.json",
+        &v.to_string(),
+        "does not fit in arena",
+    );
+    let mut v = json;
+    let p0 = v["params"][0]["param"].as_u64().expect("param") as usize;
+    let p1 = v["params"][1]["param"].as_u64().expect("param") as usize;
+    v["memory"]["slots"][p1] = v["memory"]["slots"][p0].clone();
+    run_rejects(
+        dir.path(),
+        "shared-params.json",
+        &v.to_string(),
+        "never share bytes",
+    );
 }
 
 #[test]
@@ -127,6 +157,8 @@ fn print_after_all_prints_all_five_passes_and_time_passes_reports_each() {
     }
     assert!(out.contains("; plan after lower"));
     assert!(err.contains("lower"));
+    assert!(out.contains("; memory plan after memory-planning"));
+    assert!(err.contains("memory-planning") && err.contains("activations arena"));
 }
 
 #[test]
@@ -163,6 +195,8 @@ fn explain_reports_bytes_per_class_and_ops() {
         "exp_avg_sq",
         "activation",
         "memory per tier",
+        "arena activations",
+        "one place per buffer",
         "ops per step",
         "eigenbasis_refresh every 10 steps",
     ] {

@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
 
-/// Parses + checks a spec file and runs the pipeline; returns the plan.
+/// Parses + checks a spec file and runs the pipeline; returns the plan (memory planned) and the
+/// IR liveness analysis.
 pub fn compile_spec(spec: &Path, flags: &PassFlags) -> Result<(Plan, passes::liveness::Liveness)> {
     let config = frontend::load_spec(spec).map_err(miette::Report::new)?;
     let mut module = ir::Module::new(config);
@@ -135,10 +136,45 @@ pub fn explain(spec: &Path) -> Result<()> {
         "  peak live step-local tensors (with buffer reuse): {}",
         human_bytes(liveness.peak_step_bytes)
     );
+    let m = passes::memory_planning::MemorySummary::of(&plan);
     let _ = writeln!(
         o,
-        "\nmemory per tier:\n  {tier:<6} {:>11}",
-        human_bytes(total)
+        "\nmemory plan (memory-planning; `--print-after memory-planning` lists the largest buffers):"
+    );
+    let _ = writeln!(
+        o,
+        "  arena persistent  {:>11}  {} buffers, one place each",
+        human_bytes(m.persistent_bytes),
+        m.persistent_buffers
+    );
+    let _ = writeln!(
+        o,
+        "  arena activations {:>11}  {} step-local buffers sharing bytes by liveness (peak live {})",
+        human_bytes(m.activations_bytes),
+        m.transient_buffers,
+        human_bytes(m.peak_live_bytes)
+    );
+    let _ = writeln!(
+        o,
+        "  planned {:>11}  against {} with one place per buffer ({} saved)",
+        human_bytes(m.planned_bytes()),
+        human_bytes(m.unshared_bytes),
+        human_bytes(m.saved_bytes())
+    );
+    let (tier_bytes, note) = match plan.target {
+        TargetPlan::Cuda { .. } => (
+            m.planned_bytes(),
+            "the memory plan's arenas; engine scratch and bf16 shadows come on top",
+        ),
+        TargetPlan::Cpu { .. } => (
+            total,
+            "the CPU engine keeps one allocation per buffer; the CUDA engine uses the memory plan",
+        ),
+    };
+    let _ = writeln!(
+        o,
+        "\nmemory per tier:\n  {tier:<6} {:>11}  ({note})",
+        human_bytes(tier_bytes)
     );
     let _ = writeln!(o, "\nops per step:");
     for (section, prog) in [
@@ -207,20 +243,19 @@ fn execute_cuda(plan: &Plan, opts: &engine::TrainOptions) -> Result<()> {
     let copts = cuda::CudaOptions::from_env(opts.engine.clone()).map_err(|e| miette!("{e}"))?;
     let mut eng = cuda::CudaEngine::new(plan.clone(), copts)
         .map_err(|e| miette!("plan `{}` targets CUDA: {e}", plan.name))?;
-    let (arena, refresh) = eng.arena_bytes();
     if !opts.quiet {
         eprintln!(
-            "{}; plan arena {}, refresh work {}",
+            "{}; {}",
             engine::StepExecutor::describe(&eng),
-            human_bytes(arena),
-            human_bytes(refresh)
+            eng.arena_line()
         );
     }
     engine::train_with(&mut eng, opts).map_err(|e| miette!("{e}"))?;
     let stats = engine::StepExecutor::stats(&eng);
     eprintln!(
-        "cuda: {}; host tasks {:.0} ms total, {} refreshes",
+        "cuda: {}; {}; host tasks {:.0} ms total, {} refreshes",
         eng.memory_report(),
+        eng.arena_line(),
         stats.host_task_ms,
         stats.refreshes
     );

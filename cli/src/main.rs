@@ -18,7 +18,8 @@ struct Cli {
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct PassFlags {
     /// Print the IR after this pass (repeatable): expand-model, autodiff, expand-optimizer,
-    /// liveness, precond-scheduling, lower.
+    /// liveness, precond-scheduling, lower (the plan JSON), memory-planning (the memory plan's
+    /// arenas, peak live bytes and largest buffers).
     #[arg(long = "print-after", value_name = "PASS")]
     pub print_after: Vec<String>,
     /// Print the IR after every pass.
@@ -71,7 +72,8 @@ enum Command {
         #[command(flatten)]
         passes: PassFlags,
     },
-    /// Show memory per class and per tier, and ops per step, of a compiled spec.
+    /// Show memory per class, the memory plan's arenas, memory per tier, and ops per step, of a
+    /// compiled spec.
     Explain {
         /// The spec file.
         spec: PathBuf,

@@ -1,15 +1,17 @@
 //! Lowering: IR [`Module`] → execution [`Plan`]. Every value becomes a named buffer (shape,
 //! dtype, class, init); each instruction of the forward, backward and optimizer sections becomes
 //! the plan op of the same name over those buffers; refresh instructions become host tasks;
-//! the config's data, train and target sections become the plan's. The plan is verified
+//! the config's data, train and target sections become the plan's; the memory plan is the
+//! unshared one (every buffer in its own place, `schedule::MemoryPlan::unshared`) until the
+//! `memory-planning` pass replaces it. The plan is verified
 //! before it is returned, so a compiler bug cannot produce a plan the engine would reject.
 #![deny(missing_docs)]
 
 use ir::config::{CorpusConfig, TargetConfig, TokenizerKind};
 use ir::{BufferClass, Init, InputRole, Module, Op, Section, ValueId};
 use schedule::{
-    Buffer, BufferId, Corpus, DataPlan, HostTask, Op as P, ParamRef, Plan, PlanError, TargetPlan,
-    Tokenizer, TrainPlan, PLAN_FORMAT, PLAN_VERSION,
+    Buffer, BufferId, Corpus, DataPlan, HostTask, MemoryPlan, Op as P, ParamRef, Plan, PlanError,
+    TargetPlan, Tokenizer, TrainPlan, PLAN_FORMAT, PLAN_VERSION,
 };
 use thiserror::Error;
 
@@ -369,6 +371,8 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
     }
     let c = &module.config;
     let missing = |what: &str| LowerError::Missing(format!("the module has no {what}"));
+    // One place per buffer; the `memory-planning` pass replaces it with the shared layout.
+    let memory = MemoryPlan::unshared(&buffers);
     let plan = Plan {
         format: PLAN_FORMAT.to_string(),
         version: PLAN_VERSION,
@@ -423,6 +427,7 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 precision: *precision,
             },
         },
+        memory,
     };
     plan.verify()?;
     Ok(plan)

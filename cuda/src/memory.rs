@@ -2,7 +2,8 @@
 //! allocation"), typed buffer handles, and device-wide accounting for peak-memory reports.
 //!
 //! An [`Arena`] owns one allocation in one [`Tier`]; [`Arena::carve`] hands out [`Buf`]s at
-//! increasing aligned offsets. A `Buf` keeps the allocation alive (reference counted), so a
+//! increasing aligned offsets, [`Arena::buf_at`] at an offset decided by the plan's memory plan
+//! (buffers with disjoint live ranges share bytes). A `Buf` keeps the allocation alive (reference counted), so a
 //! device pointer never dangles; [`Arena::reset`] rewinds the offset only when no `Buf` is
 //! alive. The offset arithmetic lives in [`Carver`], which needs no GPU and is unit-tested.
 use crate::error::{CudaError, Result, Tier};
@@ -78,6 +79,27 @@ impl Carver {
         self.offset = end;
         self.peak = self.peak.max(end);
         Some(start)
+    }
+
+    /// Reserves `bytes` at the given `offset` (a multiple of `align`, a power of two) — a
+    /// placement decided elsewhere (the plan's memory plan), which may overlap earlier
+    /// placements. Returns the offset, or `None` (state unchanged) when it is misaligned or
+    /// would pass the capacity. Later [`Carver::carve`]s start after the placed bytes.
+    pub fn place(&mut self, offset: usize, bytes: usize, align: usize) -> Option<usize> {
+        debug_assert!(
+            align.is_power_of_two(),
+            "invariant: alignment is a power of two"
+        );
+        if offset & (align - 1) != 0 {
+            return None;
+        }
+        let end = offset.checked_add(bytes)?;
+        if end > self.capacity {
+            return None;
+        }
+        self.offset = self.offset.max(end);
+        self.peak = self.peak.max(end);
+        Some(offset)
     }
 
     /// Bytes used up to the current offset.
@@ -290,7 +312,12 @@ pub struct Arena {
 }
 
 /// Default alignment of [`Arena::buf`]: 256 bytes (cuBLAS and vector loads are happy with it).
+/// The plan's memory plan aligns its offsets the same way (`schedule::ARENA_ALIGN`).
 pub const BUF_ALIGN: usize = 256;
+const _: () = assert!(
+    BUF_ALIGN == schedule::ARENA_ALIGN,
+    "the plan's arena alignment must match the CUDA arena's"
+);
 
 impl Arena {
     /// Allocates `bytes` in `tier` (device memory must be bound to `ctx` on this thread).
@@ -354,6 +381,48 @@ impl Arena {
                 asked: bytes,
                 align,
                 offset: self.carver.used(),
+                capacity: self.carver.capacity(),
+            }),
+        }
+    }
+
+    /// `len` elements of `elem` at byte `offset` (a multiple of [`BUF_ALIGN`]) — the offset
+    /// of a plan buffer in the plan's memory plan. Placed buffers may overlap each other (the
+    /// plan shares bytes between buffers with disjoint live ranges); a later
+    /// [`Arena::carve`] starts after every placed byte.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a misaligned offset or an overflowing size,
+    /// [`CudaError::ArenaFull`] when the buffer would end past the capacity.
+    pub fn buf_at(&mut self, elem: Elem, len: usize, offset: usize) -> Result<Buf> {
+        let bytes = len
+            .checked_mul(elem.size_bytes())
+            .ok_or_else(|| CudaError::Invalid {
+                op: "Arena::buf_at",
+                what: format!("{len} elements of {elem} overflow usize"),
+            })?;
+        if offset & (BUF_ALIGN - 1) != 0 {
+            return Err(CudaError::Invalid {
+                op: "Arena::buf_at",
+                what: format!(
+                    "offset {offset} in arena `{}` is not a multiple of {BUF_ALIGN} bytes",
+                    self.name
+                ),
+            });
+        }
+        match self.carver.place(offset, bytes, BUF_ALIGN) {
+            Some(offset) => Ok(Buf {
+                alloc: self.alloc.clone(),
+                offset,
+                elem,
+                len,
+            }),
+            None => Err(CudaError::ArenaFull {
+                name: self.name.clone(),
+                tier: self.alloc.tier,
+                asked: bytes,
+                align: BUF_ALIGN,
+                offset,
                 capacity: self.carver.capacity(),
             }),
         }

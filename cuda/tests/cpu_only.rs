@@ -96,6 +96,27 @@ fn carver_aligns_and_tracks_peak() {
 }
 
 #[test]
+fn carver_places_at_given_offsets() {
+    let mut c = Carver::new(1024);
+    assert_eq!(c.place(256, 100, 256), Some(256));
+    assert_eq!(c.place(256, 50, 256), Some(256), "placements may overlap");
+    assert_eq!(c.place(0, 40, 256), Some(0));
+    assert_eq!(
+        c.used(),
+        356,
+        "carves continue after the highest placed byte"
+    );
+    assert_eq!(c.place(100, 4, 256), None, "misaligned");
+    assert_eq!(c.place(768, 257, 256), None, "past the capacity");
+    assert_eq!(c.place(usize::MAX & !255, 1024, 256), None, "overflow");
+    assert_eq!(c.used(), 356, "a failed placement changes nothing");
+    assert_eq!(c.carve(10, 256), Some(512));
+    assert_eq!(c.place(768, 256, 256), Some(768));
+    assert_eq!(c.peak(), 1024);
+    assert_eq!(cuda::BUF_ALIGN, schedule::ARENA_ALIGN);
+}
+
+#[test]
 fn nvrtc_arch_options_and_cache_keys() {
     assert_eq!(nvrtc::arch_for((9, 0)), "sm_90");
     assert_eq!(nvrtc::arch_for((12, 1)), "sm_121");

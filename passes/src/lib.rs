@@ -2,7 +2,7 @@
 //!
 //! The pipeline (in order; names are identical in the CLI flags, file names, dump headers and
 //! timing lines): `expand-model`, `autodiff`, `expand-optimizer`, `liveness`,
-//! `precond-scheduling`, `lower`.
+//! `precond-scheduling`, `lower`, `memory-planning`.
 #![deny(missing_docs)]
 
 pub mod autodiff;
@@ -12,6 +12,7 @@ pub mod expand_optimizer;
 pub mod liveness;
 pub mod lower;
 mod manager;
+pub mod memory_planning;
 pub mod precond_scheduling;
 
 pub use manager::{PassManager, PassOptions, PassTiming};
@@ -55,8 +56,10 @@ pub enum PassError {
 pub struct PassContext {
     /// Filled by `liveness`.
     pub liveness: Option<liveness::Liveness>,
-    /// Filled by `lower`.
+    /// Filled by `lower` (memory plan: one place per buffer), updated by `memory-planning`.
     pub plan: Option<schedule::Plan>,
+    /// Filled by `memory-planning`: arena sizes, peak live bytes, bytes saved.
+    pub memory: Option<memory_planning::MemorySummary>,
 }
 
 /// One compiler pass: a named transformation (or analysis) of a [`Module`].
@@ -68,5 +71,15 @@ pub trait Pass {
     /// Extra text printed after the IR in `--print-after` dumps (analysis results).
     fn dump_extra(&self, _module: &Module, _cx: &PassContext) -> Option<String> {
         None
+    }
+    /// What `--print-after` prints for this pass: by default `; IR after <name>`, the IR and
+    /// [`Pass::dump_extra`]; passes that work on the plan print the plan (or a report on it).
+    fn dump_after(&self, module: &Module, cx: &PassContext) -> String {
+        let mut s = format!("; IR after {}\n{module}", self.name());
+        if let Some(extra) = self.dump_extra(module, cx) {
+            s.push('\n');
+            s.push_str(&extra);
+        }
+        s
     }
 }

@@ -1,4 +1,5 @@
-//! `lower`: IR → execution plan (`schedule::Plan`), via `codegen::lower`.
+//! `lower`: IR → execution plan (`schedule::Plan`), via `codegen::lower`, with every buffer in
+//! its own place (`memory-planning` then shares the bytes of step-local buffers).
 use crate::{Pass, PassContext, PassError};
 use ir::Module;
 
@@ -24,5 +25,11 @@ impl Pass for Lower {
         );
         cx.plan = Some(plan);
         Ok(summary)
+    }
+    fn dump_after(&self, _module: &Module, cx: &PassContext) -> String {
+        match &cx.plan {
+            Some(plan) => format!("; plan after lower\n{}", plan.to_json()),
+            None => "; plan after lower: none".into(),
+        }
     }
 }

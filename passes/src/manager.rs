@@ -51,6 +51,7 @@ impl PassManager {
             Box::new(crate::liveness::LivenessPass),
             Box::new(crate::precond_scheduling::PrecondScheduling::default()),
             Box::new(crate::lower::Lower),
+            Box::new(crate::memory_planning::MemoryPlanning),
         ]
     }
 
@@ -124,16 +125,7 @@ impl PassManager {
                 }
             }
             if self.options.print_after_all || self.options.print_after.iter().any(|p| p == name) {
-                if name == "lower" {
-                    if let Some(plan) = &cx.plan {
-                        let _ = writeln!(out, "; plan after lower\n{}", plan.to_json());
-                    }
-                } else {
-                    let _ = writeln!(out, "; IR after {name}\n{module}");
-                    if let Some(extra) = pass.dump_extra(module, &cx) {
-                        let _ = writeln!(out, "{extra}");
-                    }
-                }
+                let _ = writeln!(out, "{}", pass.dump_after(module, &cx));
             }
             timings.push(PassTiming {
                 pass: name,

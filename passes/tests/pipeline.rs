@@ -56,7 +56,8 @@ fn every_example_compiles_and_round_trips_after_every_pass() {
         let (cx, timings) = pm
             .run(&mut m, None, &mut std::io::sink())
             .expect("pipeline runs");
-        assert_eq!(timings.len(), 6);
+        assert_eq!(timings.len(), 7);
+        assert_eq!(timings[6].pass, "memory-planning");
         let plan = cx.plan.expect("plan");
         plan.verify().expect("plan verifies");
         let back = schedule::Plan::from_json(&plan.to_json()).expect("plan JSON round trips");
@@ -83,6 +84,7 @@ fn print_after_all_prints_all_five_passes() {
         "; IR after expand-optimizer",
         "; IR after liveness",
         "; plan after lower",
+        "; memory plan after memory-planning",
     ] {
         assert!(
             text.contains(header),

@@ -10,11 +10,20 @@
 //! Layout conventions: every tensor is dense row-major; activations are 2-D `[N, C]` with
 //! `N = batch * seq_len` tokens (row `n = b * seq_len + t`); a linear layer's weight is
 //! `[out_features, in_features]` as in PyTorch's `nn.Linear`.
+//!
+//! Memory: [`Plan::memory`] places every buffer at a byte offset in one of at most two arenas —
+//! a persistent one and an `activations` one whose bytes are reused by buffers with disjoint
+//! live ranges (module [`memory`]); [`Plan::verify`] rejects an unsafe placement.
 #![deny(missing_docs)]
 
+pub mod memory;
 mod op;
 mod verify;
 
+pub use memory::{
+    Access, ArenaKind, ArenaPlan, BufferSlot, LiveRange, MemoryPlan, PersistReason, Residency,
+    ARENA_ALIGN,
+};
 pub use op::{HostTask, Op, Placement, SoapHyper};
 pub use verify::PlanError;
 
@@ -22,8 +31,9 @@ use serde::{Deserialize, Serialize};
 
 /// Magic string in every plan's `format` field.
 pub const PLAN_FORMAT: &str = "asteria-plan";
-/// Version of the plan format this crate reads and writes. Bumped on any incompatible change.
-pub const PLAN_VERSION: u32 = 1;
+/// Version of the plan format this crate reads and writes. Bumped on any incompatible change
+/// (2: the required `memory` section).
+pub const PLAN_VERSION: u32 = 2;
 
 /// Index of a buffer in [`Plan::buffers`]. Serialized as a plain integer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -272,6 +282,8 @@ pub struct Plan {
     pub train: TrainPlan,
     /// Execution target.
     pub target: TargetPlan,
+    /// Where every buffer lives: arenas and per-buffer byte offsets (see [`memory`]).
+    pub memory: MemoryPlan,
 }
 
 impl Plan {
@@ -284,6 +296,21 @@ impl Plan {
     /// version, buffer index out of range, shape mismatch, ...) is rejected with a
     /// [`PlanError`] before anything runs.
     pub fn from_json(text: &str) -> Result<Plan, PlanError> {
+        // The format and version first, so that a plan of another version (e.g. one without
+        // the `memory` section of version 2) is named as such rather than as malformed.
+        #[derive(Deserialize)]
+        struct Header {
+            format: String,
+            version: u32,
+        }
+        if let Ok(h) = serde_json::from_str::<Header>(text) {
+            if h.format != PLAN_FORMAT || h.version != PLAN_VERSION {
+                return Err(PlanError::Version {
+                    format: h.format,
+                    version: h.version,
+                });
+            }
+        }
         let plan: Plan = serde_json::from_str(text).map_err(|e| PlanError::Json {
             line: e.line(),
             column: e.column(),

@@ -277,6 +277,7 @@ pub enum HostTask {
     ///   the same way, then one power iteration + QR: `Q_new = qr(F Q_sorted).Q`; `exp_avg`
     ///   (stored in the eigenbasis) is re-projected: `E ← Q_newᵀ Q_old E` (side 0) or
     ///   `E ← E Q_oldᵀ Q_new` (side 1).
+    ///
     /// A non-finite factor or a failed eigensolve keeps the previous basis (counted, logged).
     ///
     /// Scheduling (from `precond-scheduling`): QR refreshes happen at the end of the steps t > 1

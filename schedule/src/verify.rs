@@ -59,6 +59,10 @@ pub enum PlanError {
     /// attribute values).
     #[error("{0}")]
     Invalid(String),
+    /// The memory plan is unsafe or inconsistent (a slot outside its arena, a misaligned
+    /// offset, a persistent buffer sharing bytes, two live buffers sharing bytes).
+    #[error("memory plan: {0}")]
+    Memory(String),
 }
 
 impl Op {
@@ -662,7 +666,9 @@ impl Checker<'_> {
 impl Plan {
     /// Checks the whole plan: format and version, buffer shapes, every operand in range with the
     /// dtype and shape its op expects, parameters and gradients paired with equal shapes, the
-    /// data inputs and loss buffers, and the host tasks.
+    /// data inputs and loss buffers, the host tasks, and the memory plan (every buffer inside
+    /// its arena at an aligned offset; bytes shared only by step-local buffers whose live
+    /// ranges are disjoint — see [`crate::memory`]).
     pub fn verify(&self) -> Result<(), PlanError> {
         if self.format != PLAN_FORMAT || self.version != PLAN_VERSION {
             return Err(PlanError::Version {
@@ -801,6 +807,6 @@ impl Plan {
                 )));
             }
         }
-        Ok(())
+        crate::memory::verify_memory(self)
     }
 }

@@ -6,7 +6,7 @@ use super::Float;
 use crate::rng::Rng;
 use crate::EngineError;
 use optim::{FaerEigensolver, HostEigensolver, Real};
-use schedule::{BufferId, HostTask, Init, Op, Placement, Plan, TargetPlan};
+use schedule::{BufferId, HostTask, Init, LiveRange, Op, Placement, Plan, TargetPlan};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -25,6 +25,14 @@ pub struct EngineOptions {
     /// Run every refresh as one synchronous `optim::eigenbasis_refresh` call at the end of its
     /// step, ignoring the plan's `staleness` (the reference path; default false).
     pub synchronous_refresh: bool,
+    /// Memory-plan check (tests, CI; default false): the buffers of the plan's shared
+    /// `activations` arena are overwritten with NaN (float) or `i32::MIN` (i32) at construction,
+    /// after the last op of their live range, and after every op that writes another buffer
+    /// the memory plan puts on some of their bytes — garbage where an engine that really shares
+    /// the bytes (the CUDA engine) could leave some. If the live ranges or the placement were
+    /// wrong, the poison would reach the loss and the parameters; with a right plan, results
+    /// are bit-identical to a normal run (`tests/memory_plan.rs`).
+    pub poison_transients: bool,
 }
 
 impl Default for EngineOptions {
@@ -35,6 +43,7 @@ impl Default for EngineOptions {
             eigensolver: Arc::new(FaerEigensolver),
             max_consecutive_refresh_failures: 3,
             synchronous_refresh: false,
+            poison_transients: false,
         }
     }
 }
@@ -50,6 +59,7 @@ impl std::fmt::Debug for EngineOptions {
                 &self.max_consecutive_refresh_failures,
             )
             .field("synchronous_refresh", &self.synchronous_refresh)
+            .field("poison_transients", &self.poison_transients)
             .finish()
     }
 }
@@ -121,6 +131,78 @@ pub struct CpuEngine<T> {
     /// Per host task: whether its first eigendecomposition succeeded.
     pub(crate) initialized: Vec<bool>,
     by_name: HashMap<String, BufferId>,
+    /// With [`EngineOptions::poison_transients`]: what to poison after each op.
+    poison: Option<Poison>,
+}
+
+/// The poisoning schedule of [`EngineOptions::poison_transients`].
+struct Poison {
+    /// Step positions of the first op of the forward, backward and optimizer programs.
+    bases: [usize; 3],
+    /// Per step position: the shared-arena buffers to overwrite after that op (those whose
+    /// live range ends there, and those sharing bytes with a buffer it writes).
+    after: Vec<Vec<BufferId>>,
+    /// Every buffer of the shared arena (poisoned at construction).
+    all: Vec<BufferId>,
+}
+
+impl Poison {
+    fn new(plan: &Plan) -> Poison {
+        let residency = plan.residency();
+        // Shared-arena buffers with their byte range and live range. `verify` guarantees that
+        // every buffer of the shared arena is transient.
+        let mut shared: Vec<(usize, usize, BufferId, LiveRange)> = plan
+            .buffers
+            .iter()
+            .zip(&residency)
+            .enumerate()
+            .filter_map(|(i, (b, r))| {
+                let id = BufferId(i as u32);
+                let live = r.live_range().filter(|_| plan.memory.is_shared(id))?;
+                let offset = plan.memory.slot(id)?.offset;
+                Some((offset, offset + b.size_bytes(), id, live))
+            })
+            .collect();
+        shared.sort_unstable_by_key(|s| (s.0, s.2));
+        let mut overlapping: HashMap<BufferId, Vec<BufferId>> = HashMap::new();
+        for (k, &(_, end, a, _)) in shared.iter().enumerate() {
+            for &(_, _, b, _) in shared[k + 1..].iter().take_while(|s| s.0 < end) {
+                overlapping.entry(a).or_default().push(b);
+                overlapping.entry(b).or_default().push(a);
+            }
+        }
+        let mut after = vec![Vec::new(); plan.step_len()];
+        for &(_, _, id, live) in &shared {
+            after[live.last].push(id);
+        }
+        for (pos, op) in plan.step_ops() {
+            for (_, id, access) in op.accesses() {
+                if access.writes() {
+                    if let Some(others) = overlapping.get(&id) {
+                        after[pos].extend(others);
+                    }
+                }
+            }
+        }
+        for list in &mut after {
+            list.sort_unstable();
+            list.dedup();
+        }
+        let (f, b) = (plan.forward.len(), plan.backward.len());
+        Poison {
+            bases: [0, f, f + b],
+            after,
+            all: shared.iter().map(|s| s.2).collect(),
+        }
+    }
+
+    fn base(&self, section: &str) -> usize {
+        match section {
+            "forward" => self.bases[0],
+            "backward" => self.bases[1],
+            _ => self.bases[2],
+        }
+    }
 }
 
 fn build_pool(threads: usize, tag: &'static str) -> Result<rayon::ThreadPool, EngineError> {
@@ -197,6 +279,12 @@ impl<T: Float + Real> CpuEngine<T> {
             .enumerate()
             .map(|(i, b)| (b.name.clone(), BufferId(i as u32)))
             .collect();
+        let poison = opts.poison_transients.then(|| Poison::new(&plan));
+        if let Some(p) = &poison {
+            for &id in &p.all {
+                store.poison(id);
+            }
+        }
         Ok(CpuEngine {
             plan,
             store,
@@ -211,6 +299,7 @@ impl<T: Float + Real> CpuEngine<T> {
             pending: Pending::new(tasks),
             initialized: vec![false; tasks],
             by_name,
+            poison,
         })
     }
 
@@ -334,10 +423,18 @@ impl<T: Float + Real> CpuEngine<T> {
         let pool = Arc::clone(&self.pool);
         let store = &mut self.store;
         let stats = &mut self.stats;
+        let poison = self.poison.as_ref();
         pool.install(|| {
             for (index, op) in program.iter().enumerate() {
                 let loc = Loc { section, index, op: op.name() };
-                match exec_op(store, op, loc, t, lr_multiplier)? {
+                let outcome = exec_op(store, op, loc, t, lr_multiplier)?;
+                if let Some(p) = poison {
+                    let pos = p.base(section) + index;
+                    for &id in p.after.get(pos).map_or(&[][..], Vec::as_slice) {
+                        store.poison(id);
+                    }
+                }
+                match outcome {
                     OpOutcome::Done => {}
                     OpOutcome::GradNorm(norm) => {
                         stats.last_grad_norm = Some(norm);

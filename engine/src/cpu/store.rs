@@ -115,6 +115,16 @@ impl<T: Float> Store<T> {
         }
     }
 
+    /// Overwrites buffer `id` with NaN (float) or `i32::MIN` (i32): garbage that reaches the
+    /// results if anything reads it before writing it (see `EngineOptions::poison_transients`).
+    pub(crate) fn poison(&mut self, id: BufferId) {
+        match self.data.get_mut(id.index()) {
+            Some(Data::F(v)) => v.fill(T::from_f64(f64::NAN)),
+            Some(Data::I(v)) => v.fill(i32::MIN),
+            None => {}
+        }
+    }
+
     /// Runs `f` with the float buffers `outs` taken out of the store (mutable, in that order)
     /// while the rest of the store stays readable, then puts them back (also on error).
     ///

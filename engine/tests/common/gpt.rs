@@ -408,6 +408,8 @@ pub fn plan(g: &Gpt) -> Plan {
         bwd,
     } = b;
     let (optimizer, host_tasks) = optimizer(g, &mut bufs, &params);
+    // One place per buffer (the engines' tests do not run the compiler's memory planner).
+    let memory = MemoryPlan::unshared(&bufs);
     Plan {
         format: PLAN_FORMAT.into(),
         version: PLAN_VERSION,
@@ -444,6 +446,7 @@ pub fn plan(g: &Gpt) -> Plan {
             threads: g.threads,
             staleness: 0,
         },
+        memory,
     }
 }
 
