@@ -1024,7 +1024,22 @@ impl CudaEngine {
             let outcome = self.exec(op, t, lr_mult);
             if let Some(t0) = started {
                 let _ = self.dev.synchronize();
-                let key = format!("{section}/{}", op.name());
+                // Optimizer ops are keyed by parameter shape too (which shapes cost what).
+                let shape = match op {
+                    Op::SoapUpdate { grad, .. } | Op::SoapFactorUpdate { grad, .. } => {
+                        let b = self.plan.buffer(*grad);
+                        format!(
+                            " {}",
+                            b.shape
+                                .iter()
+                                .map(|d| d.to_string())
+                                .collect::<Vec<_>>()
+                                .join("x")
+                        )
+                    }
+                    _ => String::new(),
+                };
+                let key = format!("{section}/{}{shape}", op.name());
                 if let Some(p) = self.profile.as_mut() {
                     let e = p.entry(key).or_insert((0, 0.0));
                     e.0 += 1;

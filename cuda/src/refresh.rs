@@ -665,7 +665,12 @@ impl GpuRefresher {
             dd,
             Args::new().buf(fq).buf(idx).buf(&x).i32(n).i32(n),
         )?;
-        self.launch(dev, "normalize_cols_f64", d, Args::new().buf(&x).i32(n).i32(n))?;
+        self.launch(
+            dev,
+            "normalize_cols_f64",
+            d,
+            Args::new().buf(&x).i32(n).i32(n),
+        )?;
         let (info_all, info_pass) = (st.slice(5, 1)?, st.slice(7, 1)?);
         let h = dev.cublas_handle_on(self.stream);
         let (one, zero) = (1.0f64, 0.0f64);
@@ -700,7 +705,12 @@ impl GpuRefresher {
                 .map_err(crate::error::cublas("dgemm"))
             })?;
             if pass == 0 {
-                self.launch(dev, "add_diag_f64", d, Args::new().buf(&g).i32(n).f64(shift))?;
+                self.launch(
+                    dev,
+                    "add_diag_f64",
+                    d,
+                    Args::new().buf(&g).i32(n).f64(shift),
+                )?;
             }
             let info = if pass == 0 { &info_all } else { &info_pass };
             // SAFETY: g [d, d] f64, the f64 workspace of the queried size and the info word

@@ -78,7 +78,8 @@ pub fn soap_update_scratch_len(m: usize, n: usize) -> usize {
 /// `G' = Q_Lᵀ G Q_R`, fused `exp_avg ← β₁·exp_avg + (1−β₁)G'`,
 /// `exp_avg_sq ← β₂·exp_avg_sq + (1−β₂)G'²`, `pre = exp_avg/(√exp_avg_sq + ε)`,
 /// `N = Q_L pre Q_Rᵀ` (optionally divided by `1e-30 + RMS(N)`),
-/// `W ← W − lr·√(1−β₂ᵏ)/(1−β₁ᵏ)·N`, then `W ← W − lr·wd·W`. A missing basis is the identity.
+/// `W ← W − lr·√(1−β₂ᵏ)/(1−β₁ᵏ)·N`, then `W ← W − lr·wd·W` (fused into the last projection
+/// GEMM's α/β when there is a basis and no RMS normalisation). A missing basis is the identity.
 /// `scratch` f32 of at least [`soap_update_scratch_len`].
 #[allow(clippy::too_many_arguments)]
 pub fn soap_update(
@@ -170,13 +171,33 @@ pub fn soap_update(
         args,
     )?;
 
-    // N = Q_L pre Q_Rᵀ.
+    let mut step = lr;
+    if hp.correct_bias {
+        step = step * (1.0 - hp.beta2.powi(k)).sqrt() / (1.0 - hp.beta1.powi(k));
+    }
+    // Decoupled weight decay after the step: W ← (W − step·N)(1 − lr·wd).
+    let decay = if hp.weight_decay > 0.0 {
+        1.0 - lr * hp.weight_decay
+    } else {
+        1.0
+    };
+    // N = Q_L pre Q_Rᵀ. Without the RMS normalisation the last projection GEMM applies the
+    // update itself: W ← α·(…)·Q_Rᵀ + β·W with α = −step·(1 − lr·wd), β = 1 − lr·wd (the same
+    // arithmetic as `soap_apply`, one pass over W fewer, up to rounding).
+    let fused = !hp.normalize_grads && (basis_left.is_some() || basis_right.is_some());
+    let (alpha, beta) = ((-step * decay) as f32, decay as f32);
     let mut upd = pre.clone();
     if let Some(ql) = basis_left {
+        if fused && basis_right.is_none() {
+            return gemm_f32(dev, ql, dmm, &upd, dn, param, false, false, alpha, beta);
+        }
         gemm_f32(dev, ql, dmm, &upd, dn, &tmp, false, false, 1.0, 0.0)?;
         upd = tmp.clone();
     }
     if let Some(qr) = basis_right {
+        if fused {
+            return gemm_f32(dev, &upd, dn, qr, dnn, param, false, true, alpha, beta);
+        }
         gemm_f32(dev, &upd, dn, qr, dnn, &gp, false, true, 1.0, 0.0)?;
         upd = gp.clone();
     }
@@ -188,10 +209,6 @@ pub fn soap_update(
             .i64(mn as i64)
             .buf(&divisor);
         dev.launch("rms_finalize", (1, 1, 1), (256, 1, 1), args)?;
-    }
-    let mut step = lr;
-    if hp.correct_bias {
-        step = step * (1.0 - hp.beta2.powi(k)).sqrt() / (1.0 - hp.beta1.powi(k));
     }
     let args = Args::new()
         .buf(param)
