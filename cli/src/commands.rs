@@ -365,6 +365,14 @@ pub fn calibrate(
     let threads =
         threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let pool = rayon_pool(threads)?;
+    // The engines' host refresh pool: every core but the two that enqueue GPU work on a GPU
+    // host (as `TargetDescription::host_pool_threads`).
+    let refresh_threads = if gpu.is_some() {
+        threads.saturating_sub(2).max(1)
+    } else {
+        threads
+    };
+    let refresh_pool = rayon_pool(refresh_threads)?;
     let solver = optim::solver_by_name("faer").map_err(|e| miette!("{e}"))?;
     let (mut eigh, mut qr) = (Vec::new(), Vec::new());
     let mut gflops = 0.0f64;
@@ -374,23 +382,25 @@ pub fn calibrate(
             let e = median_ms(reps, || solver.eigh_f32(&a, n).map(|_| ()).map_err(|e| miette!("{e}")))?;
             let q = solver.eigh_f32(&a, n).map_err(|e| miette!("{e}"))?.vectors;
             let mut fq = vec![0.0f32; n * n];
-            // One refresh per pool thread, each single-threaded, all at once: how the engines
-            // run asynchronous host refreshes; the wall time of the batch is one refresh's time
-            // on one core of a busy pool.
+            // One refresh on every thread of the refresh pool at once (`broadcast`), each
+            // single-threaded: how the engines run asynchronous host refreshes; the wall time
+            // of the batch is one refresh's time on one core of a busy pool.
             let r = median_ms(reps, || {
-                use rayon::prelude::*;
-                (0..threads).into_par_iter().try_for_each(|_| {
-                    optim::with_sequential(|| {
-                        let mut fq = vec![0.0f32; n * n];
-                        optim::matmul(&mut fq, &a, false, &q, false, n, n, n)
-                            .map_err(|e| miette!("{e}"))?;
-                        optim::thin_qr_q(&fq, n, n).map(|_| ()).map_err(|e| miette!("{e}"))
+                refresh_pool
+                    .broadcast(|_| {
+                        optim::with_sequential(|| {
+                            let mut fq = vec![0.0f32; n * n];
+                            optim::matmul(&mut fq, &a, false, &q, false, n, n, n)
+                                .map_err(|e| miette!("{e}"))?;
+                            optim::thin_qr_q(&fq, n, n).map(|_| ()).map_err(|e| miette!("{e}"))
+                        })
                     })
-                })
+                    .into_iter()
+                    .collect::<Result<()>>()
             })?;
             let mm = median_ms(reps, || optim::matmul(&mut fq, &a, false, &q, false, n, n, n).map_err(|e| miette!("{e}")))?;
             gflops = gflops.max(2.0 * (n as f64).powi(3) / (mm * 1e6));
-            eprintln!("n = {n:>5}: eigh {e:>9.2} ms   power iteration + QR (1 core of {threads}) {r:>9.2} ms   GEMM {:.1} GFLOP/s", 2.0 * (n as f64).powi(3) / (mm * 1e6));
+            eprintln!("n = {n:>5}: eigh {e:>9.2} ms   power iteration + QR (1 core of {refresh_threads} busy) {r:>9.2} ms   GEMM {:.1} GFLOP/s", 2.0 * (n as f64).powi(3) / (mm * 1e6));
             eigh.push((n, e));
             qr.push((n, r));
         }

@@ -10,7 +10,7 @@
 //!   cuSOLVER's workspace have another. Sizes: [`CudaEngine::arenas`]; peak use:
 //!   [`CudaEngine::memory_report`].
 //! - bf16 shadows and shared bytes: a shadow caches the cast of one buffer and is marked stale
-//!   whenever an op writes that buffer (`is_output`), on `set_buffer` and `load_batch`. A buffer
+//!   whenever an op writes that buffer (`Op::accesses`), on `set_buffer` and `load_batch`. A buffer
 //!   of the shared `activations` arena can have its bytes overwritten by another buffer only
 //!   outside its live range, and its first access in every program run is a write (that is what
 //!   makes it transient, `schedule::Plan::residency`), which marks the shadow stale before any
@@ -173,29 +173,6 @@ fn dims2(shape: &[usize]) -> (usize, usize) {
         [n] => (1, *n),
         s => (s.first().copied().unwrap_or(0), s.iter().skip(1).product()),
     }
-}
-
-/// Operand names that an op writes.
-fn is_output(name: &str) -> bool {
-    matches!(
-        name,
-        "out"
-            | "dtable"
-            | "dpos"
-            | "dx"
-            | "dweight"
-            | "dbias"
-            | "dqkv"
-            | "loss"
-            | "dlogits"
-            | "grads"
-            | "norm"
-            | "param"
-            | "exp_avg"
-            | "exp_avg_sq"
-            | "factor_left"
-            | "factor_right"
-    )
 }
 
 /// Elements of f32 scratch `op` needs (0 for none).
@@ -517,20 +494,6 @@ impl CudaEngine {
         self.dev.memory_report()
     }
 
-    /// Bytes of the plan and engine arenas together (buffers + scratch + bf16 shadows) and of
-    /// the refresh work.
-    pub fn arena_bytes(&self) -> (usize, usize) {
-        (self.arenas.iter().map(|a| a.1).sum(), self.refresh_bytes)
-    }
-
-    /// `(name, bytes)` of every device arena this engine allocated for the plan: the memory
-    /// plan's (`persistent`, `activations`; empty ones are not allocated) and the engine's own
-    /// (`engine`: scratch, ones, bf16 shadows), in allocation order. The refresh work is
-    /// [`CudaEngine::arena_bytes`]`.1`.
-    pub fn arenas(&self) -> &[(String, usize)] {
-        &self.arenas
-    }
-
     /// One line naming every arena with its size in GiB, and the bytes the plan's buffers
     /// would take with one place each (`arenas: persistent 1.85 GiB, activations 15.23 GiB,
     /// engine 3.10 GiB, refresh 0.00 GiB; plan buffers unshared 33.82 GiB`).
@@ -645,8 +608,10 @@ impl CudaEngine {
 
     /// Runs one op; `Ok(Some(norm))` from a `ClipGradNorm`.
     fn exec(&mut self, op: &Op, t: u64, lr_mult: f64) -> Result<Option<f64>, CudaError> {
-        for (name, id) in op.operands() {
-            if is_output(name) {
+        // A written buffer's bf16 shadow is stale (the same read/write classification the
+        // memory planner uses: `schedule::Op::accesses`).
+        for (_, id, access) in op.accesses() {
+            if access.writes() {
                 self.shadow_fresh[id.index()] = false;
             }
         }

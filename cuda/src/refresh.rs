@@ -91,8 +91,10 @@ pub(crate) const STATUS_WORDS: usize = 8;
 
 /// A cuSOLVER dense handle and the work buffers of one refresh at a time, bound to one stream
 /// (the compute stream for synchronous refreshes, the low-priority side stream for
-/// asynchronous ones). Everything it enqueues is stream-ordered: [`GpuRefresher::compute`]
-/// never blocks the host.
+/// asynchronous ones). Everything it enqueues is stream-ordered, and [`GpuRefresher::compute`]
+/// does not wait for the GPU itself — except with the opt-in [`QrMethod::ShiftedCholeskyQr3`],
+/// which reads its status words once per refresh to decide on the Householder fallback (and
+/// cuSOLVER's `Sgeqrf`/`Sorgqr` block the calling thread on their own, seen on the H200).
 pub(crate) struct GpuRefresher {
     handle: cs::cusolverDnHandle_t,
     stream: StreamKind,

@@ -74,9 +74,10 @@ pub enum EigenError {
 ///
 /// Both entry points take a symmetric row-major `[n, n]` matrix (only one triangle is read;
 /// for symmetric input the storage order does not matter) and return all eigenvalues in
-/// ascending order with eigenvectors (see [`Eigh`] for the layout). They use the threads of
-/// the current rayon pool (`rayon::current_num_threads()`); run them inside
-/// `pool.install(..)` to choose the thread count. Implementations never panic on bad
+/// ascending order with eigenvectors (see [`Eigh`] for the layout). The faer solver uses the
+/// threads of the current rayon pool (`rayon::current_num_threads()`; run it inside
+/// `pool.install(..)` to choose the thread count), or one thread under
+/// [`crate::with_sequential`]; LAPACK uses its own (OpenBLAS) threads. Implementations never panic on bad
 /// numbers: non-finite input is an [`EigenError::NonFiniteInput`].
 pub trait HostEigensolver: Send + Sync {
     /// Stable name, as accepted by [`solver_by_name`] (`"faer"`, `"lapack"`).
@@ -113,7 +114,8 @@ pub(crate) fn check_output<T: Real>(e: &Eigh<T>, solver: &'static str) -> Result
 }
 
 /// faer's self-adjoint eigendecomposition (tridiagonalisation + divide and conquer), pure
-/// Rust. The default solver. Parallel over the current rayon pool for `n ≥ 128`.
+/// Rust. The default solver. Parallel over the current rayon pool for `n ≥ 128` (outside
+/// [`crate::with_sequential`]).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct FaerEigensolver;
 

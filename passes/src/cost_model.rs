@@ -125,7 +125,8 @@ impl TargetDescription {
                 side_stream_interference: 0.8,
             },
             // A 2-core CI-class host without GPU (measured on the development machine with
-            // `asteria calibrate`, rounded).
+            // `asteria calibrate`, rounded; the QR times one refresh per core with both cores
+            // busy, session 3).
             "cpu" => TargetDescription {
                 name: "cpu".into(),
                 host_cores: 2,

@@ -4,9 +4,11 @@
 //! (the spec's `staleness` S; S = 0 keeps the native, synchronous schedule).
 //!
 //! The decisions come from the cost model ([`crate::cost_model`]) of the target: per factor of
-//! size d, the host refresh costs `host_qr(d)` (+ staging copies on a discrete GPU) of pool time
-//! and is invisible to the step when it finishes within S steps and the pool is not
-//! oversubscribed over a period; a GPU side-stream refresh costs `gpu_qr(d)`, of which the
+//! size d, the host refresh costs `host_qr(d)` of one pool core (one refresh per core, plus the
+//! staging copies on a discrete GPU in its latency) and is invisible to the step when it
+//! finishes within S steps — queueing behind the refreshes launched at the same step included —
+//! and the pool is not oversubscribed over a period; a GPU side-stream refresh costs
+//! `gpu_qr(d)`, of which the
 //! `side_stream_interference` fraction shows up in the step. With S = 0 every refresh is
 //! visible and the faster place wins. Largest factors are placed first (LPT), and offsets
 //! balance the per-step load of each place (Paper §3.2: off-critical-path preconditioner work).
@@ -187,7 +189,8 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
             }
         };
         if p == Placement::Host {
-            host_load += host_ms;
+            // Pool (core) time only: the staging copies run on the copy streams.
+            host_load += host_ms - desc.transfer_ms(items[i].1);
         }
         placement[i] = p;
         visible[i] = v;
@@ -200,18 +203,37 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
         vec![0.0f64; frequency as usize],
     );
     let mut offsets = vec![0u64; items.len()];
+    let threads = desc.host_pool_threads() as f64;
     if staleness > 0 {
         for i in by_size {
             let (host_ms, gpu_ms) = cost(items[i].1);
-            let (slots, c) = match placement[i] {
-                Placement::Host => (&mut host_slots, host_ms),
-                Placement::GpuSide => (&mut gpu_slots, gpu_ms.unwrap_or(host_ms)),
-            };
             let period = (items[i].2.min(frequency)) as usize;
-            let best = (0..period)
-                .min_by(|&a, &b| slots[a].total_cmp(&slots[b]))
-                .unwrap_or(0);
-            slots[best] += c;
+            let least = |slots: &[f64]| {
+                (0..period)
+                    .min_by(|&a, &b| slots[a].total_cmp(&slots[b]))
+                    .unwrap_or(0)
+            };
+            if placement[i] == Placement::Host {
+                // Refreshes launched at the same step queue on the pool: the ones already in
+                // this slot take `load / threads` before this one starts. When even the
+                // least-loaded slot would miss the staleness bound, the GPU side stream takes
+                // it (where there is one).
+                let best = least(&host_slots);
+                let latency = host_slots[best] / threads + host_ms;
+                match gpu_ms {
+                    Some(g) if latency > latency_budget => {
+                        placement[i] = Placement::GpuSide;
+                        visible[i] = g * desc.side_stream_interference;
+                    }
+                    _ => {
+                        host_slots[best] += host_ms;
+                        offsets[i] = best as u64;
+                        continue;
+                    }
+                }
+            }
+            let best = least(&gpu_slots);
+            gpu_slots[best] += gpu_ms.unwrap_or(host_ms);
             offsets[i] = best as u64;
         }
     }

@@ -143,3 +143,30 @@ fn calibration_files_round_trip() {
     let back: TargetDescription = serde_json::from_str(&json).expect("parse");
     assert_eq!(back, d);
 }
+
+#[test]
+fn host_refreshes_that_would_queue_past_the_bound_go_to_the_gpu() {
+    // One pool thread (3 cores on a GPU host), S = 1, a 768 refresh costing 0.6 of a step:
+    // one per step fits the bound, two launched at the same step do not (0.6 + 0.6 > 1). The
+    // period's pool time admits 13 of them; the offsets keep 10 (one per step) and send the
+    // rest to the side stream.
+    let m = gpt2_124m_soap(1, "h200");
+    let mut desc = TargetDescription::builtin("h200").expect("h200");
+    desc.host_cores = 3;
+    let step = plan_refreshes(&m, &desc).step_ms;
+    desc.host_qr_ms = vec![(768, 0.6 * step), (1024, 100.0 * step)];
+    let s = plan_refreshes(&m, &desc);
+    let host: Vec<_> = s
+        .decisions
+        .iter()
+        .filter(|d| d.placement == Placement::Host)
+        .collect();
+    assert_eq!(host.len(), 10, "one host refresh per step of the period");
+    let offsets: std::collections::BTreeSet<u64> = host.iter().map(|d| d.offset).collect();
+    assert_eq!(
+        offsets.len(),
+        10,
+        "no two host refreshes launched at the same step"
+    );
+    assert!(host.iter().all(|d| d.dim == 768));
+}

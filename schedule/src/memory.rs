@@ -39,7 +39,7 @@
 //! (truncated) live ranges are still disjoint; a step cut short by a non-finite gradient norm
 //! only skips ops. Reusing bytes is therefore invisible to the results — which the CPU engine's
 //! poisoning mode (`engine::EngineOptions::poison_transients`) checks in CI.
-use crate::{Buffer, BufferClass, BufferId, HostTask, Op, Plan, PlanError};
+use crate::{Buffer, BufferClass, BufferId, Op, Plan, PlanError};
 use serde::{Deserialize, Serialize};
 
 /// Alignment of every arena offset, in bytes. Equal to the CUDA arena's `BUF_ALIGN` (cuBLAS
@@ -231,24 +231,6 @@ impl Op {
             ) => Access::Write,
             _ => Access::Read,
         }
-    }
-}
-
-impl HostTask {
-    /// Every buffer operand with its field name and how the task uses it (the factor is read;
-    /// basis and moments are updated in place).
-    pub fn accesses(&self) -> Vec<(&'static str, BufferId, Access)> {
-        self.operands()
-            .into_iter()
-            .map(|(name, id)| {
-                let a = if name == "factor" {
-                    Access::Read
-                } else {
-                    Access::ReadWrite
-                };
-                (name, id, a)
-            })
-            .collect()
     }
 }
 

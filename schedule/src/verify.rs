@@ -18,7 +18,7 @@ pub enum PlanError {
         message: String,
     },
     /// Wrong `format` or `version`.
-    #[error("unsupported plan format {format:?} version {version} (this engine reads {PLAN_FORMAT:?} version {PLAN_VERSION})")]
+    #[error("unsupported plan format {format:?} version {version} (this engine reads {PLAN_FORMAT:?} version {PLAN_VERSION}; recompile the spec with `asteria compile`)")]
     Version {
         /// The document's format string.
         format: String,

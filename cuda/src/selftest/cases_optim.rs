@@ -118,18 +118,22 @@ fn orthogonal(cx: &mut Ctx<'_>, d: usize) -> Result<Vec<f32>> {
 }
 
 fn soap(v: &mut Vec<Case>) {
-    // (m, n, left basis, right basis, normalize_grads, correct_bias)
+    // (m, n, left basis, right basis, normalize_grads, correct_bias, weight decay, big). With a
+    // basis and without normalize_grads the last projection GEMM applies the update (α/β), so
+    // both weight-decay branches (β = 1 and β = 1 − lr·wd) are covered there.
     let configs = [
-        (3, 50, true, true, false, true, false),
-        (783, 50, true, true, true, true, false),
-        (50, 783, true, false, false, true, false),
-        (50, 783, false, true, false, false, false),
-        (1, 783, false, false, false, true, false),
-        (783, 783, true, true, false, true, true),
+        (3, 50, true, true, false, true, 0.01, false),
+        (3, 50, true, true, false, true, 0.0, false),
+        (783, 50, true, true, true, true, 0.01, false),
+        (50, 783, true, false, false, true, 0.01, false),
+        (50, 783, true, false, false, true, 0.0, false),
+        (50, 783, false, true, false, false, 0.01, false),
+        (1, 783, false, false, false, true, 0.01, false),
+        (783, 783, true, true, false, true, 0.01, true),
     ];
-    for (m, n, left, right, normalize, correct, big) in configs {
+    for (m, n, left, right, normalize, correct, wd, big) in configs {
         let size = format!(
-            "[{m}, {n}] Q_L={} Q_R={} norm={} bias_corr={} t=5",
+            "[{m}, {n}] Q_L={} Q_R={} norm={} bias_corr={} wd={wd} t=5",
             left as u8, right as u8, normalize as u8, correct as u8
         );
         v.push(case("soap_update", size, TOL_F32, big, move |cx| {
@@ -138,7 +142,7 @@ fn soap(v: &mut Vec<Case>) {
                 beta1: 0.95,
                 beta2: 0.95,
                 eps: 1e-8,
-                weight_decay: 0.01,
+                weight_decay: wd,
                 correct_bias: correct,
                 normalize_grads: normalize,
             };
