@@ -362,13 +362,22 @@ impl Arena {
     /// two, at least the element size).
     pub fn carve(&mut self, elem: Elem, len: usize, align: usize) -> Result<Buf> {
         let align = align.max(elem.size_bytes()).next_power_of_two();
-        let bytes = len
-            .checked_mul(elem.size_bytes())
-            .ok_or_else(|| CudaError::Invalid {
-                op: "Arena::carve",
-                what: format!("{len} elements of {elem} overflow usize"),
-            })?;
-        match self.carver.carve(bytes, align) {
+        let bytes = byte_len("Arena::carve", elem, len)?;
+        let at = self.carver.carve(bytes, align);
+        self.buf_or_full(at, elem, len, bytes, align, self.carver.used())
+    }
+
+    /// The buffer at `at`, or [`CudaError::ArenaFull`] (asked `bytes` at `offset`) for `None`.
+    fn buf_or_full(
+        &self,
+        at: Option<usize>,
+        elem: Elem,
+        len: usize,
+        bytes: usize,
+        align: usize,
+        offset: usize,
+    ) -> Result<Buf> {
+        match at {
             Some(offset) => Ok(Buf {
                 alloc: self.alloc.clone(),
                 offset,
@@ -380,7 +389,7 @@ impl Arena {
                 tier: self.alloc.tier,
                 asked: bytes,
                 align,
-                offset: self.carver.used(),
+                offset,
                 capacity: self.carver.capacity(),
             }),
         }
@@ -395,12 +404,7 @@ impl Arena {
     /// [`CudaError::Invalid`] for a misaligned offset or an overflowing size,
     /// [`CudaError::ArenaFull`] when the buffer would end past the capacity.
     pub fn buf_at(&mut self, elem: Elem, len: usize, offset: usize) -> Result<Buf> {
-        let bytes = len
-            .checked_mul(elem.size_bytes())
-            .ok_or_else(|| CudaError::Invalid {
-                op: "Arena::buf_at",
-                what: format!("{len} elements of {elem} overflow usize"),
-            })?;
+        let bytes = byte_len("Arena::buf_at", elem, len)?;
         if offset & (BUF_ALIGN - 1) != 0 {
             return Err(CudaError::Invalid {
                 op: "Arena::buf_at",
@@ -410,22 +414,8 @@ impl Arena {
                 ),
             });
         }
-        match self.carver.place(offset, bytes, BUF_ALIGN) {
-            Some(offset) => Ok(Buf {
-                alloc: self.alloc.clone(),
-                offset,
-                elem,
-                len,
-            }),
-            None => Err(CudaError::ArenaFull {
-                name: self.name.clone(),
-                tier: self.alloc.tier,
-                asked: bytes,
-                align: BUF_ALIGN,
-                offset,
-                capacity: self.carver.capacity(),
-            }),
-        }
+        let at = self.carver.place(offset, bytes, BUF_ALIGN);
+        self.buf_or_full(at, elem, len, bytes, BUF_ALIGN, offset)
     }
 
     /// Rewinds to offset 0. Fails with [`CudaError::ArenaBusy`] while any carved `Buf` lives.
@@ -461,4 +451,13 @@ impl Arena {
     pub fn peak(&self) -> usize {
         self.carver.peak()
     }
+}
+
+/// Bytes of `len` elements of `elem`, or [`CudaError::Invalid`] (naming `op`) on overflow.
+fn byte_len(op: &'static str, elem: Elem, len: usize) -> Result<usize> {
+    len.checked_mul(elem.size_bytes())
+        .ok_or_else(|| CudaError::Invalid {
+            op,
+            what: format!("{len} elements of {elem} overflow usize"),
+        })
 }
