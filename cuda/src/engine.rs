@@ -117,10 +117,6 @@ pub struct CudaOptions {
     pub attention: AttentionImpl,
     /// How GPU QR refreshes orthonormalise (`ASTERIA_CUDA_QR=householder|cholesky3`).
     pub qr: crate::refresh::QrMethod,
-    /// SOAP's eigenbasis projections (`SoapUpdate` GEMMs) under `precision = bf16`: TF32 (the
-    /// default) or bf16-rounded inputs with fp32 accumulation (`ASTERIA_CUDA_SOAP_GEMM=bf16`,
-    /// an experiment). The Kronecker-factor accumulation stays TF32 either way.
-    pub soap_projection_bf16: bool,
 }
 
 impl CudaOptions {
@@ -149,13 +145,6 @@ impl CudaOptions {
         }
         if let Ok(v) = std::env::var("ASTERIA_CUDA_QR") {
             o.qr = v.parse().map_err(|e| format!("ASTERIA_CUDA_QR: {e}"))?;
-        }
-        if let Ok(v) = std::env::var("ASTERIA_CUDA_SOAP_GEMM") {
-            o.soap_projection_bf16 = match v.as_str() {
-                "tf32" => false,
-                "bf16" => true,
-                _ => return Err(format!("ASTERIA_CUDA_SOAP_GEMM: `{v}` is not tf32 or bf16")),
-            };
         }
         if let Ok(v) = std::env::var("ASTERIA_CUDA_ATTENTION") {
             o.attention = match v.as_str() {
@@ -997,16 +986,7 @@ impl CudaEngine {
                 let _ = self.dev.synchronize();
                 Instant::now()
             });
-            let bf16_projection = self.opts.soap_projection_bf16
-                && math == GemmMath::Tf32
-                && matches!(op, Op::SoapUpdate { .. });
-            if bf16_projection {
-                self.dev.set_gemm_math(GemmMath::Bf16);
-            }
             let outcome = self.exec(op, t, lr_mult);
-            if bf16_projection {
-                self.dev.set_gemm_math(math);
-            }
             if let Some(t0) = started {
                 let _ = self.dev.synchronize();
                 // Optimizer ops are keyed by parameter shape too (which shapes cost what).
