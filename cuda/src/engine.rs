@@ -37,6 +37,8 @@ use crate::error::{CudaError, Tier};
 use crate::gemm::{self, Dims};
 use crate::memory::{Arena, Buf, Elem, BUF_ALIGN};
 use crate::ops::{attention as at, loss, nn, optim as op};
+use crate::StreamKind;
+use cudarc::driver::CudaEvent;
 use engine::{EngineError, EngineOptions, EngineStats, HostTaskReport, Rng, StepExecutor};
 use schedule::{ArenaKind, BufferId, DType, Init, Op, Plan, Precision, TargetPlan};
 use std::sync::Arc;
@@ -100,6 +102,13 @@ impl AttentionImpl {
     fn fused_for(self, d: &at::AttnDims) -> bool {
         self == AttentionImpl::Fused && at::flash_supported(d)
     }
+}
+
+/// `ASTERIA_CUDA_PROFILE` state: per `section/op[ shape]` the calls, GPU ms and host ms.
+struct Profile {
+    /// CUDA events around each op instead of host syncs (`ASTERIA_CUDA_PROFILE=events`).
+    events: bool,
+    rows: std::collections::BTreeMap<String, (u64, f64, f64)>,
 }
 
 /// Options of a [`CudaEngine`].
@@ -256,7 +265,7 @@ pub struct CudaEngine {
     /// `(name, bytes)` of the plan's arenas and the engine's own, in allocation order.
     arenas: Vec<(String, usize)>,
     refresh_bytes: usize,
-    profile: Option<std::collections::BTreeMap<String, (u64, f64)>>,
+    profile: Option<Profile>,
 }
 
 impl CudaEngine {
@@ -426,7 +435,10 @@ impl CudaEngine {
                 .collect(),
             arenas,
             refresh_bytes,
-            profile: std::env::var_os("ASTERIA_CUDA_PROFILE").map(|_| Default::default()),
+            profile: std::env::var("ASTERIA_CUDA_PROFILE").ok().map(|v| Profile {
+                events: v == "events",
+                rows: Default::default(),
+            }),
             plan,
         };
         eng.init_buffers()?;
@@ -463,24 +475,30 @@ impl CudaEngine {
         self.dev.synchronize().map_err(e)
     }
 
-    /// With `ASTERIA_CUDA_PROFILE` set, every op is synchronized and timed (slower steps):
-    /// this is the table of `(op, calls, total ms)`, largest first; empty otherwise.
+    /// The per-op table of `ASTERIA_CUDA_PROFILE`, largest GPU time first; empty without it.
+    /// `ASTERIA_CUDA_PROFILE=1`: every op is synchronized before and after, so "GPU ms" is
+    /// its wall time including launch overhead (slower steps). `ASTERIA_CUDA_PROFILE=events`:
+    /// no host syncs inside a program; CUDA events on the compute stream around each op give
+    /// its GPU time, "host ms" the time the engine thread spent enqueueing it, and a
+    /// `SECTION/(GPU idle)` row per program the time the compute stream sat idle between its
+    /// ops (waiting for the host to enqueue them).
     pub fn profile_table(&self) -> String {
         let Some(p) = &self.profile else {
             return String::new();
         };
-        let mut rows: Vec<_> = p.iter().collect();
+        let mut rows: Vec<_> = p.rows.iter().collect();
         rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
         let total: f64 = rows.iter().map(|r| r.1 .1).sum();
-        let mut s =
-            String::from("| op (section/name) | calls | total ms | share |\n|---|---|---|---|\n");
-        for (k, (n, ms)) in rows {
+        let mut s = String::from(
+            "| op (section/name) | calls | GPU ms | host ms | share |\n|---|---|---|---|---|\n",
+        );
+        for (k, (n, ms, host)) in rows {
             s += &format!(
-                "| {k} | {n} | {ms:.1} | {:.1}% |\n",
+                "| {k} | {n} | {ms:.1} | {host:.1} | {:.1}% |\n",
                 100.0 * ms / total.max(1e-9)
             );
         }
-        s += &format!("| total | | {total:.1} | |\n");
+        s += &format!("| total | | {total:.1} | | |\n");
         s
     }
 
@@ -981,34 +999,38 @@ impl CudaEngine {
         // The fast mode of the plan MatMuls goes through the same device switch.
         let prev = self.dev.set_gemm_math(math);
         let mut result = Ok(true);
+        let events = self.profile.as_ref().is_some_and(|p| p.events);
+        let mut timeline: Vec<(String, CudaEvent, CudaEvent, f64)> = Vec::new();
         for (index, op) in program.iter().enumerate() {
             let started = self.profile.is_some().then(|| {
-                let _ = self.dev.synchronize();
-                Instant::now()
+                if !events {
+                    let _ = self.dev.synchronize();
+                }
+                let ev = events
+                    .then(|| self.dev.record(StreamKind::Compute, true).ok())
+                    .flatten();
+                (Instant::now(), ev)
             });
             let outcome = self.exec(op, t, lr_mult);
-            if let Some(t0) = started {
-                let _ = self.dev.synchronize();
-                // Optimizer ops are keyed by parameter shape too (which shapes cost what).
-                let shape = match op {
-                    Op::SoapUpdate { grad, .. } | Op::SoapFactorUpdate { grad, .. } => {
-                        let b = self.plan.buffer(*grad);
-                        format!(
-                            " {}",
-                            b.shape
-                                .iter()
-                                .map(|d| d.to_string())
-                                .collect::<Vec<_>>()
-                                .join("x")
-                        )
+            if let Some((t0, ev0)) = started {
+                let host_ms = t0.elapsed().as_secs_f64() * 1e3;
+                let key = format!("{section}/{}{}", op.name(), self.profile_shape(op));
+                match ev0 {
+                    Some(ev0) => {
+                        if let Ok(ev1) = self.dev.record(StreamKind::Compute, true) {
+                            timeline.push((key, ev0, ev1, host_ms));
+                        }
                     }
-                    _ => String::new(),
-                };
-                let key = format!("{section}/{}{shape}", op.name());
-                if let Some(p) = self.profile.as_mut() {
-                    let e = p.entry(key).or_insert((0, 0.0));
-                    e.0 += 1;
-                    e.1 += t0.elapsed().as_secs_f64() * 1e3;
+                    None => {
+                        let _ = self.dev.synchronize();
+                        let ms = t0.elapsed().as_secs_f64() * 1e3;
+                        if let Some(p) = self.profile.as_mut() {
+                            let e = p.rows.entry(key).or_insert((0, 0.0, 0.0));
+                            e.0 += 1;
+                            e.1 += ms;
+                            e.2 += host_ms;
+                        }
+                    }
                 }
             }
             match outcome {
@@ -1036,12 +1058,66 @@ impl CudaEngine {
             }
         }
         self.dev.set_gemm_math(prev);
+        if !timeline.is_empty() {
+            self.profile_timeline(section, &timeline);
+        }
         match section {
             "forward" => self.plan.forward = program,
             "backward" => self.plan.backward = program,
             _ => self.plan.optimizer = program,
         }
         result
+    }
+
+    /// Optimizer ops are profiled per parameter shape (` 768x3072`), others by name only.
+    fn profile_shape(&self, op: &Op) -> String {
+        match op {
+            Op::SoapUpdate { grad, .. } | Op::SoapFactorUpdate { grad, .. } => {
+                let shape: Vec<String> = self
+                    .plan
+                    .buffer(*grad)
+                    .shape
+                    .iter()
+                    .map(|d| d.to_string())
+                    .collect();
+                format!(" {}", shape.join("x"))
+            }
+            _ => String::new(),
+        }
+    }
+
+    /// Waits for the program's events and adds each op's GPU time, and the compute stream's
+    /// idle time between the first and the last op, to the profile.
+    fn profile_timeline(
+        &mut self,
+        section: &str,
+        timeline: &[(String, CudaEvent, CudaEvent, f64)],
+    ) {
+        let (Some(first), Some(last)) = (timeline.first(), timeline.last()) else {
+            return;
+        };
+        if last.2.synchronize().is_err() {
+            return;
+        }
+        let Some(p) = self.profile.as_mut() else {
+            return;
+        };
+        let mut busy = 0.0f64;
+        for (key, ev0, ev1, host_ms) in timeline {
+            let ms = ev0.elapsed_ms(ev1).unwrap_or(0.0) as f64;
+            busy += ms;
+            let e = p.rows.entry(key.clone()).or_insert((0, 0.0, 0.0));
+            e.0 += 1;
+            e.1 += ms;
+            e.2 += host_ms;
+        }
+        let span = first.1.elapsed_ms(&last.2).unwrap_or(0.0) as f64;
+        let e = p
+            .rows
+            .entry(format!("{section}/(GPU idle)"))
+            .or_insert((0, 0.0, 0.0));
+        e.0 += 1;
+        e.1 += (span - busy).max(0.0);
     }
 
     /// Turns the device status word into the CPU engine's error, naming row and value.
