@@ -134,16 +134,29 @@ fn max_abs(v: &[f64]) -> f64 {
     v.iter().fold(0.0f64, |m, x| m.max(x.abs()))
 }
 
-fn init(cx: &mut Ctx<'_>, d: usize) -> Result<Outcome> {
-    let (_, _, f) = factor(cx, d)?;
+/// A compute-stream refresher for side length `d` using `qr`, and an output slot (with the
+/// arena it lives in, which must outlive it).
+fn refresher(
+    cx: &Ctx<'_>,
+    d: usize,
+    qr: QrMethod,
+) -> Result<(GpuRefresher, crate::memory::Arena, RefreshSlot)> {
     let dev = cx.dev;
-    let (r, _) = GpuRefresher::new(dev, StreamKind::Compute, d)?;
+    let (mut r, _) = GpuRefresher::new(dev, StreamKind::Compute, d)?;
+    r.set_qr_method(dev, qr)?;
     let mut arena = dev.arena(
         "selftest-refresh",
         crate::Tier::Device,
         RefreshSlot::bytes(d),
     )?;
     let slot = RefreshSlot::carve(&mut arena, d)?;
+    Ok((r, arena, slot))
+}
+
+fn init(cx: &mut Ctx<'_>, d: usize) -> Result<Outcome> {
+    let (_, _, f) = factor(cx, d)?;
+    let dev = cx.dev;
+    let (r, _arena, slot) = refresher(cx, d, QrMethod::default())?;
     dev.poison(&slot.q)?;
     let fb = cx.up(&narrow(&f))?;
     let basis = cx.out(d * d)?;
@@ -194,14 +207,7 @@ fn qr_refresh(cx: &mut Ctx<'_>, side: u8, m: usize, n: usize, qr: QrMethod) -> R
     let ea = cx.normal(m * n, 0.0, 1.0);
     let eas = cx.uniform(m * n, 0.1, 2.0);
     let dev = cx.dev;
-    let (mut r, _) = GpuRefresher::new(dev, StreamKind::Compute, d)?;
-    r.set_qr_method(dev, qr)?;
-    let mut arena = dev.arena(
-        "selftest-refresh",
-        crate::Tier::Device,
-        RefreshSlot::bytes(d),
-    )?;
-    let slot = RefreshSlot::carve(&mut arena, d)?;
+    let (r, _arena, slot) = refresher(cx, d, qr)?;
     let work = SwapWork::new(dev, d, m * n)?;
     let (fb, qb) = (cx.up(&narrow(&f))?, cx.up(&narrow(&u))?);
     let (eab, easb) = (cx.up(&ea)?, cx.up(&eas)?);
@@ -280,14 +286,7 @@ fn zero_block(cx: &mut Ctx<'_>, d: usize, r: usize) -> Result<Outcome> {
         eye[i * d + i] = 1.0;
     }
     let dev = cx.dev;
-    let (mut r_gpu, _) = GpuRefresher::new(dev, StreamKind::Compute, d)?;
-    r_gpu.set_qr_method(dev, QrMethod::ShiftedCholeskyQr3)?;
-    let mut arena = dev.arena(
-        "selftest-refresh",
-        crate::Tier::Device,
-        RefreshSlot::bytes(d),
-    )?;
-    let slot = RefreshSlot::carve(&mut arena, d)?;
+    let (r_gpu, _arena, slot) = refresher(cx, d, QrMethod::ShiftedCholeskyQr3)?;
     let (fb, qb) = (cx.up(&narrow(&f))?, cx.up(&narrow(&eye))?);
     dev.poison(&slot.q)?;
     let ms = cx.timed(|| r_gpu.compute(dev, false, d, &fb, &qb, &slot))?;
