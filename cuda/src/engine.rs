@@ -126,11 +126,20 @@ pub struct CudaOptions {
     pub attention: AttentionImpl,
     /// How GPU QR refreshes orthonormalise (`ASTERIA_CUDA_QR=householder|cholesky3`).
     pub qr: crate::refresh::QrMethod,
+    /// How SOAP's per-step GEMMs run (`ASTERIA_CUDA_SOAP_GEMM=fp32|bf16`, default bf16; see
+    /// [`op::SoapProjections`]). `bf16` applies under `precision = bf16` only.
+    pub soap_projections: op::SoapProjections,
+    /// SMs the compute stream's cuBLAS heuristics plan for (`ASTERIA_CUDA_SM_TARGET=N`,
+    /// `cublasSetSmCountTarget`); `None` = the whole device. Below the SM count, the model and
+    /// optimizer GEMMs pick grids that leave room for side-stream refresh kernels running
+    /// concurrently, instead of a last wave that waits for the SMs they hold.
+    pub sm_target: Option<u32>,
 }
 
 impl CudaOptions {
     /// Defaults overridden by `ASTERIA_CUDA_REFRESH` (`plan|gpu|host`), `ASTERIA_CUDA_QR`
-    /// (`cholesky3|householder`),
+    /// (`cholesky3|householder`), `ASTERIA_CUDA_SOAP_GEMM` (`fp32|bf16`), `ASTERIA_CUDA_SM_TARGET`
+    /// (SMs, 0 = all),
     /// `ASTERIA_CUDA_BF16_GEMM` (`cast|fast`) and `ASTERIA_CUDA_ATTENTION` (`fused|gemm`).
     ///
     /// # Errors
@@ -154,6 +163,19 @@ impl CudaOptions {
         }
         if let Ok(v) = std::env::var("ASTERIA_CUDA_QR") {
             o.qr = v.parse().map_err(|e| format!("ASTERIA_CUDA_QR: {e}"))?;
+        }
+        if let Ok(v) = std::env::var("ASTERIA_CUDA_SOAP_GEMM") {
+            o.soap_projections = match v.as_str() {
+                "fp32" | "tf32" => op::SoapProjections::Fp32Storage,
+                "bf16" => op::SoapProjections::Bf16,
+                _ => return Err(format!("ASTERIA_CUDA_SOAP_GEMM: `{v}` is not fp32 or bf16")),
+            };
+        }
+        if let Ok(v) = std::env::var("ASTERIA_CUDA_SM_TARGET") {
+            let n: u32 = v.parse().map_err(|_| {
+                format!("ASTERIA_CUDA_SM_TARGET: `{v}` is not a number of SMs")
+            })?;
+            o.sm_target = (n > 0).then_some(n);
         }
         if let Ok(v) = std::env::var("ASTERIA_CUDA_ATTENTION") {
             o.attention = match v.as_str() {
@@ -185,7 +207,12 @@ fn dims2(shape: &[usize]) -> (usize, usize) {
 }
 
 /// Elements of f32 scratch `op` needs (0 for none).
-fn scratch_need(plan: &Plan, op: &Op, attention: AttentionImpl) -> usize {
+fn scratch_need(
+    plan: &Plan,
+    op: &Op,
+    attention: AttentionImpl,
+    soap: op::SoapProjections,
+) -> usize {
     let shape = |id: BufferId| plan.buffer(id).shape.as_slice();
     let rows = |id: BufferId| dims2(shape(id)).0;
     let cols = |id: BufferId| dims2(shape(id)).1;
@@ -224,9 +251,29 @@ fn scratch_need(plan: &Plan, op: &Op, attention: AttentionImpl) -> usize {
             loss::cross_entropy_scratch_len(plan.buffer(*targets).numel())
         }
         Op::ClipGradNorm { grads, .. } => loss::clip_grad_norm_scratch_len(grads.len()),
-        Op::SoapUpdate { param, .. } => {
+        Op::SoapUpdate {
+            param,
+            basis_left,
+            basis_right,
+            ..
+        } => {
             let (m, n) = dims2(shape(*param));
-            op::soap_update_scratch_len(m, n)
+            op::soap_update_scratch_len(m, n, basis_left.is_some(), basis_right.is_some(), soap)
+        }
+        Op::SoapFactorUpdate {
+            grad,
+            factor_left,
+            factor_right,
+            ..
+        } => {
+            let (m, n) = dims2(shape(*grad));
+            op::soap_factor_update_scratch_len(
+                m,
+                n,
+                factor_left.is_some(),
+                factor_right.is_some(),
+                soap,
+            )
         }
         _ => 0,
     }
@@ -301,6 +348,9 @@ impl CudaEngine {
         precision: Precision,
     ) -> Result<CudaEngine, EngineError> {
         let e = |w: &'static str| move |err: CudaError| cuda_err(w, err);
+        if let Some(n) = opts.sm_target {
+            dev.set_sm_count_target(n).map_err(e("setting the SM count target"))?;
+        }
         // Sizes: buffers, scratch, bf16 shadows.
         let programs = || {
             plan.forward
@@ -308,8 +358,9 @@ impl CudaEngine {
                 .chain(&plan.backward)
                 .chain(&plan.optimizer)
         };
+        let soap = CudaEngine::soap_projections(&opts, precision);
         let scratch_len = programs()
-            .map(|o| scratch_need(&plan, o, opts.attention))
+            .map(|o| scratch_need(&plan, o, opts.attention, soap))
             .max()
             .unwrap_or(0)
             .max(2);
@@ -961,6 +1012,7 @@ impl CudaEngine {
                     m,
                     n,
                     s,
+                    CudaEngine::soap_projections(&self.opts, self.precision),
                 )?;
             }
             Op::SoapFactorUpdate {
@@ -978,6 +1030,8 @@ impl CudaEngine {
                     m,
                     n,
                     *shampoo_beta,
+                    s,
+                    CudaEngine::soap_projections(&self.opts, self.precision),
                 )?;
             }
         }
@@ -1067,6 +1121,24 @@ impl CudaEngine {
             _ => self.plan.optimizer = program,
         }
         result
+    }
+
+    /// GEMM math of the swap's moment re-projection: the optimizer program's (TF32 under
+    /// `precision = bf16`, fp32 under `precision = fp32`).
+    pub(crate) fn swap_math(&self) -> GemmMath {
+        match self.precision {
+            Precision::Bf16 => GemmMath::Tf32,
+            Precision::Fp32 => GemmMath::Fp32,
+        }
+    }
+
+    /// The projections of `SoapUpdate`: `opts.soap_projections` under `precision = bf16`, the
+    /// fp32 operands (plain fp32 GEMMs) under `precision = fp32`.
+    fn soap_projections(opts: &CudaOptions, precision: Precision) -> op::SoapProjections {
+        match precision {
+            Precision::Bf16 => opts.soap_projections,
+            Precision::Fp32 => op::SoapProjections::Fp32Storage,
+        }
     }
 
     /// Optimizer ops are profiled per parameter shape (` 768x3072`), others by name only.

@@ -369,6 +369,28 @@ pub fn matmul_bf16(
     trans_b: bool,
     accumulate: bool,
 ) -> Result<()> {
+    let beta = if accumulate { 1.0 } else { 0.0 };
+    gemm_bf16(dev, a, a_dims, b, b_dims, out, trans_a, trans_b, 1.0, beta)
+}
+
+/// bf16 operands, fp32 accumulation and output: `out = α·op(a)·op(b) + β·out` (cuBLAS
+/// `GemmEx`, `CUBLAS_COMPUTE_32F`, compute stream). `a`, `b` are [`Elem::BF16`]; `out` is f32.
+///
+/// # Errors
+/// Operand shapes or dtypes that do not match, or a cuBLAS error.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_bf16(
+    dev: &Device,
+    a: &Buf,
+    a_dims: Dims,
+    b: &Buf,
+    b_dims: Dims,
+    out: &Buf,
+    trans_a: bool,
+    trans_b: bool,
+    alpha: f32,
+    beta: f32,
+) -> Result<()> {
     const OP: &str = "matmul_bf16";
     check_operands(OP, a, a_dims, b, b_dims, Elem::BF16)?;
     let g = Geometry::new(OP, a_dims, b_dims, trans_a, trans_b)?;
@@ -376,7 +398,6 @@ pub fn matmul_bf16(
     if g.m == 0 || g.p == 0 {
         return Ok(());
     }
-    let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
     dev.context().bind_to_thread()?;
     // SAFETY: operands checked above; alpha/beta are host f32 scalars matching COMPUTE_32F.
     unsafe {

@@ -814,9 +814,13 @@ impl SwapWork {
 }
 
 /// Installs a computed refresh (the swap of the double buffer), on the compute stream: for an
-/// init, `basis ← q`; else `C = Q_oldᵀ Q_new`, `exp_avg` re-projected (side 0: `E ← Cᵀ E`,
-/// side 1: `E ← E C`), `exp_avg_sq` permuted along the side by `idx`, then basis and moments
-/// overwritten (`optim::refresh_apply`, step for step; GEMMs in fp32). The caller has made the
+/// init, `basis ← q`; else `exp_avg` re-projected into the new eigenbasis (side 0:
+/// `E ← Q_newᵀ Q_old E`, side 1: `E ← E Q_oldᵀ Q_new`), `exp_avg_sq` permuted along the side by
+/// `idx`, then basis and moments overwritten (`optim::refresh_apply`, up to rounding). For a
+/// side `d` no longer than the other dimension `o` the basis change `C = Q_oldᵀ Q_new` is formed
+/// first (`2d³ + 2d²o` flops), else the moment goes through the old and new bases one after the
+/// other (`4d²o`, as the reference SOAP's project-back / project does). GEMMs run with `math`:
+/// fp32, or TF32 for the optimizer of a `precision = bf16` plan. The caller has made the
 /// compute stream wait for the refresh and checked its [`verdict`].
 ///
 /// # Errors
@@ -834,6 +838,7 @@ pub(crate) fn apply(
     exp_avg_sq: &Buf,
     m: usize,
     n: usize,
+    math: GemmMath,
 ) -> Result<()> {
     const OP: &str = "refresh_apply";
     let d = match side {
@@ -860,17 +865,31 @@ pub(crate) fn apply(
     }
     exp_avg.expect(OP, "exp_avg", Elem::F32, mn)?;
     exp_avg_sq.expect(OP, "exp_avg_sq", Elem::F32, mn)?;
-    let prev = dev.set_gemm_math(GemmMath::Fp32);
+    let prev = dev.set_gemm_math(math);
     let r = (|| {
-        let c = work.c.slice(0, dd)?;
         let (e_new, v_new) = (work.e_new.slice(0, mn)?, work.v_new.slice(0, mn)?);
         let sq = Dims::new(d, d);
         let e = Dims::new(m, n);
-        gemm_f32(dev, basis, sq, &q_new, sq, &c, true, false, 1.0, 0.0)?;
-        if side == 0 {
-            gemm_f32(dev, &c, sq, exp_avg, e, &e_new, true, false, 1.0, 0.0)?;
+        if d * d <= mn {
+            // C = Q_oldᵀ Q_new, then one GEMM on the moment.
+            let c = work.c.slice(0, dd)?;
+            gemm_f32(dev, basis, sq, &q_new, sq, &c, true, false, 1.0, 0.0)?;
+            if side == 0 {
+                gemm_f32(dev, &c, sq, exp_avg, e, &e_new, true, false, 1.0, 0.0)?;
+            } else {
+                gemm_f32(dev, exp_avg, e, &c, sq, &e_new, false, false, 1.0, 0.0)?;
+            }
         } else {
-            gemm_f32(dev, exp_avg, e, &c, sq, &e_new, false, false, 1.0, 0.0)?;
+            // Back to the parameter's coordinates with Q_old, then into Q_new; `c` (d² > m·n
+            // elements) holds the intermediate.
+            let tmp = work.c.slice(0, mn)?;
+            if side == 0 {
+                gemm_f32(dev, basis, sq, exp_avg, e, &tmp, false, false, 1.0, 0.0)?;
+                gemm_f32(dev, &q_new, sq, &tmp, e, &e_new, true, false, 1.0, 0.0)?;
+            } else {
+                gemm_f32(dev, exp_avg, e, basis, sq, &tmp, false, true, 1.0, 0.0)?;
+                gemm_f32(dev, &tmp, e, &q_new, sq, &e_new, false, false, 1.0, 0.0)?;
+            }
         }
         let kernel = if side == 0 {
             "permute_rows"

@@ -562,7 +562,18 @@ impl CudaEngine {
             }
             let (ea, eas) = (self.b(task.exp_avg), self.b(task.exp_avg_sq));
             refresh::apply(
-                &self.dev, work, init, task.side, &slot.q, &slot.idx, q, ea, eas, m, n,
+                &self.dev,
+                work,
+                init,
+                task.side,
+                &slot.q,
+                &slot.idx,
+                q,
+                ea,
+                eas,
+                m,
+                n,
+                self.swap_math(),
             )
             .map_err(e)?;
             return Ok(Ok(if init {
@@ -843,6 +854,7 @@ impl CudaEngine {
             eas,
             m,
             n,
+            self.swap_math(),
         )
         .map_err(e)?;
         Ok(Ok(RefreshOutcome::Refreshed))
@@ -924,6 +936,7 @@ impl CudaEngine {
             eas,
             m,
             n,
+            self.swap_math(),
         )
         .map_err(e)?;
         Ok(Ok(result.kind()))

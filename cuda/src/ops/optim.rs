@@ -5,7 +5,7 @@
 use super::loss::{sumsq_partials, SUMSQ_BLOCKS};
 use crate::device::Device;
 use crate::error::{CudaError, Result};
-use crate::gemm::{gemm_f32, Dims};
+use crate::gemm::{self, gemm_f32, Dims};
 use crate::kernels::Args;
 use crate::memory::{Buf, Elem};
 use schedule::SoapHyper;
@@ -67,10 +67,47 @@ pub fn adamw(
     dev.launch("adamw_step", (dev.grid_for(n), 1, 1), (256, 1, 1), args)
 }
 
-/// Scratch elements (f32) of [`soap_update`] for an `[m, n]` parameter:
-/// `2·256 + 2 + 3·m·n` (f64 partials, the RMS divisor, projections).
-pub fn soap_update_scratch_len(m: usize, n: usize) -> usize {
-    3 * m * n + 2 * SUMSQ_BLOCKS + 2
+/// How SOAP's per-step GEMMs ([`soap_update`]'s eigenbasis projections and
+/// [`soap_factor_update`]'s factor accumulation) run under `precision = bf16` (a
+/// `precision = fp32` plan always uses plain fp32).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SoapProjections {
+    /// cuBLAS on the fp32 operands with the device's [`crate::GemmMath`] (TF32 under
+    /// `precision = bf16`; `ASTERIA_CUDA_SOAP_GEMM=fp32`).
+    Fp32Storage,
+    /// Bases, gradient and intermediates cast to bf16, native bf16 GEMMs with fp32
+    /// accumulation and fp32 outputs (the precision policy of the model GEMMs; the default).
+    /// On the H200 this took SOAP's synchronous-free step from 187.3 to 179.6 ms on GPT-2 124M
+    /// (AdamW 167.7 ms; BENCHMARKS.md), where cuBLAS's TF32 and FAST_16BF modes on
+    /// fp32-stored operands run at ~95 TFLOP/s on SOAP's shapes.
+    #[default]
+    Bf16,
+}
+
+/// f32 elements reserved for each bf16 work matrix of [`SoapProjections::Bf16`] (aligned to
+/// 256 bytes).
+fn bf16_slots(len: usize) -> usize {
+    len.div_ceil(2).next_multiple_of(64)
+}
+
+/// Scratch elements (f32) of [`soap_update`] for an `[m, n]` parameter with the given bases:
+/// `2·256 + 2 + 3·m·n` (f64 partials, the RMS divisor, projections), plus with
+/// [`SoapProjections::Bf16`] and a basis the bf16 bases and two bf16 `[m, n]` matrices.
+pub fn soap_update_scratch_len(
+    m: usize,
+    n: usize,
+    left: bool,
+    right: bool,
+    proj: SoapProjections,
+) -> usize {
+    let base = (3 * m * n + 2 * SUMSQ_BLOCKS + 2).next_multiple_of(64);
+    if proj == SoapProjections::Bf16 && (left || right) {
+        base + if left { bf16_slots(m * m) } else { 0 }
+            + if right { bf16_slots(n * n) } else { 0 }
+            + 2 * bf16_slots(m * n)
+    } else {
+        base
+    }
 }
 
 /// Plan op `SoapUpdate` on a parameter `[m, n]` at 1-based step `t` with scheduled `lr`
@@ -80,7 +117,7 @@ pub fn soap_update_scratch_len(m: usize, n: usize) -> usize {
 /// `N = Q_L pre Q_Rᵀ` (optionally divided by `1e-30 + RMS(N)`),
 /// `W ← W − lr·√(1−β₂ᵏ)/(1−β₁ᵏ)·N`, then `W ← W − lr·wd·W` (fused into the last projection
 /// GEMM's α/β when there is a basis and no RMS normalisation). A missing basis is the identity.
-/// `scratch` f32 of at least [`soap_update_scratch_len`].
+/// `scratch` f32 of at least [`soap_update_scratch_len`]; `proj` says how the projections run.
 #[allow(clippy::too_many_arguments)]
 pub fn soap_update(
     dev: &Device,
@@ -96,6 +133,7 @@ pub fn soap_update(
     m: usize,
     n: usize,
     scratch: &Buf,
+    proj: SoapProjections,
 ) -> Result<()> {
     const OP: &str = "soap_update";
     let mn = m * n;
@@ -113,7 +151,7 @@ pub fn soap_update(
     if let Some(q) = basis_right {
         q.expect(OP, "basis_right", Elem::F32, n * n)?;
     }
-    let need = soap_update_scratch_len(m, n);
+    let need = soap_update_scratch_len(m, n, basis_left.is_some(), basis_right.is_some(), proj);
     if scratch.len() < need || scratch.elem() != Elem::F32 {
         return Err(CudaError::Shape {
             op: OP,
@@ -143,15 +181,54 @@ pub fn soap_update(
         Dims::new(n, n),
     );
 
+    // bf16 work area (SoapProjections::Bf16): the bases, then two [m, n] matrices.
+    let bf = if proj == SoapProjections::Bf16 && (basis_left.is_some() || basis_right.is_some()) {
+        let mut off = (3 * mn + head).next_multiple_of(64);
+        let mut carve = |len: usize| -> Result<Buf> {
+            let b = scratch
+                .slice(off, bf16_slots(len))?
+                .reinterpret(Elem::BF16, len)?;
+            off += bf16_slots(len);
+            Ok(b)
+        };
+        let ql = basis_left.map(|_| carve(m * m)).transpose()?;
+        let qr = basis_right.map(|_| carve(n * n)).transpose()?;
+        let (x, y) = (carve(mn)?, carve(mn)?);
+        if let (Some(q), Some(b)) = (basis_left, &ql) {
+            gemm::cast_f32_to_bf16(dev, q, b)?;
+        }
+        if let (Some(q), Some(b)) = (basis_right, &qr) {
+            gemm::cast_f32_to_bf16(dev, q, b)?;
+        }
+        Some((ql, qr, x, y))
+    } else {
+        None
+    };
+
     // G' = Q_Lᵀ G Q_R.
     let mut cur = grad.clone();
-    if let Some(ql) = basis_left {
-        gemm_f32(dev, ql, dmm, &cur, dm, &tmp, true, false, 1.0, 0.0)?;
-        cur = tmp.clone();
-    }
-    if let Some(qr) = basis_right {
-        gemm_f32(dev, &cur, dm, qr, dnn, &gp, false, false, 1.0, 0.0)?;
-        cur = gp.clone();
+    if let Some((ql_b, qr_b, x, y)) = &bf {
+        gemm::cast_f32_to_bf16(dev, grad, x)?;
+        let mut cur_b = x;
+        if let Some(q) = ql_b {
+            gemm::matmul_bf16(dev, q, dmm, x, dm, &tmp, true, false, false)?;
+            cur = tmp.clone();
+            gemm::cast_f32_to_bf16(dev, &tmp, y)?;
+            cur_b = y;
+        }
+        if let Some(q) = qr_b {
+            gemm::matmul_bf16(dev, cur_b, dm, q, dnn, &gp, false, false, false)?;
+            cur = gp.clone();
+        }
+    } else {
+        if let Some(ql) = basis_left {
+            gemm_f32(dev, ql, dmm, &cur, dm, &tmp, true, false, 1.0, 0.0)?;
+            cur = tmp.clone();
+        }
+        if let Some(qr) = basis_right {
+            gemm_f32(dev, &cur, dm, qr, dnn, &gp, false, false, 1.0, 0.0)?;
+            cur = gp.clone();
+        }
     }
     let args = Args::new()
         .buf(&cur)
@@ -187,19 +264,40 @@ pub fn soap_update(
     let fused = !hp.normalize_grads && (basis_left.is_some() || basis_right.is_some());
     let (alpha, beta) = ((-step * decay) as f32, decay as f32);
     let mut upd = pre.clone();
-    if let Some(ql) = basis_left {
-        if fused && basis_right.is_none() {
-            return gemm_f32(dev, ql, dmm, &upd, dn, param, false, false, alpha, beta);
+    if let Some((ql_b, qr_b, x, y)) = &bf {
+        gemm::cast_f32_to_bf16(dev, &pre, x)?;
+        let mut cur_b = x;
+        if let Some(q) = ql_b {
+            if fused && qr_b.is_none() {
+                return gemm::gemm_bf16(dev, q, dmm, x, dn, param, false, false, alpha, beta);
+            }
+            gemm::matmul_bf16(dev, q, dmm, x, dn, &tmp, false, false, false)?;
+            upd = tmp.clone();
+            gemm::cast_f32_to_bf16(dev, &tmp, y)?;
+            cur_b = y;
         }
-        gemm_f32(dev, ql, dmm, &upd, dn, &tmp, false, false, 1.0, 0.0)?;
-        upd = tmp.clone();
-    }
-    if let Some(qr) = basis_right {
-        if fused {
-            return gemm_f32(dev, &upd, dn, qr, dnn, param, false, true, alpha, beta);
+        if let Some(q) = qr_b {
+            if fused {
+                return gemm::gemm_bf16(dev, cur_b, dn, q, dnn, param, false, true, alpha, beta);
+            }
+            gemm::matmul_bf16(dev, cur_b, dn, q, dnn, &gp, false, true, false)?;
+            upd = gp.clone();
         }
-        gemm_f32(dev, &upd, dn, qr, dnn, &gp, false, true, 1.0, 0.0)?;
-        upd = gp.clone();
+    } else {
+        if let Some(ql) = basis_left {
+            if fused && basis_right.is_none() {
+                return gemm_f32(dev, ql, dmm, &upd, dn, param, false, false, alpha, beta);
+            }
+            gemm_f32(dev, ql, dmm, &upd, dn, &tmp, false, false, 1.0, 0.0)?;
+            upd = tmp.clone();
+        }
+        if let Some(qr) = basis_right {
+            if fused {
+                return gemm_f32(dev, &upd, dn, qr, dnn, param, false, true, alpha, beta);
+            }
+            gemm_f32(dev, &upd, dn, qr, dnn, &gp, false, true, 1.0, 0.0)?;
+            upd = gp.clone();
+        }
     }
     if hp.normalize_grads {
         sumsq_partials(dev, &upd, &partials, 0)?;
@@ -221,8 +319,29 @@ pub fn soap_update(
     dev.launch("soap_apply", (dev.grid_for(mn), 1, 1), (256, 1, 1), args)
 }
 
+/// Scratch elements (f32) of [`soap_factor_update`] for an `[m, n]` gradient: the bf16 copy of
+/// the gradient under [`SoapProjections::Bf16`] when there is a factor, else 0.
+pub fn soap_factor_update_scratch_len(
+    m: usize,
+    n: usize,
+    left: bool,
+    right: bool,
+    proj: SoapProjections,
+) -> usize {
+    if proj == SoapProjections::Bf16 && (left || right) {
+        bf16_slots(m * n)
+    } else {
+        0
+    }
+}
+
 /// Plan op `SoapFactorUpdate`: `L ← β·L + (1−β)·G Gᵀ` `[m, m]`, `R ← β·R + (1−β)·Gᵀ G`
 /// `[n, n]` (cuBLAS GEMMs with α = 1−β, β = shampoo_beta); a `None` factor is skipped.
+/// Under [`SoapProjections::Bf16`] `G` is cast to bf16 (in `scratch`, at least
+/// [`soap_factor_update_scratch_len`] f32 elements) and the GEMMs are native bf16 with fp32
+/// accumulation into the fp32 factors; otherwise fp32-storage GEMMs with the device's
+/// [`crate::GemmMath`].
+#[allow(clippy::too_many_arguments)]
 pub fn soap_factor_update(
     dev: &Device,
     grad: &Buf,
@@ -231,9 +350,39 @@ pub fn soap_factor_update(
     m: usize,
     n: usize,
     shampoo_beta: f64,
+    scratch: &Buf,
+    proj: SoapProjections,
 ) -> Result<()> {
     let g = Dims::new(m, n);
     let (alpha, beta) = ((1.0 - shampoo_beta) as f32, shampoo_beta as f32);
+    let need = soap_factor_update_scratch_len(
+        m,
+        n,
+        factor_left.is_some(),
+        factor_right.is_some(),
+        proj,
+    );
+    if need > 0 {
+        if scratch.len() < need || scratch.elem() != Elem::F32 {
+            return Err(CudaError::Shape {
+                op: "soap_factor_update",
+                operand: "scratch",
+                expected: need,
+                got: scratch.len(),
+            });
+        }
+        let gb = scratch
+            .slice(0, bf16_slots(m * n))?
+            .reinterpret(Elem::BF16, m * n)?;
+        gemm::cast_f32_to_bf16(dev, grad, &gb)?;
+        if let Some(l) = factor_left {
+            gemm::gemm_bf16(dev, &gb, g, &gb, g, l, false, true, alpha, beta)?;
+        }
+        if let Some(r) = factor_right {
+            gemm::gemm_bf16(dev, &gb, g, &gb, g, r, true, false, alpha, beta)?;
+        }
+        return Ok(());
+    }
     if let Some(l) = factor_left {
         gemm_f32(dev, grad, g, grad, g, l, false, true, alpha, beta)?;
     }

@@ -2,7 +2,7 @@
 //! `engine::cpu::clip`). Moments start from random, warm states (v > 0) so that `m/(√v+ε)` is
 //! smooth in its inputs, as it is after the first steps of training.
 use super::cases::case;
-use super::{cpu, rel_err, wide, Case, Ctx, Outcome, TOL_F32};
+use super::{cpu, rel_err, wide, Case, Ctx, Outcome, TOL_BF16, TOL_F32};
 use crate::error::Result;
 use crate::memory::Buf;
 use crate::ops::{loss as gloss, optim as gopt};
@@ -131,12 +131,22 @@ fn soap(v: &mut Vec<Case>) {
         (1, 783, false, false, false, true, 0.01, false),
         (783, 783, true, true, false, true, 0.01, true),
     ];
-    for (m, n, left, right, normalize, correct, wd, big) in configs {
+    // Each with the fp32 projections (`soap_update`, fp32 tolerance) and, where there is a
+    // basis, the bf16 ones (`soap_update_bf16`: operands rounded to bf16, bf16 tolerance).
+    let runs = configs.into_iter().flat_map(|c| {
+        let bf16 = (c.2 || c.3).then_some((c, gopt::SoapProjections::Bf16));
+        std::iter::once((c, gopt::SoapProjections::Fp32Storage)).chain(bf16)
+    });
+    for ((m, n, left, right, normalize, correct, wd, big), proj) in runs {
         let size = format!(
             "[{m}, {n}] Q_L={} Q_R={} norm={} bias_corr={} wd={wd} t=5",
             left as u8, right as u8, normalize as u8, correct as u8
         );
-        v.push(case("soap_update", size, TOL_F32, big, move |cx| {
+        let (name, tol) = match proj {
+            gopt::SoapProjections::Fp32Storage => ("soap_update", TOL_F32),
+            gopt::SoapProjections::Bf16 => ("soap_update_bf16", TOL_BF16),
+        };
+        v.push(case(name, size, tol, big, move |cx| {
             let hp = SoapHyper {
                 lr: 0.0,
                 beta1: 0.95,
@@ -160,7 +170,7 @@ fn soap(v: &mut Vec<Case>) {
             let (pb, gb, eb, sb) = (cx.up(&p)?, cx.up(&g)?, cx.up(&ea)?, cx.up(&eas)?);
             let qlb = ql.as_deref().map(|q| cx.up(q)).transpose()?;
             let qrb = qr.as_deref().map(|q| cx.up(q)).transpose()?;
-            let scratch = cx.out(gopt::soap_update_scratch_len(m, n))?;
+            let scratch = cx.out(gopt::soap_update_scratch_len(m, n, left, right, proj))?;
             let ms = cx.timed(|| {
                 gopt::soap_update(
                     cx.dev,
@@ -176,6 +186,7 @@ fn soap(v: &mut Vec<Case>) {
                     m,
                     n,
                     &scratch,
+                    proj,
                 )
             })?;
             let (mut rp, mut re, mut rs) = (wide(&p), wide(&ea), wide(&eas));
@@ -213,11 +224,24 @@ fn soap(v: &mut Vec<Case>) {
             Ok(Outcome { errs, gpu_ms: ms })
         }));
     }
-    for (m, n) in [(50usize, 783usize), (783, 3)] {
+    // The factor accumulation with fp32 operands, and with the gradient cast to bf16
+    // (`soap_factor_update_bf16`, bf16 tolerance).
+    let shapes = [(50usize, 783usize), (783, 3)];
+    let runs = shapes.into_iter().flat_map(|s| {
+        [
+            (s, gopt::SoapProjections::Fp32Storage),
+            (s, gopt::SoapProjections::Bf16),
+        ]
+    });
+    for ((m, n), proj) in runs {
+        let (name, tol) = match proj {
+            gopt::SoapProjections::Fp32Storage => ("soap_factor_update", TOL_F32),
+            gopt::SoapProjections::Bf16 => ("soap_factor_update_bf16", TOL_BF16),
+        };
         v.push(case(
-            "soap_factor_update",
+            name,
             format!("G [{m}, {n}] beta=0.95"),
-            TOL_F32,
+            tol,
             false,
             move |cx| {
                 let g = cx.normal(m * n, 0.0, 1.0);
@@ -229,8 +253,21 @@ fn soap(v: &mut Vec<Case>) {
                 };
                 let (l0, r0) = (sym(cx, m), sym(cx, n));
                 let (gb, lb, rb) = (cx.up(&g)?, cx.up(&l0)?, cx.up(&r0)?);
+                let scratch = cx.out(
+                    gopt::soap_factor_update_scratch_len(m, n, true, true, proj).max(1),
+                )?;
                 let ms = cx.timed(|| {
-                    gopt::soap_factor_update(cx.dev, &gb, Some(&lb), Some(&rb), m, n, 0.95)
+                    gopt::soap_factor_update(
+                        cx.dev,
+                        &gb,
+                        Some(&lb),
+                        Some(&rb),
+                        m,
+                        n,
+                        0.95,
+                        &scratch,
+                        proj,
+                    )
                 })?;
                 let (mut rl, mut rr) = (wide(&l0), wide(&r0));
                 optim::soap_factor_update(&wide(&g), Some(&mut rl), Some(&mut rr), m, n, 0.95)

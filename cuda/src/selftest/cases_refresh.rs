@@ -21,7 +21,8 @@
 //! Tolerance [`TOL_REFRESH`]: fp32 Householder QR / eigh have a backward error of order
 //! `d · 2⁻²⁴`, i.e. up to ~5e-5 at d = 783.
 use super::cases::case;
-use super::{cpu, Case, Ctx, Outcome};
+use super::{cpu, Case, Ctx, Outcome, TOL_BF16};
+use crate::device::GemmMath;
 use crate::error::Result;
 use crate::refresh::{self, GpuRefresher, QrMethod, RefreshSlot, SwapWork};
 use crate::StreamKind;
@@ -35,6 +36,7 @@ pub(crate) fn cases() -> Vec<Case> {
     for (d, other, big) in [
         (3usize, 5usize, false),
         (50, 7, false),
+        (7, 50, false),
         (257, 33, false),
         (783, 50, true),
     ] {
@@ -47,16 +49,34 @@ pub(crate) fn cases() -> Vec<Case> {
         ));
         for side in [0u8, 1] {
             let (m, n) = if side == 0 { (d, other) } else { (other, d) };
-            for (kernel, qr) in [
-                ("eigenbasis_refresh", QrMethod::ShiftedCholeskyQr3),
-                ("eigenbasis_refresh_householder", QrMethod::Householder),
+            // The swap's re-projection in fp32, and in TF32 (the optimizer math of a
+            // `precision = bf16` plan; TF32's 10-bit mantissa, so the bf16 tolerance).
+            for (kernel, qr, math, tol) in [
+                (
+                    "eigenbasis_refresh",
+                    QrMethod::ShiftedCholeskyQr3,
+                    GemmMath::Fp32,
+                    TOL_REFRESH,
+                ),
+                (
+                    "eigenbasis_refresh_householder",
+                    QrMethod::Householder,
+                    GemmMath::Fp32,
+                    TOL_REFRESH,
+                ),
+                (
+                    "eigenbasis_refresh_tf32_swap",
+                    QrMethod::Householder,
+                    GemmMath::Tf32,
+                    TOL_BF16,
+                ),
             ] {
                 v.push(case(
                     kernel,
                     format!("side={side} m={m} n={n}"),
-                    TOL_REFRESH,
+                    tol,
                     big,
-                    move |cx| qr_refresh(cx, side, m, n, qr),
+                    move |cx| qr_refresh(cx, side, m, n, qr, math),
                 ));
             }
         }
@@ -201,7 +221,14 @@ fn init(cx: &mut Ctx<'_>, d: usize) -> Result<Outcome> {
     })
 }
 
-fn qr_refresh(cx: &mut Ctx<'_>, side: u8, m: usize, n: usize, qr: QrMethod) -> Result<Outcome> {
+fn qr_refresh(
+    cx: &mut Ctx<'_>,
+    side: u8,
+    m: usize,
+    n: usize,
+    qr: QrMethod,
+    math: GemmMath,
+) -> Result<Outcome> {
     let d = if side == 0 { m } else { n };
     let (u, _, f) = factor(cx, d)?;
     let ea = cx.normal(m * n, 0.0, 1.0);
@@ -220,7 +247,7 @@ fn qr_refresh(cx: &mut Ctx<'_>, side: u8, m: usize, n: usize, qr: QrMethod) -> R
             what: e.to_string(),
         })?;
         refresh::apply(
-            dev, &work, false, side, &slot.q, &slot.idx, &qb, &eab, &easb, m, n,
+            dev, &work, false, side, &slot.q, &slot.idx, &qb, &eab, &easb, m, n, math,
         )
     })?;
     let q_gpu = wide(&dev.download::<f32>(&qb)?);
