@@ -82,25 +82,35 @@ pub enum Bf16Gemm {
 }
 
 /// Which attention kernels run the plan's `Attention` / `AttentionBackward`
-/// (`ASTERIA_CUDA_ATTENTION=gemm|fused`).
-///
-/// The default is `Gemm`: on the H200 (GPT-2 124M AdamW, `precision = bf16`) the fp32-SIMT fused
-/// kernels measured a 195.1 ms median step against 167.9 ms for the GEMM path, whose attention
-/// GEMMs run on bf16 tensor cores (BENCHMARKS.md, "CUDA backend"). Flip the default once the
-/// fused kernels use tensor-core MMA.
+/// (`ASTERIA_CUDA_ATTENTION=auto|tc|fused|gemm`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AttentionImpl {
-    /// The fused flash-style kernels ([`at::flash_attention_forward`]; head dim ≤ 128, wider
-    /// heads fall back to `Gemm`). fp32 throughout, no `T × T` buffer.
+    /// The default: under `precision = bf16` the tensor-core fused kernels where the head dim
+    /// allows (≤ 64), else the GEMM path; under `precision = fp32` the GEMM path (fp32 GEMMs).
+    #[default]
+    Auto,
+    /// The fused bf16 tensor-core kernels ([`at::FlashMath::Bf16`]; head dim ≤ 64, wider heads
+    /// fall back to `Gemm`), whatever the plan's precision.
+    FusedBf16,
+    /// The fused fp32 SIMT kernels ([`at::FlashMath::Fp32`]; head dim ≤ 128, wider heads fall
+    /// back to `Gemm`). fp32 throughout, no `T × T` buffer; on the H200 slower than the GEMM
+    /// path (195.1 vs 167.9 ms per GPT-2 step, BENCHMARKS.md).
     Fused,
     /// cuBLAS GEMMs around a materialised `T × T` score matrix ([`at::attention_forward`]).
-    #[default]
     Gemm,
 }
 
 impl AttentionImpl {
-    fn fused_for(self, d: &at::AttnDims) -> bool {
-        self == AttentionImpl::Fused && at::flash_supported(d)
+    /// The fused kernels' math for geometry `d` under `precision`, or `None` for the GEMM path.
+    fn flash_math(self, d: &at::AttnDims, precision: Precision) -> Option<at::FlashMath> {
+        let math = match (self, precision) {
+            (AttentionImpl::Gemm, _) | (AttentionImpl::Auto, Precision::Fp32) => return None,
+            (AttentionImpl::Fused, _) => at::FlashMath::Fp32,
+            (AttentionImpl::FusedBf16, _) | (AttentionImpl::Auto, Precision::Bf16) => {
+                at::FlashMath::Bf16
+            }
+        };
+        at::flash_supported(d, math).then_some(math)
     }
 }
 
@@ -172,18 +182,20 @@ impl CudaOptions {
             };
         }
         if let Ok(v) = std::env::var("ASTERIA_CUDA_SM_TARGET") {
-            let n: u32 = v.parse().map_err(|_| {
-                format!("ASTERIA_CUDA_SM_TARGET: `{v}` is not a number of SMs")
-            })?;
+            let n: u32 = v
+                .parse()
+                .map_err(|_| format!("ASTERIA_CUDA_SM_TARGET: `{v}` is not a number of SMs"))?;
             o.sm_target = (n > 0).then_some(n);
         }
         if let Ok(v) = std::env::var("ASTERIA_CUDA_ATTENTION") {
             o.attention = match v.as_str() {
+                "auto" => AttentionImpl::Auto,
+                "tc" | "fused-bf16" => AttentionImpl::FusedBf16,
                 "fused" | "flash" => AttentionImpl::Fused,
                 "gemm" => AttentionImpl::Gemm,
                 _ => {
                     return Err(format!(
-                        "ASTERIA_CUDA_ATTENTION: `{v}` is not fused or gemm"
+                        "ASTERIA_CUDA_ATTENTION: `{v}` is not auto, tc, fused or gemm"
                     ))
                 }
             };
@@ -211,6 +223,7 @@ fn scratch_need(
     plan: &Plan,
     op: &Op,
     attention: AttentionImpl,
+    precision: Precision,
     soap: op::SoapProjections,
 ) -> usize {
     let shape = |id: BufferId| plan.buffer(id).shape.as_slice();
@@ -227,7 +240,7 @@ fn scratch_need(
             ..
         } => {
             let d = attn_dims(*batch, *seq_len, *n_heads, cols(*qkv));
-            if attention.fused_for(&d) {
+            if attention.flash_math(&d, precision).is_some() {
                 at::flash_forward_scratch_len(&d)
             } else {
                 at::attention_forward_scratch_len(&d)
@@ -241,7 +254,7 @@ fn scratch_need(
             ..
         } => {
             let d = attn_dims(*batch, *seq_len, *n_heads, cols(*qkv));
-            if attention.fused_for(&d) {
+            if attention.flash_math(&d, precision).is_some() {
                 at::flash_backward_scratch_len(&d)
             } else {
                 at::attention_backward_scratch_len(&d)
@@ -349,7 +362,8 @@ impl CudaEngine {
     ) -> Result<CudaEngine, EngineError> {
         let e = |w: &'static str| move |err: CudaError| cuda_err(w, err);
         if let Some(n) = opts.sm_target {
-            dev.set_sm_count_target(n).map_err(e("setting the SM count target"))?;
+            dev.set_sm_count_target(n)
+                .map_err(e("setting the SM count target"))?;
         }
         // Sizes: buffers, scratch, bf16 shadows.
         let programs = || {
@@ -360,7 +374,7 @@ impl CudaEngine {
         };
         let soap = CudaEngine::soap_projections(&opts, precision);
         let scratch_len = programs()
-            .map(|o| scratch_need(&plan, o, opts.attention, soap))
+            .map(|o| scratch_need(&plan, o, opts.attention, precision, soap))
             .max()
             .unwrap_or(0)
             .max(2);
@@ -899,8 +913,8 @@ impl CudaEngine {
                 n_heads,
             } => {
                 let d = attn_dims(*batch, *seq_len, *n_heads, self.dims(*qkv).1);
-                if self.opts.attention.fused_for(&d) {
-                    at::flash_attention_forward(dev, self.b(*qkv), self.b(*out), &d, s)?;
+                if let Some(math) = self.opts.attention.flash_math(&d, self.precision) {
+                    at::flash_attention_forward(dev, self.b(*qkv), self.b(*out), &d, s, math)?;
                 } else {
                     at::attention_forward(dev, self.b(*qkv), self.b(*out), &d, s)?;
                 }
@@ -915,8 +929,8 @@ impl CudaEngine {
             } => {
                 let d = attn_dims(*batch, *seq_len, *n_heads, self.dims(*qkv).1);
                 let (g, q, dq) = (self.b(*dout), self.b(*qkv), self.b(*dqkv));
-                if self.opts.attention.fused_for(&d) {
-                    at::flash_attention_backward(dev, g, q, dq, &d, s)?;
+                if let Some(math) = self.opts.attention.flash_math(&d, self.precision) {
+                    at::flash_attention_backward(dev, g, q, dq, &d, s, math)?;
                 } else {
                     at::attention_backward(dev, g, q, dq, &d, s)?;
                 }

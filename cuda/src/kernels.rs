@@ -39,7 +39,18 @@ pub const FAMILIES: &[Family] = &[
         [
             "layernorm_forward",
             "layernorm_backward_dx",
-            "layernorm_backward_params"
+            "layernorm_forward_w8",
+            "layernorm_forward_w16",
+            "layernorm_forward_w24",
+            "layernorm_forward_w32",
+            "layernorm_forward_w64",
+            "layernorm_backward_dx_w8",
+            "layernorm_backward_dx_w16",
+            "layernorm_backward_dx_w24",
+            "layernorm_backward_dx_w32",
+            "layernorm_backward_dx_w64",
+            "layernorm_backward_params",
+            "layernorm_backward_params_finalize"
         ]
     ),
     family!(
@@ -92,6 +103,17 @@ pub const FAMILIES: &[Family] = &[
             "flash_attn_bwd_dq_d32",
             "flash_attn_bwd_dq_d64",
             "flash_attn_bwd_dq_d128",
+        ]
+    ),
+    family!(
+        "flash_attention_tc",
+        [
+            "flash_attn_tc_fwd_d32",
+            "flash_attn_tc_bwd_dkdv_d32",
+            "flash_attn_tc_bwd_dq_d32",
+            "flash_attn_tc_fwd_d64",
+            "flash_attn_tc_bwd_dkdv_d64",
+            "flash_attn_tc_bwd_dq_d64",
         ]
     ),
     family!(

@@ -264,12 +264,29 @@ pub fn attention_backward(
 /// Largest head dimension the fused kernels take (`_d32`, `_d64`, `_d128` variants).
 pub const FLASH_MAX_HEAD_DIM: usize = 128;
 
-/// Whether [`flash_attention_forward`] / [`flash_attention_backward`] take this geometry
-/// (head dim ≤ [`FLASH_MAX_HEAD_DIM`]).
-pub fn flash_supported(d: &AttnDims) -> bool {
+/// Largest head dimension the tensor-core fused kernels take (`_d32`, `_d64` variants).
+pub const FLASH_TC_MAX_HEAD_DIM: usize = 64;
+
+/// How the fused attention kernels compute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlashMath {
+    /// fp32 SIMT arithmetic throughout (`flash_attention.cu`; head dim ≤ 128).
+    Fp32,
+    /// bf16 tensor-core MMA (`mma.sync m16n8k16`) with fp32 accumulation and fp32 softmax
+    /// (`flash_attention_tc.cu`; head dim ≤ 64): the `precision = bf16` kernels.
+    Bf16,
+}
+
+/// Whether [`flash_attention_forward`] / [`flash_attention_backward`] take this geometry with
+/// `math` (head dim ≤ [`FLASH_MAX_HEAD_DIM`], or ≤ [`FLASH_TC_MAX_HEAD_DIM`] on tensor cores).
+pub fn flash_supported(d: &AttnDims, math: FlashMath) -> bool {
+    let max = match math {
+        FlashMath::Fp32 => FLASH_MAX_HEAD_DIM,
+        FlashMath::Bf16 => FLASH_TC_MAX_HEAD_DIM,
+    };
     d.n_heads > 0
         && d.channels.is_multiple_of(d.n_heads)
-        && d.channels / d.n_heads <= FLASH_MAX_HEAD_DIM
+        && d.channels / d.n_heads <= max
         && d.channels > 0
 }
 
@@ -283,29 +300,40 @@ pub fn flash_backward_scratch_len(d: &AttnDims) -> usize {
     2 * d.batch * d.n_heads * d.seq_len
 }
 
-/// Rows per block and threads per row of the fused kernels for head dim `hd`, and the variant.
-fn flash_variant(hd: usize) -> (usize, &'static str, &'static str, &'static str) {
-    if hd <= 32 {
-        (
-            1,
+/// Threads per block of the fused kernels for head dim `hd`, and the variant's kernels
+/// (forward, dK/dV, dQ).
+fn flash_variant(hd: usize, math: FlashMath) -> (usize, &'static str, &'static str, &'static str) {
+    match math {
+        FlashMath::Bf16 if hd <= 32 => (
+            128,
+            "flash_attn_tc_fwd_d32",
+            "flash_attn_tc_bwd_dkdv_d32",
+            "flash_attn_tc_bwd_dq_d32",
+        ),
+        FlashMath::Bf16 => (
+            128,
+            "flash_attn_tc_fwd_d64",
+            "flash_attn_tc_bwd_dkdv_d64",
+            "flash_attn_tc_bwd_dq_d64",
+        ),
+        FlashMath::Fp32 if hd <= 32 => (
+            FLASH_ROWS,
             "flash_attn_fwd_d32",
             "flash_attn_bwd_dkdv_d32",
             "flash_attn_bwd_dq_d32",
-        )
-    } else if hd <= 64 {
-        (
-            2,
+        ),
+        FlashMath::Fp32 if hd <= 64 => (
+            2 * FLASH_ROWS,
             "flash_attn_fwd_d64",
             "flash_attn_bwd_dkdv_d64",
             "flash_attn_bwd_dq_d64",
-        )
-    } else {
-        (
-            4,
+        ),
+        FlashMath::Fp32 => (
+            4 * FLASH_ROWS,
             "flash_attn_fwd_d128",
             "flash_attn_bwd_dkdv_d128",
             "flash_attn_bwd_dq_d128",
-        )
+        ),
     }
 }
 
@@ -314,12 +342,16 @@ const FLASH_ROWS: usize = 64;
 /// A launch grid or block.
 type Dim3 = (u32, u32, u32);
 
-fn flash_check(op: &'static str, d: &AttnDims) -> Result<(usize, Dim3, Dim3)> {
-    if !flash_supported(d) || d.batch == 0 || d.seq_len == 0 {
+fn flash_check(op: &'static str, d: &AttnDims, math: FlashMath) -> Result<(usize, Dim3, Dim3)> {
+    if !flash_supported(d, math) || d.batch == 0 || d.seq_len == 0 {
+        let max = match math {
+            FlashMath::Fp32 => FLASH_MAX_HEAD_DIM,
+            FlashMath::Bf16 => FLASH_TC_MAX_HEAD_DIM,
+        };
         return Err(CudaError::Invalid {
             op,
             what: format!(
-                "fused attention needs head dim <= {FLASH_MAX_HEAD_DIM} and a consistent geometry, got {d:?}"
+                "fused attention ({math:?}) needs head dim <= {max} and a consistent geometry, got {d:?}"
             ),
         });
     }
@@ -333,9 +365,9 @@ fn flash_check(op: &'static str, d: &AttnDims) -> Result<(usize, Dim3, Dim3)> {
             what: format!("batch*n_heads = {bh} exceeds the grid's y limit 65535"),
         });
     }
-    let (tpr, ..) = flash_variant(hd);
+    let (threads, ..) = flash_variant(hd, math);
     let grid = (d.seq_len.div_ceil(FLASH_ROWS) as u32, bh as u32, 1);
-    let block = ((FLASH_ROWS * tpr) as u32, 1, 1);
+    let block = (threads as u32, 1, 1);
     Ok((hd, grid, block))
 }
 
@@ -351,18 +383,22 @@ fn flash_scratch(op: &'static str, scratch: &Buf, need: usize) -> Result<()> {
     Ok(())
 }
 
-/// Plan op `Attention` through the fused kernel: qkv `[N, 3C]` → out `[N, C]`, causal, scale
-/// `1/√(C/n_heads)`. `scratch` f32 of at least [`flash_forward_scratch_len`] (receives the
-/// base-2 row log-sum-exp `[B, NH, T]`).
+/// Plan op `Attention` through the fused kernel: qkv `[N, 3C]` → out `[N, C]` (f32), causal,
+/// scale `1/√(C/n_heads)`, computed as `math` says. `scratch` f32 of at least
+/// [`flash_forward_scratch_len`] (receives the base-2 row log-sum-exp `[B, NH, T]`).
+///
+/// # Errors
+/// A geometry [`flash_supported`] rejects, operands of the wrong size, launch failures.
 pub fn flash_attention_forward(
     dev: &Device,
     qkv: &Buf,
     out: &Buf,
     d: &AttnDims,
     scratch: &Buf,
+    math: FlashMath,
 ) -> Result<()> {
     const OP: &str = "flash_attention";
-    let (hd, grid, block) = flash_check(OP, d)?;
+    let (hd, grid, block) = flash_check(OP, d, math)?;
     let nc = d.nc();
     qkv.expect(OP, "qkv", Elem::F32, 3 * nc)?;
     out.expect(OP, "out", Elem::F32, nc)?;
@@ -370,7 +406,7 @@ pub fn flash_attention_forward(
     flash_scratch(OP, scratch, rows)?;
     let lse = scratch.slice(0, rows)?;
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
-    let (_, fwd, ..) = flash_variant(hd);
+    let (_, fwd, ..) = flash_variant(hd, math);
     let args = Args::new()
         .buf(qkv)
         .buf(out)
@@ -385,8 +421,11 @@ pub fn flash_attention_forward(
 }
 
 /// Plan op `AttentionBackward` through the fused kernels: dout `[N, C]`, qkv `[N, 3C]` → dqkv
-/// `[N, 3C]` (every element overwritten). `scratch` f32 of at least
-/// [`flash_backward_scratch_len`].
+/// `[N, 3C]` (f32, every element overwritten), computed as `math` says. `scratch` f32 of at
+/// least [`flash_backward_scratch_len`].
+///
+/// # Errors
+/// A geometry [`flash_supported`] rejects, operands of the wrong size, launch failures.
 pub fn flash_attention_backward(
     dev: &Device,
     dout: &Buf,
@@ -394,9 +433,10 @@ pub fn flash_attention_backward(
     dqkv: &Buf,
     d: &AttnDims,
     scratch: &Buf,
+    math: FlashMath,
 ) -> Result<()> {
     const OP: &str = "flash_attention_backward";
-    let (hd, grid, block) = flash_check(OP, d)?;
+    let (hd, grid, block) = flash_check(OP, d, math)?;
     let nc = d.nc();
     qkv.expect(OP, "qkv", Elem::F32, 3 * nc)?;
     dqkv.expect(OP, "dqkv", Elem::F32, 3 * nc)?;
@@ -405,7 +445,7 @@ pub fn flash_attention_backward(
     flash_scratch(OP, scratch, 2 * rows)?;
     let (lse, delta) = (scratch.slice(0, rows)?, scratch.slice(rows, rows)?);
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
-    let (_, fwd, dkdv, dq) = flash_variant(hd);
+    let (_, fwd, dkdv, dq) = flash_variant(hd, math);
     let tail = |a: Args| {
         a.i32(d.seq_len as i32)
             .i32(d.n_heads as i32)

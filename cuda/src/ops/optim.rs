@@ -355,13 +355,8 @@ pub fn soap_factor_update(
 ) -> Result<()> {
     let g = Dims::new(m, n);
     let (alpha, beta) = ((1.0 - shampoo_beta) as f32, shampoo_beta as f32);
-    let need = soap_factor_update_scratch_len(
-        m,
-        n,
-        factor_left.is_some(),
-        factor_right.is_some(),
-        proj,
-    );
+    let need =
+        soap_factor_update_scratch_len(m, n, factor_left.is_some(), factor_right.is_some(), proj);
     if need > 0 {
         if scratch.len() < need || scratch.elem() != Elem::F32 {
             return Err(CudaError::Shape {

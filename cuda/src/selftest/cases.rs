@@ -422,7 +422,9 @@ fn attention(v: &mut Vec<Case>) {
 
 /// The fused (flash-style) attention kernels against the CPU reference at awkward sizes: every
 /// head-dim variant (d32, d64, d128 with padding), T not a multiple of the 64-row block or the
-/// 32-row tile, T = 1, several batches. Outputs and scratch NaN-poisoned.
+/// 32-row tile, T = 1, several batches. Outputs and scratch NaN-poisoned. Each geometry with the
+/// fp32 SIMT kernels (fp32 tolerance) and, for head dims ≤ 64, the bf16 tensor-core kernels
+/// (`flash_attention_tc*`, bf16 tolerance: operands rounded to bf16, fp32 accumulation).
 fn flash_attention(v: &mut Vec<Case>) {
     // (batch, seq_len, n_heads, channels)
     for (b, t, nh, ch, big) in [
@@ -452,33 +454,41 @@ fn flash_attention(v: &mut Vec<Case>) {
             channels: ch,
         };
         let nc = b * t * ch;
-        v.push(case(
-            "flash_attention",
-            size.clone(),
-            TOL_F32,
-            big,
-            move |cx| {
+        for (math, fwd_name, bwd_name, tol) in [
+            (
+                gattn::FlashMath::Fp32,
+                "flash_attention",
+                "flash_attention_backward",
+                TOL_F32,
+            ),
+            (
+                gattn::FlashMath::Bf16,
+                "flash_attention_tc",
+                "flash_attention_tc_backward",
+                TOL_BF16,
+            ),
+        ] {
+            if !gattn::flash_supported(&gd, math) {
+                continue;
+            }
+            v.push(case(fwd_name, size.clone(), tol, big, move |cx| {
                 let qkv = cx.normal(3 * nc, 0.0, 1.0);
                 let (qb, ob) = (cx.up(&qkv)?, cx.out(nc)?);
                 let sb = cx.out(gattn::flash_forward_scratch_len(&gd))?;
-                let ms = cx.timed(|| gattn::flash_attention_forward(cx.dev, &qb, &ob, &gd, &sb))?;
+                let ms =
+                    cx.timed(|| gattn::flash_attention_forward(cx.dev, &qb, &ob, &gd, &sb, math))?;
                 let mut r = vec![0.0; nc];
                 c::attention::attention_forward(&wide(&qkv), &mut r, &cd).map_err(cpu)?;
                 Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
-            },
-        ));
-        v.push(case(
-            "flash_attention_backward",
-            size,
-            TOL_F32,
-            big,
-            move |cx| {
+            }));
+            v.push(case(bwd_name, size.clone(), tol, big, move |cx| {
                 let qkv = cx.normal(3 * nc, 0.0, 1.0);
                 let dout = cx.normal(nc, 0.0, 1.0);
                 let (qb, gb, db) = (cx.up(&qkv)?, cx.up(&dout)?, cx.out(3 * nc)?);
                 let sb = cx.out(gattn::flash_backward_scratch_len(&gd))?;
-                let ms =
-                    cx.timed(|| gattn::flash_attention_backward(cx.dev, &gb, &qb, &db, &gd, &sb))?;
+                let ms = cx.timed(|| {
+                    gattn::flash_attention_backward(cx.dev, &gb, &qb, &db, &gd, &sb, math)
+                })?;
                 let mut r = vec![0.0; 3 * nc];
                 c::attention::attention_backward(&wide(&dout), &wide(&qkv), &mut r, &cd)
                     .map_err(cpu)?;
@@ -499,8 +509,8 @@ fn flash_attention(v: &mut Vec<Case>) {
                     })
                     .collect();
                 Ok(Outcome { errs, gpu_ms: ms })
-            },
-        ));
+            }));
+        }
     }
 }
 

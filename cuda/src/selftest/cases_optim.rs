@@ -253,9 +253,8 @@ fn soap(v: &mut Vec<Case>) {
                 };
                 let (l0, r0) = (sym(cx, m), sym(cx, n));
                 let (gb, lb, rb) = (cx.up(&g)?, cx.up(&l0)?, cx.up(&r0)?);
-                let scratch = cx.out(
-                    gopt::soap_factor_update_scratch_len(m, n, true, true, proj).max(1),
-                )?;
+                let scratch =
+                    cx.out(gopt::soap_factor_update_scratch_len(m, n, true, true, proj).max(1))?;
                 let ms = cx.timed(|| {
                     gopt::soap_factor_update(
                         cx.dev,
