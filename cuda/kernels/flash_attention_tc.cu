@@ -229,7 +229,10 @@ __device__ __forceinline__ void tc_forward(const float* __restrict__ qkv, float*
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int row = rows[e >> 1], col = n * 8 + 2 * t + (e & 1);
-                if (row < seq_len && col < hd) acc[e >> 1] += gb[(long long)row * c + col] * o[n][e];
+                // dout rounded to bf16 as the backward's dP = dO V^T sees it, so that
+                // sum_k P dP - delta stays consistent and dS = P (dP - delta) sums to ~0.
+                if (row < seq_len && col < hd)
+                    acc[e >> 1] += __bfloat162float(__float2bfloat16_rn(gb[(long long)row * c + col])) * o[n][e];
             }
 #pragma unroll
         for (int i = 0; i < 2; ++i) {

@@ -35,6 +35,7 @@ pub(crate) fn cases() -> Vec<Case> {
     embedding(&mut v);
     positional(&mut v);
     norms(&mut v);
+    layer_norm_extra(&mut v);
     activations(&mut v);
     elementwise(&mut v);
     rope(&mut v);
@@ -133,6 +134,95 @@ fn positional(v: &mut Vec<Case>) {
     }
 }
 
+/// The `layer_norm` and `layer_norm_backward` cases of one size. `N` and `c` pick the paths
+/// (see `ops::nn`): rows of `c ≤ 2048` take the warp-per-row kernels (8, 16, 24, 32 or 64
+/// values a lane), wider rows the block-per-row ones; dweight/dbias sum `min(N / c, ⌈N / 64⌉,
+/// 64)` slabs of rows (at least one) into partials, then the partials. Outputs and scratch
+/// NaN-poisoned.
+fn layer_norm_cases(v: &mut Vec<Case>, n: usize, ch: usize, bias: bool, big: bool) {
+    let size = format!("N={n} C={ch}{}", if bias { "" } else { " no-bias" });
+    let eps = 1e-5;
+    v.push(case("layer_norm", size.clone(), TOL_F32, big, move |cx| {
+        let x = cx.normal(n * ch, 0.5, 2.0);
+        let w = cx.normal(ch, 1.0, 0.1);
+        let bv = cx.normal(ch, 0.0, 1.0);
+        let (xb, wb, bb, ob) = (cx.up(&x)?, cx.up(&w)?, cx.up(&bv)?, cx.out(n * ch)?);
+        let bias_b = bias.then_some(&bb);
+        let ms = cx.timed(|| g::layernorm_forward(cx.dev, &xb, &wb, bias_b, &ob, ch, eps))?;
+        let mut r = vec![0.0; n * ch];
+        let bw = wide(&bv);
+        c::norms::layernorm_forward(
+            &wide(&x),
+            &wide(&w),
+            bias.then_some(bw.as_slice()),
+            &mut r,
+            ch,
+            eps,
+        )
+        .map_err(cpu)?;
+        Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+    }));
+    v.push(case(
+        "layer_norm_backward",
+        size.clone(),
+        TOL_F32,
+        big,
+        move |cx| {
+            let x = cx.normal(n * ch, 0.5, 2.0);
+            let w = cx.normal(ch, 1.0, 0.1);
+            let dout = cx.normal(n * ch, 0.0, 1.0);
+            let (xb, wb, gb) = (cx.up(&x)?, cx.up(&w)?, cx.up(&dout)?);
+            let (dxb, dwb, dbb) = (cx.out(n * ch)?, cx.out(ch)?, cx.out(ch)?);
+            let sb = cx.out(g::layernorm_backward_scratch_len(n))?;
+            let dbias = bias.then_some(&dbb);
+            let ms = cx.timed(|| {
+                g::layernorm_backward(cx.dev, &gb, &xb, &wb, &dxb, &dwb, dbias, ch, eps, &sb)
+            })?;
+            let (mut dx, mut dw, mut db) = (vec![0.0; n * ch], vec![0.0; ch], vec![0.0; ch]);
+            let db_ref = if bias { Some(db.as_mut_slice()) } else { None };
+            c::norms::layernorm_backward(
+                &wide(&dout),
+                &wide(&x),
+                &wide(&w),
+                &mut dx,
+                &mut dw,
+                db_ref,
+                ch,
+                eps,
+            )
+            .map_err(cpu)?;
+            let mut errs = vec![
+                ("dx", rel_err(&cx.down(&dxb)?, &dx)),
+                ("dweight", rel_err(&cx.down(&dwb)?, &dw)),
+            ];
+            if bias {
+                errs.push(("dbias", rel_err(&cx.down(&dbb)?, &db)));
+            }
+            Ok(Outcome { errs, gpu_ms: ms })
+        },
+    ));
+}
+
+/// LayerNorm sizes beyond the shared norm sizes, for the warp-per-row kernels of every width
+/// (c = 3, 50, 768, 783, 1600, 2048), the block-per-row fallback just past them (c = 2049),
+/// N = 1, multi-slab dweight/dbias (N ≥ 1000), and GPT-2 124M's 16384 × 768.
+fn layer_norm_extra(v: &mut Vec<Case>) {
+    for (n, ch, bias, big) in [
+        (1, 3, true, false),
+        (1031, 3, false, false),
+        (1000, 50, true, false),
+        (2053, 768, true, false),
+        (5000, 783, false, false),
+        (3001, 1600, true, false),
+        (4100, 2048, true, false),
+        (300, 2049, true, false),
+        (4200, 2049, false, false),
+        (16384, 768, true, true),
+    ] {
+        layer_norm_cases(v, n, ch, bias, big);
+    }
+}
+
 fn norms(v: &mut Vec<Case>) {
     for (n, ch, bias, big) in [
         (3, 50, true, false),
@@ -142,65 +232,7 @@ fn norms(v: &mut Vec<Case>) {
     ] {
         let size = format!("N={n} C={ch}{}", if bias { "" } else { " no-bias" });
         let eps = 1e-5;
-        v.push(case("layer_norm", size.clone(), TOL_F32, big, move |cx| {
-            let x = cx.normal(n * ch, 0.5, 2.0);
-            let w = cx.normal(ch, 1.0, 0.1);
-            let bv = cx.normal(ch, 0.0, 1.0);
-            let (xb, wb, bb, ob) = (cx.up(&x)?, cx.up(&w)?, cx.up(&bv)?, cx.out(n * ch)?);
-            let bias_b = bias.then_some(&bb);
-            let ms = cx.timed(|| g::layernorm_forward(cx.dev, &xb, &wb, bias_b, &ob, ch, eps))?;
-            let mut r = vec![0.0; n * ch];
-            let bw = wide(&bv);
-            c::norms::layernorm_forward(
-                &wide(&x),
-                &wide(&w),
-                bias.then_some(bw.as_slice()),
-                &mut r,
-                ch,
-                eps,
-            )
-            .map_err(cpu)?;
-            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
-        }));
-        v.push(case(
-            "layer_norm_backward",
-            size.clone(),
-            TOL_F32,
-            big,
-            move |cx| {
-                let x = cx.normal(n * ch, 0.5, 2.0);
-                let w = cx.normal(ch, 1.0, 0.1);
-                let dout = cx.normal(n * ch, 0.0, 1.0);
-                let (xb, wb, gb) = (cx.up(&x)?, cx.up(&w)?, cx.up(&dout)?);
-                let (dxb, dwb, dbb) = (cx.out(n * ch)?, cx.out(ch)?, cx.out(ch)?);
-                let sb = cx.out(g::layernorm_backward_scratch_len(n))?;
-                let dbias = bias.then_some(&dbb);
-                let ms = cx.timed(|| {
-                    g::layernorm_backward(cx.dev, &gb, &xb, &wb, &dxb, &dwb, dbias, ch, eps, &sb)
-                })?;
-                let (mut dx, mut dw, mut db) = (vec![0.0; n * ch], vec![0.0; ch], vec![0.0; ch]);
-                let db_ref = if bias { Some(db.as_mut_slice()) } else { None };
-                c::norms::layernorm_backward(
-                    &wide(&dout),
-                    &wide(&x),
-                    &wide(&w),
-                    &mut dx,
-                    &mut dw,
-                    db_ref,
-                    ch,
-                    eps,
-                )
-                .map_err(cpu)?;
-                let mut errs = vec![
-                    ("dx", rel_err(&cx.down(&dxb)?, &dx)),
-                    ("dweight", rel_err(&cx.down(&dwb)?, &dw)),
-                ];
-                if bias {
-                    errs.push(("dbias", rel_err(&cx.down(&dbb)?, &db)));
-                }
-                Ok(Outcome { errs, gpu_ms: ms })
-            },
-        ));
+        layer_norm_cases(v, n, ch, bias, big);
         v.push(case("rms_norm", size.clone(), TOL_F32, big, move |cx| {
             let x = cx.normal(n * ch, 0.5, 2.0);
             let w = cx.normal(ch, 1.0, 0.1);
@@ -478,7 +510,8 @@ fn flash_attention(v: &mut Vec<Case>) {
                 let ms =
                     cx.timed(|| gattn::flash_attention_forward(cx.dev, &qb, &ob, &gd, &sb, math))?;
                 let mut r = vec![0.0; nc];
-                c::attention::attention_forward(&wide(&qkv), &mut r, &cd).map_err(cpu)?;
+                c::attention::attention_forward(&operands(&qkv, math), &mut r, &cd)
+                    .map_err(cpu)?;
                 Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
             }));
             v.push(case(bwd_name, size.clone(), tol, big, move |cx| {
@@ -490,7 +523,12 @@ fn flash_attention(v: &mut Vec<Case>) {
                     gattn::flash_attention_backward(cx.dev, &gb, &qb, &db, &gd, &sb, math)
                 })?;
                 let mut r = vec![0.0; 3 * nc];
-                c::attention::attention_backward(&wide(&dout), &wide(&qkv), &mut r, &cd)
+                c::attention::attention_backward(
+                    &operands(&dout, math),
+                    &operands(&qkv, math),
+                    &mut r,
+                    &cd,
+                )
                     .map_err(cpu)?;
                 let got = cx.down(&db)?;
                 let errs = (0..3)
@@ -514,6 +552,22 @@ fn flash_attention(v: &mut Vec<Case>) {
     }
 }
 
+/// The float64 reference's operands for fused attention computed as `math` says: the inputs
+/// themselves for fp32, the inputs rounded to bf16 (nearest even) for the tensor-core kernels.
+/// Those kernels compute attention of bf16-rounded Q, K, V and dO by contract (the precision
+/// policy of `precision = bf16`); with the same rounded operands on both sides the bf16
+/// tolerance measures the kernel's own arithmetic (P and dS rounded to bf16 for the MMAs, fp32
+/// sums and softmax) rather than the conditioning of the gradients at tiny T.
+fn operands(x: &[f32], math: gattn::FlashMath) -> Vec<f64> {
+    match math {
+        gattn::FlashMath::Fp32 => wide(x),
+        gattn::FlashMath::Bf16 => x
+            .iter()
+            .map(|&v| f64::from(half::bf16::from_f32(v).to_f32()))
+            .collect(),
+    }
+}
+
 fn cross_entropy(v: &mut Vec<Case>) {
     for (n, vocab, big) in [
         (3, 3, false),
@@ -522,42 +576,100 @@ fn cross_entropy(v: &mut Vec<Case>) {
         (4096, 783, false),
         (783, 50257, true),
     ] {
-        let size = format!("N={n} V={vocab}");
-        v.push(case(
-            "cross_entropy",
-            size.clone(),
-            TOL_F32,
-            big,
-            move |cx| {
-                let logits = cx.normal(n * vocab, 0.0, 2.0);
-                let targets = cx.ids(n, vocab);
-                let (lb, tb, ob) = (cx.up(&logits)?, cx.up(&targets)?, cx.out(1)?);
-                let sb = cx.out(gloss::cross_entropy_scratch_len(n))?;
-                let ms =
-                    cx.timed(|| gloss::cross_entropy_forward(cx.dev, &lb, &tb, &ob, vocab, &sb))?;
-                let r = c::cross_entropy::cross_entropy_forward(&wide(&logits), &targets, vocab)
-                    .map_err(cpu)?;
-                Ok(one("loss", rel_err(&cx.down(&ob)?, &[r]), ms))
-            },
-        ));
-        v.push(case(
-            "cross_entropy_backward",
-            size,
-            TOL_F32,
-            big,
-            move |cx| {
-                let logits = cx.normal(n * vocab, 0.0, 2.0);
-                let targets = cx.ids(n, vocab);
-                let (lb, tb, ob) = (cx.up(&logits)?, cx.up(&targets)?, cx.out(n * vocab)?);
-                let ms =
-                    cx.timed(|| gloss::cross_entropy_backward(cx.dev, &lb, &tb, &ob, vocab))?;
-                let mut r = vec![0.0; n * vocab];
-                c::cross_entropy::cross_entropy_backward(&wide(&logits), &targets, &mut r, vocab)
-                    .map_err(cpu)?;
-                Ok(one("dlogits", rel_err(&cx.down(&ob)?, &r), ms))
-            },
-        ));
+        cross_entropy_cases(v, n, vocab, false, (0, 0), big);
     }
+    // V = 1; rows starting at every 16-byte phase (odd V); logits and dlogits of different
+    // 16-byte alignment (the scalar gradient path) and of the same non-zero one; a padded
+    // vocabulary (every row aligned); -inf logits (masked entries add exactly 0); GPT-2's
+    // vocabulary at 2048 rows.
+    for (n, vocab, masked, offsets, big) in [
+        (1, 1, false, (0, 0), false),
+        (5, 7, false, (0, 0), false),
+        (37, 1001, false, (0, 1), false),
+        (37, 1001, false, (2, 2), false),
+        (64, 50304, false, (0, 0), false),
+        (257, 4099, true, (1, 3), false),
+        (2048, 50257, false, (0, 0), true),
+    ] {
+        cross_entropy_cases(v, n, vocab, masked, offsets, big);
+    }
+}
+
+/// Logits `N(0, 2²)` `[n, vocab]` and targets in `[0, vocab)`; when `masked`, every logit at
+/// `j % 3 == 1` is −∞ and no target points at one.
+fn xent_inputs(cx: &mut Ctx<'_>, n: usize, vocab: usize, masked: bool) -> (Vec<f32>, Vec<i32>) {
+    let mut logits = cx.normal(n * vocab, 0.0, 2.0);
+    let mut targets = cx.ids(n, vocab);
+    if masked {
+        for (k, l) in logits.iter_mut().enumerate() {
+            if (k % vocab) % 3 == 1 {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        for t in targets.iter_mut() {
+            if *t % 3 == 1 {
+                *t -= 1;
+            }
+        }
+    }
+    (logits, targets)
+}
+
+/// The `cross_entropy` and `cross_entropy_backward` cases of one size. `offsets` = (logits,
+/// dlogits) element offsets inside their device buffers, to move rows off 16-byte alignment.
+/// Outputs and scratch NaN-poisoned.
+fn cross_entropy_cases(
+    v: &mut Vec<Case>,
+    n: usize,
+    vocab: usize,
+    masked: bool,
+    offsets: (usize, usize),
+    big: bool,
+) {
+    let (lo, dlo) = offsets;
+    let mut size = format!("N={n} V={vocab}");
+    if masked {
+        size.push_str(" masked");
+    }
+    if lo > 0 || dlo > 0 {
+        size.push_str(&format!(" offsets {lo}/{dlo}"));
+    }
+    v.push(case(
+        "cross_entropy",
+        size.clone(),
+        TOL_F32,
+        big,
+        move |cx| {
+            let (logits, targets) = xent_inputs(cx, n, vocab, masked);
+            let padded: Vec<f32> = vec![0.0; lo].into_iter().chain(logits.clone()).collect();
+            let (lb, tb, ob) = (cx.up(&padded)?, cx.up(&targets)?, cx.out(1)?);
+            let lb = lb.slice(lo, n * vocab)?;
+            let sb = cx.out(gloss::cross_entropy_scratch_len(n))?;
+            let ms =
+                cx.timed(|| gloss::cross_entropy_forward(cx.dev, &lb, &tb, &ob, vocab, &sb))?;
+            let r = c::cross_entropy::cross_entropy_forward(&wide(&logits), &targets, vocab)
+                .map_err(cpu)?;
+            Ok(one("loss", rel_err(&cx.down(&ob)?, &[r]), ms))
+        },
+    ));
+    v.push(case(
+        "cross_entropy_backward",
+        size,
+        TOL_F32,
+        big,
+        move |cx| {
+            let (logits, targets) = xent_inputs(cx, n, vocab, masked);
+            let padded: Vec<f32> = vec![0.0; lo].into_iter().chain(logits.clone()).collect();
+            let (lb, tb) = (cx.up(&padded)?, cx.up(&targets)?);
+            let lb = lb.slice(lo, n * vocab)?;
+            let ob = cx.out(n * vocab + dlo)?.slice(dlo, n * vocab)?;
+            let ms = cx.timed(|| gloss::cross_entropy_backward(cx.dev, &lb, &tb, &ob, vocab))?;
+            let mut r = vec![0.0; n * vocab];
+            c::cross_entropy::cross_entropy_backward(&wide(&logits), &targets, &mut r, vocab)
+                .map_err(cpu)?;
+            Ok(one("dlogits", rel_err(&cx.down(&ob)?, &r), ms))
+        },
+    ));
 }
 
 fn matmul(v: &mut Vec<Case>) {
