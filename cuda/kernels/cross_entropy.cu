@@ -1,6 +1,89 @@
 // Mean softmax cross-entropy over rows of logits (plan ops `CrossEntropy`,
 // `CrossEntropyBackward`). logits/dlogits [n, v], targets i32 [n]. A target outside [0, v)
 // records its row in status[0] (atomicMin) and gives a NaN row loss / NaN gradient row.
+//
+// One block per row (row_threads(ceil(v / 4)) threads). The row max m and s = sum exp(x - m)
+// come from one pass over the logits (online softmax; Milakov & Gimelshein 2018, "Online
+// normalizer calculation for softmax"): each thread keeps a running (m, s) and rescales s when
+// its max grows; the threads' pairs are merged by warp shuffles and shared memory in a fixed
+// order, so results are deterministic. Rows are read as float4 from the row's first 16-byte
+// boundary on; the < 4 elements before it and the < 4 after the last whole float4 are read one
+// by one. The forward reads each logit once, the backward twice (statistics, then the
+// gradient) and writes each gradient once.
+
+#define XENT_NEG_INF __int_as_float(0xff800000)
+
+// exp(v - m) for v <= m, except that a -inf logit adds exactly 0 even while m is still -inf
+// (where exp(-inf - -inf) would be NaN). NaN stays NaN.
+__device__ __forceinline__ float xent_exp(float v, float m) { return v == XENT_NEG_INF ? 0.0f : expf(v - m); }
+
+// exp(a - mm) for a <= mm, exactly 1 when a == mm (also when both are the same infinity).
+__device__ __forceinline__ float xent_scale(float a, float mm) { return a == mm ? 1.0f : expf(a - mm); }
+
+// (m, s) += one value. m is never NaN (fmaxf drops a NaN operand); a NaN value makes s NaN.
+__device__ __forceinline__ void xent_add1(float& m, float& s, float a) {
+    const float mm = fmaxf(m, a);
+    s = s * xent_scale(m, mm) + xent_exp(a, mm);
+    m = mm;
+}
+
+// (m, s) += four values: one rescale for the four.
+__device__ __forceinline__ void xent_add4(float& m, float& s, float4 q) {
+    const float mm = fmaxf(m, fmaxf(fmaxf(q.x, q.y), fmaxf(q.z, q.w)));
+    s = s * xent_scale(m, mm) + ((xent_exp(q.x, mm) + xent_exp(q.y, mm)) + (xent_exp(q.z, mm) + xent_exp(q.w, mm)));
+    m = mm;
+}
+
+// (m, s) merged with (m2, s2). Symmetric in its two pairs, so every lane of an xor butterfly
+// ends with the same bits.
+__device__ __forceinline__ void xent_merge(float& m, float& s, float m2, float s2) {
+    const float mm = fmaxf(m, m2);
+    s = s * xent_scale(m, mm) + s2 * xent_scale(m2, mm);
+    m = mm;
+}
+
+__device__ __forceinline__ void xent_warp_merge(float& m, float& s) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(ASTERIA_FULL_MASK, m, o);
+        const float s2 = __shfl_xor_sync(ASTERIA_FULL_MASK, s, o);
+        xent_merge(m, s, m2, s2);
+    }
+}
+
+// Elements of x before its first 16-byte boundary (x is 4-byte aligned), at most v.
+__device__ __forceinline__ int xent_head(const float* x, int v) {
+    const int h = (int)(((16u - ((unsigned)(unsigned long long)x & 15u)) & 15u) >> 2);
+    return h < v ? h : v;
+}
+
+// Row max *m_out and *s_out = sum_j exp(x[j] - m) over x[0..v), for every thread of the block
+// (blockDim.x a multiple of 32). Call once per kernel (its shared arrays are not re-synced).
+__device__ void xent_row_stats(const float* __restrict__ x, int v, float* m_out, float* s_out) {
+    __shared__ float s_m[32];
+    __shared__ float s_s[32];
+    const int tid = threadIdx.x;
+    const int head = xent_head(x, v);
+    const int nvec = (v - head) >> 2;
+    const int rest = head + 4 * nvec;
+    float m = XENT_NEG_INF, s = 0.0f;
+    if (tid < head) xent_add1(m, s, x[tid]);
+    if (tid < v - rest) xent_add1(m, s, x[rest + tid]);
+    const float4* xv = reinterpret_cast<const float4*>(x + head);
+#pragma unroll 4
+    for (int i = tid; i < nvec; i += blockDim.x) xent_add4(m, s, xv[i]);
+    xent_warp_merge(m, s);
+    const int lane = tid & 31, warp = tid >> 5, nwarps = (blockDim.x + 31) >> 5;
+    if (lane == 0) {
+        s_m[warp] = m;
+        s_s[warp] = s;
+    }
+    __syncthreads();
+    m = lane < nwarps ? s_m[lane] : XENT_NEG_INF;
+    s = lane < nwarps ? s_s[lane] : 0.0f;
+    xent_warp_merge(m, s);
+    *m_out = m;
+    *s_out = s;
+}
 
 // row_loss[r] = logsumexp(logits[r, :]) - logits[r, targets[r]] (double). One block per row.
 extern "C" __global__ void xent_row_loss(const float* __restrict__ logits, const int* __restrict__ targets,
@@ -9,12 +92,8 @@ extern "C" __global__ void xent_row_loss(const float* __restrict__ logits, const
     if (row >= n) return;
     const float* x = logits + (long long)row * v;
     const int t = targets[row];
-    float m = __int_as_float(0xff800000);
-    for (int j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, x[j]);
-    m = block_max(m);
-    float s = 0.0f;
-    for (int j = threadIdx.x; j < v; j += blockDim.x) s += expf(x[j] - m);
-    s = block_sum(s);
+    float m, s;
+    xent_row_stats(x, v, &m, &s);
     if (threadIdx.x == 0) {
         if (t < 0 || t >= v) {
             atomicMin(status, row);
@@ -33,7 +112,9 @@ extern "C" __global__ void xent_mean(const double* __restrict__ row_loss, float*
     if (threadIdx.x == 0) loss[0] = n > 0 ? (float)(acc / (double)n) : 0.0f;
 }
 
-// dlogits = (softmax(logits) - onehot(targets)) * inv_n. One block per row.
+// dlogits = (softmax(logits) - onehot(targets)) * inv_n. One block per row. The gradient pass
+// reads with evict-first loads and writes with streaming stores, leaving L2 to the logits the
+// statistics pass just read.
 extern "C" __global__ void xent_backward(const float* __restrict__ logits, const int* __restrict__ targets,
                                          float* __restrict__ dlogits, int n, int v, float inv_n, int* status) {
     const int row = blockIdx.x;
@@ -46,11 +127,34 @@ extern "C" __global__ void xent_backward(const float* __restrict__ logits, const
         for (int j = threadIdx.x; j < v; j += blockDim.x) d[j] = ASTERIA_NAN;
         return;
     }
-    float m = __int_as_float(0xff800000);
-    for (int j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, x[j]);
-    m = block_max(m);
-    float s = 0.0f;
-    for (int j = threadIdx.x; j < v; j += blockDim.x) s += expf(x[j] - m);
-    const float k = inv_n / block_sum(s);
-    for (int j = threadIdx.x; j < v; j += blockDim.x) d[j] = expf(x[j] - m) * k - (j == t ? inv_n : 0.0f);
+    float m, s;
+    xent_row_stats(x, v, &m, &s);
+    const float k = inv_n / s;
+    const int tid = threadIdx.x;
+    const int head = xent_head(x, v);
+    if (head != xent_head(d, v)) {
+        // logits and dlogits differ in 16-byte alignment: scalar (still coalesced).
+        for (int j = tid; j < v; j += blockDim.x) d[j] = xent_exp(x[j], m) * k - (j == t ? inv_n : 0.0f);
+        return;
+    }
+    const int nvec = (v - head) >> 2;
+    const int rest = head + 4 * nvec;
+    if (tid < head) d[tid] = xent_exp(x[tid], m) * k - (tid == t ? inv_n : 0.0f);
+    if (tid < v - rest) {
+        const int j = rest + tid;
+        d[j] = xent_exp(x[j], m) * k - (j == t ? inv_n : 0.0f);
+    }
+    const float4* xv = reinterpret_cast<const float4*>(x + head);
+    float4* dv = reinterpret_cast<float4*>(d + head);
+#pragma unroll 4
+    for (int i = tid; i < nvec; i += blockDim.x) {
+        const float4 q = __ldcs(xv + i);
+        const int j = head + 4 * i;
+        float4 r;
+        r.x = xent_exp(q.x, m) * k - (j == t ? inv_n : 0.0f);
+        r.y = xent_exp(q.y, m) * k - (j + 1 == t ? inv_n : 0.0f);
+        r.z = xent_exp(q.z, m) * k - (j + 2 == t ? inv_n : 0.0f);
+        r.w = xent_exp(q.w, m) * k - (j + 3 == t ? inv_n : 0.0f);
+        __stcs(dv + i, r);
+    }
 }

@@ -1,6 +1,14 @@
 // LayerNorm over the last dim (plan ops `LayerNorm`, `LayerNormBackward`; Ba et al. 2016).
 // x/out/dout/dx [n, c], weight/bias/dweight/dbias [c]; biased variance; statistics recomputed
-// from x in the backward. One block per row for row kernels; column sums by column tiles.
+// from x in the backward.
+//
+// Rows of c <= 32 * 64 = 2048 take the warp-per-row kernels (`*_w8` .. `*_w64`): one warp owns
+// a row, lane l holds x[l], x[l + 32], ... in registers (V values, c <= 32 * V), reductions are
+// warp shuffles only, and a 256-thread block covers 8 rows. Wider rows take the block-per-row
+// kernels `layernorm_forward` / `layernorm_backward_dx`. dweight/dbias come from a two-stage
+// column reduction: `layernorm_backward_params` sums slabs of rows per column into partials,
+// `layernorm_backward_params_finalize` adds the partials in slab order. No atomics anywhere:
+// every result is deterministic for a given (n, c).
 
 __device__ __forceinline__ void ln_row_stats(const float* xr, int c, float eps, float* mean, float* rstd) {
     float s = 0.0f;
@@ -16,6 +24,103 @@ __device__ __forceinline__ void ln_row_stats(const float* xr, int c, float eps, 
     *rstd = 1.0f / sqrtf(var + eps);
 }
 
+// Warp-per-row helpers. The row index is warp-uniform, so a warp either returns whole or runs
+// every shuffle with all 32 lanes. xv[i] holds x[row, i * 32 + lane] (0 past the row's end).
+
+// Loads the lane's V values of row xr (0 past c) into xv; returns mean and rstd (two-pass
+// variance from registers, as ln_row_stats).
+template <int V>
+__device__ __forceinline__ void ln_warp_load_stats(const float* __restrict__ xr, int c, float eps, float (&xv)[V],
+                                                   float* mean, float* rstd) {
+    const int lane = threadIdx.x & 31;
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+        const int j = i * 32 + lane;
+        xv[i] = j < c ? xr[j] : 0.0f;
+        s += xv[i];
+    }
+    const float m = warp_sum(s) / (float)c;
+    float q = 0.0f;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+        const int j = i * 32 + lane;
+        const float d = j < c ? xv[i] - m : 0.0f;
+        q += d * d;
+    }
+    const float var = warp_sum(q) / (float)c;
+    *mean = m;
+    *rstd = 1.0f / sqrtf(var + eps);
+}
+
+// out = (x - mean) * rstd * weight + bias (bias may be null); one warp per row.
+template <int V>
+__device__ __forceinline__ void ln_forward_warp(const float* __restrict__ x, const float* __restrict__ weight,
+                                                const float* __restrict__ bias, float* __restrict__ out, int n,
+                                                int c, float eps) {
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= n) return;
+    const int lane = threadIdx.x & 31;
+    float xv[V];
+    float mean, rstd;
+    ln_warp_load_stats<V>(x + (long long)row * c, c, eps, xv, &mean, &rstd);
+    float* o = out + (long long)row * c;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+        const int j = i * 32 + lane;
+        if (j < c) {
+            const float b = bias ? bias[j] : 0.0f;
+            o[j] = (xv[i] - mean) * rstd * weight[j] + b;
+        }
+    }
+}
+
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dout * weight; one warp per row.
+// Writes the row's mean and rstd to stats[2*row], stats[2*row+1] for layernorm_backward_params.
+template <int V>
+__device__ __forceinline__ void ln_backward_dx_warp(const float* __restrict__ dout, const float* __restrict__ x,
+                                                    const float* __restrict__ weight, float* __restrict__ dx,
+                                                    float* __restrict__ stats, int n, int c, float eps) {
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= n) return;
+    const int lane = threadIdx.x & 31;
+    const float* dr = dout + (long long)row * c;
+    float xv[V], gv[V];
+    // Issue the dout loads before the statistics' shuffles so both rows stream in together.
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+        const int j = i * 32 + lane;
+        gv[i] = j < c ? dr[j] * weight[j] : 0.0f;
+    }
+    float mean, rstd;
+    ln_warp_load_stats<V>(x + (long long)row * c, c, eps, xv, &mean, &rstd);
+    float sg = 0.0f, sgx = 0.0f;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+        const int j = i * 32 + lane;
+        if (j < c) {
+            sg += gv[i];
+            sgx += gv[i] * (xv[i] - mean) * rstd;
+        }
+    }
+    const float mg = warp_sum(sg) / (float)c;
+    const float mgx = warp_sum(sgx) / (float)c;
+    float* d = dx + (long long)row * c;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+        const int j = i * 32 + lane;
+        if (j < c) {
+            const float xh = (xv[i] - mean) * rstd;
+            d[j] = rstd * (gv[i] - mg - xh * mgx);
+        }
+    }
+    if (lane == 0) {
+        stats[2 * (long long)row] = mean;
+        stats[2 * (long long)row + 1] = rstd;
+    }
+}
+
+// Block-per-row forward (rows wider than the warp kernels hold). Block of row_threads(c).
 // out = (x - mean) * rstd * weight + bias (bias may be null).
 extern "C" __global__ void layernorm_forward(const float* __restrict__ x, const float* __restrict__ weight,
                                              const float* __restrict__ bias, float* __restrict__ out,
@@ -32,6 +137,7 @@ extern "C" __global__ void layernorm_forward(const float* __restrict__ x, const 
     }
 }
 
+// Block-per-row dx (rows wider than the warp kernels hold). Block of row_threads(c).
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dout * weight. Writes the row's mean
 // and rstd to stats[2*row], stats[2*row+1] for layernorm_backward_params.
 extern "C" __global__ void layernorm_backward_dx(const float* __restrict__ dout, const float* __restrict__ x,
@@ -62,21 +168,80 @@ extern "C" __global__ void layernorm_backward_dx(const float* __restrict__ dout,
     }
 }
 
-// dweight[j] = sum_n dout[n,j] * xhat[n,j]; dbias[j] = sum_n dout[n,j] (dbias may be null).
-// Block (32, 16): threadIdx.x picks the column inside a 32-wide tile, threadIdx.y strides rows;
-// partial sums are combined in a fixed order (deterministic).
+// Warp-per-row kernels, V values per lane (c <= 32 * V). Block of 256 threads = 8 rows;
+// grid ceil(n / 8).
+extern "C" __global__ void layernorm_forward_w8(const float* __restrict__ x, const float* __restrict__ weight,
+                                                const float* __restrict__ bias, float* __restrict__ out, int n,
+                                                int c, float eps) {
+    ln_forward_warp<8>(x, weight, bias, out, n, c, eps);
+}
+extern "C" __global__ void layernorm_forward_w16(const float* __restrict__ x, const float* __restrict__ weight,
+                                                 const float* __restrict__ bias, float* __restrict__ out, int n,
+                                                 int c, float eps) {
+    ln_forward_warp<16>(x, weight, bias, out, n, c, eps);
+}
+extern "C" __global__ void layernorm_forward_w24(const float* __restrict__ x, const float* __restrict__ weight,
+                                                 const float* __restrict__ bias, float* __restrict__ out, int n,
+                                                 int c, float eps) {
+    ln_forward_warp<24>(x, weight, bias, out, n, c, eps);
+}
+extern "C" __global__ void layernorm_forward_w32(const float* __restrict__ x, const float* __restrict__ weight,
+                                                 const float* __restrict__ bias, float* __restrict__ out, int n,
+                                                 int c, float eps) {
+    ln_forward_warp<32>(x, weight, bias, out, n, c, eps);
+}
+extern "C" __global__ void layernorm_forward_w64(const float* __restrict__ x, const float* __restrict__ weight,
+                                                 const float* __restrict__ bias, float* __restrict__ out, int n,
+                                                 int c, float eps) {
+    ln_forward_warp<64>(x, weight, bias, out, n, c, eps);
+}
+
+extern "C" __global__ void layernorm_backward_dx_w8(const float* __restrict__ dout, const float* __restrict__ x,
+                                                    const float* __restrict__ weight, float* __restrict__ dx,
+                                                    float* __restrict__ stats, int n, int c, float eps) {
+    ln_backward_dx_warp<8>(dout, x, weight, dx, stats, n, c, eps);
+}
+extern "C" __global__ void layernorm_backward_dx_w16(const float* __restrict__ dout, const float* __restrict__ x,
+                                                     const float* __restrict__ weight, float* __restrict__ dx,
+                                                     float* __restrict__ stats, int n, int c, float eps) {
+    ln_backward_dx_warp<16>(dout, x, weight, dx, stats, n, c, eps);
+}
+extern "C" __global__ void layernorm_backward_dx_w24(const float* __restrict__ dout, const float* __restrict__ x,
+                                                     const float* __restrict__ weight, float* __restrict__ dx,
+                                                     float* __restrict__ stats, int n, int c, float eps) {
+    ln_backward_dx_warp<24>(dout, x, weight, dx, stats, n, c, eps);
+}
+extern "C" __global__ void layernorm_backward_dx_w32(const float* __restrict__ dout, const float* __restrict__ x,
+                                                     const float* __restrict__ weight, float* __restrict__ dx,
+                                                     float* __restrict__ stats, int n, int c, float eps) {
+    ln_backward_dx_warp<32>(dout, x, weight, dx, stats, n, c, eps);
+}
+extern "C" __global__ void layernorm_backward_dx_w64(const float* __restrict__ dout, const float* __restrict__ x,
+                                                     const float* __restrict__ weight, float* __restrict__ dx,
+                                                     float* __restrict__ stats, int n, int c, float eps) {
+    ln_backward_dx_warp<64>(dout, x, weight, dx, stats, n, c, eps);
+}
+
+// Stage 1 of dweight/dbias: for the slab of rows [s * rows_per_slab, min(n, (s+1) * rows_per_slab)),
+// s = blockIdx.y, writes pw[s * c + j] = sum dout[r,j] * xhat[r,j] and pb[s * c + j] =
+// sum dout[r,j] (pb may be null). With one slab the launcher passes dweight/dbias as pw/pb.
+// Block (32, 8): threadIdx.x picks the column inside a 32-wide tile (blockIdx.x), threadIdx.y
+// strides the slab's rows; the 8 row-lane sums are combined in a fixed order (deterministic).
 extern "C" __global__ void layernorm_backward_params(const float* __restrict__ dout, const float* __restrict__ x,
-                                                     const float* __restrict__ stats, float* __restrict__ dweight,
-                                                     float* __restrict__ dbias, int n, int c) {
-    __shared__ float s_w[16][33];
-    __shared__ float s_b[16][33];
+                                                     const float* __restrict__ stats, float* __restrict__ pw,
+                                                     float* __restrict__ pb, int n, int c, int rows_per_slab) {
+    __shared__ float s_w[8][33];
+    __shared__ float s_b[8][33];
     const int j = blockIdx.x * 32 + threadIdx.x;
+    const long long r0 = (long long)blockIdx.y * rows_per_slab;
+    const long long r1 = min((long long)n, r0 + rows_per_slab);
     float aw = 0.0f, ab = 0.0f;
     if (j < c) {
-        for (int r = threadIdx.y; r < n; r += blockDim.y) {
-            const long long k = (long long)r * c + j;
+#pragma unroll 4
+        for (long long r = r0 + threadIdx.y; r < r1; r += blockDim.y) {
+            const long long k = r * c + j;
             const float g = dout[k];
-            aw += g * (x[k] - stats[2 * (long long)r]) * stats[2 * (long long)r + 1];
+            aw += g * (x[k] - stats[2 * r]) * stats[2 * r + 1];
             ab += g;
         }
     }
@@ -88,6 +253,24 @@ extern "C" __global__ void layernorm_backward_params(const float* __restrict__ d
         for (int y = 0; y < (int)blockDim.y; ++y) {
             tw += s_w[y][threadIdx.x];
             tb += s_b[y][threadIdx.x];
+        }
+        const long long o = (long long)blockIdx.y * c + j;
+        pw[o] = tw;
+        if (pb) pb[o] = tb;
+    }
+}
+
+// Stage 2: dweight[j] = sum_s pw[s * c + j], dbias[j] = sum_s pb[s * c + j] (dbias, pb may be
+// null), slabs added in order (deterministic). Grid-stride over j.
+extern "C" __global__ void layernorm_backward_params_finalize(const float* __restrict__ pw,
+                                                              const float* __restrict__ pb,
+                                                              float* __restrict__ dweight, float* __restrict__ dbias,
+                                                              int c, int slabs) {
+    for (long long j = gtid(); j < c; j += gstride()) {
+        float tw = 0.0f, tb = 0.0f;
+        for (int s = 0; s < slabs; ++s) {
+            tw += pw[(long long)s * c + j];
+            if (pb) tb += pb[(long long)s * c + j];
         }
         dweight[j] = tw;
         if (dbias) dbias[j] = tb;

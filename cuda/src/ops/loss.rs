@@ -16,10 +16,20 @@ pub fn cross_entropy_scratch_len(n_rows: usize) -> usize {
     2 * n_rows
 }
 
+/// Threads of a cross-entropy row block over `vocab` logits: one float4 a thread per step,
+/// a warp multiple between 32 and 1024.
+fn xent_threads(vocab: usize) -> u32 {
+    row_threads(vocab.div_ceil(4))
+}
+
 /// Plan op `CrossEntropy`: `loss[0] = (1/N) Σ_n [logsumexp(logits[n]) − logits[n, targets[n]]]`
-/// (nats). logits f32 `[N, vocab]`, targets i32 `[N]`, loss `[1]`. A bad target makes the loss
-/// NaN and is reported by [`Device::take_status`]. `scratch` f32 of at least
-/// [`cross_entropy_scratch_len`].
+/// (nats). logits f32 `[N, vocab]`, targets i32 `[N]`, loss f32 `[1]`. A bad target makes the
+/// loss NaN and is reported by [`Device::take_status`]. `scratch` f32 of at least
+/// [`cross_entropy_scratch_len`]. One block per row reads the row once (online max and
+/// exp-sum, float4 loads); row losses in f64 are averaged in a fixed order (deterministic).
+/// Errors: [`CudaError::Shape`] on a length mismatch, [`CudaError::Operand`] on a wrong
+/// dtype or memory tier, [`CudaError::Invalid`] when `N` or `vocab` exceeds the kernels'
+/// `int` range.
 pub fn cross_entropy_forward(
     dev: &Device,
     logits: &Buf,
@@ -52,7 +62,7 @@ pub fn cross_entropy_forward(
         dev.launch(
             "xent_row_loss",
             (n as u32, 1, 1),
-            (row_threads(vocab), 1, 1),
+            (xent_threads(vocab), 1, 1),
             args,
         )?;
     }
@@ -65,6 +75,12 @@ pub fn cross_entropy_forward(
 }
 
 /// Plan op `CrossEntropyBackward`: `dlogits = (softmax(logits) − onehot(targets)) / N`.
+/// logits/dlogits f32 `[N, vocab]`, targets i32 `[N]`. One block per row: one pass for the row
+/// max and exp-sum, one that writes the gradient (float4 where logits and dlogits share their
+/// 16-byte alignment). A bad target NaN-fills its gradient row and is reported by
+/// [`Device::take_status`]. Errors: [`CudaError::Shape`] on a length mismatch,
+/// [`CudaError::Operand`] on a wrong dtype or memory tier, [`CudaError::Invalid`] when `N` or
+/// `vocab` exceeds the kernels' `int` range.
 pub fn cross_entropy_backward(
     dev: &Device,
     logits: &Buf,
@@ -91,7 +107,7 @@ pub fn cross_entropy_backward(
     dev.launch(
         "xent_backward",
         (n as u32, 1, 1),
-        (row_threads(vocab), 1, 1),
+        (xent_threads(vocab), 1, 1),
         args,
     )
 }

@@ -167,8 +167,58 @@ pub fn add_positional_backward(
     )
 }
 
+/// Warp-per-row LayerNorm kernels by values per lane `V` (rows of `c ≤ 32·V`):
+/// `(V, forward, backward dx)`. Wider rows take the block-per-row kernels.
+const LN_WARP_KERNELS: [(usize, &str, &str); 5] = [
+    (8, "layernorm_forward_w8", "layernorm_backward_dx_w8"),
+    (16, "layernorm_forward_w16", "layernorm_backward_dx_w16"),
+    (24, "layernorm_forward_w24", "layernorm_backward_dx_w24"),
+    (32, "layernorm_forward_w32", "layernorm_backward_dx_w32"),
+    (64, "layernorm_forward_w64", "layernorm_backward_dx_w64"),
+];
+
+/// Rows (= warps) per 256-thread block of the warp-per-row LayerNorm kernels.
+const LN_WARP_ROWS: usize = 8;
+
+/// Widest row the warp-per-row LayerNorm kernels hold in registers (32 lanes × 64 values).
+pub const LAYERNORM_WARP_MAX_C: usize = 32 * 64;
+
+/// The `(forward, backward dx)` warp-per-row kernels for rows of `c`, or `None` past
+/// [`LAYERNORM_WARP_MAX_C`].
+fn ln_warp_kernels(c: usize) -> Option<(&'static str, &'static str)> {
+    LN_WARP_KERNELS
+        .iter()
+        .find(|(v, _, _)| c <= 32 * v)
+        .map(|&(_, f, b)| (f, b))
+}
+
+/// A CUDA grid or block shape.
+type Dim3 = (u32, u32, u32);
+
+/// Launch shape of a LayerNorm row kernel over `n ≥ 1` rows of `c`: the warp-per-row kernel
+/// (8 rows a block) when `c` fits, else the block-per-row `fallback`.
+fn ln_row_launch(
+    n: usize,
+    c: usize,
+    warp: Option<&'static str>,
+    fallback: &'static str,
+) -> (&'static str, Dim3, Dim3) {
+    match warp {
+        Some(k) => (
+            k,
+            (n.div_ceil(LN_WARP_ROWS) as u32, 1, 1),
+            ((32 * LN_WARP_ROWS) as u32, 1, 1),
+        ),
+        None => (fallback, (n as u32, 1, 1), (row_threads(c), 1, 1)),
+    }
+}
+
 /// Plan op `LayerNorm`: `out = (x − μ)/√(σ² + eps) · weight + bias` per row (biased σ²).
-/// x/out `[N, c]`, weight/bias `[c]`.
+/// x/out `[N, c]`, weight/bias `[c]` (bias optional), all f32. Rows of
+/// `c ≤` [`LAYERNORM_WARP_MAX_C`] take one warp each (values in registers), wider rows one
+/// block each. Errors: [`CudaError::Shape`] on a length mismatch, [`CudaError::Operand`] on
+/// a wrong dtype or memory tier, [`CudaError::Invalid`] when `N` or `c` exceeds the kernels'
+/// `int` range.
 pub fn layernorm_forward(
     dev: &Device,
     x: &Buf,
@@ -197,21 +247,44 @@ pub fn layernorm_forward(
         .i32(int(OP, "N", n)?)
         .i32(int(OP, "C", c)?)
         .f32(eps as f32);
-    dev.launch(
-        "layernorm_forward",
-        (n as u32, 1, 1),
-        (row_threads(c), 1, 1),
-        args,
-    )
+    let warp = ln_warp_kernels(c).map(|(f, _)| f);
+    let (kernel, grid, block) = ln_row_launch(n, c, warp, "layernorm_forward");
+    dev.launch(kernel, grid, block, args)
 }
 
-/// Scratch elements (f32) of [`layernorm_backward`]: `2N` (row mean and rstd).
+/// Most row slabs (f32 partials per column) of the dweight/dbias reduction.
+const LN_PARAM_MAX_SLABS: usize = 64;
+/// Rows per slab the dweight/dbias reduction aims at least for (`⌈N / 64⌉` slabs at most).
+const LN_PARAM_MIN_ROWS: usize = 64;
+/// Block of the dweight/dbias slab kernel: 32 columns × 8 row lanes.
+const LN_PARAM_BLOCK: Dim3 = (32, 8, 1);
+
+/// `(slabs, rows per slab)` of the dweight/dbias reduction over `n` rows of `c`: as many slabs
+/// as the `2N` partials area of the scratch holds (`2·slabs·c ≤ 2N`), at most
+/// [`LN_PARAM_MAX_SLABS`] and at most `⌈N / LN_PARAM_MIN_ROWS⌉`; at least one. Depends on
+/// `(n, c)` only, so the summation order (and the result) is reproducible.
+fn ln_param_slabs(n: usize, c: usize) -> (usize, usize) {
+    let want = (n / c.max(1))
+        .min(n.div_ceil(LN_PARAM_MIN_ROWS))
+        .clamp(1, LN_PARAM_MAX_SLABS);
+    let rows = n.div_ceil(want).max(1);
+    (n.div_ceil(rows).max(1), rows)
+}
+
+/// Scratch elements (f32) of [`layernorm_backward`]: `4N` — row mean and rstd (`2N`), then
+/// the per-slab dweight/dbias column partials (at most `2N`).
 pub fn layernorm_backward_scratch_len(n_rows: usize) -> usize {
-    2 * n_rows
+    4 * n_rows
 }
 
-/// Plan op `LayerNormBackward`: dx `[N, c]` and dweight/dbias `[c]` (overwritten), statistics
-/// recomputed from `x`. `scratch` f32 of at least [`layernorm_backward_scratch_len`].
+/// Plan op `LayerNormBackward`: dx `[N, c]` and dweight/dbias `[c]` (overwritten; dbias
+/// optional), all f32, statistics recomputed from `x`. `scratch` f32 of at least
+/// [`layernorm_backward_scratch_len`]. dx: one warp per row for `c ≤`
+/// [`LAYERNORM_WARP_MAX_C`], else one block per row; dweight/dbias: column sums over slabs of
+/// rows into partials, then the partials added in slab order. No atomics: deterministic.
+/// Errors: [`CudaError::Shape`] on a length mismatch, [`CudaError::Operand`] on a wrong
+/// dtype or memory tier, [`CudaError::Invalid`] when the scratch is too short or `N`/`c`
+/// exceed the kernels' `int` range.
 #[allow(clippy::too_many_arguments)]
 pub fn layernorm_backward(
     dev: &Device,
@@ -235,8 +308,9 @@ pub fn layernorm_backward(
     if let Some(b) = dbias {
         b.expect(OP, "dbias", Elem::F32, c)?;
     }
-    let stats = scratch.slice(0, layernorm_backward_scratch_len(n))?;
-    stats.expect(OP, "scratch", Elem::F32, 2 * n)?;
+    let scratch = scratch.slice(0, layernorm_backward_scratch_len(n))?;
+    scratch.expect(OP, "scratch", Elem::F32, layernorm_backward_scratch_len(n))?;
+    let stats = scratch.slice(0, 2 * n)?;
     if n > 0 {
         let args = Args::new()
             .buf(dout)
@@ -247,22 +321,45 @@ pub fn layernorm_backward(
             .i32(int(OP, "N", n)?)
             .i32(int(OP, "C", c)?)
             .f32(eps as f32);
-        dev.launch(
-            "layernorm_backward_dx",
-            (n as u32, 1, 1),
-            (row_threads(c), 1, 1),
-            args,
-        )?;
+        let warp = ln_warp_kernels(c).map(|(_, b)| b);
+        let (kernel, grid, block) = ln_row_launch(n, c, warp, "layernorm_backward_dx");
+        dev.launch(kernel, grid, block, args)?;
     }
+    let (slabs, rows) = ln_param_slabs(n, c);
+    let grid = (c.div_ceil(32) as u32, slabs as u32, 1);
+    let slab_args = |pw: &Buf, pb: Option<&Buf>| -> Result<Args> {
+        Ok(Args::new()
+            .buf(dout)
+            .buf(x)
+            .buf(&stats)
+            .buf(pw)
+            .opt(pb)
+            .i32(int(OP, "N", n)?)
+            .i32(int(OP, "C", c)?)
+            .i32(int(OP, "rows per slab", rows)?))
+    };
+    if slabs == 1 {
+        // One slab: its sums are the result.
+        let args = slab_args(dweight, dbias)?;
+        return dev.launch("layernorm_backward_params", grid, LN_PARAM_BLOCK, args);
+    }
+    let pw = scratch.slice(2 * n, slabs * c)?;
+    let pb = scratch.slice(2 * n + slabs * c, slabs * c)?;
+    let args = slab_args(&pw, dbias.map(|_| &pb))?;
+    dev.launch("layernorm_backward_params", grid, LN_PARAM_BLOCK, args)?;
     let args = Args::new()
-        .buf(dout)
-        .buf(x)
-        .buf(&stats)
+        .buf(&pw)
+        .opt(dbias.map(|_| &pb))
         .buf(dweight)
         .opt(dbias)
-        .i32(n as i32)
-        .i32(int(OP, "C", c)?);
-    dev.launch("layernorm_backward_params", col_grid(c), COL_BLOCK, args)
+        .i32(int(OP, "C", c)?)
+        .i32(slabs as i32);
+    dev.launch(
+        "layernorm_backward_params_finalize",
+        (c.div_ceil(256) as u32, 1, 1),
+        (256, 1, 1),
+        args,
+    )
 }
 
 /// Plan op `RmsNorm`: `out = x / √(mean(x²) + eps) · weight`. x/out `[N, c]`, weight `[c]`.
@@ -521,4 +618,61 @@ pub fn rope_forward(dev: &Device, x: &Buf, out: &Buf, d: &RopeDims) -> Result<()
 /// Plan op `RopeBackward`: the inverse rotation.
 pub fn rope_backward(dev: &Device, dout: &Buf, dx: &Buf, d: &RopeDims) -> Result<()> {
     rope(dev, "rope_backward", dout, dx, d, -1.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layernorm_warp_kernel_widths() {
+        assert_eq!(
+            ln_warp_kernels(1).map(|k| k.0),
+            Some("layernorm_forward_w8")
+        );
+        assert_eq!(
+            ln_warp_kernels(256).map(|k| k.1),
+            Some("layernorm_backward_dx_w8")
+        );
+        assert_eq!(
+            ln_warp_kernels(257).map(|k| k.0),
+            Some("layernorm_forward_w16")
+        );
+        assert_eq!(
+            ln_warp_kernels(768).map(|k| k.0),
+            Some("layernorm_forward_w24")
+        );
+        assert_eq!(
+            ln_warp_kernels(783).map(|k| k.0),
+            Some("layernorm_forward_w32")
+        );
+        assert_eq!(
+            ln_warp_kernels(LAYERNORM_WARP_MAX_C).map(|k| k.1),
+            Some("layernorm_backward_dx_w64")
+        );
+        assert_eq!(ln_warp_kernels(LAYERNORM_WARP_MAX_C + 1), None);
+        let (k, grid, block) = ln_row_launch(1001, 768, Some("w"), "fallback");
+        assert_eq!((k, grid, block), ("w", (126, 1, 1), (256, 1, 1)));
+        let (k, grid, block) = ln_row_launch(3, 4096, None, "fallback");
+        assert_eq!((k, grid, block), ("fallback", (3, 1, 1), (1024, 1, 1)));
+    }
+
+    #[test]
+    fn layernorm_param_slabs_fit_the_scratch_and_cover_the_rows() {
+        assert_eq!(ln_param_slabs(16384, 768), (21, 781));
+        assert_eq!(ln_param_slabs(0, 50), (1, 1));
+        assert_eq!(ln_param_slabs(3, 50), (1, 3));
+        for n in [1, 3, 63, 64, 65, 1000, 1031, 4096, 16384, 100_000] {
+            for c in [1, 3, 50, 768, 783, 2048, 2049, 4096] {
+                let (slabs, rows) = ln_param_slabs(n, c);
+                assert!((1..=LN_PARAM_MAX_SLABS).contains(&slabs), "n={n} c={c}");
+                assert!(slabs * rows >= n && (slabs - 1) * rows < n, "n={n} c={c}");
+                if slabs > 1 {
+                    // Partials live in the scratch after the 2N statistics.
+                    assert!(2 * n + 2 * slabs * c <= layernorm_backward_scratch_len(n));
+                    assert!(slabs <= n.div_ceil(LN_PARAM_MIN_ROWS), "n={n} c={c}");
+                }
+            }
+        }
+    }
 }
