@@ -94,9 +94,28 @@ __device__ __forceinline__ void tc_mma_p(float (&acc)[ND][4], const float (&p)[T
 
 // Rows row0 .. row0+nrows-1 (zeros past n_valid) of a head slice `src` (row stride ld, hd valid
 // columns, zeros up to HD) into bf16 shared memory: dst[r * lds + d], or with TRANS dst[d * lds + r].
+// 16-byte loads when every row start is 16-byte aligned and hd is a multiple of 4 (GPT-2's
+// layout), else pairs of scalar loads.
 template <int HD, bool TRANS>
 __device__ __forceinline__ void tc_load(__nv_bfloat16* dst, int lds, const float* __restrict__ src, long long ld,
                                         int row0, int nrows, int n_valid, int hd) {
+    const bool vec = (hd & 3) == 0 && (ld & 3) == 0 && (reinterpret_cast<unsigned long long>(src) & 15) == 0;
+    if (vec) {
+        for (int e = threadIdx.x; e < nrows * (HD / 4); e += blockDim.x) {
+            const int r = e / (HD / 4), d = 4 * (e % (HD / 4)), row = row0 + r;
+            float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (row < n_valid && d < hd) x = *reinterpret_cast<const float4*>(src + (long long)row * ld + d);
+            if (TRANS) {
+                dst[d * lds + r] = __float2bfloat16_rn(x.x);
+                dst[(d + 1) * lds + r] = __float2bfloat16_rn(x.y);
+                dst[(d + 2) * lds + r] = __float2bfloat16_rn(x.z);
+                dst[(d + 3) * lds + r] = __float2bfloat16_rn(x.w);
+            } else {
+                *reinterpret_cast<uint2*>(dst + r * lds + d) = make_uint2(tc_pack(x.x, x.y), tc_pack(x.z, x.w));
+            }
+        }
+        return;
+    }
     for (int e = threadIdx.x; e < nrows * (HD / 2); e += blockDim.x) {
         const int r = e / (HD / 2), d = 2 * (e % (HD / 2)), row = row0 + r;
         const bool ok = row < n_valid;
