@@ -14,20 +14,30 @@ extern "C" __global__ void bias_add(const float* __restrict__ x, const float* __
     for (long long i = gtid(); i < total; i += gstride()) out[i] = x[i] + bias[i % c];
 }
 
-// out[j] = sum_r x[r, j]; block (32, 16) column tiles, rows strided by threadIdx.y, fixed order.
-extern "C" __global__ void sum_rows(const float* __restrict__ x, float* __restrict__ out, int n, int c) {
+// Stage 1 of the column sums (plan op `SumRows`): for the slab of rows
+// [s * rows_per_slab, min(n, (s+1) * rows_per_slab)), s = blockIdx.y, writes
+// out[s * c + j] = sum over the slab of x[r, j]. With one slab the launcher passes the result
+// as out; with several, per-slab partials that `layernorm_backward_params_finalize` (layernorm
+// family) adds in slab order. Block (32, 16): threadIdx.x picks the column inside a 32-wide
+// tile (blockIdx.x), threadIdx.y strides the slab's rows; the 16 row-lane sums are combined in
+// a fixed order (deterministic).
+extern "C" __global__ void sum_rows(const float* __restrict__ x, float* __restrict__ out, int n, int c,
+                                    int rows_per_slab) {
     __shared__ float s[16][33];
     const int j = blockIdx.x * 32 + threadIdx.x;
+    const long long r0 = (long long)blockIdx.y * rows_per_slab;
+    const long long r1 = min((long long)n, r0 + rows_per_slab);
     float acc = 0.0f;
     if (j < c) {
-        for (int r = threadIdx.y; r < n; r += blockDim.y) acc += x[(long long)r * c + j];
+#pragma unroll 4
+        for (long long r = r0 + threadIdx.y; r < r1; r += blockDim.y) acc += x[r * c + j];
     }
     s[threadIdx.y][threadIdx.x] = acc;
     __syncthreads();
     if (threadIdx.y == 0 && j < c) {
         float t = 0.0f;
         for (int y = 0; y < (int)blockDim.y; ++y) t += s[y][threadIdx.x];
-        out[j] = t;
+        out[(long long)blockIdx.y * c + j] = t;
     }
 }
 

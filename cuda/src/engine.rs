@@ -5,9 +5,9 @@
 //! - Memory: one device arena per arena of the plan's memory plan (`persistent`: parameters,
 //!   gradients, optimizer state, inputs, one place each; `activations`: step-local buffers
 //!   sharing bytes by liveness), each plan buffer at its planned offset ([`Arena::buf_at`]);
-//!   the engine's own `engine` arena holds the largest op scratch, the ones vector and (bf16
-//!   `cast` mode) the bf16 shadows of GEMM operands; eigenbasis-refresh work buffers and
-//!   cuSOLVER's workspace have another. Sizes: [`CudaEngine::arenas`]; peak use:
+//!   the engine's own `engine` arena holds the largest op scratch and (bf16 `cast` mode) the
+//!   bf16 shadows of GEMM operands; eigenbasis-refresh work buffers and cuSOLVER's workspace
+//!   have another. Sizes: [`CudaEngine::arenas`]; peak use:
 //!   [`CudaEngine::memory_report`].
 //! - bf16 shadows and shared bytes: a shadow caches the cast of one buffer and is marked stale
 //!   whenever an op writes that buffer (`Op::accesses`), on `set_buffer` and `load_batch`. A buffer
@@ -232,6 +232,7 @@ fn scratch_need(
     match op {
         Op::LayerNormBackward { x, .. } => nn::layernorm_backward_scratch_len(rows(*x)),
         Op::RmsNormBackward { x, .. } => nn::rmsnorm_backward_scratch_len(rows(*x)),
+        Op::SumRows { x, .. } => nn::sum_rows_scratch_len(rows(*x), cols(*x)),
         Op::Attention {
             qkv,
             batch,
@@ -317,7 +318,6 @@ pub struct CudaEngine {
     shadows: Vec<Option<Buf>>,
     shadow_fresh: Vec<bool>,
     scratch: Buf,
-    ones: Buf,
     stats: EngineStats,
     last_tokens: Vec<i32>,
     last_targets: Vec<i32>,
@@ -387,15 +387,6 @@ impl CudaEngine {
                 }
             }
         }
-        // SumRows runs as a GEMM `ones[1, N] · x[N, C]`: the ones vector.
-        let ones_len = programs()
-            .filter_map(|o| match o {
-                Op::SumRows { x, .. } => Some(dims2(&plan.buffer(*x).shape).0),
-                _ => None,
-            })
-            .max()
-            .unwrap_or(1)
-            .max(1);
         // Plan buffers: one arena per arena of the memory plan (verified: every slot aligned
         // and inside its arena, shared bytes only between disjoint live ranges), each buffer
         // at its planned offset.
@@ -438,8 +429,8 @@ impl CudaEngine {
                     .map_err(|err| cuda_err(&format!("placing buffer `{}`", b.name), err))?,
             );
         }
-        // Engine-owned: op scratch, the ones vector, bf16 shadows (never shared).
-        let mut bytes = aligned(scratch_len * 4) + aligned(ones_len * 4);
+        // Engine-owned: op scratch, bf16 shadows (never shared).
+        let mut bytes = aligned(scratch_len * 4);
         bytes += plan
             .buffers
             .iter()
@@ -454,9 +445,6 @@ impl CudaEngine {
         let scratch = arena
             .buf(Elem::F32, scratch_len)
             .map_err(e("carving scratch"))?;
-        let ones = arena.buf(Elem::F32, ones_len).map_err(e("carving ones"))?;
-        dev.upload(&ones, &vec![1.0f32; ones_len])
-            .map_err(e("filling ones"))?;
         let mut shadows = Vec::with_capacity(plan.buffers.len());
         for (b, &s) in plan.buffers.iter().zip(&needs_shadow) {
             shadows.push(if s {
@@ -484,7 +472,6 @@ impl CudaEngine {
             shadows,
             shadow_fresh: vec![false; n_bufs],
             scratch,
-            ones,
             refreshes,
             stats: EngineStats {
                 refresh_failures: vec![0; tasks],
@@ -838,25 +825,8 @@ impl CudaEngine {
                 nn::bias_add(dev, self.b(*x), self.b(*bias), self.b(*out), c)?;
             }
             Op::SumRows { x, out } => {
-                // out[1, C] = ones[1, N] · x[N, C] in fp32 (the column-tile kernel `sum_rows`
-                // has only C/32 blocks: 24 for C = 768).
-                let (n, c) = self.dims(*x);
-                let ones = self.ones.slice(0, n)?;
-                let prev = dev.set_gemm_math(GemmMath::Fp32);
-                let r = gemm::gemm_f32(
-                    dev,
-                    &ones,
-                    Dims::new(1, n),
-                    self.b(*x),
-                    Dims::new(n, c),
-                    self.b(*out),
-                    false,
-                    false,
-                    1.0,
-                    0.0,
-                );
-                dev.set_gemm_math(prev);
-                r?;
+                let c = self.dims(*x).1;
+                nn::sum_rows(dev, self.b(*x), self.b(*out), c, s)?;
             }
             Op::Add { a, b, out } => nn::add(dev, self.b(*a), self.b(*b), self.b(*out))?,
             Op::Gelu { x, out } => nn::gelu_forward(dev, self.b(*x), self.b(*out))?,

@@ -252,23 +252,65 @@ pub fn layernorm_forward(
     dev.launch(kernel, grid, block, args)
 }
 
-/// Most row slabs (f32 partials per column) of the dweight/dbias reduction.
-const LN_PARAM_MAX_SLABS: usize = 64;
-/// Rows per slab the dweight/dbias reduction aims at least for (`⌈N / 64⌉` slabs at most).
-const LN_PARAM_MIN_ROWS: usize = 64;
+/// Most row slabs (f32 partials per column) of the two-stage column reductions
+/// (LayerNorm dweight/dbias, [`sum_rows`]).
+const COL_MAX_SLABS: usize = 64;
+/// Rows per slab the column reductions aim at least for (`⌈N / 64⌉` slabs at most).
+const COL_SLAB_MIN_ROWS: usize = 64;
 /// Block of the dweight/dbias slab kernel: 32 columns × 8 row lanes.
 const LN_PARAM_BLOCK: Dim3 = (32, 8, 1);
 
-/// `(slabs, rows per slab)` of the dweight/dbias reduction over `n` rows of `c`: as many slabs
-/// as the `2N` partials area of the scratch holds (`2·slabs·c ≤ 2N`), at most
-/// [`LN_PARAM_MAX_SLABS`] and at most `⌈N / LN_PARAM_MIN_ROWS⌉`; at least one. Depends on
-/// `(n, c)` only, so the summation order (and the result) is reproducible.
-fn ln_param_slabs(n: usize, c: usize) -> (usize, usize) {
-    let want = (n / c.max(1))
-        .min(n.div_ceil(LN_PARAM_MIN_ROWS))
-        .clamp(1, LN_PARAM_MAX_SLABS);
+/// `(slabs, rows per slab)` of a two-stage column reduction over `n` rows: at most `most`
+/// slabs, at most [`COL_MAX_SLABS`] and at most `⌈n / COL_SLAB_MIN_ROWS⌉`; at least one.
+/// Every slab but the last holds `rows` rows. A function of its arguments only, so the
+/// summation order (and the result) is reproducible.
+fn col_slabs(n: usize, most: usize) -> (usize, usize) {
+    let want = most
+        .min(n.div_ceil(COL_SLAB_MIN_ROWS))
+        .clamp(1, COL_MAX_SLABS);
     let rows = n.div_ceil(want).max(1);
     (n.div_ceil(rows).max(1), rows)
+}
+
+/// `(slabs, rows per slab)` of the dweight/dbias reduction over `n` rows of `c`: as many slabs
+/// as the `2N` partials area of the scratch holds (`2·slabs·c ≤ 2N`), within [`col_slabs`]'
+/// bounds. Depends on `(n, c)` only.
+fn ln_param_slabs(n: usize, c: usize) -> (usize, usize) {
+    col_slabs(n, n / c.max(1))
+}
+
+/// Grid of a slab kernel (stage 1 of the column reductions): 32-column tiles × slabs.
+fn slab_grid(c: usize, slabs: usize) -> Dim3 {
+    (c.div_ceil(32) as u32, slabs as u32, 1)
+}
+
+/// Stage 2 of the column reductions: `out_a[j] = Σ_s part_a[s·c + j]` and, when given,
+/// `out_b[j] = Σ_s part_b[s·c + j]`, the slabs added in order (kernel
+/// `layernorm_backward_params_finalize`). Deterministic.
+#[allow(clippy::too_many_arguments)]
+fn add_slab_partials(
+    dev: &Device,
+    op: &'static str,
+    part_a: &Buf,
+    part_b: Option<&Buf>,
+    out_a: &Buf,
+    out_b: Option<&Buf>,
+    c: usize,
+    slabs: usize,
+) -> Result<()> {
+    let args = Args::new()
+        .buf(part_a)
+        .opt(part_b)
+        .buf(out_a)
+        .opt(out_b)
+        .i32(int(op, "C", c)?)
+        .i32(int(op, "slabs", slabs)?);
+    dev.launch(
+        "layernorm_backward_params_finalize",
+        (c.div_ceil(256) as u32, 1, 1),
+        (256, 1, 1),
+        args,
+    )
 }
 
 /// Scratch elements (f32) of [`layernorm_backward`]: `4N` — row mean and rstd (`2N`), then
@@ -326,7 +368,7 @@ pub fn layernorm_backward(
         dev.launch(kernel, grid, block, args)?;
     }
     let (slabs, rows) = ln_param_slabs(n, c);
-    let grid = (c.div_ceil(32) as u32, slabs as u32, 1);
+    let grid = slab_grid(c, slabs);
     let slab_args = |pw: &Buf, pb: Option<&Buf>| -> Result<Args> {
         Ok(Args::new()
             .buf(dout)
@@ -347,19 +389,8 @@ pub fn layernorm_backward(
     let pb = scratch.slice(2 * n + slabs * c, slabs * c)?;
     let args = slab_args(&pw, dbias.map(|_| &pb))?;
     dev.launch("layernorm_backward_params", grid, LN_PARAM_BLOCK, args)?;
-    let args = Args::new()
-        .buf(&pw)
-        .opt(dbias.map(|_| &pb))
-        .buf(dweight)
-        .opt(dbias)
-        .i32(int(OP, "C", c)?)
-        .i32(slabs as i32);
-    dev.launch(
-        "layernorm_backward_params_finalize",
-        (c.div_ceil(256) as u32, 1, 1),
-        (256, 1, 1),
-        args,
-    )
+    let pb = dbias.map(|_| &pb);
+    add_slab_partials(dev, OP, &pw, pb, dweight, dbias, c, slabs)
 }
 
 /// Plan op `RmsNorm`: `out = x / √(mean(x²) + eps) · weight`. x/out `[N, c]`, weight `[c]`.
@@ -546,18 +577,49 @@ pub fn bias_add(dev: &Device, x: &Buf, bias: &Buf, out: &Buf, c: usize) -> Resul
     dev.launch("bias_add", (dev.grid_for(total), 1, 1), (256, 1, 1), args)
 }
 
-/// Plan op `SumRows`: `out[j] = Σ_n x[n, j]` (bias gradient). x `[N, c]`, out `[c]`.
-pub fn sum_rows(dev: &Device, x: &Buf, out: &Buf, c: usize) -> Result<()> {
+/// `(slabs, rows per slab)` of [`sum_rows`] over `n` rows: `min(⌈n / 64⌉, 64)` slabs (the
+/// partials live in their own scratch, so unlike LayerNorm's there is no `N / c` bound).
+fn sum_rows_slabs(n: usize) -> (usize, usize) {
+    col_slabs(n, COL_MAX_SLABS)
+}
+
+/// Scratch elements (f32) of [`sum_rows`] over `n` rows of `c`: the per-slab column partials,
+/// `slabs · c` (unused when one slab is the result).
+pub fn sum_rows_scratch_len(n: usize, c: usize) -> usize {
+    sum_rows_slabs(n).0 * c
+}
+
+/// Plan op `SumRows`: `out[j] = Σ_n x[n, j]` (bias gradient). x `[N, c]`, out `[c]`, f32;
+/// `scratch` f32 of at least [`sum_rows_scratch_len`]. Column sums over slabs of rows into
+/// partials (kernel `sum_rows`, grid `⌈c / 32⌉ × slabs`), then the partials added in slab
+/// order; one slab writes `out` directly. No atomics: deterministic for a given `(N, c)`.
+/// Errors: [`CudaError::Shape`] on a length mismatch, [`CudaError::Operand`] on a wrong dtype
+/// or memory tier, [`CudaError::Invalid`] when the scratch is too short or `N`/`c` exceed the
+/// kernels' `int` range.
+pub fn sum_rows(dev: &Device, x: &Buf, out: &Buf, c: usize, scratch: &Buf) -> Result<()> {
     const OP: &str = "sum_rows";
     let n = rows_of(OP, "x", x.len(), c)?;
     x.expect(OP, "x", Elem::F32, n * c)?;
     out.expect(OP, "out", Elem::F32, c)?;
-    let args = Args::new()
-        .buf(x)
-        .buf(out)
-        .i32(int(OP, "N", n)?)
-        .i32(int(OP, "C", c)?);
-    dev.launch("sum_rows", col_grid(c), COL_BLOCK, args)
+    let len = sum_rows_scratch_len(n, c);
+    let scratch = scratch.slice(0, len)?;
+    scratch.expect(OP, "scratch", Elem::F32, len)?;
+    let (slabs, rows) = sum_rows_slabs(n);
+    let grid = slab_grid(c, slabs);
+    let args = |dst: &Buf| -> Result<Args> {
+        Ok(Args::new()
+            .buf(x)
+            .buf(dst)
+            .i32(int(OP, "N", n)?)
+            .i32(int(OP, "C", c)?)
+            .i32(int(OP, "rows per slab", rows)?))
+    };
+    if slabs == 1 {
+        // One slab: its sums are the result.
+        return dev.launch("sum_rows", grid, COL_BLOCK, args(out)?);
+    }
+    dev.launch("sum_rows", grid, COL_BLOCK, args(&scratch)?)?;
+    add_slab_partials(dev, OP, &scratch, None, out, None, c, slabs)
 }
 
 /// Geometry of a RoPE call (plan op `Rope`): x `[N, width]`, the first `rotated_cols` columns
@@ -665,13 +727,31 @@ mod tests {
         for n in [1, 3, 63, 64, 65, 1000, 1031, 4096, 16384, 100_000] {
             for c in [1, 3, 50, 768, 783, 2048, 2049, 4096] {
                 let (slabs, rows) = ln_param_slabs(n, c);
-                assert!((1..=LN_PARAM_MAX_SLABS).contains(&slabs), "n={n} c={c}");
+                assert!((1..=COL_MAX_SLABS).contains(&slabs), "n={n} c={c}");
                 assert!(slabs * rows >= n && (slabs - 1) * rows < n, "n={n} c={c}");
                 if slabs > 1 {
                     // Partials live in the scratch after the 2N statistics.
                     assert!(2 * n + 2 * slabs * c <= layernorm_backward_scratch_len(n));
-                    assert!(slabs <= n.div_ceil(LN_PARAM_MIN_ROWS), "n={n} c={c}");
+                    assert!(slabs <= n.div_ceil(COL_SLAB_MIN_ROWS), "n={n} c={c}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn sum_rows_slabs_cover_the_rows_and_fit_the_scratch() {
+        assert_eq!(sum_rows_slabs(16384), (64, 256));
+        assert_eq!(sum_rows_slabs(1000), (16, 63));
+        assert_eq!(sum_rows_slabs(64), (1, 64));
+        assert_eq!(sum_rows_slabs(0), (1, 1));
+        assert_eq!(sum_rows_scratch_len(16384, 3072), 64 * 3072);
+        for n in [0, 1, 3, 63, 64, 65, 1000, 1031, 4096, 16384, 100_000] {
+            let (slabs, rows) = sum_rows_slabs(n);
+            assert!((1..=COL_MAX_SLABS).contains(&slabs), "n={n}");
+            assert!(slabs * rows >= n && (slabs - 1) * rows < n.max(1), "n={n}");
+            assert!(slabs <= n.div_ceil(COL_SLAB_MIN_ROWS).max(1), "n={n}");
+            for c in [1, 3, 50, 768, 783, 3072] {
+                assert_eq!(sum_rows_scratch_len(n, c), slabs * c);
             }
         }
     }

@@ -333,15 +333,33 @@ fn elementwise(v: &mut Vec<Case>) {
             c::elementwise::bias_add(&wide(&x), &wide(&b), &mut r, ch).map_err(cpu)?;
             Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
         }));
-        v.push(case("sum_rows", size, TOL_F32, big, move |cx| {
-            let x = cx.normal(n * ch, 0.3, 1.0);
-            let (xb, ob) = (cx.up(&x)?, cx.out(ch)?);
-            let ms = cx.timed(|| g::sum_rows(cx.dev, &xb, &ob, ch))?;
-            let mut r = vec![0.0; ch];
-            c::elementwise::sum_rows(&wide(&x), &mut r, ch).map_err(cpu)?;
-            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
-        }));
+        sum_rows_case(v, n, ch, big);
     }
+    // One slab (N <= 64) and many (`min(⌈N / 64⌉, 64)`: 16 for N = 1000, 64 for N = 16384,
+    // last slab short when 64 does not divide N), odd and GPT-2 widths.
+    for n in [1, 3, 1000, 16384] {
+        for ch in [1, 3, 50, 768, 783, 3072] {
+            if (n, ch) != (3, 50) {
+                sum_rows_case(v, n, ch, n >= 16384 && ch >= 768);
+            }
+        }
+    }
+}
+
+/// The `sum_rows` case of one size: per-slab column partials in the scratch, then the
+/// partials added in slab order (one slab writes `out` directly). Output and scratch
+/// NaN-poisoned.
+fn sum_rows_case(v: &mut Vec<Case>, n: usize, ch: usize, big: bool) {
+    let size = format!("N={n} C={ch}");
+    v.push(case("sum_rows", size, TOL_F32, big, move |cx| {
+        let x = cx.normal(n * ch, 0.3, 1.0);
+        let (xb, ob) = (cx.up(&x)?, cx.out(ch)?);
+        let sb = cx.out(g::sum_rows_scratch_len(n, ch))?;
+        let ms = cx.timed(|| g::sum_rows(cx.dev, &xb, &ob, ch, &sb))?;
+        let mut r = vec![0.0; ch];
+        c::elementwise::sum_rows(&wide(&x), &mut r, ch).map_err(cpu)?;
+        Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+    }));
 }
 
 fn rope(v: &mut Vec<Case>) {
@@ -510,8 +528,7 @@ fn flash_attention(v: &mut Vec<Case>) {
                 let ms =
                     cx.timed(|| gattn::flash_attention_forward(cx.dev, &qb, &ob, &gd, &sb, math))?;
                 let mut r = vec![0.0; nc];
-                c::attention::attention_forward(&operands(&qkv, math), &mut r, &cd)
-                    .map_err(cpu)?;
+                c::attention::attention_forward(&operands(&qkv, math), &mut r, &cd).map_err(cpu)?;
                 Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
             }));
             v.push(case(bwd_name, size.clone(), tol, big, move |cx| {
@@ -529,7 +546,7 @@ fn flash_attention(v: &mut Vec<Case>) {
                     &mut r,
                     &cd,
                 )
-                    .map_err(cpu)?;
+                .map_err(cpu)?;
                 let got = cx.down(&db)?;
                 let errs = (0..3)
                     .map(|part| {
