@@ -241,8 +241,8 @@ fn scratch_need(
             ..
         } => {
             let d = attn_dims(*batch, *seq_len, *n_heads, cols(*qkv));
-            if attention.flash_math(&d, precision).is_some() {
-                at::flash_forward_scratch_len(&d)
+            if let Some(math) = attention.flash_math(&d, precision) {
+                at::flash_forward_scratch_len(&d, math)
             } else {
                 at::attention_forward_scratch_len(&d)
             }
@@ -255,8 +255,8 @@ fn scratch_need(
             ..
         } => {
             let d = attn_dims(*batch, *seq_len, *n_heads, cols(*qkv));
-            if attention.flash_math(&d, precision).is_some() {
-                at::flash_backward_scratch_len(&d)
+            if let Some(math) = attention.flash_math(&d, precision) {
+                at::flash_backward_scratch_len(&d, math)
             } else {
                 at::attention_backward_scratch_len(&d)
             }

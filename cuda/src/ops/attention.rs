@@ -290,14 +290,45 @@ pub fn flash_supported(d: &AttnDims, math: FlashMath) -> bool {
         && d.channels > 0
 }
 
-/// Scratch elements (f32) of [`flash_attention_forward`]: the row log-sum-exp, `B·NH·T`.
-pub fn flash_forward_scratch_len(d: &AttnDims) -> usize {
-    d.batch * d.n_heads * d.seq_len
+/// f32 elements of a scratch region of `n` f32s, rounded up to 256 bytes.
+fn region(n: usize) -> usize {
+    n.next_multiple_of(64)
 }
 
-/// Scratch elements (f32) of [`flash_attention_backward`]: log-sum-exp and delta, `2·B·NH·T`.
-pub fn flash_backward_scratch_len(d: &AttnDims) -> usize {
-    2 * d.batch * d.n_heads * d.seq_len
+/// f32 elements holding `n` bf16s, rounded up to 256 bytes.
+fn bf16_region(n: usize) -> usize {
+    region(n.div_ceil(2))
+}
+
+/// Scratch elements (f32) of [`flash_attention_forward`]: the row log-sum-exp `B·NH·T`, and with
+/// [`FlashMath::Bf16`] the bf16 copy of qkv (`3·N·C` bf16), each region 256-byte aligned.
+pub fn flash_forward_scratch_len(d: &AttnDims, math: FlashMath) -> usize {
+    let lse = region(d.batch * d.n_heads * d.seq_len);
+    match math {
+        FlashMath::Fp32 => lse,
+        FlashMath::Bf16 => lse + bf16_region(3 * d.nc()),
+    }
+}
+
+/// Scratch elements (f32) of [`flash_attention_backward`]: log-sum-exp and delta (`B·NH·T`
+/// each), and with [`FlashMath::Bf16`] the bf16 copies of qkv (`3·N·C`) and dout (`N·C`), each
+/// region 256-byte aligned.
+pub fn flash_backward_scratch_len(d: &AttnDims, math: FlashMath) -> usize {
+    let rows = region(d.batch * d.n_heads * d.seq_len);
+    match math {
+        FlashMath::Fp32 => 2 * rows,
+        FlashMath::Bf16 => 2 * rows + bf16_region(3 * d.nc()) + bf16_region(d.nc()),
+    }
+}
+
+/// The bf16 copy of `x` (`n` elements) in the scratch region at f32 offset `at`: cast on the
+/// compute stream.
+fn bf16_copy(dev: &Device, scratch: &Buf, at: usize, x: &Buf, n: usize) -> Result<Buf> {
+    let b = scratch
+        .slice(at, bf16_region(n))?
+        .reinterpret(Elem::BF16, n)?;
+    crate::gemm::cast_f32_to_bf16(dev, x, &b)?;
+    Ok(b)
 }
 
 /// Threads per block of the fused kernels for head dim `hd`, and the variant's kernels
@@ -305,13 +336,13 @@ pub fn flash_backward_scratch_len(d: &AttnDims) -> usize {
 fn flash_variant(hd: usize, math: FlashMath) -> (usize, &'static str, &'static str, &'static str) {
     match math {
         FlashMath::Bf16 if hd <= 32 => (
-            128,
+            FLASH_TC_THREADS,
             "flash_attn_tc_fwd_d32",
             "flash_attn_tc_bwd_dkdv_d32",
             "flash_attn_tc_bwd_dq_d32",
         ),
         FlashMath::Bf16 => (
-            128,
+            FLASH_TC_THREADS,
             "flash_attn_tc_fwd_d64",
             "flash_attn_tc_bwd_dkdv_d64",
             "flash_attn_tc_bwd_dq_d64",
@@ -338,6 +369,10 @@ fn flash_variant(hd: usize, math: FlashMath) -> (usize, &'static str, &'static s
 }
 
 const FLASH_ROWS: usize = 64;
+
+/// Rows per block and threads per block of the tensor-core kernels (8 warps of 16 rows).
+const FLASH_TC_ROWS: usize = 128;
+const FLASH_TC_THREADS: usize = 256;
 
 /// A launch grid or block.
 type Dim3 = (u32, u32, u32);
@@ -366,7 +401,11 @@ fn flash_check(op: &'static str, d: &AttnDims, math: FlashMath) -> Result<(usize
         });
     }
     let (threads, ..) = flash_variant(hd, math);
-    let grid = (d.seq_len.div_ceil(FLASH_ROWS) as u32, bh as u32, 1);
+    let rows = match math {
+        FlashMath::Fp32 => FLASH_ROWS,
+        FlashMath::Bf16 => FLASH_TC_ROWS,
+    };
+    let grid = (d.seq_len.div_ceil(rows) as u32, bh as u32, 1);
     let block = (threads as u32, 1, 1);
     Ok((hd, grid, block))
 }
@@ -402,13 +441,17 @@ pub fn flash_attention_forward(
     let nc = d.nc();
     qkv.expect(OP, "qkv", Elem::F32, 3 * nc)?;
     out.expect(OP, "out", Elem::F32, nc)?;
-    let rows = flash_forward_scratch_len(d);
-    flash_scratch(OP, scratch, rows)?;
+    flash_scratch(OP, scratch, flash_forward_scratch_len(d, math))?;
+    let rows = d.batch * d.n_heads * d.seq_len;
     let lse = scratch.slice(0, rows)?;
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
     let (_, fwd, ..) = flash_variant(hd, math);
+    let input = match math {
+        FlashMath::Fp32 => qkv.clone(),
+        FlashMath::Bf16 => bf16_copy(dev, scratch, region(rows), qkv, 3 * nc)?,
+    };
     let args = Args::new()
-        .buf(qkv)
+        .buf(&input)
         .buf(out)
         .buf(&lse)
         .opt(None)
@@ -441,11 +484,22 @@ pub fn flash_attention_backward(
     qkv.expect(OP, "qkv", Elem::F32, 3 * nc)?;
     dqkv.expect(OP, "dqkv", Elem::F32, 3 * nc)?;
     dout.expect(OP, "dout", Elem::F32, nc)?;
-    let rows = flash_forward_scratch_len(d);
-    flash_scratch(OP, scratch, 2 * rows)?;
-    let (lse, delta) = (scratch.slice(0, rows)?, scratch.slice(rows, rows)?);
+    flash_scratch(OP, scratch, flash_backward_scratch_len(d, math))?;
+    let rows = d.batch * d.n_heads * d.seq_len;
+    let (lse, delta) = (scratch.slice(0, rows)?, scratch.slice(region(rows), rows)?);
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
     let (_, fwd, dkdv, dq) = flash_variant(hd, math);
+    let (qkv, dout) = match math {
+        FlashMath::Fp32 => (qkv.clone(), dout.clone()),
+        FlashMath::Bf16 => {
+            let at = 2 * region(rows);
+            (
+                bf16_copy(dev, scratch, at, qkv, 3 * nc)?,
+                bf16_copy(dev, scratch, at + bf16_region(3 * nc), dout, nc)?,
+            )
+        }
+    };
+    let (qkv, dout) = (&qkv, &dout);
     let tail = |a: Args| {
         a.i32(d.seq_len as i32)
             .i32(d.n_heads as i32)

@@ -524,7 +524,7 @@ fn flash_attention(v: &mut Vec<Case>) {
             v.push(case(fwd_name, size.clone(), tol, big, move |cx| {
                 let qkv = cx.normal(3 * nc, 0.0, 1.0);
                 let (qb, ob) = (cx.up(&qkv)?, cx.out(nc)?);
-                let sb = cx.out(gattn::flash_forward_scratch_len(&gd))?;
+                let sb = cx.out(gattn::flash_forward_scratch_len(&gd, math))?;
                 let ms =
                     cx.timed(|| gattn::flash_attention_forward(cx.dev, &qb, &ob, &gd, &sb, math))?;
                 let mut r = vec![0.0; nc];
@@ -535,7 +535,7 @@ fn flash_attention(v: &mut Vec<Case>) {
                 let qkv = cx.normal(3 * nc, 0.0, 1.0);
                 let dout = cx.normal(nc, 0.0, 1.0);
                 let (qb, gb, db) = (cx.up(&qkv)?, cx.up(&dout)?, cx.out(3 * nc)?);
-                let sb = cx.out(gattn::flash_backward_scratch_len(&gd))?;
+                let sb = cx.out(gattn::flash_backward_scratch_len(&gd, math))?;
                 let ms = cx.timed(|| {
                     gattn::flash_attention_backward(cx.dev, &gb, &qb, &db, &gd, &sb, math)
                 })?;
