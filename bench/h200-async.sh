@@ -17,8 +17,11 @@ stamp() { echo "== $(date -u +%H:%M:%S) (+$(( $(date +%s) - start ))s) $*"; }
 stamp machine; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 if [[ -z "${SKIP_CHECKS:-}" ]]; then
 stamp selftest
-timeout 120 $B selftest --device cuda --quick --cache-dir $TC --train-match $S/tiny.asteria > "$out/selftest.txt" 2>&1
+timeout 150 $B selftest --device cuda --quick --cache-dir $TC --train-match $S/tiny.asteria > "$out/selftest.txt" 2>&1
 echo "selftest rc=$?"; grep -E "passed|failed|^(PASS|FAIL)" "$out/selftest.txt" | tail -4; grep -E "FAIL" "$out/selftest.txt" | head -5
+# SOAP train-match (fp32, GPU vs CPU engine; the CPU's new eigenbases injected after refreshes).
+timeout 120 $B selftest --device cuda --no-kernels --cache-dir $TC --train-match $S/tiny-soap.asteria --inject-cpu-refreshes > "$out/selftest-soap-match.txt" 2>&1
+echo "soap train-match rc=$?"; tail -4 "$out/selftest-soap-match.txt"
 # Tiny-soap on the GPU (fp32), S = 0 and S = 5.
 for s in 0 5; do
   sed -e 's/^target cpu {/target cuda {\n  precision = fp32/' -e "s/staleness = 0/staleness = $s/" $S/tiny-soap.asteria > $S/tiny-soap-cuda-s$s.asteria

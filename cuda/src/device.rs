@@ -231,13 +231,7 @@ impl Device {
         let cc = ctx.compute_capability()?;
         let arch = nvrtc::arch_for(cc);
         let (least, greatest) = drv::stream::get_priority_range()?;
-        // The compute stream outranks the side stream's refresh kernels, unless
-        // `ASTERIA_CUDA_STREAM_PRIORITY=equal` (an experiment switch).
-        let compute_priority = match std::env::var("ASTERIA_CUDA_STREAM_PRIORITY").as_deref() {
-            Ok("equal") => least,
-            _ => greatest,
-        };
-        let compute = ctx.new_stream_with_priority(compute_priority)?;
+        let compute = ctx.new_stream_with_priority(greatest)?;
         let copy_in = ctx.new_stream()?;
         let copy_out = ctx.new_stream()?;
         let side = ctx.new_stream_with_priority(least)?;
@@ -502,28 +496,6 @@ impl Device {
 
     pub(crate) fn cublas_handle(&self) -> cbsys::cublasHandle_t {
         self.cublas.0
-    }
-
-    /// Makes the compute stream's cuBLAS heuristics plan for `sms` SMs
-    /// (`cublasSetSmCountTarget`; 0 = the device's count), for GEMMs that share the GPU with
-    /// side-stream kernels.
-    ///
-    /// # Errors
-    /// `sms` above the device's SM count, or a cuBLAS error.
-    pub fn set_sm_count_target(&self, sms: u32) -> Result<()> {
-        if sms > self.info.sm_count {
-            return Err(CudaError::Invalid {
-                op: "set_sm_count_target",
-                what: format!(
-                    "SM count target {sms} is above the device's {} SMs",
-                    self.info.sm_count
-                ),
-            });
-        }
-        // SAFETY: live handle.
-        unsafe { cbsys::cublasSetSmCountTarget(self.cublas.0, sms as i32) }
-            .result()
-            .map_err(cublas("set_sm_count_target"))
     }
 
     /// The cuBLAS handle bound to stream `kind`: the side stream has its own (refreshes run

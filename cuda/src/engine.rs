@@ -139,18 +139,12 @@ pub struct CudaOptions {
     /// How SOAP's per-step GEMMs run (`ASTERIA_CUDA_SOAP_GEMM=fp32|bf16`, default bf16; see
     /// [`op::SoapProjections`]). `bf16` applies under `precision = bf16` only.
     pub soap_projections: op::SoapProjections,
-    /// SMs the compute stream's cuBLAS heuristics plan for (`ASTERIA_CUDA_SM_TARGET=N`,
-    /// `cublasSetSmCountTarget`); `None` = the whole device. Below the SM count, the model and
-    /// optimizer GEMMs pick grids that leave room for side-stream refresh kernels running
-    /// concurrently, instead of a last wave that waits for the SMs they hold.
-    pub sm_target: Option<u32>,
 }
 
 impl CudaOptions {
     /// Defaults overridden by `ASTERIA_CUDA_REFRESH` (`plan|gpu|host`), `ASTERIA_CUDA_QR`
-    /// (`cholesky3|householder`), `ASTERIA_CUDA_SOAP_GEMM` (`fp32|bf16`), `ASTERIA_CUDA_SM_TARGET`
-    /// (SMs, 0 = all),
-    /// `ASTERIA_CUDA_BF16_GEMM` (`cast|fast`) and `ASTERIA_CUDA_ATTENTION` (`fused|gemm`).
+    /// (`cholesky3|householder`), `ASTERIA_CUDA_SOAP_GEMM` (`fp32|bf16`),
+    /// `ASTERIA_CUDA_BF16_GEMM` (`cast|fast`) and `ASTERIA_CUDA_ATTENTION` (`auto|tc|fused|gemm`).
     ///
     /// # Errors
     /// An unknown value, named.
@@ -180,12 +174,6 @@ impl CudaOptions {
                 "bf16" => op::SoapProjections::Bf16,
                 _ => return Err(format!("ASTERIA_CUDA_SOAP_GEMM: `{v}` is not fp32 or bf16")),
             };
-        }
-        if let Ok(v) = std::env::var("ASTERIA_CUDA_SM_TARGET") {
-            let n: u32 = v
-                .parse()
-                .map_err(|_| format!("ASTERIA_CUDA_SM_TARGET: `{v}` is not a number of SMs"))?;
-            o.sm_target = (n > 0).then_some(n);
         }
         if let Ok(v) = std::env::var("ASTERIA_CUDA_ATTENTION") {
             o.attention = match v.as_str() {
@@ -361,10 +349,6 @@ impl CudaEngine {
         precision: Precision,
     ) -> Result<CudaEngine, EngineError> {
         let e = |w: &'static str| move |err: CudaError| cuda_err(w, err);
-        if let Some(n) = opts.sm_target {
-            dev.set_sm_count_target(n)
-                .map_err(e("setting the SM count target"))?;
-        }
         // Sizes: buffers, scratch, bf16 shadows.
         let programs = || {
             plan.forward

@@ -273,24 +273,6 @@ impl GpuRefresher {
                 "cusolverDnSetStream",
                 cs::cusolverDnSetStream(handle, dev.stream(stream).cu_stream() as cs::cudaStream_t),
             )?;
-            // Experiment switch: `ASTERIA_CUDA_SOLVER_MATH=bf16x9` lets cuSOLVER emulate its
-            // fp32 GEMMs with BF16x9 on bf16 tensor cores (fp32-accurate; CUDA 13), eagerly.
-            if std::env::var("ASTERIA_CUDA_SOLVER_MATH").as_deref() == Ok("bf16x9") {
-                check(
-                    "cusolverDnSetMathMode",
-                    cs::cusolverDnSetMathMode(
-                        handle,
-                        cs::cusolverMathMode_t::CUSOLVER_FP32_EMULATED_BF16X9_MATH,
-                    ),
-                )?;
-                check(
-                    "cusolverDnSetEmulationStrategy",
-                    cs::cusolverDnSetEmulationStrategy(
-                        handle,
-                        cs::cudaEmulationStrategy_t::CUDA_EMULATION_STRATEGY_EAGER,
-                    ),
-                )?;
-            }
         }
         let bytes = refresh_work_bytes(d);
         let mut arena: Arena = dev.arena("refresh", crate::Tier::Device, bytes)?;
