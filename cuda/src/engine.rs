@@ -18,12 +18,13 @@
 //! - Init: the CPU engine's exact procedure (one `engine::Rng` seeded by the options' or the
 //!   plan's seed, normal draws in buffer order) on the host, uploaded: the same seed gives
 //!   bit-identical initial weights on both engines.
-//! - Precision (`TargetPlan::Cuda::precision`): `fp32` runs every GEMM in plain fp32 (no TF32);
-//!   `bf16` runs the model GEMMs (plan `MatMul`s and the attention GEMMs of forward and
-//!   backward) with bf16 inputs and fp32 accumulation and output, and the optimizer program's
-//!   GEMMs (SOAP's factor accumulation and projections) on TF32 tensor cores (PyTorch's
-//!   `allow_tf32 = True`). Master weights, moments, elementwise optimizer math and every
-//!   eigenbasis refresh stay fp32.
+//! - Precision (`TargetPlan::Cuda::precision`): `fp32` runs every GEMM in plain fp32 (no TF32)
+//!   and attention through the GEMM path; `bf16` runs the model GEMMs (plan `MatMul`s) with bf16
+//!   inputs and fp32 accumulation and output, attention on the fused bf16 tensor-core kernels
+//!   (head dim ≤ 64, else the GEMM path in bf16; [`AttentionImpl`]), SOAP's per-step GEMMs
+//!   (factor accumulation, projections) on bf16 operands ([`op::SoapProjections`]) and the
+//!   moment re-projection of a refresh swap on TF32 tensor cores. Master weights, moments,
+//!   elementwise optimizer math and the eigensolves and QRs of refreshes stay fp32.
 //! - `ClipGradNorm` reads the norm back; a non-finite norm skips the rest of the optimizer
 //!   program (counted in `EngineStats::skipped_steps`), as on the CPU.
 //! - Bad token ids / targets: the kernels set the device status word; `forward` checks it
@@ -349,6 +350,21 @@ impl CudaEngine {
         precision: Precision,
     ) -> Result<CudaEngine, EngineError> {
         let e = |w: &'static str| move |err: CudaError| cuda_err(w, err);
+        // `auto` under bf16 wants the tensor-core attention family; if it did not load (e.g. a
+        // GPU below sm_80), fall back to the GEMM path instead of failing at the first launch.
+        let mut opts = opts;
+        if opts.attention == AttentionImpl::Auto && precision == Precision::Bf16 {
+            let loaded = dev
+                .kernel_loads()
+                .iter()
+                .any(|l| l.family == "flash_attention_tc" && l.origin.is_some());
+            if !loaded {
+                tracing::warn!(
+                    "the tensor-core attention kernels did not load; attention runs as GEMMs"
+                );
+                opts.attention = AttentionImpl::Gemm;
+            }
+        }
         // Sizes: buffers, scratch, bf16 shadows.
         let programs = || {
             plan.forward

@@ -391,7 +391,7 @@ pub fn gemm_bf16(
     alpha: f32,
     beta: f32,
 ) -> Result<()> {
-    const OP: &str = "matmul_bf16";
+    const OP: &str = "gemm_bf16";
     check_operands(OP, a, a_dims, b, b_dims, Elem::BF16)?;
     let g = Geometry::new(OP, a_dims, b_dims, trans_a, trans_b)?;
     out.expect(OP, "out", Elem::F32, g.m * g.p)?;

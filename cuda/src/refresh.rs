@@ -787,8 +787,9 @@ impl GpuRefresher {
     }
 }
 
-/// Work buffers of [`apply`] on the compute stream: the basis change `C` (`[d, d]`) and the new
-/// moments (`[m·n]` each), sized for the largest task.
+/// Work buffers of [`apply`] on the compute stream: the basis change `C` (`[d, d]`; when
+/// `d² > m·n` it holds the `[m, n]` intermediate of the two-step re-projection instead) and the
+/// new moments (`[m·n]` each), sized for the largest task.
 pub(crate) struct SwapWork {
     c: Buf,
     e_new: Buf,

@@ -1,18 +1,23 @@
-//! Causal multi-head self-attention (plan ops `Attention`, `AttentionBackward`) as cuBLAS
-//! strided-batched GEMMs around permutes and a causal row softmax (kernel family `attention`).
+//! Causal multi-head self-attention (plan ops `Attention`, `AttentionBackward`), three ways.
 //!
 //! Per (batch, head) with `Q, K, V` `[T, d]`, `s = 1/√d`: `S = s·Q Kᵀ`, `P = softmax(S + mask)`,
 //! `O = P V`. Backward (P recomputed): `dV = Pᵀ dO`, `dP = dO Vᵀ`,
-//! `dS = P ⊙ (dP − rowsum(P ⊙ dP))`, `dQ = s·dS K`, `dK = s·dSᵀ Q`. The full `T × T` scores
-//! are materialised. `CudaEngine`'s default (`ASTERIA_CUDA_ATTENTION=gemm`): with bf16 GEMMs it
-//! measured faster on the H200 than the fused fp32 kernels below.
+//! `dS = P ⊙ (dP − rowsum(P ⊙ dP))`, `dQ = s·dS K`, `dK = s·dSᵀ Q`.
 //!
-//! The fused path (`ASTERIA_CUDA_ATTENTION=fused`) is [`flash_attention_forward`] /
-//! [`flash_attention_backward`] (kernel family
-//! `flash_attention`): FlashAttention-2 style fused kernels, fp32 SIMT, online softmax over key
-//! tiles, q/k/v read strided straight from the fused qkv, no `T × T` buffer. Backward takes
-//! only `dout` and `qkv` (as the plan op does) and so recomputes the row log-sum-exp and
-//! `delta = rowsum(dO ∘ O)` with one forward-kernel pass into a `2·B·NH·T` scratch, then runs
+//! - [`attention_forward`] / [`attention_backward`] (`ASTERIA_CUDA_ATTENTION=gemm`, kernel family
+//!   `attention`): cuBLAS strided-batched GEMMs around permutes and a causal row softmax; the
+//!   full `T × T` scores are materialised. `CudaEngine`'s choice under `precision = fp32`.
+//! - [`flash_attention_forward`] / [`flash_attention_backward`] with [`FlashMath::Bf16`]
+//!   (families `flash_attention_tc`; `ASTERIA_CUDA_ATTENTION=tc`, and the default `auto` under
+//!   `precision = bf16` for head dims ≤ 64): FlashAttention-2 on bf16 tensor cores
+//!   (`mma.sync m16n8k16`, fp32 softmax and accumulation) over bf16 copies of qkv and dout
+//!   made by the launcher.
+//! - The same launchers with [`FlashMath::Fp32`] (family `flash_attention`;
+//!   `ASTERIA_CUDA_ATTENTION=fused`): the FlashAttention-2 tiling in fp32 SIMT arithmetic.
+//!
+//! The fused paths read q/k/v strided straight from the fused qkv and keep no `T × T` buffer.
+//! Their backward takes only `dout` and `qkv` (as the plan op does) and so recomputes the row
+//! log-sum-exp and `delta = rowsum(dO ∘ O)` with one forward-kernel pass into scratch, then runs
 //! a dK/dV kernel (per key block) and a dQ kernel (per query block); no state is kept between
 //! the forward and backward ops.
 use super::{int, row_threads};

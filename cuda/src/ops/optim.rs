@@ -91,8 +91,9 @@ fn bf16_slots(len: usize) -> usize {
 }
 
 /// Scratch elements (f32) of [`soap_update`] for an `[m, n]` parameter with the given bases:
-/// `2·256 + 2 + 3·m·n` (f64 partials, the RMS divisor, projections), plus with
-/// [`SoapProjections::Bf16`] and a basis the bf16 bases and two bf16 `[m, n]` matrices.
+/// `3·m·n + 2·256 + 2` (projections, f64 partials, the RMS divisor) rounded up to a multiple of
+/// 64 (256 bytes), plus with [`SoapProjections::Bf16`] and a basis the bf16 bases (`m²`, `n²`)
+/// and two bf16 `[m, n]` matrices, each region rounded up to 256 bytes.
 pub fn soap_update_scratch_len(
     m: usize,
     n: usize,
@@ -118,6 +119,11 @@ pub fn soap_update_scratch_len(
 /// `W ← W − lr·√(1−β₂ᵏ)/(1−β₁ᵏ)·N`, then `W ← W − lr·wd·W` (fused into the last projection
 /// GEMM's α/β when there is a basis and no RMS normalisation). A missing basis is the identity.
 /// `scratch` f32 of at least [`soap_update_scratch_len`]; `proj` says how the projections run.
+/// Reference: `SOAP.step` of nikhilvyas/SOAP `soap.py` (Vyas et al., 2024).
+///
+/// # Errors
+/// Operands of the wrong size or dtype, a short scratch ([`CudaError::Shape`]), cuBLAS and
+/// launch failures.
 #[allow(clippy::too_many_arguments)]
 pub fn soap_update(
     dev: &Device,
@@ -341,6 +347,10 @@ pub fn soap_factor_update_scratch_len(
 /// [`soap_factor_update_scratch_len`] f32 elements) and the GEMMs are native bf16 with fp32
 /// accumulation into the fp32 factors; otherwise fp32-storage GEMMs with the device's
 /// [`crate::GemmMath`].
+///
+/// # Errors
+/// A scratch shorter than [`soap_factor_update_scratch_len`] ([`CudaError::Shape`]), operands
+/// of the wrong size, cuBLAS and launch failures.
 #[allow(clippy::too_many_arguments)]
 pub fn soap_factor_update(
     dev: &Device,

@@ -128,6 +128,8 @@ fn soap(v: &mut Vec<Case>) {
         (50, 783, true, false, false, true, 0.01, false),
         (50, 783, true, false, false, true, 0.0, false),
         (50, 783, false, true, false, false, 0.01, false),
+        (50, 783, true, false, true, true, 0.01, false),
+        (50, 783, false, true, true, true, 0.01, false),
         (1, 783, false, false, false, true, 0.01, false),
         (783, 783, true, true, false, true, 0.01, true),
     ];
