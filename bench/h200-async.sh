@@ -22,6 +22,13 @@ echo "selftest rc=$?"; grep -E "passed|failed|^(PASS|FAIL)" "$out/selftest.txt" 
 # SOAP train-match (fp32, GPU vs CPU engine; the CPU's new eigenbases injected after refreshes).
 timeout 120 $B selftest --device cuda --no-kernels --cache-dir $TC --train-match $S/tiny-soap.asteria --inject-cpu-refreshes > "$out/selftest-soap-match.txt" 2>&1
 echo "soap train-match rc=$?"; tail -4 "$out/selftest-soap-match.txt"
+# The production bf16 path (bf16 GEMMs, tensor-core attention, bf16 SOAP GEMMs) against the fp32
+# CPU engine: 9.6e-6 (AdamW) and 8.5e-5 (SOAP) measured in session 4, hence tol 1e-3.
+for spec in tiny tiny-soap; do
+  timeout 150 $B selftest --device cuda --no-kernels --cache-dir $TC --train-match $S/$spec.asteria \
+    --inject-cpu-refreshes --match-precision bf16 --tol 1e-3 > "$out/selftest-$spec-bf16-match.txt" 2>&1
+  echo "$spec bf16 train-match rc=$?"; tail -3 "$out/selftest-$spec-bf16-match.txt"
+done
 # Tiny-soap on the GPU (fp32), S = 0 and S = 5.
 for s in 0 5; do
   sed -e 's/^target cpu {/target cuda {\n  precision = fp32/' -e "s/staleness = 0/staleness = $s/" $S/tiny-soap.asteria > $S/tiny-soap-cuda-s$s.asteria

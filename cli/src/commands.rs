@@ -475,6 +475,7 @@ pub struct SelftestArgs {
     pub resync: bool,
     pub state_tol: f64,
     pub inject_cpu_refreshes: bool,
+    pub match_precision: String,
     pub nccl: bool,
 }
 
@@ -512,6 +513,11 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
         .refresh
         .parse()
         .map_err(|e: String| miette!("--refresh: {e}"))?;
+    let precision = match a.match_precision.as_str() {
+        "fp32" => schedule::Precision::Fp32,
+        "bf16" => schedule::Precision::Bf16,
+        other => return Err(miette!("--match-precision: `{other}` is not fp32 or bf16")),
+    };
     for spec in &a.train_match {
         let (plan, _) = compile_spec(spec, &PassFlags::default())?;
         let opts = cuda::train_match::MatchOptions {
@@ -528,6 +534,7 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
             resync: a.resync,
             state_tol: a.state_tol,
             inject_cpu_refreshes: a.inject_cpu_refreshes,
+            precision,
         };
         match cuda::train_match::train_match(&plan, &opts) {
             Ok(r) => {

@@ -172,6 +172,10 @@ enum Command {
         /// kernel self-test checks the GPU refresh itself). Implies `--compare-state`.
         #[arg(long)]
         inject_cpu_refreshes: bool,
+        /// GEMM precision of the GPU engine in the train-match: fp32 (bit-for-bit check) or
+        /// bf16 (the production path against the fp32 CPU engine; pass a looser --tol, e.g. 0.02).
+        #[arg(long, default_value = "fp32")]
+        match_precision: String,
         /// Also check NCCL: a sum all-reduce over every visible GPU against the f64 sum (finds
         /// `libnccl.so.2` when cudarc cannot, re-executing with a `libnccl.so` alias).
         #[arg(long)]
@@ -272,6 +276,7 @@ fn main() -> ExitCode {
             resync,
             state_tol,
             inject_cpu_refreshes,
+            match_precision,
             nccl,
         } => commands::selftest(&commands::SelftestArgs {
             device,
@@ -289,6 +294,7 @@ fn main() -> ExitCode {
             resync,
             state_tol,
             inject_cpu_refreshes,
+            match_precision,
             nccl,
         }),
         Command::Plot {

@@ -47,6 +47,11 @@ pub struct MatchOptions {
     /// and SOAP's per-coordinate Adam turns that into O(lr) different updates (BENCHMARKS.md).
     /// The GPU refresh itself is checked by the kernel self-test (`eigenbasis_refresh`).
     pub inject_cpu_refreshes: bool,
+    /// The GPU engine's GEMM precision. [`Precision::Fp32`] (the default) is the bit-for-bit
+    /// comparison with the CPU engine; [`Precision::Bf16`] runs the production path (bf16 model
+    /// GEMMs, tensor-core attention, bf16 SOAP GEMMs, TF32 swaps) against the fp32 CPU engine,
+    /// which needs a looser `tol` (bf16 operand rounding, ~4e-3 relative per GEMM).
+    pub precision: Precision,
 }
 
 impl Default for MatchOptions {
@@ -61,6 +66,7 @@ impl Default for MatchOptions {
             resync: false,
             inject_cpu_refreshes: false,
             state_tol: 1e-5,
+            precision: Precision::Fp32,
         }
     }
 }
@@ -150,7 +156,7 @@ pub fn train_match(plan: &Plan, opts: &MatchOptions) -> Result<MatchReport, Stri
     plan.target = TargetPlan::Cuda {
         device,
         staleness: 0,
-        precision: Precision::Fp32,
+        precision: opts.precision,
     };
     let train_opts = TrainOptions {
         steps: Some(opts.steps),
