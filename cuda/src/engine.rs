@@ -387,6 +387,22 @@ impl CudaEngine {
                 }
             }
         }
+        // SOAP's bf16 projections read bf16 bases: cast once per swap, not once per step (a
+        // swap marks the shadow stale, `tasks.rs`).
+        if soap == op::SoapProjections::Bf16 {
+            for o in &plan.optimizer {
+                if let Op::SoapUpdate {
+                    basis_left,
+                    basis_right,
+                    ..
+                } = o
+                {
+                    for q in basis_left.iter().chain(basis_right) {
+                        needs_shadow[q.index()] = true;
+                    }
+                }
+            }
+        }
         // Plan buffers: one arena per arena of the memory plan (verified: every slot aligned
         // and inside its arena, shared bytes only between disjoint live ranges), each buffer
         // at its planned offset.
@@ -982,6 +998,16 @@ impl CudaEngine {
                 hyper,
             } => {
                 let (m, n) = self.dims(*param);
+                let proj = CudaEngine::soap_projections(&self.opts, self.precision);
+                let mut cached = [None, None];
+                if proj == op::SoapProjections::Bf16 {
+                    for (slot, q) in cached.iter_mut().zip([basis_left, basis_right]) {
+                        if let Some(q) = q.filter(|q| self.shadows[q.index()].is_some()) {
+                            *slot = Some(self.shadow(q)?);
+                        }
+                    }
+                }
+                let (dev, s) = (&self.dev, &self.scratch);
                 op::soap_update(
                     dev,
                     t,
@@ -996,7 +1022,8 @@ impl CudaEngine {
                     m,
                     n,
                     s,
-                    CudaEngine::soap_projections(&self.opts, self.precision),
+                    proj,
+                    [cached[0].as_ref(), cached[1].as_ref()],
                 )?;
             }
             Op::SoapFactorUpdate {
@@ -1105,6 +1132,11 @@ impl CudaEngine {
             _ => self.plan.optimizer = program,
         }
         result
+    }
+
+    /// A refresh swap wrote basis `id`: its bf16 shadow (SOAP's bf16 projections) is stale.
+    pub(crate) fn basis_changed(&mut self, id: BufferId) {
+        self.shadow_fresh[id.index()] = false;
     }
 
     /// GEMM math of the swap's moment re-projection: the optimizer program's (TF32 under

@@ -576,6 +576,7 @@ impl CudaEngine {
                 self.swap_math(),
             )
             .map_err(e)?;
+            self.basis_changed(task.basis);
             return Ok(Ok(if init {
                 RefreshOutcome::Initialized
             } else {
@@ -857,6 +858,7 @@ impl CudaEngine {
             self.swap_math(),
         )
         .map_err(e)?;
+        self.basis_changed(task.basis);
         Ok(Ok(RefreshOutcome::Refreshed))
     }
 
@@ -939,6 +941,7 @@ impl CudaEngine {
             self.swap_math(),
         )
         .map_err(e)?;
+        self.basis_changed(task.basis);
         Ok(Ok(result.kind()))
     }
 

@@ -118,7 +118,9 @@ pub fn soap_update_scratch_len(
 /// `N = Q_L pre Q_Rᵀ` (optionally divided by `1e-30 + RMS(N)`),
 /// `W ← W − lr·√(1−β₂ᵏ)/(1−β₁ᵏ)·N`, then `W ← W − lr·wd·W` (fused into the last projection
 /// GEMM's α/β when there is a basis and no RMS normalisation). A missing basis is the identity.
-/// `scratch` f32 of at least [`soap_update_scratch_len`]; `proj` says how the projections run.
+/// `scratch` f32 of at least [`soap_update_scratch_len`]; `proj` says how the projections run;
+/// `cached` are bf16 copies of `[Q_L, Q_R]` `[m, m]`, `[n, n]` kept by the caller while the
+/// bases do not change (used under [`SoapProjections::Bf16`]; a `None` is cast here, each step).
 /// Reference: `SOAP.step` of nikhilvyas/SOAP `soap.py` (Vyas et al., 2024).
 ///
 /// # Errors
@@ -140,6 +142,7 @@ pub fn soap_update(
     n: usize,
     scratch: &Buf,
     proj: SoapProjections,
+    cached: [Option<&Buf>; 2],
 ) -> Result<()> {
     const OP: &str = "soap_update";
     let mn = m * n;
@@ -197,15 +200,26 @@ pub fn soap_update(
             off += bf16_slots(len);
             Ok(b)
         };
-        let ql = basis_left.map(|_| carve(m * m)).transpose()?;
-        let qr = basis_right.map(|_| carve(n * n)).transpose()?;
+        // A basis's bf16 copy: the caller's (cast when the basis last changed), else cast now
+        // into scratch.
+        let mut bf16_basis =
+            |q: Option<&Buf>, cached: Option<&Buf>, d: usize| -> Result<Option<Buf>> {
+                let Some(q) = q else { return Ok(None) };
+                let b = carve(d * d)?;
+                match cached {
+                    Some(c) => {
+                        c.expect(OP, "cached bf16 basis", Elem::BF16, d * d)?;
+                        Ok(Some(c.clone()))
+                    }
+                    None => {
+                        gemm::cast_f32_to_bf16(dev, q, &b)?;
+                        Ok(Some(b))
+                    }
+                }
+            };
+        let ql = bf16_basis(basis_left, cached[0], m)?;
+        let qr = bf16_basis(basis_right, cached[1], n)?;
         let (x, y) = (carve(mn)?, carve(mn)?);
-        if let (Some(q), Some(b)) = (basis_left, &ql) {
-            gemm::cast_f32_to_bf16(dev, q, b)?;
-        }
-        if let (Some(q), Some(b)) = (basis_right, &qr) {
-            gemm::cast_f32_to_bf16(dev, q, b)?;
-        }
         Some((ql, qr, x, y))
     } else {
         None

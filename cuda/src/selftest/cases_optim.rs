@@ -4,7 +4,7 @@
 use super::cases::case;
 use super::{cpu, rel_err, wide, Case, Ctx, Outcome, TOL_BF16, TOL_F32};
 use crate::error::Result;
-use crate::memory::Buf;
+use crate::memory::{Buf, Elem};
 use crate::ops::{loss as gloss, optim as gopt};
 use schedule::SoapHyper;
 
@@ -134,19 +134,28 @@ fn soap(v: &mut Vec<Case>) {
         (783, 783, true, true, false, true, 0.01, true),
     ];
     // Each with the fp32 projections (`soap_update`, fp32 tolerance) and, where there is a
-    // basis, the bf16 ones (`soap_update_bf16`: operands rounded to bf16, bf16 tolerance).
+    // basis, the bf16 ones (operands rounded to bf16, bf16 tolerance): bases cast inside
+    // (`soap_update_bf16`) and bf16 bases handed in as the engine's cached shadows
+    // (`soap_update_bf16_cached`).
     let runs = configs.into_iter().flat_map(|c| {
-        let bf16 = (c.2 || c.3).then_some((c, gopt::SoapProjections::Bf16));
-        std::iter::once((c, gopt::SoapProjections::Fp32Storage)).chain(bf16)
+        let bf16 = (c.2 || c.3)
+            .then_some([
+                (c, gopt::SoapProjections::Bf16, false),
+                (c, gopt::SoapProjections::Bf16, true),
+            ])
+            .into_iter()
+            .flatten();
+        std::iter::once((c, gopt::SoapProjections::Fp32Storage, false)).chain(bf16)
     });
-    for ((m, n, left, right, normalize, correct, wd, big), proj) in runs {
+    for ((m, n, left, right, normalize, correct, wd, big), proj, cache) in runs {
         let size = format!(
             "[{m}, {n}] Q_L={} Q_R={} norm={} bias_corr={} wd={wd} t=5",
             left as u8, right as u8, normalize as u8, correct as u8
         );
-        let (name, tol) = match proj {
-            gopt::SoapProjections::Fp32Storage => ("soap_update", TOL_F32),
-            gopt::SoapProjections::Bf16 => ("soap_update_bf16", TOL_BF16),
+        let (name, tol) = match (proj, cache) {
+            (gopt::SoapProjections::Fp32Storage, _) => ("soap_update", TOL_F32),
+            (gopt::SoapProjections::Bf16, false) => ("soap_update_bf16", TOL_BF16),
+            (gopt::SoapProjections::Bf16, true) => ("soap_update_bf16_cached", TOL_BF16),
         };
         v.push(case(name, size, tol, big, move |cx| {
             let hp = SoapHyper {
@@ -173,6 +182,18 @@ fn soap(v: &mut Vec<Case>) {
             let qlb = ql.as_deref().map(|q| cx.up(q)).transpose()?;
             let qrb = qr.as_deref().map(|q| cx.up(q)).transpose()?;
             let scratch = cx.out(gopt::soap_update_scratch_len(m, n, left, right, proj))?;
+            // The engine's bf16 shadows of the bases, cast before the timed call.
+            let mut shadow = |q: &Option<Buf>, d: usize| -> Result<Option<Buf>> {
+                match q {
+                    Some(q) if cache => {
+                        let b = cx.raw(Elem::BF16, d * d)?;
+                        crate::gemm::cast_f32_to_bf16(cx.dev, q, &b)?;
+                        Ok(Some(b))
+                    }
+                    _ => Ok(None),
+                }
+            };
+            let (qls, qrs) = (shadow(&qlb, m)?, shadow(&qrb, n)?);
             let ms = cx.timed(|| {
                 gopt::soap_update(
                     cx.dev,
@@ -189,6 +210,7 @@ fn soap(v: &mut Vec<Case>) {
                     n,
                     &scratch,
                     proj,
+                    [qls.as_ref(), qrs.as_ref()],
                 )
             })?;
             let (mut rp, mut re, mut rs) = (wide(&p), wide(&ea), wide(&eas));
