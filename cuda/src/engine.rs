@@ -306,6 +306,8 @@ pub struct CudaEngine {
     bufs: Vec<Buf>,
     shadows: Vec<Option<Buf>>,
     shadow_fresh: Vec<bool>,
+    /// f32 → bf16 shadow casts done so far (the profile attributes them to their op).
+    shadow_casts: u64,
     scratch: Buf,
     stats: EngineStats,
     last_tokens: Vec<i32>,
@@ -385,6 +387,32 @@ impl CudaEngine {
                     needs_shadow[a.index()] = true;
                     needs_shadow[b.index()] = true;
                 }
+            }
+        }
+        // bf16 tensor-core GEMMs want every leading dimension a multiple of 8 elements (16
+        // bytes); cuBLAS runs the others on slow unaligned kernels (GPT-2's LM head with
+        // N = 50257: 13.3 ms against 2.4 ms at 50304 on the H200, BENCHMARKS.md session 5).
+        if precision == Precision::Bf16 {
+            let mut odd: Vec<usize> = plan
+                .forward
+                .iter()
+                .chain(&plan.backward)
+                .filter_map(|o| match o {
+                    Op::MatMul { a, b, .. } => Some([*a, *b]),
+                    _ => None,
+                })
+                .flatten()
+                .map(|id| dims2(&plan.buffer(id).shape).1)
+                .filter(|c| c % 8 != 0)
+                .collect();
+            odd.sort_unstable();
+            odd.dedup();
+            if !odd.is_empty() {
+                tracing::warn!(
+                    widths = ?odd,
+                    "GEMM operands with a row length that is not a multiple of 8 run on unaligned \
+                     cuBLAS kernels, several times slower; pad them (e.g. `vocab = 50304` for GPT-2)"
+                );
             }
         }
         // SOAP's bf16 projections read bf16 bases: cast once per swap, not once per step (a
@@ -487,6 +515,7 @@ impl CudaEngine {
             bufs,
             shadows,
             shadow_fresh: vec![false; n_bufs],
+            shadow_casts: 0,
             scratch,
             refreshes,
             stats: EngineStats {
@@ -688,6 +717,7 @@ impl CudaEngine {
         if !self.shadow_fresh[id.index()] {
             gemm::cast_f32_to_bf16(&self.dev, &self.bufs[id.index()], &s)?;
             self.shadow_fresh[id.index()] = true;
+            self.shadow_casts += 1;
         }
         Ok(s)
     }
@@ -1076,10 +1106,21 @@ impl CudaEngine {
                     .flatten();
                 (Instant::now(), ev)
             });
+            let casts_before = self.shadow_casts;
             let outcome = self.exec(op, t, lr_mult);
             if let Some((t0, ev0)) = started {
                 let host_ms = t0.elapsed().as_secs_f64() * 1e3;
-                let key = format!("{section}/{}{}", op.name(), self.profile_shape(op));
+                let casts = self.shadow_casts - casts_before;
+                let cast_note = if casts > 0 {
+                    format!(" +{casts} cast")
+                } else {
+                    String::new()
+                };
+                let key = format!(
+                    "{section}/{}{}{cast_note}",
+                    op.name(),
+                    self.profile_shape(op)
+                );
                 match ev0 {
                     Some(ev0) => {
                         if let Ok(ev1) = self.dev.record(StreamKind::Compute, true) {
@@ -1157,9 +1198,22 @@ impl CudaEngine {
         }
     }
 
-    /// Optimizer ops are profiled per parameter shape (` 768x3072`), others by name only.
+    /// Optimizer ops are profiled per parameter shape (` 768x3072`), GEMMs per operand shapes
+    /// and transposes (` 16384x768·768x2304ᵀ`), others by name only.
     fn profile_shape(&self, op: &Op) -> String {
         match op {
+            Op::MatMul {
+                a,
+                b,
+                trans_a,
+                trans_b,
+                ..
+            } => {
+                let (ar, ac) = self.dims(*a);
+                let (br, bc) = self.dims(*b);
+                let t = |x: bool| if x { "ᵀ" } else { "" };
+                format!(" {ar}x{ac}{}·{br}x{bc}{}", t(*trans_a), t(*trans_b))
+            }
             Op::SoapUpdate { grad, .. } | Op::SoapFactorUpdate { grad, .. } => {
                 let shape: Vec<String> = self
                     .plan
