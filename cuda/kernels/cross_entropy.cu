@@ -11,6 +11,8 @@
 // by one. The forward reads each logit once, the backward twice (statistics, then the
 // gradient) and writes each gradient once.
 
+#include <cuda_bf16.h>
+
 #define XENT_NEG_INF __int_as_float(0xff800000)
 
 // exp(v - m) for v <= m, except that a -inf logit adds exactly 0 even while m is still -inf
@@ -156,5 +158,45 @@ extern "C" __global__ void xent_backward(const float* __restrict__ logits, const
         r.z = xent_exp(q.z, m) * k - (j + 2 == t ? inv_n : 0.0f);
         r.w = xent_exp(q.w, m) * k - (j + 3 == t ? inv_n : 0.0f);
         __stcs(dv + i, r);
+    }
+}
+
+// As xent_backward, but dlogits is written in bf16 (round to nearest even) for consumers that
+// read bf16 anyway: the LM head's backward GEMMs under `precision = bf16`, which then need no
+// fp32 copy of the [n, v] gradient nor a cast of it. One block per row.
+extern "C" __global__ void xent_backward_bf16(const float* __restrict__ logits, const int* __restrict__ targets,
+                                              __nv_bfloat16* __restrict__ dlogits, int n, int v, float inv_n,
+                                              int* status) {
+    const int row = blockIdx.x;
+    if (row >= n) return;
+    const float* x = logits + (long long)row * v;
+    __nv_bfloat16* d = dlogits + (long long)row * v;
+    const int t = targets[row];
+    if (t < 0 || t >= v) {
+        if (threadIdx.x == 0) atomicMin(status, row);
+        for (int j = threadIdx.x; j < v; j += blockDim.x) d[j] = __float2bfloat16_rn(ASTERIA_NAN);
+        return;
+    }
+    float m, s;
+    xent_row_stats(x, v, &m, &s);
+    const float k = inv_n / s;
+    const int tid = threadIdx.x;
+    const int head = xent_head(x, v);
+    const int nvec = (v - head) >> 2;
+    const int rest = head + 4 * nvec;
+    if (tid < head) d[tid] = __float2bfloat16_rn(xent_exp(x[tid], m) * k - (tid == t ? inv_n : 0.0f));
+    if (tid < v - rest) {
+        const int j = rest + tid;
+        d[j] = __float2bfloat16_rn(xent_exp(x[j], m) * k - (j == t ? inv_n : 0.0f));
+    }
+    const float4* xv = reinterpret_cast<const float4*>(x + head);
+#pragma unroll 4
+    for (int i = tid; i < nvec; i += blockDim.x) {
+        const float4 q = __ldcs(xv + i);
+        const int j = head + 4 * i;
+        d[j] = __float2bfloat16_rn(xent_exp(q.x, m) * k - (j == t ? inv_n : 0.0f));
+        d[j + 1] = __float2bfloat16_rn(xent_exp(q.y, m) * k - (j + 1 == t ? inv_n : 0.0f));
+        d[j + 2] = __float2bfloat16_rn(xent_exp(q.z, m) * k - (j + 2 == t ? inv_n : 0.0f));
+        d[j + 3] = __float2bfloat16_rn(xent_exp(q.w, m) * k - (j + 3 == t ? inv_n : 0.0f));
     }
 }

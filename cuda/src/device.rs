@@ -150,6 +150,8 @@ pub struct Device {
     side: Arc<CudaStream>,
     cublas: Cublas,
     cublas_side: Cublas,
+    /// cuBLASLt for fused-epilogue GEMMs (`None` without the library).
+    blas_lt: Option<crate::lt::BlasLt>,
     kernels: Kernels,
     info: DeviceInfo,
     counters: Arc<MemCounters>,
@@ -281,6 +283,7 @@ impl Device {
         let counters = Arc::new(MemCounters::default());
         let mut internal = Arena::new(&ctx, &counters, "internal", Tier::Device, 1 << 16)?;
         let status = internal.buf(Elem::I32, 1)?;
+        let blas_lt = crate::lt::BlasLt::new(&ctx, &counters, cc.0.max(0) as u32)?;
         let dev = Device {
             ctx,
             compute,
@@ -289,6 +292,7 @@ impl Device {
             side,
             cublas: cublas_h,
             cublas_side,
+            blas_lt,
             kernels,
             info,
             counters,
@@ -492,6 +496,11 @@ impl Device {
 
     pub(crate) fn status(&self) -> &Buf {
         &self.status
+    }
+
+    /// cuBLASLt (compute stream only), when the library loaded.
+    pub(crate) fn blas_lt(&self) -> Option<&crate::lt::BlasLt> {
+        self.blas_lt.as_ref()
     }
 
     pub(crate) fn cublas_handle(&self) -> cbsys::cublasHandle_t {

@@ -42,6 +42,7 @@ use crate::StreamKind;
 use cudarc::driver::CudaEvent;
 use engine::{EngineError, EngineOptions, EngineStats, HostTaskReport, Rng, StepExecutor};
 use schedule::{ArenaKind, BufferId, DType, Init, Op, Plan, Precision, TargetPlan};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -115,6 +116,18 @@ impl AttentionImpl {
     }
 }
 
+/// What one tensor-core `Attention` forward keeps for its `AttentionBackward`
+/// ([`at::FlashSaved`]): the row log-sum-exp (f32 `[B·NH·T]`) and the bf16 copy of qkv
+/// (`[N, 3C]`), with the write generations of `qkv` and `out` when they were made. The
+/// backward uses them, with the bf16 shadow of `out` for delta, only while both generations
+/// still match and that shadow is fresh; otherwise it reruns the forward as before.
+struct AttnSaved {
+    out: BufferId,
+    lse: Buf,
+    qkv16: Buf,
+    gens: Option<(u64, u64)>,
+}
+
 /// `ASTERIA_CUDA_PROFILE` state: per `section/op[ shape]` the calls, GPU ms and host ms.
 struct Profile {
     /// CUDA events around each op instead of host syncs (`ASTERIA_CUDA_PROFILE=events`).
@@ -140,12 +153,20 @@ pub struct CudaOptions {
     /// How SOAP's per-step GEMMs run (`ASTERIA_CUDA_SOAP_GEMM=fp32|bf16`, default bf16; see
     /// [`op::SoapProjections`]). `bf16` applies under `precision = bf16` only.
     pub soap_projections: op::SoapProjections,
+    /// Keep every `BiasAdd` a separate kernel (`ASTERIA_CUDA_BIAS_EPILOGUE=off`) instead of
+    /// fusing it into the preceding bf16 GEMM's cuBLASLt epilogue ([`plan_bias_fusions`]).
+    pub unfused_bias: bool,
+    /// Rerun the attention forward inside every backward (`ASTERIA_CUDA_ATTN_SAVE=off`)
+    /// instead of keeping the row log-sum-exp and bf16 qkv of the tensor-core forward
+    /// ([`AttnSaved`]).
+    pub attention_rerun: bool,
 }
 
 impl CudaOptions {
     /// Defaults overridden by `ASTERIA_CUDA_REFRESH` (`plan|gpu|host`), `ASTERIA_CUDA_QR`
     /// (`cholesky3|householder`), `ASTERIA_CUDA_SOAP_GEMM` (`fp32|bf16`),
-    /// `ASTERIA_CUDA_BF16_GEMM` (`cast|fast`) and `ASTERIA_CUDA_ATTENTION` (`auto|tc|fused|gemm`).
+    /// `ASTERIA_CUDA_BF16_GEMM` (`cast|fast`), `ASTERIA_CUDA_ATTENTION` (`auto|tc|fused|gemm`)
+    /// `ASTERIA_CUDA_BIAS_EPILOGUE` (`on|off`) and `ASTERIA_CUDA_ATTN_SAVE` (`on|off`).
     ///
     /// # Errors
     /// An unknown value, named.
@@ -174,6 +195,24 @@ impl CudaOptions {
                 "fp32" | "tf32" => op::SoapProjections::Fp32Storage,
                 "bf16" => op::SoapProjections::Bf16,
                 _ => return Err(format!("ASTERIA_CUDA_SOAP_GEMM: `{v}` is not fp32 or bf16")),
+            };
+        }
+        if let Ok(v) = std::env::var("ASTERIA_CUDA_BIAS_EPILOGUE") {
+            o.unfused_bias = match v.as_str() {
+                "on" | "1" => false,
+                "off" | "0" => true,
+                _ => {
+                    return Err(format!(
+                        "ASTERIA_CUDA_BIAS_EPILOGUE: `{v}` is not on or off"
+                    ))
+                }
+            };
+        }
+        if let Ok(v) = std::env::var("ASTERIA_CUDA_ATTN_SAVE") {
+            o.attention_rerun = match v.as_str() {
+                "on" | "1" => false,
+                "off" | "0" => true,
+                _ => return Err(format!("ASTERIA_CUDA_ATTN_SAVE: `{v}` is not on or off")),
             };
         }
         if let Ok(v) = std::env::var("ASTERIA_CUDA_ATTENTION") {
@@ -205,6 +244,116 @@ fn dims2(shape: &[usize]) -> (usize, usize) {
         [n] => (1, *n),
         s => (s.first().copied().unwrap_or(0), s.iter().skip(1).product()),
     }
+}
+
+/// The forward `MatMul` + `BiasAdd` pairs that run as one cuBLASLt GEMM with a bias epilogue:
+/// maps the GEMM's output `x` to `(bias, y)` of the `BiasAdd { x, bias, out: y }` right after
+/// it. A pair fuses only when the GEMM overwrites `x` (no accumulation), nothing but that
+/// `BiasAdd` reads `x` in any program (or `y` is `x`), only that GEMM writes `x`, `y` does not
+/// share bytes with `bias`, and the operands' rows are 16-byte aligned for bf16 (else cuBLAS's
+/// unaligned kernels would lose more than the fusion gains).
+fn plan_bias_fusions(plan: &Plan) -> HashMap<BufferId, (BufferId, BufferId)> {
+    let all = || {
+        plan.forward
+            .iter()
+            .chain(&plan.backward)
+            .chain(&plan.optimizer)
+    };
+    let (mut readers, mut writers) = (
+        vec![0usize; plan.buffers.len()],
+        vec![0usize; plan.buffers.len()],
+    );
+    for o in all() {
+        for (_, id, access) in o.accesses() {
+            if access.reads() {
+                readers[id.index()] += 1;
+            }
+            if access.writes() {
+                writers[id.index()] += 1;
+            }
+        }
+    }
+    let overlaps = |u: BufferId, v: BufferId| match (plan.memory.slot(u), plan.memory.slot(v)) {
+        (Some(su), Some(sv)) => {
+            let (bu, bv) = (plan.buffer(u).size_bytes(), plan.buffer(v).size_bytes());
+            su.arena == sv.arena && su.offset < sv.offset + bv && sv.offset < su.offset + bu
+        }
+        _ => true,
+    };
+    let mut fused = HashMap::new();
+    for pair in plan.forward.windows(2) {
+        let (
+            Op::MatMul {
+                a,
+                b,
+                out: x,
+                accumulate: false,
+                ..
+            },
+            Op::BiasAdd {
+                x: x2,
+                bias,
+                out: y,
+            },
+        ) = (&pair[0], &pair[1])
+        else {
+            continue;
+        };
+        let aligned = [*a, *b]
+            .iter()
+            .all(|id| dims2(&plan.buffer(*id).shape).1.is_multiple_of(8))
+            && dims2(&plan.buffer(*x).shape).1.is_multiple_of(4);
+        if x2 == x
+            && writers[x.index()] == 1
+            && (readers[x.index()] == 1 || y == x)
+            && !overlaps(*y, *bias)
+            && aligned
+        {
+            fused.insert(*x, (*bias, *y));
+        }
+    }
+    fused
+}
+
+/// `CrossEntropyBackward` gradients read by nothing but `MatMul`s, in every program: under
+/// `precision = bf16` with cast GEMMs those read the gradient's bf16 shadow, so the producer
+/// writes that shadow directly (`loss::cross_entropy_backward_bf16`). For GPT-2 124M at
+/// batch 16×1024 this skips a 3.3 GB f32 write and the 3.3 GB → 1.6 GB cast per step.
+fn bf16_only(plan: &Plan) -> std::collections::HashSet<BufferId> {
+    let all = || {
+        plan.forward
+            .iter()
+            .chain(&plan.backward)
+            .chain(&plan.optimizer)
+    };
+    let mut out = std::collections::HashSet::new();
+    for o in &plan.backward {
+        let Op::CrossEntropyBackward { dlogits, .. } = o else {
+            continue;
+        };
+        let only_gemms = all().all(|r| {
+            matches!(r, Op::MatMul { .. })
+                || !r
+                    .accesses()
+                    .iter()
+                    .any(|(_, id, acc)| id == dlogits && acc.reads())
+        });
+        let one_writer = all()
+            .filter(|w| {
+                w.accesses()
+                    .iter()
+                    .any(|(_, id, acc)| id == dlogits && acc.writes())
+            })
+            .count()
+            == 1;
+        // A MatMul that accumulates into dlogits would read its f32 contents.
+        let no_accumulate =
+            all().all(|r| !matches!(r, Op::MatMul { out, accumulate: true, .. } if out == dlogits));
+        if only_gemms && one_writer && no_accumulate {
+            out.insert(*dlogits);
+        }
+    }
+    out
 }
 
 /// Elements of f32 scratch `op` needs (0 for none).
@@ -308,6 +457,16 @@ pub struct CudaEngine {
     shadow_fresh: Vec<bool>,
     /// f32 → bf16 shadow casts done so far (the profile attributes them to their op).
     shadow_casts: u64,
+    /// Forward `MatMul` outputs whose `BiasAdd` runs in the GEMM's epilogue: `x → (bias, y)`
+    /// ([`plan_bias_fusions`]; empty unless bf16 cast GEMMs and cuBLASLt).
+    bias_fused: HashMap<BufferId, (BufferId, BufferId)>,
+    /// Gradients whose every reader is a bf16 GEMM (the LM head's `dlogits`): their producer
+    /// writes the bf16 shadow directly and the f32 buffer is never written ([`bf16_only`]).
+    bf16_only: std::collections::HashSet<BufferId>,
+    /// Writes seen per buffer (the validity of [`AttnSaved`]).
+    write_gen: Vec<u64>,
+    /// Per attention qkv buffer, what its tensor-core forward kept for the backward.
+    attn_saved: HashMap<BufferId, AttnSaved>,
     scratch: Buf,
     stats: EngineStats,
     last_tokens: Vec<i32>,
@@ -380,6 +539,21 @@ impl CudaEngine {
             .max()
             .unwrap_or(0)
             .max(2);
+        let bias_fused = if precision == Precision::Bf16
+            && opts.bf16_gemm == Bf16Gemm::Cast
+            && !opts.unfused_bias
+            && gemm::has_fused_bias(&dev)
+        {
+            plan_bias_fusions(&plan)
+        } else {
+            HashMap::new()
+        };
+        if !bias_fused.is_empty() {
+            tracing::info!(
+                pairs = bias_fused.len(),
+                "MatMul + BiasAdd pairs fused into cuBLASLt bias epilogues"
+            );
+        }
         let mut needs_shadow = vec![false; plan.buffers.len()];
         if precision == Precision::Bf16 && opts.bf16_gemm == Bf16Gemm::Cast {
             for o in plan.forward.iter().chain(&plan.backward) {
@@ -415,6 +589,11 @@ impl CudaEngine {
                 );
             }
         }
+        let bf16_only = if precision == Precision::Bf16 && opts.bf16_gemm == Bf16Gemm::Cast {
+            bf16_only(&plan)
+        } else {
+            Default::default()
+        };
         // SOAP's bf16 projections read bf16 bases: cast once per swap, not once per step (a
         // swap marks the shadow stale, `tasks.rs`).
         if soap == op::SoapProjections::Bf16 {
@@ -502,6 +681,64 @@ impl CudaEngine {
             });
         }
 
+        // Saved attention context (tensor-core forwards whose output has a bf16 shadow).
+        let mut attn_saved = HashMap::new();
+        let mut saved_arena = None;
+        if !opts.attention_rerun {
+            let mut want = Vec::new();
+            for o in &plan.forward {
+                if let Op::Attention {
+                    qkv,
+                    out,
+                    batch,
+                    seq_len,
+                    n_heads,
+                } = o
+                {
+                    let d = attn_dims(
+                        *batch,
+                        *seq_len,
+                        *n_heads,
+                        dims2(&plan.buffer(*qkv).shape).1,
+                    );
+                    let tc = opts.attention.flash_math(&d, precision) == Some(at::FlashMath::Bf16);
+                    if tc && needs_shadow[out.index()] && !want.iter().any(|(q, _, _)| q == qkv) {
+                        want.push((*qkv, *out, d));
+                    }
+                }
+            }
+            if !want.is_empty() {
+                let bytes: usize = want
+                    .iter()
+                    .map(|(_, _, d)| {
+                        aligned(d.batch * d.n_heads * d.seq_len * 4) + aligned(3 * d.nc() * 2)
+                    })
+                    .sum();
+                let mut sa = dev
+                    .arena("attention-saved", Tier::Device, bytes)
+                    .map_err(e("allocating the attention-saved arena"))?;
+                arenas.push(("attention-saved".to_string(), bytes));
+                for (qkv, out, d) in want {
+                    let lse = sa
+                        .buf(Elem::F32, d.batch * d.n_heads * d.seq_len)
+                        .map_err(e("carving a saved log-sum-exp"))?;
+                    let qkv16 = sa
+                        .buf(Elem::BF16, 3 * d.nc())
+                        .map_err(e("carving a saved bf16 qkv"))?;
+                    attn_saved.insert(
+                        qkv,
+                        AttnSaved {
+                            out,
+                            lse,
+                            qkv16,
+                            gens: None,
+                        },
+                    );
+                }
+                saved_arena = Some(sa);
+            }
+        }
+
         // Refresh machinery: refreshers, swap buffers, shadows of asynchronous tasks.
         let refreshes = tasks::Refreshes::new(&dev, &plan, opts.refresh, opts.qr)?;
         let refresh_bytes = refreshes.bytes;
@@ -516,6 +753,10 @@ impl CudaEngine {
             shadows,
             shadow_fresh: vec![false; n_bufs],
             shadow_casts: 0,
+            bias_fused,
+            bf16_only,
+            write_gen: vec![0; n_bufs],
+            attn_saved,
             scratch,
             refreshes,
             stats: EngineStats {
@@ -529,6 +770,7 @@ impl CudaEngine {
                 .into_iter()
                 .map(|(_, a)| a)
                 .chain(std::iter::once(arena))
+                .chain(saved_arena)
                 .collect(),
             arenas,
             refresh_bytes,
@@ -729,6 +971,7 @@ impl CudaEngine {
         for (_, id, access) in op.accesses() {
             if access.writes() {
                 self.shadow_fresh[id.index()] = false;
+                self.write_gen[id.index()] += 1;
             }
         }
         let dev = &self.dev;
@@ -847,7 +1090,22 @@ impl CudaEngine {
                     && self.opts.bf16_gemm == Bf16Gemm::Cast
                     && self.shadows[a.index()].is_some()
                     && self.shadows[b.index()].is_some();
-                if cast {
+                if let (true, Some(&(bias, y))) = (cast, self.bias_fused.get(out)) {
+                    // MatMul + the BiasAdd after it in one GEMM (that BiasAdd is skipped).
+                    let (sa, sb) = (self.shadow(*a)?, self.shadow(*b)?);
+                    self.shadow_fresh[y.index()] = false;
+                    gemm::gemm_bf16_bias(
+                        &self.dev,
+                        &sa,
+                        ad,
+                        &sb,
+                        bd,
+                        self.b(bias),
+                        self.b(y),
+                        *trans_a,
+                        *trans_b,
+                    )?;
+                } else if cast {
                     let (sa, sb) = (self.shadow(*a)?, self.shadow(*b)?);
                     let out = self.b(*out);
                     gemm::matmul_bf16(
@@ -865,6 +1123,9 @@ impl CudaEngine {
                     let (a, b, out) = (self.b(*a), self.b(*b), self.b(*out));
                     gemm::matmul(dev, a, ad, b, bd, out, *trans_a, *trans_b, *accumulate)?;
                 }
+            }
+            Op::BiasAdd { x, .. } if self.bias_fused.contains_key(x) => {
+                // Done in the GEMM's epilogue (above).
             }
             Op::BiasAdd { x, bias, out } => {
                 let c = self.dims(*x).1;
@@ -929,7 +1190,30 @@ impl CudaEngine {
                 n_heads,
             } => {
                 let d = attn_dims(*batch, *seq_len, *n_heads, self.dims(*qkv).1);
-                if let Some(math) = self.opts.attention.flash_math(&d, self.precision) {
+                let math = self.opts.attention.flash_math(&d, self.precision);
+                let saved = self
+                    .attn_saved
+                    .get(qkv)
+                    .filter(|sv| sv.out == *out && math == Some(at::FlashMath::Bf16))
+                    .map(|sv| (sv.lse.clone(), sv.qkv16.clone()));
+                if let Some((lse, qkv16)) = saved {
+                    let sv = at::FlashSaved {
+                        lse: &lse,
+                        qkv16: &qkv16,
+                    };
+                    at::flash_attention_forward_saving(
+                        dev,
+                        self.b(*qkv),
+                        self.b(*out),
+                        &d,
+                        s,
+                        &sv,
+                    )?;
+                    let gens = (self.write_gen[qkv.index()], self.write_gen[out.index()]);
+                    if let Some(sv) = self.attn_saved.get_mut(qkv) {
+                        sv.gens = Some(gens);
+                    }
+                } else if let Some(math) = math {
                     at::flash_attention_forward(dev, self.b(*qkv), self.b(*out), &d, s, math)?;
                 } else {
                     at::attention_forward(dev, self.b(*qkv), self.b(*out), &d, s)?;
@@ -945,7 +1229,22 @@ impl CudaEngine {
             } => {
                 let d = attn_dims(*batch, *seq_len, *n_heads, self.dims(*qkv).1);
                 let (g, q, dq) = (self.b(*dout), self.b(*qkv), self.b(*dqkv));
-                if let Some(math) = self.opts.attention.flash_math(&d, self.precision) {
+                let math = self.opts.attention.flash_math(&d, self.precision);
+                // The forward's saved context, if still the one these buffers hold.
+                let saved = self.attn_saved.get(qkv).filter(|sv| {
+                    math == Some(at::FlashMath::Bf16)
+                        && sv.gens
+                            == Some((self.write_gen[qkv.index()], self.write_gen[sv.out.index()]))
+                        && self.shadow_fresh[sv.out.index()]
+                });
+                let o16 = saved.and_then(|sv| self.shadows[sv.out.index()].clone());
+                if let (Some(sv), Some(o16)) = (saved, o16) {
+                    let fs = at::FlashSaved {
+                        lse: &sv.lse,
+                        qkv16: &sv.qkv16,
+                    };
+                    at::flash_attention_backward_saved(dev, g, dq, &d, s, &fs, &o16)?;
+                } else if let Some(math) = math {
                     at::flash_attention_backward(dev, g, q, dq, &d, s, math)?;
                 } else {
                     at::attention_backward(dev, g, q, dq, &d, s)?;
@@ -965,6 +1264,29 @@ impl CudaEngine {
                     v,
                     s,
                 )?;
+            }
+            Op::CrossEntropyBackward {
+                logits,
+                targets,
+                dlogits,
+            } if self.bf16_only.contains(dlogits) => {
+                // Only bf16 GEMMs read this gradient: write their operand (the bf16 shadow)
+                // directly; the f32 buffer stays unwritten.
+                let v = self.dims(*logits).1;
+                let sd = self.shadows[dlogits.index()]
+                    .clone()
+                    .ok_or(CudaError::Invalid {
+                        op: "cross_entropy_backward",
+                        what: format!("buffer {dlogits} has no bf16 shadow"),
+                    })?;
+                loss::cross_entropy_backward_bf16(
+                    &self.dev,
+                    self.b(*logits),
+                    self.b(*targets),
+                    &sd,
+                    v,
+                )?;
+                self.shadow_fresh[dlogits.index()] = true;
             }
             Op::CrossEntropyBackward {
                 logits,
@@ -1205,6 +1527,7 @@ impl CudaEngine {
             Op::MatMul {
                 a,
                 b,
+                out,
                 trans_a,
                 trans_b,
                 ..
@@ -1212,7 +1535,12 @@ impl CudaEngine {
                 let (ar, ac) = self.dims(*a);
                 let (br, bc) = self.dims(*b);
                 let t = |x: bool| if x { "ᵀ" } else { "" };
-                format!(" {ar}x{ac}{}·{br}x{bc}{}", t(*trans_a), t(*trans_b))
+                let bias = if self.bias_fused.contains_key(out) {
+                    " +bias"
+                } else {
+                    ""
+                };
+                format!(" {ar}x{ac}{}·{br}x{bc}{}{bias}", t(*trans_a), t(*trans_b))
             }
             Op::SoapUpdate { grad, .. } | Op::SoapFactorUpdate { grad, .. } => {
                 let shape: Vec<String> = self

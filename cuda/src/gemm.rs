@@ -426,6 +426,62 @@ pub fn gemm_bf16(
     }
 }
 
+/// bf16 operands, fp32 accumulation, output and bias: `out = op(a)·op(b) + bias` with `bias`
+/// (`[P]`, f32) added to every row of `out` (`[M, P]`, f32) in the GEMM's epilogue (cuBLASLt
+/// `CUBLASLT_EPILOGUE_BIAS`, compute stream): plan ops `MatMul` + `BiasAdd` in one pass over
+/// the output. `a`, `b` are [`Elem::BF16`].
+///
+/// # Errors
+/// Operand shapes or dtypes that do not match, cuBLASLt missing on this machine
+/// ([`has_fused_bias`] says so beforehand), or a cuBLASLt error.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_bf16_bias(
+    dev: &Device,
+    a: &Buf,
+    a_dims: Dims,
+    b: &Buf,
+    b_dims: Dims,
+    bias: &Buf,
+    out: &Buf,
+    trans_a: bool,
+    trans_b: bool,
+) -> Result<()> {
+    const OP: &str = "gemm_bf16_bias";
+    check_operands(OP, a, a_dims, b, b_dims, Elem::BF16)?;
+    let g = Geometry::new(OP, a_dims, b_dims, trans_a, trans_b)?;
+    out.expect(OP, "out", Elem::F32, g.m * g.p)?;
+    bias.expect(OP, "bias", Elem::F32, g.p)?;
+    if g.m == 0 || g.p == 0 {
+        return Ok(());
+    }
+    let lt = dev.blas_lt().ok_or(CudaError::Invalid {
+        op: OP,
+        what: "cuBLASLt (libcublasLt.so) is not available".into(),
+    })?;
+    dev.context().bind_to_thread()?;
+    // Row-major out = op(a)·op(b) is column-major outᵀ = op(b)ᵀ·op(a)ᵀ (module docs): cuBLASLt's
+    // A is our b, its B our a, both described as stored (column-major [cols, rows]).
+    let stored = |d: Dims| (d.cols as u64, d.rows as u64, d.cols.max(1) as i64);
+    let lg = crate::lt::LtGeometry {
+        m: g.p as u64,
+        n: g.m as u64,
+        k: g.k as u64,
+        trans_a: trans_b,
+        trans_b: trans_a,
+        a: stored(b_dims),
+        b: stored(a_dims),
+    };
+    let stream = dev.stream(crate::StreamKind::Compute).cu_stream() as _;
+    // SAFETY: every operand checked above to cover its matrix; the workspace and handle belong
+    // to this device; the stream is its compute stream.
+    unsafe { lt.matmul_bias(lg, b.ptr(), a.ptr(), bias.ptr(), out.ptr(), stream) }
+}
+
+/// Whether [`gemm_bf16_bias`] can run on `dev` (cuBLASLt loaded).
+pub fn has_fused_bias(dev: &Device) -> bool {
+    dev.blas_lt().is_some()
+}
+
 /// `out = bf16(x)` elementwise (round to nearest even) on the compute stream.
 pub fn cast_f32_to_bf16(dev: &Device, x: &Buf, out: &Buf) -> Result<()> {
     x.expect("cast_f32_to_bf16", "x", Elem::F32, x.len())?;

@@ -114,11 +114,17 @@ pub const FAMILIES: &[Family] = &[
             "flash_attn_tc_fwd_d64",
             "flash_attn_tc_bwd_dkdv_d64",
             "flash_attn_tc_bwd_dq_d64",
+            "flash_attn_tc_delta",
         ]
     ),
     family!(
         "cross_entropy",
-        ["xent_row_loss", "xent_mean", "xent_backward"]
+        [
+            "xent_row_loss",
+            "xent_mean",
+            "xent_backward",
+            "xent_backward_bf16"
+        ]
     ),
     family!(
         "reduce",
@@ -148,13 +154,28 @@ pub const FAMILIES: &[Family] = &[
     ),
 ];
 
-/// The names declared `extern "C" __global__ void NAME(` in `source`, in order.
+/// What follows `extern "C" __global__ void ` once an optional `__launch_bounds__(...)` is
+/// skipped: the kernel's name and parameter list.
+fn after_qualifiers(rest: &str) -> &str {
+    const BOUNDS: &str = "__launch_bounds__(";
+    let rest = rest.trim_start();
+    match rest.strip_prefix(BOUNDS) {
+        Some(tail) => tail
+            .find(')')
+            .map_or(rest, |end| &tail[end + 1..])
+            .trim_start(),
+        None => rest,
+    }
+}
+
+/// The names declared `extern "C" __global__ void [__launch_bounds__(..)] NAME(` in `source`,
+/// in order.
 pub fn extern_c_names(source: &str) -> Vec<String> {
     const MARK: &str = "extern \"C\" __global__ void ";
     source
         .match_indices(MARK)
         .filter_map(|(i, _)| {
-            let rest = &source[i + MARK.len()..];
+            let rest = after_qualifiers(&source[i + MARK.len()..]);
             rest.find('(').map(|end| rest[..end].trim().to_string())
         })
         .collect()
@@ -181,7 +202,7 @@ pub fn kernel_signatures(source: &str) -> std::result::Result<Vec<(String, Vec<A
     const MARK: &str = "extern \"C\" __global__ void ";
     let mut out = Vec::new();
     for (i, _) in source.match_indices(MARK) {
-        let rest = &source[i + MARK.len()..];
+        let rest = after_qualifiers(&source[i + MARK.len()..]);
         let open = rest.find('(').ok_or("no parameter list")?;
         let close = rest.find(')').ok_or("unclosed parameter list")?;
         let name = rest[..open].trim().to_string();

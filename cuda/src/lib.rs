@@ -29,6 +29,7 @@ mod engine;
 mod error;
 pub mod gemm;
 pub mod kernels;
+mod lt;
 mod memory;
 pub mod nccl;
 pub mod nvrtc;

@@ -73,6 +73,11 @@ fn signatures_parse_kinds() {
     let sigs = kernel_signatures(src).expect("parses");
     assert_eq!(sigs, vec![("k".to_string(), vec![Ptr, I64, I32, F32, F64])]);
     assert!(kernel_signatures("extern \"C\" __global__ void k(unsigned x) {}").is_err());
+    // An occupancy hint between `void` and the name.
+    let src = "extern \"C\" __global__ void __launch_bounds__(256, 2)\n    k2(float* a, int n) {}";
+    let sigs = kernel_signatures(src).expect("parses");
+    assert_eq!(sigs, vec![("k2".to_string(), vec![Ptr, I32])]);
+    assert_eq!(extern_c_names(src), vec!["k2".to_string()]);
 }
 
 #[test]

@@ -61,7 +61,7 @@ impl AttnDims {
         int(op, "3*N*C", 3 * self.batch * self.seq_len * self.channels)?;
         Ok(hd)
     }
-    fn nc(&self) -> usize {
+    pub(crate) fn nc(&self) -> usize {
         self.batch * self.seq_len * self.channels
     }
     fn scores(&self) -> usize {
@@ -441,6 +441,45 @@ pub fn flash_attention_forward(
     scratch: &Buf,
     math: FlashMath,
 ) -> Result<()> {
+    flash_forward(dev, qkv, out, d, scratch, math, None)
+}
+
+/// What a tensor-core forward keeps for its backward ([`flash_attention_forward_saving`],
+/// [`flash_attention_backward_saved`]): the base-2 row log-sum-exp `lse` (f32 `[B, NH, T]`)
+/// and the bf16 copy of qkv (`[N, 3C]`).
+pub struct FlashSaved<'a> {
+    /// f32 `[B·NH·T]`.
+    pub lse: &'a Buf,
+    /// [`Elem::BF16`] `[N·3C]`.
+    pub qkv16: &'a Buf,
+}
+
+/// [`flash_attention_forward`] with [`FlashMath::Bf16`] that also keeps the row log-sum-exp and
+/// its bf16 copy of qkv in `saved`, so that [`flash_attention_backward_saved`] skips the
+/// forward rerun and the second cast of qkv.
+///
+/// # Errors
+/// As [`flash_attention_forward`]; `saved` buffers of the wrong size or type.
+pub fn flash_attention_forward_saving(
+    dev: &Device,
+    qkv: &Buf,
+    out: &Buf,
+    d: &AttnDims,
+    scratch: &Buf,
+    saved: &FlashSaved<'_>,
+) -> Result<()> {
+    flash_forward(dev, qkv, out, d, scratch, FlashMath::Bf16, Some(saved))
+}
+
+fn flash_forward(
+    dev: &Device,
+    qkv: &Buf,
+    out: &Buf,
+    d: &AttnDims,
+    scratch: &Buf,
+    math: FlashMath,
+    saved: Option<&FlashSaved<'_>>,
+) -> Result<()> {
     const OP: &str = "flash_attention";
     let (hd, grid, block) = flash_check(OP, d, math)?;
     let nc = d.nc();
@@ -448,12 +487,20 @@ pub fn flash_attention_forward(
     out.expect(OP, "out", Elem::F32, nc)?;
     flash_scratch(OP, scratch, flash_forward_scratch_len(d, math))?;
     let rows = d.batch * d.n_heads * d.seq_len;
-    let lse = scratch.slice(0, rows)?;
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
     let (_, fwd, ..) = flash_variant(hd, math);
-    let input = match math {
-        FlashMath::Fp32 => qkv.clone(),
-        FlashMath::Bf16 => bf16_copy(dev, scratch, region(rows), qkv, 3 * nc)?,
+    let (lse, input) = match (saved, math) {
+        (Some(sv), FlashMath::Bf16) => {
+            sv.lse.expect(OP, "saved lse", Elem::F32, rows)?;
+            sv.qkv16.expect(OP, "saved qkv", Elem::BF16, 3 * nc)?;
+            crate::gemm::cast_f32_to_bf16(dev, qkv, sv.qkv16)?;
+            (sv.lse.clone(), sv.qkv16.clone())
+        }
+        (_, FlashMath::Fp32) => (scratch.slice(0, rows)?, qkv.clone()),
+        (None, FlashMath::Bf16) => (
+            scratch.slice(0, rows)?,
+            bf16_copy(dev, scratch, region(rows), qkv, 3 * nc)?,
+        ),
     };
     let args = Args::new()
         .buf(&input)
@@ -466,6 +513,80 @@ pub fn flash_attention_forward(
         .i32(hd as i32)
         .f32(scale);
     dev.launch(fwd, grid, block, args)
+}
+
+/// Plan op `AttentionBackward` on the tensor cores from what the forward kept: `saved` (row
+/// log-sum-exp and the bf16 qkv of [`flash_attention_forward_saving`]) and `o16`, the bf16
+/// copy of the forward's output `[N, C]` (the engine's shadow of it). delta = rowsum(dO ∘ O) comes
+/// from `o16` (kernel `flash_attn_tc_delta`) instead of a rerun of the forward, the standard
+/// FlashAttention-2 backward (Dao 2023, Algorithm 2), then the same dK/dV and dQ passes.
+/// `scratch` as for [`flash_attention_backward`].
+///
+/// # Errors
+/// As [`flash_attention_backward`]; saved buffers of the wrong size or type.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_backward_saved(
+    dev: &Device,
+    dout: &Buf,
+    dqkv: &Buf,
+    d: &AttnDims,
+    scratch: &Buf,
+    saved: &FlashSaved<'_>,
+    o16: &Buf,
+) -> Result<()> {
+    const OP: &str = "flash_attention_backward";
+    let math = FlashMath::Bf16;
+    let (hd, grid, block) = flash_check(OP, d, math)?;
+    let nc = d.nc();
+    dqkv.expect(OP, "dqkv", Elem::F32, 3 * nc)?;
+    dout.expect(OP, "dout", Elem::F32, nc)?;
+    o16.expect(OP, "o (bf16)", Elem::BF16, nc)?;
+    let rows = d.batch * d.n_heads * d.seq_len;
+    saved.lse.expect(OP, "saved lse", Elem::F32, rows)?;
+    saved.qkv16.expect(OP, "saved qkv", Elem::BF16, 3 * nc)?;
+    flash_scratch(OP, scratch, flash_backward_scratch_len(d, math))?;
+    let delta = scratch.slice(region(rows), rows)?;
+    let scale = (1.0 / (hd as f64).sqrt()) as f32;
+    let (_, _, dkdv, dq) = flash_variant(hd, math);
+    let at = 2 * region(rows) + bf16_region(3 * nc);
+    let dout = bf16_copy(dev, scratch, at, dout, nc)?;
+    let args = Args::new()
+        .buf(&dout)
+        .buf(o16)
+        .buf(&delta)
+        .i32(int32(OP, rows)?)
+        .i32(d.seq_len as i32)
+        .i32(d.n_heads as i32)
+        .i32(hd as i32);
+    dev.launch(
+        "flash_attn_tc_delta",
+        (rows.div_ceil(8) as u32, 1, 1),
+        (256, 1, 1),
+        args,
+    )?;
+    let tail = |a: Args| {
+        a.i32(d.seq_len as i32)
+            .i32(d.n_heads as i32)
+            .i32(hd as i32)
+            .f32(scale)
+    };
+    let bwd = || {
+        Args::new()
+            .buf(&dout)
+            .buf(saved.qkv16)
+            .buf(saved.lse)
+            .buf(&delta)
+            .buf(dqkv)
+    };
+    dev.launch(dkdv, grid, block, tail(bwd()))?;
+    dev.launch(dq, grid, block, tail(bwd()))
+}
+
+fn int32(op: &'static str, n: usize) -> Result<i32> {
+    i32::try_from(n).map_err(|_| CudaError::Invalid {
+        op,
+        what: format!("{n} rows exceed int"),
+    })
 }
 
 /// Plan op `AttentionBackward` through the fused kernels: dout `[N, C]`, qkv `[N, 3C]` → dqkv

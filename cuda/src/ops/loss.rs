@@ -112,6 +112,45 @@ pub fn cross_entropy_backward(
     )
 }
 
+/// Plan op `CrossEntropyBackward` with a bf16 gradient: `dlogits = bf16((softmax(logits) −
+/// onehot(targets)) / N)`, logits f32 `[N, V]`, targets i32 `[N]`, dlogits [`Elem::BF16`]
+/// `[N, V]`. For a gradient read only by bf16 GEMMs (the engine writes it straight into the
+/// buffer's bf16 shadow): half the bytes written, and no f32 → bf16 cast afterwards. A
+/// target outside `[0, V)` gives a NaN row and is reported by the status check.
+///
+/// # Errors
+/// Shape or dtype mismatches, sizes beyond `int`, launch failures.
+pub fn cross_entropy_backward_bf16(
+    dev: &Device,
+    logits: &Buf,
+    targets: &Buf,
+    dlogits: &Buf,
+    vocab: usize,
+) -> Result<()> {
+    const OP: &str = "cross_entropy_backward_bf16";
+    let n = rows_of(OP, "logits", logits.len(), vocab)?;
+    targets.expect(OP, "targets", Elem::I32, n)?;
+    logits.expect(OP, "logits", Elem::F32, n * vocab)?;
+    dlogits.expect(OP, "dlogits", Elem::BF16, n * vocab)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let args = Args::new()
+        .buf(logits)
+        .buf(targets)
+        .buf(dlogits)
+        .i32(int(OP, "N", n)?)
+        .i32(int(OP, "V", vocab)?)
+        .f32((1.0 / n as f64) as f32)
+        .buf(dev.status());
+    dev.launch(
+        "xent_backward_bf16",
+        (n as u32, 1, 1),
+        (xent_threads(vocab), 1, 1),
+        args,
+    )
+}
+
 /// Scratch elements (f32) of [`clip_grad_norm`] over `n_grads` buffers:
 /// `2·256·n_grads` (f64 partials) `+ 2` (the scale factor).
 pub fn clip_grad_norm_scratch_len(n_grads: usize) -> usize {

@@ -570,6 +570,64 @@ fn flash_attention(v: &mut Vec<Case>) {
                     .collect();
                 Ok(Outcome { errs, gpu_ms: ms })
             }));
+            if math != gattn::FlashMath::Bf16 {
+                continue;
+            }
+            // The engine's path: the forward keeps lse and bf16 qkv, the backward takes them
+            // and the bf16 copy of the output (delta from O instead of a forward rerun).
+            v.push(case(
+                "flash_attention_tc_backward_saved",
+                size.clone(),
+                tol,
+                big,
+                move |cx| {
+                    let qkv = cx.normal(3 * nc, 0.0, 1.0);
+                    let dout = cx.normal(nc, 0.0, 1.0);
+                    let (qb, gb, db, ob) =
+                        (cx.up(&qkv)?, cx.up(&dout)?, cx.out(3 * nc)?, cx.out(nc)?);
+                    let rows = b * nh * t;
+                    let (lse, qkv16) = (cx.out(rows)?, cx.raw(Elem::BF16, 3 * nc)?);
+                    let o16 = cx.raw(Elem::BF16, nc)?;
+                    let fs = cx.out(gattn::flash_forward_scratch_len(&gd, math))?;
+                    let bs = cx.out(gattn::flash_backward_scratch_len(&gd, math))?;
+                    let saved = gattn::FlashSaved {
+                        lse: &lse,
+                        qkv16: &qkv16,
+                    };
+                    gattn::flash_attention_forward_saving(cx.dev, &qb, &ob, &gd, &fs, &saved)?;
+                    gemm::cast_f32_to_bf16(cx.dev, &ob, &o16)?;
+                    let ms = cx.timed(|| {
+                        gattn::flash_attention_backward_saved(
+                            cx.dev, &gb, &db, &gd, &bs, &saved, &o16,
+                        )
+                    })?;
+                    let mut r = vec![0.0; 3 * nc];
+                    c::attention::attention_backward(
+                        &operands(&dout, math),
+                        &operands(&qkv, math),
+                        &mut r,
+                        &cd,
+                    )
+                    .map_err(cpu)?;
+                    let got = cx.down(&db)?;
+                    let errs = (0..3)
+                        .map(|part| {
+                            let pick = |s: &[f32]| -> Vec<f32> {
+                                s.chunks(3 * ch)
+                                    .flat_map(|row| row[part * ch..(part + 1) * ch].to_vec())
+                                    .collect()
+                            };
+                            let pick64 = |s: &[f64]| -> Vec<f64> {
+                                s.chunks(3 * ch)
+                                    .flat_map(|row| row[part * ch..(part + 1) * ch].to_vec())
+                                    .collect()
+                            };
+                            (["dq", "dk", "dv"][part], rel_err(&pick(&got), &pick64(&r)))
+                        })
+                        .collect();
+                    Ok(Outcome { errs, gpu_ms: ms })
+                },
+            ));
         }
     }
 }
@@ -676,7 +734,7 @@ fn cross_entropy_cases(
     ));
     v.push(case(
         "cross_entropy_backward",
-        size,
+        size.clone(),
         TOL_F32,
         big,
         move |cx| {
@@ -690,6 +748,32 @@ fn cross_entropy_cases(
             c::cross_entropy::cross_entropy_backward(&wide(&logits), &targets, &mut r, vocab)
                 .map_err(cpu)?;
             Ok(one("dlogits", rel_err(&cx.down(&ob)?, &r), ms))
+        },
+    ));
+    if lo > 0 {
+        return; // the bf16 variant reads the same logits; its cases use aligned rows
+    }
+    v.push(case(
+        "cross_entropy_backward_bf16",
+        size,
+        TOL_BF16,
+        big,
+        move |cx| {
+            let (logits, targets) = xent_inputs(cx, n, vocab, masked);
+            let (lb, tb) = (cx.up(&logits)?, cx.up(&targets)?);
+            let ob = cx.raw(Elem::BF16, n * vocab)?;
+            let ms =
+                cx.timed(|| gloss::cross_entropy_backward_bf16(cx.dev, &lb, &tb, &ob, vocab))?;
+            let mut r = vec![0.0; n * vocab];
+            c::cross_entropy::cross_entropy_backward(&wide(&logits), &targets, &mut r, vocab)
+                .map_err(cpu)?;
+            let got: Vec<f32> = cx
+                .dev
+                .download::<half::bf16>(&ob)?
+                .iter()
+                .map(|x| x.to_f32())
+                .collect();
+            Ok(one("dlogits", rel_err(&got, &r), ms))
         },
     ));
 }
@@ -764,6 +848,48 @@ fn matmul(v: &mut Vec<Case>) {
                 },
             );
             c::matmul::matmul(&wide(&a), cad, &wide(&b), cbd, &mut r, ta, tb, acc).map_err(cpu)?;
+            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+        }));
+    }
+    // GEMM + bias in cuBLASLt's epilogue (the engine's fused `MatMul` + `BiasAdd`): odd and
+    // aligned shapes, every transpose combination.
+    for (m, k, p, ta, tb, big) in [
+        (3, 50, 783, false, false, false),
+        (783, 4096, 50, false, true, false),
+        (50, 783, 3, true, false, false),
+        (1024, 768, 2304, false, true, true),
+        (4096, 3072, 768, true, true, true),
+    ] {
+        let size = format!("M={m} K={k} P={p} ta={} tb={}", ta as u8, tb as u8);
+        v.push(case("mat_mul_bf16_bias", size, TOL_BF16, big, move |cx| {
+            let (a, b) = (cx.normal(m * k, 0.0, 1.0), cx.normal(k * p, 0.0, 1.0));
+            let bias = cx.normal(p, 0.0, 1.0);
+            let ad = if ta { Dims::new(k, m) } else { Dims::new(m, k) };
+            let bd = if tb { Dims::new(p, k) } else { Dims::new(k, p) };
+            let (a32, b32, biasb) = (cx.up(&a)?, cx.up(&b)?, cx.up(&bias)?);
+            let (a16, b16) = (cx.raw(Elem::BF16, a.len())?, cx.raw(Elem::BF16, b.len())?);
+            let ob = cx.out(m * p)?;
+            let ms = cx.timed(|| {
+                gemm::cast_f32_to_bf16(cx.dev, &a32, &a16)?;
+                gemm::cast_f32_to_bf16(cx.dev, &b32, &b16)?;
+                gemm::gemm_bf16_bias(cx.dev, &a16, ad, &b16, bd, &biasb, &ob, ta, tb)
+            })?;
+            let mut r = vec![0.0; m * p];
+            let (cad, cbd) = (
+                c::matmul::Dims {
+                    rows: ad.rows,
+                    cols: ad.cols,
+                },
+                c::matmul::Dims {
+                    rows: bd.rows,
+                    cols: bd.cols,
+                },
+            );
+            c::matmul::matmul(&wide(&a), cad, &wide(&b), cbd, &mut r, ta, tb, false)
+                .map_err(cpu)?;
+            for (i, x) in r.iter_mut().enumerate() {
+                *x += bias[i % p] as f64;
+            }
             Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
         }));
     }
