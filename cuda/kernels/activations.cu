@@ -1,3 +1,5 @@
+#include <cuda_bf16.h>
+
 // GELU (tanh approximation, GPT-2) and SwiGLU, forward and backward (plan ops `Gelu`,
 // `GeluBackward`, `SwiGlu`, `SwiGluBackward`). Grid-stride loops over 64-bit element counts.
 
@@ -9,6 +11,16 @@ extern "C" __global__ void gelu_forward(const float* __restrict__ x, float* __re
     for (long long i = gtid(); i < n; i += gstride()) {
         const float v = x[i];
         out[i] = 0.5f * v * (1.0f + tanhf(GELU_S * (v + GELU_C * v * v * v)));
+    }
+}
+
+// gelu_forward with a bf16 output (round to nearest even: the bits of an f32 output cast
+// afterwards), for an activation only bf16 GEMMs read.
+extern "C" __global__ void gelu_forward_bf16(const float* __restrict__ x, __nv_bfloat16* __restrict__ out,
+                                             long long n) {
+    for (long long i = gtid(); i < n; i += gstride()) {
+        const float v = x[i];
+        out[i] = __float2bfloat16_rn(0.5f * v * (1.0f + tanhf(GELU_S * (v + GELU_C * v * v * v))));
     }
 }
 

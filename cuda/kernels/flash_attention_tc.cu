@@ -188,23 +188,26 @@ __device__ __forceinline__ float tc_row_sum(float v) {
 
 // Stores accumulator tiles acc (16 rows from row0 of this warp, columns n*8 + 2t + {0,1}) times
 // mul into dst (row stride ld, hd columns), rows below n_valid only.
-template <int ND>
-__device__ __forceinline__ void tc_store(const float (&acc)[ND][4], float* __restrict__ dst, long long ld, int row0,
+__device__ __forceinline__ void tc_put(float* d, long long i, float v) { d[i] = v; }
+__device__ __forceinline__ void tc_put(bf16* d, long long i, float v) { d[i] = __float2bfloat16_rn(v); }
+
+template <int ND, typename OutT>
+__device__ __forceinline__ void tc_store(const float (&acc)[ND][4], OutT* __restrict__ dst, long long ld, int row0,
                                          int n_valid, int hd, int g, int t, float mul) {
 #pragma unroll
     for (int n = 0; n < ND; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int row = row0 + g + (e >= 2 ? 8 : 0), col = n * 8 + 2 * t + (e & 1);
-            if (row < n_valid && col < hd) dst[(long long)row * ld + col] = acc[n][e] * mul;
+            if (row < n_valid && col < hd) tc_put(dst, (long long)row * ld + col, acc[n][e] * mul);
         }
 }
 
 // Forward (and backward pass 1). grid (ceil(T/128), B*NH), block 256.
 // out (may be null) [B*T, C]; lse2 [B*NH*T]; with dout non-null: delta [B*NH*T] = dout . o and
 // out is not written.
-template <int HD>
-__device__ __forceinline__ void tc_forward(const bf16* __restrict__ qkv, float* __restrict__ out,
+template <int HD, typename OutT = float>
+__device__ __forceinline__ void tc_forward(const bf16* __restrict__ qkv, OutT* __restrict__ out,
                                            float* __restrict__ lse2, const bf16* __restrict__ dout,
                                            float* __restrict__ delta, int seq_len, int n_heads, int hd, float scale) {
     constexpr int LD = HD + 8, KS = HD / 16, ND = HD / 8, NT = TC_TILE / 8;
@@ -546,6 +549,20 @@ extern "C" __global__ void __launch_bounds__(256, 2) flash_attn_tc_bwd_dq_d64(co
                                                     float scale) {
     tc_backward_dq<64>(dout, qkv, lse2, delta, dqkv, seq_len, n_heads, hd, scale);
 }
+// The forward with a bf16 output (round to nearest even), for an output only bf16 GEMMs read.
+extern "C" __global__ void __launch_bounds__(256, 2)
+    flash_attn_tc_fwd_bf16out_d32(const bf16* __restrict__ qkv, bf16* __restrict__ out, float* __restrict__ lse2,
+                                  const bf16* __restrict__ dout, float* __restrict__ delta, int seq_len,
+                                  int n_heads, int hd, float scale) {
+    tc_forward<32>(qkv, out, lse2, dout, delta, seq_len, n_heads, hd, scale);
+}
+extern "C" __global__ void __launch_bounds__(256, 2)
+    flash_attn_tc_fwd_bf16out_d64(const bf16* __restrict__ qkv, bf16* __restrict__ out, float* __restrict__ lse2,
+                                  const bf16* __restrict__ dout, float* __restrict__ delta, int seq_len,
+                                  int n_heads, int hd, float scale) {
+    tc_forward<64>(qkv, out, lse2, dout, delta, seq_len, n_heads, hd, scale);
+}
+
 // delta[bh * T + t] = sum_d dout[b, t, h*hd + d] * o[b, t, h*hd + d] (fp32 accumulation) from bf16
 // dout and o [B*T, C]: the backward's row term when the forward's output is at hand (its bf16
 // copy), instead of rerunning the forward (pass 1). One warp per (b, t, h) row, 8 per block.

@@ -1,3 +1,5 @@
+#include <cuda_bf16.h>
+
 // LayerNorm over the last dim (plan ops `LayerNorm`, `LayerNormBackward`; Ba et al. 2016).
 // x/out/dout/dx [n, c], weight/bias/dweight/dbias [c]; biased variance; statistics recomputed
 // from x in the backward.
@@ -8,7 +10,8 @@
 // kernels `layernorm_forward` / `layernorm_backward_dx`. dweight/dbias come from a two-stage
 // column reduction: `layernorm_backward_params` sums slabs of rows per column into partials,
 // `layernorm_backward_params_finalize` adds the partials in slab order. No atomics anywhere:
-// every result is deterministic for a given (n, c).
+// every result is deterministic for a given (n, c). The `layernorm_forward_bf16_w*` kernels
+// write a bf16 output instead (for an output only bf16 GEMMs read).
 
 __device__ __forceinline__ void ln_row_stats(const float* xr, int c, float eps, float* mean, float* rstd) {
     float s = 0.0f;
@@ -54,9 +57,14 @@ __device__ __forceinline__ void ln_warp_load_stats(const float* __restrict__ xr,
 }
 
 // out = (x - mean) * rstd * weight + bias (bias may be null); one warp per row.
-template <int V>
+// (out is float, or __nv_bfloat16 for the `_bf16` kernels: rounded to nearest even, the same
+// bits as an f32 output cast afterwards.)
+__device__ __forceinline__ void ln_put(float* o, int j, float v) { o[j] = v; }
+__device__ __forceinline__ void ln_put(__nv_bfloat16* o, int j, float v) { o[j] = __float2bfloat16_rn(v); }
+
+template <int V, typename OutT = float>
 __device__ __forceinline__ void ln_forward_warp(const float* __restrict__ x, const float* __restrict__ weight,
-                                                const float* __restrict__ bias, float* __restrict__ out, int n,
+                                                const float* __restrict__ bias, OutT* __restrict__ out, int n,
                                                 int c, float eps) {
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= n) return;
@@ -64,13 +72,13 @@ __device__ __forceinline__ void ln_forward_warp(const float* __restrict__ x, con
     float xv[V];
     float mean, rstd;
     ln_warp_load_stats<V>(x + (long long)row * c, c, eps, xv, &mean, &rstd);
-    float* o = out + (long long)row * c;
+    OutT* o = out + (long long)row * c;
 #pragma unroll
     for (int i = 0; i < V; ++i) {
         const int j = i * 32 + lane;
         if (j < c) {
             const float b = bias ? bias[j] : 0.0f;
-            o[j] = (xv[i] - mean) * rstd * weight[j] + b;
+            ln_put(o, j, (xv[i] - mean) * rstd * weight[j] + b);
         }
     }
 }
@@ -275,4 +283,31 @@ extern "C" __global__ void layernorm_backward_params_finalize(const float* __res
         dweight[j] = tw;
         if (dbias) dbias[j] = tb;
     }
+}
+
+// bf16 output (warp-per-row only; c <= 2048).
+extern "C" __global__ void layernorm_forward_bf16_w8(const float* __restrict__ x, const float* __restrict__ weight,
+                                                     const float* __restrict__ bias, __nv_bfloat16* __restrict__ out,
+                                                     int n, int c, float eps) {
+    ln_forward_warp<8>(x, weight, bias, out, n, c, eps);
+}
+extern "C" __global__ void layernorm_forward_bf16_w16(const float* __restrict__ x, const float* __restrict__ weight,
+                                                     const float* __restrict__ bias, __nv_bfloat16* __restrict__ out,
+                                                     int n, int c, float eps) {
+    ln_forward_warp<16>(x, weight, bias, out, n, c, eps);
+}
+extern "C" __global__ void layernorm_forward_bf16_w24(const float* __restrict__ x, const float* __restrict__ weight,
+                                                     const float* __restrict__ bias, __nv_bfloat16* __restrict__ out,
+                                                     int n, int c, float eps) {
+    ln_forward_warp<24>(x, weight, bias, out, n, c, eps);
+}
+extern "C" __global__ void layernorm_forward_bf16_w32(const float* __restrict__ x, const float* __restrict__ weight,
+                                                     const float* __restrict__ bias, __nv_bfloat16* __restrict__ out,
+                                                     int n, int c, float eps) {
+    ln_forward_warp<32>(x, weight, bias, out, n, c, eps);
+}
+extern "C" __global__ void layernorm_forward_bf16_w64(const float* __restrict__ x, const float* __restrict__ weight,
+                                                     const float* __restrict__ bias, __nv_bfloat16* __restrict__ out,
+                                                     int n, int c, float eps) {
+    ln_forward_warp<64>(x, weight, bias, out, n, c, eps);
 }

@@ -315,42 +315,50 @@ fn plan_bias_fusions(plan: &Plan) -> HashMap<BufferId, (BufferId, BufferId)> {
     fused
 }
 
-/// `CrossEntropyBackward` gradients read by nothing but `MatMul`s, in every program: under
-/// `precision = bf16` with cast GEMMs those read the gradient's bf16 shadow, so the producer
-/// writes that shadow directly (`loss::cross_entropy_backward_bf16`). For GPT-2 124M at
-/// batch 16×1024 this skips a 3.3 GB f32 write and the 3.3 GB → 1.6 GB cast per step.
-fn bf16_only(plan: &Plan) -> std::collections::HashSet<BufferId> {
-    let all = || {
-        plan.forward
-            .iter()
-            .chain(&plan.backward)
-            .chain(&plan.optimizer)
-    };
+/// Activations and gradients that only bf16 GEMMs read: outputs of `LayerNorm` (rows of at
+/// most [`nn::LAYERNORM_WARP_MAX_C`]), `Gelu`, the tensor-core `Attention`s in `attn_outs` and
+/// `CrossEntropyBackward` whose every reader, in every program, is a forward or backward
+/// `MatMul` (under `precision = bf16` with cast GEMMs those read the buffer's bf16 shadow) and
+/// that nothing else writes. Their producers write the bf16 shadow directly (the bits a cast
+/// of the f32 result would give) and the f32 buffer is never written. For GPT-2 124M at batch
+/// 16×1024 this skips the f32 write and the cast of ~11 GB of activations per step, 3.3 GB of
+/// it the LM head's gradient.
+fn bf16_only(
+    plan: &Plan,
+    attn_outs: &std::collections::HashSet<BufferId>,
+) -> std::collections::HashSet<BufferId> {
+    let model = || plan.forward.iter().chain(&plan.backward);
     let mut out = std::collections::HashSet::new();
-    for o in &plan.backward {
-        let Op::CrossEntropyBackward { dlogits, .. } = o else {
-            continue;
+    for o in model() {
+        let id = match o {
+            Op::CrossEntropyBackward { dlogits, .. } => *dlogits,
+            Op::LayerNorm { x, out, .. }
+                if dims2(&plan.buffer(*x).shape).1 <= nn::LAYERNORM_WARP_MAX_C =>
+            {
+                *out
+            }
+            Op::Gelu { out, .. } => *out,
+            Op::Attention { out, .. } if attn_outs.contains(out) => *out,
+            _ => continue,
         };
-        let only_gemms = all().all(|r| {
-            matches!(r, Op::MatMul { .. })
-                || !r
-                    .accesses()
-                    .iter()
-                    .any(|(_, id, acc)| id == dlogits && acc.reads())
-        });
-        let one_writer = all()
-            .filter(|w| {
-                w.accesses()
-                    .iter()
-                    .any(|(_, id, acc)| id == dlogits && acc.writes())
-            })
-            .count()
-            == 1;
-        // A MatMul that accumulates into dlogits would read its f32 contents.
-        let no_accumulate =
-            all().all(|r| !matches!(r, Op::MatMul { out, accumulate: true, .. } if out == dlogits));
-        if only_gemms && one_writer && no_accumulate {
-            out.insert(*dlogits);
+        let touches = |r: &Op, want: fn(schedule::Access) -> bool| {
+            r.accesses()
+                .iter()
+                .any(|(_, b, acc)| *b == id && want(*acc))
+        };
+        let read_by_gemms_only = model().all(|r| {
+            !touches(r, schedule::Access::reads)
+                || matches!(r, Op::MatMul { out, .. } if *out != id)
+        }) && !plan
+            .optimizer
+            .iter()
+            .any(|r| touches(r, schedule::Access::reads));
+        let writers = model()
+            .chain(&plan.optimizer)
+            .filter(|w| touches(w, schedule::Access::writes))
+            .count();
+        if read_by_gemms_only && writers == 1 {
+            out.insert(id);
         }
     }
     out
@@ -460,8 +468,9 @@ pub struct CudaEngine {
     /// Forward `MatMul` outputs whose `BiasAdd` runs in the GEMM's epilogue: `x → (bias, y)`
     /// ([`plan_bias_fusions`]; empty unless bf16 cast GEMMs and cuBLASLt).
     bias_fused: HashMap<BufferId, (BufferId, BufferId)>,
-    /// Gradients whose every reader is a bf16 GEMM (the LM head's `dlogits`): their producer
-    /// writes the bf16 shadow directly and the f32 buffer is never written ([`bf16_only`]).
+    /// Buffers whose every reader is a bf16 GEMM (LayerNorm, GELU and attention outputs, the
+    /// LM head's `dlogits`): their producer writes the bf16 shadow directly and the f32
+    /// buffer is never written ([`bf16_only`]).
     bf16_only: std::collections::HashSet<BufferId>,
     /// Writes seen per buffer (the validity of [`AttnSaved`]).
     write_gen: Vec<u64>,
@@ -589,11 +598,6 @@ impl CudaEngine {
                 );
             }
         }
-        let bf16_only = if precision == Precision::Bf16 && opts.bf16_gemm == Bf16Gemm::Cast {
-            bf16_only(&plan)
-        } else {
-            Default::default()
-        };
         // SOAP's bf16 projections read bf16 bases: cast once per swap, not once per step (a
         // swap marks the shadow stale, `tasks.rs`).
         if soap == op::SoapProjections::Bf16 {
@@ -737,6 +741,19 @@ impl CudaEngine {
                 }
                 saved_arena = Some(sa);
             }
+        }
+
+        let bf16_only = if precision == Precision::Bf16 && opts.bf16_gemm == Bf16Gemm::Cast {
+            let attn_outs = attn_saved.values().map(|sv| sv.out).collect();
+            bf16_only(&plan, &attn_outs)
+        } else {
+            Default::default()
+        };
+        if !bf16_only.is_empty() {
+            tracing::info!(
+                buffers = bf16_only.len(),
+                "activations and gradients written in bf16 only (read by bf16 GEMMs only)"
+            );
         }
 
         // Refresh machinery: refreshers, swap buffers, shadows of asynchronous tasks.
@@ -964,6 +981,14 @@ impl CudaEngine {
         Ok(s)
     }
 
+    /// The bf16 shadow a [`bf16_only`] buffer's producer writes into.
+    fn bf16_target(&self, id: BufferId) -> Result<Buf, CudaError> {
+        self.shadows[id.index()].clone().ok_or(CudaError::Invalid {
+            op: "bf16 output",
+            what: format!("buffer {id} has no bf16 shadow"),
+        })
+    }
+
     /// Runs one op; `Ok(Some(norm))` from a `ClipGradNorm`.
     fn exec(&mut self, op: &Op, t: u64, lr_mult: f64) -> Result<Option<f64>, CudaError> {
         // A written buffer's bf16 shadow is stale (the same read/write classification the
@@ -1001,6 +1026,27 @@ impl CudaEngine {
             } => {
                 let c = self.dims(*dout).1;
                 nn::add_positional_backward(dev, self.b(*dout), self.b(*dpos), c, *seq_len)?;
+            }
+            Op::LayerNorm {
+                x,
+                weight,
+                bias,
+                out,
+                eps,
+            } if self.bf16_only.contains(out) => {
+                let c = self.dims(*x).1;
+                let sd = self.bf16_target(*out)?;
+                let bias = bias.map(|b| self.b(b));
+                nn::layernorm_forward_bf16(
+                    &self.dev,
+                    self.b(*x),
+                    self.b(*weight),
+                    bias,
+                    &sd,
+                    c,
+                    *eps,
+                )?;
+                self.shadow_fresh[out.index()] = true;
             }
             Op::LayerNorm {
                 x,
@@ -1136,6 +1182,11 @@ impl CudaEngine {
                 nn::sum_rows(dev, self.b(*x), self.b(*out), c, s)?;
             }
             Op::Add { a, b, out } => nn::add(dev, self.b(*a), self.b(*b), self.b(*out))?,
+            Op::Gelu { x, out } if self.bf16_only.contains(out) => {
+                let sd = self.bf16_target(*out)?;
+                nn::gelu_forward_bf16(&self.dev, self.b(*x), &sd)?;
+                self.shadow_fresh[out.index()] = true;
+            }
             Op::Gelu { x, out } => nn::gelu_forward(dev, self.b(*x), self.b(*out))?,
             Op::GeluBackward { dout, x, dx } => {
                 nn::gelu_backward(dev, self.b(*dout), self.b(*x), self.b(*dx))?
@@ -1201,14 +1252,23 @@ impl CudaEngine {
                         lse: &lse,
                         qkv16: &qkv16,
                     };
+                    let bf16_out = self.bf16_only.contains(out);
+                    let dst = if bf16_out {
+                        self.bf16_target(*out)?
+                    } else {
+                        self.b(*out).clone()
+                    };
                     at::flash_attention_forward_saving(
-                        dev,
+                        &self.dev,
                         self.b(*qkv),
-                        self.b(*out),
+                        &dst,
                         &d,
-                        s,
+                        &self.scratch,
                         &sv,
                     )?;
+                    if bf16_out {
+                        self.shadow_fresh[out.index()] = true;
+                    }
                     let gens = (self.write_gen[qkv.index()], self.write_gen[out.index()]);
                     if let Some(sv) = self.attn_saved.get_mut(qkv) {
                         sv.gens = Some(gens);
@@ -1273,12 +1333,7 @@ impl CudaEngine {
                 // Only bf16 GEMMs read this gradient: write their operand (the bf16 shadow)
                 // directly; the f32 buffer stays unwritten.
                 let v = self.dims(*logits).1;
-                let sd = self.shadows[dlogits.index()]
-                    .clone()
-                    .ok_or(CudaError::Invalid {
-                        op: "cross_entropy_backward",
-                        what: format!("buffer {dlogits} has no bf16 shadow"),
-                    })?;
+                let sd = self.bf16_target(*dlogits)?;
                 loss::cross_entropy_backward_bf16(
                     &self.dev,
                     self.b(*logits),

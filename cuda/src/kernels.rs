@@ -50,7 +50,12 @@ pub const FAMILIES: &[Family] = &[
             "layernorm_backward_dx_w32",
             "layernorm_backward_dx_w64",
             "layernorm_backward_params",
-            "layernorm_backward_params_finalize"
+            "layernorm_backward_params_finalize",
+            "layernorm_forward_bf16_w8",
+            "layernorm_forward_bf16_w16",
+            "layernorm_forward_bf16_w24",
+            "layernorm_forward_bf16_w32",
+            "layernorm_forward_bf16_w64"
         ]
     ),
     family!(
@@ -65,6 +70,7 @@ pub const FAMILIES: &[Family] = &[
         "activations",
         [
             "gelu_forward",
+            "gelu_forward_bf16",
             "gelu_backward",
             "swiglu_forward",
             "swiglu_backward"
@@ -114,6 +120,8 @@ pub const FAMILIES: &[Family] = &[
             "flash_attn_tc_fwd_d64",
             "flash_attn_tc_bwd_dkdv_d64",
             "flash_attn_tc_bwd_dq_d64",
+            "flash_attn_tc_fwd_bf16out_d32",
+            "flash_attn_tc_fwd_bf16out_d64",
             "flash_attn_tc_delta",
         ]
     ),

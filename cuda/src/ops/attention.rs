@@ -456,7 +456,8 @@ pub struct FlashSaved<'a> {
 
 /// [`flash_attention_forward`] with [`FlashMath::Bf16`] that also keeps the row log-sum-exp and
 /// its bf16 copy of qkv in `saved`, so that [`flash_attention_backward_saved`] skips the
-/// forward rerun and the second cast of qkv.
+/// forward rerun and the second cast of qkv. `out` is f32, or [`Elem::BF16`] for an output
+/// that only bf16 GEMMs read (rounded to nearest even in the kernel's epilogue).
 ///
 /// # Errors
 /// As [`flash_attention_forward`]; `saved` buffers of the wrong size or type.
@@ -484,11 +485,19 @@ fn flash_forward(
     let (hd, grid, block) = flash_check(OP, d, math)?;
     let nc = d.nc();
     qkv.expect(OP, "qkv", Elem::F32, 3 * nc)?;
-    out.expect(OP, "out", Elem::F32, nc)?;
+    // A bf16 `out` only on the saving path (the engine's shadow of an output only bf16 GEMMs
+    // read).
+    let bf16_out = saved.is_some() && out.elem() == Elem::BF16;
+    out.expect(OP, "out", if bf16_out { Elem::BF16 } else { Elem::F32 }, nc)?;
     flash_scratch(OP, scratch, flash_forward_scratch_len(d, math))?;
     let rows = d.batch * d.n_heads * d.seq_len;
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
     let (_, fwd, ..) = flash_variant(hd, math);
+    let fwd = match (bf16_out, hd <= 32) {
+        (false, _) => fwd,
+        (true, true) => "flash_attn_tc_fwd_bf16out_d32",
+        (true, false) => "flash_attn_tc_fwd_bf16out_d64",
+    };
     let (lse, input) = match (saved, math) {
         (Some(sv), FlashMath::Bf16) => {
             sv.lse.expect(OP, "saved lse", Elem::F32, rows)?;

@@ -252,6 +252,61 @@ pub fn layernorm_forward(
     dev.launch(kernel, grid, block, args)
 }
 
+/// [`layernorm_forward`] with a bf16 output `out` ([`Elem::BF16`] `[N, c]`, round to nearest
+/// even: the bits of the f32 output cast afterwards), for an output that only bf16 GEMMs read.
+/// Warp-per-row rows only (`c ≤` [`LAYERNORM_WARP_MAX_C`]).
+///
+/// # Errors
+/// As [`layernorm_forward`], and [`CudaError::Invalid`] for `c >` [`LAYERNORM_WARP_MAX_C`].
+pub fn layernorm_forward_bf16(
+    dev: &Device,
+    x: &Buf,
+    weight: &Buf,
+    bias: Option<&Buf>,
+    out: &Buf,
+    c: usize,
+    eps: f64,
+) -> Result<()> {
+    const OP: &str = "layer_norm_bf16";
+    let n = rows_of(OP, "x", x.len(), c)?;
+    x.expect(OP, "x", Elem::F32, n * c)?;
+    out.expect(OP, "out", Elem::BF16, n * c)?;
+    weight.expect(OP, "weight", Elem::F32, c)?;
+    if let Some(b) = bias {
+        b.expect(OP, "bias", Elem::F32, c)?;
+    }
+    let Some(v) = LN_WARP_KERNELS
+        .iter()
+        .find(|(v, _, _)| c <= 32 * v)
+        .map(|t| t.0)
+    else {
+        return Err(CudaError::Invalid {
+            op: OP,
+            what: format!("rows of {c} exceed the warp kernels' {LAYERNORM_WARP_MAX_C}"),
+        });
+    };
+    if n == 0 {
+        return Ok(());
+    }
+    let kernel = match v {
+        8 => "layernorm_forward_bf16_w8",
+        16 => "layernorm_forward_bf16_w16",
+        24 => "layernorm_forward_bf16_w24",
+        32 => "layernorm_forward_bf16_w32",
+        _ => "layernorm_forward_bf16_w64",
+    };
+    let args = Args::new()
+        .buf(x)
+        .buf(weight)
+        .opt(bias)
+        .buf(out)
+        .i32(int(OP, "N", n)?)
+        .i32(int(OP, "C", c)?)
+        .f32(eps as f32);
+    let (kernel, grid, block) = ln_row_launch(n, c, Some(kernel), "layernorm_forward");
+    dev.launch(kernel, grid, block, args)
+}
+
 /// Most row slabs (f32 partials per column) of the two-stage column reductions
 /// (LayerNorm dweight/dbias, [`sum_rows`]).
 const COL_MAX_SLABS: usize = 64;
@@ -493,6 +548,20 @@ pub fn gelu_forward(dev: &Device, x: &Buf, out: &Buf) -> Result<()> {
     let n = same_len("gelu", &[("x", x), ("out", out)])?;
     dev.launch(
         "gelu_forward",
+        (dev.grid_for(n), 1, 1),
+        (256, 1, 1),
+        Args::new().buf(x).buf(out).i64(n as i64),
+    )
+}
+
+/// [`gelu_forward`] with a bf16 output ([`Elem::BF16`], round to nearest even), for an
+/// activation that only bf16 GEMMs read.
+pub fn gelu_forward_bf16(dev: &Device, x: &Buf, out: &Buf) -> Result<()> {
+    x.expect("gelu_bf16", "x", Elem::F32, x.len())?;
+    out.expect("gelu_bf16", "out", Elem::BF16, x.len())?;
+    let n = x.len();
+    dev.launch(
+        "gelu_forward_bf16",
         (dev.grid_for(n), 1, 1),
         (256, 1, 1),
         Args::new().buf(x).buf(out).i64(n as i64),

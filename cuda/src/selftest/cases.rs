@@ -139,6 +139,16 @@ fn positional(v: &mut Vec<Case>) {
 /// values a lane), wider rows the block-per-row ones; dweight/dbias sum `min(N / c, ⌈N / 64⌉,
 /// 64)` slabs of rows (at least one) into partials, then the partials. Outputs and scratch
 /// NaN-poisoned.
+/// The contents of a bf16 device buffer, widened to f32.
+fn down_bf16(cx: &super::Ctx<'_>, b: &crate::Buf) -> Result<Vec<f32>> {
+    Ok(cx
+        .dev
+        .download::<half::bf16>(b)?
+        .iter()
+        .map(|x| x.to_f32())
+        .collect())
+}
+
 fn layer_norm_cases(v: &mut Vec<Case>, n: usize, ch: usize, bias: bool, big: bool) {
     let size = format!("N={n} C={ch}{}", if bias { "" } else { " no-bias" });
     let eps = 1e-5;
@@ -162,6 +172,36 @@ fn layer_norm_cases(v: &mut Vec<Case>, n: usize, ch: usize, bias: bool, big: boo
         .map_err(cpu)?;
         Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
     }));
+    if ch <= g::LAYERNORM_WARP_MAX_C {
+        v.push(case(
+            "layer_norm_bf16",
+            size.clone(),
+            TOL_BF16,
+            big,
+            move |cx| {
+                let x = cx.normal(n * ch, 0.5, 2.0);
+                let w = cx.normal(ch, 1.0, 0.1);
+                let bv = cx.normal(ch, 0.0, 1.0);
+                let (xb, wb, bb) = (cx.up(&x)?, cx.up(&w)?, cx.up(&bv)?);
+                let ob = cx.raw(Elem::BF16, n * ch)?;
+                let bias_b = bias.then_some(&bb);
+                let ms =
+                    cx.timed(|| g::layernorm_forward_bf16(cx.dev, &xb, &wb, bias_b, &ob, ch, eps))?;
+                let mut r = vec![0.0; n * ch];
+                let bw = wide(&bv);
+                c::norms::layernorm_forward(
+                    &wide(&x),
+                    &wide(&w),
+                    bias.then_some(bw.as_slice()),
+                    &mut r,
+                    ch,
+                    eps,
+                )
+                .map_err(cpu)?;
+                Ok(one("out", rel_err(&down_bf16(cx, &ob)?, &r), ms))
+            },
+        ));
+    }
     v.push(case(
         "layer_norm_backward",
         size.clone(),
@@ -282,6 +322,14 @@ fn activations(v: &mut Vec<Case>) {
             let mut r = vec![0.0; n];
             c::elementwise::gelu(&wide(&x), &mut r).map_err(cpu)?;
             Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+        }));
+        v.push(case("gelu_bf16", size.clone(), TOL_BF16, big, move |cx| {
+            let x = cx.normal(n, 0.0, 3.0);
+            let (xb, ob) = (cx.up(&x)?, cx.raw(Elem::BF16, n)?);
+            let ms = cx.timed(|| g::gelu_forward_bf16(cx.dev, &xb, &ob))?;
+            let mut r = vec![0.0; n];
+            c::elementwise::gelu(&wide(&x), &mut r).map_err(cpu)?;
+            Ok(one("out", rel_err(&down_bf16(cx, &ob)?, &r), ms))
         }));
         v.push(case("gelu_backward", size, TOL_F32, big, move |cx| {
             let x = cx.normal(n, 0.0, 3.0);
@@ -583,10 +631,10 @@ fn flash_attention(v: &mut Vec<Case>) {
                 move |cx| {
                     let qkv = cx.normal(3 * nc, 0.0, 1.0);
                     let dout = cx.normal(nc, 0.0, 1.0);
-                    let (qb, gb, db, ob) =
-                        (cx.up(&qkv)?, cx.up(&dout)?, cx.out(3 * nc)?, cx.out(nc)?);
+                    let (qb, gb, db) = (cx.up(&qkv)?, cx.up(&dout)?, cx.out(3 * nc)?);
                     let rows = b * nh * t;
                     let (lse, qkv16) = (cx.out(rows)?, cx.raw(Elem::BF16, 3 * nc)?);
+                    // The forward writes its output in bf16 (the engine's bf16-only path).
                     let o16 = cx.raw(Elem::BF16, nc)?;
                     let fs = cx.out(gattn::flash_forward_scratch_len(&gd, math))?;
                     let bs = cx.out(gattn::flash_backward_scratch_len(&gd, math))?;
@@ -594,8 +642,11 @@ fn flash_attention(v: &mut Vec<Case>) {
                         lse: &lse,
                         qkv16: &qkv16,
                     };
-                    gattn::flash_attention_forward_saving(cx.dev, &qb, &ob, &gd, &fs, &saved)?;
-                    gemm::cast_f32_to_bf16(cx.dev, &ob, &o16)?;
+                    gattn::flash_attention_forward_saving(cx.dev, &qb, &o16, &gd, &fs, &saved)?;
+                    let mut ro = vec![0.0; nc];
+                    c::attention::attention_forward(&operands(&qkv, math), &mut ro, &cd)
+                        .map_err(cpu)?;
+                    let out_err = rel_err(&down_bf16(cx, &o16)?, &ro);
                     let ms = cx.timed(|| {
                         gattn::flash_attention_backward_saved(
                             cx.dev, &gb, &db, &gd, &bs, &saved, &o16,
@@ -624,6 +675,7 @@ fn flash_attention(v: &mut Vec<Case>) {
                             };
                             (["dq", "dk", "dv"][part], rel_err(&pick(&got), &pick64(&r)))
                         })
+                        .chain(std::iter::once(("out", out_err)))
                         .collect();
                     Ok(Outcome { errs, gpu_ms: ms })
                 },
@@ -767,13 +819,7 @@ fn cross_entropy_cases(
             let mut r = vec![0.0; n * vocab];
             c::cross_entropy::cross_entropy_backward(&wide(&logits), &targets, &mut r, vocab)
                 .map_err(cpu)?;
-            let got: Vec<f32> = cx
-                .dev
-                .download::<half::bf16>(&ob)?
-                .iter()
-                .map(|x| x.to_f32())
-                .collect();
-            Ok(one("dlogits", rel_err(&got, &r), ms))
+            Ok(one("dlogits", rel_err(&down_bf16(cx, &ob)?, &r), ms))
         },
     ));
 }
