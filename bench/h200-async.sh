@@ -46,18 +46,21 @@ run() { # name spec timeout
 run adamw $S/gpt2-124m-adamw.asteria 120
 run soap-s5 $S/gpt2-124m-soap-s5.asteria 150
 run soap-s0 $S/gpt2-124m-soap.asteria 150
-for row in "torch-soap soap" "torch-soaptf32 soap --tf32" "torch-adamw adamw"; do
+for row in "torch-soap soap" "torch-soaptf32 soap --tf32" "torch-adamw adamw" "torch-adamw-compile adamw --compile"; do
   set -- $row; n=$1; shift
   stamp "$n"
-  timeout 120 python3 .gpu/bench/torch_steps.py "$@" ${TORCH_STEPS:-100} "$out/$n.jsonl" > "$out/$n.txt" 2>&1 || echo "$n failed"; tail -2 "$out/$n.txt"
+  timeout 200 python3 .gpu/bench/torch_steps.py "$@" ${TORCH_STEPS:-100} "$out/$n.jsonl" > "$out/$n.txt" 2>&1 || echo "$n failed"; tail -2 "$out/$n.txt"
 done
 stamp summary
 python3 .gpu/bench/summarize.py --skip 12 "asteria AdamW=$out/adamw.jsonl:$out/adamw.txt" \
   "asteria SOAP S0=$out/soap-s0.jsonl:$out/soap-s0.txt" "asteria SOAP S5=$out/soap-s5.jsonl:$out/soap-s5.txt" \
   "PyTorch ref SOAP fp32=$out/torch-soap.jsonl:$out/torch-soap.txt" "PyTorch ref SOAP tf32=$out/torch-soaptf32.jsonl:$out/torch-soaptf32.txt" \
-  "torch AdamW eager=$out/torch-adamw.jsonl:$out/torch-adamw.txt" | tee "$out/summary.md"
+  "torch AdamW eager=$out/torch-adamw.jsonl:$out/torch-adamw.txt" \
+  "torch AdamW compile=$out/torch-adamw-compile.jsonl:$out/torch-adamw-compile.txt" | tee "$out/summary.md"
 $B plot --metric step_ms --title "GPT-2 124M step time, H200 (batch 16x1024)" -o "$out/step-time.svg" \
   "asteria AdamW=$out/adamw.jsonl" "asteria SOAP S0=$out/soap-s0.jsonl" "asteria SOAP S5=$out/soap-s5.jsonl" \
   "PyTorch ref. SOAP fp32=$out/torch-soap.jsonl" "PyTorch ref. SOAP tf32=$out/torch-soaptf32.jsonl" 2>&1 | tail -1
 grep -h "refresh host ms" "$out"/soap-*.txt
 stamp done
+# One file back (the device call returns a limited number of files).
+( cd "$out" && tar czf ../bench-results.tgz . )

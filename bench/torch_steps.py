@@ -4,9 +4,11 @@ its optimizers), written as asteria-style metrics JSONL ({"step","loss","step_ms
 batch (16x1024), bf16 autocast, grad clip 1.0 and timing (synchronize around each step) as
 torch_baseline.train_steps; the reference SOAP is nikhilvyas/SOAP soap.py (not committed, in
 ../.ext), frequency 10, max_precond_dim 10000.
-Usage (GPU host): python3 torch_steps.py {adamw|soap} STEPS OUT.jsonl [--tf32]
+Usage (GPU host): python3 torch_steps.py {adamw|soap} STEPS OUT.jsonl [--tf32] [--compile]
   --tf32: torch.backends.cuda.matmul.allow_tf32 = True (fp32 matmuls on TF32 tensor cores, as
-          asteria's `precision = bf16` runs SOAP's per-step GEMMs)."""
+          asteria's `precision = bf16` runs SOAP's per-step GEMMs).
+  --compile: the model's forward through torch.compile (default mode), as torch_baseline's
+          compile row; the compilation happens in the first steps, which summarize.py skips."""
 import json, os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".ext"))
@@ -25,6 +27,7 @@ else:
     from soap import SOAP
     opt = SOAP(model.parameters(), lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01,
                precondition_frequency=10, max_precond_dim=10000)
+fwd = torch.compile(model) if "--compile" in sys.argv else model
 B, T = 16, 1024
 x = torch.randint(0, 50257, (B, T), device=dev); y = torch.randint(0, 50257, (B, T), device=dev)
 torch.cuda.reset_peak_memory_stats()
@@ -32,7 +35,7 @@ with open(out, "w") as f:
     for i in range(1, steps + 1):
         torch.cuda.synchronize(); t = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(x, y)
+            loss = fwd(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step(); opt.zero_grad(set_to_none=True)
@@ -40,4 +43,5 @@ with open(out, "w") as f:
         f.write(json.dumps({"step": i, "loss": loss.item(), "step_ms": dt, "tokens_per_s": B * T / (dt / 1e3)}) + "\n")
 print("GPU peak used %.2f GiB" % (torch.cuda.max_memory_allocated() / 2**30))
 print(json.dumps({"what": "torch_steps", "opt": opt_name, "tf32": torch.backends.cuda.matmul.allow_tf32,
+                  "compile": "--compile" in sys.argv,
                   "steps": steps, "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2**30}))
