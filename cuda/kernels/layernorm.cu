@@ -84,6 +84,9 @@ __device__ __forceinline__ void ln_forward_warp(const float* __restrict__ x, con
 }
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dout * weight; one warp per row.
+// The row statistics and the combination run in float64 (inputs and dx stay f32): for short
+// rows the f32 formula cancels badly (an f32 emulation at c = 3 gave norm-wise errors up to
+// 1e-4 against float64; in float64 ~1e-7), and the kernel is memory-bound either way.
 // Writes the row's mean and rstd to stats[2*row], stats[2*row+1] for layernorm_backward_params.
 template <int V>
 __device__ __forceinline__ void ln_backward_dx_warp(const float* __restrict__ dout, const float* __restrict__ x,
@@ -93,38 +96,46 @@ __device__ __forceinline__ void ln_backward_dx_warp(const float* __restrict__ do
     if (row >= n) return;
     const int lane = threadIdx.x & 31;
     const float* dr = dout + (long long)row * c;
+    const float* xr = x + (long long)row * c;
     float xv[V], gv[V];
-    // Issue the dout loads before the statistics' shuffles so both rows stream in together.
+    // Issue both rows' loads before the reductions so they stream in together.
+    double s = 0.0;
 #pragma unroll
     for (int i = 0; i < V; ++i) {
         const int j = i * 32 + lane;
         gv[i] = j < c ? dr[j] * weight[j] : 0.0f;
+        xv[i] = j < c ? xr[j] : 0.0f;
+        s += (double)xv[i];
     }
-    float mean, rstd;
-    ln_warp_load_stats<V>(x + (long long)row * c, c, eps, xv, &mean, &rstd);
-    float sg = 0.0f, sgx = 0.0f;
+    const double mean = warp_sum_d(s) / (double)c;
+    // xv becomes the deviation x - mean, subtracted in float64 and kept as f32 (a relative
+    // rounding of 6e-8 per element; the cancellation is in the subtraction, not the storage),
+    // so that no float64 copy of the row stays live in registers.
+    double q = 0.0;
 #pragma unroll
     for (int i = 0; i < V; ++i) {
         const int j = i * 32 + lane;
-        if (j < c) {
-            sg += gv[i];
-            sgx += gv[i] * (xv[i] - mean) * rstd;
-        }
+        xv[i] = j < c ? (float)((double)xv[i] - mean) : 0.0f;
+        q += (double)xv[i] * (double)xv[i];
     }
-    const float mg = warp_sum(sg) / (float)c;
-    const float mgx = warp_sum(sgx) / (float)c;
+    const double rstd = 1.0 / sqrt(warp_sum_d(q) / (double)c + (double)eps);
+    double sg = 0.0, sgx = 0.0;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+        sg += (double)gv[i];
+        sgx += (double)gv[i] * (double)xv[i];
+    }
+    const double mg = warp_sum_d(sg) / (double)c;
+    const double mgx = warp_sum_d(sgx) / (double)c * rstd;
     float* d = dx + (long long)row * c;
 #pragma unroll
     for (int i = 0; i < V; ++i) {
         const int j = i * 32 + lane;
-        if (j < c) {
-            const float xh = (xv[i] - mean) * rstd;
-            d[j] = rstd * (gv[i] - mg - xh * mgx);
-        }
+        if (j < c) d[j] = (float)(rstd * ((double)gv[i] - mg - (double)xv[i] * rstd * mgx));
     }
     if (lane == 0) {
-        stats[2 * (long long)row] = mean;
-        stats[2 * (long long)row + 1] = rstd;
+        stats[2 * (long long)row] = (float)mean;
+        stats[2 * (long long)row + 1] = (float)rstd;
     }
 }
 
@@ -156,28 +167,37 @@ extern "C" __global__ void layernorm_backward_dx(const float* __restrict__ dout,
     const float* xr = x + (long long)row * c;
     const float* dr = dout + (long long)row * c;
     float* d = dx + (long long)row * c;
-    float mean, rstd;
-    ln_row_stats(xr, c, eps, &mean, &rstd);
-    float sg = 0.0f, sgx = 0.0f;
+    // float64 statistics and combination, as ln_backward_dx_warp.
+    double s = 0.0;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) s += (double)xr[j];
+    const double mean = block_sum_d(s) / (double)c;
+    double q = 0.0;
     for (int j = threadIdx.x; j < c; j += blockDim.x) {
-        const float g = dr[j] * weight[j];
-        sg += g;
-        sgx += g * (xr[j] - mean) * rstd;
+        const double dv = (double)xr[j] - mean;
+        q += dv * dv;
     }
-    const float mg = block_sum(sg) / (float)c;
-    const float mgx = block_sum(sgx) / (float)c;
+    const double rstd = 1.0 / sqrt(block_sum_d(q) / (double)c + (double)eps);
+    double sg = 0.0, sgx = 0.0;
     for (int j = threadIdx.x; j < c; j += blockDim.x) {
-        const float xh = (xr[j] - mean) * rstd;
-        d[j] = rstd * (dr[j] * weight[j] - mg - xh * mgx);
+        const double g = (double)(dr[j] * weight[j]);
+        sg += g;
+        sgx += g * ((double)xr[j] - mean) * rstd;
+    }
+    const double mg = block_sum_d(sg) / (double)c;
+    const double mgx = block_sum_d(sgx) / (double)c;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) {
+        const double xh = ((double)xr[j] - mean) * rstd;
+        d[j] = (float)(rstd * ((double)(dr[j] * weight[j]) - mg - xh * mgx));
     }
     if (threadIdx.x == 0) {
-        stats[2 * (long long)row] = mean;
-        stats[2 * (long long)row + 1] = rstd;
+        stats[2 * (long long)row] = (float)mean;
+        stats[2 * (long long)row + 1] = (float)rstd;
     }
 }
 
 // Warp-per-row kernels, V values per lane (c <= 32 * V). Block of 256 threads = 8 rows;
-// grid ceil(n / 8).
+// grid ceil(n / 8). The dx kernels up to V = 24 are held to 128 registers (two blocks per SM,
+// as before their float64 statistics; no spills at those widths).
 extern "C" __global__ void layernorm_forward_w8(const float* __restrict__ x, const float* __restrict__ weight,
                                                 const float* __restrict__ bias, float* __restrict__ out, int n,
                                                 int c, float eps) {
@@ -204,17 +224,17 @@ extern "C" __global__ void layernorm_forward_w64(const float* __restrict__ x, co
     ln_forward_warp<64>(x, weight, bias, out, n, c, eps);
 }
 
-extern "C" __global__ void layernorm_backward_dx_w8(const float* __restrict__ dout, const float* __restrict__ x,
+extern "C" __global__ void __launch_bounds__(256, 2) layernorm_backward_dx_w8(const float* __restrict__ dout, const float* __restrict__ x,
                                                     const float* __restrict__ weight, float* __restrict__ dx,
                                                     float* __restrict__ stats, int n, int c, float eps) {
     ln_backward_dx_warp<8>(dout, x, weight, dx, stats, n, c, eps);
 }
-extern "C" __global__ void layernorm_backward_dx_w16(const float* __restrict__ dout, const float* __restrict__ x,
+extern "C" __global__ void __launch_bounds__(256, 2) layernorm_backward_dx_w16(const float* __restrict__ dout, const float* __restrict__ x,
                                                      const float* __restrict__ weight, float* __restrict__ dx,
                                                      float* __restrict__ stats, int n, int c, float eps) {
     ln_backward_dx_warp<16>(dout, x, weight, dx, stats, n, c, eps);
 }
-extern "C" __global__ void layernorm_backward_dx_w24(const float* __restrict__ dout, const float* __restrict__ x,
+extern "C" __global__ void __launch_bounds__(256, 2) layernorm_backward_dx_w24(const float* __restrict__ dout, const float* __restrict__ x,
                                                      const float* __restrict__ weight, float* __restrict__ dx,
                                                      float* __restrict__ stats, int n, int c, float eps) {
     ln_backward_dx_warp<24>(dout, x, weight, dx, stats, n, c, eps);
