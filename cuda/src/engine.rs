@@ -15,6 +15,15 @@
 //!   outside its live range, and its first access in every program run is a write (that is what
 //!   makes it transient, `schedule::Plan::residency`), which marks the shadow stale before any
 //!   read: a cached shadow is never used for bytes another buffer wrote.
+//! - Fusions under `precision = bf16` (cast GEMMs), each decided once from the plan's
+//!   read/write sets and switchable for comparison: a forward `MatMul` followed by the
+//!   `BiasAdd` of its output runs as one cuBLASLt GEMM with a bias epilogue
+//!   ([`plan_bias_fusions`], `ASTERIA_CUDA_BIAS_EPILOGUE=off`); LayerNorm, GELU and tensor-core
+//!   attention outputs and the LM head's `dlogits` that only GEMMs read are written by their
+//!   producers in bf16 straight into the shadow, the f32 buffer left unwritten
+//!   ([`bf16_only`]); a tensor-core attention forward keeps its row log-sum-exp and bf16 qkv
+//!   ([`AttnSaved`], `ASTERIA_CUDA_ATTN_SAVE=off`) for its backward, which uses them only while
+//!   the write generations of qkv and out still match and out's bf16 copy is fresh.
 //! - Init: the CPU engine's exact procedure (one `engine::Rng` seeded by the options' or the
 //!   plan's seed, normal draws in buffer order) on the host, uploaded: the same seed gives
 //!   bit-identical initial weights on both engines.
