@@ -163,11 +163,11 @@ pub struct CudaOptions {
     /// [`op::SoapProjections`]). `bf16` applies under `precision = bf16` only.
     pub soap_projections: op::SoapProjections,
     /// Keep every `BiasAdd` a separate kernel (`ASTERIA_CUDA_BIAS_EPILOGUE=off`) instead of
-    /// fusing it into the preceding bf16 GEMM's cuBLASLt epilogue ([`plan_bias_fusions`]).
+    /// fusing it into the preceding bf16 GEMM's cuBLASLt epilogue (`plan_bias_fusions`).
     pub unfused_bias: bool,
     /// Rerun the attention forward inside every backward (`ASTERIA_CUDA_ATTN_SAVE=off`)
     /// instead of keeping the row log-sum-exp and bf16 qkv of the tensor-core forward
-    /// ([`AttnSaved`]).
+    /// (`AttnSaved`).
     pub attention_rerun: bool,
 }
 
