@@ -1769,3 +1769,147 @@ impl StepExecutor for CudaEngine {
             .map_err(|e| cuda_err("synchronize", e))
     }
 }
+
+#[cfg(test)]
+mod fusion_tests {
+    //! The fusion decisions of the bf16 path (`plan_bias_fusions`, `bf16_only`) on the plan of
+    //! a real spec, and what must stop them: another reader of the buffer.
+    use super::*;
+    use std::collections::HashSet;
+
+    fn tiny_plan() -> Plan {
+        let spec =
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/tiny.asteria");
+        let config = frontend::load_spec(&spec).expect("examples/tiny.asteria loads");
+        let mut module = ir::Module::new(config);
+        let mut pm = passes::PassManager::new(passes::PassOptions::default()).expect("passes");
+        let mut sink = Vec::new();
+        let (cx, _) = pm.run(&mut module, None, &mut sink).expect("pipeline");
+        cx.plan.expect("a plan")
+    }
+
+    /// Every op of every program that reads `id`.
+    fn readers(plan: &Plan, id: BufferId) -> Vec<&Op> {
+        plan.forward
+            .iter()
+            .chain(&plan.backward)
+            .chain(&plan.optimizer)
+            .filter(|o| o.accesses().iter().any(|(_, b, a)| *b == id && a.reads()))
+            .collect()
+    }
+
+    #[test]
+    fn bias_adds_after_their_gemm_fuse_unless_something_else_reads_the_product() {
+        let plan = tiny_plan();
+        let fused = plan_bias_fusions(&plan);
+        let layers = plan
+            .forward
+            .iter()
+            .filter(|o| matches!(o, Op::Attention { .. }))
+            .count();
+        // GPT-2: qkv, attention projection, MLP up and down projections, each with a bias.
+        assert_eq!(fused.len(), 4 * layers, "{fused:?}");
+        for (x, (bias, y)) in &fused {
+            let i = plan
+                .forward
+                .iter()
+                .position(|o| matches!(o, Op::MatMul { out, .. } if out == x))
+                .expect("the GEMM");
+            assert!(
+                matches!(&plan.forward[i + 1], Op::BiasAdd { x: x2, bias: b, out } if x2 == x && b == bias && out == y)
+            );
+            let r = readers(&plan, *x);
+            assert!(r.len() == 1 || y == x, "{r:?}");
+        }
+        // A second reader of one product (here an extra SumRows in the backward) stops that
+        // pair, and only that one.
+        let (&x, _) = fused
+            .iter()
+            .find(|(x, (_, y))| *x != y)
+            .expect("an out-of-place pair");
+        let mut plan2 = plan.clone();
+        plan2.backward.push(Op::SumRows {
+            x,
+            out: fused[&x].0,
+        });
+        let fused2 = plan_bias_fusions(&plan2);
+        assert_eq!(fused2.len(), fused.len() - 1);
+        assert!(!fused2.contains_key(&x));
+    }
+
+    #[test]
+    fn outputs_only_gemms_read_are_bf16_only_and_any_other_reader_keeps_them_f32() {
+        let plan = tiny_plan();
+        let attn_outs: HashSet<BufferId> = plan
+            .forward
+            .iter()
+            .filter_map(|o| match o {
+                Op::Attention { out, .. } => Some(*out),
+                _ => None,
+            })
+            .collect();
+        let only = bf16_only(&plan, &attn_outs);
+        let count = |f: fn(&Op) -> Option<BufferId>| {
+            plan.forward
+                .iter()
+                .chain(&plan.backward)
+                .filter_map(f)
+                .filter(|id| only.contains(id))
+                .count()
+        };
+        let layers = attn_outs.len();
+        // Both LayerNorms of each block and the final one; the GELU and attention outputs of
+        // each block; the LM head's gradient.
+        assert_eq!(
+            count(|o| match o {
+                Op::LayerNorm { out, .. } => Some(*out),
+                _ => None,
+            }),
+            2 * layers + 1
+        );
+        assert_eq!(
+            count(|o| match o {
+                Op::Gelu { out, .. } => Some(*out),
+                _ => None,
+            }),
+            layers
+        );
+        assert_eq!(
+            count(|o| match o {
+                Op::Attention { out, .. } => Some(*out),
+                _ => None,
+            }),
+            layers
+        );
+        assert_eq!(
+            count(|o| match o {
+                Op::CrossEntropyBackward { dlogits, .. } => Some(*dlogits),
+                _ => None,
+            }),
+            1
+        );
+        for &id in &only {
+            for r in readers(&plan, id) {
+                assert!(matches!(r, Op::MatMul { .. }), "{id} read by {r:?}");
+            }
+        }
+        // Without a saved attention context the attention outputs stay f32.
+        let no_attn = bf16_only(&plan, &HashSet::new());
+        assert!(attn_outs.iter().all(|o| !no_attn.contains(o)));
+        // Any non-GEMM reader (here an optimizer-program SumRows of one LayerNorm output)
+        // keeps that buffer f32.
+        let (ln, weight) = plan
+            .forward
+            .iter()
+            .find_map(|o| match o {
+                Op::LayerNorm { out, weight, .. } if only.contains(out) => Some((*out, *weight)),
+                _ => None,
+            })
+            .expect("a bf16-only LayerNorm output");
+        let mut plan2 = plan.clone();
+        plan2.optimizer.push(Op::SumRows { x: ln, out: weight });
+        let only2 = bf16_only(&plan2, &attn_outs);
+        assert!(!only2.contains(&ln));
+        assert_eq!(only2.len(), only.len() - 1);
+    }
+}
