@@ -283,7 +283,7 @@ impl Device {
         let counters = Arc::new(MemCounters::default());
         let mut internal = Arena::new(&ctx, &counters, "internal", Tier::Device, 1 << 16)?;
         let status = internal.buf(Elem::I32, 1)?;
-        let blas_lt = crate::lt::BlasLt::new(&ctx, &counters, cc.0.max(0) as u32)?;
+        let blas_lt = crate::lt::BlasLt::new(&ctx, &counters, cc.0.max(0) as u32);
         let dev = Device {
             ctx,
             compute,

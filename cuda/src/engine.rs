@@ -258,9 +258,11 @@ fn dims2(shape: &[usize]) -> (usize, usize) {
 /// The forward `MatMul` + `BiasAdd` pairs that run as one cuBLASLt GEMM with a bias epilogue:
 /// maps the GEMM's output `x` to `(bias, y)` of the `BiasAdd { x, bias, out: y }` right after
 /// it. A pair fuses only when the GEMM overwrites `x` (no accumulation), nothing but that
-/// `BiasAdd` reads `x` in any program (or `y` is `x`), only that GEMM writes `x`, `y` does not
-/// share bytes with `bias`, and the operands' rows are 16-byte aligned for bf16 (else cuBLAS's
-/// unaligned kernels would lose more than the fusion gains).
+/// `BiasAdd` reads `x` in any program, only that GEMM writes `x` (an in-place `BiasAdd` is a
+/// second writer: not fused), `y` does not share bytes with `bias`, the inner dimension is not
+/// empty, and the operands' rows are 16-byte aligned for bf16 (else cuBLAS's unaligned
+/// kernels would lose more than the fusion gains). The f32 `x` of a fused pair is never
+/// written ([`CudaEngine::buffer`] refuses it).
 fn plan_bias_fusions(plan: &Plan) -> HashMap<BufferId, (BufferId, BufferId)> {
     let all = || {
         plan.forward
@@ -312,11 +314,16 @@ fn plan_bias_fusions(plan: &Plan) -> HashMap<BufferId, (BufferId, BufferId)> {
             .iter()
             .all(|id| dims2(&plan.buffer(*id).shape).1.is_multiple_of(8))
             && dims2(&plan.buffer(*x).shape).1.is_multiple_of(4);
+        let inner = dims2(&plan.buffer(*a).shape)
+            .0
+            .min(dims2(&plan.buffer(*a).shape).1)
+            > 0;
         if x2 == x
             && writers[x.index()] == 1
-            && (readers[x.index()] == 1 || y == x)
+            && readers[x.index()] == 1
             && !overlaps(*y, *bias)
             && aligned
+            && inner
         {
             fused.insert(*x, (*bias, *y));
         }
@@ -355,13 +362,16 @@ fn bf16_only(
                 .iter()
                 .any(|(_, b, acc)| *b == id && want(*acc))
         };
-        let read_by_gemms_only = model().all(|r| {
-            !touches(r, schedule::Access::reads)
-                || matches!(r, Op::MatMul { out, .. } if *out != id)
-        }) && !plan
-            .optimizer
-            .iter()
-            .any(|r| touches(r, schedule::Access::reads));
+        // At least one reader (a GEMM, so the buffer has a shadow to write into).
+        let read_by_gemms_only = model().any(|r| touches(r, schedule::Access::reads))
+            && model().all(|r| {
+                !touches(r, schedule::Access::reads)
+                    || matches!(r, Op::MatMul { out, .. } if *out != id)
+            })
+            && !plan
+                .optimizer
+                .iter()
+                .any(|r| touches(r, schedule::Access::reads));
         let writers = model()
             .chain(&plan.optimizer)
             .filter(|w| touches(w, schedule::Access::writes))
@@ -910,14 +920,40 @@ impl CudaEngine {
             .ok_or_else(|| EngineError::UnknownBuffer(name.to_string()))
     }
 
-    /// Buffer `name` downloaded as f64 (i32 buffers converted).
+    /// False for a buffer this engine never writes: the product of a GEMM whose bias add ran
+    /// in its epilogue ([`CudaEngine::buffer`] refuses it). Unknown names are `false` too.
+    pub fn materialised(&self, name: &str) -> bool {
+        self.id(name)
+            .map(|id| !self.bias_fused.contains_key(&id))
+            .unwrap_or(false)
+    }
+
+    /// Buffer `name` downloaded as f64 (i32 buffers converted). A buffer that only bf16 GEMMs
+    /// read (`bf16_only`) comes from its bf16 copy, the only one written.
     ///
     /// # Errors
-    /// [`EngineError::UnknownBuffer`], or a CUDA error.
+    /// [`EngineError::UnknownBuffer`], [`EngineError::Unsupported`] for the product of a GEMM
+    /// whose bias add ran in its epilogue (never materialised), or a CUDA error.
     pub fn buffer(&self, name: &str) -> Result<Vec<f64>, EngineError> {
         let id = self.id(name)?;
         let b = &self.bufs[id.index()];
         let e = |err| cuda_err("download", err);
+        if self.bias_fused.contains_key(&id) {
+            return Err(EngineError::Unsupported(format!(
+                "buffer `{name}` is not materialised: its bias add runs in the GEMM's epilogue \
+                 (ASTERIA_CUDA_BIAS_EPILOGUE=off keeps it)"
+            )));
+        }
+        if self.bf16_only.contains(&id) {
+            let sd = self.bf16_target(id).map_err(e)?;
+            return Ok(self
+                .dev
+                .download::<half::bf16>(&sd)
+                .map_err(e)?
+                .into_iter()
+                .map(|x| x.to_f64())
+                .collect());
+        }
         Ok(match b.elem() {
             Elem::I32 => self
                 .dev
@@ -965,6 +1001,7 @@ impl CudaEngine {
             }
         }
         self.shadow_fresh[id.index()] = false;
+        self.write_gen[id.index()] += 1;
         Ok(())
     }
 
@@ -1712,6 +1749,7 @@ impl StepExecutor for CudaEngine {
                 .upload(self.b(id), values)
                 .map_err(|e| cuda_err("load_batch", e))?;
             self.shadow_fresh[id.index()] = false;
+            self.write_gen[id.index()] += 1;
         }
         self.last_tokens.clear();
         self.last_tokens.extend_from_slice(tokens);

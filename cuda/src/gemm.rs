@@ -454,6 +454,12 @@ pub fn gemm_bf16_bias(
     if g.m == 0 || g.p == 0 {
         return Ok(());
     }
+    if g.k == 0 {
+        return Err(CudaError::Invalid {
+            op: OP,
+            what: "an empty inner dimension (the result would be the bias alone)".into(),
+        });
+    }
     let lt = dev.blas_lt().ok_or(CudaError::Invalid {
         op: OP,
         what: "cuBLASLt (libcublasLt.so) is not available".into(),

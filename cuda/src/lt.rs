@@ -64,7 +64,9 @@ impl Drop for BlasLt {
 fn lt_err(op: &'static str) -> impl Fn(lt::CublasError) -> CudaError {
     move |e| CudaError::Invalid {
         op,
-        what: format!("cuBLASLt: {e:?}"),
+        what: format!(
+            "cuBLASLt: {e:?} (ASTERIA_CUDA_BIAS_EPILOGUE=off runs GEMM and bias add separately)"
+        ),
     }
 }
 
@@ -93,33 +95,41 @@ impl Drop for Descs {
 }
 
 impl BlasLt {
-    /// A handle and a workspace arena on `ctx`; `None` (with a debug line) when the cuBLASLt
-    /// library is missing, so that callers fall back to unfused GEMMs.
+    /// A handle and a workspace arena on `ctx`; `None` when the cuBLASLt library is missing or
+    /// its handle or workspace cannot be made (logged), so that callers fall back to unfused
+    /// GEMMs instead of failing the device.
     pub(crate) fn new(
         ctx: &Arc<CudaContext>,
         counters: &Arc<MemCounters>,
         major: u32,
-    ) -> Result<Option<BlasLt>> {
+    ) -> Option<BlasLt> {
         // SAFETY: only a dlopen attempt.
         if !unsafe { ltsys::is_culib_present() } {
             tracing::debug!("libcublasLt not found: bias epilogues stay separate kernels");
-            return Ok(None);
+            return None;
         }
-        let handle = lt::create_handle().map_err(lt_err("cublasLtCreate"))?;
+        let handle = match lt::create_handle() {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(error = ?e, "cublasLtCreate failed: bias epilogues stay separate kernels");
+                return None;
+            }
+        };
         let bytes = workspace_bytes(major);
         let made = Arena::new(ctx, counters, "cublaslt-workspace", Tier::Device, bytes)
             .and_then(|mut arena| Ok((arena.buf(Elem::F32, bytes / 4)?, arena)));
         match made {
-            Ok((workspace, arena)) => Ok(Some(BlasLt {
+            Ok((workspace, arena)) => Some(BlasLt {
                 handle,
                 workspace,
                 _arena: arena,
                 algos: Mutex::new(HashMap::new()),
-            })),
+            }),
             Err(e) => {
-                // SAFETY: created above, not yet owned by a guard.
+                tracing::warn!(error = %e, "no cuBLASLt workspace: bias epilogues stay separate kernels");
+                // SAFETY: created above, not owned by anything else.
                 let _ = unsafe { lt::destroy_handle(handle) };
-                Err(e)
+                None
             }
         }
     }

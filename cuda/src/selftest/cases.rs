@@ -134,11 +134,6 @@ fn positional(v: &mut Vec<Case>) {
     }
 }
 
-/// The `layer_norm` and `layer_norm_backward` cases of one size. `N` and `c` pick the paths
-/// (see `ops::nn`): rows of `c ≤ 2048` take the warp-per-row kernels (8, 16, 24, 32 or 64
-/// values a lane), wider rows the block-per-row ones; dweight/dbias sum `min(N / c, ⌈N / 64⌉,
-/// 64)` slabs of rows (at least one) into partials, then the partials. Outputs and scratch
-/// NaN-poisoned.
 /// The contents of a bf16 device buffer, widened to f32.
 fn down_bf16(cx: &super::Ctx<'_>, b: &crate::Buf) -> Result<Vec<f32>> {
     Ok(cx
@@ -149,6 +144,11 @@ fn down_bf16(cx: &super::Ctx<'_>, b: &crate::Buf) -> Result<Vec<f32>> {
         .collect())
 }
 
+/// The `layer_norm` and `layer_norm_backward` cases of one size. `N` and `c` pick the paths
+/// (see `ops::nn`): rows of `c ≤ 2048` take the warp-per-row kernels (8, 16, 24, 32 or 64
+/// values a lane), wider rows the block-per-row ones; dweight/dbias sum `min(N / c, ⌈N / 64⌉,
+/// 64)` slabs of rows (at least one) into partials, then the partials. Outputs and scratch
+/// NaN-poisoned.
 fn layer_norm_cases(v: &mut Vec<Case>, n: usize, ch: usize, bias: bool, big: bool) {
     let size = format!("N={n} C={ch}{}", if bias { "" } else { " no-bias" });
     let eps = 1e-5;
