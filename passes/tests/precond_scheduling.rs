@@ -67,15 +67,25 @@ fn discrete_gpu_and_unified_memory_targets_choose_differently() {
         };
         assert_eq!(d.placement, want, "{} (d = {}) on h200", d.factor, d.dim);
     }
-    // The simulated Grace host's faster cores also fit the 2304 factors; GB10's weak GPU and
-    // unified memory favour its host for everything that fits the pool.
+    // GB10's weak GPU and unified memory favour its host for everything that fits the pool.
+    // The simulated Grace host (GH200) has faster cores, but at asteria's current step time
+    // (52 ms for GPT-2 124M on the H200, `train_tflops` 235) a 2304 refresh (~0.8 s on one
+    // Grace core) no longer lands within S = 5 steps, so it keeps the H200's split; with the
+    // engine's old rate (75 TFLOP/s, 163 ms steps) it moved the 2304 factors to its host too.
     assert!(
-        gh200.host_share() > h200.host_share() + 0.1,
-        "gh200 should move more work to its host"
+        gh200.host_share() >= h200.host_share(),
+        "gh200 should not move work off its host"
     );
     assert!(
-        gb10.host_share() > gh200.host_share(),
+        gb10.host_share() > h200.host_share() + 0.1,
         "gb10's weak GPU and unified memory favour the host"
+    );
+    assert!(
+        gb10.decisions
+            .iter()
+            .zip(&h200.decisions)
+            .any(|(g, h)| g.placement != h.placement),
+        "a unified-memory target and the discrete H200 choose differently"
     );
     assert!(gh200
         .decisions
