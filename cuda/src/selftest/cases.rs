@@ -600,22 +600,7 @@ fn flash_attention(v: &mut Vec<Case>) {
                     &cd,
                 )
                 .map_err(cpu)?;
-                let got = cx.down(&db)?;
-                let errs = (0..3)
-                    .map(|part| {
-                        let pick = |s: &[f32]| -> Vec<f32> {
-                            s.chunks(3 * ch)
-                                .flat_map(|row| row[part * ch..(part + 1) * ch].to_vec())
-                                .collect()
-                        };
-                        let pick64 = |s: &[f64]| -> Vec<f64> {
-                            s.chunks(3 * ch)
-                                .flat_map(|row| row[part * ch..(part + 1) * ch].to_vec())
-                                .collect()
-                        };
-                        (["dq", "dk", "dv"][part], rel_err(&pick(&got), &pick64(&r)))
-                    })
-                    .collect();
+                let errs = dqkv_errs(&cx.down(&db)?, &r, ch);
                 Ok(Outcome { errs, gpu_ms: ms })
             }));
             if math != gattn::FlashMath::Bf16 {
@@ -660,28 +645,32 @@ fn flash_attention(v: &mut Vec<Case>) {
                         &cd,
                     )
                     .map_err(cpu)?;
-                    let got = cx.down(&db)?;
-                    let errs = (0..3)
-                        .map(|part| {
-                            let pick = |s: &[f32]| -> Vec<f32> {
-                                s.chunks(3 * ch)
-                                    .flat_map(|row| row[part * ch..(part + 1) * ch].to_vec())
-                                    .collect()
-                            };
-                            let pick64 = |s: &[f64]| -> Vec<f64> {
-                                s.chunks(3 * ch)
-                                    .flat_map(|row| row[part * ch..(part + 1) * ch].to_vec())
-                                    .collect()
-                            };
-                            (["dq", "dk", "dv"][part], rel_err(&pick(&got), &pick64(&r)))
-                        })
-                        .chain(std::iter::once(("out", out_err)))
-                        .collect();
+                    let mut errs = dqkv_errs(&cx.down(&db)?, &r, ch);
+                    errs.push(("out", out_err));
                     Ok(Outcome { errs, gpu_ms: ms })
                 },
             ));
         }
     }
+}
+
+/// Relative errors of the q, k and v parts of a `dqkv` `[N, 3C]` (each row `[dq | dk | dv]`,
+/// `ch` = C columns each) against the float64 reference.
+fn dqkv_errs(got: &[f32], r: &[f64], ch: usize) -> Vec<(&'static str, f64)> {
+    (0..3)
+        .map(|part| {
+            let cols = part * ch..(part + 1) * ch;
+            let g: Vec<f32> = got
+                .chunks(3 * ch)
+                .flat_map(|row| row[cols.clone()].to_vec())
+                .collect();
+            let w: Vec<f64> = r
+                .chunks(3 * ch)
+                .flat_map(|row| row[cols.clone()].to_vec())
+                .collect();
+            (["dq", "dk", "dv"][part], rel_err(&g, &w))
+        })
+        .collect()
 }
 
 /// The float64 reference's operands for fused attention computed as `math` says: the inputs
