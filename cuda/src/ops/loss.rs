@@ -88,28 +88,7 @@ pub fn cross_entropy_backward(
     dlogits: &Buf,
     vocab: usize,
 ) -> Result<()> {
-    const OP: &str = "cross_entropy_backward";
-    let n = rows_of(OP, "logits", logits.len(), vocab)?;
-    targets.expect(OP, "targets", Elem::I32, n)?;
-    logits.expect(OP, "logits", Elem::F32, n * vocab)?;
-    dlogits.expect(OP, "dlogits", Elem::F32, n * vocab)?;
-    if n == 0 {
-        return Ok(());
-    }
-    let args = Args::new()
-        .buf(logits)
-        .buf(targets)
-        .buf(dlogits)
-        .i32(int(OP, "N", n)?)
-        .i32(int(OP, "V", vocab)?)
-        .f32((1.0 / n as f64) as f32)
-        .buf(dev.status());
-    dev.launch(
-        "xent_backward",
-        (n as u32, 1, 1),
-        (xent_threads(vocab), 1, 1),
-        args,
-    )
+    xent_backward(dev, logits, targets, dlogits, vocab, Elem::F32)
 }
 
 /// Plan op `CrossEntropyBackward` with a bf16 gradient: `dlogits = bf16((softmax(logits) −
@@ -127,11 +106,27 @@ pub fn cross_entropy_backward_bf16(
     dlogits: &Buf,
     vocab: usize,
 ) -> Result<()> {
-    const OP: &str = "cross_entropy_backward_bf16";
-    let n = rows_of(OP, "logits", logits.len(), vocab)?;
-    targets.expect(OP, "targets", Elem::I32, n)?;
-    logits.expect(OP, "logits", Elem::F32, n * vocab)?;
-    dlogits.expect(OP, "dlogits", Elem::BF16, n * vocab)?;
+    xent_backward(dev, logits, targets, dlogits, vocab, Elem::BF16)
+}
+
+/// The two `CrossEntropyBackward` launchers: `dlogits` of `out` (f32: `xent_backward`, bf16:
+/// `xent_backward_bf16`; same arguments).
+fn xent_backward(
+    dev: &Device,
+    logits: &Buf,
+    targets: &Buf,
+    dlogits: &Buf,
+    vocab: usize,
+    out: Elem,
+) -> Result<()> {
+    let (op, kernel) = match out {
+        Elem::BF16 => ("cross_entropy_backward_bf16", "xent_backward_bf16"),
+        _ => ("cross_entropy_backward", "xent_backward"),
+    };
+    let n = rows_of(op, "logits", logits.len(), vocab)?;
+    targets.expect(op, "targets", Elem::I32, n)?;
+    logits.expect(op, "logits", Elem::F32, n * vocab)?;
+    dlogits.expect(op, "dlogits", out, n * vocab)?;
     if n == 0 {
         return Ok(());
     }
@@ -139,16 +134,11 @@ pub fn cross_entropy_backward_bf16(
         .buf(logits)
         .buf(targets)
         .buf(dlogits)
-        .i32(int(OP, "N", n)?)
-        .i32(int(OP, "V", vocab)?)
+        .i32(int(op, "N", n)?)
+        .i32(int(op, "V", vocab)?)
         .f32((1.0 / n as f64) as f32)
         .buf(dev.status());
-    dev.launch(
-        "xent_backward_bf16",
-        (n as u32, 1, 1),
-        (xent_threads(vocab), 1, 1),
-        args,
-    )
+    dev.launch(kernel, (n as u32, 1, 1), (xent_threads(vocab), 1, 1), args)
 }
 
 /// Scratch elements (f32) of [`clip_grad_norm`] over `n_grads` buffers:

@@ -228,28 +228,7 @@ pub fn layernorm_forward(
     c: usize,
     eps: f64,
 ) -> Result<()> {
-    const OP: &str = "layer_norm";
-    let n = rows_of(OP, "x", x.len(), c)?;
-    x.expect(OP, "x", Elem::F32, n * c)?;
-    out.expect(OP, "out", Elem::F32, n * c)?;
-    weight.expect(OP, "weight", Elem::F32, c)?;
-    if let Some(b) = bias {
-        b.expect(OP, "bias", Elem::F32, c)?;
-    }
-    if n == 0 {
-        return Ok(());
-    }
-    let args = Args::new()
-        .buf(x)
-        .buf(weight)
-        .opt(bias)
-        .buf(out)
-        .i32(int(OP, "N", n)?)
-        .i32(int(OP, "C", c)?)
-        .f32(eps as f32);
-    let warp = ln_warp_kernels(c).map(|(f, _)| f);
-    let (kernel, grid, block) = ln_row_launch(n, c, warp, "layernorm_forward");
-    dev.launch(kernel, grid, block, args)
+    ln_forward(dev, x, weight, bias, out, c, eps, Elem::F32)
 }
 
 /// [`layernorm_forward`] with a bf16 output `out` ([`Elem::BF16`] `[N, c]`, round to nearest
@@ -267,43 +246,67 @@ pub fn layernorm_forward_bf16(
     c: usize,
     eps: f64,
 ) -> Result<()> {
-    const OP: &str = "layer_norm_bf16";
-    let n = rows_of(OP, "x", x.len(), c)?;
-    x.expect(OP, "x", Elem::F32, n * c)?;
-    out.expect(OP, "out", Elem::BF16, n * c)?;
-    weight.expect(OP, "weight", Elem::F32, c)?;
+    ln_forward(dev, x, weight, bias, out, c, eps, Elem::BF16)
+}
+
+/// The two LayerNorm forward launchers: `out` of `elem` (f32: warp-per-row or block-per-row
+/// kernels; bf16: the warp-per-row `_bf16` kernels only).
+#[allow(clippy::too_many_arguments)]
+fn ln_forward(
+    dev: &Device,
+    x: &Buf,
+    weight: &Buf,
+    bias: Option<&Buf>,
+    out: &Buf,
+    c: usize,
+    eps: f64,
+    elem: Elem,
+) -> Result<()> {
+    let op = if elem == Elem::BF16 {
+        "layer_norm_bf16"
+    } else {
+        "layer_norm"
+    };
+    let n = rows_of(op, "x", x.len(), c)?;
+    x.expect(op, "x", Elem::F32, n * c)?;
+    out.expect(op, "out", elem, n * c)?;
+    weight.expect(op, "weight", Elem::F32, c)?;
     if let Some(b) = bias {
-        b.expect(OP, "bias", Elem::F32, c)?;
+        b.expect(op, "bias", Elem::F32, c)?;
     }
-    let Some(v) = LN_WARP_KERNELS
-        .iter()
-        .find(|(v, _, _)| c <= 32 * v)
-        .map(|t| t.0)
-    else {
-        return Err(CudaError::Invalid {
-            op: OP,
-            what: format!("rows of {c} exceed the warp kernels' {LAYERNORM_WARP_MAX_C}"),
-        });
+    let warp = if elem == Elem::BF16 {
+        let v = LN_WARP_KERNELS
+            .iter()
+            .find(|(v, _, _)| c <= 32 * v)
+            .map(|t| t.0);
+        let Some(v) = v else {
+            return Err(CudaError::Invalid {
+                op,
+                what: format!("rows of {c} exceed the warp kernels' {LAYERNORM_WARP_MAX_C}"),
+            });
+        };
+        Some(match v {
+            8 => "layernorm_forward_bf16_w8",
+            16 => "layernorm_forward_bf16_w16",
+            24 => "layernorm_forward_bf16_w24",
+            32 => "layernorm_forward_bf16_w32",
+            _ => "layernorm_forward_bf16_w64",
+        })
+    } else {
+        ln_warp_kernels(c).map(|(f, _)| f)
     };
     if n == 0 {
         return Ok(());
     }
-    let kernel = match v {
-        8 => "layernorm_forward_bf16_w8",
-        16 => "layernorm_forward_bf16_w16",
-        24 => "layernorm_forward_bf16_w24",
-        32 => "layernorm_forward_bf16_w32",
-        _ => "layernorm_forward_bf16_w64",
-    };
     let args = Args::new()
         .buf(x)
         .buf(weight)
         .opt(bias)
         .buf(out)
-        .i32(int(OP, "N", n)?)
-        .i32(int(OP, "C", c)?)
+        .i32(int(op, "N", n)?)
+        .i32(int(op, "C", c)?)
         .f32(eps as f32);
-    let (kernel, grid, block) = ln_row_launch(n, c, Some(kernel), "layernorm_forward");
+    let (kernel, grid, block) = ln_row_launch(n, c, warp, "layernorm_forward");
     dev.launch(kernel, grid, block, args)
 }
 
