@@ -152,55 +152,46 @@ fn down_bf16(cx: &super::Ctx<'_>, b: &crate::Buf) -> Result<Vec<f32>> {
 fn layer_norm_cases(v: &mut Vec<Case>, n: usize, ch: usize, bias: bool, big: bool) {
     let size = format!("N={n} C={ch}{}", if bias { "" } else { " no-bias" });
     let eps = 1e-5;
-    v.push(case("layer_norm", size.clone(), TOL_F32, big, move |cx| {
-        let x = cx.normal(n * ch, 0.5, 2.0);
-        let w = cx.normal(ch, 1.0, 0.1);
-        let bv = cx.normal(ch, 0.0, 1.0);
-        let (xb, wb, bb, ob) = (cx.up(&x)?, cx.up(&w)?, cx.up(&bv)?, cx.out(n * ch)?);
-        let bias_b = bias.then_some(&bb);
-        let ms = cx.timed(|| g::layernorm_forward(cx.dev, &xb, &wb, bias_b, &ob, ch, eps))?;
-        let mut r = vec![0.0; n * ch];
-        let bw = wide(&bv);
-        c::norms::layernorm_forward(
-            &wide(&x),
-            &wide(&w),
-            bias.then_some(bw.as_slice()),
-            &mut r,
-            ch,
-            eps,
-        )
-        .map_err(cpu)?;
-        Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
-    }));
-    if ch <= g::LAYERNORM_WARP_MAX_C {
-        v.push(case(
-            "layer_norm_bf16",
-            size.clone(),
-            TOL_BF16,
-            big,
-            move |cx| {
-                let x = cx.normal(n * ch, 0.5, 2.0);
-                let w = cx.normal(ch, 1.0, 0.1);
-                let bv = cx.normal(ch, 0.0, 1.0);
-                let (xb, wb, bb) = (cx.up(&x)?, cx.up(&w)?, cx.up(&bv)?);
-                let ob = cx.raw(Elem::BF16, n * ch)?;
-                let bias_b = bias.then_some(&bb);
-                let ms =
-                    cx.timed(|| g::layernorm_forward_bf16(cx.dev, &xb, &wb, bias_b, &ob, ch, eps))?;
-                let mut r = vec![0.0; n * ch];
-                let bw = wide(&bv);
-                c::norms::layernorm_forward(
-                    &wide(&x),
-                    &wide(&w),
-                    bias.then_some(bw.as_slice()),
-                    &mut r,
-                    ch,
-                    eps,
-                )
-                .map_err(cpu)?;
-                Ok(one("out", rel_err(&down_bf16(cx, &ob)?, &r), ms))
-            },
-        ));
+    // The f32 output, and (warp-per-row widths) the bf16 one the engine writes for outputs
+    // only GEMMs read.
+    for (name, elem, tol) in [
+        ("layer_norm", Elem::F32, TOL_F32),
+        ("layer_norm_bf16", Elem::BF16, TOL_BF16),
+    ] {
+        if elem == Elem::BF16 && ch > g::LAYERNORM_WARP_MAX_C {
+            continue;
+        }
+        v.push(case(name, size.clone(), tol, big, move |cx| {
+            let x = cx.normal(n * ch, 0.5, 2.0);
+            let w = cx.normal(ch, 1.0, 0.1);
+            let bv = cx.normal(ch, 0.0, 1.0);
+            let (xb, wb, bb) = (cx.up(&x)?, cx.up(&w)?, cx.up(&bv)?);
+            let ob = match elem {
+                Elem::BF16 => cx.raw(Elem::BF16, n * ch)?,
+                _ => cx.out(n * ch)?,
+            };
+            let bias_b = bias.then_some(&bb);
+            let ms = cx.timed(|| match elem {
+                Elem::BF16 => g::layernorm_forward_bf16(cx.dev, &xb, &wb, bias_b, &ob, ch, eps),
+                _ => g::layernorm_forward(cx.dev, &xb, &wb, bias_b, &ob, ch, eps),
+            })?;
+            let mut r = vec![0.0; n * ch];
+            let bw = wide(&bv);
+            c::norms::layernorm_forward(
+                &wide(&x),
+                &wide(&w),
+                bias.then_some(bw.as_slice()),
+                &mut r,
+                ch,
+                eps,
+            )
+            .map_err(cpu)?;
+            let got = match elem {
+                Elem::BF16 => down_bf16(cx, &ob)?,
+                _ => cx.down(&ob)?,
+            };
+            Ok(one("out", rel_err(&got, &r), ms))
+        }));
     }
     v.push(case(
         "layer_norm_backward",
