@@ -153,3 +153,47 @@ extern "C" __global__ void upper_identity_error_bits(const double* __restrict__ 
 extern "C" __global__ void f64_to_f32(const double* __restrict__ x, float* __restrict__ y, long long n) {
     for (long long i = gtid(); i < n; i += gstride()) y[i] = (float)x[i];
 }
+
+// Rayleigh–Cholesky QR (GpuRefresher::rayleigh_cholesky_qr): f32, cuSOLVER column-major.
+// a[i, i] += rel * max_k a[k, k] for i < d (a [d, d]; the diagonal is the same in either
+// layout). One block: the block reduces the diagonal's maximum, then adds the shift. A
+// non-positive maximum adds nothing (the Cholesky factorisation then fails and the refresh goes
+// to Householder QR).
+extern "C" __global__ void add_diag_rel(float* __restrict__ a, int d, float rel) {
+    __shared__ float red[256];
+    float m = -3.0e38f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) m = fmaxf(m, a[(long long)i * d + i]);
+    red[threadIdx.x] = m;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + s]);
+        __syncthreads();
+    }
+    const float shift = red[0] > 0.0f ? rel * red[0] : 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) a[(long long)i * d + i] += shift;
+}
+
+// The unit lower-triangular L = C diag(C)^-1 of a Cholesky factorisation B = C C^T, from
+// cuSOLVER's upper factor U = C^T (column-major, U(r, c) at u[c * d + r], r <= c; the strictly
+// lower part of u is not read): x column-major [d, d], x(i, j) = U(j, i) / U(j, j) for i > j,
+// 1 on the diagonal, 0 above.
+extern "C" __global__ void unit_lower_from_chol(const float* __restrict__ u, float* __restrict__ x, int d) {
+    const long long total = (long long)d * d;
+    for (long long k = gtid(); k < total; k += gstride()) {
+        const long long j = k / d, i = k % d;
+        x[k] = i > j ? u[i * d + j] / u[j * d + j] : (i == j ? 1.0f : 0.0f);
+    }
+}
+
+// upper_identity_error_bits for an f32 column-major factor r [d, d].
+extern "C" __global__ void upper_identity_error_bits_f32(const float* __restrict__ r, int d, int* __restrict__ out) {
+    const long long total = (long long)d * d;
+    int local = 0;
+    for (long long k = gtid(); k < total; k += gstride()) {
+        const long long j = k / d, i = k % d;
+        if (i > j) continue;
+        const float e = fabsf(r[k] - (i == j ? 1.0f : 0.0f));
+        local = max(local, isnan(e) ? 0x7fffffff : __float_as_int(fminf(e, 3.0e38f)));
+    }
+    if (local) atomicMax(out, local);
+}

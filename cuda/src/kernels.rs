@@ -157,7 +157,10 @@ pub const FAMILIES: &[Family] = &[
             "add_diag_f64",
             "first_nonzero_info",
             "upper_identity_error_bits",
-            "f64_to_f32"
+            "f64_to_f32",
+            "add_diag_rel",
+            "unit_lower_from_chol",
+            "upper_identity_error_bits_f32"
         ]
     ),
 ];

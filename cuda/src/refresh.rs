@@ -92,8 +92,9 @@ pub(crate) const STATUS_WORDS: usize = 8;
 /// A cuSOLVER dense handle and the work buffers of one refresh at a time, bound to one stream
 /// (the compute stream for synchronous refreshes, the low-priority side stream for
 /// asynchronous ones). Everything it enqueues is stream-ordered, and [`GpuRefresher::compute`]
-/// does not wait for the GPU itself — except with the opt-in [`QrMethod::ShiftedCholeskyQr3`],
-/// which reads its status words once per refresh to decide on the Householder fallback (and
+/// does not wait for the GPU itself — except with [`QrMethod::ShiftedCholeskyQr3`] and
+/// [`QrMethod::RayleighCholesky`], which read their status words once per refresh to decide on
+/// the Householder fallback (and
 /// cuSOLVER's `Sgeqrf`/`Sorgqr` block the calling thread on their own, seen on the H200).
 pub(crate) struct GpuRefresher {
     handle: cs::cusolverDnHandle_t,
@@ -113,6 +114,9 @@ pub(crate) struct GpuRefresher {
     cholesky_counts: std::cell::Cell<(u64, u64)>,
     /// The float64 work of [`QrMethod::ShiftedCholeskyQr3`] (allocated when it is chosen).
     f64_work: Option<F64Work>,
+    /// The f32 work of [`QrMethod::RayleighCholesky`]: `x` and `g`, `[d, d]` each (allocated
+    /// when it is chosen), and their arena.
+    rc_work: Option<(Buf, Buf, Arena)>,
 }
 
 /// Float64 buffers of shifted CholeskyQR3: the matrix being orthonormalised `x` and the Gram
@@ -147,7 +151,37 @@ pub enum QrMethod {
     /// is further than [`CHOLESKY_ORTHO_TOL`] from the identity (the input to the last pass
     /// was not orthonormal enough), the refresh is redone with Householder QR.
     ShiftedCholeskyQr3,
+    /// Rayleigh–Cholesky QR in fp32: the power image's QR through the stored basis. `Q_p =
+    /// Q_old[:, idx]` is orthonormal, so with `B = Q_pᵀ F Q_p` (symmetric positive
+    /// semidefinite) `F Q_p = Q_p B`, and with the Cholesky factorisation `B + s·I = C Cᵀ` (C
+    /// lower, `s` = [`RC_SHIFT`] of `max diag B`) `F Q_p ≈ Q_p C Cᵀ` with `Cᵀ` upper
+    /// triangular, hence `qr(F Q_p).Q = Q_p · qr(L).Q` for the unit lower-triangular
+    /// `L = C diag(C)⁻¹`. The ill-conditioning of the power image (`cond F`, 1e7–1e9 and
+    /// beyond on GPT-2's factors, where fp32 CholeskyQR2 of `F Q_p` fails) sits in `diag C`
+    /// and `Cᵀ`; `L`'s entries are the rotation of the old basis toward the new one scaled by
+    /// eigenvalue ratios ≤ 1 (the columns are sorted), cond(L) 15–850 on those factors, so
+    /// CholeskyQR2 of `L` (cuBLAS `Ssyrk`, cuSOLVER `Spotrf`, cuBLAS `Strsm`, twice) is
+    /// accurate. Work: three fp32 GEMMs and three Cholesky factorisations and two triangular
+    /// solves of `[d, d]` instead of Householder's latency-bound panels (`Sgeqrf` + `Sorgqr`).
+    /// The shift changes only directions whose eigenvalues are below ~`s·max λ` (where the fp32
+    /// Householder QR is rounding noise too: `bench/qr_variants.py`). Checked on the device:
+    /// when a Cholesky factorisation fails or the second pass's `R` is further than
+    /// [`RC_ORTHO_TOL`] from the identity, the refresh is redone with Householder QR.
+    RayleighCholesky,
 }
+
+/// Relative diagonal shift of the Rayleigh–Cholesky QR's `B = Q_pᵀ F Q_p`: `B + s·max(diag B)·I`
+/// is positive definite in fp32 on every factor `bench/qr_variants.py` captured from GPT-2 124M
+/// but one (which goes to Householder), and the result matches a float64 Householder QR of `F Q_p`
+/// to 1 − |cos| ≤ 1e-6 on the columns above 1e-2 of the largest estimate after the first
+/// period (`bench/results/h200-s6-probes/qr-variants/`).
+pub const RC_SHIFT: f32 = 1e-6;
+
+/// Largest `max|R₂ − I|` of the Rayleigh–Cholesky QR's second CholeskyQR pass (about half the
+/// orthonormality error after the first pass) before the refresh is redone by Householder: below
+/// it, the second pass leaves `qr(L).Q` orthonormal to fp32 rounding (CholeskyQR2's bound,
+/// Yamamoto et al. 2015, needs the first pass's output to be well-conditioned, not exact).
+pub const RC_ORTHO_TOL: f32 = 0.05;
 
 impl std::str::FromStr for QrMethod {
     type Err = String;
@@ -155,8 +189,9 @@ impl std::str::FromStr for QrMethod {
         match s {
             "householder" => Ok(QrMethod::Householder),
             "cholesky3" | "shifted-cholesky3" => Ok(QrMethod::ShiftedCholeskyQr3),
+            "rc" | "rayleigh-cholesky" => Ok(QrMethod::RayleighCholesky),
             _ => Err(format!(
-                "unknown QR method `{s}` (householder or cholesky3)"
+                "unknown QR method `{s}` (householder, cholesky3 or rayleigh-cholesky)"
             )),
         }
     }
@@ -298,6 +333,7 @@ impl GpuRefresher {
                 phase_ms: std::cell::Cell::new([0.0; 5]),
                 cholesky_counts: std::cell::Cell::new((0, 0)),
                 f64_work: None,
+                rc_work: None,
             },
             bytes + lwork * 4,
         ))
@@ -356,12 +392,22 @@ impl GpuRefresher {
 
     /// Sets how QR refreshes orthonormalise (default [`QrMethod::Householder`]); returns the
     /// bytes newly allocated for it (the float64 buffers of shifted CholeskyQR3:
-    /// `2·8·d² + 8·lwork` for the refresher's largest side `d`).
+    /// `2·8·d² + 8·lwork`, the f32 ones of Rayleigh–Cholesky: `2·4·d²`, for the refresher's
+    /// largest side `d`).
     ///
     /// # Errors
     /// Allocation or cuSOLVER workspace-query failures.
     pub(crate) fn set_qr_method(&mut self, dev: &Device, qr: QrMethod) -> Result<usize> {
         self.qr = qr;
+        if qr == QrMethod::RayleighCholesky && self.rc_work.is_none() {
+            let d = self.max_dim;
+            let bytes = 2 * d * d * 4 + 2 * crate::memory::BUF_ALIGN;
+            let mut arena = dev.arena("refresh-rc", crate::Tier::Device, bytes)?;
+            let x = arena.buf(Elem::F32, d * d)?;
+            let g = arena.buf(Elem::F32, d * d)?;
+            self.rc_work = Some((x, g, arena));
+            return Ok(bytes);
+        }
         if qr != QrMethod::ShiftedCholeskyQr3 || self.f64_work.is_some() {
             return Ok(0);
         }
@@ -404,7 +450,11 @@ impl GpuRefresher {
     pub(crate) fn phase_ms_line(&self) -> String {
         let [k, g, e, q, o] = self.phase_ms.get();
         let (c, f) = self.cholesky_counts.get();
-        format!("kernels {k:.0}, gemm {g:.0}, syevd {e:.0}, geqrf/potrf {q:.0}, orgqr/trsm {o:.0}; shifted CholeskyQR3 {c}, Householder fallbacks {f}")
+        let name = match self.qr {
+            QrMethod::Householder | QrMethod::ShiftedCholeskyQr3 => "shifted CholeskyQR3",
+            QrMethod::RayleighCholesky => "Rayleigh-Cholesky",
+        };
+        format!("kernels {k:.0}, gemm {g:.0}, syevd {e:.0}, geqrf/potrf {q:.0}, orgqr/trsm {o:.0}; {name} {c}, Householder fallbacks {f}")
     }
 
     fn timed<T>(&self, phase: usize, f: impl FnOnce() -> Result<T>) -> Result<T> {
@@ -574,8 +624,12 @@ impl GpuRefresher {
             d,
             Args::new().buf(&est).buf(&idx).i32(n),
         )?;
-        if self.qr == QrMethod::ShiftedCholeskyQr3 {
-            let ok = self.shifted_cholesky_qr3(dev, d, &a, &idx, &q, st)?;
+        if self.qr != QrMethod::Householder {
+            let ok = if self.qr == QrMethod::RayleighCholesky {
+                self.rayleigh_cholesky_qr(dev, d, basis, &a, &idx, &q, st)?
+            } else {
+                self.shifted_cholesky_qr3(dev, d, &a, &idx, &q, st)?
+            };
             let (c, f) = self.cholesky_counts.get();
             self.cholesky_counts
                 .set(if ok { (c + 1, f) } else { (c, f + 1) });
@@ -639,6 +693,188 @@ impl GpuRefresher {
 }
 
 impl GpuRefresher {
+    /// The Rayleigh–Cholesky QR (see [`QrMethod::RayleighCholesky`]) of `A = (F Q_old)[:, idx]`
+    /// (`fq` = `F Q_old`, f32 row-major) into `q` (f32 row-major `[d, d]`); `Ok(false)` when it
+    /// must be redone by Householder. Uses the refresher's `b` (`Q_p`) and its two f32 work
+    /// buffers; `fq` is left as it is for that fallback. Status word 5 collects the three
+    /// `Spotrf` infos (the first non-zero), word 6 the bits of the second pass's `max|R₂ − I|`,
+    /// word 7 is scratch. Blocks the calling thread once, at the end, to read them.
+    #[allow(clippy::too_many_arguments)]
+    fn rayleigh_cholesky_qr(
+        &self,
+        dev: &Device,
+        d: usize,
+        basis: &Buf,
+        fq: &Buf,
+        idx: &Buf,
+        q: &Buf,
+        st: &Buf,
+    ) -> Result<bool> {
+        let (x, g, _) = self.rc_work.as_ref().ok_or_else(|| CudaError::Invalid {
+            op: "rayleigh_cholesky_qr",
+            what: "work buffers not allocated (set_qr_method)".into(),
+        })?;
+        let dd = d * d;
+        let n = d as i32;
+        let (x, g) = (x.slice(0, dd)?, g.slice(0, dd)?);
+        let qp = self.b.slice(0, dd)?;
+        let sq = Dims::new(d, d);
+        // Q_p = Q_old[:, idx] into b; A_p = (F Q_old)[:, idx] into q (overwritten last).
+        self.launch(
+            dev,
+            "permute_cols",
+            dd,
+            Args::new().buf(basis).buf(idx).buf(&qp).i32(n).i32(n),
+        )?;
+        self.launch(
+            dev,
+            "permute_cols",
+            dd,
+            Args::new().buf(fq).buf(idx).buf(q).i32(n).i32(n),
+        )?;
+        // g = B = Q_pᵀ A_p (row-major; symmetric up to rounding, so also its column-major
+        // view), shifted.
+        self.timed(1, || {
+            gemm_f32_with(
+                dev,
+                self.stream,
+                GemmMath::Fp32,
+                &qp,
+                sq,
+                q,
+                sq,
+                &g,
+                true,
+                false,
+                1.0,
+                0.0,
+            )
+        })?;
+        dev.context().bind_to_thread()?;
+        self.timed(0, || {
+            dev.launch_on(
+                self.stream,
+                "add_diag_rel",
+                (1, 1, 1),
+                (256, 1, 1),
+                Args::new().buf(&g).i32(n).f32(RC_SHIFT),
+            )
+        })?;
+        let (info_all, info_pass) = (st.slice(5, 1)?, st.slice(7, 1)?);
+        let potrf = |info: &Buf| -> Result<()> {
+            // SAFETY: g [d, d] f32, the f32 workspace (sized for an upper Spotrf of the largest
+            // side in `lwork`) and the info word are live device buffers on `self.stream`.
+            self.timed(3, || unsafe {
+                check(
+                    "cusolverDnSpotrf",
+                    cs::cusolverDnSpotrf(
+                        self.handle,
+                        cs::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                        n,
+                        g.ptr() as *mut f32,
+                        n,
+                        self.work.ptr() as *mut f32,
+                        self.work.len() as i32,
+                        info.ptr() as *mut i32,
+                    ),
+                )
+            })
+        };
+        // B + sI = UᵀU (U upper, column-major in g); C = Uᵀ. x = L = C diag(C)⁻¹, column-major.
+        potrf(&info_all)?;
+        self.launch(
+            dev,
+            "unit_lower_from_chol",
+            dd,
+            Args::new().buf(&g).buf(&x).i32(n),
+        )?;
+        // CholeskyQR2 of x (column-major): twice G = xᵀx (upper), G = RᵀR, x ← x R⁻¹.
+        let h = dev.cublas_handle_on(self.stream);
+        let (one, zero) = (1.0f32, 0.0f32);
+        for pass in 0..2 {
+            self.timed(1, || {
+                dev.context().bind_to_thread()?;
+                // SAFETY: x and g are live [d, d] f32 device buffers; alpha/beta are host
+                // scalars (the handle's default pointer mode); the handle is on this stream.
+                unsafe {
+                    cbsys::cublasSsyrk_v2(
+                        h,
+                        cbsys::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                        cbsys::cublasOperation_t::CUBLAS_OP_T,
+                        n,
+                        n,
+                        &one,
+                        x.ptr() as *const f32,
+                        n,
+                        &zero,
+                        g.ptr() as *mut f32,
+                        n,
+                    )
+                }
+                .result()
+                .map_err(crate::error::cublas("ssyrk"))
+            })?;
+            potrf(&info_pass)?;
+            self.launch(
+                dev,
+                "first_nonzero_info",
+                1,
+                Args::new().buf(&info_pass).buf(&info_all),
+            )?;
+            if pass == 1 {
+                self.launch(
+                    dev,
+                    "upper_identity_error_bits_f32",
+                    dd,
+                    Args::new().buf(&g).i32(n).buf(&st.slice(6, 1)?),
+                )?;
+            }
+            self.timed(4, || {
+                dev.context().bind_to_thread()?;
+                // SAFETY: g and x are live [d, d] f32 device buffers; alpha is a host scalar;
+                // the handle is bound to `self.stream`.
+                unsafe {
+                    cbsys::cublasStrsm_v2(
+                        h,
+                        cbsys::cublasSideMode_t::CUBLAS_SIDE_RIGHT,
+                        cbsys::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                        cbsys::cublasOperation_t::CUBLAS_OP_N,
+                        cbsys::cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
+                        n,
+                        n,
+                        &one,
+                        g.ptr() as *const f32,
+                        n,
+                        x.ptr() as *mut f32,
+                        n,
+                    )
+                }
+                .result()
+                .map_err(crate::error::cublas("strsm"))
+            })?;
+        }
+        // q = Q_p · W, W = x column-major (its row-major view is Wᵀ).
+        self.timed(1, || {
+            gemm_f32_with(
+                dev,
+                self.stream,
+                GemmMath::Fp32,
+                &qp,
+                sq,
+                &x,
+                sq,
+                q,
+                false,
+                true,
+                1.0,
+                0.0,
+            )
+        })?;
+        let w = dev.download_on::<i32>(&st.slice(5, 2)?, self.stream)?;
+        let err = f32::from_bits(w[1].max(0) as u32);
+        Ok(w[0] == 0 && err <= RC_ORTHO_TOL)
+    }
+
     /// Shifted CholeskyQR3 (see [`QrMethod::ShiftedCholeskyQr3`]) of `A = (F Q_old)[:, idx]`
     /// (`fq` = `F Q_old`, f32 row-major) into `q` (f32 row-major `[d, d]`); `Ok(false)` when it
     /// must be redone by Householder. Status word 5 collects the three `Dpotrf` infos (the

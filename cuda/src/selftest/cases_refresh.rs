@@ -14,7 +14,9 @@
 //!   moments after [`crate::refresh::apply`]: `exp_avg` re-projected (signs aligned) and
 //!   `exp_avg_sq` permuted, against `optim::refresh_compute` + `refresh_apply` in float64.
 //! - `eigenbasis_refresh` runs the float64 shifted CholeskyQR3 orthonormalisation,
-//!   `eigenbasis_refresh_householder` cuSOLVER's Householder QR, and
+//!   `eigenbasis_refresh_householder` cuSOLVER's Householder QR, `eigenbasis_refresh_rayleigh`
+//!   the fp32 Rayleigh–Cholesky QR; `eigenbasis_refresh_rotated_*` the latter two with a
+//!   stored basis rotated away from the eigenbasis and eigenvalues over two decades; and
 //!   `eigenbasis_refresh_fallback` a factor with an exactly zero block, where CholeskyQR3 must
 //!   hand over to Householder.
 //!
@@ -70,16 +72,60 @@ pub(crate) fn cases() -> Vec<Case> {
                     GemmMath::Tf32,
                     TOL_BF16,
                 ),
+                (
+                    "eigenbasis_refresh_rayleigh",
+                    QrMethod::RayleighCholesky,
+                    GemmMath::Fp32,
+                    TOL_REFRESH,
+                ),
             ] {
                 v.push(case(
                     kernel,
                     format!("side={side} m={m} n={n}"),
                     tol,
                     big,
-                    move |cx| qr_refresh(cx, side, m, n, qr, math),
+                    move |cx| qr_refresh(cx, side, m, n, qr, math, Factor::Plain),
+                ));
+            }
+            // A stored basis that is a rotation away from the eigenbasis and eigenvalues over
+            // two decades: L of the Rayleigh–Cholesky QR is far from the identity.
+            for (kernel, qr) in [
+                (
+                    "eigenbasis_refresh_rotated_householder",
+                    QrMethod::Householder,
+                ),
+                ("eigenbasis_refresh_rotated_rayleigh", QrMethod::RayleighCholesky),
+            ] {
+                v.push(case(
+                    kernel,
+                    format!("side={side} m={m} n={n}"),
+                    TOL_REFRESH,
+                    big,
+                    move |cx| qr_refresh(cx, side, m, n, qr, GemmMath::Fp32, Factor::Rotated),
                 ));
             }
         }
+    }
+    // An indefinite factor (one eigenvalue below zero): B's Cholesky factorisation fails and
+    // the Rayleigh–Cholesky QR must hand over to Householder.
+    for (d, other) in [(50usize, 7usize), (257, 33)] {
+        v.push(case(
+            "eigenbasis_refresh_rayleigh_fallback",
+            format!("side=0 m={d} n={other}"),
+            TOL_REFRESH,
+            false,
+            move |cx| {
+                qr_refresh(
+                    cx,
+                    0,
+                    d,
+                    other,
+                    QrMethod::RayleighCholesky,
+                    GemmMath::Fp32,
+                    Factor::Indefinite,
+                )
+            },
+        ));
     }
     for (d, r) in [(50usize, 30usize), (257, 100)] {
         v.push(case(
@@ -132,6 +178,40 @@ fn factor(cx: &mut Ctx<'_>, d: usize) -> Result<(Vec<f64>, Vec<f64>, Vec<f64>)> 
         }
     }
     Ok((u, lam, f))
+}
+
+/// `F = U diag(λ) Uᵀ` (f32-rounded) with `λ` geometric over `[1e-2, 1]` (shuffled) and, as
+/// the stored basis, `V = qr(U + 0.3·N/√d).Q` (f32-rounded): a basis one refresh period away
+/// from the eigenbasis, with `F V` conditioned ~1e2 (so the QR factor is unique up to signs
+/// and fp32 Householder stays within the tolerance).
+fn rotated_factor(cx: &mut Ctx<'_>, d: usize) -> Result<(Vec<f64>, Vec<f64>, Vec<f64>)> {
+    let (u, _, _) = factor(cx, d)?;
+    let mut lam: Vec<f64> = (0..d)
+        .map(|i| 10f64.powf(-2.0 * i as f64 / d.max(2) as f64))
+        .collect();
+    for i in (1..d).rev() {
+        let j = (cx.rng.next_u64() % (i as u64 + 1)) as usize;
+        lam.swap(i, j);
+    }
+    let mut f = vec![0.0f64; d * d];
+    for i in 0..d {
+        for j in 0..=i {
+            let acc: f64 = (0..d).map(|k| u[i * d + k] * lam[k] * u[j * d + k]).sum();
+            let v = f64::from(acc as f32);
+            f[i * d + j] = v;
+            f[j * d + i] = v;
+        }
+    }
+    let noise = cx.normal(d * d, 0.0, 1.0);
+    let scale = 0.3 / (d as f64).sqrt();
+    let perturbed: Vec<f64> = u
+        .iter()
+        .zip(&noise)
+        .map(|(&x, &e)| x + scale * f64::from(e))
+        .collect();
+    let v = optim::thin_qr_q(&perturbed, d, d).map_err(cpu)?;
+    let v: Vec<f64> = v.iter().map(|&x| f64::from(x as f32)).collect();
+    Ok((v, lam, f))
 }
 
 fn narrow(v: &[f64]) -> Vec<f32> {
@@ -228,9 +308,23 @@ fn qr_refresh(
     n: usize,
     qr: QrMethod,
     math: GemmMath,
+    kind: Factor,
 ) -> Result<Outcome> {
     let d = if side == 0 { m } else { n };
-    let (u, _, f) = factor(cx, d)?;
+    let (u, _, f) = match kind {
+        Factor::Plain => factor(cx, d)?,
+        Factor::Rotated => rotated_factor(cx, d)?,
+        Factor::Indefinite => {
+            // λ₀ − 6 ∈ [−5, −1]: distinct from the others, and F U stays well conditioned.
+            let (u, lam, mut f) = factor(cx, d)?;
+            for i in 0..d {
+                for j in 0..d {
+                    f[i * d + j] = f64::from((f[i * d + j] - 6.0 * u[i * d] * u[j * d]) as f32);
+                }
+            }
+            (u, lam, f)
+        }
+    };
     let ea = cx.normal(m * n, 0.0, 1.0);
     let eas = cx.uniform(m * n, 0.1, 2.0);
     let dev = cx.dev;
@@ -285,15 +379,29 @@ fn qr_refresh(
         .iter()
         .zip(res.permutation())
         .all(|(&g, &c)| g >= 0 && g as usize == c);
-    Ok(Outcome {
-        errs: vec![
-            ("basis", super::rel_err(&narrow(&q_al), &q_ref)),
-            ("permutation", if perm_ok { 0.0 } else { f64::INFINITY }),
-            ("exp_avg", super::rel_err(&narrow(&ea_gpu), &ea_ref)),
-            ("exp_avg_sq", super::rel_err(&eas_gpu, &eas_ref)),
-        ],
-        gpu_ms: ms,
-    })
+    let mut errs = vec![
+        ("basis", super::rel_err(&narrow(&q_al), &q_ref)),
+        ("permutation", if perm_ok { 0.0 } else { f64::INFINITY }),
+        ("exp_avg", super::rel_err(&narrow(&ea_gpu), &ea_ref)),
+        ("exp_avg_sq", super::rel_err(&eas_gpu, &eas_ref)),
+    ];
+    if qr == QrMethod::RayleighCholesky {
+        // Plain and rotated factors are positive definite: no fallback; the indefinite one
+        // must fall back.
+        let want = if kind == Factor::Indefinite { (0, 1) } else { (1, 0) };
+        let ok = r.cholesky_counts() == want;
+        errs.push(("fallback as expected", if ok { 0.0 } else { f64::INFINITY }));
+    }
+    Ok(Outcome { errs, gpu_ms: ms })
+}
+
+/// The factor a [`qr_refresh`] case builds (see [`factor`], [`rotated_factor`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Factor {
+    Plain,
+    Rotated,
+    /// [`factor`] with one eigenvalue moved below zero.
+    Indefinite,
 }
 
 /// A factor that is zero outside its leading `r × r` block and the identity as stored basis:
