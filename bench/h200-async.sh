@@ -3,7 +3,8 @@
 # on one GPU: asteria AdamW, asteria SOAP S=0 (synchronous) and S=5 (off the critical path), the
 # PyTorch reference SOAP (fp32 and TF32 matmuls) and AdamW eager, all GPT-2 124M, batch
 # 16x1024, frequency 10, per-step times as metrics JSONL; then the table and the step-time SVG.
-# Before the runs: the kernel self-test (quick) and tiny-soap on the GPU with S=0 vs S=5.
+# Before the runs: the kernel self-test (quick) and tiny-soap on the GPU with S=0 vs S=5; after
+# them, bench/check_staleness.py (GPT-2 S=5 vs S=0 validation loss within 0.05).
 # Usage: bench/h200-async.sh OUT_DIR [STEPS]   (repository root, .gpu/ from bench/prepare-gpu)
 #   SKIP_CHECKS=1: skip the self-test and tiny-soap runs; TORCH_STEPS=N: PyTorch rows' steps.
 set -uo pipefail
@@ -61,6 +62,8 @@ $B plot --metric step_ms --title "GPT-2 124M step time, H200 (batch 16x1024)" -o
   "asteria AdamW=$out/adamw.jsonl" "asteria SOAP S0=$out/soap-s0.jsonl" "asteria SOAP S5=$out/soap-s5.jsonl" \
   "PyTorch ref. SOAP fp32=$out/torch-soap.jsonl" "PyTorch ref. SOAP tf32=$out/torch-soaptf32.jsonl" 2>&1 | tail -1
 grep -h "refresh host ms" "$out"/soap-*.txt
+# S > 0 must train as well as S = 0 (session 5's stale-basis bug: a 0.141 gap at step 300).
+python3 .gpu/bench/check_staleness.py "$out/soap-s0.jsonl" "$out/soap-s5.jsonl" --tol 0.05 | tee "$out/check-staleness.txt"
 stamp done
 # One file back (the device call returns a limited number of files).
 ( cd "$out" && tar czf ../bench-results.tgz . )
