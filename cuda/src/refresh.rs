@@ -136,6 +136,11 @@ pub enum QrMethod {
     /// enqueueing host thread until its GPU work is done (seen on the H200).
     #[default]
     Householder,
+    /// Householder QR with the explicit Q formed by `Sormqr` (the reflectors of `Sgeqrf`
+    /// applied to the identity; LAPACK's blocked `larfb` path) instead of `Sorgqr`, which
+    /// takes ~2.6× `Sgeqrf`'s time on the H200 (launcher-thread times of the S = 5 runs,
+    /// BENCHMARKS.md). The same reflectors, so the same Q up to rounding.
+    HouseholderOrmqr,
     /// Shifted CholeskyQR3 in float64 (Fukaya, Kannan, Nakatsukasa, Yamamoto, Yanagisawa,
     /// "Shifted Cholesky QR for computing the QR factorization of ill-conditioned matrices",
     /// SIAM J. Sci. Comput. 2020): the f32 power image is widened to f64 with its columns
@@ -188,10 +193,11 @@ impl std::str::FromStr for QrMethod {
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s {
             "householder" => Ok(QrMethod::Householder),
+            "householder-ormqr" | "ormqr" => Ok(QrMethod::HouseholderOrmqr),
             "cholesky3" | "shifted-cholesky3" => Ok(QrMethod::ShiftedCholeskyQr3),
             "rc" | "rayleigh-cholesky" => Ok(QrMethod::RayleighCholesky),
             _ => Err(format!(
-                "unknown QR method `{s}` (householder, cholesky3 or rayleigh-cholesky)"
+                "unknown QR method `{s}` (householder, householder-ormqr, cholesky3 or rayleigh-cholesky)"
             )),
         }
     }
@@ -273,7 +279,7 @@ pub(crate) fn verdict(
     }
     if word(2) != 0 {
         return Err(RefreshFailure::Solver {
-            call: "orgqr",
+            call: "orgqr/ormqr",
             info: word(2),
         });
     }
@@ -339,10 +345,11 @@ impl GpuRefresher {
         ))
     }
 
-    /// The largest workspace (f32 elements) syevd, geqrf and orgqr need at side length `d`.
+    /// The largest workspace (f32 elements) syevd, geqrf, orgqr, ormqr and potrf need at side
+    /// length `d`.
     fn lwork(h: cs::cusolverDnHandle_t, a: &Buf, w: &Buf, tau: &Buf, d: usize) -> Result<usize> {
         let n = d as i32;
-        let (mut l1, mut l2, mut l3, mut l4) = (0i32, 0i32, 0i32, 0i32);
+        let (mut l1, mut l2, mut l3, mut l4, mut l5) = (0i32, 0i32, 0i32, 0i32, 0i32);
         // SAFETY: size queries only read the dimensions; the pointers are live device memory.
         unsafe {
             check(
@@ -376,6 +383,23 @@ impl GpuRefresher {
                 ),
             )?;
             check(
+                "cusolverDnSormqr_bufferSize",
+                cs::cusolverDnSormqr_bufferSize(
+                    h,
+                    cs::cublasSideMode_t::CUBLAS_SIDE_LEFT,
+                    cs::cublasOperation_t::CUBLAS_OP_N,
+                    n,
+                    n,
+                    n,
+                    a.ptr() as *const f32,
+                    n,
+                    tau.ptr() as *const f32,
+                    w.ptr() as *const f32,
+                    n,
+                    &mut l5,
+                ),
+            )?;
+            check(
                 "cusolverDnSpotrf_bufferSize",
                 cs::cusolverDnSpotrf_bufferSize(
                     h,
@@ -387,7 +411,7 @@ impl GpuRefresher {
                 ),
             )?;
         }
-        Ok(l1.max(l2).max(l3).max(l4).max(1) as usize)
+        Ok(l1.max(l2).max(l3).max(l4).max(l5).max(1) as usize)
     }
 
     /// Sets how QR refreshes orthonormalise (default [`QrMethod::Householder`]); returns the
@@ -451,7 +475,9 @@ impl GpuRefresher {
         let [k, g, e, q, o] = self.phase_ms.get();
         let (c, f) = self.cholesky_counts.get();
         let name = match self.qr {
-            QrMethod::Householder | QrMethod::ShiftedCholeskyQr3 => "shifted CholeskyQR3",
+            QrMethod::Householder | QrMethod::HouseholderOrmqr | QrMethod::ShiftedCholeskyQr3 => {
+                "shifted CholeskyQR3"
+            }
             QrMethod::RayleighCholesky => "Rayleigh-Cholesky",
         };
         format!("kernels {k:.0}, gemm {g:.0}, syevd {e:.0}, geqrf/potrf {q:.0}, orgqr/trsm {o:.0}; {name} {c}, Householder fallbacks {f}")
@@ -624,7 +650,10 @@ impl GpuRefresher {
             d,
             Args::new().buf(&est).buf(&idx).i32(n),
         )?;
-        if self.qr != QrMethod::Householder {
+        if matches!(
+            self.qr,
+            QrMethod::RayleighCholesky | QrMethod::ShiftedCholeskyQr3
+        ) {
             let ok = if self.qr == QrMethod::RayleighCholesky {
                 self.rayleigh_cholesky_qr(dev, d, basis, &a, &idx, &q, st)?
             } else {
@@ -663,6 +692,42 @@ impl GpuRefresher {
                 ),
             )
         })?;
+        if self.qr == QrMethod::HouseholderOrmqr {
+            // a (free now) = I; a ← H₁⋯H_d · I = Q_new column-major.
+            dev.zero_on(&a, self.stream)?;
+            self.launch(dev, "add_diag", d, Args::new().buf(&a).i32(n).f32(1.0))?;
+            dev.context().bind_to_thread()?;
+            // SAFETY: b [d, d] (the reflectors), tau [d], a [d, d], work of the queried size
+            // and the info word are live device buffers on `self.stream`.
+            self.timed(4, || unsafe {
+                check(
+                    "cusolverDnSormqr",
+                    cs::cusolverDnSormqr(
+                        self.handle,
+                        cs::cublasSideMode_t::CUBLAS_SIDE_LEFT,
+                        cs::cublasOperation_t::CUBLAS_OP_N,
+                        n,
+                        n,
+                        n,
+                        b.ptr() as *const f32,
+                        n,
+                        self.tau.ptr() as *const f32,
+                        a.ptr() as *mut f32,
+                        n,
+                        self.work.ptr() as *mut f32,
+                        self.work.len() as i32,
+                        info(2)?,
+                    ),
+                )
+            })?;
+            self.launch(
+                dev,
+                "gather_cols_transpose",
+                dd,
+                Args::new().buf(&a).opt(None).buf(&q).i32(n).i32(n),
+            )?;
+            return self.count_nonfinite(dev, &[&q], st, 3);
+        }
         // SAFETY: as above.
         self.timed(4, || unsafe {
             check(
@@ -1198,7 +1263,7 @@ mod tests {
         assert_eq!(
             verdict(false, 8, &status(&[(2, 1)])),
             Err(RefreshFailure::Solver {
-                call: "orgqr",
+                call: "orgqr/ormqr",
                 info: 1
             })
         );

@@ -14,7 +14,8 @@
 //!   moments after [`crate::refresh::apply`]: `exp_avg` re-projected (signs aligned) and
 //!   `exp_avg_sq` permuted, against `optim::refresh_compute` + `refresh_apply` in float64.
 //! - `eigenbasis_refresh` runs the float64 shifted CholeskyQR3 orthonormalisation,
-//!   `eigenbasis_refresh_householder` cuSOLVER's Householder QR, `eigenbasis_refresh_rayleigh`
+//!   `eigenbasis_refresh_householder` cuSOLVER's Householder QR (`_householder_ormqr`: Q formed
+//!   by `Sormqr`), `eigenbasis_refresh_rayleigh`
 //!   the fp32 Rayleigh–Cholesky QR; `eigenbasis_refresh_rotated_*` the latter two with a
 //!   stored basis rotated away from the eigenbasis and eigenvalues over two decades; and
 //!   `eigenbasis_refresh_fallback` a factor with an exactly zero block, where CholeskyQR3 must
@@ -78,6 +79,12 @@ pub(crate) fn cases() -> Vec<Case> {
                     GemmMath::Fp32,
                     TOL_REFRESH,
                 ),
+                (
+                    "eigenbasis_refresh_householder_ormqr",
+                    QrMethod::HouseholderOrmqr,
+                    GemmMath::Fp32,
+                    TOL_REFRESH,
+                ),
             ] {
                 v.push(case(
                     kernel,
@@ -95,6 +102,10 @@ pub(crate) fn cases() -> Vec<Case> {
                     QrMethod::Householder,
                 ),
                 ("eigenbasis_refresh_rotated_rayleigh", QrMethod::RayleighCholesky),
+                (
+                    "eigenbasis_refresh_rotated_householder_ormqr",
+                    QrMethod::HouseholderOrmqr,
+                ),
             ] {
                 v.push(case(
                     kernel,
