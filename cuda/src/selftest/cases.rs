@@ -631,8 +631,7 @@ fn flash_attention(v: &mut Vec<Case>) {
                     })?;
                     let mut r = vec![0.0; 3 * nc];
                     let (dout_r, qkv_r) = (operands(&dout, math), operands(&qkv, math));
-                    c::attention::attention_backward(&dout_r, &qkv_r, &mut r, &cd)
-                        .map_err(cpu)?;
+                    c::attention::attention_backward(&dout_r, &qkv_r, &mut r, &cd).map_err(cpu)?;
                     // By contract this path's delta is rowsum(dO ⊙ O) of the bf16 O it is
                     // given (FlashAttention-2's choice); the reference takes the same O.
                     delta_from_o16(&mut r, &qkv_r, &dout_r, &wide(&o16_host), &ro, &cd);
@@ -999,7 +998,11 @@ mod tests {
                 let ot = |i: usize, x: usize| (b * t + i) * ch + h * hd + x;
                 for i in 0..t {
                     let sc: Vec<f64> = (0..=i)
-                        .map(|j| s * (0..hd).map(|x| qkv[at(i, 0, x)] * qkv[at(j, 1, x)]).sum::<f64>())
+                        .map(|j| {
+                            s * (0..hd)
+                                .map(|x| qkv[at(i, 0, x)] * qkv[at(j, 1, x)])
+                                .sum::<f64>()
+                        })
                         .collect();
                     let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                     let z: f64 = sc.iter().map(|v| (v - mx).exp()).sum();
@@ -1032,7 +1035,9 @@ mod tests {
         // Deterministic pseudo-random inputs.
         let mut state = 12345u64;
         let mut rnd = || {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((state >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
         };
         let qkv: Vec<f64> = (0..n * 3 * d.channels).map(|_| rnd()).collect();
@@ -1047,7 +1052,11 @@ mod tests {
         assert!(r.iter().zip(&exact).all(|(a, b)| (a - b).abs() < 1e-12));
         delta_from_o16(&mut r, &qkv, &dout, &o_used, &o, &d);
         let want = brute_backward(&qkv, &dout, &o_used, &d);
-        let worst = r.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        let worst = r
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
         assert!(worst < 1e-12, "worst {worst}");
         // And the perturbation did move the gradient (the check can fail).
         assert!(r.iter().zip(&exact).any(|(a, b)| (a - b).abs() > 1e-4));

@@ -101,7 +101,10 @@ pub(crate) fn cases() -> Vec<Case> {
                     "eigenbasis_refresh_rotated_householder",
                     QrMethod::Householder,
                 ),
-                ("eigenbasis_refresh_rotated_rayleigh", QrMethod::RayleighCholesky),
+                (
+                    "eigenbasis_refresh_rotated_rayleigh",
+                    QrMethod::RayleighCholesky,
+                ),
                 (
                     "eigenbasis_refresh_rotated_householder_ormqr",
                     QrMethod::HouseholderOrmqr,
@@ -399,7 +402,11 @@ fn qr_refresh(
     if qr == QrMethod::RayleighCholesky {
         // Plain and rotated factors are positive definite: no fallback; the indefinite one
         // must fall back.
-        let want = if kind == Factor::Indefinite { (0, 1) } else { (1, 0) };
+        let want = if kind == Factor::Indefinite {
+            (0, 1)
+        } else {
+            (1, 0)
+        };
         let ok = r.cholesky_counts() == want;
         errs.push(("fallback as expected", if ok { 0.0 } else { f64::INFINITY }));
     }
