@@ -15,6 +15,10 @@ This script measures, on factors captured from a real training run (GPT-2 124M o
 torch_baseline.py, the reference SOAP, real text), how close the variants come to a float64
 Householder QR of F Q_p, and what each primitive costs on this GPU.
 
+The `rc` variant here symmetrises B and runs both CholeskyQR passes on L; asteria's
+`QrMethod::RayleighCholesky` reads one triangle of B and runs the second pass on Q_p·W₁ (which
+also keeps the basis orthonormal across refreshes); the accuracy numbers are the variant's.
+
 Usage (GPU host): python3 qr_variants.py TOKENS.u16 OUT.jsonl [--per-capture N]
 TOKENS: an llm.c token file (asteria's --cache-dir writes one per corpus).
 QRV_SMALL=1: a 2-layer d=128 model on 4x64 tokens and factors from 128 up (a smoke test of

@@ -158,7 +158,7 @@ pub struct CudaOptions {
     /// The attention kernels.
     pub attention: AttentionImpl,
     /// How GPU QR refreshes orthonormalise
-    /// (`ASTERIA_CUDA_QR=householder|cholesky3|rayleigh-cholesky`).
+    /// (`ASTERIA_CUDA_QR=householder|householder-ormqr|cholesky3|rayleigh-cholesky`).
     pub qr: crate::refresh::QrMethod,
     /// How SOAP's per-step GEMMs run (`ASTERIA_CUDA_SOAP_GEMM=fp32|bf16`, default bf16; see
     /// [`op::SoapProjections`]). `bf16` applies under `precision = bf16` only.
@@ -174,7 +174,8 @@ pub struct CudaOptions {
 
 impl CudaOptions {
     /// Defaults overridden by `ASTERIA_CUDA_REFRESH` (`plan|gpu|host`), `ASTERIA_CUDA_QR`
-    /// (`householder|cholesky3|rayleigh-cholesky`, alias `rc`), `ASTERIA_CUDA_SOAP_GEMM` (`fp32|bf16`),
+    /// (`householder|householder-ormqr|cholesky3|rayleigh-cholesky`, alias `rc`),
+    /// `ASTERIA_CUDA_SOAP_GEMM` (`fp32|bf16`),
     /// `ASTERIA_CUDA_BF16_GEMM` (`cast|fast`), `ASTERIA_CUDA_ATTENTION` (`auto|tc|fused|gemm`)
     /// `ASTERIA_CUDA_BIAS_EPILOGUE` (`on|off`) and `ASTERIA_CUDA_ATTN_SAVE` (`on|off`).
     ///

@@ -82,11 +82,11 @@ fn check(call: &'static str, s: cs::cusolverStatus_t) -> Result<()> {
 /// Words of a refresh status buffer (i32, device, written by the refresh kernels and cuSOLVER
 /// on the refresh's stream and read by the host only once the refresh's work is complete):
 /// `[0]` non-finite entries of the factor and stored basis, `[1]` `info` of syevd (init) or
-/// geqrf, `[2]` `info` of orgqr, `[3]` non-finite entries of the new basis, `[4]` the bit
-/// pattern of `max |F|` (0 = all-zero factor), `[5]` the first non-zero `Dpotrf` info and
-/// `[6]` the bits of `max|R₃ − I|` of shifted CholeskyQR3, `[7]` its scratch. Words 5–7 only
-/// decide whether CholeskyQR3's result is used (a failure there falls back to Householder QR,
-/// whose words 1–2 count).
+/// geqrf, `[2]` `info` of orgqr (ormqr), `[3]` non-finite entries of the new basis, `[4]` the
+/// bit pattern of `max |F|` (0 = all-zero factor), `[5]` the first non-zero `Dpotrf` / `Spotrf`
+/// info and `[6]` the bits of the last pass's `max|R − I|` of shifted CholeskyQR3 or the
+/// Rayleigh–Cholesky QR, `[7]` their scratch. Words 5–7 only decide whether those methods'
+/// result is used (a failure there falls back to Householder QR, whose words 1–2 count).
 pub(crate) const STATUS_WORDS: usize = 8;
 
 /// A cuSOLVER dense handle and the work buffers of one refresh at a time, bound to one stream
@@ -165,9 +165,12 @@ pub enum QrMethod {
     /// beyond on GPT-2's factors, where fp32 CholeskyQR2 of `F Q_p` fails) sits in `diag C`
     /// and `Cᵀ`; `L`'s entries are the rotation of the old basis toward the new one scaled by
     /// eigenvalue ratios ≤ 1 (the columns are sorted), cond(L) 15–850 on those factors, so
-    /// CholeskyQR2 of `L` (cuBLAS `Ssyrk`, cuSOLVER `Spotrf`, cuBLAS `Strsm`, twice) is
-    /// accurate. Work: three fp32 GEMMs and three Cholesky factorisations and two triangular
-    /// solves of `[d, d]` instead of Householder's latency-bound panels (`Sgeqrf` + `Sorgqr`).
+    /// CholeskyQR2 is accurate: one CholeskyQR pass on `L` (cuBLAS `Ssyrk`, cuSOLVER
+    /// `Spotrf`, cuBLAS `Strsm`) gives `W₁`, and the second pass runs on `M = Q_p W₁`, which
+    /// also corrects `Q_p`'s own rounding away from orthonormality (a second pass on `W₁`
+    /// alone would carry it into every later basis). Work, all `[d, d]` and fp32: the shared
+    /// `F Q_old` and two more GEMMs, two `Ssyrk`, three Cholesky factorisations and two
+    /// triangular solves, instead of Householder's latency-bound panels (`Sgeqrf` + `Sorgqr`).
     /// The shift changes only directions whose eigenvalues are below ~`s·max λ` (where the fp32
     /// Householder QR is rounding noise too: `bench/qr_variants.py`). Checked on the device:
     /// when a Cholesky factorisation fails or the second pass's `R` is further than
@@ -183,9 +186,10 @@ pub enum QrMethod {
 pub const RC_SHIFT: f32 = 1e-6;
 
 /// Largest `max|R₂ − I|` of the Rayleigh–Cholesky QR's second CholeskyQR pass (about half the
-/// orthonormality error after the first pass) before the refresh is redone by Householder: below
-/// it, the second pass leaves `qr(L).Q` orthonormal to fp32 rounding (CholeskyQR2's bound,
-/// Yamamoto et al. 2015, needs the first pass's output to be well-conditioned, not exact).
+/// orthonormality error of `Q_p W₁` after the first pass) before the refresh is redone by
+/// Householder: below it, the second pass leaves the new basis orthonormal to fp32 rounding
+/// (CholeskyQR2's bound, Yamamoto et al. 2015, needs the first pass's output to be
+/// well-conditioned, not exact).
 pub const RC_ORTHO_TOL: f32 = 0.05;
 
 impl std::str::FromStr for QrMethod {
@@ -417,7 +421,7 @@ impl GpuRefresher {
     /// Sets how QR refreshes orthonormalise (default [`QrMethod::Householder`]); returns the
     /// bytes newly allocated for it (the float64 buffers of shifted CholeskyQR3:
     /// `2·8·d² + 8·lwork`, the f32 ones of Rayleigh–Cholesky: `2·4·d²`, for the refresher's
-    /// largest side `d`).
+    /// largest side `d`, plus alignment).
     ///
     /// # Errors
     /// Allocation or cuSOLVER workspace-query failures.
@@ -465,7 +469,8 @@ impl GpuRefresher {
         Ok(bytes)
     }
 
-    /// QR refreshes done by shifted CholeskyQR3, and those redone by Householder, so far.
+    /// QR refreshes done by shifted CholeskyQR3 or the Rayleigh–Cholesky QR (whichever is
+    /// set), and those redone by Householder, so far.
     pub(crate) fn cholesky_counts(&self) -> (u64, u64) {
         self.cholesky_counts.get()
     }
@@ -474,13 +479,19 @@ impl GpuRefresher {
     pub(crate) fn phase_ms_line(&self) -> String {
         let [k, g, e, q, o] = self.phase_ms.get();
         let (c, f) = self.cholesky_counts.get();
-        let name = match self.qr {
-            QrMethod::Householder | QrMethod::HouseholderOrmqr | QrMethod::ShiftedCholeskyQr3 => {
-                "shifted CholeskyQR3"
+        let phases = format!(
+            "kernels {k:.0}, gemm {g:.0}, syevd {e:.0}, geqrf/potrf {q:.0}, orgqr/trsm {o:.0}"
+        );
+        match self.qr {
+            QrMethod::Householder => format!("{phases}; QR Householder (orgqr)"),
+            QrMethod::HouseholderOrmqr => format!("{phases}; QR Householder (ormqr)"),
+            QrMethod::ShiftedCholeskyQr3 => {
+                format!("{phases}; shifted CholeskyQR3 {c}, Householder fallbacks {f}")
             }
-            QrMethod::RayleighCholesky => "Rayleigh-Cholesky",
-        };
-        format!("kernels {k:.0}, gemm {g:.0}, syevd {e:.0}, geqrf/potrf {q:.0}, orgqr/trsm {o:.0}; {name} {c}, Householder fallbacks {f}")
+            QrMethod::RayleighCholesky => {
+                format!("{phases}; Rayleigh-Cholesky {c}, Householder fallbacks {f}")
+            }
+        }
     }
 
     fn timed<T>(&self, phase: usize, f: impl FnOnce() -> Result<T>) -> Result<T> {
@@ -761,9 +772,10 @@ impl GpuRefresher {
     /// The Rayleigh–Cholesky QR (see [`QrMethod::RayleighCholesky`]) of `A = (F Q_old)[:, idx]`
     /// (`fq` = `F Q_old`, f32 row-major) into `q` (f32 row-major `[d, d]`); `Ok(false)` when it
     /// must be redone by Householder. Uses the refresher's `b` (`Q_p`) and its two f32 work
-    /// buffers; `fq` is left as it is for that fallback. Status word 5 collects the three
-    /// `Spotrf` infos (the first non-zero), word 6 the bits of the second pass's `max|R₂ − I|`,
-    /// word 7 is scratch. Blocks the calling thread once, at the end, to read them.
+    /// buffers, and `q` as scratch; `fq` is left as it is for that fallback. Status word 5
+    /// collects the three `Spotrf` infos (the first non-zero), word 6 the bits of the second
+    /// pass's `max|R₂ − I|`, word 7 is scratch. Blocks the calling thread once, at the end, to
+    /// read them.
     #[allow(clippy::too_many_arguments)]
     fn rayleigh_cholesky_qr(
         &self,
@@ -853,23 +865,40 @@ impl GpuRefresher {
             dd,
             Args::new().buf(&g).buf(&x).i32(n),
         )?;
-        // CholeskyQR2 of x (column-major): twice G = xᵀx (upper), G = RᵀR, x ← x R⁻¹.
+        // CholeskyQR2, the first pass on L, the second on the product with Q_p (so Q_p's own
+        // rounding away from orthonormality is corrected at every refresh instead of carried
+        // into the next basis). Both passes: G = XᵀX (upper), G = RᵀR, X ← X R⁻¹.
         let h = dev.cublas_handle_on(self.stream);
         let (one, zero) = (1.0f32, 0.0f32);
-        for pass in 0..2 {
+        // `m` column-major [d, d]; `transposed`: the buffer holds Xᵀ column-major (X
+        // row-major), so G = X Xᵀ of the buffer and X R⁻¹ is R⁻ᵀ applied from the left.
+        let pass = |m: &Buf, transposed: bool, last: bool| -> Result<()> {
+            let (op, side, trsm_op) = if transposed {
+                (
+                    cbsys::cublasOperation_t::CUBLAS_OP_N,
+                    cbsys::cublasSideMode_t::CUBLAS_SIDE_LEFT,
+                    cbsys::cublasOperation_t::CUBLAS_OP_T,
+                )
+            } else {
+                (
+                    cbsys::cublasOperation_t::CUBLAS_OP_T,
+                    cbsys::cublasSideMode_t::CUBLAS_SIDE_RIGHT,
+                    cbsys::cublasOperation_t::CUBLAS_OP_N,
+                )
+            };
             self.timed(1, || {
                 dev.context().bind_to_thread()?;
-                // SAFETY: x and g are live [d, d] f32 device buffers; alpha/beta are host
+                // SAFETY: m and g are live [d, d] f32 device buffers; alpha/beta are host
                 // scalars (the handle's default pointer mode); the handle is on this stream.
                 unsafe {
                     cbsys::cublasSsyrk_v2(
                         h,
                         cbsys::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
-                        cbsys::cublasOperation_t::CUBLAS_OP_T,
+                        op,
                         n,
                         n,
                         &one,
-                        x.ptr() as *const f32,
+                        m.ptr() as *const f32,
                         n,
                         &zero,
                         g.ptr() as *mut f32,
@@ -886,7 +915,7 @@ impl GpuRefresher {
                 1,
                 Args::new().buf(&info_pass).buf(&info_all),
             )?;
-            if pass == 1 {
+            if last {
                 self.launch(
                     dev,
                     "upper_identity_error_bits_f32",
@@ -896,29 +925,31 @@ impl GpuRefresher {
             }
             self.timed(4, || {
                 dev.context().bind_to_thread()?;
-                // SAFETY: g and x are live [d, d] f32 device buffers; alpha is a host scalar;
+                // SAFETY: g and m are live [d, d] f32 device buffers; alpha is a host scalar;
                 // the handle is bound to `self.stream`.
                 unsafe {
                     cbsys::cublasStrsm_v2(
                         h,
-                        cbsys::cublasSideMode_t::CUBLAS_SIDE_RIGHT,
+                        side,
                         cbsys::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
-                        cbsys::cublasOperation_t::CUBLAS_OP_N,
+                        trsm_op,
                         cbsys::cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
                         n,
                         n,
                         &one,
                         g.ptr() as *const f32,
                         n,
-                        x.ptr() as *mut f32,
+                        m.ptr() as *mut f32,
                         n,
                     )
                 }
                 .result()
                 .map_err(crate::error::cublas("strsm"))
-            })?;
-        }
-        // q = Q_p · W, W = x column-major (its row-major view is Wᵀ).
+            })
+        };
+        // x = W₁ = L R₁⁻¹ (column-major).
+        pass(&x, false, false)?;
+        // q = M = Q_p · W₁ (row-major; x's row-major view is W₁ᵀ).
         self.timed(1, || {
             gemm_f32_with(
                 dev,
@@ -935,6 +966,8 @@ impl GpuRefresher {
                 0.0,
             )
         })?;
+        // q = M R₂⁻¹ = Q_new, R₂ ≈ I measured (its distance is M's orthonormality error).
+        pass(q, true, true)?;
         let w = dev.download_on::<i32>(&st.slice(5, 2)?, self.stream)?;
         let err = f32::from_bits(w[1].max(0) as u32);
         Ok(w[0] == 0 && err <= RC_ORTHO_TOL)

@@ -312,7 +312,7 @@ impl Refreshes {
                 .map_err(e("setting up cuSOLVER refreshes"))?;
             bytes += r
                 .set_qr_method(dev, qr)
-                .map_err(e("allocating the CholeskyQR3 buffers"))?;
+                .map_err(e("allocating the QR method's buffers"))?;
             bytes += b + RefreshSlot::bytes(max_dim);
             let mut a = dev
                 .arena("refresh-slot", Tier::Device, RefreshSlot::bytes(max_dim))
@@ -330,7 +330,7 @@ impl Refreshes {
                     .map_err(e("setting up side-stream cuSOLVER refreshes"))?;
                 bytes += r
                     .set_qr_method(dev, qr)
-                    .map_err(e("allocating the side CholeskyQR3 buffers"))?;
+                    .map_err(e("allocating the side QR method's buffers"))?;
                 bytes += b;
                 Some(SideLauncher::spawn(Arc::clone(dev), r)?)
             }
