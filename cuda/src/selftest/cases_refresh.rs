@@ -141,6 +141,18 @@ pub(crate) fn cases() -> Vec<Case> {
             },
         ));
     }
+    // Sixty refreshes in a row, each new basis stored for the next: the basis must stay
+    // orthonormal to fp32 rounding (a CholeskyQR pass that never touched Q_p itself drifted by
+    // ~5e-7 per refresh).
+    for d in [64usize, 257] {
+        v.push(case(
+            "eigenbasis_refresh_rayleigh_repeated",
+            format!("d={d} refreshes=60"),
+            1e-5,
+            false,
+            move |cx| repeated(cx, d, 60),
+        ));
+    }
     for (d, r) in [(50usize, 30usize), (257, 100)] {
         v.push(case(
             "eigenbasis_refresh_fallback",
@@ -411,6 +423,43 @@ fn qr_refresh(
         errs.push(("fallback as expected", if ok { 0.0 } else { f64::INFINITY }));
     }
     Ok(Outcome { errs, gpu_ms: ms })
+}
+
+/// `reps` Rayleigh–Cholesky refreshes of one [`rotated_factor`], each storing its basis for
+/// the next; the final basis's `max|QᵀQ − I|` (float64) and whether any refresh fell back.
+fn repeated(cx: &mut Ctx<'_>, d: usize, reps: usize) -> Result<Outcome> {
+    let (v, _, f) = rotated_factor(cx, d)?;
+    let dev = cx.dev;
+    let (r, _arena, slot) = refresher(cx, d, QrMethod::RayleighCholesky)?;
+    let (fb, qb) = (cx.up(&narrow(&f))?, cx.up(&narrow(&v))?);
+    let ms = cx.timed(|| {
+        for _ in 0..reps {
+            r.compute(dev, false, d, &fb, &qb, &slot)?;
+            let status = dev.download::<i32>(&slot.status)?;
+            refresh::verdict(false, d, &status).map_err(|e| crate::CudaError::Invalid {
+                op: "eigenbasis_refresh_rayleigh_repeated",
+                what: e.to_string(),
+            })?;
+            dev.copy(&qb, &slot.q.slice(0, d * d)?, StreamKind::Compute)?;
+        }
+        Ok(())
+    })?;
+    let q = wide(&dev.download::<f32>(&qb)?);
+    let qtq = mm(&q, true, &q, d);
+    let mut orth = 0.0f64;
+    for i in 0..d {
+        for j in 0..d {
+            orth = orth.max((qtq[i * d + j] - if i == j { 1.0 } else { 0.0 }).abs());
+        }
+    }
+    let no_fallback = r.cholesky_counts() == (reps as u64, 0);
+    Ok(Outcome {
+        errs: vec![
+            ("orthonormality", orth),
+            ("no fallback", if no_fallback { 0.0 } else { f64::INFINITY }),
+        ],
+        gpu_ms: ms,
+    })
 }
 
 /// The factor a [`qr_refresh`] case builds (see [`factor`], [`rotated_factor`]).
