@@ -137,9 +137,9 @@ pub enum QrMethod {
     #[default]
     Householder,
     /// Householder QR with the explicit Q formed by `Sormqr` (the reflectors of `Sgeqrf`
-    /// applied to the identity; LAPACK's blocked `larfb` path) instead of `Sorgqr`, which
-    /// takes ~2.6× `Sgeqrf`'s time on the H200 (launcher-thread times of the S = 5 runs,
-    /// BENCHMARKS.md). The same reflectors, so the same Q up to rounding.
+    /// applied to the identity) instead of `Sorgqr`, in which the side launcher thread spends
+    /// ~2.6× as long as in `Sgeqrf`. The same reflectors, so the same Q up to rounding; on the
+    /// H200 it measured no faster (20.8 against 20.7 ms at d = 3072, BENCHMARKS.md session 6).
     HouseholderOrmqr,
     /// Shifted CholeskyQR3 in float64 (Fukaya, Kannan, Nakatsukasa, Yamamoto, Yanagisawa,
     /// "Shifted Cholesky QR for computing the QR factorization of ill-conditioned matrices",
