@@ -644,6 +644,14 @@ fn flash_attention(v: &mut Vec<Case>) {
     }
 }
 
+/// The CPU engine's matmul geometry of a GPU one (same rows and columns).
+fn cpu_dims(d: Dims) -> c::matmul::Dims {
+    c::matmul::Dims {
+        rows: d.rows,
+        cols: d.cols,
+    }
+}
+
 /// Moves the float64 attention-backward reference `dqkv` (`[N, 3C]`, on the operands `qkv`,
 /// `dout`) to a backward whose `delta_i = rowsum(dO ⊙ O)_i` is taken from `o_used` instead of
 /// the exact output `o_exact` (both `[N, C]`): with `e_i = Σ_c dO_ic (o_used − o_exact)_ic` per
@@ -882,16 +890,7 @@ fn matmul(v: &mut Vec<Case>) {
             let ob = if acc { cx.up(&out0)? } else { cx.out(m * p)? };
             let ms = cx.timed(|| gemm::matmul(cx.dev, &abuf, ad, &bbuf, bd, &ob, ta, tb, acc))?;
             let mut r = if acc { wide(&out0) } else { vec![0.0; m * p] };
-            let (cad, cbd) = (
-                c::matmul::Dims {
-                    rows: ad.rows,
-                    cols: ad.cols,
-                },
-                c::matmul::Dims {
-                    rows: bd.rows,
-                    cols: bd.cols,
-                },
-            );
+            let (cad, cbd) = (cpu_dims(ad), cpu_dims(bd));
             c::matmul::matmul(&wide(&a), cad, &wide(&b), cbd, &mut r, ta, tb, acc).map_err(cpu)?;
             Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
         }));
@@ -918,16 +917,7 @@ fn matmul(v: &mut Vec<Case>) {
                 gemm::matmul_bf16(cx.dev, &a16, ad, &b16, bd, &ob, ta, tb, acc)
             })?;
             let mut r = if acc { wide(&out0) } else { vec![0.0; m * p] };
-            let (cad, cbd) = (
-                c::matmul::Dims {
-                    rows: ad.rows,
-                    cols: ad.cols,
-                },
-                c::matmul::Dims {
-                    rows: bd.rows,
-                    cols: bd.cols,
-                },
-            );
+            let (cad, cbd) = (cpu_dims(ad), cpu_dims(bd));
             c::matmul::matmul(&wide(&a), cad, &wide(&b), cbd, &mut r, ta, tb, acc).map_err(cpu)?;
             Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
         }));
@@ -956,16 +946,7 @@ fn matmul(v: &mut Vec<Case>) {
                 gemm::gemm_bf16_bias(cx.dev, &a16, ad, &b16, bd, &biasb, &ob, ta, tb)
             })?;
             let mut r = vec![0.0; m * p];
-            let (cad, cbd) = (
-                c::matmul::Dims {
-                    rows: ad.rows,
-                    cols: ad.cols,
-                },
-                c::matmul::Dims {
-                    rows: bd.rows,
-                    cols: bd.cols,
-                },
-            );
+            let (cad, cbd) = (cpu_dims(ad), cpu_dims(bd));
             c::matmul::matmul(&wide(&a), cad, &wide(&b), cbd, &mut r, ta, tb, false)
                 .map_err(cpu)?;
             for (i, x) in r.iter_mut().enumerate() {
