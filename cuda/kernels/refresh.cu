@@ -18,13 +18,24 @@ extern "C" __global__ void eigvecs_descending(const float* __restrict__ w, float
     }
 }
 
-// est[j] = sum_i q[i, j] * fq[i, j] (f64 accumulation, fixed order); one thread per column.
+// est[j] = sum_i q[i, j] * fq[i, j] (f64 accumulation, fixed order for a given d). Launch with
+// blocks of (32, 32) threads, one block per 32 columns: thread (x, y) sums rows y, y + 32, ...
+// of column 32 * blockIdx.x + x (a warp reads 32 adjacent floats of a row: coalesced), then row
+// 0 of the block adds the 32 partial sums in order. (One thread per column, as before, read
+// strided and ran on d / 256 SMs.)
 extern "C" __global__ void column_dots(const float* __restrict__ q, const float* __restrict__ fq,
                                        double* __restrict__ est, int d) {
-    for (long long j = gtid(); j < d; j += gstride()) {
-        double acc = 0.0;
-        for (long long i = 0; i < d; ++i) acc += (double)q[i * d + j] * (double)fq[i * d + j];
-        est[j] = acc;
+    __shared__ double part[32][33];
+    const long long j = (long long)blockIdx.x * 32 + threadIdx.x;
+    double acc = 0.0;
+    if (j < d)
+        for (long long i = threadIdx.y; i < d; i += 32) acc += (double)q[i * d + j] * (double)fq[i * d + j];
+    part[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < d) {
+        double s = 0.0;
+        for (int y = 0; y < 32; ++y) s += part[y][threadIdx.x];
+        est[j] = s;
     }
 }
 
@@ -175,13 +186,14 @@ extern "C" __global__ void add_diag_rel(float* __restrict__ a, int d, float rel)
 
 // The unit lower-triangular L = C diag(C)^-1 of a Cholesky factorisation B = C C^T, from
 // cuSOLVER's upper factor U = C^T (column-major, U(r, c) at u[c * d + r], r <= c; the strictly
-// lower part of u is not read): x column-major [d, d], x(i, j) = U(j, i) / U(j, j) for i > j,
-// 1 on the diagonal, 0 above.
+// lower part of u is not read): x row-major [d, d], x[i * d + j] = L(i, j) = U(j, i) / U(j, j)
+// = u[i * d + j] / u[j * d + j] for i > j, 1 on the diagonal, 0 above (reads and writes at the
+// same index: coalesced).
 extern "C" __global__ void unit_lower_from_chol(const float* __restrict__ u, float* __restrict__ x, int d) {
     const long long total = (long long)d * d;
     for (long long k = gtid(); k < total; k += gstride()) {
-        const long long j = k / d, i = k % d;
-        x[k] = i > j ? u[i * d + j] / u[j * d + j] : (i == j ? 1.0f : 0.0f);
+        const long long i = k / d, j = k % d;
+        x[k] = i > j ? u[k] / u[j * d + j] : (i == j ? 1.0f : 0.0f);
     }
 }
 
@@ -194,6 +206,39 @@ extern "C" __global__ void upper_identity_error_bits_f32(const float* __restrict
         if (i > j) continue;
         const float e = fabsf(r[k] - (i == j ? 1.0f : 0.0f));
         local = max(local, isnan(e) ? 0x7fffffff : __float_as_int(fminf(e, 3.0e38f)));
+    }
+    if (local) atomicMax(out, local);
+}
+
+// 3xTF32 operand split (refresh::gemm_3xtf32): hi = x rounded to TF32 (10 explicit mantissa
+// bits, round to nearest, ties away; exact in TF32, so the tensor cores read it unchanged),
+// lo = x - hi (exact in fp32). Non-finite x passes through in hi with lo = 0.
+extern "C" __global__ void split_tf32(const float* __restrict__ x, float* __restrict__ hi, float* __restrict__ lo,
+                                      long long n) {
+    for (long long i = gtid(); i < n; i += gstride()) {
+        const float v = x[i];
+        float h = v;
+        if (isfinite(v)) {
+            const unsigned int r = (__float_as_uint(v) + 0x1000u) & 0xffffe000u;
+            const float t = __uint_as_float(r);
+            if (isfinite(t)) h = t;
+        }
+        hi[i] = h;
+        lo[i] = isfinite(v) ? v - h : 0.0f;
+    }
+}
+
+// One Newton-Schulz step's polynomial on the Gram matrix g = M^T M [d, d] (either layout: g is
+// symmetric): *out = max(*out, bits of max|g - I|) (NaN -> 0x7fffffff), then g <- (I - g) / 2,
+// so that M + M g = M (3I - M^T M) / 2 (refresh.rs, QrMethod::RayleighCholeskyTc).
+extern "C" __global__ void newton_schulz_poly(float* __restrict__ g, int d, int* __restrict__ out) {
+    const long long total = (long long)d * d;
+    int local = 0;
+    for (long long k = gtid(); k < total; k += gstride()) {
+        const bool diag = (k / d) == (k % d);
+        const float e = g[k] - (diag ? 1.0f : 0.0f);
+        local = max(local, isnan(e) ? 0x7fffffff : __float_as_int(fminf(fabsf(e), 3.0e38f)));
+        g[k] = -0.5f * e;
     }
     if (local) atomicMax(out, local);
 }

@@ -67,6 +67,15 @@ pub enum RefreshMode {
     Gpu,
     /// Every task on the host (`optim::eigenbasis_refresh`, as the CPU engine).
     Host,
+    /// Each task where the plan placed it, but a `gpu_side` task runs synchronously on the
+    /// compute stream at its launch step (the plan's staggered offset in the period) instead
+    /// of on the side stream: no contention with the step's kernels and no wait at the
+    /// staleness bound, at the price of the refresh's whole GPU time in that step. The basis
+    /// is computed from the factor of that step and swapped in at once (staleness 0; the
+    /// refresh runs `offset ≤ S` steps after the period's first step, as the asynchronous
+    /// launch does). Meant for refresh methods whose GPU time is mostly tensor-core GEMMs
+    /// (`QrMethod::RayleighCholeskyTc`), which a low-priority side stream starves.
+    Inline,
 }
 
 impl std::str::FromStr for RefreshMode {
@@ -76,7 +85,10 @@ impl std::str::FromStr for RefreshMode {
             "plan" => Ok(RefreshMode::Plan),
             "gpu" => Ok(RefreshMode::Gpu),
             "host" => Ok(RefreshMode::Host),
-            _ => Err(format!("unknown refresh mode `{s}` (plan, gpu or host)")),
+            "inline" => Ok(RefreshMode::Inline),
+            _ => Err(format!(
+                "unknown refresh mode `{s}` (plan, gpu, host or inline)"
+            )),
         }
     }
 }

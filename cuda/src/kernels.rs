@@ -160,7 +160,9 @@ pub const FAMILIES: &[Family] = &[
             "f64_to_f32",
             "add_diag_rel",
             "unit_lower_from_chol",
-            "upper_identity_error_bits_f32"
+            "upper_identity_error_bits_f32",
+            "split_tf32",
+            "newton_schulz_poly"
         ]
     ),
 ];

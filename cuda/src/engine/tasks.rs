@@ -78,11 +78,16 @@ impl Task {
             exp_avg_sq,
             frequency,
             offset,
-            staleness,
+            // Inline: a GPU task is synchronous at its (staggered) launch step.
+            staleness: if mode == RefreshMode::Inline && placement == Placement::GpuSide {
+                0
+            } else {
+                staleness
+            },
             on_gpu: match mode {
                 RefreshMode::Gpu => true,
                 RefreshMode::Host => false,
-                RefreshMode::Plan => placement == Placement::GpuSide,
+                RefreshMode::Plan | RefreshMode::Inline => placement == Placement::GpuSide,
             },
         }
     }

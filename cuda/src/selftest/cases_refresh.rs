@@ -17,7 +17,9 @@
 //!   `eigenbasis_refresh_householder` cuSOLVER's Householder QR (`_householder_ormqr`: Q formed
 //!   by `Sormqr`), `eigenbasis_refresh_rayleigh`
 //!   the fp32 Rayleigh–Cholesky QR; `eigenbasis_refresh_rotated_*` the latter two with a
-//!   stored basis rotated away from the eigenbasis and eigenvalues over two decades; and
+//!   stored basis rotated away from the eigenbasis and eigenvalues over two decades;
+//!   `_rayleigh_tc` its 3xTF32 variant (`QrMethod::RayleighCholeskyTc`), and `gemm_3xtf32`
+//!   that variant's GEMM against float64 (tolerance 2e-6, which TF32 alone misses); and
 //!   `eigenbasis_refresh_fallback` a factor with an exactly zero block, where CholeskyQR3 must
 //!   hand over to Householder.
 //!
@@ -26,6 +28,7 @@
 use super::cases::case;
 use super::{cpu, Case, Ctx, Outcome, TOL_BF16};
 use crate::device::GemmMath;
+use crate::gemm::Dims;
 use crate::error::Result;
 use crate::refresh::{self, GpuRefresher, QrMethod, RefreshSlot, SwapWork};
 use crate::StreamKind;
@@ -85,6 +88,12 @@ pub(crate) fn cases() -> Vec<Case> {
                     GemmMath::Fp32,
                     TOL_REFRESH,
                 ),
+                (
+                    "eigenbasis_refresh_rayleigh_tc",
+                    QrMethod::RayleighCholeskyTc,
+                    GemmMath::Fp32,
+                    TOL_REFRESH,
+                ),
             ] {
                 v.push(case(
                     kernel,
@@ -109,6 +118,10 @@ pub(crate) fn cases() -> Vec<Case> {
                     "eigenbasis_refresh_rotated_householder_ormqr",
                     QrMethod::HouseholderOrmqr,
                 ),
+                (
+                    "eigenbasis_refresh_rotated_rayleigh_tc",
+                    QrMethod::RayleighCholeskyTc,
+                ),
             ] {
                 v.push(case(
                     kernel,
@@ -123,35 +136,62 @@ pub(crate) fn cases() -> Vec<Case> {
     // An indefinite factor (one eigenvalue below zero): B's Cholesky factorisation fails and
     // the Rayleigh–Cholesky QR must hand over to Householder.
     for (d, other) in [(50usize, 7usize), (257, 33)] {
-        v.push(case(
-            "eigenbasis_refresh_rayleigh_fallback",
-            format!("side=0 m={d} n={other}"),
-            TOL_REFRESH,
-            false,
-            move |cx| {
-                qr_refresh(
-                    cx,
-                    0,
-                    d,
-                    other,
-                    QrMethod::RayleighCholesky,
-                    GemmMath::Fp32,
-                    Factor::Indefinite,
-                )
-            },
-        ));
+        for (kernel, qr) in [
+            (
+                "eigenbasis_refresh_rayleigh_fallback",
+                QrMethod::RayleighCholesky,
+            ),
+            (
+                "eigenbasis_refresh_rayleigh_tc_fallback",
+                QrMethod::RayleighCholeskyTc,
+            ),
+        ] {
+            v.push(case(
+                kernel,
+                format!("side=0 m={d} n={other}"),
+                TOL_REFRESH,
+                false,
+                move |cx| {
+                    qr_refresh(cx, 0, d, other, qr, GemmMath::Fp32, Factor::Indefinite)
+                },
+            ));
+        }
     }
     // Sixty refreshes in a row, each new basis stored for the next: the basis must stay
     // orthonormal to fp32 rounding (a CholeskyQR pass that never touched Q_p itself drifted by
     // ~5e-7 per refresh).
     for d in [64usize, 257] {
-        v.push(case(
-            "eigenbasis_refresh_rayleigh_repeated",
-            format!("d={d} refreshes=60"),
-            1e-5,
-            false,
-            move |cx| repeated(cx, d, 60),
-        ));
+        for (kernel, qr) in [
+            (
+                "eigenbasis_refresh_rayleigh_repeated",
+                QrMethod::RayleighCholesky,
+            ),
+            (
+                "eigenbasis_refresh_rayleigh_tc_repeated",
+                QrMethod::RayleighCholeskyTc,
+            ),
+        ] {
+            v.push(case(
+                kernel,
+                format!("d={d} refreshes=60"),
+                1e-5,
+                false,
+                move |cx| repeated(cx, d, 60, qr),
+            ));
+        }
+    }
+    // 3xTF32 GEMMs (refresh::gemm_3xtf32) against float64 on awkward shapes, every transpose:
+    // TF32 alone is ~1e-3 off, so the tolerance fails without the low-order terms.
+    for (m, k, p) in [(1usize, 1usize, 1usize), (77, 131, 45), (300, 257, 129)] {
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            v.push(case(
+                "gemm_3xtf32",
+                format!("m={m} k={k} p={p} ta={ta} tb={tb}"),
+                2e-6,
+                false,
+                move |cx| gemm_3xtf32_case(cx, m, k, p, ta, tb),
+            ));
+        }
     }
     for (d, r) in [(50usize, 30usize), (257, 100)] {
         v.push(case(
@@ -411,7 +451,10 @@ fn qr_refresh(
         ("exp_avg", super::rel_err(&narrow(&ea_gpu), &ea_ref)),
         ("exp_avg_sq", super::rel_err(&eas_gpu, &eas_ref)),
     ];
-    if qr == QrMethod::RayleighCholesky {
+    if matches!(
+        qr,
+        QrMethod::RayleighCholesky | QrMethod::RayleighCholeskyTc
+    ) {
         // Plain and rotated factors are positive definite: no fallback; the indefinite one
         // must fall back.
         let want = if kind == Factor::Indefinite {
@@ -427,10 +470,10 @@ fn qr_refresh(
 
 /// `reps` Rayleigh–Cholesky refreshes of one [`rotated_factor`], each storing its basis for
 /// the next; the final basis's `max|QᵀQ − I|` (float64) and whether any refresh fell back.
-fn repeated(cx: &mut Ctx<'_>, d: usize, reps: usize) -> Result<Outcome> {
+fn repeated(cx: &mut Ctx<'_>, d: usize, reps: usize, qr: QrMethod) -> Result<Outcome> {
     let (v, _, f) = rotated_factor(cx, d)?;
     let dev = cx.dev;
-    let (r, _arena, slot) = refresher(cx, d, QrMethod::RayleighCholesky)?;
+    let (r, _arena, slot) = refresher(cx, d, qr)?;
     let (fb, qb) = (cx.up(&narrow(&f))?, cx.up(&narrow(&v))?);
     let ms = cx.timed(|| {
         for _ in 0..reps {
@@ -458,6 +501,72 @@ fn repeated(cx: &mut Ctx<'_>, d: usize, reps: usize) -> Result<Outcome> {
             ("orthonormality", orth),
             ("no fallback", if no_fallback { 0.0 } else { f64::INFINITY }),
         ],
+        gpu_ms: ms,
+    })
+}
+
+/// `C = α·op(A)·op(B) + β·C₀` by [`refresh::gemm_3xtf32`] against float64 on the same f32
+/// inputs (`op(A)` `[m, k]`, `op(B)` `[k, p]`, α = 0.75, β = −0.5), through the norm-wise
+/// relative error of C.
+fn gemm_3xtf32_case(
+    cx: &mut Ctx<'_>,
+    m: usize,
+    k: usize,
+    p: usize,
+    ta: bool,
+    tb: bool,
+) -> Result<Outcome> {
+    let (a, b, c0) = (
+        cx.normal(m * k, 0.0, 1.0),
+        cx.normal(k * p, 0.0, 1.0),
+        cx.normal(m * p, 0.0, 1.0),
+    );
+    let (alpha, beta) = (0.75f32, -0.5f32);
+    let dev = cx.dev;
+    let (ad, bd) = (
+        if ta { Dims::new(k, m) } else { Dims::new(m, k) },
+        if tb { Dims::new(p, k) } else { Dims::new(k, p) },
+    );
+    let (ab, bb, cb) = (cx.up(&a)?, cx.up(&b)?, cx.up(&c0)?);
+    let big = m.max(k).max(p);
+    let mut split = Vec::new();
+    for _ in 0..4 {
+        split.push(cx.up(&vec![0f32; big * big])?);
+    }
+    let split: [crate::memory::Buf; 4] = [
+        split[0].clone(),
+        split[1].clone(),
+        split[2].clone(),
+        split[3].clone(),
+    ];
+    let ms = cx.timed(|| {
+        refresh::gemm_3xtf32(
+            dev,
+            StreamKind::Compute,
+            &ab,
+            ad,
+            &bb,
+            bd,
+            &cb,
+            ta,
+            tb,
+            alpha,
+            beta,
+            &split,
+        )
+    })?;
+    let got = dev.download::<f32>(&cb)?;
+    let at = |i: usize, l: usize| f64::from(if ta { a[l * m + i] } else { a[i * k + l] });
+    let bt = |l: usize, j: usize| f64::from(if tb { b[j * k + l] } else { b[l * p + j] });
+    let mut want = vec![0f64; m * p];
+    for i in 0..m {
+        for j in 0..p {
+            let dot: f64 = (0..k).map(|l| at(i, l) * bt(l, j)).sum();
+            want[i * p + j] = f64::from(alpha) * dot + f64::from(beta) * f64::from(c0[i * p + j]);
+        }
+    }
+    Ok(Outcome {
+        errs: vec![("C", super::rel_err(&got, &want))],
         gpu_ms: ms,
     })
 }
