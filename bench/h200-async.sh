@@ -6,7 +6,9 @@
 # Before the runs: the kernel self-test (quick) and tiny-soap on the GPU with S=0 vs S=5; after
 # them, bench/check_staleness.py (GPT-2 S=5 vs S=0 validation loss within 0.05).
 # Usage: bench/h200-async.sh OUT_DIR [STEPS]   (repository root, .gpu/ from bench/prepare-gpu)
-#   SKIP_CHECKS=1: skip the self-test and tiny-soap runs; TORCH_STEPS=N: PyTorch rows' steps.
+#   SKIP_CHECKS=1: skip the self-test and tiny-soap runs; TORCH_STEPS=N: PyTorch rows' steps;
+#   S5_HIGH=1: one more row, S=5 with the side stream above the compute stream
+#   (ASTERIA_CUDA_SIDE_PRIORITY=high).
 set -uo pipefail
 out="${1:?usage: bench/h200-async.sh OUT_DIR [STEPS]}"; steps="${2:-300}"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
@@ -47,6 +49,11 @@ run() { # name spec timeout
 run adamw $S/gpt2-124m-adamw.asteria 120
 run soap-s5 $S/gpt2-124m-soap-s5.asteria 150
 run soap-s0 $S/gpt2-124m-soap.asteria 150
+extra=()
+if [[ -n "${S5_HIGH:-}" ]]; then
+  ASTERIA_CUDA_SIDE_PRIORITY=high run soap-s5-high $S/gpt2-124m-soap-s5.asteria 150
+  extra=("asteria SOAP S5 side-high=$out/soap-s5-high.jsonl:$out/soap-s5-high.txt")
+fi
 for row in "torch-soap soap" "torch-soaptf32 soap --tf32" "torch-adamw adamw" "torch-adamw-compile adamw --compile"; do
   set -- $row; n=$1; shift
   stamp "$n"
@@ -57,7 +64,7 @@ python3 .gpu/bench/summarize.py --skip 12 "asteria AdamW=$out/adamw.jsonl:$out/a
   "asteria SOAP S0=$out/soap-s0.jsonl:$out/soap-s0.txt" "asteria SOAP S5=$out/soap-s5.jsonl:$out/soap-s5.txt" \
   "PyTorch ref SOAP fp32=$out/torch-soap.jsonl:$out/torch-soap.txt" "PyTorch ref SOAP tf32=$out/torch-soaptf32.jsonl:$out/torch-soaptf32.txt" \
   "torch AdamW eager=$out/torch-adamw.jsonl:$out/torch-adamw.txt" \
-  "torch AdamW compile=$out/torch-adamw-compile.jsonl:$out/torch-adamw-compile.txt" | tee "$out/summary.md"
+  "torch AdamW compile=$out/torch-adamw-compile.jsonl:$out/torch-adamw-compile.txt" "${extra[@]}" | tee "$out/summary.md"
 $B plot --metric step_ms --title "GPT-2 124M step time, H200 (batch 16x1024)" -o "$out/step-time.svg" \
   "asteria AdamW=$out/adamw.jsonl" "asteria SOAP S0=$out/soap-s0.jsonl" "asteria SOAP S5=$out/soap-s5.jsonl" \
   "PyTorch ref. SOAP fp32=$out/torch-soap.jsonl" "PyTorch ref. SOAP tf32=$out/torch-soaptf32.jsonl" 2>&1 | tail -1

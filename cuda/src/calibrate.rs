@@ -93,6 +93,9 @@ pub fn measure(
         let e = timed(&dev, reps, || run(true))?;
         dev.copy(&qb, &slot.q.slice(0, n * n)?, StreamKind::Compute)?;
         let q = timed(&dev, reps, || run(false))?;
+        // The refresher's phase times over every QR run above (GPU times under
+        // ASTERIA_CUDA_REFRESH_PHASES=sync).
+        tracing::info!(n, reps, phases = %r.phase_ms_line(), "calibrate: QR refresh phases");
         eigh_ms.push((n, e));
         qr_ms.push((n, q));
     }

@@ -233,10 +233,17 @@ impl Device {
         let cc = ctx.compute_capability()?;
         let arch = nvrtc::arch_for(cc);
         let (least, greatest) = drv::stream::get_priority_range()?;
-        let compute = ctx.new_stream_with_priority(greatest)?;
+        // `ASTERIA_CUDA_SIDE_PRIORITY` (a measurement knob): `low` (default) the side stream at
+        // the lowest priority, `high` above the compute stream (which then runs one level
+        // below the greatest), so its refresh kernels are scheduled first.
+        let (compute_p, side_p) = match std::env::var("ASTERIA_CUDA_SIDE_PRIORITY").as_deref() {
+            Ok("high") if greatest < least => (greatest + 1, greatest),
+            _ => (greatest, least),
+        };
+        let compute = ctx.new_stream_with_priority(compute_p)?;
         let copy_in = ctx.new_stream()?;
         let copy_out = ctx.new_stream()?;
-        let side = ctx.new_stream_with_priority(least)?;
+        let side = ctx.new_stream_with_priority(side_p)?;
 
         let handle = cb::create_handle().map_err(cublas("create_handle"))?;
         let cublas_h = Cublas(handle);

@@ -124,6 +124,11 @@ pub(crate) struct GpuRefresher {
     /// so the phase times ([`GpuRefresher::phase_ms_line`]) are GPU times (a profiling aid:
     /// it serialises the refresh with the host).
     phase_sync: Option<std::sync::Arc<cudarc::driver::CudaStream>>,
+    /// `ASTERIA_CUDA_POTRF=xpotrf`: the Rayleigh–Cholesky QRs' Cholesky factorisations through
+    /// cuSOLVER's 64-bit generic `cusolverDnXpotrf` (what PyTorch's `linalg.cholesky` calls)
+    /// instead of `cusolverDnSpotrf`: its params handle, device workspace (bytes) and host
+    /// workspace.
+    xpotrf: Option<XPotrf>,
 }
 
 /// Float64 buffers of shifted CholeskyQR3: the matrix being orthonormalised `x` and the Gram
@@ -142,6 +147,66 @@ struct RcWork {
     g: Buf,
     split: Option<[Buf; 4]>,
     _arena: Arena,
+}
+
+/// cuSOLVER's generic 64-bit Cholesky factorisation (`cusolverDnXpotrf`, fp32) for
+/// [`GpuRefresher`]: its params handle and workspaces, sized for the refresher's largest side.
+struct XPotrf {
+    params: cs::cusolverDnParams_t,
+    work: Buf,
+    /// Written by cuSOLVER during the call.
+    host: std::cell::UnsafeCell<Vec<u8>>,
+    _arena: Arena,
+}
+
+impl Drop for XPotrf {
+    fn drop(&mut self) {
+        // SAFETY: created in `XPotrf::new`, destroyed once.
+        let _ = unsafe { cs::cusolverDnDestroyParams(self.params) };
+    }
+}
+
+impl XPotrf {
+    fn new(dev: &Device, h: cs::cusolverDnHandle_t, a: &Buf, d: usize) -> Result<XPotrf> {
+        let mut params: cs::cusolverDnParams_t = std::ptr::null_mut();
+        let (mut dev_bytes, mut host_bytes) = (0usize, 0usize);
+        dev.context().bind_to_thread()?;
+        // SAFETY: out-pointers to live locals; the size query reads the dimensions only (`a`
+        // is live device memory of at least d² f32).
+        unsafe {
+            check(
+                "cusolverDnCreateParams",
+                cs::cusolverDnCreateParams(&mut params),
+            )?;
+            check(
+                "cusolverDnXpotrf_bufferSize",
+                cs::cusolverDnXpotrf_bufferSize(
+                    h,
+                    params,
+                    cs::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                    d as i64,
+                    cs::cudaDataType::CUDA_R_32F,
+                    a.ptr() as *const std::ffi::c_void,
+                    d as i64,
+                    cs::cudaDataType::CUDA_R_32F,
+                    &mut dev_bytes,
+                    &mut host_bytes,
+                ),
+            )?;
+        }
+        let words = dev_bytes.div_ceil(4).max(1);
+        let mut arena = dev.arena(
+            "xpotrf-workspace",
+            crate::Tier::Device,
+            words * 4 + crate::memory::BUF_ALIGN,
+        )?;
+        Ok(XPotrf {
+            params,
+            work: arena.buf(Elem::F32, words)?,
+            host: std::cell::UnsafeCell::new(vec![0u8; host_bytes.max(1)]),
+            _arena: arena,
+        })
+    }
 }
 
 /// `out ← α·op(A)·op(B) + β·out` for fp32 row-major operands (as [`gemm_f32_with`]), to about
@@ -193,18 +258,23 @@ pub(crate) fn gemm_3xtf32(
     };
     let tf = GemmMath::Tf32;
     let (ad, bd) = (a_dims, b_dims);
-    gemm_f32_with(dev, kind, tf, &al, ad, &bh, bd, out, trans_a, trans_b, alpha, beta)?;
-    gemm_f32_with(dev, kind, tf, &ah, ad, &bl, bd, out, trans_a, trans_b, alpha, 1.0)?;
-    gemm_f32_with(dev, kind, tf, &ah, ad, &bh, bd, out, trans_a, trans_b, alpha, 1.0)
+    gemm_f32_with(
+        dev, kind, tf, &al, ad, &bh, bd, out, trans_a, trans_b, alpha, beta,
+    )?;
+    gemm_f32_with(
+        dev, kind, tf, &ah, ad, &bl, bd, out, trans_a, trans_b, alpha, 1.0,
+    )?;
+    gemm_f32_with(
+        dev, kind, tf, &ah, ad, &bh, bd, out, trans_a, trans_b, alpha, 1.0,
+    )
 }
 
 /// How the QR refresh orthonormalises the power image `A = (F Q_old)[:, idx]`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum QrMethod {
-    /// cuSOLVER `Sgeqrf` + `Sorgqr` (Householder; soap.py's `torch.linalg.qr`). The default
-    /// and the fallback of [`QrMethod::ShiftedCholeskyQr3`]. cuSOLVER's QR also blocks the
-    /// enqueueing host thread until its GPU work is done (seen on the H200).
-    #[default]
+    /// cuSOLVER `Sgeqrf` + `Sorgqr` (Householder; soap.py's `torch.linalg.qr`): the default
+    /// until session 7, and the fallback of the Cholesky-based methods. cuSOLVER's QR also
+    /// blocks the enqueueing host thread until its GPU work is done (seen on the H200).
     Householder,
     /// Householder QR with the explicit Q formed by `Sormqr` (the reflectors of `Sgeqrf`
     /// applied to the identity) instead of `Sorgqr`, in which the side launcher thread spends
@@ -255,7 +325,10 @@ pub enum QrMethod {
     /// basis, far below the rounding noise of the fp32 Householder QR itself on these factors
     /// (`bench/qr_variants.py`) — instead of the second CholeskyQR pass (`Spotrf` + `Strsm`,
     /// ~3 ms at d = 3072), which still runs above that tolerance. The same fallbacks to
-    /// Householder QR.
+    /// Householder QR. The default: on the H200 12.1 against 20.5 ms per refresh at d = 3072,
+    /// GPT-2 124M SOAP S=5 mean step 91.4 against 107.8 ms, S=0 114.7 against 147.5 ms, with
+    /// validation losses within run-to-run noise of Householder's (BENCHMARKS.md, session 7).
+    #[default]
     RayleighCholeskyTc,
 }
 
@@ -416,27 +489,33 @@ impl GpuRefresher {
         let lwork = Self::lwork(handle, &a, &w, &tau, d)?;
         let mut ws = dev.arena("cusolver-workspace", crate::Tier::Device, lwork * 4)?;
         let work = ws.buf(Elem::F32, lwork)?;
-        Ok((
-            GpuRefresher {
-                handle,
-                stream,
-                a,
-                b,
-                tau,
-                est,
-                work,
-                max_dim: d,
-                qr: QrMethod::default(),
-                phase_ms: std::cell::Cell::new([0.0; 5]),
-                cholesky_counts: std::cell::Cell::new((0, 0)),
-                f64_work: None,
-                rc_work: None,
-                tc_second: std::cell::Cell::new((0, 0)),
-                phase_sync: (std::env::var("ASTERIA_CUDA_REFRESH_PHASES").as_deref() == Ok("sync"))
-                    .then(|| dev.stream(stream).clone()),
-            },
-            bytes + lwork * 4,
-        ))
+        let default_qr = QrMethod::default();
+        let xpotrf = match std::env::var("ASTERIA_CUDA_POTRF").as_deref() {
+            Ok("xpotrf") => Some(XPotrf::new(dev, handle, &a, d)?),
+            _ => None,
+        };
+        let mut r = GpuRefresher {
+            handle,
+            stream,
+            a,
+            b,
+            tau,
+            est,
+            work,
+            max_dim: d,
+            qr: QrMethod::Householder,
+            phase_ms: std::cell::Cell::new([0.0; 5]),
+            cholesky_counts: std::cell::Cell::new((0, 0)),
+            f64_work: None,
+            rc_work: None,
+            tc_second: std::cell::Cell::new((0, 0)),
+            phase_sync: (std::env::var("ASTERIA_CUDA_REFRESH_PHASES").as_deref() == Ok("sync"))
+                .then(|| dev.stream(stream).clone()),
+            xpotrf,
+        };
+        // The default method's buffers (callers may switch with `set_qr_method`).
+        let extra = r.set_qr_method(dev, default_qr)?;
+        Ok((r, bytes + lwork * 4 + extra))
     }
 
     /// The largest workspace (f32 elements) syevd, geqrf, orgqr, ormqr and potrf need at side
@@ -1016,6 +1095,30 @@ impl GpuRefresher {
         })?;
         let (info_all, info_pass) = (st.slice(5, 1)?, st.slice(7, 1)?);
         let potrf = |info: &Buf| -> Result<()> {
+            if let Some(x) = &self.xpotrf {
+                // SAFETY: g [d, d] f32, the device workspace (sized for the largest side), the
+                // host workspace and the info word are live; the handle is on `self.stream`.
+                return self.timed(3, || unsafe {
+                    check(
+                        "cusolverDnXpotrf",
+                        cs::cusolverDnXpotrf(
+                            self.handle,
+                            x.params,
+                            cs::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                            d as i64,
+                            cs::cudaDataType::CUDA_R_32F,
+                            g.ptr() as *mut std::ffi::c_void,
+                            d as i64,
+                            cs::cudaDataType::CUDA_R_32F,
+                            x.work.ptr() as *mut std::ffi::c_void,
+                            x.work.len() * 4,
+                            (*x.host.get()).as_mut_ptr() as *mut std::ffi::c_void,
+                            (*x.host.get()).len(),
+                            info.ptr() as *mut i32,
+                        ),
+                    )
+                });
+            }
             // SAFETY: g [d, d] f32, the f32 workspace (sized for an upper Spotrf of the largest
             // side in `lwork`) and the info word are live device buffers on `self.stream`.
             self.timed(3, || unsafe {
@@ -1529,6 +1632,7 @@ mod tests {
         assert_eq!("cholesky3".parse(), Ok(QrMethod::ShiftedCholeskyQr3));
         assert!("cholesky2".parse::<QrMethod>().is_err());
         assert!("cholesky".parse::<QrMethod>().is_err());
-        assert_eq!(QrMethod::default(), QrMethod::Householder);
+        assert_eq!("rc-tc".parse(), Ok(QrMethod::RayleighCholeskyTc));
+        assert_eq!(QrMethod::default(), QrMethod::RayleighCholeskyTc);
     }
 }

@@ -28,8 +28,8 @@
 use super::cases::case;
 use super::{cpu, Case, Ctx, Outcome, TOL_BF16};
 use crate::device::GemmMath;
-use crate::gemm::Dims;
 use crate::error::Result;
+use crate::gemm::Dims;
 use crate::refresh::{self, GpuRefresher, QrMethod, RefreshSlot, SwapWork};
 use crate::StreamKind;
 use optim::HostEigensolver;
@@ -151,9 +151,7 @@ pub(crate) fn cases() -> Vec<Case> {
                 format!("side=0 m={d} n={other}"),
                 TOL_REFRESH,
                 false,
-                move |cx| {
-                    qr_refresh(cx, 0, d, other, qr, GemmMath::Fp32, Factor::Indefinite)
-                },
+                move |cx| qr_refresh(cx, 0, d, other, qr, GemmMath::Fp32, Factor::Indefinite),
             ));
         }
     }
