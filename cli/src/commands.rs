@@ -350,6 +350,9 @@ pub fn calibrate(
             for ((n, e), (_, q)) in g.eigh_ms.iter().zip(&g.qr_ms) {
                 eprintln!("GPU n = {n:>5}: syevd refresh {e:>9.2} ms   power iteration + QR refresh {q:>9.2} ms");
             }
+            for (n, phases) in &g.qr_phases {
+                eprintln!("GPU n = {n:>5}: refresher phases, ms over all runs [{phases}]");
+            }
             eprintln!(
                 "GPU {}: pinned host->device {:.1} GB/s, bf16 GEMM {:.0} TFLOP/s",
                 g.device, g.h2d_gbps, g.bf16_gemm_tflops

@@ -19,6 +19,10 @@ pub struct GpuCalibration {
     pub eigh_ms: Vec<(usize, f64)>,
     /// Power iteration + QR refresh time per size, ms.
     pub qr_ms: Vec<(usize, f64)>,
+    /// Per size, the refresher's phase times (ms) summed over the init and QR runs
+    /// (`GpuRefresher::phase_ms_line`): host enqueue times, or GPU times under
+    /// `ASTERIA_CUDA_REFRESH_PHASES=sync`. Not part of the calibration file.
+    pub qr_phases: Vec<(usize, String)>,
     /// Pinned host → device copy bandwidth, GB/s.
     pub h2d_gbps: f64,
     /// bf16-input, fp32-accumulate GEMM rate at 8192³, TFLOP/s.
@@ -59,7 +63,7 @@ pub fn measure(
 ) -> Result<GpuCalibration> {
     let dev = Device::new(ordinal)?;
     let mut rng = engine::Rng::new(7);
-    let (mut eigh_ms, mut qr_ms) = (Vec::new(), Vec::new());
+    let (mut eigh_ms, mut qr_ms, mut qr_phases) = (Vec::new(), Vec::new(), Vec::new());
     for &n in sizes.iter().filter(|&&n| n > 0) {
         // A well-conditioned SPD factor: G Gᵀ / n + I.
         let g: Vec<f64> = (0..n * n).map(|_| rng.normal()).collect();
@@ -93,9 +97,7 @@ pub fn measure(
         let e = timed(&dev, reps, || run(true))?;
         dev.copy(&qb, &slot.q.slice(0, n * n)?, StreamKind::Compute)?;
         let q = timed(&dev, reps, || run(false))?;
-        // The refresher's phase times over every QR run above (GPU times under
-        // ASTERIA_CUDA_REFRESH_PHASES=sync).
-        tracing::info!(n, reps, phases = %r.phase_ms_line(), "calibrate: QR refresh phases");
+        qr_phases.push((n, r.phase_ms_line()));
         eigh_ms.push((n, e));
         qr_ms.push((n, q));
     }
@@ -134,6 +136,7 @@ pub fn measure(
         device: dev.info().name.clone(),
         eigh_ms,
         qr_ms,
+        qr_phases,
         h2d_gbps,
         bf16_gemm_tflops: 2.0 * (k as f64).powi(3) / (gemm_ms * 1e9),
     })

@@ -983,3 +983,40 @@ impl CudaEngine {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refresh(placement: Placement) -> HostTask {
+        HostTask::EigenbasisRefresh {
+            factor: BufferId(0),
+            basis: BufferId(1),
+            side: 0,
+            exp_avg: BufferId(2),
+            exp_avg_sq: BufferId(3),
+            frequency: 10,
+            offset: 4,
+            staleness: 5,
+            placement,
+        }
+    }
+
+    /// `ASTERIA_CUDA_REFRESH=inline`: a `gpu_side` task becomes synchronous (staleness 0, so
+    /// `host_tasks` runs it at its launch step on the compute stream) at the plan's staggered
+    /// offset; a host task keeps its placement and staleness; `plan` changes nothing.
+    #[test]
+    fn inline_makes_gpu_tasks_synchronous_at_their_offset() {
+        assert_eq!("inline".parse(), Ok(RefreshMode::Inline));
+        assert!("inlined".parse::<RefreshMode>().is_err());
+        let gpu = Task::of(&refresh(Placement::GpuSide), RefreshMode::Inline);
+        assert!(gpu.on_gpu);
+        assert_eq!((gpu.staleness, gpu.offset, gpu.frequency), (0, 4, 10));
+        let host = Task::of(&refresh(Placement::Host), RefreshMode::Inline);
+        assert!(!host.on_gpu);
+        assert_eq!((host.staleness, host.offset), (5, 4));
+        let planned = Task::of(&refresh(Placement::GpuSide), RefreshMode::Plan);
+        assert!(planned.on_gpu);
+        assert_eq!((planned.staleness, planned.offset), (5, 4));
+    }
+}
