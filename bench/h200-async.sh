@@ -64,7 +64,7 @@ python3 .gpu/bench/summarize.py --skip 12 "asteria AdamW=$out/adamw.jsonl:$out/a
   "asteria SOAP S0=$out/soap-s0.jsonl:$out/soap-s0.txt" "asteria SOAP S5=$out/soap-s5.jsonl:$out/soap-s5.txt" \
   "PyTorch ref SOAP fp32=$out/torch-soap.jsonl:$out/torch-soap.txt" "PyTorch ref SOAP tf32=$out/torch-soaptf32.jsonl:$out/torch-soaptf32.txt" \
   "torch AdamW eager=$out/torch-adamw.jsonl:$out/torch-adamw.txt" \
-  "torch AdamW compile=$out/torch-adamw-compile.jsonl:$out/torch-adamw-compile.txt" "${extra[@]}" | tee "$out/summary.md"
+  "torch AdamW compile=$out/torch-adamw-compile.jsonl:$out/torch-adamw-compile.txt" ${extra[@]+"${extra[@]}"} | tee "$out/summary.md"
 $B plot --metric step_ms --title "GPT-2 124M step time, H200 (batch 16x1024)" -o "$out/step-time.svg" \
   "asteria AdamW=$out/adamw.jsonl" "asteria SOAP S0=$out/soap-s0.jsonl" "asteria SOAP S5=$out/soap-s5.jsonl" \
   "PyTorch ref. SOAP fp32=$out/torch-soap.jsonl" "PyTorch ref. SOAP tf32=$out/torch-soaptf32.jsonl" 2>&1 | tail -1

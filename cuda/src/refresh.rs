@@ -93,7 +93,8 @@ pub(crate) const STATUS_WORDS: usize = 8;
 /// (the compute stream for synchronous refreshes, the low-priority side stream for
 /// asynchronous ones). Everything it enqueues is stream-ordered, and [`GpuRefresher::compute`]
 /// does not wait for the GPU itself — except with [`QrMethod::ShiftedCholeskyQr3`] and
-/// [`QrMethod::RayleighCholesky`], which read their status words once per refresh to decide on
+/// [`QrMethod::RayleighCholesky`], which read their status words once per refresh (and
+/// [`QrMethod::RayleighCholeskyTc`], once or twice) to decide on
 /// the Householder fallback (and
 /// cuSOLVER's `Sgeqrf`/`Sorgqr` block the calling thread on their own, seen on the H200).
 pub(crate) struct GpuRefresher {
@@ -169,15 +170,18 @@ impl Drop for XPotrf {
 impl XPotrf {
     fn new(dev: &Device, h: cs::cusolverDnHandle_t, a: &Buf, d: usize) -> Result<XPotrf> {
         let mut params: cs::cusolverDnParams_t = std::ptr::null_mut();
-        let (mut dev_bytes, mut host_bytes) = (0usize, 0usize);
         dev.context().bind_to_thread()?;
-        // SAFETY: out-pointers to live locals; the size query reads the dimensions only (`a`
-        // is live device memory of at least d² f32).
+        // SAFETY: out-pointer to a live local.
         unsafe {
             check(
                 "cusolverDnCreateParams",
                 cs::cusolverDnCreateParams(&mut params),
             )?;
+        }
+        let (mut dev_bytes, mut host_bytes) = (0usize, 0usize);
+        // SAFETY: out-pointers to live locals; the size query reads the dimensions only (`a`
+        // is live device memory of at least d² f32).
+        let rest = unsafe {
             check(
                 "cusolverDnXpotrf_bufferSize",
                 cs::cusolverDnXpotrf_bufferSize(
@@ -192,20 +196,30 @@ impl XPotrf {
                     &mut dev_bytes,
                     &mut host_bytes,
                 ),
-            )?;
+            )
         }
-        let words = dev_bytes.div_ceil(4).max(1);
-        let mut arena = dev.arena(
-            "xpotrf-workspace",
-            crate::Tier::Device,
-            words * 4 + crate::memory::BUF_ALIGN,
-        )?;
-        Ok(XPotrf {
-            params,
-            work: arena.buf(Elem::F32, words)?,
-            host: std::cell::UnsafeCell::new(vec![0u8; host_bytes.max(1)]),
-            _arena: arena,
-        })
+        .and_then(|()| {
+            let words = dev_bytes.div_ceil(4).max(1);
+            let mut arena = dev.arena(
+                "xpotrf-workspace",
+                crate::Tier::Device,
+                words * 4 + crate::memory::BUF_ALIGN,
+            )?;
+            Ok((arena.buf(Elem::F32, words)?, arena))
+        });
+        match rest {
+            Ok((work, arena)) => Ok(XPotrf {
+                params,
+                work,
+                host: std::cell::UnsafeCell::new(vec![0u8; host_bytes.max(1)]),
+                _arena: arena,
+            }),
+            Err(e) => {
+                // SAFETY: created above and not owned by anything yet.
+                let _ = unsafe { cs::cusolverDnDestroyParams(params) };
+                Err(e)
+            }
+        }
     }
 }
 
@@ -321,8 +335,8 @@ pub enum QrMethod {
     /// pass: every GEMM (`F Q_old`, `B`, the Gram matrices, `Q_p W₁`) is [`gemm_3xtf32`]
     /// (fp32 accuracy from three TF32 GEMMs, ~2.5× faster than SGEMM on the H200), and after
     /// the CholeskyQR pass on `L` the product `M = Q_p W₁` is read once: when
-    /// `max|MᵀM − I| ≤` [`RC_NS_TOL`] one Newton–Schulz step `M (3I − MᵀM)/2` (two GEMMs)
-    /// finishes it — orthonormality error ~¾·e² + fp32 rounding, a change of `O(e)` to the
+    /// `‖MᵀM − I‖_F ≤` [`RC_NS_TOL`] one Newton–Schulz step `M (3I − MᵀM)/2` (two GEMMs)
+    /// finishes it — orthonormality error ≤ ¾·e² + fp32 rounding, a change of `O(e)` to the
     /// basis, far below the rounding noise of the fp32 Householder QR itself on these factors
     /// (`bench/qr_variants.py`) — instead of the second CholeskyQR pass (`Spotrf` + `Strsm`,
     /// ~3 ms at d = 3072), which still runs above that tolerance. The same fallbacks to
@@ -334,9 +348,10 @@ pub enum QrMethod {
     RayleighCholeskyTc,
 }
 
-/// Largest `max|MᵀM − I|` of [`QrMethod::RayleighCholeskyTc`]'s `M = Q_p W₁` that one
-/// Newton–Schulz step finishes (leaving ≈ ¾·1e-4 + rounding); above it the second CholeskyQR
-/// pass runs.
+/// Largest `‖MᵀM − I‖_F` of [`QrMethod::RayleighCholeskyTc`]'s `M = Q_p W₁` that one
+/// Newton–Schulz step finishes: it leaves `‖QᵀQ − I‖₂ ≤ ¾‖MᵀM − I‖₂² + rounding ≤ ¾·1e-4 +
+/// rounding`; above it the second CholeskyQR pass runs. (Until the session-7 review the gate
+/// was the largest entry, which can be `d` times smaller than the spectral norm.)
 pub const RC_NS_TOL: f32 = 1e-2;
 
 /// Relative diagonal shift of the Rayleigh–Cholesky QR's `B = Q_pᵀ F Q_p`: `B + s·max(diag B)·I`
@@ -591,7 +606,8 @@ impl GpuRefresher {
 
     /// Sets how QR refreshes orthonormalise (default [`QrMethod::Householder`]); returns the
     /// bytes newly allocated for it (the float64 buffers of shifted CholeskyQR3:
-    /// `2·8·d² + 8·lwork`, the f32 ones of Rayleigh–Cholesky: `2·4·d²`, for the refresher's
+    /// `2·8·d² + 8·lwork`, the f32 ones of Rayleigh–Cholesky: `2·4·d²`, `6·4·d²` for its
+    /// tensor-core variant (with the 3xTF32 operand splits), for the refresher's
     /// largest side `d`, plus alignment).
     ///
     /// # Errors
@@ -1236,16 +1252,18 @@ impl GpuRefresher {
                 .map_err(crate::error::cublas("strsm"))
             })
         };
+        // Words 5 (first non-zero potrf info) and 6 (an f32 as bits: NaN stays NaN, and every
+        // comparison with it fails).
         let read = |st: &Buf| -> Result<(i32, f32)> {
             let w = dev.download_on::<i32>(&st.slice(5, 2)?, self.stream)?;
-            Ok((w[0], f32::from_bits(w[1].max(0) as u32)))
+            Ok((w[0], f32::from_bits(w[1] as u32)))
         };
         // x = W₁ = L R₁⁻¹ (row-major).
         pass(&x, true, false)?;
         // q = M = Q_p · W₁ (row-major).
         self.gemm_sq(dev, d, &qp, false, &x, false, q)?;
         if tc {
-            // g = MᵀM; word 6 = max|MᵀM − I|; g ← E = (I − MᵀM)/2.
+            // g = MᵀM; word 6 = ‖MᵀM − I‖_F² (f32 bits); g ← E = (I − MᵀM)/2.
             self.gemm_sq(dev, d, q, true, q, false, &g)?;
             self.launch(
                 dev,
@@ -1253,14 +1271,15 @@ impl GpuRefresher {
                 dd,
                 Args::new().buf(&g).i32(n).buf(&st.slice(6, 1)?),
             )?;
-            let (info, e0) = read(st)?;
+            let (info, fro2) = read(st)?;
             if info != 0 {
                 return Ok(false);
             }
             let (ns, p2) = self.tc_second.get();
-            if e0 <= RC_NS_TOL {
-                // Q_new = M (3I − MᵀM)/2 = M + M E: x ← M, x += M E with one TF32 GEMM (E is
-                // below RC_NS_TOL/2, so TF32's ~1e-3 relative error on M E is ~1e-5 at most),
+            // NaN compares false: the second pass, then Householder.
+            if fro2.sqrt() <= RC_NS_TOL {
+                // Q_new = M (3I − MᵀM)/2 = M + M E: x ← M, x += M E with one TF32 GEMM
+                // (‖E‖_F ≤ RC_NS_TOL/2, so TF32's 2⁻¹¹ relative error on M E adds ≲ 2.5e-6),
                 // q ← x.
                 self.timed(0, || dev.copy(&x, q, self.stream))?;
                 let sq = Dims::new(d, d);

@@ -158,7 +158,9 @@ pub(crate) fn cases() -> Vec<Case> {
     // Sixty refreshes in a row, each new basis stored for the next: the basis must stay
     // orthonormal to fp32 rounding (a CholeskyQR pass that never touched Q_p itself drifted by
     // ~5e-7 per refresh).
-    for d in [64usize, 257] {
+    // At d = 783 (full self-test only) a max-entry gate on MᵀM − I can be d times looser than
+    // the spectral norm the Newton–Schulz step needs (the session-7 review's finding).
+    for (d, big) in [(64usize, false), (257, false), (783, true)] {
         for (kernel, qr) in [
             (
                 "eigenbasis_refresh_rayleigh_repeated",
@@ -173,7 +175,7 @@ pub(crate) fn cases() -> Vec<Case> {
                 kernel,
                 format!("d={d} refreshes=60"),
                 1e-5,
-                false,
+                big,
                 move |cx| repeated(cx, d, 60, qr),
             ));
         }
