@@ -176,9 +176,21 @@ pub(crate) fn cases() -> Vec<Case> {
                 format!("d={d} refreshes=60"),
                 1e-5,
                 big,
-                move |cx| repeated(cx, d, 60, qr),
+                move |cx| repeated(cx, d, 60, qr, 2.0),
             ));
         }
+    }
+    // Eigenvalues over nine decades (GPT-2's factors reach cond 1e9) and a rotated basis: L is
+    // ill-conditioned and the tensor-core variant's Newton-Schulz gate is exercised; ten
+    // refreshes in a row must keep the basis orthonormal (fallbacks allowed).
+    for (d, big) in [(257usize, false), (783, true)] {
+        v.push(case(
+            "eigenbasis_refresh_rayleigh_tc_stiff",
+            format!("d={d} refreshes=10 decades=9"),
+            1e-5,
+            big,
+            move |cx| repeated(cx, d, 10, QrMethod::RayleighCholeskyTc, 9.0),
+        ));
     }
     // 3xTF32 GEMMs (refresh::gemm_3xtf32) against float64 on awkward shapes, every transpose:
     // TF32 alone is ~1e-3 off, so the tolerance fails without the low-order terms.
@@ -246,14 +258,19 @@ fn factor(cx: &mut Ctx<'_>, d: usize) -> Result<(Vec<f64>, Vec<f64>, Vec<f64>)> 
     Ok((u, lam, f))
 }
 
-/// `F = U diag(λ) Uᵀ` (f32-rounded) with `λ` geometric over `[1e-2, 1]` (shuffled) and, as
+/// `F = U diag(λ) Uᵀ` (f32-rounded) with `λ` geometric over `[10^-decades, 1]` (shuffled;
+/// `decades = 2` in the comparisons with the float64 reference) and, as
 /// the stored basis, `V = qr(U + 0.3·N/√d).Q` (f32-rounded): a basis one refresh period away
 /// from the eigenbasis, with `F V` conditioned ~1e2 (so the QR factor is unique up to signs
 /// and fp32 Householder stays within the tolerance).
-fn rotated_factor(cx: &mut Ctx<'_>, d: usize) -> Result<(Vec<f64>, Vec<f64>, Vec<f64>)> {
+fn rotated_factor(
+    cx: &mut Ctx<'_>,
+    d: usize,
+    decades: f64,
+) -> Result<(Vec<f64>, Vec<f64>, Vec<f64>)> {
     let (u, _, _) = factor(cx, d)?;
     let mut lam: Vec<f64> = (0..d)
-        .map(|i| 10f64.powf(-2.0 * i as f64 / d.max(2) as f64))
+        .map(|i| 10f64.powf(-decades * i as f64 / d.max(2) as f64))
         .collect();
     for i in (1..d).rev() {
         let j = (cx.rng.next_u64() % (i as u64 + 1)) as usize;
@@ -379,7 +396,7 @@ fn qr_refresh(
     let d = if side == 0 { m } else { n };
     let (u, _, f) = match kind {
         Factor::Plain => factor(cx, d)?,
-        Factor::Rotated => rotated_factor(cx, d)?,
+        Factor::Rotated => rotated_factor(cx, d, 2.0)?,
         Factor::Indefinite => {
             // λ₀ − 6 ∈ [−5, −1]: distinct from the others, and F U stays well conditioned.
             let (u, lam, mut f) = factor(cx, d)?;
@@ -470,8 +487,16 @@ fn qr_refresh(
 
 /// `reps` Rayleigh–Cholesky refreshes of one [`rotated_factor`], each storing its basis for
 /// the next; the final basis's `max|QᵀQ − I|` (float64) and whether any refresh fell back.
-fn repeated(cx: &mut Ctx<'_>, d: usize, reps: usize, qr: QrMethod) -> Result<Outcome> {
-    let (v, _, f) = rotated_factor(cx, d)?;
+/// With `decades` other than 2 (a stiff factor) only the orthonormality is checked: the
+/// Householder fallback may take some refreshes.
+fn repeated(
+    cx: &mut Ctx<'_>,
+    d: usize,
+    reps: usize,
+    qr: QrMethod,
+    decades: f64,
+) -> Result<Outcome> {
+    let (v, _, f) = rotated_factor(cx, d, decades)?;
     let dev = cx.dev;
     let (r, _arena, slot) = refresher(cx, d, qr)?;
     let (fb, qb) = (cx.up(&narrow(&f))?, cx.up(&narrow(&v))?);
@@ -495,7 +520,7 @@ fn repeated(cx: &mut Ctx<'_>, d: usize, reps: usize, qr: QrMethod) -> Result<Out
             orth = orth.max((qtq[i * d + j] - if i == j { 1.0 } else { 0.0 }).abs());
         }
     }
-    let no_fallback = r.cholesky_counts() == (reps as u64, 0);
+    let no_fallback = r.cholesky_counts() == (reps as u64, 0) || decades != 2.0;
     Ok(Outcome {
         errs: vec![
             ("orthonormality", orth),
