@@ -184,26 +184,31 @@ extern "C" __global__ void add_diag_rel(float* __restrict__ a, int d, float rel)
     for (int i = threadIdx.x; i < d; i += blockDim.x) a[(long long)i * d + i] += shift;
 }
 
-// The unit lower-triangular L = C diag(C)^-1 of a Cholesky factorisation B = C C^T, from
-// cuSOLVER's upper factor U = C^T (column-major, U(r, c) at u[c * d + r], r <= c; the strictly
-// lower part of u is not read): x row-major [d, d], x[i * d + j] = L(i, j) = U(j, i) / U(j, j)
-// = u[i * d + j] / u[j * d + j] for i > j, 1 on the diagonal, 0 above (reads and writes at the
-// same index: coalesced).
-extern "C" __global__ void unit_lower_from_chol(const float* __restrict__ u, float* __restrict__ x, int d) {
+// The unit lower-triangular L = C diag(C)^-1 of a Cholesky factorisation B = C C^T.
+// col = 0: from cuSOLVER's upper factor U = C^T (column-major, U(r, c) at u[c * d + r], r <= c;
+// the strictly lower part of u is not read): x row-major [d, d], x[i * d + j] = L(i, j) =
+// U(j, i) / U(j, j) = u[i * d + j] / u[j * d + j] for i > j, 1 on the diagonal, 0 above.
+// col = 1: from the lower factor C itself (column-major, C(r, c) at u[c * d + r], r >= c): x
+// column-major, x[j * d + i] = L(i, j) = u[j * d + i] / u[j * d + j]. Either way reads and
+// writes are at the same index: coalesced.
+extern "C" __global__ void unit_lower_from_chol(const float* __restrict__ u, float* __restrict__ x, int d,
+                                                 int col) {
     const long long total = (long long)d * d;
     for (long long k = gtid(); k < total; k += gstride()) {
-        const long long i = k / d, j = k % d;
+        const long long i = col ? k % d : k / d, j = col ? k / d : k % d;
         x[k] = i > j ? u[k] / u[j * d + j] : (i == j ? 1.0f : 0.0f);
     }
 }
 
-// upper_identity_error_bits for an f32 column-major factor r [d, d].
-extern "C" __global__ void upper_identity_error_bits_f32(const float* __restrict__ r, int d, int* __restrict__ out) {
+// upper_identity_error_bits for an f32 column-major factor r [d, d]; `lower`: its lower
+// triangle instead (a lower-fill Cholesky factor, Rᵀ).
+extern "C" __global__ void upper_identity_error_bits_f32(const float* __restrict__ r, int d, int* __restrict__ out,
+                                                          int lower) {
     const long long total = (long long)d * d;
     int local = 0;
     for (long long k = gtid(); k < total; k += gstride()) {
         const long long j = k / d, i = k % d;
-        if (i > j) continue;
+        if (lower ? i < j : i > j) continue;
         const float e = fabsf(r[k] - (i == j ? 1.0f : 0.0f));
         local = max(local, isnan(e) ? 0x7fffffff : __float_as_int(fminf(e, 3.0e38f)));
     }

@@ -355,8 +355,8 @@ fn gemm_strided_batched_f32_on(
     }
 }
 
-/// bf16 operands, fp32 accumulation and output: `out = op(a)·op(b)` (+ `out` when
-/// `accumulate`). `a`, `b` are [`Elem::BF16`] (see [`cast_f32_to_bf16`]); `out` is f32.
+/// bf16 operands, fp32 accumulation: `out = op(a)·op(b)` (+ `out` when `accumulate`). `a`,
+/// `b` are [`Elem::BF16`] (see [`cast_f32_to_bf16`]); `out` is f32 or bf16 (see [`gemm_bf16`]).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_bf16(
     dev: &Device,
@@ -373,8 +373,10 @@ pub fn matmul_bf16(
     gemm_bf16(dev, a, a_dims, b, b_dims, out, trans_a, trans_b, 1.0, beta)
 }
 
-/// bf16 operands, fp32 accumulation and output: `out = α·op(a)·op(b) + β·out` (cuBLAS
-/// `GemmEx`, `CUBLAS_COMPUTE_32F`, compute stream). `a`, `b` are [`Elem::BF16`]; `out` is f32.
+/// bf16 operands, fp32 accumulation: `out = α·op(a)·op(b) + β·out` (cuBLAS `GemmEx`,
+/// `CUBLAS_COMPUTE_32F`, compute stream). `a`, `b` are [`Elem::BF16`]; `out` is f32, or bf16
+/// (the fp32 result rounded to nearest in the epilogue: what an f32 output followed by
+/// [`cast_f32_to_bf16`] gives, without the f32 round trip through memory).
 ///
 /// # Errors
 /// Operand shapes or dtypes that do not match, or a cuBLAS error.
@@ -394,7 +396,12 @@ pub fn gemm_bf16(
     const OP: &str = "gemm_bf16";
     check_operands(OP, a, a_dims, b, b_dims, Elem::BF16)?;
     let g = Geometry::new(OP, a_dims, b_dims, trans_a, trans_b)?;
-    out.expect(OP, "out", Elem::F32, g.m * g.p)?;
+    let (out_elem, out_type) = if out.elem() == Elem::BF16 {
+        (Elem::BF16, cbsys::cudaDataType::CUDA_R_16BF)
+    } else {
+        (Elem::F32, cbsys::cudaDataType::CUDA_R_32F)
+    };
+    out.expect(OP, "out", out_elem, g.m * g.p)?;
     if g.m == 0 || g.p == 0 {
         return Ok(());
     }
@@ -417,7 +424,7 @@ pub fn gemm_bf16(
             g.lda(),
             (&beta as *const f32).cast::<c_void>(),
             out.ptr() as *mut c_void,
-            cbsys::cudaDataType::CUDA_R_32F,
+            out_type,
             g.ldc(),
             cbsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             cbsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

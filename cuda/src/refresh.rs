@@ -130,6 +130,13 @@ pub(crate) struct GpuRefresher {
     /// instead of `cusolverDnSpotrf`: its params handle, device workspace (bytes) and host
     /// workspace.
     xpotrf: Option<XPotrf>,
+    /// Which triangle the Rayleigh–Cholesky QRs' Cholesky factorisations produce
+    /// (column-major): `CUBLAS_FILL_MODE_LOWER` by default, `UPPER` with
+    /// `ASTERIA_CUDA_POTRF_FILL=upper` (sessions 6–7's). The factor is the same matrix either
+    /// way (`B = C Cᵀ` is unique); cuSOLVER's lower `Spotrf` is the path PyTorch's
+    /// `linalg.cholesky` takes, which measured 1.26 ms at d = 3072 on the H200 against ~3.2 ms
+    /// for the upper one in the refresher (BENCHMARKS.md, sessions 6–8).
+    fill: cs::cublasFillMode_t,
 }
 
 /// Float64 buffers of shifted CholeskyQR3: the matrix being orthonormalised `x` and the Gram
@@ -168,7 +175,13 @@ impl Drop for XPotrf {
 }
 
 impl XPotrf {
-    fn new(dev: &Device, h: cs::cusolverDnHandle_t, a: &Buf, d: usize) -> Result<XPotrf> {
+    fn new(
+        dev: &Device,
+        h: cs::cusolverDnHandle_t,
+        a: &Buf,
+        d: usize,
+        fill: cs::cublasFillMode_t,
+    ) -> Result<XPotrf> {
         let mut params: cs::cusolverDnParams_t = std::ptr::null_mut();
         dev.context().bind_to_thread()?;
         // SAFETY: out-pointer to a live local.
@@ -187,7 +200,7 @@ impl XPotrf {
                 cs::cusolverDnXpotrf_bufferSize(
                     h,
                     params,
-                    cs::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                    fill,
                     d as i64,
                     cs::cudaDataType::CUDA_R_32F,
                     a.ptr() as *const std::ffi::c_void,
@@ -507,8 +520,12 @@ impl GpuRefresher {
         let mut ws = dev.arena("cusolver-workspace", crate::Tier::Device, lwork * 4)?;
         let work = ws.buf(Elem::F32, lwork)?;
         let default_qr = QrMethod::default();
+        let fill = match std::env::var("ASTERIA_CUDA_POTRF_FILL").as_deref() {
+            Ok("upper") => cs::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+            _ => cs::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
+        };
         let xpotrf = match std::env::var("ASTERIA_CUDA_POTRF").as_deref() {
-            Ok("xpotrf") => Some(XPotrf::new(dev, handle, &a, d)?),
+            Ok("xpotrf") => Some(XPotrf::new(dev, handle, &a, d, fill)?),
             _ => None,
         };
         let mut r = GpuRefresher {
@@ -529,6 +546,7 @@ impl GpuRefresher {
             phase_sync: (std::env::var("ASTERIA_CUDA_REFRESH_PHASES").as_deref() == Ok("sync"))
                 .then(|| dev.stream(stream).clone()),
             xpotrf,
+            fill,
         };
         // The default method's buffers (callers may switch with `set_qr_method`).
         let extra = r.set_qr_method(dev, default_qr)?;
@@ -589,17 +607,18 @@ impl GpuRefresher {
                     &mut l5,
                 ),
             )?;
-            check(
-                "cusolverDnSpotrf_bufferSize",
-                cs::cusolverDnSpotrf_bufferSize(
-                    h,
-                    cs::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
-                    n,
-                    a.ptr() as *mut f32,
-                    n,
-                    &mut l4,
-                ),
-            )?;
+            // Both triangles (the refresher's fill is chosen after this query).
+            for fill in [
+                cs::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                cs::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
+            ] {
+                let mut l = 0i32;
+                check(
+                    "cusolverDnSpotrf_bufferSize",
+                    cs::cusolverDnSpotrf_bufferSize(h, fill, n, a.ptr() as *mut f32, n, &mut l),
+                )?;
+                l4 = l4.max(l);
+            }
         }
         Ok(l1.max(l2).max(l3).max(l4).max(l5).max(1) as usize)
     }
@@ -1122,7 +1141,7 @@ impl GpuRefresher {
                         cs::cusolverDnXpotrf(
                             self.handle,
                             x.params,
-                            cs::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                            self.fill,
                             d as i64,
                             cs::cudaDataType::CUDA_R_32F,
                             g.ptr() as *mut std::ffi::c_void,
@@ -1144,7 +1163,7 @@ impl GpuRefresher {
                     "cusolverDnSpotrf",
                     cs::cusolverDnSpotrf(
                         self.handle,
-                        cs::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                        self.fill,
                         n,
                         g.ptr() as *mut f32,
                         n,
@@ -1155,33 +1174,53 @@ impl GpuRefresher {
                 )
             })
         };
-        // B + sI = UᵀU (U upper, column-major in g); C = Uᵀ. x = L = C diag(C)⁻¹, row-major.
+        // B + sI = C Cᵀ, C lower: with the upper fill g holds U = Cᵀ column-major, i.e. C
+        // row-major, and x = L = C diag(C)⁻¹ is written row-major; with the lower fill g holds
+        // C column-major and x is L column-major (the kernel's `col` flag: the same formula on
+        // the transposed index, so both read and write coalesced).
+        let lower = self.fill == cs::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER;
         potrf(&info_all)?;
         self.launch(
             dev,
             "unit_lower_from_chol",
             dd,
-            Args::new().buf(&g).buf(&x).i32(n),
+            Args::new().buf(&g).buf(&x).i32(n).i32(lower as i32),
         )?;
         // CholeskyQR2, the first pass on L, the second on the product with Q_p (so Q_p's own
         // rounding away from orthonormality is corrected at every refresh instead of carried
-        // into the next basis). Both passes: G = XᵀX (upper), G = RᵀR, X ← X R⁻¹.
+        // into the next basis). Both passes: G = XᵀX, its Cholesky factorisation G = RᵀR
+        // (upper fill: R in g's upper triangle; lower fill: Rᵀ in its lower one), X ← X R⁻¹.
         let h = dev.cublas_handle_on(self.stream);
         let (one, zero) = (1.0f32, 0.0f32);
         // `m` column-major [d, d]; `transposed`: the buffer holds Xᵀ column-major (X
         // row-major), so G = X Xᵀ of the buffer and X R⁻¹ is R⁻ᵀ applied from the left.
+        let (cb_fill, t_op, n_op) = if lower {
+            (
+                cbsys::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
+                cbsys::cublasOperation_t::CUBLAS_OP_N,
+                cbsys::cublasOperation_t::CUBLAS_OP_T,
+            )
+        } else {
+            (
+                cbsys::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                cbsys::cublasOperation_t::CUBLAS_OP_T,
+                cbsys::cublasOperation_t::CUBLAS_OP_N,
+            )
+        };
         let pass = |m: &Buf, transposed: bool, last: bool| -> Result<()> {
+            // Transposed: Xᵀ ← R⁻ᵀ Xᵀ from the left (lower fill: R⁻ᵀ = (Rᵀ)⁻¹, op N on the
+            // stored Rᵀ); otherwise X ← X R⁻¹ from the right (lower fill: op T on Rᵀ).
             let (op, side, trsm_op) = if transposed {
                 (
                     cbsys::cublasOperation_t::CUBLAS_OP_N,
                     cbsys::cublasSideMode_t::CUBLAS_SIDE_LEFT,
-                    cbsys::cublasOperation_t::CUBLAS_OP_T,
+                    t_op,
                 )
             } else {
                 (
                     cbsys::cublasOperation_t::CUBLAS_OP_T,
                     cbsys::cublasSideMode_t::CUBLAS_SIDE_RIGHT,
-                    cbsys::cublasOperation_t::CUBLAS_OP_N,
+                    n_op,
                 )
             };
             if tc {
@@ -1197,7 +1236,7 @@ impl GpuRefresher {
                     unsafe {
                         cbsys::cublasSsyrk_v2(
                             h,
-                            cbsys::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                            cb_fill,
                             op,
                             n,
                             n,
@@ -1225,7 +1264,11 @@ impl GpuRefresher {
                     dev,
                     "upper_identity_error_bits_f32",
                     dd,
-                    Args::new().buf(&g).i32(n).buf(&st.slice(6, 1)?),
+                    Args::new()
+                        .buf(&g)
+                        .i32(n)
+                        .buf(&st.slice(6, 1)?)
+                        .i32(lower as i32),
                 )?;
             }
             self.timed(4, || {
@@ -1236,7 +1279,7 @@ impl GpuRefresher {
                     cbsys::cublasStrsm_v2(
                         h,
                         side,
-                        cbsys::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                        cb_fill,
                         trsm_op,
                         cbsys::cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
                         n,
@@ -1258,10 +1301,10 @@ impl GpuRefresher {
             let w = dev.download_on::<i32>(&st.slice(5, 2)?, self.stream)?;
             Ok((w[0], f32::from_bits(w[1] as u32)))
         };
-        // x = W₁ = L R₁⁻¹ (row-major).
-        pass(&x, true, false)?;
+        // x = W₁ = L R₁⁻¹ (row-major; lower fill: column-major).
+        pass(&x, !lower, false)?;
         // q = M = Q_p · W₁ (row-major).
-        self.gemm_sq(dev, d, &qp, false, &x, false, q)?;
+        self.gemm_sq(dev, d, &qp, false, &x, lower, q)?;
         if tc {
             // g = MᵀM; word 6 = ‖MᵀM − I‖_F² (f32 bits); g ← E = (I − MᵀM)/2.
             self.gemm_sq(dev, d, q, true, q, false, &g)?;

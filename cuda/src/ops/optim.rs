@@ -225,16 +225,20 @@ pub fn soap_update(
         None
     };
 
-    // G' = Q_Lᵀ G Q_R.
+    // G' = Q_Lᵀ G Q_R. Under bf16 projections a product that feeds the next GEMM is written
+    // as bf16 by that GEMM itself (no f32 intermediate and cast).
     let mut cur = grad.clone();
     if let Some((ql_b, qr_b, x, y)) = &bf {
         gemm::cast_f32_to_bf16(dev, grad, x)?;
         let mut cur_b = x;
         if let Some(q) = ql_b {
-            gemm::matmul_bf16(dev, q, dmm, x, dm, &tmp, true, false, false)?;
-            cur = tmp.clone();
-            gemm::cast_f32_to_bf16(dev, &tmp, y)?;
-            cur_b = y;
+            if qr_b.is_some() {
+                gemm::matmul_bf16(dev, q, dmm, x, dm, y, true, false, false)?;
+                cur_b = y;
+            } else {
+                gemm::matmul_bf16(dev, q, dmm, x, dm, &tmp, true, false, false)?;
+                cur = tmp.clone();
+            }
         }
         if let Some(q) = qr_b {
             gemm::matmul_bf16(dev, cur_b, dm, q, dnn, &gp, false, false, false)?;
@@ -250,11 +254,15 @@ pub fn soap_update(
             cur = gp.clone();
         }
     }
+    // Under bf16 projections `pre` goes straight to bf16 (into x: the gradient's bf16 copy
+    // was read by the forward projections, done by now in stream order).
+    let pre_bf = bf.as_ref().map(|(_, _, x, _)| x);
     let args = Args::new()
         .buf(&cur)
         .buf(exp_avg)
         .buf(exp_avg_sq)
         .buf(&pre)
+        .opt(pre_bf)
         .i64(mn as i64)
         .f32(hp.beta1 as f32)
         .f32((1.0 - hp.beta1) as f32)
@@ -285,16 +293,18 @@ pub fn soap_update(
     let (alpha, beta) = ((-step * decay) as f32, decay as f32);
     let mut upd = pre.clone();
     if let Some((ql_b, qr_b, x, y)) = &bf {
-        gemm::cast_f32_to_bf16(dev, &pre, x)?;
         let mut cur_b = x;
         if let Some(q) = ql_b {
             if fused && qr_b.is_none() {
                 return gemm::gemm_bf16(dev, q, dmm, x, dn, param, false, false, alpha, beta);
             }
-            gemm::matmul_bf16(dev, q, dmm, x, dn, &tmp, false, false, false)?;
-            upd = tmp.clone();
-            gemm::cast_f32_to_bf16(dev, &tmp, y)?;
-            cur_b = y;
+            if qr_b.is_some() {
+                gemm::matmul_bf16(dev, q, dmm, x, dn, y, false, false, false)?;
+                cur_b = y;
+            } else {
+                gemm::matmul_bf16(dev, q, dmm, x, dn, &tmp, false, false, false)?;
+                upd = tmp.clone();
+            }
         }
         if let Some(q) = qr_b {
             if fused {

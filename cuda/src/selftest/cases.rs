@@ -922,6 +922,35 @@ fn matmul(v: &mut Vec<Case>) {
             Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
         }));
     }
+    // bf16 output (SOAP's chained eigenbasis projections): the GEMM rounds its fp32 result to
+    // bf16 in the epilogue; odd shapes, every transpose combination.
+    for (m, k, p, ta, tb, big) in [
+        (3, 50, 783, false, false, false),
+        (783, 257, 50, true, true, false),
+        (50, 783, 3, true, false, false),
+        (3072, 3072, 768, true, false, true),
+        (768, 3072, 3072, false, true, true),
+    ] {
+        let size = format!("M={m} K={k} P={p} ta={} tb={}", ta as u8, tb as u8);
+        v.push(case("mat_mul_bf16_out", size, TOL_BF16, big, move |cx| {
+            let (a, b) = (cx.normal(m * k, 0.0, 1.0), cx.normal(k * p, 0.0, 1.0));
+            let ad = if ta { Dims::new(k, m) } else { Dims::new(m, k) };
+            let bd = if tb { Dims::new(p, k) } else { Dims::new(k, p) };
+            let (a32, b32) = (cx.up(&a)?, cx.up(&b)?);
+            let (a16, b16) = (cx.raw(Elem::BF16, a.len())?, cx.raw(Elem::BF16, b.len())?);
+            let ob = cx.raw(Elem::BF16, m * p)?;
+            let ms = cx.timed(|| {
+                gemm::cast_f32_to_bf16(cx.dev, &a32, &a16)?;
+                gemm::cast_f32_to_bf16(cx.dev, &b32, &b16)?;
+                gemm::matmul_bf16(cx.dev, &a16, ad, &b16, bd, &ob, ta, tb, false)
+            })?;
+            let mut r = vec![0.0; m * p];
+            let (cad, cbd) = (cpu_dims(ad), cpu_dims(bd));
+            c::matmul::matmul(&wide(&a), cad, &wide(&b), cbd, &mut r, ta, tb, false)
+                .map_err(cpu)?;
+            Ok(one("out", rel_err(&down_bf16(cx, &ob)?, &r), ms))
+        }));
+    }
     // GEMM + bias in cuBLASLt's epilogue (the engine's fused `MatMul` + `BiasAdd`): odd and
     // aligned shapes, every transpose combination.
     for (m, k, p, ta, tb, big) in [
