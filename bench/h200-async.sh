@@ -7,8 +7,9 @@
 # them, bench/check_staleness.py (GPT-2 S=5 vs S=0 validation loss within 0.05).
 # Usage: bench/h200-async.sh OUT_DIR [STEPS]   (repository root, .gpu/ from bench/prepare-gpu)
 #   SKIP_CHECKS=1: skip the self-test and tiny-soap runs; TORCH_STEPS=N: PyTorch rows' steps;
-#   S5_HIGH=1: one more row, S=5 with the side stream above the compute stream
-#   (ASTERIA_CUDA_SIDE_PRIORITY=high).
+#   S5_LOW=1: one more row, S=5 with the side stream below the compute stream
+#   (ASTERIA_CUDA_SIDE_PRIORITY=low; the default is above it since session 8, whose call ran this
+#   script with S5_HIGH=1 when the default was below).
 set -uo pipefail
 out="${1:?usage: bench/h200-async.sh OUT_DIR [STEPS]}"; steps="${2:-300}"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
@@ -50,9 +51,9 @@ run adamw $S/gpt2-124m-adamw.asteria 120
 run soap-s5 $S/gpt2-124m-soap-s5.asteria 150
 run soap-s0 $S/gpt2-124m-soap.asteria 150
 extra=()
-if [[ -n "${S5_HIGH:-}" ]]; then
-  ASTERIA_CUDA_SIDE_PRIORITY=high run soap-s5-high $S/gpt2-124m-soap-s5.asteria 150
-  extra=("asteria SOAP S5 side-high=$out/soap-s5-high.jsonl:$out/soap-s5-high.txt")
+if [[ -n "${S5_LOW:-}" ]]; then
+  ASTERIA_CUDA_SIDE_PRIORITY=low run soap-s5-low $S/gpt2-124m-soap-s5.asteria 150
+  extra=("asteria SOAP S5 side-low=$out/soap-s5-low.jsonl:$out/soap-s5-low.txt")
 fi
 for row in "torch-soap soap" "torch-soaptf32 soap --tf32" "torch-adamw adamw" "torch-adamw-compile adamw --compile"; do
   set -- $row; n=$1; shift

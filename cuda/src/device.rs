@@ -233,11 +233,16 @@ impl Device {
         let cc = ctx.compute_capability()?;
         let arch = nvrtc::arch_for(cc);
         let (least, greatest) = drv::stream::get_priority_range()?;
-        // `ASTERIA_CUDA_SIDE_PRIORITY` (a measurement knob): `low` (default) the side stream at
-        // the lowest priority, `high` above the compute stream (which then runs one level
-        // below the greatest), so its refresh kernels are scheduled first.
+        // The side stream (eigenbasis refreshes) runs above the compute stream (which then runs
+        // one level below the greatest), so its kernels are scheduled as soon as they are
+        // enqueued; `ASTERIA_CUDA_SIDE_PRIORITY=low` puts it at the lowest priority instead
+        // (the default until session 8). Measured on GPT-2 124M SOAP S=5 (BENCHMARKS.md,
+        // session 8): the same mean step either way (80.3 against 80.5 ms), but at the lowest
+        // priority refreshes are starved behind the training kernels and then bunch up:
+        // max/median 1.13–1.18 against 1.03–1.04 above it.
         let (compute_p, side_p) = match std::env::var("ASTERIA_CUDA_SIDE_PRIORITY").as_deref() {
-            Ok("high") if greatest < least => (greatest + 1, greatest),
+            Ok("low") => (greatest, least),
+            _ if greatest < least => (greatest + 1, greatest),
             _ => (greatest, least),
         };
         let compute = ctx.new_stream_with_priority(compute_p)?;

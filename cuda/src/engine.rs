@@ -170,7 +170,8 @@ pub struct CudaOptions {
     /// The attention kernels.
     pub attention: AttentionImpl,
     /// How GPU QR refreshes orthonormalise
-    /// (`ASTERIA_CUDA_QR=householder|householder-ormqr|cholesky3|rayleigh-cholesky`).
+    /// (`ASTERIA_CUDA_QR=householder|householder-ormqr|cholesky3|rayleigh-cholesky|rc-tc`;
+    /// default [`crate::refresh::QrMethod::RayleighCholeskyTc`]).
     pub qr: crate::refresh::QrMethod,
     /// How SOAP's per-step GEMMs run (`ASTERIA_CUDA_SOAP_GEMM=fp32|bf16`, default bf16; see
     /// [`op::SoapProjections`]). `bf16` applies under `precision = bf16` only.

@@ -69,9 +69,11 @@ impl TargetDescription {
         // Measured on the H200 host (16 cores, driver 580) with `asteria calibrate --device
         // cuda --sizes 768,1024,2304,3072` (bench/results/h200-side/cal-h200.json, rounded):
         // host QR times are one refresh per core with all 16 cores busy (how the engines run
-        // them), GPU times are cuSOLVER through the engine's refresher.
+        // them), GPU times through the engine's refresher. GPU QR: the default Rayleigh–Cholesky
+        // QR on the tensor cores (session 8, `bench/results/h200-s8-probes/c2/cal-rc-tc-lower.json`;
+        // 1024 interpolated). Householder's were 3.3 / 4.7 / 13.7 / 20.6 ms.
         let h200_gpu_eigh = vec![(768, 7.7), (1024, 10.6), (2304, 31.6), (3072, 50.9)];
-        let h200_gpu_qr = vec![(768, 3.3), (1024, 4.7), (2304, 13.7), (3072, 20.6)];
+        let h200_gpu_qr = vec![(768, 1.34), (2304, 4.98), (3072, 8.08)];
         let h200_host_eigh = vec![(768, 55.7), (1024, 107.0), (2304, 660.0), (3072, 1076.0)];
         let h200_host_qr = vec![(768, 65.0), (1024, 163.0), (2304, 1302.0), (3072, 4056.0)];
         let scale =

@@ -14,7 +14,8 @@
 //!   stream into the task's device snapshot: the factor keeps accumulating while the refresh
 //!   runs, and the side-stream work is enqueued later by another thread, so it must not read
 //!   live state (the host path's copy-out is enqueued at once, behind the same event);
-//! - `gpu_side`: the low-priority side stream waits for that copy, computes the candidate basis
+//! - `gpu_side`: the side stream (above the compute stream's priority unless
+//!   `ASTERIA_CUDA_SIDE_PRIORITY=low`) waits for that copy, computes the candidate basis
 //!   and permutation into the task's [`RefreshSlot`] (the back buffer) through its own cuSOLVER
 //!   and cuBLAS handles, copies the status words into pinned host memory and records the
 //!   task's `done` event. That work is enqueued by a dedicated launcher thread, not the engine
