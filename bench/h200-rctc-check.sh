@@ -20,9 +20,9 @@ run() { local n=$1 spec=$2; shift 2
 for seed in 1337 7; do
   sed "s/^  steps = 300/  steps = 300\n  seed = $seed/" $S/gpt2-124m-soap.asteria > $S/seed$seed-s0.asteria
   sed 's/staleness = 0/staleness = 5/' $S/seed$seed-s0.asteria > $S/seed$seed-s5.asteria
-  run hh-s0-$seed $S/seed$seed-s0.asteria
+  run hh-s0-$seed $S/seed$seed-s0.asteria ASTERIA_CUDA_QR=householder
   run tc-s5-$seed $S/seed$seed-s5.asteria ASTERIA_CUDA_QR=rc-tc
-  run hh-s5-$seed $S/seed$seed-s5.asteria
+  run hh-s5-$seed $S/seed$seed-s5.asteria ASTERIA_CUDA_QR=householder
   for v in tc-s5 hh-s5; do
     python3 .gpu/bench/check_staleness.py "$out/hh-s0-$seed.jsonl" "$out/$v-$seed.jsonl" --tol 0.05 | tail -1
   done

@@ -75,8 +75,7 @@ pub fn measure(
                 f[i * n + j] = (fq[i * n + j] / n as f64 + if i == j { 1.0 } else { 0.0 }) as f32;
             }
         }
-        let (mut r, _) = GpuRefresher::new(&dev, StreamKind::Compute, n)?;
-        r.set_qr_method(&dev, qr)?;
+        let (r, _) = GpuRefresher::new(&dev, StreamKind::Compute, n, qr)?;
         let mut arena = dev.arena(
             "calibrate",
             Tier::Device,

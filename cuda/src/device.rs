@@ -28,7 +28,8 @@ pub enum StreamKind {
     CopyIn,
     /// GPU → pinned host copies (eviction).
     CopyOut,
-    /// Low-priority work off the critical path (GPU eigensolves).
+    /// Work off the critical path (GPU eigenbasis refreshes), by default at a priority above
+    /// the compute stream's (`ASTERIA_CUDA_SIDE_PRIORITY=low`: the lowest).
     Side,
 }
 

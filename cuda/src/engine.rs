@@ -74,7 +74,7 @@ pub enum RefreshMode {
     /// is computed from the factor of that step and swapped in at once (staleness 0; the
     /// refresh runs `offset ≤ S` steps after the period's first step, as the asynchronous
     /// launch does). Meant for refresh methods whose GPU time is mostly tensor-core GEMMs
-    /// (`QrMethod::RayleighCholeskyTc`), which a low-priority side stream starves.
+    /// (`QrMethod::RayleighCholeskyTc`), which a side stream at the lowest priority starves.
     Inline,
 }
 

@@ -1,7 +1,8 @@
 //! SOAP eigenbasis refreshes on the GPU (plan host task `EigenbasisRefresh`, reference
-//! `soap.py` `get_orthogonal_matrix` / `get_orthogonal_matrix_QR`), through cuSOLVER
-//! (`Ssyevd` for the first basis, `Sgeqrf` + `Sorgqr` for the power iteration + QR after) and
-//! the helper kernels of family `refresh`. The semantics are those of
+//! `soap.py` `get_orthogonal_matrix` / `get_orthogonal_matrix_QR`), through cuSOLVER and
+//! cuBLAS (`Ssyevd` for the first basis; for the power iteration + QR after, by default the
+//! Rayleigh–Cholesky QR on the tensor cores, [`QrMethod::RayleighCholeskyTc`], with
+//! `Sgeqrf` + `Sorgqr` as its fallback) and the helper kernels of family `refresh`. The semantics are those of
 //! `optim::eigenbasis_refresh`, step for step:
 //!
 //! - init (end of step 1): `Q ← eigvecs(F + 1e-30·I)`, columns in descending eigenvalue order;
@@ -18,7 +19,7 @@
 //! or basis, solver `info ≠ 0`, all-zero factor at a QR refresh, non-finite new basis) leaves
 //! basis and moments untouched. The synchronous refresh (S = 0, and every first basis) runs
 //! both halves back to back on the compute stream with one status read in between; the
-//! asynchronous one (S > 0, `placement = gpu_side`) runs `compute` on the low-priority side
+//! asynchronous one (S > 0, `placement = gpu_side`) runs `compute` on the side
 //! stream on a snapshot of the factor and `apply` at a later step boundary (see
 //! `crate::engine`). cuSOLVER is column-major; a symmetric factor is its own transpose, and
 //! `Q_oldᵀ F` computed row-major is `F Q_old` column-major, which is what the QR needs.
@@ -90,7 +91,7 @@ fn check(call: &'static str, s: cs::cusolverStatus_t) -> Result<()> {
 pub(crate) const STATUS_WORDS: usize = 8;
 
 /// A cuSOLVER dense handle and the work buffers of one refresh at a time, bound to one stream
-/// (the compute stream for synchronous refreshes, the low-priority side stream for
+/// (the compute stream for synchronous refreshes, the side stream for
 /// asynchronous ones). Everything it enqueues is stream-ordered, and [`GpuRefresher::compute`]
 /// does not wait for the GPU itself — except with [`QrMethod::ShiftedCholeskyQr3`] and
 /// [`QrMethod::RayleighCholesky`], which read their status words once per refresh (and
@@ -488,12 +489,14 @@ pub(crate) fn verdict(
 
 impl GpuRefresher {
     /// Creates the handle (bound to `stream`) and allocates the work buffers (one device
-    /// arena of [`refresh_work_bytes`]) and cuSOLVER's workspace (a second arena, its size
-    /// queried here). Returns the refresher and the bytes it allocated.
+    /// arena of [`refresh_work_bytes`]), cuSOLVER's workspace (a second arena, its size
+    /// queried here) and those of QR method `qr` (see [`GpuRefresher::set_qr_method`]).
+    /// Returns the refresher and the bytes it allocated.
     pub(crate) fn new(
         dev: &Device,
         stream: StreamKind,
         max_dim: usize,
+        qr: QrMethod,
     ) -> Result<(GpuRefresher, usize)> {
         if !cusolver_present() {
             return Err(CudaError::MissingLibrary {
@@ -522,7 +525,6 @@ impl GpuRefresher {
         let lwork = Self::lwork(handle, &a, &w, &tau, d)?;
         let mut ws = dev.arena("cusolver-workspace", crate::Tier::Device, lwork * 4)?;
         let work = ws.buf(Elem::F32, lwork)?;
-        let default_qr = QrMethod::default();
         let fill = match std::env::var("ASTERIA_CUDA_POTRF_FILL").as_deref() {
             Ok("upper") => cs::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
             _ => cs::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
@@ -551,8 +553,7 @@ impl GpuRefresher {
             xpotrf,
             fill,
         };
-        // The default method's buffers (callers may switch with `set_qr_method`).
-        let extra = r.set_qr_method(dev, default_qr)?;
+        let extra = r.set_qr_method(dev, qr)?;
         Ok((r, bytes + lwork * 4 + extra))
     }
 
@@ -626,17 +627,26 @@ impl GpuRefresher {
         Ok(l1.max(l2).max(l3).max(l4).max(l5).max(1) as usize)
     }
 
-    /// Sets how QR refreshes orthonormalise (default [`QrMethod::Householder`]); returns the
-    /// bytes newly allocated for it (the float64 buffers of shifted CholeskyQR3:
-    /// `2·8·d² + 8·lwork`, the f32 ones of Rayleigh–Cholesky: `2·4·d²`, `6·4·d²` for its
-    /// tensor-core variant (with the 3xTF32 operand splits), for the refresher's
-    /// largest side `d`, plus alignment).
+    /// Sets how QR refreshes orthonormalise; returns the bytes newly allocated for it (the
+    /// float64 buffers of shifted CholeskyQR3: `2·8·d² + 8·lwork`, the f32 ones of
+    /// Rayleigh–Cholesky: `2·4·d²`, `6·4·d²` for its tensor-core variant (with the 3xTF32
+    /// operand splits), for the refresher's largest side `d`, plus alignment). Buffers of a
+    /// previous method that `qr` does not use are freed.
     ///
     /// # Errors
     /// Allocation or cuSOLVER workspace-query failures.
     pub(crate) fn set_qr_method(&mut self, dev: &Device, qr: QrMethod) -> Result<usize> {
         self.qr = qr;
         let tc = qr == QrMethod::RayleighCholeskyTc;
+        if !matches!(
+            qr,
+            QrMethod::RayleighCholesky | QrMethod::RayleighCholeskyTc
+        ) {
+            self.rc_work = None;
+        }
+        if qr != QrMethod::ShiftedCholeskyQr3 {
+            self.f64_work = None;
+        }
         let has_split = self.rc_work.as_ref().is_some_and(|w| w.split.is_some());
         if (qr == QrMethod::RayleighCholesky && self.rc_work.is_none()) || (tc && !has_split) {
             let d = self.max_dim;
@@ -1159,8 +1169,8 @@ impl GpuRefresher {
                     )
                 });
             }
-            // SAFETY: g [d, d] f32, the f32 workspace (sized for an upper Spotrf of the largest
-            // side in `lwork`) and the info word are live device buffers on `self.stream`.
+            // SAFETY: g [d, d] f32, the f32 workspace (sized for either fill's Spotrf of the
+            // largest side in `lwork`) and the info word are live device buffers on `self.stream`.
             self.timed(3, || unsafe {
                 check(
                     "cusolverDnSpotrf",

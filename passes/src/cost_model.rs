@@ -71,7 +71,9 @@ impl TargetDescription {
         // host QR times are one refresh per core with all 16 cores busy (how the engines run
         // them), GPU times through the engine's refresher. GPU QR: the default Rayleigh–Cholesky
         // QR on the tensor cores (session 8, `bench/results/h200-s8-probes/c2/cal-rc-tc-lower.json`;
-        // 1024 interpolated). Householder's were 3.3 / 4.7 / 13.7 / 20.6 ms.
+        // 1024 interpolated). Householder's were 3.3 / 4.7 / 13.7 / 20.6 ms; the engine's
+        // `ASTERIA_CUDA_QR=householder` override is not seen here (calibrate with it and name
+        // the file in the spec's `calibration` to plan for it).
         let h200_gpu_eigh = vec![(768, 7.7), (1024, 10.6), (2304, 31.6), (3072, 50.9)];
         let h200_gpu_qr = vec![(768, 1.34), (2304, 4.98), (3072, 8.08)];
         let h200_host_eigh = vec![(768, 55.7), (1024, 107.0), (2304, 660.0), (3072, 1076.0)];

@@ -234,8 +234,8 @@ pub enum Placement {
     /// The host worker pool, through the `HostEigensolver` (on a discrete GPU: the factor is
     /// staged D2H into pinned memory and the basis copied back on the copy streams).
     Host,
-    /// The low-priority GPU side stream, through cuSOLVER (falls back to the host on the CPU
-    /// engine).
+    /// The GPU side stream (cuBLAS / cuSOLVER, concurrent with the compute stream; falls back
+    /// to the host on the CPU engine).
     GpuSide,
 }
 

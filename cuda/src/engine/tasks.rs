@@ -314,11 +314,8 @@ impl Refreshes {
         let mut bytes = 0;
         let mut arenas = Vec::new();
         let (sync, sync_slot) = if any_gpu {
-            let (mut r, b) = GpuRefresher::new(dev, StreamKind::Compute, max_dim)
+            let (r, b) = GpuRefresher::new(dev, StreamKind::Compute, max_dim, qr)
                 .map_err(e("setting up cuSOLVER refreshes"))?;
-            bytes += r
-                .set_qr_method(dev, qr)
-                .map_err(e("allocating the QR method's buffers"))?;
             bytes += b + RefreshSlot::bytes(max_dim);
             let mut a = dev
                 .arena("refresh-slot", Tier::Device, RefreshSlot::bytes(max_dim))
@@ -332,11 +329,8 @@ impl Refreshes {
         };
         let side = match side_dim {
             Some(d) => {
-                let (mut r, b) = GpuRefresher::new(dev, StreamKind::Side, d)
+                let (r, b) = GpuRefresher::new(dev, StreamKind::Side, d, qr)
                     .map_err(e("setting up side-stream cuSOLVER refreshes"))?;
-                bytes += r
-                    .set_qr_method(dev, qr)
-                    .map_err(e("allocating the side QR method's buffers"))?;
                 bytes += b;
                 Some(SideLauncher::spawn(Arc::clone(dev), r)?)
             }

@@ -325,8 +325,7 @@ fn refresher(
     qr: QrMethod,
 ) -> Result<(GpuRefresher, crate::memory::Arena, RefreshSlot)> {
     let dev = cx.dev;
-    let (mut r, _) = GpuRefresher::new(dev, StreamKind::Compute, d)?;
-    r.set_qr_method(dev, qr)?;
+    let (r, _) = GpuRefresher::new(dev, StreamKind::Compute, d, qr)?;
     let mut arena = dev.arena(
         "selftest-refresh",
         crate::Tier::Device,

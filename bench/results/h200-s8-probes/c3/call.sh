@@ -2,6 +2,9 @@
 # Session 8 call 3: does rc-tc (lower-fill Spotrf, this build) train like Householder? GPT-2 124M
 # 300 steps for seeds 7 and 42 (call 2 had 1337): Householder S=0 and S=5, rc-tc S=0 and S=5
 # (side stream, default priority); check_staleness.py of each against its seed's Householder S=0.
+# (Run with commit 19f8a85's binary, whose default QR was still Householder and whose side stream
+# was at the lowest priority: the runs without ASTERIA_CUDA_QR are Householder, as their logs'
+# "QR Householder (orgqr)" lines say. With today's defaults, set ASTERIA_CUDA_QR=householder.)
 set -uo pipefail
 out=$1; mkdir -p $out
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
