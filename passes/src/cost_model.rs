@@ -97,7 +97,11 @@ impl TargetDescription {
                 // step 1.285x AdamW vs 1.419x all on the side stream, BENCHMARKS.md "Where
                 // refreshes run").
                 train_tflops: 235.0,
-                side_stream_interference: 0.6,
+                // Session 8 (BENCHMARKS.md): the 36 side-stream rc-tc refreshes per period
+                // (24 × 8.08 + 12 × 4.98 ≈ 254 ms of GPU time) added 213 ms per period to S=5
+                // against S=0's median step (80.3 against 59.0 ms): 0.84. Householder's
+                // latency-bound panels hid better (0.6, sessions 3–6).
+                side_stream_interference: 0.84,
             },
             // Simulated: 72 Neoverse V2 cores, NVLink-C2C 450 GB/s with coherent unified
             // memory, an H100-class GPU with asteria's H200 engine rate (session 5).
