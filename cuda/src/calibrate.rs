@@ -1,6 +1,6 @@
 //! GPU measurements for `asteria calibrate --device cuda` (the `precond-scheduling` cost
 //! model's target description): eigenbasis-refresh times per factor size through the engine's
-//! own refresher ([`crate::refresh::GpuRefresher`] on the compute stream: `syevd` for the
+//! own refresher (`refresh::GpuRefresher` on the compute stream: `syevd` for the
 //! first basis, power iteration + Householder QR after, the status read included), pinned
 //! host→device bandwidth, and the bf16 tensor-core GEMM rate.
 use crate::device::Device;

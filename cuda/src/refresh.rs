@@ -12,10 +12,10 @@
 //!   (side 0: `E ← Cᵀ E`, side 1: `E ← E C`).
 //!
 //! A refresh is two halves, as on the CPU (`optim::refresh_compute` / `refresh_apply`):
-//! [`GpuRefresher::compute`] enqueues the candidate basis, permutation and status words into a
-//! [`RefreshSlot`] on the refresher's stream without blocking the host and without touching
-//! the state; [`apply`] (the swap, on the compute stream) installs them once the host has read
-//! the status words and [`verdict`] found them clean. So a numerical failure (non-finite factor
+//! `GpuRefresher::compute` enqueues the candidate basis, permutation and status words into a
+//! `RefreshSlot` on the refresher's stream without blocking the host and without touching
+//! the state; `apply` (the swap, on the compute stream) installs them once the host has read
+//! the status words and `verdict` found them clean. So a numerical failure (non-finite factor
 //! or basis, solver `info ≠ 0`, all-zero factor at a QR refresh, non-finite new basis) leaves
 //! basis and moments untouched. The synchronous refresh (S = 0, and every first basis) runs
 //! both halves back to back on the compute stream with one status read in between; the
@@ -346,7 +346,7 @@ pub enum QrMethod {
     /// [`RC_ORTHO_TOL`] from the identity, the refresh is redone with Householder QR.
     RayleighCholesky,
     /// [`QrMethod::RayleighCholesky`] with its GEMMs on the tensor cores and a cheaper second
-    /// pass: every GEMM (`F Q_old`, `B`, the Gram matrices, `Q_p W₁`) is [`gemm_3xtf32`]
+    /// pass: every GEMM (`F Q_old`, `B`, the Gram matrices, `Q_p W₁`) is `gemm_3xtf32`
     /// (fp32 accuracy from three TF32 GEMMs, ~2.5× faster than SGEMM on the H200), and after
     /// the CholeskyQR pass on `L` the product `M = Q_p W₁` is read once: when
     /// `‖MᵀM − I‖_F ≤` [`RC_NS_TOL`] one Newton–Schulz step `M (3I − MᵀM)/2` (two GEMMs)
