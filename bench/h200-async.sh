@@ -7,9 +7,16 @@
 # them, bench/check_staleness.py (GPT-2 S=5 vs S=0 validation loss within 0.05).
 # Usage: bench/h200-async.sh OUT_DIR [STEPS]   (repository root, .gpu/ from bench/prepare-gpu)
 #   SKIP_CHECKS=1: skip the self-test and tiny-soap runs; TORCH_STEPS=N: PyTorch rows' steps;
+#   S5_DEVSYNC=1: one more row, S=5 with every step ending in a whole-device synchronisation
+#   (ASTERIA_CUDA_STEP_SYNC=device, sessions 1-8's behaviour; the default waits for the compute
+#   and copy streams only since session 9);
 #   S5_LOW=1: one more row, S=5 with the side stream below the compute stream
 #   (ASTERIA_CUDA_SIDE_PRIORITY=low; the default is above it since session 8, whose call ran this
-#   script with S5_HIGH=1 when the default was below).
+#   script with S5_HIGH=1 when the default was below);
+#   MPD2048=1: the same comparison at max_precond_dim = 2048 (bench/specs/gpt2-124m-soap-mpd2048,
+#   the paper's setting; soap.py's default 10000 above): asteria SOAP S=0 and S=5 and the PyTorch
+#   reference SOAP (fp32, TF32) at 2048, its own table (summary-mpd2048.md, against the same
+#   asteria AdamW run), SVG and staleness check.
 set -uo pipefail
 out="${1:?usage: bench/h200-async.sh OUT_DIR [STEPS]}"; steps="${2:-300}"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
@@ -53,13 +60,29 @@ run soap-s0 $S/gpt2-124m-soap.asteria 150
 extra=()
 if [[ -n "${S5_LOW:-}" ]]; then
   ASTERIA_CUDA_SIDE_PRIORITY=low run soap-s5-low $S/gpt2-124m-soap-s5.asteria 150
-  extra=("asteria SOAP S5 side-low=$out/soap-s5-low.jsonl:$out/soap-s5-low.txt")
+  extra+=("asteria SOAP S5 side-low=$out/soap-s5-low.jsonl:$out/soap-s5-low.txt")
+fi
+if [[ -n "${S5_DEVSYNC:-}" ]]; then
+  ASTERIA_CUDA_STEP_SYNC=device run soap-s5-devsync $S/gpt2-124m-soap-s5.asteria 150
+  extra+=("asteria SOAP S5 step-sync device=$out/soap-s5-devsync.jsonl:$out/soap-s5-devsync.txt")
+fi
+if [[ -n "${MPD2048:-}" ]]; then
+  sed 's/staleness = 0/staleness = 5/' $S/gpt2-124m-soap-mpd2048.asteria > $S/gpt2-124m-soap-mpd2048-s5.asteria
+  run mpd2048-soap-s5 $S/gpt2-124m-soap-mpd2048-s5.asteria 150
+  run mpd2048-soap-s0 $S/gpt2-124m-soap-mpd2048.asteria 150
 fi
 for row in "torch-soap soap" "torch-soaptf32 soap --tf32" "torch-adamw adamw" "torch-adamw-compile adamw --compile"; do
   set -- $row; n=$1; shift
   stamp "$n"
   timeout 200 python3 .gpu/bench/torch_steps.py "$@" ${TORCH_STEPS:-100} "$out/$n.jsonl" > "$out/$n.txt" 2>&1 || echo "$n failed"; tail -2 "$out/$n.txt"
 done
+if [[ -n "${MPD2048:-}" ]]; then
+  for row in "torch-mpd2048-soap soap --mpd 2048" "torch-mpd2048-soaptf32 soap --tf32 --mpd 2048"; do
+    set -- $row; n=$1; shift
+    stamp "$n"
+    timeout 200 python3 .gpu/bench/torch_steps.py "$@" ${TORCH_STEPS:-100} "$out/$n.jsonl" > "$out/$n.txt" 2>&1 || echo "$n failed"; tail -2 "$out/$n.txt"
+  done
+fi
 stamp summary
 python3 .gpu/bench/summarize.py --skip 12 "asteria AdamW=$out/adamw.jsonl:$out/adamw.txt" \
   "asteria SOAP S0=$out/soap-s0.jsonl:$out/soap-s0.txt" "asteria SOAP S5=$out/soap-s5.jsonl:$out/soap-s5.txt" \
@@ -72,6 +95,18 @@ $B plot --metric step_ms --title "GPT-2 124M step time, H200 (batch 16x1024)" -o
 grep -h "refresh host ms" "$out"/soap-*.txt
 # S > 0 must train as well as S = 0 (session 5's stale-basis bug: a 0.141 gap at step 300).
 python3 .gpu/bench/check_staleness.py "$out/soap-s0.jsonl" "$out/soap-s5.jsonl" --tol 0.05 | tee "$out/check-staleness.txt"
+if [[ -n "${MPD2048:-}" ]]; then
+  python3 .gpu/bench/summarize.py --skip 12 "asteria AdamW=$out/adamw.jsonl:$out/adamw.txt" \
+    "asteria SOAP mpd2048 S0=$out/mpd2048-soap-s0.jsonl:$out/mpd2048-soap-s0.txt" \
+    "asteria SOAP mpd2048 S5=$out/mpd2048-soap-s5.jsonl:$out/mpd2048-soap-s5.txt" \
+    "PyTorch ref SOAP mpd2048 fp32=$out/torch-mpd2048-soap.jsonl:$out/torch-mpd2048-soap.txt" \
+    "PyTorch ref SOAP mpd2048 tf32=$out/torch-mpd2048-soaptf32.jsonl:$out/torch-mpd2048-soaptf32.txt" \
+    "torch AdamW eager=$out/torch-adamw.jsonl:$out/torch-adamw.txt" | tee "$out/summary-mpd2048.md"
+  $B plot --metric step_ms --title "GPT-2 124M step time, H200, max_precond_dim 2048" -o "$out/step-time-mpd2048.svg" \
+    "asteria AdamW=$out/adamw.jsonl" "asteria SOAP S0=$out/mpd2048-soap-s0.jsonl" "asteria SOAP S5=$out/mpd2048-soap-s5.jsonl" \
+    "PyTorch ref. SOAP fp32=$out/torch-mpd2048-soap.jsonl" "PyTorch ref. SOAP tf32=$out/torch-mpd2048-soaptf32.jsonl" 2>&1 | tail -1
+  python3 .gpu/bench/check_staleness.py "$out/mpd2048-soap-s0.jsonl" "$out/mpd2048-soap-s5.jsonl" --tol 0.05 | tee "$out/check-staleness-mpd2048.txt"
+fi
 stamp done
 # One file back (the device call returns a limited number of files).
 ( cd "$out" && tar czf ../bench-results.tgz . )

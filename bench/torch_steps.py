@@ -3,19 +3,25 @@ its optimizers), written as asteria-style metrics JSONL ({"step","loss","step_ms
 `asteria plot --metric step_ms` and bench/summarize.py read both sides alike. Same model,
 batch (16x1024), bf16 autocast, grad clip 1.0 and timing (synchronize around each step) as
 torch_baseline.train_steps; the reference SOAP is nikhilvyas/SOAP soap.py (not committed, in
-../.ext), frequency 10, max_precond_dim 10000.
-Usage (GPU host): python3 torch_steps.py {adamw|soap} STEPS OUT.jsonl [--tf32] [--compile]
+../.ext), frequency 10, max_precond_dim 10000 (soap.py's default) unless --mpd N.
+Usage (GPU host): python3 torch_steps.py {adamw|soap} STEPS OUT.jsonl [--tf32] [--compile] [--mpd N]
   --tf32: torch.backends.cuda.matmul.allow_tf32 = True (fp32 matmuls on TF32 tensor cores, as
           asteria's `precision = bf16` runs SOAP's per-step GEMMs).
   --compile: the model's forward through torch.compile (default mode), as torch_baseline's
-          compile row; the compilation happens in the first steps, which summarize.py skips."""
+          compile row; the compilation happens in the first steps, which summarize.py skips.
+  --mpd N: SOAP's max_precond_dim (2048 is the paper's setting, DESIGN.md: dimensions above it,
+          here the 2304/3072 sides and the vocabulary, stay unrotated)."""
 import json, os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".ext"))
 import torch_baseline as tb
 torch = tb.torch
 
-pos = [a for a in sys.argv[1:] if not a.startswith("--")]
+argv = sys.argv[1:]
+mpd = 10000
+if "--mpd" in argv:
+    k = argv.index("--mpd"); mpd = int(argv[k + 1]); del argv[k:k + 2]
+pos = [a for a in argv if not a.startswith("--")]
 opt_name, steps, out = pos[0], int(pos[1]), pos[2]
 torch.backends.cuda.matmul.allow_tf32 = "--tf32" in sys.argv
 dev = tb.dev
@@ -26,7 +32,7 @@ if opt_name == "adamw":
 else:
     from soap import SOAP
     opt = SOAP(model.parameters(), lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01,
-               precondition_frequency=10, max_precond_dim=10000)
+               precondition_frequency=10, max_precond_dim=mpd)
 fwd = torch.compile(model) if "--compile" in sys.argv else model
 B, T = 16, 1024
 x = torch.randint(0, 50257, (B, T), device=dev); y = torch.randint(0, 50257, (B, T), device=dev)
@@ -42,6 +48,6 @@ with open(out, "w") as f:
         torch.cuda.synchronize(); dt = (time.perf_counter() - t) * 1e3
         f.write(json.dumps({"step": i, "loss": loss.item(), "step_ms": dt, "tokens_per_s": B * T / (dt / 1e3)}) + "\n")
 print("GPU peak used %.2f GiB" % (torch.cuda.max_memory_allocated() / 2**30))
-print(json.dumps({"what": "torch_steps", "opt": opt_name, "tf32": torch.backends.cuda.matmul.allow_tf32,
+print(json.dumps({"what": "torch_steps", "opt": opt_name, "max_precond_dim": mpd, "tf32": torch.backends.cuda.matmul.allow_tf32,
                   "compile": "--compile" in sys.argv,
                   "steps": steps, "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2**30}))

@@ -373,6 +373,22 @@ impl Device {
         Ok(self.ctx.synchronize()?)
     }
 
+    /// Waits for the compute and copy streams only — a training step's own work — and not
+    /// for the side stream, whose eigenbasis refreshes are meant to run across step
+    /// boundaries (their results are waited for through events, at the swap). Before
+    /// session 9 the end of every step waited for the whole context
+    /// ([`Device::synchronize`]), so each refresh launched in a step was finished inside that
+    /// step, and only the part of it that overlapped the step's own tail could hide.
+    ///
+    /// # Errors
+    /// A failed synchronisation (an earlier asynchronous error surfaces here).
+    pub fn synchronize_step(&self) -> Result<()> {
+        self.ctx.bind_to_thread()?;
+        self.compute.synchronize()?;
+        self.copy_in.synchronize()?;
+        Ok(self.copy_out.synchronize()?)
+    }
+
     /// Allocates an arena of `bytes` in `tier`.
     pub fn arena(&self, name: &str, tier: Tier, bytes: usize) -> Result<Arena> {
         Arena::new(&self.ctx, &self.counters, name, tier, bytes)

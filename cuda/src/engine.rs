@@ -183,6 +183,11 @@ pub struct CudaOptions {
     /// instead of keeping the row log-sum-exp and bf16 qkv of the tensor-core forward
     /// (`AttnSaved`).
     pub attention_rerun: bool,
+    /// End every training step with a whole-device synchronisation
+    /// (`ASTERIA_CUDA_STEP_SYNC=device`, sessions 1–8) instead of waiting for the compute and
+    /// copy streams only (`streams`, the default: side-stream refreshes run on across step
+    /// boundaries; see [`crate::Device::synchronize_step`]).
+    pub step_sync_device: bool,
 }
 
 impl CudaOptions {
@@ -190,7 +195,8 @@ impl CudaOptions {
     /// (`householder|householder-ormqr|cholesky3|rayleigh-cholesky`, alias `rc`),
     /// `ASTERIA_CUDA_SOAP_GEMM` (`fp32|bf16`),
     /// `ASTERIA_CUDA_BF16_GEMM` (`cast|fast`), `ASTERIA_CUDA_ATTENTION` (`auto|tc|fused|gemm`)
-    /// `ASTERIA_CUDA_BIAS_EPILOGUE` (`on|off`) and `ASTERIA_CUDA_ATTN_SAVE` (`on|off`).
+    /// `ASTERIA_CUDA_BIAS_EPILOGUE` (`on|off`), `ASTERIA_CUDA_ATTN_SAVE` (`on|off`) and
+    /// `ASTERIA_CUDA_STEP_SYNC` (`streams|device`).
     ///
     /// # Errors
     /// An unknown value, named.
@@ -237,6 +243,17 @@ impl CudaOptions {
                 "on" | "1" => false,
                 "off" | "0" => true,
                 _ => return Err(format!("ASTERIA_CUDA_ATTN_SAVE: `{v}` is not on or off")),
+            };
+        }
+        if let Ok(v) = std::env::var("ASTERIA_CUDA_STEP_SYNC") {
+            o.step_sync_device = match v.as_str() {
+                "streams" => false,
+                "device" => true,
+                _ => {
+                    return Err(format!(
+                        "ASTERIA_CUDA_STEP_SYNC: `{v}` is not streams or device"
+                    ))
+                }
             };
         }
         if let Ok(v) = std::env::var("ASTERIA_CUDA_ATTENTION") {
@@ -1816,10 +1833,25 @@ impl StepExecutor for CudaEngine {
         )
     }
 
+    /// The end of a step: the compute and copy streams (side-stream refreshes run on; their
+    /// results are waited for by event at the swap), or the whole device under
+    /// `ASTERIA_CUDA_STEP_SYNC=device`.
     fn synchronize(&mut self) -> Result<(), EngineError> {
-        self.dev
-            .synchronize()
-            .map_err(|e| cuda_err("synchronize", e))
+        if self.opts.step_sync_device {
+            self.dev.synchronize()
+        } else {
+            self.dev.synchronize_step()
+        }
+        .map_err(|e| cuda_err("synchronize", e))
+    }
+}
+
+impl Drop for CudaEngine {
+    /// Side-stream refreshes may still be running when the engine goes (the end of a step no
+    /// longer waits for them) and they read the state and write the shadows: wait for the
+    /// whole device before any buffer is freed.
+    fn drop(&mut self) {
+        let _ = self.dev.synchronize();
     }
 }
 
