@@ -377,8 +377,8 @@ impl Device {
     /// for the side stream, whose eigenbasis refreshes are meant to run across step
     /// boundaries (their results are waited for through events, at the swap). Before
     /// session 9 the end of every step waited for the whole context
-    /// ([`Device::synchronize`]), so each refresh launched in a step was finished inside that
-    /// step, and only the part of it that overlapped the step's own tail could hide.
+    /// ([`Device::synchronize`]), so every refresh the side-stream launcher thread had enqueued
+    /// by then was finished inside that step.
     ///
     /// # Errors
     /// A failed synchronisation (an earlier asynchronous error surfaces here).

@@ -1848,8 +1848,9 @@ impl StepExecutor for CudaEngine {
 
 impl Drop for CudaEngine {
     /// Side-stream refreshes may still be running when the engine goes (the end of a step no
-    /// longer waits for them) and they read the state and write the shadows: wait for the
-    /// whole device before any buffer is freed.
+    /// longer waits for them): wait for the whole device before the fields go. (The
+    /// launcher thread, joined when the refreshes drop, also waits for the side stream before
+    /// it destroys its cuSOLVER handle; every buffer's own drop synchronises the context.)
     fn drop(&mut self) {
         let _ = self.dev.synchronize();
     }

@@ -218,7 +218,10 @@ impl SideLauncher {
                     });
                     let _ = req.reply.send(r);
                 }
-                // The cuSOLVER handle goes before the device (and its streams).
+                // The cuSOLVER handle goes before the device (and its streams), and only once
+                // the side stream has finished the work enqueued through it (the end of a step
+                // no longer waits for the side stream).
+                let _ = dev.stream(StreamKind::Side).synchronize();
                 drop(refresher);
             })
             .map_err(|e| EngineError::Unsupported(format!("side-stream launcher thread: {e}")))?;
