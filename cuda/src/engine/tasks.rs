@@ -282,6 +282,35 @@ fn pinned_write<T: Copy>(b: &Buf, src: &[T]) {
     unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), b.ptr() as *mut T, src.len()) }
 }
 
+/// Writes a host refresh's new basis (f32 `[d, d]`) and, for a QR refresh, its permutation
+/// (i32 `[d]`) into the task's pinned shadows `hq` / `hi`, on the pool thread that computed it,
+/// so that the swap on the engine thread only enqueues the uploads (session 9: the engine
+/// thread's two pinned copies per swap, ~0.25 ms each at d = 768, lengthened the step).
+/// Safe to write: the worker owns the shadows from its launch (after the upload of the
+/// task's previous result, ordered before this launch's snapshot) to its swap.
+///
+/// # Errors
+/// A result of the wrong size ([`JobError::Lost`]).
+fn stage_host_result(
+    r: &optim::RefreshResult<f32>,
+    d: usize,
+    hq: &Buf,
+    hi: &Buf,
+) -> Result<(), JobError> {
+    let init = r.kind() == RefreshOutcome::Initialized;
+    if r.basis().len() != d * d || (!init && r.permutation().len() != d) {
+        return Err(JobError::Lost(
+            "internal: refresh result of the wrong size".into(),
+        ));
+    }
+    pinned_write(hq, r.basis());
+    if !init {
+        let idx: Vec<i32> = r.permutation().iter().map(|&i| i as i32).collect();
+        pinned_write(hi, &idx);
+    }
+    Ok(())
+}
+
 /// Threads of the CUDA engine's host refresh pool: every core but two (the engine thread that
 /// enqueues the step, and the side-stream launcher), at least one.
 pub(super) fn host_pool_threads() -> usize {
@@ -720,7 +749,9 @@ impl CudaEngine {
         let d = task.dim(&self.plan);
         let (m, n) = self.dims(task.exp_avg);
         let sh = self.shadow_of(index)?;
-        let (Some(hf), Some(hq)) = (sh.host_f.clone(), sh.host_q.clone()) else {
+        let (Some(hf), Some(hq), Some(hi)) =
+            (sh.host_f.clone(), sh.host_q.clone(), sh.host_idx.clone())
+        else {
             return Err(EngineError::Unsupported(
                 "internal: no pinned shadows".into(),
             ));
@@ -747,7 +778,7 @@ impl CudaEngine {
                 let q = pinned_slice::<f32>(&hq, d * d).to_vec();
                 // One refresh per pool thread, each single-threaded: the throughput setting
                 // `asteria calibrate` measures for the cost model.
-                optim::with_sequential(|| {
+                let result = optim::with_sequential(|| {
                     optim::refresh_compute(
                         solver.as_ref(),
                         t_optim,
@@ -759,7 +790,11 @@ impl CudaEngine {
                         n,
                     )
                 })
-                .map_err(JobError::Refresh)
+                .map_err(JobError::Refresh)?;
+                if let Some(r) = &result {
+                    stage_host_result(r, d, &hq, &hi)?;
+                }
+                Ok(result)
             }));
             let out = match out {
                 Ok(r) => r,
@@ -903,17 +938,8 @@ impl CudaEngine {
             ));
         };
         let init = result.kind() == RefreshOutcome::Initialized;
-        if result.basis().len() != d * d || (!init && result.permutation().len() != d) {
-            return Err(EngineError::Optim {
-                location: loc(index),
-                message: "internal: refresh result of the wrong size".into(),
-            });
-        }
-        // The worker is done with the pinned snapshots; the earlier uploads from them were
-        // ordered on the compute stream before this task's snapshot was taken.
-        pinned_write(hq, result.basis());
-        let idx: Vec<i32> = result.permutation().iter().map(|&i| i as i32).collect();
-        pinned_write(hi, &idx);
+        // The worker staged the new basis and permutation in the pinned shadows
+        // (`stage_host_result`), off the engine thread.
         let (q_dev, idx_dev) = (
             sh.slot.q.slice(0, d * d).map_err(e)?,
             sh.slot.idx.slice(0, d).map_err(e)?,
