@@ -2,9 +2,9 @@
 SOAP run with staleness S > 0 must be within TOL of the same run with S = 0 (issue 4's
 criterion; the CI test on the CPU engine asks 0.02 of tiny-soap). Per-step losses are not
 comparable: with S > 0 the precond-scheduling pass staggers the refreshes over the period, so
-the runs differ from step 2 on. Session 5's stale-bf16-basis bug (a synchronous host refresh
-that did not mark the basis's cached bf16 copy stale; fixed in 60589e6) left GPT-2 124M's
-S = 5 run 0.141 behind S = 0 at step 300 (5.742 vs 5.601); after the fix the gap is 0.012.
+the runs differ from step 2 on. A stale-bf16-basis bug (a synchronous host refresh that did not
+mark the basis's cached bf16 copy stale; fixed in 60589e6) once left GPT-2 124M's S = 5 run
+0.141 behind S = 0 at step 300 (5.742 vs 5.601); after the fix the gap is within ±0.02.
 Usage: python3 check_staleness.py S0.jsonl S5.jsonl [--tol 0.05]   (asteria --metrics files)
 Prints one PASS/FAIL line; exit status 1 on FAIL (including a missing or non-finite last
 validation loss, or last validation losses at different steps)."""

@@ -1,7 +1,10 @@
-"""Summarizes asteria metrics JSONL files and PyTorch RESULT lines into the BENCHMARKS.md table.
-Usage: python3 summarize.py [--skip 12] NAME=metrics.jsonl[:stderr.txt] ... [--torch torch.txt]
-Step statistics use the steps after the first `--skip` (the torch reference times 60 steps after
-12 warm-up steps). tokens/s = batch tokens / median step time (as torch_baseline.py)."""
+"""Summarizes metrics JSONL files (asteria --metrics, bench/torch_steps.py) into the table of
+BENCHMARKS.md, printed as markdown.
+Usage: python3 summarize.py [--skip 12] NAME=metrics.jsonl[:log.txt] ...
+Step statistics use the steps after the first `--skip`. tokens/s = batch tokens / median step
+time. The peak GPU memory comes from the "GPU peak used X GiB" line of the log, when given.
+"mean vs asteria AdamW mean" divides by the row named "asteria AdamW", "vs torch eager AdamW"
+(tokens/s) by the row named "torch AdamW eager"."""
 import json, re, sys
 
 def pct(xs, q):
@@ -13,13 +16,11 @@ def pct(xs, q):
     return xs[f] + (xs[c] - xs[f]) * (k - f)
 
 args = sys.argv[1:]
-skip, torch_file, runs = 12, None, []
+skip, runs = 12, []
 i = 0
 while i < len(args):
     if args[i] == "--skip":
         skip = int(args[i + 1]); i += 2
-    elif args[i] == "--torch":
-        torch_file = args[i + 1]; i += 2
     else:
         runs.append(args[i]); i += 1
 
@@ -40,14 +41,6 @@ for r in runs:
     rows.append(dict(name=name, steps=len(tr), median=med, p99=pct(ms, 99), max=max(ms) if ms else float("nan"),
                      mean=sum(ms) / max(len(ms), 1), tps=tok / (med / 1e3) if med == med and med > 0 else 0,
                      loss=tr[-1]["loss"] if tr else float("nan"), val=val[-1]["val_loss"] if val else float("nan"), peak=peak))
-if torch_file:
-    for line in open(torch_file, errors="replace"):
-        if line.startswith("RESULT "):
-            d = json.loads(line[7:])
-            if d.get("what") == "gpt_train":
-                rows.append(dict(name="torch " + d["opt"] + (" compile" if d["compile"] else " eager"), steps=60,
-                                 median=d["median_ms"], p99=d["p99_ms"], max=d["max_ms"], mean=d["mean_ms"],
-                                 tps=d["tokens_per_s"], loss=d["last_loss"], val=float("nan"), peak="%.1f" % d["peak_mem_GiB"]))
 ref = next((r for r in rows if r["name"].lower() == "torch adamw eager"), None)
 ours = next((r for r in rows if r["name"].lower() == "asteria adamw"), None)
 print("| run | steps | median ms | p99 ms | max ms | mean ms | max/median | mean vs asteria AdamW mean | tokens/s | vs torch eager AdamW | last loss | last val loss | peak GiB |")

@@ -1,9 +1,10 @@
 """Where the PyTorch reference's GPT-2 124M AdamW step spends its GPU time, and how fast cuBLAS
 runs the model's GEMM shapes on their own: the yardstick for asteria's per-op profile
-(`ASTERIA_CUDA_PROFILE=events asteria train ...`).
+(`asteria train SPEC --profile events`; bench/h200-async.sh --profile runs both).
 
-Usage (GPU host): python3 torch_profile.py [STEPS]
-  1. torch.profiler over STEPS (default 5) eager AdamW steps of shared/bench/torch_baseline.py's
+Usage (GPU host, PyTorch with CUDA): python3 torch_profile.py [STEPS]   (~1 minute; prints two
+markdown tables)
+  1. torch.profiler over STEPS (default 5) eager AdamW steps of bench/torch_baseline.py's
      GPT (bf16 autocast, batch 16x1024, fused AdamW, grad clip 1.0): the CUDA kernels by total
      time, and the share of GEMM kernels.
   2. Each GEMM shape of one training step (forward y = x Wᵀ, backward dx = dy W and

@@ -1,10 +1,14 @@
-"""Per-step timings of the PyTorch reference (shared/bench/torch_baseline.py's GPT-2 124M and
+"""Per-step timings of the PyTorch reference (bench/torch_baseline.py's GPT-2 124M and
 its optimizers), written as asteria-style metrics JSONL ({"step","loss","step_ms"}) so that
 `asteria plot --metric step_ms` and bench/summarize.py read both sides alike. Same model,
 batch (16x1024), bf16 autocast, grad clip 1.0 and timing (synchronize around each step) as
-torch_baseline.train_steps; the reference SOAP is nikhilvyas/SOAP soap.py (not committed, in
-../.ext), frequency 10, max_precond_dim 10000 (soap.py's default) unless --mpd N.
-Usage (GPU host): python3 torch_steps.py {adamw|soap} STEPS OUT.jsonl [--tf32] [--compile] [--mpd N]
+torch_baseline.train_steps; the reference SOAP is nikhilvyas/SOAP soap.py (not committed:
+bench/prepare-gpu puts it in .gpu/.ext, found from bench/ and from .gpu/bench/), frequency 10,
+max_precond_dim 10000 (soap.py's default) unless --mpd N. Random token ids: step time does not
+depend on the text, and the losses are not comparable with asteria's.
+Usage (GPU host, PyTorch with CUDA): python3 torch_steps.py {adamw|soap} STEPS OUT.jsonl [--tf32] [--compile] [--mpd N]
+  Writes OUT.jsonl, one line per step; prints the peak GPU memory. ~15 s plus STEPS steps
+  (soap at 10000 in fp32: ~0.2 s a step).
   --tf32: torch.backends.cuda.matmul.allow_tf32 = True (fp32 matmuls on TF32 tensor cores, as
           asteria's `precision = bf16` runs SOAP's per-step GEMMs).
   --compile: the model's forward through torch.compile (default mode), as torch_baseline's
@@ -13,7 +17,8 @@ Usage (GPU host): python3 torch_steps.py {adamw|soap} STEPS OUT.jsonl [--tf32] [
           here the 2304/3072 sides and the vocabulary, stay unrotated)."""
 import json, os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".ext"))
+for ext in (("..", ".ext"), ("..", ".gpu", ".ext")):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), *ext))
 import torch_baseline as tb
 torch = tb.torch
 
