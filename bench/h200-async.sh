@@ -16,7 +16,7 @@
 # summary-mpd2048.md (2048; both against the same AdamW runs), step-time.svg,
 # step-time-mpd2048.svg, check-staleness*.txt; with --profile, profile-*.txt; and OUT_DIR.tgz
 # holding all of it (a device call returns a limited number of files).
-# Takes: ~7 minutes with the defaults, ~4 with `120 60` (the regression run of BENCHMARKS.md);
+# Takes: ~6 minutes with the defaults, ~5 with `120 60` (the regression run of BENCHMARKS.md);
 # --profile adds ~2.
 #
 # Usage: bench/h200-async.sh OUT_DIR [STEPS [TORCH_STEPS]] [--skip-checks] [--profile]
