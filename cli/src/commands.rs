@@ -201,8 +201,6 @@ pub fn explain(spec: &Path) -> Result<()> {
 }
 
 fn train_options(run: &RunFlags) -> Result<engine::TrainOptions> {
-    let solver =
-        optim::solver_by_name(&run.eigensolver).map_err(|e| miette!("--eigensolver: {e}"))?;
     let cache_dir = run
         .cache_dir
         .clone()
@@ -213,17 +211,34 @@ fn train_options(run: &RunFlags) -> Result<engine::TrainOptions> {
         metrics_path: run.metrics.clone(),
         quiet: run.quiet,
         engine: engine::EngineOptions {
-            eigensolver: std::sync::Arc::from(solver),
             max_consecutive_refresh_failures: run.max_refresh_failures,
             ..Default::default()
         },
     })
 }
 
+/// Applies the CLI's overrides of plan options, prints the options the run uses, and runs
+/// the plan on its target's engine.
 fn execute(plan: &Plan, run: &RunFlags) -> Result<()> {
     let opts = train_options(run)?;
+    let mut plan = plan.clone();
+    if let Some(e) = run.eigensolver {
+        plan.target.set_eigensolver(e);
+    }
+    // Fail before anything runs when this build lacks the plan's solver.
+    opts.engine
+        .solver(&plan)
+        .map_err(|e| miette!("plan `{}`: {e}", plan.name))?;
+    eprintln!("{}", plan.target.options_line());
+    let plan = &plan;
     if let TargetPlan::Cuda { .. } = plan.target {
-        return execute_cuda(plan, &opts);
+        return execute_cuda(plan, &opts, run.profile);
+    } else if run.profile != schedule::Profile::Off {
+        return Err(miette!(
+            "`--profile {}` times CUDA kernels; plan `{}` targets the CPU engine",
+            run.profile,
+            plan.name
+        ));
     }
     // The engine prints the progress bar and the summary line itself.
     engine::train(plan, &opts).map_err(|e| miette!("{e}"))?;
@@ -231,8 +246,11 @@ fn execute(plan: &Plan, run: &RunFlags) -> Result<()> {
 }
 
 /// Runs a CUDA plan on [`cuda::CudaEngine`] through the same training loop as the CPU engine.
-/// `ASTERIA_CUDA_REFRESH` (plan|gpu|host) and `ASTERIA_CUDA_BF16_GEMM` (cast|fast) tune it.
-fn execute_cuda(plan: &Plan, opts: &engine::TrainOptions) -> Result<()> {
+fn execute_cuda(
+    plan: &Plan,
+    opts: &engine::TrainOptions,
+    profile: schedule::Profile,
+) -> Result<()> {
     if !cuda::driver_present() {
         return Err(miette!(
             "plan `{}` targets CUDA, but no CUDA driver (libcuda.so) can be loaded on this machine; \
@@ -240,7 +258,11 @@ fn execute_cuda(plan: &Plan, opts: &engine::TrainOptions) -> Result<()> {
             plan.name
         ));
     }
-    let copts = cuda::CudaOptions::from_env(opts.engine.clone()).map_err(|e| miette!("{e}"))?;
+    let copts = cuda::CudaOptions {
+        engine: opts.engine.clone(),
+        device: None,
+        profile,
+    };
     let mut eng = cuda::CudaEngine::new(plan.clone(), copts)
         .map_err(|e| miette!("plan `{}` targets CUDA: {e}", plan.name))?;
     if !opts.quiet {
@@ -264,7 +286,7 @@ fn execute_cuda(plan: &Plan, opts: &engine::TrainOptions) -> Result<()> {
     }
     let profile = eng.profile_table();
     if !profile.is_empty() {
-        eprintln!("per-op GPU time (ASTERIA_CUDA_PROFILE: every op synchronized):\n{profile}");
+        eprintln!("per-op GPU time (--profile):\n{profile}");
     }
     Ok(())
 }
@@ -472,7 +494,7 @@ pub struct SelftestArgs {
     pub train_match: Vec<std::path::PathBuf>,
     pub steps: u64,
     pub tol: f64,
-    pub refresh: String,
+    pub refresh: schedule::RefreshPlacement,
     pub cache_dir: Option<std::path::PathBuf>,
     pub compare_state: bool,
     pub resync: bool,
@@ -512,10 +534,7 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
             failed.push("kernel self-test".to_string());
         }
     }
-    let refresh: cuda::RefreshMode = a
-        .refresh
-        .parse()
-        .map_err(|e: String| miette!("--refresh: {e}"))?;
+    let refresh = a.refresh;
     let precision = match a.match_precision.as_str() {
         "fp32" => schedule::Precision::Fp32,
         "bf16" => schedule::Precision::Bf16,

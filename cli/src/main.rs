@@ -48,9 +48,14 @@ pub struct RunFlags {
     /// No progress bar.
     #[arg(long, short)]
     pub quiet: bool,
-    /// Host eigensolver for preconditioner refreshes: faer (default) or lapack.
-    #[arg(long, default_value = "faer")]
-    pub eigensolver: String,
+    /// Host eigensolver for preconditioner refreshes (faer or lapack), overriding the spec's
+    /// `eigensolver` (the plan records the value that runs).
+    #[arg(long, value_name = "SOLVER", value_parser = option_value::<schedule::Eigensolver>)]
+    pub eigensolver: Option<schedule::Eigensolver>,
+    /// CUDA engine: per-op GPU times, printed at the end (`ops`: a host sync around every op;
+    /// `events`: CUDA events, steps keep their overlap). Changes timing only.
+    #[arg(long, value_name = "MODE", default_value = "off", value_parser = option_value::<schedule::Profile>)]
+    pub profile: schedule::Profile,
     /// Folder for the token cache (default: the system temp dir).
     #[arg(long, value_name = "DIR")]
     pub cache_dir: Option<PathBuf>,
@@ -58,6 +63,12 @@ pub struct RunFlags {
     /// (each failure keeps the previous basis).
     #[arg(long, value_name = "N", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_refresh_failures: u32,
+}
+
+/// Parses a typed plan option (`schedule::Eigensolver`, `Profile`, ...) for clap; the error
+/// lists the allowed values.
+fn option_value<T: std::str::FromStr<Err = String>>(s: &str) -> Result<T, String> {
+    s.parse()
 }
 
 #[derive(Subcommand)]
@@ -149,9 +160,10 @@ enum Command {
         /// Largest allowed relative loss difference of any step.
         #[arg(long, default_value_t = 1e-4)]
         tol: f64,
-        /// Where the GPU engine refreshes eigenbases in the train-match: gpu, host or plan.
-        #[arg(long, default_value = "gpu")]
-        refresh: String,
+        /// Where the GPU engine refreshes eigenbases in the train-match: gpu, host or auto (as
+        /// compiled); the plan is rewritten accordingly.
+        #[arg(long, default_value = "gpu", value_parser = option_value::<schedule::RefreshPlacement>)]
+        refresh: schedule::RefreshPlacement,
         /// Folder for the token cache.
         #[arg(long, value_name = "DIR")]
         cache_dir: Option<PathBuf>,

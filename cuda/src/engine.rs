@@ -16,13 +16,13 @@
 //!   makes it transient, `schedule::Plan::residency`), which marks the shadow stale before any
 //!   read: a cached shadow is never used for bytes another buffer wrote.
 //! - Fusions under `precision = bf16` (cast GEMMs), each decided once from the plan's
-//!   read/write sets and switchable for comparison: a forward `MatMul` followed by the
+//!   read/write sets: a forward `MatMul` followed by the
 //!   `BiasAdd` of its output runs as one cuBLASLt GEMM with a bias epilogue
-//!   ([`plan_bias_fusions`], `ASTERIA_CUDA_BIAS_EPILOGUE=off`); LayerNorm, GELU and tensor-core
+//!   ([`plan_bias_fusions`]); LayerNorm, GELU and tensor-core
 //!   attention outputs and the LM head's `dlogits` that only GEMMs read are written by their
 //!   producers in bf16 straight into the shadow, the f32 buffer left unwritten
 //!   ([`bf16_only`]); a tensor-core attention forward keeps its row log-sum-exp and bf16 qkv
-//!   ([`AttnSaved`], `ASTERIA_CUDA_ATTN_SAVE=off`) for its backward, which uses them only while
+//!   ([`AttnSaved`]) for its backward, which uses them only while
 //!   the write generations of qkv and out still match and out's bf16 copy is fresh.
 //! - Init: the CPU engine's exact procedure (one `engine::Rng` seeded by the options' or the
 //!   plan's seed, normal draws in buffer order) on the host, uploaded: the same seed gives
@@ -30,7 +30,7 @@
 //! - Precision (`TargetPlan::Cuda::precision`): `fp32` runs every GEMM in plain fp32 (no TF32)
 //!   and attention through the GEMM path; `bf16` runs the model GEMMs (plan `MatMul`s) with bf16
 //!   inputs and fp32 accumulation and output, attention on the fused bf16 tensor-core kernels
-//!   (head dim ≤ 64, else the GEMM path in bf16; [`AttentionImpl`]), SOAP's per-step GEMMs
+//!   (head dim ≤ 64, else the GEMM path in bf16; the plan's `attention` option, [`flash_math`]), SOAP's per-step GEMMs
 //!   (factor accumulation, projections) on bf16 operands ([`op::SoapProjections`]) and the
 //!   moment re-projection of a refresh swap on TF32 tensor cores. Master weights, moments,
 //!   elementwise optimizer math and the eigensolves and QRs of refreshes stay fp32.
@@ -39,8 +39,8 @@
 //! - Bad token ids / targets: the kernels set the device status word; `forward` checks it
 //!   ([`crate::Device::take_status`]) and reports the offending row and value.
 //! - Host tasks (`EigenbasisRefresh`): on the GPU through cuSOLVER ([`crate::refresh`]) or on
-//!   the host through `optim` (the CPU engine's functions), as placed by the plan or forced by
-//!   [`RefreshMode`]; synchronous for S = 0, else off the critical path on the side stream or
+//!   the host through `optim` (the CPU engine's functions), as the plan places each one
+//!   (`precond-scheduling`, the spec's `refresh_placement`); synchronous for S = 0, else off the critical path on the side stream or
 //!   the host pool with shadow states, double buffering and bounded staleness (module `tasks`).
 use crate::device::{Device, GemmMath};
 use crate::error::{CudaError, Tier};
@@ -50,90 +50,29 @@ use crate::ops::{attention as at, loss, nn, optim as op};
 use crate::StreamKind;
 use cudarc::driver::CudaEvent;
 use engine::{EngineError, EngineOptions, EngineStats, HostTaskReport, Rng, StepExecutor};
-use schedule::{ArenaKind, BufferId, DType, Init, Op, Plan, Precision, TargetPlan};
+use schedule::{
+    ArenaKind, AttentionKernel, BufferId, DType, Init, Op, Plan, Precision, Profile, TargetPlan,
+};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 mod tasks;
 
-/// Where `EigenbasisRefresh` host tasks run on the CUDA engine.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum RefreshMode {
-    /// Each task where the plan placed it: `gpu_side` → cuSOLVER, `host` → the host solver.
-    #[default]
-    Plan,
-    /// Every task on the GPU (cuSOLVER).
-    Gpu,
-    /// Every task on the host (`optim::eigenbasis_refresh`, as the CPU engine).
-    Host,
-    /// Each task where the plan placed it, but a `gpu_side` task runs synchronously on the
-    /// compute stream at its launch step (the plan's staggered offset in the period) instead
-    /// of on the side stream: no contention with the step's kernels and no wait at the
-    /// staleness bound, at the price of the refresh's whole GPU time in that step. The basis
-    /// is computed from the factor of that step and swapped in at once (staleness 0; the
-    /// refresh runs `offset ≤ S` steps after the period's first step, as the asynchronous
-    /// launch does). Meant for refresh methods whose GPU time is mostly tensor-core GEMMs
-    /// (`QrMethod::RayleighCholeskyTc`), which a side stream at the lowest priority starves.
-    Inline,
-}
-
-impl std::str::FromStr for RefreshMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "plan" => Ok(RefreshMode::Plan),
-            "gpu" => Ok(RefreshMode::Gpu),
-            "host" => Ok(RefreshMode::Host),
-            "inline" => Ok(RefreshMode::Inline),
-            _ => Err(format!(
-                "unknown refresh mode `{s}` (plan, gpu, host or inline)"
-            )),
+/// The fused kernels' math for geometry `d` under the plan's attention option and
+/// `precision`, or `None` for the GEMM path: `auto` takes the bf16 tensor-core kernels under
+/// `precision = bf16`, the GEMM path under `fp32`; `fused` the tensor-core kernels whatever the
+/// precision; heads wider than the kernels support take the GEMM path.
+fn flash_math(
+    attention: AttentionKernel,
+    d: &at::AttnDims,
+    precision: Precision,
+) -> Option<at::FlashMath> {
+    match (attention, precision) {
+        (AttentionKernel::Gemm, _) | (AttentionKernel::Auto, Precision::Fp32) => None,
+        (AttentionKernel::Fused, _) | (AttentionKernel::Auto, Precision::Bf16) => {
+            at::flash_supported(d, at::FlashMath::Bf16).then_some(at::FlashMath::Bf16)
         }
-    }
-}
-
-/// How the plan `MatMul`s run under `precision = bf16`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Bf16Gemm {
-    /// Explicit f32 → bf16 casts into cached shadow buffers, then `cublasGemmEx` on bf16
-    /// operands (the self-tested `matmul_bf16` path).
-    #[default]
-    Cast,
-    /// fp32 operands with `CUBLAS_COMPUTE_32F_FAST_16BF` (cuBLAS rounds to bf16 inside).
-    Fast,
-}
-
-/// Which attention kernels run the plan's `Attention` / `AttentionBackward`
-/// (`ASTERIA_CUDA_ATTENTION=auto|tc|fused|gemm`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum AttentionImpl {
-    /// The default: under `precision = bf16` the tensor-core fused kernels where the head dim
-    /// allows (≤ 64), else the GEMM path; under `precision = fp32` the GEMM path (fp32 GEMMs).
-    #[default]
-    Auto,
-    /// The fused bf16 tensor-core kernels ([`at::FlashMath::Bf16`]; head dim ≤ 64, wider heads
-    /// fall back to `Gemm`), whatever the plan's precision.
-    FusedBf16,
-    /// The fused fp32 SIMT kernels ([`at::FlashMath::Fp32`]; head dim ≤ 128, wider heads fall
-    /// back to `Gemm`). fp32 throughout, no `T × T` buffer; on the H200 slower than the GEMM
-    /// path (195.1 vs 167.9 ms per GPT-2 step, BENCHMARKS.md).
-    Fused,
-    /// cuBLAS GEMMs around a materialised `T × T` score matrix ([`at::attention_forward`]).
-    Gemm,
-}
-
-impl AttentionImpl {
-    /// The fused kernels' math for geometry `d` under `precision`, or `None` for the GEMM path.
-    fn flash_math(self, d: &at::AttnDims, precision: Precision) -> Option<at::FlashMath> {
-        let math = match (self, precision) {
-            (AttentionImpl::Gemm, _) | (AttentionImpl::Auto, Precision::Fp32) => return None,
-            (AttentionImpl::Fused, _) => at::FlashMath::Fp32,
-            (AttentionImpl::FusedBf16, _) | (AttentionImpl::Auto, Precision::Bf16) => {
-                at::FlashMath::Bf16
-            }
-        };
-        at::flash_supported(d, math).then_some(math)
     }
 }
 
@@ -149,128 +88,24 @@ struct AttnSaved {
     gens: Option<(u64, u64)>,
 }
 
-/// `ASTERIA_CUDA_PROFILE` state: per `section/op[ shape]` the calls, GPU ms and host ms.
-struct Profile {
-    /// CUDA events around each op instead of host syncs (`ASTERIA_CUDA_PROFILE=events`).
+/// `--profile` state: per `section/op[ shape]` the calls, GPU ms and host ms.
+struct ProfileRows {
+    /// CUDA events around each op instead of host syncs (`--profile events`).
     events: bool,
     rows: std::collections::BTreeMap<String, (u64, f64, f64)>,
 }
 
-/// Options of a [`CudaEngine`].
+/// Options of a [`CudaEngine`] that are not part of the plan: everything here changes how a
+/// run is observed or which device runs it, never what it computes (the plan's
+/// [`TargetPlan::Cuda`] options do that).
 #[derive(Clone, Debug, Default)]
 pub struct CudaOptions {
-    /// Seed, eigensolver (host refreshes) and refresh failure limit, as for the CPU engine.
+    /// Seed override, injected eigensolver and refresh failure limit, as for the CPU engine.
     pub engine: EngineOptions,
-    /// Where refreshes run.
-    pub refresh: RefreshMode,
-    /// The bf16 GEMM flavour.
-    pub bf16_gemm: Bf16Gemm,
     /// Device ordinal; `None` = the plan's.
     pub device: Option<usize>,
-    /// The attention kernels.
-    pub attention: AttentionImpl,
-    /// How GPU QR refreshes orthonormalise
-    /// (`ASTERIA_CUDA_QR=householder|householder-ormqr|cholesky3|rayleigh-cholesky|rc-tc`;
-    /// default [`crate::refresh::QrMethod::RayleighCholeskyTc`]).
-    pub qr: crate::refresh::QrMethod,
-    /// How SOAP's per-step GEMMs run (`ASTERIA_CUDA_SOAP_GEMM=fp32|bf16`, default bf16; see
-    /// [`op::SoapProjections`]). `bf16` applies under `precision = bf16` only.
-    pub soap_projections: op::SoapProjections,
-    /// Keep every `BiasAdd` a separate kernel (`ASTERIA_CUDA_BIAS_EPILOGUE=off`) instead of
-    /// fusing it into the preceding bf16 GEMM's cuBLASLt epilogue (`plan_bias_fusions`).
-    pub unfused_bias: bool,
-    /// Rerun the attention forward inside every backward (`ASTERIA_CUDA_ATTN_SAVE=off`)
-    /// instead of keeping the row log-sum-exp and bf16 qkv of the tensor-core forward
-    /// (`AttnSaved`).
-    pub attention_rerun: bool,
-    /// End every training step with a whole-device synchronisation
-    /// (`ASTERIA_CUDA_STEP_SYNC=device`, sessions 1–8) instead of waiting for the compute and
-    /// copy streams only (`streams`, the default: side-stream refreshes run on across step
-    /// boundaries; see [`crate::Device::synchronize_step`]).
-    pub step_sync_device: bool,
-}
-
-impl CudaOptions {
-    /// Defaults overridden by `ASTERIA_CUDA_REFRESH` (`plan|gpu|host`), `ASTERIA_CUDA_QR`
-    /// (`householder|householder-ormqr|cholesky3|rayleigh-cholesky`, alias `rc`),
-    /// `ASTERIA_CUDA_SOAP_GEMM` (`fp32|bf16`),
-    /// `ASTERIA_CUDA_BF16_GEMM` (`cast|fast`), `ASTERIA_CUDA_ATTENTION` (`auto|tc|fused|gemm`)
-    /// `ASTERIA_CUDA_BIAS_EPILOGUE` (`on|off`), `ASTERIA_CUDA_ATTN_SAVE` (`on|off`) and
-    /// `ASTERIA_CUDA_STEP_SYNC` (`streams|device`).
-    ///
-    /// # Errors
-    /// An unknown value, named.
-    pub fn from_env(engine: EngineOptions) -> Result<CudaOptions, String> {
-        let mut o = CudaOptions {
-            engine,
-            ..CudaOptions::default()
-        };
-        if let Ok(v) = std::env::var("ASTERIA_CUDA_REFRESH") {
-            o.refresh = v
-                .parse()
-                .map_err(|e| format!("ASTERIA_CUDA_REFRESH: {e}"))?;
-        }
-        if let Ok(v) = std::env::var("ASTERIA_CUDA_BF16_GEMM") {
-            o.bf16_gemm = match v.as_str() {
-                "cast" => Bf16Gemm::Cast,
-                "fast" => Bf16Gemm::Fast,
-                _ => return Err(format!("ASTERIA_CUDA_BF16_GEMM: `{v}` is not cast or fast")),
-            };
-        }
-        if let Ok(v) = std::env::var("ASTERIA_CUDA_QR") {
-            o.qr = v.parse().map_err(|e| format!("ASTERIA_CUDA_QR: {e}"))?;
-        }
-        if let Ok(v) = std::env::var("ASTERIA_CUDA_SOAP_GEMM") {
-            o.soap_projections = match v.as_str() {
-                "fp32" | "tf32" => op::SoapProjections::Fp32Storage,
-                "bf16" => op::SoapProjections::Bf16,
-                _ => return Err(format!("ASTERIA_CUDA_SOAP_GEMM: `{v}` is not fp32 or bf16")),
-            };
-        }
-        if let Ok(v) = std::env::var("ASTERIA_CUDA_BIAS_EPILOGUE") {
-            o.unfused_bias = match v.as_str() {
-                "on" | "1" => false,
-                "off" | "0" => true,
-                _ => {
-                    return Err(format!(
-                        "ASTERIA_CUDA_BIAS_EPILOGUE: `{v}` is not on or off"
-                    ))
-                }
-            };
-        }
-        if let Ok(v) = std::env::var("ASTERIA_CUDA_ATTN_SAVE") {
-            o.attention_rerun = match v.as_str() {
-                "on" | "1" => false,
-                "off" | "0" => true,
-                _ => return Err(format!("ASTERIA_CUDA_ATTN_SAVE: `{v}` is not on or off")),
-            };
-        }
-        if let Ok(v) = std::env::var("ASTERIA_CUDA_STEP_SYNC") {
-            o.step_sync_device = match v.as_str() {
-                "streams" => false,
-                "device" => true,
-                _ => {
-                    return Err(format!(
-                        "ASTERIA_CUDA_STEP_SYNC: `{v}` is not streams or device"
-                    ))
-                }
-            };
-        }
-        if let Ok(v) = std::env::var("ASTERIA_CUDA_ATTENTION") {
-            o.attention = match v.as_str() {
-                "auto" => AttentionImpl::Auto,
-                "tc" | "fused-bf16" => AttentionImpl::FusedBf16,
-                "fused" | "flash" => AttentionImpl::Fused,
-                "gemm" => AttentionImpl::Gemm,
-                _ => {
-                    return Err(format!(
-                        "ASTERIA_CUDA_ATTENTION: `{v}` is not auto, tc, fused or gemm"
-                    ))
-                }
-            };
-        }
-        Ok(o)
-    }
+    /// Per-op GPU timing (`--profile`), printed by [`CudaEngine::profile_table`].
+    pub profile: Profile,
 }
 
 fn cuda_err(where_: &str, e: CudaError) -> EngineError {
@@ -419,7 +254,7 @@ fn bf16_only(
 fn scratch_need(
     plan: &Plan,
     op: &Op,
-    attention: AttentionImpl,
+    attention: AttentionKernel,
     precision: Precision,
     soap: op::SoapProjections,
 ) -> usize {
@@ -438,7 +273,7 @@ fn scratch_need(
             ..
         } => {
             let d = attn_dims(*batch, *seq_len, *n_heads, cols(*qkv));
-            if let Some(math) = attention.flash_math(&d, precision) {
+            if let Some(math) = flash_math(attention, &d, precision) {
                 at::flash_forward_scratch_len(&d, math)
             } else {
                 at::attention_forward_scratch_len(&d)
@@ -452,7 +287,7 @@ fn scratch_need(
             ..
         } => {
             let d = attn_dims(*batch, *seq_len, *n_heads, cols(*qkv));
-            if let Some(math) = attention.flash_math(&d, precision) {
+            if let Some(math) = flash_math(attention, &d, precision) {
                 at::flash_backward_scratch_len(&d, math)
             } else {
                 at::attention_backward_scratch_len(&d)
@@ -535,7 +370,12 @@ pub struct CudaEngine {
     /// `(name, bytes)` of the plan's arenas and the engine's own, in allocation order.
     arenas: Vec<(String, usize)>,
     refresh_bytes: usize,
-    profile: Option<Profile>,
+    profile: Option<ProfileRows>,
+    /// The host eigensolver (the plan's, or one injected by `EngineOptions`).
+    solver: Arc<dyn optim::HostEigensolver>,
+    /// The attention kernels: the plan's option, `auto` resolved against the kernels that
+    /// loaded.
+    attention: AttentionKernel,
 }
 
 impl CudaEngine {
@@ -557,7 +397,11 @@ impl CudaEngine {
             TargetPlan::Cuda {
                 device, precision, ..
             } => (device as usize, precision),
-            TargetPlan::Cpu { .. } => (0, Precision::Fp32),
+            TargetPlan::Cpu { .. } => {
+                return Err(EngineError::Option(
+                    "the plan targets the CPU engine; compile it with `target cuda { }` to run it on a GPU".into(),
+                ))
+            }
         };
         let ordinal = opts.device.unwrap_or(ordinal);
         let dev = Device::new(ordinal).map_err(|e| cuda_err("opening the device", e))?;
@@ -573,17 +417,29 @@ impl CudaEngine {
         let e = |w: &'static str| move |err: CudaError| cuda_err(w, err);
         // `auto` under bf16 wants the tensor-core attention family; if it did not load (e.g. a
         // GPU below sm_80), fall back to the GEMM path instead of failing at the first launch.
-        let mut opts = opts;
-        if opts.attention == AttentionImpl::Auto && precision == Precision::Bf16 {
+        let mut attention = match plan.target {
+            TargetPlan::Cuda { attention, .. } => attention,
+            TargetPlan::Cpu { .. } => AttentionKernel::Gemm,
+        };
+        if attention != AttentionKernel::Gemm
+            && (attention == AttentionKernel::Fused || precision == Precision::Bf16)
+        {
             let loaded = dev
                 .kernel_loads()
                 .iter()
                 .any(|l| l.family == "flash_attention_tc" && l.origin.is_some());
             if !loaded {
+                if attention == AttentionKernel::Fused {
+                    return Err(EngineError::Unsupported(format!(
+                        "`attention = fused`: the tensor-core attention kernels did not load on {} ({}); use `attention = auto` or `gemm`",
+                        dev.info().name,
+                        dev.info().arch
+                    )));
+                }
                 tracing::warn!(
-                    "the tensor-core attention kernels did not load; attention runs as GEMMs"
+                    "`attention = auto`: the tensor-core attention kernels did not load; attention runs as GEMMs"
                 );
-                opts.attention = AttentionImpl::Gemm;
+                attention = AttentionKernel::Gemm;
             }
         }
         // Sizes: buffers, scratch, bf16 shadows.
@@ -593,17 +449,13 @@ impl CudaEngine {
                 .chain(&plan.backward)
                 .chain(&plan.optimizer)
         };
-        let soap = CudaEngine::soap_projections(&opts, precision);
+        let soap = CudaEngine::soap_projections(precision);
         let scratch_len = programs()
-            .map(|o| scratch_need(&plan, o, opts.attention, precision, soap))
+            .map(|o| scratch_need(&plan, o, attention, precision, soap))
             .max()
             .unwrap_or(0)
             .max(2);
-        let bias_fused = if precision == Precision::Bf16
-            && opts.bf16_gemm == Bf16Gemm::Cast
-            && !opts.unfused_bias
-            && gemm::has_fused_bias(&dev)
-        {
+        let bias_fused = if precision == Precision::Bf16 && gemm::has_fused_bias(&dev) {
             plan_bias_fusions(&plan)
         } else {
             HashMap::new()
@@ -615,7 +467,7 @@ impl CudaEngine {
             );
         }
         let mut needs_shadow = vec![false; plan.buffers.len()];
-        if precision == Precision::Bf16 && opts.bf16_gemm == Bf16Gemm::Cast {
+        if precision == Precision::Bf16 {
             for o in plan.forward.iter().chain(&plan.backward) {
                 if let Op::MatMul { a, b, .. } = o {
                     needs_shadow[a.index()] = true;
@@ -739,7 +591,7 @@ impl CudaEngine {
         // Saved attention context (tensor-core forwards whose output has a bf16 shadow).
         let mut attn_saved = HashMap::new();
         let mut saved_arena = None;
-        if !opts.attention_rerun {
+        {
             let mut want = Vec::new();
             for o in &plan.forward {
                 if let Op::Attention {
@@ -756,7 +608,7 @@ impl CudaEngine {
                         *n_heads,
                         dims2(&plan.buffer(*qkv).shape).1,
                     );
-                    let tc = opts.attention.flash_math(&d, precision) == Some(at::FlashMath::Bf16);
+                    let tc = flash_math(attention, &d, precision) == Some(at::FlashMath::Bf16);
                     if tc && needs_shadow[out.index()] && !want.iter().any(|(q, _, _)| q == qkv) {
                         want.push((*qkv, *out, d));
                     }
@@ -794,7 +646,7 @@ impl CudaEngine {
             }
         }
 
-        let bf16_only = if precision == Precision::Bf16 && opts.bf16_gemm == Bf16Gemm::Cast {
+        let bf16_only = if precision == Precision::Bf16 {
             let attn_outs = attn_saved.values().map(|sv| sv.out).collect();
             bf16_only(&plan, &attn_outs)
         } else {
@@ -808,7 +660,12 @@ impl CudaEngine {
         }
 
         // Refresh machinery: refreshers, swap buffers, shadows of asynchronous tasks.
-        let refreshes = tasks::Refreshes::new(&dev, &plan, opts.refresh, opts.qr)?;
+        let refreshes = tasks::Refreshes::new(&dev, &plan)?;
+        let solver = opts.engine.solver(&plan)?;
+        let profile = (opts.profile != Profile::Off).then(|| ProfileRows {
+            events: opts.profile == Profile::Events,
+            rows: Default::default(),
+        });
         let refresh_bytes = refreshes.bytes;
 
         let tasks = plan.host_tasks.len();
@@ -842,10 +699,9 @@ impl CudaEngine {
                 .collect(),
             arenas,
             refresh_bytes,
-            profile: std::env::var("ASTERIA_CUDA_PROFILE").ok().map(|v| Profile {
-                events: v == "events",
-                rows: Default::default(),
-            }),
+            profile,
+            attention,
+            solver,
             plan,
         };
         eng.init_buffers()?;
@@ -1211,7 +1067,6 @@ impl CudaEngine {
                 let (br, bc) = self.dims(*b);
                 let (ad, bd) = (Dims::new(ar, ac), Dims::new(br, bc));
                 let cast = self.precision == Precision::Bf16
-                    && self.opts.bf16_gemm == Bf16Gemm::Cast
                     && self.shadows[a.index()].is_some()
                     && self.shadows[b.index()].is_some();
                 if let (true, Some(&(bias, y))) = (cast, self.bias_fused.get(out)) {
@@ -1319,7 +1174,7 @@ impl CudaEngine {
                 n_heads,
             } => {
                 let d = attn_dims(*batch, *seq_len, *n_heads, self.dims(*qkv).1);
-                let math = self.opts.attention.flash_math(&d, self.precision);
+                let math = flash_math(self.attention, &d, self.precision);
                 let saved = self
                     .attn_saved
                     .get(qkv)
@@ -1367,7 +1222,7 @@ impl CudaEngine {
             } => {
                 let d = attn_dims(*batch, *seq_len, *n_heads, self.dims(*qkv).1);
                 let (g, q, dq) = (self.b(*dout), self.b(*qkv), self.b(*dqkv));
-                let math = self.opts.attention.flash_math(&d, self.precision);
+                let math = flash_math(self.attention, &d, self.precision);
                 // The forward's saved context, if still the one these buffers hold.
                 let saved = self.attn_saved.get(qkv).filter(|sv| {
                     math == Some(at::FlashMath::Bf16)
@@ -1483,7 +1338,7 @@ impl CudaEngine {
                 hyper,
             } => {
                 let (m, n) = self.dims(*param);
-                let proj = CudaEngine::soap_projections(&self.opts, self.precision);
+                let proj = CudaEngine::soap_projections(self.precision);
                 let mut cached = [None, None];
                 if proj == op::SoapProjections::Bf16 {
                     for (slot, q) in cached.iter_mut().zip([basis_left, basis_right]) {
@@ -1527,7 +1382,7 @@ impl CudaEngine {
                     n,
                     *shampoo_beta,
                     s,
-                    CudaEngine::soap_projections(&self.opts, self.precision),
+                    CudaEngine::soap_projections(self.precision),
                 )?;
             }
         }
@@ -1644,11 +1499,11 @@ impl CudaEngine {
         }
     }
 
-    /// The projections of `SoapUpdate`: `opts.soap_projections` under `precision = bf16`, the
-    /// fp32 operands (plain fp32 GEMMs) under `precision = fp32`.
-    fn soap_projections(opts: &CudaOptions, precision: Precision) -> op::SoapProjections {
+    /// The projections of `SoapUpdate`: bf16 operands under `precision = bf16`, fp32 operands
+    /// (plain fp32 GEMMs) under `precision = fp32`.
+    fn soap_projections(precision: Precision) -> op::SoapProjections {
         match precision {
-            Precision::Bf16 => opts.soap_projections,
+            Precision::Bf16 => op::SoapProjections::Bf16,
             Precision::Fp32 => op::SoapProjections::Fp32Storage,
         }
     }
@@ -1819,30 +1674,17 @@ impl StepExecutor for CudaEngine {
     fn describe(&self) -> String {
         let i = self.dev.info();
         format!(
-            "cuda:{} {} ({}), precision {}, bf16 gemm {:?}, refresh {:?}, qr {:?}",
-            i.ordinal,
-            i.name,
-            i.arch,
-            match self.precision {
-                Precision::Bf16 => "bf16",
-                Precision::Fp32 => "fp32",
-            },
-            self.opts.bf16_gemm,
-            self.opts.refresh,
-            self.opts.qr
+            "cuda:{} {} ({}), attention kernels {}, profile {}",
+            i.ordinal, i.name, i.arch, self.attention, self.opts.profile
         )
     }
 
     /// The end of a step: the compute and copy streams (side-stream refreshes run on; their
-    /// results are waited for by event at the swap), or the whole device under
-    /// `ASTERIA_CUDA_STEP_SYNC=device`.
+    /// results are waited for by event at the swap).
     fn synchronize(&mut self) -> Result<(), EngineError> {
-        if self.opts.step_sync_device {
-            self.dev.synchronize()
-        } else {
-            self.dev.synchronize_step()
-        }
-        .map_err(|e| cuda_err("synchronize", e))
+        self.dev
+            .synchronize_step()
+            .map_err(|e| cuda_err("synchronize", e))
     }
 }
 

@@ -694,6 +694,7 @@ mod tests {
             target: TargetPlan::Cpu {
                 threads: Some(1),
                 staleness: 0,
+                eigensolver: crate::Eigensolver::Faer,
             },
             memory,
         }
@@ -714,7 +715,10 @@ mod tests {
                 version: 1
             }
         );
-        assert!(e.to_string().contains("version 2"), "{e}");
+        assert!(
+            e.to_string().contains(&format!("version {PLAN_VERSION}")),
+            "{e}"
+        );
         v["version"] = serde_json::json!(PLAN_VERSION);
         let e = Plan::from_json(&v.to_string()).expect_err("no memory section");
         assert!(e.to_string().contains("missing field `memory`"), "{e}");

@@ -445,6 +445,7 @@ pub fn plan(g: &Gpt) -> Plan {
         target: TargetPlan::Cpu {
             threads: g.threads,
             staleness: 0,
+            eigensolver: schedule::Eigensolver::Faer,
         },
         memory,
     }
