@@ -341,6 +341,8 @@ fn median_ms(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 /// `asteria calibrate`: measures this host's eigensolve and power-iteration+QR times and GEMM
 /// rate (and with `device = Some("cuda")` the GPU's refresh times, host→device bandwidth and
 /// bf16 GEMM rate), and writes a target description for the `precond-scheduling` cost model.
+/// `sync_phases` (with `cuda`): the GPU refresher's printed phase times are GPU times, from
+/// extra runs that synchronise after every phase (`cuda::calibrate::measure`).
 ///
 /// # Errors
 /// A device other than `cuda`, no CUDA driver or device, measurement or write failures.
@@ -351,8 +353,14 @@ pub fn calibrate(
     reps: usize,
     device: Option<&str>,
     ordinal: usize,
+    sync_phases: bool,
 ) -> Result<()> {
     let gpu = match device {
+        None | Some("cpu") if sync_phases => {
+            return Err(miette!(
+                "`--sync-phases` times the GPU refresher's phases: add `--device cuda`"
+            ))
+        }
         None | Some("cpu") => None,
         Some("cuda") => {
             if !cuda::driver_present() {
@@ -360,14 +368,7 @@ pub fn calibrate(
                     "`--device cuda`: no CUDA driver (libcuda.so) can be loaded on this machine"
                 ));
             }
-            let qr = match std::env::var("ASTERIA_CUDA_QR") {
-                Ok(v) => v
-                    .parse::<cuda::refresh::QrMethod>()
-                    .map_err(|e| miette!("ASTERIA_CUDA_QR: {e}"))?,
-                Err(_) => cuda::refresh::QrMethod::default(),
-            };
-            eprintln!("GPU QR refreshes: {qr:?}");
-            let g = cuda::calibrate::measure(ordinal, sizes, reps, qr)
+            let g = cuda::calibrate::measure(ordinal, sizes, reps, sync_phases)
                 .map_err(|e| miette!("GPU calibration: {e}"))?;
             for ((n, e), (_, q)) in g.eigh_ms.iter().zip(&g.qr_ms) {
                 eprintln!("GPU n = {n:>5}: syevd refresh {e:>9.2} ms   power iteration + QR refresh {q:>9.2} ms");

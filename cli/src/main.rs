@@ -128,6 +128,11 @@ enum Command {
         /// CUDA device ordinal (with `--device cuda`).
         #[arg(long, default_value_t = 0)]
         ordinal: usize,
+        /// With `--device cuda`: print the GPU refresher's phase times as GPU times, from extra
+        /// refreshes that synchronise after every phase (the measured refresh times are not
+        /// affected).
+        #[arg(long)]
+        sync_phases: bool,
     },
     /// Check a backend: `--device cuda` runs every CUDA kernel against the CPU kernels and,
     /// with `--train-match SPEC`, trains SPEC on the CPU and the GPU engine in one process and
@@ -256,6 +261,7 @@ fn main() -> ExitCode {
             reps,
             device,
             ordinal,
+            sync_phases,
         } => commands::calibrate(
             output.as_deref(),
             &sizes,
@@ -263,6 +269,7 @@ fn main() -> ExitCode {
             reps,
             device.as_deref(),
             ordinal,
+            sync_phases,
         ),
         Command::Bench {
             what:
