@@ -331,13 +331,8 @@ impl Refreshes {
         let mut bytes = 0;
         let mut arenas = Vec::new();
         let (sync, sync_slot) = if any_gpu {
-            let (r, b) = GpuRefresher::new(
-                dev,
-                StreamKind::Compute,
-                max_dim,
-                refresh::QrMethod::default(),
-            )
-            .map_err(e("setting up cuSOLVER refreshes"))?;
+            let (r, b) = GpuRefresher::new(dev, StreamKind::Compute, max_dim)
+                .map_err(e("setting up cuSOLVER refreshes"))?;
             bytes += b + RefreshSlot::bytes(max_dim);
             let mut a = dev
                 .arena("refresh-slot", Tier::Device, RefreshSlot::bytes(max_dim))
@@ -351,9 +346,8 @@ impl Refreshes {
         };
         let side = match side_dim {
             Some(d) => {
-                let (r, b) =
-                    GpuRefresher::new(dev, StreamKind::Side, d, refresh::QrMethod::default())
-                        .map_err(e("setting up side-stream cuSOLVER refreshes"))?;
+                let (r, b) = GpuRefresher::new(dev, StreamKind::Side, d)
+                    .map_err(e("setting up side-stream cuSOLVER refreshes"))?;
                 bytes += b;
                 Some(SideLauncher::spawn(Arc::clone(dev), r)?)
             }
