@@ -64,9 +64,7 @@ impl Drop for BlasLt {
 fn lt_err(op: &'static str) -> impl Fn(lt::CublasError) -> CudaError {
     move |e| CudaError::Invalid {
         op,
-        what: format!(
-            "cuBLASLt: {e:?} (ASTERIA_CUDA_BIAS_EPILOGUE=off runs GEMM and bias add separately)"
-        ),
+        what: format!("cuBLASLt: {e:?}"),
     }
 }
 
