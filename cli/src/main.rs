@@ -18,7 +18,7 @@ struct Cli {
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct PassFlags {
     /// Print the IR after this pass (repeatable): expand-model, autodiff, expand-optimizer,
-    /// liveness, precond-scheduling, lower (the plan JSON), memory-planning (the memory plan's
+    /// fuse, liveness, precond-scheduling, lower (the plan JSON), memory-planning (the memory plan's
     /// arenas, peak live bytes and largest buffers).
     #[arg(long = "print-after", value_name = "PASS")]
     pub print_after: Vec<String>,

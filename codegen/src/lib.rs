@@ -203,6 +203,14 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 trans_b: *trans_b,
                 accumulate: false,
             },
+            Op::MatMulBias { trans_a, trans_b } => P::MatMulBias {
+                a: arg(0)?,
+                b: arg(1)?,
+                bias: arg(2)?,
+                out: res(0)?,
+                trans_a: *trans_a,
+                trans_b: *trans_b,
+            },
             Op::BiasAdd => P::BiasAdd {
                 x: arg(0)?,
                 bias: arg(1)?,

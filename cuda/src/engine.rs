@@ -617,7 +617,7 @@ impl CudaEngine {
         let mut needs_shadow = vec![false; plan.buffers.len()];
         if precision == Precision::Bf16 && opts.bf16_gemm == Bf16Gemm::Cast {
             for o in plan.forward.iter().chain(&plan.backward) {
-                if let Op::MatMul { a, b, .. } = o {
+                if let Op::MatMul { a, b, .. } | Op::MatMulBias { a, b, .. } = o {
                     needs_shadow[a.index()] = true;
                     needs_shadow[b.index()] = true;
                 }
@@ -632,7 +632,7 @@ impl CudaEngine {
                 .iter()
                 .chain(&plan.backward)
                 .filter_map(|o| match o {
-                    Op::MatMul { a, b, .. } => Some([*a, *b]),
+                    Op::MatMul { a, b, .. } | Op::MatMulBias { a, b, .. } => Some([*a, *b]),
                     _ => None,
                 })
                 .flatten()
@@ -690,6 +690,13 @@ impl CudaEngine {
             let elem = match b.dtype {
                 DType::F32 => Elem::F32,
                 DType::I32 => Elem::I32,
+                DType::Bf16 => {
+                    return Err(EngineError::Unsupported(format!(
+                        "CUDA backend: buffer `{}` is bf16; bf16 plan buffers are not executed \
+                         by this engine yet",
+                        b.name
+                    )))
+                }
             };
             let arena = plan_arenas
                 .iter_mut()
@@ -876,6 +883,13 @@ impl CudaEngine {
                         .map(|_| (std * rng.normal()).round() as i32)
                         .collect();
                     self.dev.upload(buf, &v).map_err(e)?
+                }
+                (Init::Ones | Init::Normal { .. }, DType::Bf16) => {
+                    // The plan verifier allows bf16 only for activations, which start zeroed.
+                    return Err(EngineError::Unsupported(format!(
+                        "CUDA backend: bf16 buffer `{}` with a non-zero init",
+                        b.name
+                    )));
                 }
             }
         }
@@ -1246,6 +1260,58 @@ impl CudaEngine {
                 } else {
                     let (a, b, out) = (self.b(*a), self.b(*b), self.b(*out));
                     gemm::matmul(dev, a, ad, b, bd, out, *trans_a, *trans_b, *accumulate)?;
+                }
+            }
+            Op::MatMulBias {
+                a,
+                b,
+                bias,
+                out,
+                trans_a,
+                trans_b,
+            } => {
+                let (ar, ac) = self.dims(*a);
+                let (br, bc) = self.dims(*b);
+                let (ad, bd) = (Dims::new(ar, ac), Dims::new(br, bc));
+                let cast = self.precision == Precision::Bf16
+                    && self.opts.bf16_gemm == Bf16Gemm::Cast
+                    && self.shadows[a.index()].is_some()
+                    && self.shadows[b.index()].is_some();
+                if cast && gemm::has_fused_bias(&self.dev) {
+                    let (sa, sb) = (self.shadow(*a)?, self.shadow(*b)?);
+                    gemm::gemm_bf16_bias(
+                        &self.dev,
+                        &sa,
+                        ad,
+                        &sb,
+                        bd,
+                        self.b(*bias),
+                        self.b(*out),
+                        *trans_a,
+                        *trans_b,
+                    )?;
+                } else {
+                    // The product, then the bias added in place (the unfused pair's math).
+                    if cast {
+                        let (sa, sb) = (self.shadow(*a)?, self.shadow(*b)?);
+                        gemm::matmul_bf16(
+                            &self.dev,
+                            &sa,
+                            ad,
+                            &sb,
+                            bd,
+                            self.b(*out),
+                            *trans_a,
+                            *trans_b,
+                            false,
+                        )?;
+                    } else {
+                        let (a, b, o) = (self.b(*a), self.b(*b), self.b(*out));
+                        gemm::matmul(dev, a, ad, b, bd, o, *trans_a, *trans_b, false)?;
+                    }
+                    let c = self.dims(*out).1;
+                    let o = self.b(*out);
+                    nn::bias_add(&self.dev, o, self.b(*bias), o, c)?;
                 }
             }
             Op::BiasAdd { x, .. } if self.bias_fused.contains_key(x) => {
@@ -1674,6 +1740,18 @@ impl CudaEngine {
                     ""
                 };
                 format!(" {ar}x{ac}{}·{br}x{bc}{}{bias}", t(*trans_a), t(*trans_b))
+            }
+            Op::MatMulBias {
+                a,
+                b,
+                trans_a,
+                trans_b,
+                ..
+            } => {
+                let (ar, ac) = self.dims(*a);
+                let (br, bc) = self.dims(*b);
+                let t = |x: bool| if x { "ᵀ" } else { "" };
+                format!(" {ar}x{ac}{}·{br}x{bc}{} +bias", t(*trans_a), t(*trans_b))
             }
             Op::SoapUpdate { grad, .. } | Op::SoapFactorUpdate { grad, .. } => {
                 let shape: Vec<String> = self

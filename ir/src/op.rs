@@ -112,6 +112,14 @@ pub enum Op {
         /// Transpose b.
         trans_b: bool,
     },
+    /// args `[a, b, bias [P]]` → `op(a) op(b) + bias` `[M, P]`: a GEMM with a bias epilogue,
+    /// made by the `fuse` pass from a `mat_mul` and the `bias_add` of its product.
+    MatMulBias {
+        /// Transpose a.
+        trans_a: bool,
+        /// Transpose b.
+        trans_b: bool,
+    },
     /// args `[x [N,C], bias [C]]` → `[N, C]`.
     BiasAdd,
     /// args `[x [N,C]]` → `[C]`.
@@ -240,6 +248,7 @@ impl Op {
             Op::RmsNorm { .. } => "rms_norm",
             Op::RmsNormBackward { .. } => "rms_norm_backward",
             Op::MatMul { .. } => "mat_mul",
+            Op::MatMulBias { .. } => "mat_mul_bias",
             Op::BiasAdd => "bias_add",
             Op::SumRows => "sum_rows",
             Op::Add => "add",

@@ -180,6 +180,34 @@ pub(crate) fn exec_op<T: Float + Real>(
                 )
             })?;
         }
+        Op::MatMulBias {
+            a,
+            b,
+            bias,
+            out,
+            trans_a,
+            trans_b,
+        } => {
+            // The product into `out`, then the bias added in place: the same f32 operations
+            // as the unfused `MatMul` + `BiasAdd`, so bit-identical results.
+            let (ar, ac) = st.dims2(*a);
+            let (br, bc) = st.dims2(*b);
+            let c = cols(st, *out);
+            st.with_outs(loc, &[("out", *out)], &[*a, *b, *bias], |s, o| {
+                let (ad, bd) = (Dims { rows: ar, cols: ac }, Dims { rows: br, cols: bc });
+                matmul(
+                    s.f(*a)?,
+                    ad,
+                    s.f(*b)?,
+                    bd,
+                    &mut o[0],
+                    *trans_a,
+                    *trans_b,
+                    false,
+                )?;
+                ew::bias_add_in_place(&mut o[0], s.f(*bias)?, c)
+            })?;
+        }
         Op::BiasAdd { x, bias, out } => {
             let c = cols(st, *x);
             st.with_outs(loc, &[("out", *out)], &[*x, *bias], |s, o| {

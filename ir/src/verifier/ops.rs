@@ -46,6 +46,7 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
         Op::LayerNormBackward { .. } | Op::RmsNormBackward { .. } => vec!["dout", "x", "weight"],
         Op::RmsNorm { .. } => vec!["x", "weight"],
         Op::MatMul { .. } | Op::Add => vec!["a", "b"],
+        Op::MatMulBias { .. } => vec!["a", "b", "bias"],
         Op::BiasAdd => vec!["x", "bias"],
         Op::SumRows | Op::Gelu | Op::SwiGlu | Op::Rope { .. } => vec!["x"],
         Op::GeluBackward | Op::SwiGluBackward => vec!["dout", "x"],
@@ -125,14 +126,14 @@ pub(super) fn check_inst(v: &Verifier<'_>, id: InstId) -> R {
         operands: operands.collect(),
     };
     for &(role, val) in &c.operands {
-        let i32_ok = matches!(role, "ids" | "targets") || matches!(inst.op, Op::Input { .. });
-        let want = if i32_ok { DType::I32 } else { DType::F32 };
-        if m.value(val).ty.dtype != want {
-            return Err(c.fail_value(
-                role,
-                val,
-                format!("must be {}", if i32_ok { "i32" } else { "f32" }),
-            ));
+        // The plan's rule (`schedule::operand_dtypes`), plus IR-only `input` values (i32).
+        let allowed: &[DType] = match inst.op {
+            Op::Input { .. } => &[DType::I32],
+            _ => schedule::operand_dtypes(inst.op.name(), role),
+        };
+        if !allowed.contains(&m.value(val).ty.dtype) {
+            let names: Vec<&str> = allowed.iter().map(|d| d.name()).collect();
+            return Err(c.fail_value(role, val, format!("must be {}", names.join(" or "))));
         }
     }
     check_shapes(&c, &inst.op)
@@ -219,6 +220,15 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 c.dims("bias", &[ch])?;
             }
             c.same("x", "out")?;
+            if c.get("out")?.1.dtype == DType::Bf16 && ch > schedule::BF16_LAYERNORM_MAX_C {
+                return Err(c.fail(
+                    "out",
+                    format!(
+                        "may be bf16 only for rows of at most {} (this has {ch})",
+                        schedule::BF16_LAYERNORM_MAX_C
+                    ),
+                ));
+            }
         }
         Op::LayerNormBackward { .. } | Op::RmsNormBackward { .. } => {
             let (_, ch) = c.rank2("x")?;
@@ -230,7 +240,7 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
             c.same("x", "dout")?;
             c.same("x", "dx")?;
         }
-        Op::MatMul { trans_a, trans_b } => {
+        Op::MatMul { trans_a, trans_b } | Op::MatMulBias { trans_a, trans_b } => {
             let (ar, ac) = c.rank2("a")?;
             let (br, bc) = c.rank2("b")?;
             let (rows, k) = if trans_a { (ac, ar) } else { (ar, ac) };
@@ -239,6 +249,9 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 return Err(c.fail("b", format!("inner dimension {k2} does not match a's {k}")));
             }
             c.dims("out", &[rows, cols])?;
+            if matches!(op, Op::MatMulBias { .. }) {
+                c.dims("bias", &[cols])?;
+            }
         }
         Op::BiasAdd => {
             let (_, ch) = c.rank2("x")?;
@@ -325,7 +338,20 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 ));
             }
             match op {
-                Op::Attention { .. } => c.dims("out", &[n, w / 3])?,
+                Op::Attention { .. } => {
+                    c.dims("out", &[n, w / 3])?;
+                    let head = w / 3 / n_heads;
+                    let bf16 = c.get("out")?.1.dtype == DType::Bf16;
+                    if bf16 && head > schedule::BF16_ATTENTION_MAX_HEAD_DIM {
+                        return Err(c.fail(
+                            "out",
+                            format!(
+                                "may be bf16 only for heads of at most {} (this has {head})",
+                                schedule::BF16_ATTENTION_MAX_HEAD_DIM
+                            ),
+                        ));
+                    }
+                }
                 _ => {
                     c.dims("dout", &[n, w / 3])?;
                     c.same("qkv", "dqkv")?;
