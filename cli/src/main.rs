@@ -34,6 +34,9 @@ pub struct PassFlags {
     /// Report the wall time of each pass (on stderr).
     #[arg(long = "time-passes")]
     pub time_passes: bool,
+    /// Do not run this optional pass (repeatable): fuse (to compare with the unfused plan).
+    #[arg(long = "skip-pass", value_name = "PASS")]
+    pub skip_pass: Vec<String>,
 }
 
 /// Options of commands that execute a plan.
