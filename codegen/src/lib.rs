@@ -276,6 +276,7 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
             } => P::Attention {
                 qkv: arg(0)?,
                 out: res(0)?,
+                lse: inst.results.get(1).map(|&v| b(v)).transpose()?,
                 batch: *batch,
                 seq_len: *seq_len,
                 n_heads: *n_heads,
@@ -287,6 +288,8 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
             } => P::AttentionBackward {
                 dout: arg(0)?,
                 qkv: arg(1)?,
+                fwd_out: a.get(2).map(|&v| b(v)).transpose()?,
+                lse: a.get(3).map(|&v| b(v)).transpose()?,
                 dqkv: res(0)?,
                 batch: *batch,
                 seq_len: *seq_len,

@@ -755,6 +755,7 @@ impl CudaEngine {
                     batch,
                     seq_len,
                     n_heads,
+                    ..
                 } = o
                 {
                     let d = attn_dims(
@@ -1383,6 +1384,7 @@ impl CudaEngine {
                 batch,
                 seq_len,
                 n_heads,
+                ..
             } => {
                 let d = attn_dims(*batch, *seq_len, *n_heads, self.dims(*qkv).1);
                 let math = self.opts.attention.flash_math(&d, self.precision);
@@ -1430,6 +1432,7 @@ impl CudaEngine {
                 batch,
                 seq_len,
                 n_heads,
+                ..
             } => {
                 let d = attn_dims(*batch, *seq_len, *n_heads, self.dims(*qkv).1);
                 let (g, q, dq) = (self.b(*dout), self.b(*qkv), self.b(*dqkv));

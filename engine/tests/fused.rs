@@ -230,3 +230,61 @@ fn bf16_outputs_hold_rounded_values_and_gemms_read_them_exactly() {
         assert_eq!(*y as f32, round_to_bf16(*x as f32));
     }
 }
+
+#[test]
+fn a_saving_attention_writes_the_base_2_log_sum_exp_of_its_scaled_scores() {
+    use BufferClass::*;
+    // B = 2 sequences of T = 5, NH = 3 heads of 4: qkv [10, 36].
+    let (b, t, nh, hd) = (2, 5, 3, 4);
+    let (n, c) = (b * t, nh * hd);
+    let bufs = vec![
+        ("qkv", vec![n, 3 * c], DType::F32, Parameter),
+        ("w", vec![4, c], DType::F32, Parameter),
+        ("att", vec![n, c], DType::F32, Activation),
+        ("lse", vec![b * nh * t], DType::F32, Activation),
+        ("out", vec![n, 4], DType::F32, Activation),
+    ];
+    let prog = |lse| {
+        vec![
+            Op::Attention {
+                qkv: B(0),
+                out: B(2),
+                lse,
+                batch: b,
+                seq_len: t,
+                n_heads: nh,
+            },
+            Op::MatMul {
+                a: B(2),
+                b: B(1),
+                out: B(4),
+                trans_a: false,
+                trans_b: true,
+                accumulate: false,
+            },
+        ]
+    };
+    let saving = run(plan(n, bufs.clone(), prog(Some(B(3)))));
+    let plain = run(plan(n, bufs, prog(None)));
+    assert_eq!(
+        saving.buffer("att").expect("att"),
+        plain.buffer("att").expect("att"),
+        "saving the statistics does not change the output"
+    );
+    let qkv = saving.buffer("qkv").expect("qkv");
+    let lse = saving.buffer("lse").expect("lse");
+    let scale = 1.0 / (hd as f64).sqrt();
+    for bb in 0..b {
+        for h in 0..nh {
+            for i in 0..t {
+                let q = |e: usize| qkv[(bb * t + i) * 3 * c + h * hd + e];
+                let k = |j: usize, e: usize| qkv[(bb * t + j) * 3 * c + c + h * hd + e];
+                let z: f64 = (0..=i)
+                    .map(|j| ((0..hd).map(|e| q(e) * k(j, e)).sum::<f64>() * scale).exp())
+                    .sum();
+                let got = lse[(bb * nh + h) * t + i];
+                assert!((got - z.log2()).abs() < 1e-5, "b {bb} h {h} t {i}: {got} vs {}", z.log2());
+            }
+        }
+    }
+}

@@ -207,6 +207,17 @@ impl Module {
         inst.args = args.to_vec();
     }
 
+    /// Appends a result to instruction `id` (the `fuse` pass's `attention-saved` gives an
+    /// `attention` its `lse`); `hint` is made unique as in [`Module::push`]. Returns the value.
+    pub fn add_result(&mut self, id: InstId, hint: &str, ty: TensorType) -> ValueId {
+        let name = self.unique_name(hint);
+        let v = ValueId(self.values.len() as u32);
+        self.names.insert(name.clone(), v);
+        self.values.push(ValueData { name, ty, def: id });
+        self.graph[id.0].results.push(v);
+        v
+    }
+
     /// Sets the element type of value `id` (its shape stays), e.g. to `bf16` for an output
     /// the `fuse` pass has its producer write in bf16.
     pub fn set_dtype(&mut self, id: ValueId, dtype: schedule::DType) {

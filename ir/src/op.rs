@@ -156,7 +156,8 @@ pub enum Op {
         /// Base θ.
         theta: f64,
     },
-    /// args `[qkv [N,3C]]` → `[N, C]` (causal).
+    /// args `[qkv [N,3C]]` → `[N, C]` (causal), or `[out, lse [B·NH·T]]` when the `fuse`
+    /// pass's `attention-saved` has it keep its softmax statistics for the backward.
     Attention {
         /// Sequences B.
         batch: usize,
@@ -165,7 +166,8 @@ pub enum Op {
         /// Heads.
         n_heads: usize,
     },
-    /// args `[dout [N,C], qkv [N,3C]]` → dqkv `[N, 3C]`.
+    /// args `[dout [N,C], qkv [N,3C]]`, or `[dout, qkv, fwd_out [N,C], lse [B·NH·T]]` with the
+    /// forward's saved output and statistics → dqkv `[N, 3C]`.
     AttentionBackward {
         /// Sequences B.
         batch: usize,

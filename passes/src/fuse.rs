@@ -13,11 +13,20 @@
 //!   The CPU engine computes `mat_mul_bias` as the product then the bias add, bit-identical to
 //!   the pair; the CUDA engine as one cuBLASLt GEMM with a bias epilogue. Either way the
 //!   product's buffer disappears from the plan.
+//! - **`attention-saved`** (an egg rewrite, CUDA with `precision = bf16`, heads of at most
+//!   `schedule::BF16_ATTENTION_MAX_HEAD_DIM`: where the tensor-core kernels run):
+//!   `(attention_backward ?g ?dout ?qkv) → (attention_backward_saved ?g ?dout ?qkv
+//!   (attention ?g ?qkv))` if the e-graph holds that forward — hash-consing finds the
+//!   `attention` of the same qkv and geometry, whose e-class also holds its output value. The
+//!   forward gets a second result `lse` (its softmax statistics, f32 `[B·NH·T]`) and the
+//!   backward reads `fwd_out` and `lse` instead of rerunning the forward's score pass; the
+//!   memory plan keeps both alive until the backward.
 //! - **`bf16-output`** (an analysis, CUDA with `precision = bf16` only): the output of a
 //!   `layer_norm` (rows of at most `schedule::BF16_LAYERNORM_MAX_C`), `gelu`, `attention`
 //!   (heads of at most `schedule::BF16_ATTENTION_MAX_HEAD_DIM`, the tensor-core kernels) or
 //!   `cross_entropy_backward` whose every reader reads it as a GEMM operand (`a` / `b` of
-//!   `mat_mul` / `mat_mul_bias`, which read bf16 under that precision anyway) becomes `bf16`:
+//!   `mat_mul` / `mat_mul_bias`, which read bf16 under that precision anyway) or as the saved
+//!   `fwd_out` of an `attention_backward` (read in bf16 by the tensor-core backward) becomes `bf16`:
 //!   the producer writes bf16 directly, the buffer takes half the bytes and no f32 copy exists.
 //!   It is not an e-graph rewrite: it changes a value's type on a condition over *all* of its
 //!   readers, which a term rewrite (local by nature) cannot see.
@@ -27,7 +36,7 @@
 //! limits ([`RUNNER_LIMITS`]); the cheapest term per root (fewest kernels, [`KernelCost`]) is
 //! mapped back onto the instruction that defined the root's value.
 use crate::{Pass, PassContext, PassError};
-use egg::{define_language, CostFunction, Extractor, Id, Language, Pattern, RecExpr, Rewrite};
+use egg::{define_language, CostFunction, Extractor, Id, Language, Pattern, Rewrite};
 use egg::{EGraph, Runner, Subst, Symbol, Var};
 use ir::config::TargetConfig;
 use ir::{DType, Module, Op, Precision, Section, ValueId};
@@ -37,17 +46,28 @@ use std::time::Duration;
 
 define_language! {
     /// The dataflow terms the fusion rules rewrite: `(mat_mul trans_a trans_b a b)`,
-    /// `(mat_mul_bias trans_a trans_b a b bias)`, `(bias_add x bias)`, and the leaves
-    /// `true` / `false` (a GEMM's transpose flags) and `%name` (an IR value the rules treat as
-    /// opaque), with the semantics of the IR ops of the same names.
+    /// `(mat_mul_bias trans_a trans_b a b bias)`, `(bias_add x bias)`, `(attention g qkv)`,
+    /// `(attention_backward g dout qkv)`, `(attention_backward_saved g dout qkv fwd)` (`fwd`:
+    /// the forward whose output and statistics it reads), and the leaves `true` / `false` (a
+    /// GEMM's transpose flags), `%name` (an IR value the rules treat as opaque) and
+    /// `#b<B>.t<T>.h<NH>` (an attention's geometry), with the semantics of the IR ops of the
+    /// same names.
     #[allow(missing_docs)]
     pub enum Dataflow {
         "mat_mul" = MatMul([Id; 4]),
         "mat_mul_bias" = MatMulBias([Id; 5]),
         "bias_add" = BiasAdd([Id; 2]),
+        "attention" = Attention([Id; 2]),
+        "attention_backward" = AttentionBackward([Id; 3]),
+        "attention_backward_saved" = AttentionBackwardSaved([Id; 4]),
         Flag(bool),
         Value(Symbol),
     }
+}
+
+/// The geometry leaf of an attention: `#b<batch>.t<seq_len>.h<n_heads>`.
+pub fn geometry(batch: usize, seq_len: usize, n_heads: usize) -> Symbol {
+    Symbol::from(format!("#b{batch}.t{seq_len}.h{n_heads}"))
 }
 
 /// The runner's limits: iterations, e-nodes, wall time. One rule over disjoint matches
@@ -132,10 +152,30 @@ pub fn rules(target: FuseTarget, shapes: Shapes) -> Result<Vec<Rewrite<Dataflow,
         condition: aligned,
         applier: rhs,
     };
-    Ok(vec![Rewrite::new("bias-epilogue", lhs, applier)?])
+    let mut rules = vec![Rewrite::new("bias-epilogue", lhs, applier)?];
+    if target.bf16_attention {
+        let lhs: Pattern<Dataflow> = "(attention_backward ?g ?dout ?qkv)"
+            .parse()
+            .map_err(|e| format!("attention-saved lhs: {e}"))?;
+        let rhs: Pattern<Dataflow> = "(attention_backward_saved ?g ?dout ?qkv (attention ?g ?qkv))"
+            .parse()
+            .map_err(|e| format!("attention-saved rhs: {e}"))?;
+        let (g, qkv) = (var("?g")?, var("?qkv")?);
+        // Only where the forward of the same qkv and geometry is in the e-graph.
+        let has_forward = move |eg: &mut EGraph<Dataflow, ()>, _: Id, s: &Subst| {
+            eg.lookup(Dataflow::Attention([s[g], s[qkv]])).is_some()
+        };
+        let applier = egg::ConditionalApplier {
+            condition: has_forward,
+            applier: rhs,
+        };
+        rules.push(Rewrite::new("attention-saved", lhs, applier)?);
+    }
+    Ok(rules)
 }
 
-/// Extraction cost: kernels launched (one per op node; leaves are free).
+/// Extraction cost: kernel passes (one per op node, two for an `attention_backward` that
+/// reruns its forward's score pass; leaves are free).
 pub struct KernelCost;
 
 impl CostFunction<Dataflow> for KernelCost {
@@ -146,6 +186,7 @@ impl CostFunction<Dataflow> for KernelCost {
     {
         let own = match enode {
             Dataflow::Flag(_) | Dataflow::Value(_) => 0,
+            Dataflow::AttentionBackward(_) => 2,
             _ => 1,
         };
         enode.fold(own, |sum, id| sum + costs(id))
@@ -161,6 +202,8 @@ pub struct FuseReport {
     pub bias_epilogues: Vec<(String, String)>,
     /// `bias_add`s of a GEMM product left unfused, with the reason.
     pub blocked: Vec<(String, String)>,
+    /// `attention-saved` rewrites: `(dqkv, forward output)` names.
+    pub attention_saved: Vec<(String, String)>,
     /// Values made bf16 by `bf16-output`, with their producer op.
     pub bf16_outputs: Vec<(String, &'static str)>,
     /// Why the e-graph runner stopped (`Saturated` normally).
@@ -187,9 +230,12 @@ fn rank2(m: &Module, v: ValueId) -> Option<(usize, usize)> {
     }
 }
 
-/// A `bias_add` of a single-reader GEMM product, added to the e-graph as one root.
+/// An instruction added to the e-graph as a root: a `bias_add` of a single-reader GEMM
+/// product, or an `attention_backward`.
 struct Candidate {
     inst: ir::InstId,
+    root: Id,
+    /// The product's name (`bias_add` roots).
     product: String,
 }
 
@@ -199,80 +245,111 @@ impl Fuse {
         &self.report
     }
 
-    /// `bias-epilogue`: builds one term per `bias_add` of a single-reader GEMM product, runs
-    /// the rules, and rewrites each `bias_add` whose cheapest term is a `mat_mul_bias`.
-    fn bias_epilogues(&mut self, m: &mut Module, target: FuseTarget) -> Result<(), PassError> {
+    /// The egg rules: builds one term per `bias_add` of a single-reader GEMM product and per
+    /// `attention_backward`, plus each `attention` forward (its e-class holding its output
+    /// value), runs the rules, and rewrites each root instruction whose cheapest term is fused.
+    fn rewrite(&mut self, m: &mut Module, target: FuseTarget) -> Result<(), PassError> {
         let name = |m: &Module, v: ValueId| Symbol::from(m.display_value(v));
         let mut shapes: HashMap<Symbol, (usize, usize)> = HashMap::new();
-        let mut runner = Runner::<Dataflow, ()>::default()
-            .with_iter_limit(RUNNER_LIMITS.0)
-            .with_node_limit(RUNNER_LIMITS.1)
-            .with_time_limit(RUNNER_LIMITS.2);
+        let mut eg = EGraph::<Dataflow, ()>::default();
         let mut candidates = Vec::new();
         let insts: Vec<_> = [Section::Forward, Section::Backward]
             .iter()
             .flat_map(|&s| m.section(s).collect::<Vec<_>>())
             .collect();
+        let tc_heads = |m: &Module, qkv: ValueId, n_heads: usize| {
+            rank2(m, qkv).is_some_and(|(_, w)| {
+                n_heads > 0 && w / 3 / n_heads <= schedule::BF16_ATTENTION_MAX_HEAD_DIM
+            })
+        };
         for id in insts {
             let inst = m.inst(id);
-            if inst.op != Op::BiasAdd || inst.args.len() != 2 {
-                continue;
-            }
-            let (x, bias) = (inst.args[0], inst.args[1]);
-            let def = m.inst(m.value(x).def);
-            let Op::MatMul { trans_a, trans_b } = def.op else {
-                continue;
-            };
-            let readers = m.uses(x).len();
-            if readers != 1 || def.section != inst.section {
-                let why = format!("{} has {readers} readers", m.display_value(x));
-                self.report
-                    .blocked
-                    .push((m.display_value(inst.results[0]), why));
-                continue;
-            }
-            let (a, b) = (def.args[0], def.args[1]);
-            for v in [a, b] {
-                if let Some(s) = rank2(m, v) {
-                    shapes.insert(name(m, v), s);
+            match inst.op {
+                Op::BiasAdd if inst.args.len() == 2 => {
+                    let (x, bias) = (inst.args[0], inst.args[1]);
+                    let def = m.inst(m.value(x).def);
+                    let Op::MatMul { trans_a, trans_b } = def.op else {
+                        continue;
+                    };
+                    let readers = m.uses(x).len();
+                    if readers != 1 || def.section != inst.section {
+                        let why = format!("{} has {readers} readers", m.display_value(x));
+                        self.report
+                            .blocked
+                            .push((m.display_value(inst.results[0]), why));
+                        continue;
+                    }
+                    let (a, b) = (def.args[0], def.args[1]);
+                    for v in [a, b] {
+                        if let Some(s) = rank2(m, v) {
+                            shapes.insert(name(m, v), s);
+                        }
+                    }
+                    let ta = eg.add(Dataflow::Flag(trans_a));
+                    let tb = eg.add(Dataflow::Flag(trans_b));
+                    let av = eg.add(Dataflow::Value(name(m, a)));
+                    let bv = eg.add(Dataflow::Value(name(m, b)));
+                    let mm = eg.add(Dataflow::MatMul([ta, tb, av, bv]));
+                    let bs = eg.add(Dataflow::Value(name(m, bias)));
+                    let root = eg.add(Dataflow::BiasAdd([mm, bs]));
+                    candidates.push(Candidate {
+                        inst: id,
+                        root,
+                        product: m.display_value(x),
+                    });
                 }
+                Op::Attention {
+                    batch,
+                    seq_len,
+                    n_heads,
+                } if target.bf16_attention
+                    && inst.results.len() == 1
+                    && tc_heads(m, inst.args[0], n_heads) =>
+                {
+                    let g = eg.add(Dataflow::Value(geometry(batch, seq_len, n_heads)));
+                    let q = eg.add(Dataflow::Value(name(m, inst.args[0])));
+                    let fwd = eg.add(Dataflow::Attention([g, q]));
+                    let out = eg.add(Dataflow::Value(name(m, inst.results[0])));
+                    eg.union(fwd, out);
+                }
+                Op::AttentionBackward {
+                    batch,
+                    seq_len,
+                    n_heads,
+                } if target.bf16_attention && inst.args.len() == 2 => {
+                    let g = eg.add(Dataflow::Value(geometry(batch, seq_len, n_heads)));
+                    let d = eg.add(Dataflow::Value(name(m, inst.args[0])));
+                    let q = eg.add(Dataflow::Value(name(m, inst.args[1])));
+                    let root = eg.add(Dataflow::AttentionBackward([g, d, q]));
+                    candidates.push(Candidate {
+                        inst: id,
+                        root,
+                        product: String::new(),
+                    });
+                }
+                _ => {}
             }
-            let mut e = RecExpr::default();
-            let ta = e.add(Dataflow::Flag(trans_a));
-            let tb = e.add(Dataflow::Flag(trans_b));
-            let av = e.add(Dataflow::Value(name(m, a)));
-            let bv = e.add(Dataflow::Value(name(m, b)));
-            let mm = e.add(Dataflow::MatMul([ta, tb, av, bv]));
-            let bs = e.add(Dataflow::Value(name(m, bias)));
-            e.add(Dataflow::BiasAdd([mm, bs]));
-            runner = runner.with_expr(&e);
-            candidates.push(Candidate {
-                inst: id,
-                product: m.display_value(x),
-            });
         }
         if candidates.is_empty() {
             return Ok(());
         }
+        eg.rebuild();
         let rules = rules(target, Arc::new(shapes)).map_err(invalid)?;
-        let runner = runner.run(&rules);
+        let runner = Runner::<Dataflow, ()>::default()
+            .with_iter_limit(RUNNER_LIMITS.0)
+            .with_node_limit(RUNNER_LIMITS.1)
+            .with_time_limit(RUNNER_LIMITS.2)
+            .with_egraph(eg)
+            .run(&rules);
         self.report.stop_reason = runner.stop_reason.as_ref().map(|r| format!("{r:?}"));
         let extractor = Extractor::new(&runner.egraph, KernelCost);
-        for (c, &root) in candidates.iter().zip(&runner.roots) {
-            let (_, best) = extractor.find_best(root);
-            let nodes = best.as_ref();
-            let Some(Dataflow::MatMulBias([ta, tb, a, b, bias])) = nodes.last() else {
-                let result = m.display_value(m.inst(c.inst).results[0]);
-                self.report
-                    .blocked
-                    .push((result, "operand rows not 16-byte aligned for bf16".into()));
-                continue;
-            };
+        for c in &candidates {
+            let (_, best) = extractor.find_best(runner.egraph.find(c.root));
             let flag_of = |id: &Id| match best[*id] {
                 Dataflow::Flag(f) => Ok(f),
                 ref other => Err(invalid(format!("expected a flag leaf, found {other:?}"))),
             };
-            let value_of = |id: &Id| match &best[*id] {
+            let value_of = |m: &Module, id: &Id| match &best[*id] {
                 Dataflow::Value(s) => s
                     .as_str()
                     .strip_prefix('%')
@@ -280,16 +357,65 @@ impl Fuse {
                     .ok_or_else(|| invalid(format!("unknown value {s} in an extracted term"))),
                 other => Err(invalid(format!("expected a value leaf, found {other:?}"))),
             };
-            let op = Op::MatMulBias {
-                trans_a: flag_of(ta)?,
-                trans_b: flag_of(tb)?,
-            };
-            let args = [value_of(a)?, value_of(b)?, value_of(bias)?];
-            m.replace_inst(c.inst, op, &args);
-            let result = m.display_value(m.inst(c.inst).results[0]);
-            self.report
-                .bias_epilogues
-                .push((result, c.product.clone()));
+            let root_op = m.inst(c.inst).op.clone();
+            match (best.as_ref().last(), &root_op) {
+                (Some(Dataflow::MatMulBias([ta, tb, a, b, bias])), Op::BiasAdd) => {
+                    let op = Op::MatMulBias {
+                        trans_a: flag_of(ta)?,
+                        trans_b: flag_of(tb)?,
+                    };
+                    let args = [value_of(m, a)?, value_of(m, b)?, value_of(m, bias)?];
+                    m.replace_inst(c.inst, op, &args);
+                    let result = m.display_value(m.inst(c.inst).results[0]);
+                    self.report
+                        .bias_epilogues
+                        .push((result, c.product.clone()));
+                }
+                (Some(Dataflow::BiasAdd(_)), Op::BiasAdd) => {
+                    let result = m.display_value(m.inst(c.inst).results[0]);
+                    self.report
+                        .blocked
+                        .push((result, "operand rows not 16-byte aligned for bf16".into()));
+                }
+                (
+                    Some(Dataflow::AttentionBackwardSaved([_, dout, qkv, fwd])),
+                    Op::AttentionBackward { .. },
+                ) => {
+                    let (dout, qkv, out) = (value_of(m, dout)?, value_of(m, qkv)?, value_of(m, fwd)?);
+                    let forward = m.value(out).def;
+                    let lse = match m.inst(forward).results.get(1) {
+                        Some(&l) => l,
+                        None => {
+                            let Op::Attention {
+                                batch,
+                                seq_len,
+                                n_heads,
+                            } = m.inst(forward).op
+                            else {
+                                return Err(invalid(format!(
+                                    "{} is not an attention output",
+                                    m.display_value(out)
+                                )));
+                            };
+                            let hint = format!("{}.lse", m.value(out).name);
+                            let ty = ir::TensorType::f32([batch * n_heads * seq_len]);
+                            m.add_result(forward, &hint, ty)
+                        }
+                    };
+                    m.replace_inst(c.inst, root_op.clone(), &[dout, qkv, out, lse]);
+                    let dqkv = m.display_value(m.inst(c.inst).results[0]);
+                    self.report
+                        .attention_saved
+                        .push((dqkv, m.display_value(out)));
+                }
+                (Some(Dataflow::AttentionBackward(_)), Op::AttentionBackward { .. }) => {}
+                (other, op) => {
+                    return Err(invalid(format!(
+                        "extracted {other:?} for a `{}` root",
+                        op.name()
+                    )))
+                }
+            }
         }
         m.remove_dead();
         Ok(())
@@ -329,12 +455,14 @@ impl Fuse {
                 let gemm_only = !uses.is_empty()
                     && uses.iter().all(|&u| {
                         let r = m.inst(u);
-                        matches!(r.op, Op::MatMul { .. } | Op::MatMulBias { .. })
-                            && matches!(r.section, Section::Forward | Section::Backward)
-                            && r.args
-                                .iter()
-                                .enumerate()
-                                .all(|(i, &a)| a != out || i < 2)
+                        // Positions at which `out` may be read in bf16.
+                        let ok = |i: usize| match r.op {
+                            Op::MatMul { .. } | Op::MatMulBias { .. } => i < 2,
+                            Op::AttentionBackward { .. } => i == 2,
+                            _ => false,
+                        };
+                        matches!(r.section, Section::Forward | Section::Backward)
+                            && r.args.iter().enumerate().all(|(i, &a)| a != out || ok(i))
                     });
                 if gemm_only && m.value(out).ty.dtype == DType::F32 {
                     marked.push((out, inst.op.name()));
@@ -362,13 +490,14 @@ impl Pass for Fuse {
             target: Some(target),
             ..FuseReport::default()
         };
-        self.bias_epilogues(module, target)?;
+        self.rewrite(module, target)?;
         self.bf16_outputs(module, target);
         let r = &self.report;
         Ok(format!(
-            "{} bias epilogues ({} blocked), {} bf16 outputs",
+            "{} bias epilogues ({} blocked), {} saved attention statistics, {} bf16 outputs",
             r.bias_epilogues.len(),
             r.blocked.len(),
+            r.attention_saved.len(),
             r.bf16_outputs.len()
         ))
     }
@@ -392,6 +521,11 @@ impl Pass for Fuse {
         }
         for (result, why) in &r.blocked {
             s.push_str(&format!("; bias-epilogue blocked for {result}: {why}\n"));
+        }
+        for (dqkv, out) in &r.attention_saved {
+            s.push_str(&format!(
+                "; attention-saved: {dqkv} reads {out} and its lse from the forward\n"
+            ));
         }
         for (value, op) in &r.bf16_outputs {
             s.push_str(&format!("; bf16-output: {value} ({op})\n"));

@@ -76,6 +76,46 @@ fn bias_epilogue_under_bf16_gemms_needs_16_byte_rows() {
     assert_eq!(best(term, CPU, &odd_out), "(mat_mul_bias false true %a %b %bias)");
 }
 
+/// Like [`best`], with the forward `(attention g %qkv)` in the e-graph, its e-class holding
+/// its output `%out` (as the pass builds it).
+fn best_with_forward(term: &str, forward: Option<&str>, target: FuseTarget) -> String {
+    let mut eg = egg::EGraph::<Dataflow, ()>::default();
+    if let Some(f) = forward {
+        let fwd = eg.add_expr(&f.parse().expect("forward parses"));
+        let out = eg.add(Dataflow::Value(Symbol::from("%out")));
+        eg.union(fwd, out);
+    }
+    let root = eg.add_expr(&term.parse().expect("term parses"));
+    eg.rebuild();
+    let rules = rules(target, Arc::new(HashMap::new())).expect("rules build");
+    let runner = Runner::default()
+        .with_iter_limit(RUNNER_LIMITS.0)
+        .with_node_limit(RUNNER_LIMITS.1)
+        .with_time_limit(RUNNER_LIMITS.2)
+        .with_egraph(eg)
+        .run(&rules);
+    let root = runner.egraph.find(root);
+    let (_, e) = Extractor::new(&runner.egraph, KernelCost).find_best(root);
+    e.to_string().replace('"', "")
+}
+
+#[test]
+fn attention_saved_reads_the_forward_of_the_same_qkv_and_geometry() {
+    let bwd = "(attention_backward #b2.t4.h2 %dout %qkv)";
+    let fwd = "(attention #b2.t4.h2 %qkv)";
+    assert_eq!(
+        best_with_forward(bwd, Some(fwd), BF16),
+        "(attention_backward_saved #b2.t4.h2 %dout %qkv %out)"
+    );
+    // No forward of that qkv, another geometry, or no bf16 attention: unchanged.
+    assert_eq!(best_with_forward(bwd, None, BF16), bwd);
+    let other_qkv = "(attention #b2.t4.h2 %qkv2)";
+    assert_eq!(best_with_forward(bwd, Some(other_qkv), BF16), bwd);
+    let other_geometry = "(attention #b2.t4.h4 %qkv)";
+    assert_eq!(best_with_forward(bwd, Some(other_geometry), BF16), bwd);
+    assert_eq!(best_with_forward(bwd, Some(fwd), CPU), bwd);
+}
+
 fn compile(spec: &str, skip_fuse: bool) -> (ir::Module, schedule::Plan) {
     let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(spec);
     let config = frontend::load_spec(&path).expect("spec");
@@ -107,7 +147,8 @@ fn gpt2_124m_lowers_to_fused_ops_and_bf16_buffers() {
     assert_eq!(count(&plan, "bias_add"), 0);
     assert_eq!(count(&unfused, "bias_add"), 48);
     assert_eq!(count(&unfused, "mat_mul_bias"), 0);
-    assert_eq!(plan.buffers.len() + 48, unfused.buffers.len());
+    // 48 products fewer, 12 attention statistics more.
+    assert_eq!(plan.buffers.len() + 48 - 12, unfused.buffers.len());
     let bf16: Vec<&str> = plan
         .buffers
         .iter()
@@ -117,6 +158,22 @@ fn gpt2_124m_lowers_to_fused_ops_and_bf16_buffers() {
     // Per block ln_1, ln_2, attn, gelu; plus ln_f and the LM head's dlogits.
     assert_eq!(bf16.len(), 12 * 4 + 2, "{bf16:?}");
     assert!(bf16.contains(&"d.logits") && bf16.contains(&"h11.gelu"));
+    // attention-saved: every backward reads its forward's output and lse.
+    let saved = plan
+        .backward
+        .iter()
+        .filter(|o| {
+            matches!(
+                o,
+                schedule::Op::AttentionBackward {
+                    fwd_out: Some(_),
+                    lse: Some(_),
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(saved, 12);
     assert!(!bf16.iter().any(|n| n.ends_with(".fc")), "gelu_backward reads fc");
     assert!(
         plan.memory.total_bytes() < unfused.memory.total_bytes(),

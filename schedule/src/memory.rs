@@ -220,6 +220,7 @@ impl Op {
                 }
             }
             (Op::ClipGradNorm { .. }, "grads") => Access::ReadWrite,
+            (Op::Attention { .. }, "lse") => Access::Write,
             (Op::AdamW { .. } | Op::SoapUpdate { .. }, "param" | "exp_avg" | "exp_avg_sq") => {
                 Access::ReadWrite
             }

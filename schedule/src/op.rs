@@ -18,8 +18,9 @@ pub const BF16_ATTENTION_MAX_HEAD_DIM: usize = 64;
 /// `b` of `mat_mul` / `mat_mul_bias` (read directly by bf16 tensor-core GEMMs), and as the
 /// outputs of the producers that can write bf16 directly — `layer_norm.out` (rows of at most
 /// [`BF16_LAYERNORM_MAX_C`]), `gelu.out`, `attention.out` (heads of at most
-/// [`BF16_ATTENTION_MAX_HEAD_DIM`]) and `cross_entropy_backward.dlogits`. Everything else is
-/// f32.
+/// [`BF16_ATTENTION_MAX_HEAD_DIM`]) and `cross_entropy_backward.dlogits` — and the saved
+/// forward output `attention_backward.fwd_out` the tensor-core backward reads. Everything
+/// else is f32.
 pub fn operand_dtypes(op: &str, operand: &str) -> &'static [DType] {
     const F32: &[DType] = &[DType::F32];
     const EITHER: &[DType] = &[DType::F32, DType::Bf16];
@@ -27,6 +28,7 @@ pub fn operand_dtypes(op: &str, operand: &str) -> &'static [DType] {
         (_, "ids" | "targets") => &[DType::I32],
         ("mat_mul" | "mat_mul_bias", "a" | "b") => EITHER,
         ("layer_norm" | "gelu" | "attention", "out") => EITHER,
+        ("attention_backward", "fwd_out") => EITHER,
         ("cross_entropy_backward", "dlogits") => EITHER,
         _ => F32,
     }
@@ -193,18 +195,30 @@ pub enum Op {
         theta: f64,
     },
     /// Causal multi-head self-attention on a fused qkv `[N, 3C]` (`[q | k | v]`, heads
-    /// contiguous in each), softmax scale `1/√(C/n_heads)`; out `[N, C]`.
+    /// contiguous in each), softmax scale `1/√(C/n_heads)`; out `[N, C]`. With `lse` (the
+    /// `fuse` pass's `attention-saved`), also the softmax statistics its backward reuses:
+    /// `lse[(b·NH + h)·T + t] = log₂ Σ_{s ≤ t} 2^(q_t·k_s · scale · log₂e)`, the base-2
+    /// log-sum-exp of row t's scaled scores, f32 `[B·NH·T]`.
     Attention {
         qkv: BufferId,
         out: BufferId,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        lse: Option<BufferId>,
         batch: usize,
         seq_len: usize,
         n_heads: usize,
     },
-    /// Gradient of [`Op::Attention`] (probabilities recomputed): dout `[N, C]`, dqkv `[N, 3C]`.
+    /// Gradient of [`Op::Attention`]: dout `[N, C]`, dqkv `[N, 3C]`. With `fwd_out` and `lse`
+    /// (both or neither: the forward's `out` and `lse`), an engine may take the softmax
+    /// statistics and `rowsum(dout ⊙ out)` from them instead of recomputing them from qkv (the
+    /// CUDA tensor-core backward does; the CPU engine recomputes: the same math).
     AttentionBackward {
         dout: BufferId,
         qkv: BufferId,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fwd_out: Option<BufferId>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        lse: Option<BufferId>,
         dqkv: BufferId,
         batch: usize,
         seq_len: usize,

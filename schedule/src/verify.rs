@@ -178,10 +178,22 @@ impl Op {
             }
             Op::Rope { x, out, .. } => v.extend([("x", *x), ("out", *out)]),
             Op::RopeBackward { dout, dx, .. } => v.extend([("dout", *dout), ("dx", *dx)]),
-            Op::Attention { qkv, out, .. } => v.extend([("qkv", *qkv), ("out", *out)]),
+            Op::Attention { qkv, out, lse, .. } => {
+                v.extend([("qkv", *qkv), ("out", *out)]);
+                opt(&mut v, "lse", lse);
+            }
             Op::AttentionBackward {
-                dout, qkv, dqkv, ..
-            } => v.extend([("dout", *dout), ("qkv", *qkv), ("dqkv", *dqkv)]),
+                dout,
+                qkv,
+                fwd_out,
+                lse,
+                dqkv,
+                ..
+            } => {
+                v.extend([("dout", *dout), ("qkv", *qkv), ("dqkv", *dqkv)]);
+                opt(&mut v, "fwd_out", fwd_out);
+                opt(&mut v, "lse", lse);
+            }
             Op::CrossEntropy {
                 logits,
                 targets,
@@ -543,6 +555,7 @@ impl Checker<'_> {
             Op::Attention {
                 qkv,
                 out,
+                lse,
                 batch,
                 seq_len,
                 n_heads,
@@ -569,10 +582,15 @@ impl Checker<'_> {
                         ),
                     ));
                 }
+                if let Some(l) = lse {
+                    self.dims("lse", *l, &[batch * n_heads * seq_len])?;
+                }
             }
             Op::AttentionBackward {
                 dout,
                 qkv,
+                fwd_out,
+                lse,
                 dqkv,
                 batch,
                 seq_len,
@@ -590,6 +608,19 @@ impl Checker<'_> {
                 }
                 self.dims("dout", *dout, &[n, w / 3])?;
                 self.same(("qkv", *qkv), ("dqkv", *dqkv))?;
+                match (fwd_out, lse) {
+                    (Some(o), Some(l)) => {
+                        self.dims("fwd_out", *o, &[n, w / 3])?;
+                        self.dims("lse", *l, &[batch * n_heads * seq_len])?;
+                    }
+                    (None, None) => {}
+                    (Some(o), None) => {
+                        return Err(self.fail("fwd_out", *o, "comes with `lse` (saved statistics)"))
+                    }
+                    (None, Some(l)) => {
+                        return Err(self.fail("lse", *l, "comes with `fwd_out` (saved statistics)"))
+                    }
+                }
             }
             Op::CrossEntropy {
                 logits,

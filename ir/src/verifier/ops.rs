@@ -52,7 +52,13 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
         Op::GeluBackward | Op::SwiGluBackward => vec!["dout", "x"],
         Op::RopeBackward { .. } => vec!["dout"],
         Op::Attention { .. } => vec!["qkv"],
-        Op::AttentionBackward { .. } => vec!["dout", "qkv"],
+        Op::AttentionBackward { .. } => {
+            return match found {
+                2 => Ok(vec!["dout", "qkv"]),
+                4 => Ok(vec!["dout", "qkv", "fwd_out", "lse"]),
+                _ => Err("2 (dout, qkv) or 4 (dout, qkv, fwd_out, lse)".into()),
+            }
+        }
         Op::CrossEntropy | Op::CrossEntropyBackward => vec!["logits", "targets"],
         Op::AdamW { .. } => vec!["param", "grad", "exp_avg", "exp_avg_sq"],
         Op::EigenbasisRefresh { .. } => vec!["factor", "basis", "exp_avg", "exp_avg_sq"],
@@ -68,9 +74,10 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
     }
 }
 
-/// Result roles of `op`.
-fn result_roles(op: &Op) -> Vec<&'static str> {
+/// Result roles of `op` given `found` results (`attention` has 1 or 2).
+fn result_roles(op: &Op, found: usize) -> Vec<&'static str> {
     match op {
+        Op::Attention { .. } if found == 2 => vec!["out", "lse"],
         Op::State { .. } | Op::Input { .. } => vec!["value"],
         Op::LayerNormBackward { bias: true, .. } => vec!["dx", "dweight", "dbias"],
         Op::LayerNormBackward { bias: false, .. } | Op::RmsNormBackward { .. } => {
@@ -105,7 +112,7 @@ pub(super) fn check_inst(v: &Verifier<'_>, id: InstId) -> R {
             expected,
             found: inst.args.len(),
         })?;
-    let results = result_roles(&inst.op);
+    let results = result_roles(&inst.op, inst.results.len());
     if results.len() != inst.results.len() {
         let (expected, found) = (results.len().to_string(), inst.results.len());
         return Err(VerifierError::ResultCount {
@@ -340,6 +347,9 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
             match op {
                 Op::Attention { .. } => {
                     c.dims("out", &[n, w / 3])?;
+                    if c.get("lse").is_ok() {
+                        c.dims("lse", &[batch * n_heads * seq_len])?;
+                    }
                     let head = w / 3 / n_heads;
                     let bf16 = c.get("out")?.1.dtype == DType::Bf16;
                     if bf16 && head > schedule::BF16_ATTENTION_MAX_HEAD_DIM {
@@ -355,6 +365,10 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 _ => {
                     c.dims("dout", &[n, w / 3])?;
                     c.same("qkv", "dqkv")?;
+                    if c.get("lse").is_ok() {
+                        c.dims("fwd_out", &[n, w / 3])?;
+                        c.dims("lse", &[batch * n_heads * seq_len])?;
+                    }
                 }
             }
         }
