@@ -72,6 +72,7 @@ fn cpu() -> TargetConfig {
         threads: Some(2),
         staleness: 0,
         calibration: None,
+        eigensolver: Default::default(),
     }
 }
 
@@ -81,6 +82,9 @@ fn cuda_bf16() -> TargetConfig {
         staleness: 0,
         precision: schedule::Precision::Bf16,
         calibration: None,
+        eigensolver: Default::default(),
+        attention: Default::default(),
+        refresh_placement: Default::default(),
     }
 }
 

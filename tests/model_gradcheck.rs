@@ -48,6 +48,7 @@ fn config(family: Family) -> Config {
             threads: Some(1),
             staleness: 0,
             calibration: None,
+            eigensolver: ir::Eigensolver::Faer,
         },
     }
 }

@@ -202,8 +202,6 @@ pub fn explain(spec: &Path) -> Result<()> {
 }
 
 fn train_options(run: &RunFlags) -> Result<engine::TrainOptions> {
-    let solver =
-        optim::solver_by_name(&run.eigensolver).map_err(|e| miette!("--eigensolver: {e}"))?;
     let cache_dir = run
         .cache_dir
         .clone()
@@ -214,17 +212,34 @@ fn train_options(run: &RunFlags) -> Result<engine::TrainOptions> {
         metrics_path: run.metrics.clone(),
         quiet: run.quiet,
         engine: engine::EngineOptions {
-            eigensolver: std::sync::Arc::from(solver),
             max_consecutive_refresh_failures: run.max_refresh_failures,
             ..Default::default()
         },
     })
 }
 
+/// Applies the CLI's overrides of plan options, prints the options the run uses, and runs
+/// the plan on its target's engine.
 fn execute(plan: &Plan, run: &RunFlags) -> Result<()> {
     let opts = train_options(run)?;
+    let mut plan = plan.clone();
+    if let Some(e) = run.eigensolver {
+        plan.target.set_eigensolver(e);
+    }
+    // Fail before anything runs when this build lacks the plan's solver.
+    opts.engine
+        .solver(&plan)
+        .map_err(|e| miette!("plan `{}`: {e}", plan.name))?;
+    eprintln!("{}", plan.target.options_line());
+    let plan = &plan;
     if let TargetPlan::Cuda { .. } = plan.target {
-        return execute_cuda(plan, &opts);
+        return execute_cuda(plan, &opts, run.profile);
+    } else if run.profile != schedule::Profile::Off {
+        return Err(miette!(
+            "`--profile {}` times CUDA kernels; plan `{}` targets the CPU engine",
+            run.profile,
+            plan.name
+        ));
     }
     // The engine prints the progress bar and the summary line itself.
     engine::train(plan, &opts).map_err(|e| miette!("{e}"))?;
@@ -232,8 +247,11 @@ fn execute(plan: &Plan, run: &RunFlags) -> Result<()> {
 }
 
 /// Runs a CUDA plan on [`cuda::CudaEngine`] through the same training loop as the CPU engine.
-/// `ASTERIA_CUDA_REFRESH` (plan|gpu|host) and `ASTERIA_CUDA_BF16_GEMM` (cast|fast) tune it.
-fn execute_cuda(plan: &Plan, opts: &engine::TrainOptions) -> Result<()> {
+fn execute_cuda(
+    plan: &Plan,
+    opts: &engine::TrainOptions,
+    profile: schedule::Profile,
+) -> Result<()> {
     if !cuda::driver_present() {
         return Err(miette!(
             "plan `{}` targets CUDA, but no CUDA driver (libcuda.so) can be loaded on this machine; \
@@ -241,7 +259,11 @@ fn execute_cuda(plan: &Plan, opts: &engine::TrainOptions) -> Result<()> {
             plan.name
         ));
     }
-    let copts = cuda::CudaOptions::from_env(opts.engine.clone()).map_err(|e| miette!("{e}"))?;
+    let copts = cuda::CudaOptions {
+        engine: opts.engine.clone(),
+        device: None,
+        profile,
+    };
     let mut eng = cuda::CudaEngine::new(plan.clone(), copts)
         .map_err(|e| miette!("plan `{}` targets CUDA: {e}", plan.name))?;
     if !opts.quiet {
@@ -265,7 +287,7 @@ fn execute_cuda(plan: &Plan, opts: &engine::TrainOptions) -> Result<()> {
     }
     let profile = eng.profile_table();
     if !profile.is_empty() {
-        eprintln!("per-op GPU time (ASTERIA_CUDA_PROFILE: every op synchronized):\n{profile}");
+        eprintln!("per-op GPU time (--profile):\n{profile}");
     }
     Ok(())
 }
@@ -320,6 +342,8 @@ fn median_ms(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 /// `asteria calibrate`: measures this host's eigensolve and power-iteration+QR times and GEMM
 /// rate (and with `device = Some("cuda")` the GPU's refresh times, host→device bandwidth and
 /// bf16 GEMM rate), and writes a target description for the `precond-scheduling` cost model.
+/// `sync_phases` (with `cuda`): the GPU refresher's printed phase times are GPU times, from
+/// extra runs that synchronise after every phase (`cuda::calibrate::measure`).
 ///
 /// # Errors
 /// A device other than `cuda`, no CUDA driver or device, measurement or write failures.
@@ -330,8 +354,14 @@ pub fn calibrate(
     reps: usize,
     device: Option<&str>,
     ordinal: usize,
+    sync_phases: bool,
 ) -> Result<()> {
     let gpu = match device {
+        None | Some("cpu") if sync_phases => {
+            return Err(miette!(
+                "`--sync-phases` times the GPU refresher's phases: add `--device cuda`"
+            ))
+        }
         None | Some("cpu") => None,
         Some("cuda") => {
             if !cuda::driver_present() {
@@ -339,14 +369,7 @@ pub fn calibrate(
                     "`--device cuda`: no CUDA driver (libcuda.so) can be loaded on this machine"
                 ));
             }
-            let qr = match std::env::var("ASTERIA_CUDA_QR") {
-                Ok(v) => v
-                    .parse::<cuda::refresh::QrMethod>()
-                    .map_err(|e| miette!("ASTERIA_CUDA_QR: {e}"))?,
-                Err(_) => cuda::refresh::QrMethod::default(),
-            };
-            eprintln!("GPU QR refreshes: {qr:?}");
-            let g = cuda::calibrate::measure(ordinal, sizes, reps, qr)
+            let g = cuda::calibrate::measure(ordinal, sizes, reps, sync_phases)
                 .map_err(|e| miette!("GPU calibration: {e}"))?;
             for ((n, e), (_, q)) in g.eigh_ms.iter().zip(&g.qr_ms) {
                 eprintln!("GPU n = {n:>5}: syevd refresh {e:>9.2} ms   power iteration + QR refresh {q:>9.2} ms");
@@ -473,7 +496,7 @@ pub struct SelftestArgs {
     pub train_match: Vec<std::path::PathBuf>,
     pub steps: u64,
     pub tol: f64,
-    pub refresh: String,
+    pub refresh: schedule::RefreshPlacement,
     pub cache_dir: Option<std::path::PathBuf>,
     pub compare_state: bool,
     pub resync: bool,
@@ -513,10 +536,7 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
             failed.push("kernel self-test".to_string());
         }
     }
-    let refresh: cuda::RefreshMode = a
-        .refresh
-        .parse()
-        .map_err(|e: String| miette!("--refresh: {e}"))?;
+    let refresh = a.refresh;
     let precision = match a.match_precision.as_str() {
         "fp32" => schedule::Precision::Fp32,
         "bf16" => schedule::Precision::Bf16,

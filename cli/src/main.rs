@@ -51,9 +51,14 @@ pub struct RunFlags {
     /// No progress bar.
     #[arg(long, short)]
     pub quiet: bool,
-    /// Host eigensolver for preconditioner refreshes: faer (default) or lapack.
-    #[arg(long, default_value = "faer")]
-    pub eigensolver: String,
+    /// Host eigensolver for preconditioner refreshes (faer or lapack), overriding the spec's
+    /// `eigensolver` (the plan records the value that runs).
+    #[arg(long, value_name = "SOLVER", value_parser = option_value::<schedule::Eigensolver>)]
+    pub eigensolver: Option<schedule::Eigensolver>,
+    /// CUDA engine: per-op GPU times, printed at the end (`ops`: a host sync around every op;
+    /// `events`: CUDA events, steps keep their overlap). Changes timing only.
+    #[arg(long, value_name = "MODE", default_value = "off", value_parser = option_value::<schedule::Profile>)]
+    pub profile: schedule::Profile,
     /// Folder for the token cache (default: the system temp dir).
     #[arg(long, value_name = "DIR")]
     pub cache_dir: Option<PathBuf>,
@@ -61,6 +66,12 @@ pub struct RunFlags {
     /// (each failure keeps the previous basis).
     #[arg(long, value_name = "N", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_refresh_failures: u32,
+}
+
+/// Parses a typed plan option (`schedule::Eigensolver`, `Profile`, ...) for clap; the error
+/// lists the allowed values.
+fn option_value<T: std::str::FromStr<Err = String>>(s: &str) -> Result<T, String> {
+    s.parse()
 }
 
 #[derive(Subcommand)]
@@ -120,6 +131,11 @@ enum Command {
         /// CUDA device ordinal (with `--device cuda`).
         #[arg(long, default_value_t = 0)]
         ordinal: usize,
+        /// With `--device cuda`: print the GPU refresher's phase times as GPU times, from extra
+        /// refreshes that synchronise after every phase (the measured refresh times are not
+        /// affected).
+        #[arg(long)]
+        sync_phases: bool,
     },
     /// Check a backend: `--device cuda` runs every CUDA kernel against the CPU kernels and,
     /// with `--train-match SPEC`, trains SPEC on the CPU and the GPU engine in one process and
@@ -152,9 +168,10 @@ enum Command {
         /// Largest allowed relative loss difference of any step.
         #[arg(long, default_value_t = 1e-4)]
         tol: f64,
-        /// Where the GPU engine refreshes eigenbases in the train-match: gpu, host or plan.
-        #[arg(long, default_value = "gpu")]
-        refresh: String,
+        /// Where the GPU engine refreshes eigenbases in the train-match: gpu, host or auto (as
+        /// compiled); the plan is rewritten accordingly.
+        #[arg(long, default_value = "gpu", value_parser = option_value::<schedule::RefreshPlacement>)]
+        refresh: schedule::RefreshPlacement,
         /// Folder for the token cache.
         #[arg(long, value_name = "DIR")]
         cache_dir: Option<PathBuf>,
@@ -247,6 +264,7 @@ fn main() -> ExitCode {
             reps,
             device,
             ordinal,
+            sync_phases,
         } => commands::calibrate(
             output.as_deref(),
             &sizes,
@@ -254,6 +272,7 @@ fn main() -> ExitCode {
             reps,
             device.as_deref(),
             ordinal,
+            sync_phases,
         ),
         Command::Bench {
             what:

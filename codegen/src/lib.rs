@@ -422,20 +422,30 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
         },
         target: match &c.target {
             TargetConfig::Cpu {
-                threads, staleness, ..
+                threads,
+                staleness,
+                eigensolver,
+                ..
             } => TargetPlan::Cpu {
                 threads: *threads,
                 staleness: *staleness,
+                eigensolver: *eigensolver,
             },
             TargetConfig::Cuda {
                 device,
                 staleness,
                 precision,
+                eigensolver,
+                attention,
+                refresh_placement,
                 ..
             } => TargetPlan::Cuda {
                 device: *device,
                 staleness: *staleness,
                 precision: *precision,
+                eigensolver: *eigensolver,
+                attention: *attention,
+                refresh_placement: *refresh_placement,
             },
         },
         memory,

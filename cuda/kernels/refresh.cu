@@ -1,7 +1,8 @@
 // Helpers of the GPU eigenbasis refresh (plan host task `EigenbasisRefresh`, SOAP's
-// `get_orthogonal_matrix` / `get_orthogonal_matrix_QR`): cuSOLVER does the eigendecomposition
-// and the QR; these kernels move columns between the row-major plan layout and cuSOLVER's
-// column-major one, sort, permute and check. All matrices are f32.
+// `get_orthogonal_matrix` / `get_orthogonal_matrix_QR`; cuda/src/refresh/): cuSOLVER and cuBLAS
+// do the factorisations; these kernels move columns between the row-major plan layout and
+// cuSOLVER's column-major one, sort, permute, check, and do the element-wise steps of the
+// Rayleigh-Cholesky QR. All matrices are f32.
 
 // a[i, i] += v for i < d (a row-major [d, d]).
 extern "C" __global__ void add_diag(float* __restrict__ a, int d, float v) {
@@ -106,66 +107,13 @@ extern "C" __global__ void abs_max_bits(const float* __restrict__ x, long long n
     if (local) atomicMax(out, local);
 }
 
-// Shifted CholeskyQR3 in float64 (GpuRefresher::shifted_cholesky_qr3).
-// out[i, j] = x[i, idx[j]] widened to f64; x row-major f32 [rows, cols], out row-major f64.
-extern "C" __global__ void permute_cols_f64(const float* __restrict__ x, const int* __restrict__ idx,
-                                            double* __restrict__ out, int rows, int cols) {
-    const long long total = (long long)rows * cols;
-    for (long long k = gtid(); k < total; k += gstride()) {
-        const long long i = k / cols, j = k % cols;
-        out[k] = (double)x[i * cols + idx[j]];
-    }
-}
-
-// x[:, j] /= ||x[:, j]||_2 for the columns of row-major f64 x [rows, cols] with a non-zero norm
-// (same Q, a better-conditioned Gram matrix; a zero column stays zero, so the unshifted passes'
-// Cholesky factorisation fails and the refresh goes to Householder QR). One thread per column:
-// adjacent threads read adjacent columns of a row (coalesced).
-extern "C" __global__ void normalize_cols_f64(double* __restrict__ x, int rows, int cols) {
-    for (long long j = gtid(); j < cols; j += gstride()) {
-        double acc = 0.0;
-        for (long long i = 0; i < rows; ++i) {
-            const double v = x[i * cols + j];
-            acc += v * v;
-        }
-        if (acc > 0.0) {
-            const double s = 1.0 / sqrt(acc);
-            for (long long i = 0; i < rows; ++i) x[i * cols + j] *= s;
-        }
-    }
-}
-
-// a[i, i] += v for i < d (a [d, d] f64; the diagonal is the same in either layout).
-extern "C" __global__ void add_diag_f64(double* __restrict__ a, int d, double v) {
-    for (long long i = gtid(); i < d; i += gstride()) a[i * (long long)d + i] += v;
-}
+// Rayleigh–Cholesky QR (refresh/rayleigh.rs): f32, cuSOLVER column-major.
 
 // *all = *pass when *all is still 0 (keeps the first failing potrf's info). One thread.
 extern "C" __global__ void first_nonzero_info(const int* __restrict__ pass, int* __restrict__ all) {
     if (gtid() == 0 && *all == 0) *all = *pass;
 }
 
-// *out = max(*out, bits of (float)|r[i, j] - delta_ij|) over the upper triangle (i <= j) of the
-// column-major f64 Cholesky factor r [d, d] (element (i, j) at r[j * d + i]); the lower triangle
-// still holds the Gram matrix and is skipped. NaN counts as the largest error.
-extern "C" __global__ void upper_identity_error_bits(const double* __restrict__ r, int d, int* __restrict__ out) {
-    const long long total = (long long)d * d;
-    int local = 0;
-    for (long long k = gtid(); k < total; k += gstride()) {
-        const long long j = k / d, i = k % d;
-        if (i > j) continue;
-        const double e = fabs(r[k] - (i == j ? 1.0 : 0.0));
-        local = max(local, isnan(e) ? 0x7fffffff : __float_as_int((float)fmin(e, 3.0e38)));
-    }
-    if (local) atomicMax(out, local);
-}
-
-// y[i] = (float)x[i] for i < n.
-extern "C" __global__ void f64_to_f32(const double* __restrict__ x, float* __restrict__ y, long long n) {
-    for (long long i = gtid(); i < n; i += gstride()) y[i] = (float)x[i];
-}
-
-// Rayleigh–Cholesky QR (GpuRefresher::rayleigh_cholesky_qr): f32, cuSOLVER column-major.
 // a[i, i] += rel * max_k a[k, k] for i < d (a [d, d]; the diagonal is the same in either
 // layout). One block: the block reduces the diagonal's maximum, then adds the shift. A
 // non-positive maximum adds nothing (the Cholesky factorisation then fails and the refresh goes
@@ -184,31 +132,27 @@ extern "C" __global__ void add_diag_rel(float* __restrict__ a, int d, float rel)
     for (int i = threadIdx.x; i < d; i += blockDim.x) a[(long long)i * d + i] += shift;
 }
 
-// The unit lower-triangular L = C diag(C)^-1 of a Cholesky factorisation B = C C^T.
-// col = 0: from cuSOLVER's upper factor U = C^T (column-major, U(r, c) at u[c * d + r], r <= c;
-// the strictly lower part of u is not read): x row-major [d, d], x[i * d + j] = L(i, j) =
-// U(j, i) / U(j, j) = u[i * d + j] / u[j * d + j] for i > j, 1 on the diagonal, 0 above.
-// col = 1: from the lower factor C itself (column-major, C(r, c) at u[c * d + r], r >= c): x
-// column-major, x[j * d + i] = L(i, j) = u[j * d + i] / u[j * d + j]. Either way reads and
-// writes are at the same index: coalesced.
-extern "C" __global__ void unit_lower_from_chol(const float* __restrict__ u, float* __restrict__ x, int d,
-                                                 int col) {
+// The unit lower-triangular L = C diag(C)^-1 of a Cholesky factorisation B = C C^T, from
+// cuSOLVER's lower factor C (column-major, C(r, c) at u[c * d + r], r >= c; the strictly upper
+// part of u is not read): x column-major, x[j * d + i] = L(i, j) = u[j * d + i] / u[j * d + j]
+// for i > j, 1 on the diagonal, 0 above. Reads and writes are at the same index: coalesced.
+extern "C" __global__ void unit_lower_from_chol(const float* __restrict__ u, float* __restrict__ x, int d) {
     const long long total = (long long)d * d;
     for (long long k = gtid(); k < total; k += gstride()) {
-        const long long i = col ? k % d : k / d, j = col ? k / d : k % d;
+        const long long i = k % d, j = k / d;
         x[k] = i > j ? u[k] / u[j * d + j] : (i == j ? 1.0f : 0.0f);
     }
 }
 
-// upper_identity_error_bits for an f32 column-major factor r [d, d]; `lower`: its lower
-// triangle instead (a lower-fill Cholesky factor, Rᵀ).
-extern "C" __global__ void upper_identity_error_bits_f32(const float* __restrict__ r, int d, int* __restrict__ out,
-                                                          int lower) {
+// *out = max(*out, bits of |r[i, j] - delta_ij|) over the lower triangle (i >= j) of the
+// column-major f32 lower Cholesky factor r [d, d] (element (i, j) at r[j * d + i]); the upper
+// triangle still holds the Gram matrix and is skipped. NaN counts as the largest error.
+extern "C" __global__ void lower_identity_error_bits(const float* __restrict__ r, int d, int* __restrict__ out) {
     const long long total = (long long)d * d;
     int local = 0;
     for (long long k = gtid(); k < total; k += gstride()) {
         const long long j = k / d, i = k % d;
-        if (lower ? i < j : i > j) continue;
+        if (i < j) continue;
         const float e = fabsf(r[k] - (i == j ? 1.0f : 0.0f));
         local = max(local, isnan(e) ? 0x7fffffff : __float_as_int(fminf(e, 3.0e38f)));
     }
@@ -235,9 +179,9 @@ extern "C" __global__ void split_tf32(const float* __restrict__ x, float* __rest
 
 // One Newton-Schulz step's polynomial on the Gram matrix g = M^T M [d, d] (either layout: g is
 // symmetric): *fro2 += ||g - I||_F^2 (float atomics, one per warp; NaN propagates), then
-// g <- (I - g) / 2, so that M + M g = M (3I - M^T M) / 2 (refresh.rs,
-// QrMethod::RayleighCholeskyTc). The Frobenius norm bounds the spectral norm that decides
-// the step's error (3/4 ||g - I||_2^2); the largest entry does not (up to d times smaller).
+// g <- (I - g) / 2, so that M + M g = M (3I - M^T M) / 2 (refresh/rayleigh.rs). The Frobenius
+// norm bounds the spectral norm that decides the step's error (3/4 ||g - I||_2^2); the largest
+// entry does not (up to d times smaller).
 extern "C" __global__ void newton_schulz_poly(float* __restrict__ g, int d, float* __restrict__ fro2) {
     const long long total = (long long)d * d;
     float local = 0.0f;

@@ -1,8 +1,8 @@
 //! GPU measurements for `asteria calibrate --device cuda` (the `precond-scheduling` cost
 //! model's target description): eigenbasis-refresh times per factor size through the engine's
-//! own refresher (`refresh::GpuRefresher` on the compute stream: `syevd` for the
-//! first basis, power iteration + Householder QR after, the status read included), pinned
-//! host→device bandwidth, and the bf16 tensor-core GEMM rate.
+//! own refresher (`refresh::GpuRefresher` on the compute stream: `syevd` for the first basis,
+//! power iteration + the tensor-core Rayleigh–Cholesky QR after, the status read included),
+//! pinned host→device bandwidth, and the bf16 tensor-core GEMM rate.
 use crate::device::Device;
 use crate::error::{CudaError, Result, Tier};
 use crate::memory::Elem;
@@ -19,9 +19,9 @@ pub struct GpuCalibration {
     pub eigh_ms: Vec<(usize, f64)>,
     /// Power iteration + QR refresh time per size, ms.
     pub qr_ms: Vec<(usize, f64)>,
-    /// Per size, the refresher's phase times (ms) summed over the init and QR runs
-    /// (`GpuRefresher::phase_ms_line`): host enqueue times, or GPU times under
-    /// `ASTERIA_CUDA_REFRESH_PHASES=sync`. Not part of the calibration file.
+    /// Per size, the refresher's phase times (ms) summed over the init and QR runs, and its QR
+    /// counters (`GpuRefresher::phase_ms_line`): host enqueue times, or with `sync_phases` GPU
+    /// times of separate, synchronised runs. Not part of the calibration file.
     pub qr_phases: Vec<(usize, String)>,
     /// Pinned host → device copy bandwidth, GB/s.
     pub h2d_gbps: f64,
@@ -49,8 +49,11 @@ fn timed(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result
     Ok(median(t))
 }
 
-/// Measures device `ordinal` at factor sizes `sizes` with `reps` repetitions (median); QR
-/// refreshes orthonormalise with `qr` (the engine's method, so the cost model sees its times).
+/// Measures device `ordinal` at factor sizes `sizes` with `reps` repetitions (median), with the
+/// engine's refresher (so the cost model sees its times). `sync_phases`: the phase times
+/// ([`GpuCalibration::qr_phases`]) come from a second refresher that synchronises after every
+/// phase (`GpuRefresher::set_phase_sync`: GPU times), run as often as the timed one after it;
+/// the refresh times stay those of the unsynchronised refresher.
 ///
 /// # Errors
 /// No driver / device / cuSOLVER ([`CudaError`]), allocation failures, and a refresh whose
@@ -59,7 +62,7 @@ pub fn measure(
     ordinal: usize,
     sizes: &[usize],
     reps: usize,
-    qr: refresh::QrMethod,
+    sync_phases: bool,
 ) -> Result<GpuCalibration> {
     let dev = Device::new(ordinal)?;
     let mut rng = engine::Rng::new(7);
@@ -75,7 +78,7 @@ pub fn measure(
                 f[i * n + j] = (fq[i * n + j] / n as f64 + if i == j { 1.0 } else { 0.0 }) as f32;
             }
         }
-        let (r, _) = GpuRefresher::new(&dev, StreamKind::Compute, n, qr)?;
+        let (r, _) = GpuRefresher::new(&dev, StreamKind::Compute, n)?;
         let mut arena = dev.arena(
             "calibrate",
             Tier::Device,
@@ -85,7 +88,7 @@ pub fn measure(
         let fb = arena.buf(Elem::F32, n * n)?;
         let qb = arena.buf(Elem::F32, n * n)?;
         dev.upload(&fb, &f)?;
-        let run = |init: bool| -> Result<()> {
+        let run = |r: &GpuRefresher, init: bool| -> Result<()> {
             r.compute(&dev, init, n, &fb, &qb, &slot)?;
             let status = dev.download::<i32>(&slot.status)?;
             refresh::verdict(init, n, &status).map_err(|e| CudaError::Invalid {
@@ -93,10 +96,26 @@ pub fn measure(
                 what: format!("refresh of a random SPD factor, n = {n}: {e}"),
             })
         };
-        let e = timed(&dev, reps, || run(true))?;
+        let e = timed(&dev, reps, || run(&r, true))?;
         dev.copy(&qb, &slot.q.slice(0, n * n)?, StreamKind::Compute)?;
-        let q = timed(&dev, reps, || run(false))?;
-        qr_phases.push((n, r.phase_ms_line()));
+        let q = timed(&dev, reps, || run(&r, false))?;
+        let phases = if sync_phases {
+            drop(r);
+            let (mut rs, _) = GpuRefresher::new(&dev, StreamKind::Compute, n)?;
+            rs.set_phase_sync(&dev);
+            // As many runs as the timed ones (a warm-up and `reps`), from the same basis.
+            for _ in 0..=reps.max(1) {
+                run(&rs, true)?;
+            }
+            dev.copy(&qb, &slot.q.slice(0, n * n)?, StreamKind::Compute)?;
+            for _ in 0..=reps.max(1) {
+                run(&rs, false)?;
+            }
+            rs.phase_ms_line()
+        } else {
+            r.phase_ms_line()
+        };
+        qr_phases.push((n, phases));
         eigh_ms.push((n, e));
         qr_ms.push((n, q));
     }

@@ -1,6 +1,7 @@
-//! [`Device`]: one CUDA context with the DESIGN.md streams (`compute`, `copy-in`, `copy-out`,
-//! `side`), the cuBLAS handle, the NVRTC-compiled kernel families, arenas per tier, the
-//! status word that kernels report bad indices through, and memory accounting.
+//! [`Device`]: one CUDA context with the backend's streams ([`StreamKind`]: `compute`,
+//! `copy-in`, `copy-out`, `side`), the cuBLAS handle, the NVRTC-compiled kernel families,
+//! arenas per tier, the status word that kernels report bad indices through, and memory
+//! accounting.
 use crate::error::{catch, cublas, CudaError, Result, Tier};
 use crate::kernels::{Args, FamilyLoad, Kernels};
 use crate::memory::{Arena, Buf, Elem, MemCounters};
@@ -19,17 +20,18 @@ pub fn driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
-/// The streams of the CUDA backend (DESIGN.md, "Schedule and engine").
+/// The streams of the CUDA backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum StreamKind {
-    /// Forward, backward and optimizer kernels; highest priority. cuBLAS runs here.
+    /// Forward, backward and optimizer kernels, one priority level below the side stream
+    /// (when the device has more than one). cuBLAS runs here.
     Compute,
     /// Pinned host → GPU copies (prefetch of offloaded state).
     CopyIn,
     /// GPU → pinned host copies (eviction).
     CopyOut,
-    /// Work off the critical path (GPU eigenbasis refreshes), by default at a priority above
-    /// the compute stream's (`ASTERIA_CUDA_SIDE_PRIORITY=low`: the lowest).
+    /// Work off the critical path (GPU eigenbasis refreshes), at the device's greatest
+    /// priority, above the compute stream's.
     Side,
 }
 
@@ -234,17 +236,13 @@ impl Device {
         let cc = ctx.compute_capability()?;
         let arch = nvrtc::arch_for(cc);
         let (least, greatest) = drv::stream::get_priority_range()?;
-        // The side stream (eigenbasis refreshes) runs above the compute stream (which then runs
-        // one level below the greatest), so its kernels are scheduled as soon as they are
-        // enqueued; `ASTERIA_CUDA_SIDE_PRIORITY=low` puts it at the lowest priority instead
-        // (the default until session 8). Measured on GPT-2 124M SOAP S=5 (BENCHMARKS.md,
-        // session 8): the same mean step either way (80.3 against 80.5 ms), but at the lowest
-        // priority refreshes are starved behind the training kernels and then bunch up:
-        // max/median 1.13–1.18 against 1.03–1.04 above it.
-        let (compute_p, side_p) = match std::env::var("ASTERIA_CUDA_SIDE_PRIORITY").as_deref() {
-            Ok("low") => (greatest, least),
-            _ if greatest < least => (greatest + 1, greatest),
-            _ => (greatest, least),
+        // The side stream (eigenbasis refreshes) runs one priority level above the compute
+        // stream, so its kernels are scheduled as soon as they are enqueued instead of being
+        // starved behind the training kernels and then bunching up at the staleness bound.
+        let (compute_p, side_p) = if greatest < least {
+            (greatest + 1, greatest)
+        } else {
+            (greatest, least)
         };
         let compute = ctx.new_stream_with_priority(compute_p)?;
         let copy_in = ctx.new_stream()?;
@@ -375,10 +373,9 @@ impl Device {
 
     /// Waits for the compute and copy streams only — a training step's own work — and not
     /// for the side stream, whose eigenbasis refreshes are meant to run across step
-    /// boundaries (their results are waited for through events, at the swap). Before
-    /// session 9 the end of every step waited for the whole context
-    /// ([`Device::synchronize`]), so every refresh the side-stream launcher thread had enqueued
-    /// by then was finished inside that step.
+    /// boundaries (their results are waited for through events, at the swap).
+    /// [`Device::synchronize`] here would finish, inside the step, every refresh the
+    /// side-stream launcher thread had enqueued by then.
     ///
     /// # Errors
     /// A failed synchronisation (an earlier asynchronous error surfaces here).

@@ -152,15 +152,10 @@ pub const FAMILIES: &[Family] = &[
             "count_nonfinite",
             "argsort_desc",
             "abs_max_bits",
-            "permute_cols_f64",
-            "normalize_cols_f64",
-            "add_diag_f64",
             "first_nonzero_info",
-            "upper_identity_error_bits",
-            "f64_to_f32",
             "add_diag_rel",
             "unit_lower_from_chol",
-            "upper_identity_error_bits_f32",
+            "lower_identity_error_bits",
             "split_tf32",
             "newton_schulz_poly"
         ]

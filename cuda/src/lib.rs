@@ -41,6 +41,6 @@ pub mod train_match;
 pub use device::{
     driver_present, Device, DeviceInfo, GemmMath, HostElem, MemoryReport, StreamKind,
 };
-pub use engine::{AttentionImpl, Bf16Gemm, CudaEngine, CudaOptions, RefreshMode};
+pub use engine::{CudaEngine, CudaOptions};
 pub use error::{CudaError, Result, Tier};
 pub use memory::{Arena, Buf, Carver, Elem, BUF_ALIGN};

@@ -65,7 +65,7 @@ fn lt_err(op: &'static str) -> impl Fn(lt::CublasError) -> CudaError {
     move |e| CudaError::Invalid {
         op,
         what: format!(
-            "cuBLASLt: {e:?} (ASTERIA_CUDA_BIAS_EPILOGUE=off runs GEMM and bias add separately)"
+            "cuBLASLt: {e:?} (`asteria compile --skip-pass fuse` keeps GEMM and bias add separate)"
         ),
     }
 }

@@ -5,13 +5,13 @@
 //!
 //! The GPU side runs with `precision = fp32` (plain fp32 GEMMs, no TF32) whatever the plan
 //! says, so the only differences are rounding (summation order, fused kernels).
-use crate::engine::{CudaEngine, CudaOptions, RefreshMode};
+use crate::engine::{CudaEngine, CudaOptions};
 use engine::{
     train_with, CpuEngine, EngineError, EngineOptions, EngineStats, HostTaskReport, StepExecutor,
     TrainOptions,
 };
+use schedule::{AttentionKernel, Plan, Precision, RefreshPlacement, TargetPlan};
 use schedule::{BufferClass, BufferId, DType};
-use schedule::{Plan, Precision, TargetPlan};
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -24,8 +24,10 @@ pub struct MatchOptions {
     pub steps: u64,
     /// Largest allowed `|gpu − cpu| / |cpu|` of any step's loss (default 1e-4).
     pub tol: f64,
-    /// Where the GPU engine refreshes eigenbases.
-    pub refresh: RefreshMode,
+    /// Where the GPU engine refreshes eigenbases: the plan is rewritten with
+    /// [`Plan::force_refresh_placement`] (default: every refresh on the GPU; `Auto` keeps the
+    /// compiled placements).
+    pub refresh: RefreshPlacement,
     /// Token cache folder.
     pub cache_dir: Option<PathBuf>,
     /// CPU engine threads (`None` = all cores).
@@ -59,7 +61,7 @@ impl Default for MatchOptions {
         MatchOptions {
             steps: 20,
             tol: 1e-4,
-            refresh: RefreshMode::Gpu,
+            refresh: RefreshPlacement::Gpu,
             cache_dir: None,
             threads: None,
             compare_state: false,
@@ -149,15 +151,24 @@ fn rel(c: f64, g: f64) -> f64 {
 /// Either engine's error, as text (no device, bad plan, data).
 pub fn train_match(plan: &Plan, opts: &MatchOptions) -> Result<MatchReport, String> {
     let mut plan = plan.clone();
-    let device = match plan.target {
-        TargetPlan::Cuda { device, .. } => device,
-        TargetPlan::Cpu { .. } => 0,
+    let (device, eigensolver, attention) = match plan.target {
+        TargetPlan::Cuda {
+            device,
+            eigensolver,
+            attention,
+            ..
+        } => (device, eigensolver, attention),
+        TargetPlan::Cpu { eigensolver, .. } => (0, eigensolver, AttentionKernel::Auto),
     };
     plan.target = TargetPlan::Cuda {
         device,
         staleness: 0,
         precision: opts.precision,
+        eigensolver,
+        attention,
+        refresh_placement: RefreshPlacement::Auto,
     };
+    plan.force_refresh_placement(opts.refresh);
     let train_opts = TrainOptions {
         steps: Some(opts.steps),
         cache_dir: opts.cache_dir.clone(),
@@ -176,7 +187,6 @@ pub fn train_match(plan: &Plan, opts: &MatchOptions) -> Result<MatchReport, Stri
         plan.clone(),
         CudaOptions {
             engine: train_opts.engine.clone(),
-            refresh: opts.refresh,
             ..CudaOptions::default()
         },
     )
@@ -330,10 +340,6 @@ impl Lockstep<'_> {
             }
             let b = &plan.buffers[i];
             let name = b.name.clone();
-            // A GEMM product whose bias add ran in the epilogue has no f32 contents on the GPU.
-            if !self.gpu.materialised(&name) {
-                continue;
-            }
             let mut g = self.gpu.buffer(&name)?;
             let c = self.cpu.buffer(&name)?;
             let mut label = name.clone();
@@ -517,7 +523,6 @@ fn lockstep_match(
         plan.clone(),
         CudaOptions {
             engine: train_opts.engine.clone(),
-            refresh: opts.refresh,
             ..CudaOptions::default()
         },
     )

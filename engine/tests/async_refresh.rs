@@ -363,10 +363,10 @@ fn eigensolver_errors_are_survived(s: u32) {
     let p = soap_plan(5, s, false);
     let tasks = p.host_tasks.len();
     let opts = EngineOptions {
-        eigensolver: Arc::new(FailsFirst {
+        eigensolver: Some(Arc::new(FailsFirst {
             fail: tasks,
             calls: AtomicUsize::new(0),
-        }),
+        })),
         ..EngineOptions::default()
     };
     let mut e = engine(p, opts);

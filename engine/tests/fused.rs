@@ -84,6 +84,7 @@ fn plan(m: usize, bufs: Vec<(&str, Vec<usize>, DType, BufferClass)>, forward: Ve
         target: TargetPlan::Cpu {
             threads: Some(2),
             staleness: 0,
+            eigensolver: Eigensolver::Faer,
         },
         memory,
     }

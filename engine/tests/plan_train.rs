@@ -200,7 +200,7 @@ impl HostEigensolver for Broken {
 fn failed_refreshes_keep_the_basis_and_stop_after_the_limit() {
     let g = Gpt::tiny(true);
     let opts = EngineOptions {
-        eigensolver: Arc::new(Broken),
+        eigensolver: Some(Arc::new(Broken)),
         max_consecutive_refresh_failures: 2,
         ..EngineOptions::default()
     };

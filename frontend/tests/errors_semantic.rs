@@ -321,6 +321,42 @@ fn threads_on_cuda_target() {
 }
 
 #[test]
+fn unknown_attention_kernel_lists_the_allowed_ones() {
+    let src = format!("{VALID}target cuda {{\n  attention = flash\n}}\n");
+    assert_error(
+        &src,
+        19,
+        15,
+        "unknown attention `flash`",
+        Some("supported: `auto`, `fused`, `gemm`"),
+    );
+}
+
+#[test]
+fn refresh_placement_on_cpu_target() {
+    let src = format!("{VALID}target cpu {{\n  refresh_placement = gpu\n}}\n");
+    assert_error(
+        &src,
+        19,
+        3,
+        "`refresh_placement` is not valid for `target cpu`",
+        Some("`target cuda` only"),
+    );
+}
+
+#[test]
+fn misspelt_eigensolver_suggests() {
+    let src = format!("{VALID}target cpu {{\n  eigensolver = lapak\n}}\n");
+    assert_error(
+        &src,
+        19,
+        17,
+        "unknown eigensolver `lapak`",
+        Some("did you mean `lapack`?"),
+    );
+}
+
+#[test]
 fn missing_corpus_file_points_at_path() {
     let src = edit(
         "  seq_len = 64\n",

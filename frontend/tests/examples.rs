@@ -109,7 +109,8 @@ fn tiny() {
         TargetConfig::Cpu {
             threads: None,
             staleness: 0,
-            calibration: None
+            calibration: None,
+            eigensolver: ir::Eigensolver::Faer,
         }
     );
 }
@@ -134,7 +135,8 @@ fn tiny_llama_soap() {
         TargetConfig::Cpu {
             threads: None,
             staleness: 0,
-            calibration: None
+            calibration: None,
+            eigensolver: ir::Eigensolver::Faer,
         }
     );
 }
@@ -155,7 +157,10 @@ fn gpt2_124m() {
             device: 0,
             staleness: 0,
             calibration: None,
-            precision: ir::Precision::Bf16
+            precision: ir::Precision::Bf16,
+            eigensolver: ir::Eigensolver::Faer,
+            attention: ir::AttentionKernel::Auto,
+            refresh_placement: ir::RefreshPlacement::Auto,
         }
     );
 }

@@ -44,7 +44,8 @@ fn defaults() {
         TargetConfig::Cpu {
             threads: None,
             staleness: 0,
-            calibration: None
+            calibration: None,
+            eigensolver: ir::Eigensolver::Faer,
         }
     );
     assert_eq!(c.data.corpus, CorpusConfig::Builtin);
@@ -112,7 +113,8 @@ fn syntax_liberties() {
         TargetConfig::Cpu {
             threads: Some(2),
             staleness: 3,
-            calibration: None
+            calibration: None,
+            eigensolver: ir::Eigensolver::Faer,
         }
     );
 }
@@ -130,7 +132,27 @@ fn cuda_target_and_threads_none() {
             device: 1,
             staleness: 4,
             calibration: None,
-            precision: ir::Precision::Bf16
+            precision: ir::Precision::Bf16,
+            eigensolver: ir::Eigensolver::Faer,
+            attention: ir::AttentionKernel::Auto,
+            refresh_placement: ir::RefreshPlacement::Auto,
+        }
+    );
+    let c = parse(&spec(
+        "optimizer adamw { }",
+        "target cuda { attention = gemm refresh_placement = host eigensolver = lapack precision = fp32 }",
+    ))
+    .expect("valid");
+    assert_eq!(
+        c.target,
+        TargetConfig::Cuda {
+            device: 0,
+            staleness: 0,
+            calibration: None,
+            precision: ir::Precision::Fp32,
+            eigensolver: ir::Eigensolver::Lapack,
+            attention: ir::AttentionKernel::Gemm,
+            refresh_placement: ir::RefreshPlacement::Host,
         }
     );
     let c = parse(&spec(
@@ -143,7 +165,8 @@ fn cuda_target_and_threads_none() {
         TargetConfig::Cpu {
             threads: None,
             staleness: 0,
-            calibration: None
+            calibration: None,
+            eigensolver: ir::Eigensolver::Faer,
         }
     );
 }

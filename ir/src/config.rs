@@ -177,6 +177,9 @@ pub enum TargetConfig {
         /// the spec's folder). `None` = the built-in `cpu`.
         #[serde(default)]
         calibration: Option<String>,
+        /// Host eigensolver of refreshes (`eigensolver`, default faer).
+        #[serde(default)]
+        eigensolver: crate::Eigensolver,
     },
     /// CUDA engine.
     Cuda {
@@ -190,6 +193,16 @@ pub enum TargetConfig {
         /// As for `Cpu`; `None` = the built-in `h200`.
         #[serde(default)]
         calibration: Option<String>,
+        /// Host eigensolver of host-placed refreshes (`eigensolver`, default faer).
+        #[serde(default)]
+        eigensolver: crate::Eigensolver,
+        /// Attention kernels (`attention = auto | fused | gemm`, default auto).
+        #[serde(default)]
+        attention: crate::AttentionKernel,
+        /// Where refreshes run (`refresh_placement = auto | gpu | host`, default auto: the
+        /// cost model decides per factor).
+        #[serde(default)]
+        refresh_placement: crate::RefreshPlacement,
     },
 }
 
@@ -200,6 +213,23 @@ impl TargetConfig {
             TargetConfig::Cpu { staleness, .. } | TargetConfig::Cuda { staleness, .. } => {
                 *staleness
             }
+        }
+    }
+    /// The host eigensolver.
+    pub fn eigensolver(&self) -> crate::Eigensolver {
+        match self {
+            TargetConfig::Cpu { eigensolver, .. } | TargetConfig::Cuda { eigensolver, .. } => {
+                *eigensolver
+            }
+        }
+    }
+    /// The refresh placement policy (`Host` on the CPU target, which has no GPU).
+    pub fn refresh_placement(&self) -> crate::RefreshPlacement {
+        match self {
+            TargetConfig::Cpu { .. } => crate::RefreshPlacement::Host,
+            TargetConfig::Cuda {
+                refresh_placement, ..
+            } => *refresh_placement,
         }
     }
     /// The cost-model description named by the spec, if any.

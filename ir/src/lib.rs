@@ -15,6 +15,9 @@ mod verifier;
 pub use module::{Inst, InstId, Module, ValueData, ValueId};
 pub use op::{InputRole, Op, Section};
 pub use parser::{parse_module, ParseError};
-pub use schedule::{BufferClass, DType, Init, Placement, Precision, SoapHyper};
+pub use schedule::{
+    AttentionKernel, BufferClass, DType, Eigensolver, Init, Placement, Precision, RefreshPlacement,
+    SoapHyper,
+};
 pub use types::TensorType;
 pub use verifier::{verify, VerifierError};

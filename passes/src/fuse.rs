@@ -13,8 +13,9 @@
 //!   The CPU engine computes `mat_mul_bias` as the product then the bias add, bit-identical to
 //!   the pair; the CUDA engine as one cuBLASLt GEMM with a bias epilogue. Either way the
 //!   product's buffer disappears from the plan.
-//! - **`attention-saved`** (an egg rewrite, CUDA with `precision = bf16`, heads of at most
-//!   `schedule::BF16_ATTENTION_MAX_HEAD_DIM`: where the tensor-core kernels run):
+//! - **`attention-saved`** (an egg rewrite, CUDA with `precision = bf16` and `attention` not
+//!   `gemm`, heads of at most `schedule::BF16_ATTENTION_MAX_HEAD_DIM`: where the tensor-core
+//!   kernels run):
 //!   `(attention_backward ?g ?dout ?qkv) → (attention_backward_saved ?g ?dout ?qkv
 //!   (attention ?g ?qkv))` if the e-graph holds that forward — hash-consing finds the
 //!   `attention` of the same qkv and geometry, whose e-class also holds its output value. The
@@ -40,6 +41,7 @@ use egg::{define_language, CostFunction, Extractor, Id, Language, Pattern, Rewri
 use egg::{EGraph, Runner, Subst, Symbol, Var};
 use ir::config::TargetConfig;
 use ir::{DType, Module, Op, Precision, Section, ValueId};
+use schedule::AttentionKernel;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -85,19 +87,24 @@ pub struct FuseTarget {
 }
 
 impl FuseTarget {
-    /// The fusions of `target`: bf16 GEMMs and bf16 attention outputs under CUDA with
-    /// `precision = bf16`; on the CPU or CUDA fp32, only the target-independent bias epilogue.
+    /// The fusions of `target`: bf16 GEMMs under CUDA with `precision = bf16`, and there bf16
+    /// attention outputs and saved statistics unless `attention = gemm` (the tensor-core
+    /// kernels, which write them, run for `auto` and `fused`); on the CPU or CUDA fp32 only the
+    /// target-independent bias epilogue.
     pub fn of(target: &TargetConfig) -> FuseTarget {
-        let bf16 = matches!(
-            target,
+        match target {
             TargetConfig::Cuda {
                 precision: Precision::Bf16,
+                attention,
                 ..
-            }
-        );
-        FuseTarget {
-            bf16_gemms: bf16,
-            bf16_attention: bf16,
+            } => FuseTarget {
+                bf16_gemms: true,
+                bf16_attention: *attention != AttentionKernel::Gemm,
+            },
+            _ => FuseTarget {
+                bf16_gemms: false,
+                bf16_attention: false,
+            },
         }
     }
 }

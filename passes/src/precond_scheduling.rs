@@ -15,7 +15,7 @@
 use crate::cost_model::TargetDescription;
 use crate::{Pass, PassContext, PassError};
 use ir::config::TargetConfig;
-use ir::{InstId, Module, Op, Placement, Section};
+use ir::{InstId, Module, Op, Placement, RefreshPlacement, Section};
 use std::fmt::Write;
 
 /// Share of the host pool's time per period that refreshes may fill (the rest is left to the
@@ -161,9 +161,24 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
     let mut placement = vec![Placement::Host; items.len()];
     let mut visible = vec![0.0f64; items.len()];
     let mut host_load = 0.0;
+    // The spec's `refresh_placement` (CPU targets: always the host) overrides the cost model.
+    let forced = module.config.target.refresh_placement();
     for i in order {
         let (host_ms, gpu_ms) = cost(items[i].1);
+        let gpu_ms = match forced {
+            RefreshPlacement::Host => None,
+            RefreshPlacement::Gpu => Some(gpu_ms.unwrap_or(host_ms)),
+            RefreshPlacement::Auto => gpu_ms,
+        };
         let (p, v) = match gpu_ms {
+            Some(g) if forced == RefreshPlacement::Gpu => (
+                Placement::GpuSide,
+                if staleness == 0 {
+                    g
+                } else {
+                    g * desc.side_stream_interference
+                },
+            ),
             None => {
                 // No GPU: everything on the host; what exceeds the pool's time shows up.
                 let over = if staleness == 0 {
@@ -220,6 +235,7 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
                 // it (where there is one).
                 let best = least(&host_slots);
                 let latency = host_slots[best] / threads + host_ms;
+                let gpu_ms = gpu_ms.filter(|_| forced == RefreshPlacement::Auto);
                 match gpu_ms {
                     Some(g) if latency > latency_budget => {
                         placement[i] = Placement::GpuSide;

@@ -121,6 +121,7 @@ fn regenerate_filetest_inputs() {
         threads: None,
         staleness: config.target.staleness(),
         calibration: None,
+        eigensolver: config.target.eigensolver(),
     };
     let mut llama = config.clone();
     llama.model.family = Family::Llama;

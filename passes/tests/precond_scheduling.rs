@@ -28,6 +28,9 @@ fn gpt2_124m_soap(staleness: u32, calibration: &str) -> ir::Module {
         staleness,
         calibration: Some(calibration.into()),
         precision: ir::Precision::Bf16,
+        eigensolver: ir::Eigensolver::Faer,
+        attention: ir::AttentionKernel::Auto,
+        refresh_placement: ir::RefreshPlacement::Auto,
     };
     let mut m = ir::Module::new(config);
     let mut pm = PassManager::new(PassOptions::default()).expect("pm");
@@ -179,4 +182,30 @@ fn host_refreshes_that_would_queue_past_the_bound_go_to_the_gpu() {
         "no two host refreshes launched at the same step"
     );
     assert!(host.iter().all(|d| d.dim == 768));
+}
+
+/// The spec's `refresh_placement = gpu | host` overrides the cost model for every factor (and
+/// the plan records it: the plan verifier rejects a refresh placed against it).
+#[test]
+fn refresh_placement_option_overrides_the_cost_model() {
+    for (policy, want) in [
+        (ir::RefreshPlacement::Gpu, Placement::GpuSide),
+        (ir::RefreshPlacement::Host, Placement::Host),
+    ] {
+        let mut m = gpt2_124m_soap(5, "h200");
+        if let TargetConfig::Cuda {
+            refresh_placement, ..
+        } = &mut m.config.target
+        {
+            *refresh_placement = policy;
+        }
+        let s = plan_refreshes(&m, &TargetDescription::builtin("h200").expect("builtin"));
+        assert_eq!(s.decisions.len(), 99);
+        for d in &s.decisions {
+            assert_eq!(d.placement, want, "{} under {policy}", d.factor);
+        }
+    }
+    // `auto` splits the factors between the two (the test above says how).
+    let auto = schedule(5, "h200");
+    assert!(auto.host_share() > 0.0 && auto.host_share() < 1.0);
 }

@@ -18,6 +18,7 @@
 
 pub mod memory;
 mod op;
+mod options;
 mod verify;
 
 pub use memory::{
@@ -28,6 +29,7 @@ pub use op::{
     operand_dtypes, HostTask, Op, Placement, SoapHyper, BF16_ATTENTION_MAX_HEAD_DIM,
     BF16_LAYERNORM_MAX_C,
 };
+pub use options::{AttentionKernel, Eigensolver, Profile, RefreshPlacement};
 pub use verify::PlanError;
 
 use serde::{Deserialize, Serialize};
@@ -35,8 +37,9 @@ use serde::{Deserialize, Serialize};
 /// Magic string in every plan's `format` field.
 pub const PLAN_FORMAT: &str = "asteria-plan";
 /// Version of the plan format this crate reads and writes. Bumped on any incompatible change
-/// (2: the required `memory` section).
-pub const PLAN_VERSION: u32 = 2;
+/// (2: the required `memory` section; 3: the typed run options of [`TargetPlan`], and the
+/// `fuse` pass's additions: `mat_mul_bias`, bf16 buffers, attention's saved statistics).
+pub const PLAN_VERSION: u32 = 3;
 
 /// Index of a buffer in [`Plan::buffers`]. Serialized as a plain integer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -252,7 +255,9 @@ impl TrainPlan {
     }
 }
 
-/// The execution target.
+/// The execution target and every option that changes what its engine computes or where
+/// (module `options`): set by the spec's `target` block, printed at the start of a run
+/// ([`TargetPlan::options_line`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum TargetPlan {
@@ -262,17 +267,83 @@ pub enum TargetPlan {
         threads: Option<usize>,
         /// Preconditioner staleness bound in steps (0 = synchronous refresh).
         staleness: u32,
+        /// Host eigensolver of preconditioner refreshes.
+        eigensolver: Eigensolver,
     },
-    /// The CUDA engine (a later backend).
+    /// The CUDA engine.
     Cuda {
         /// CUDA device ordinal.
         device: u32,
         /// Preconditioner staleness bound in steps.
         staleness: u32,
         /// GEMM precision policy (master weights, optimizer state and accumulation are fp32).
-        #[serde(default)]
         precision: Precision,
+        /// Host eigensolver of host-placed refreshes.
+        eigensolver: Eigensolver,
+        /// Attention kernels.
+        attention: AttentionKernel,
+        /// The refresh placement policy `precond-scheduling` applied (each refresh's own
+        /// [`Placement`] is what runs; [`Plan::verify`] checks they agree).
+        refresh_placement: RefreshPlacement,
     },
+}
+
+impl TargetPlan {
+    /// The preconditioner staleness bound in steps.
+    pub fn staleness(&self) -> u32 {
+        match self {
+            TargetPlan::Cpu { staleness, .. } | TargetPlan::Cuda { staleness, .. } => *staleness,
+        }
+    }
+
+    /// The host eigensolver.
+    pub fn eigensolver(&self) -> Eigensolver {
+        match self {
+            TargetPlan::Cpu { eigensolver, .. } | TargetPlan::Cuda { eigensolver, .. } => {
+                *eigensolver
+            }
+        }
+    }
+
+    /// Sets the host eigensolver (the CLI's `--eigensolver` override).
+    pub fn set_eigensolver(&mut self, e: Eigensolver) {
+        match self {
+            TargetPlan::Cpu { eigensolver, .. } | TargetPlan::Cuda { eigensolver, .. } => {
+                *eigensolver = e
+            }
+        }
+    }
+
+    /// One line naming the target and every option value, e.g.
+    /// `target cuda: device 0, precision bf16, attention auto, staleness 5, refresh_placement
+    /// auto, eigensolver faer`.
+    pub fn options_line(&self) -> String {
+        match self {
+            TargetPlan::Cpu {
+                threads,
+                staleness,
+                eigensolver,
+            } => format!(
+                "target cpu: threads {}, staleness {staleness}, eigensolver {eigensolver}",
+                threads.map_or("all".to_string(), |t| t.to_string())
+            ),
+            TargetPlan::Cuda {
+                device,
+                staleness,
+                precision,
+                eigensolver,
+                attention,
+                refresh_placement,
+            } => format!(
+                "target cuda: device {device}, precision {}, attention {attention}, \
+                 staleness {staleness}, refresh_placement {refresh_placement}, eigensolver {eigensolver}",
+                match precision {
+                    Precision::Bf16 => "bf16",
+                    Precision::Fp32 => "fp32",
+                }
+            ),
+        }
+    }
 }
 
 /// GEMM precision policy of the CUDA engine.
@@ -351,6 +422,28 @@ impl Plan {
         })?;
         plan.verify()?;
         Ok(plan)
+    }
+
+    /// Rewrites the plan to run every preconditioner refresh at one place: sets the CUDA
+    /// target's `refresh_placement` and every refresh's [`Placement`] (`Auto` leaves the
+    /// plan as compiled). Used by harnesses that compare engines with refreshes on the GPU.
+    /// A CPU target is left unchanged (its engine runs every refresh on the host).
+    pub fn force_refresh_placement(&mut self, p: RefreshPlacement) {
+        let to = match p {
+            RefreshPlacement::Auto => return,
+            RefreshPlacement::Gpu => Placement::GpuSide,
+            RefreshPlacement::Host => Placement::Host,
+        };
+        if let TargetPlan::Cuda {
+            refresh_placement, ..
+        } = &mut self.target
+        {
+            *refresh_placement = p;
+            for t in &mut self.host_tasks {
+                let HostTask::EigenbasisRefresh { placement, .. } = t;
+                *placement = to;
+            }
+        }
     }
 
     /// The buffer with id `id`. Panics if out of range; call [`Plan::verify`] first.

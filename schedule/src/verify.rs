@@ -857,8 +857,25 @@ impl Plan {
                 exp_avg_sq,
                 frequency,
                 offset,
+                placement,
                 ..
             } = task;
+            if let crate::TargetPlan::Cuda {
+                refresh_placement, ..
+            } = self.target
+            {
+                let want = match refresh_placement {
+                    crate::RefreshPlacement::Auto => None,
+                    crate::RefreshPlacement::Gpu => Some(crate::Placement::GpuSide),
+                    crate::RefreshPlacement::Host => Some(crate::Placement::Host),
+                };
+                if want.is_some_and(|w| w != *placement) {
+                    return Err(PlanError::Invalid(format!(
+                        "{location}: placement `{placement}` contradicts the target's \
+                         refresh_placement = {refresh_placement}"
+                    )));
+                }
+            }
             let c = Checker {
                 plan: self,
                 location: location.clone(),

@@ -1,5 +1,5 @@
 //! Host tasks of the CUDA engine: SOAP eigenbasis refreshes, synchronous or off the critical
-//! path with bounded staleness (DESIGN.md, "Off-critical-path preconditioner work"), with the
+//! path with bounded staleness, with the
 //! CPU engine's semantics (`engine::cpu`, module `host`): the same schedule
 //! (`engine::cpu::refresh_due`), the same swap point and deadline
 //! ([`engine::cpu::inflight::InFlightSet`]), the same counters and failure handling.
@@ -14,8 +14,7 @@
 //!   stream into the task's device snapshot: the factor keeps accumulating while the refresh
 //!   runs, and the side-stream work is enqueued later by another thread, so it must not read
 //!   live state (the host path's copy-out is enqueued at once, behind the same event);
-//! - `gpu_side`: the side stream (above the compute stream's priority unless
-//!   `ASTERIA_CUDA_SIDE_PRIORITY=low`) waits for that copy, computes the candidate basis
+//! - `gpu_side`: the side stream (above the compute stream's priority) waits for that copy, computes the candidate basis
 //!   and permutation into the task's [`RefreshSlot`] (the back buffer) through its own cuSOLVER
 //!   and cuBLAS handles, copies the status words into pinned host memory and records the
 //!   task's `done` event. That work is enqueued by a dedicated launcher thread, not the engine
@@ -31,7 +30,7 @@
 //!   checks the status ([`refresh::verdict`]; host results: `optim`'s own checks), uploads a
 //!   host result into the back buffer through pinned memory, and runs [`refresh::apply`] on
 //!   the compute stream: basis replaced, `exp_avg` re-projected, `exp_avg_sq` permuted.
-use super::{cuda_err, dims2, CudaEngine, RefreshMode};
+use super::{cuda_err, dims2, CudaEngine};
 use crate::error::{CudaError, Tier};
 use crate::memory::{Arena, Buf, Elem};
 use crate::refresh::{self, GpuRefresher, RefreshSlot, SwapWork, STATUS_WORDS};
@@ -59,7 +58,7 @@ pub(super) struct Task {
 }
 
 impl Task {
-    pub(super) fn of(task: &HostTask, mode: RefreshMode) -> Task {
+    pub(super) fn of(task: &HostTask) -> Task {
         let HostTask::EigenbasisRefresh {
             factor,
             basis,
@@ -79,17 +78,8 @@ impl Task {
             exp_avg_sq,
             frequency,
             offset,
-            // Inline: a GPU task is synchronous at its (staggered) launch step.
-            staleness: if mode == RefreshMode::Inline && placement == Placement::GpuSide {
-                0
-            } else {
-                staleness
-            },
-            on_gpu: match mode {
-                RefreshMode::Gpu => true,
-                RefreshMode::Host => false,
-                RefreshMode::Plan | RefreshMode::Inline => placement == Placement::GpuSide,
-            },
+            staleness,
+            on_gpu: placement == Placement::GpuSide,
         }
     }
 
@@ -321,15 +311,10 @@ pub(super) fn host_pool_threads() -> usize {
 }
 
 impl Refreshes {
-    /// Allocates what the plan's tasks need under `mode`.
-    pub(super) fn new(
-        dev: &Arc<Device>,
-        plan: &Plan,
-        mode: RefreshMode,
-        qr: refresh::QrMethod,
-    ) -> Result<Refreshes, EngineError> {
+    /// Allocates what the plan's tasks need, each where the plan placed it.
+    pub(super) fn new(dev: &Arc<Device>, plan: &Plan) -> Result<Refreshes, EngineError> {
         let e = |w: &'static str| move |err: CudaError| cuda_err(w, err);
-        let tasks: Vec<Task> = plan.host_tasks.iter().map(|t| Task::of(t, mode)).collect();
+        let tasks: Vec<Task> = plan.host_tasks.iter().map(Task::of).collect();
         let (mut max_dim, mut max_mn) = (0usize, 0usize);
         for t in &tasks {
             max_dim = max_dim.max(t.dim(plan));
@@ -346,7 +331,7 @@ impl Refreshes {
         let mut bytes = 0;
         let mut arenas = Vec::new();
         let (sync, sync_slot) = if any_gpu {
-            let (r, b) = GpuRefresher::new(dev, StreamKind::Compute, max_dim, qr)
+            let (r, b) = GpuRefresher::new(dev, StreamKind::Compute, max_dim)
                 .map_err(e("setting up cuSOLVER refreshes"))?;
             bytes += b + RefreshSlot::bytes(max_dim);
             let mut a = dev
@@ -361,7 +346,7 @@ impl Refreshes {
         };
         let side = match side_dim {
             Some(d) => {
-                let (r, b) = GpuRefresher::new(dev, StreamKind::Side, d, qr)
+                let (r, b) = GpuRefresher::new(dev, StreamKind::Side, d)
                     .map_err(e("setting up side-stream cuSOLVER refreshes"))?;
                 bytes += b;
                 Some(SideLauncher::spawn(Arc::clone(dev), r)?)
@@ -467,7 +452,7 @@ type Outcome = Result<RefreshOutcome, String>;
 
 impl CudaEngine {
     fn task(&self, index: usize) -> Task {
-        Task::of(&self.plan.host_tasks[index], self.opts.refresh)
+        Task::of(&self.plan.host_tasks[index])
     }
 
     /// Runs the host tasks at the end of 1-based step `t`: swaps in finished (and due) results,
@@ -623,7 +608,7 @@ impl CudaEngine {
             .dev
             .download::<f32>(self.b(task.exp_avg_sq))
             .map_err(e)?;
-        let solver = Arc::clone(&self.opts.engine.eigensolver);
+        let solver = Arc::clone(&self.solver);
         let pool = self.host_pool()?;
         let t_optim = task.optim_step(t, init);
         let out = pool.install(|| {
@@ -766,7 +751,7 @@ impl CudaEngine {
         dev.copy(&hq, self.b(task.basis), StreamKind::CopyOut)
             .map_err(e)?;
         let copied = dev.record(StreamKind::CopyOut, false).map_err(e)?;
-        let solver = Arc::clone(&self.opts.engine.eigensolver);
+        let solver = Arc::clone(&self.solver);
         let t_optim = task.optim_step(t, false);
         let (tx, rx) = mpsc::channel::<JobOutput<f32>>();
         self.host_pool()?.spawn(move || {
@@ -1026,21 +1011,14 @@ mod tests {
         }
     }
 
-    /// `ASTERIA_CUDA_REFRESH=inline`: a `gpu_side` task becomes synchronous (staleness 0, so
-    /// `host_tasks` runs it at its launch step on the compute stream) at the plan's staggered
-    /// offset; a host task keeps its placement and staleness; `plan` changes nothing.
+    /// A task runs where the plan placed it, with the plan's staleness and offset.
     #[test]
-    fn inline_makes_gpu_tasks_synchronous_at_their_offset() {
-        assert_eq!("inline".parse(), Ok(RefreshMode::Inline));
-        assert!("inlined".parse::<RefreshMode>().is_err());
-        let gpu = Task::of(&refresh(Placement::GpuSide), RefreshMode::Inline);
+    fn tasks_follow_the_plan() {
+        let gpu = Task::of(&refresh(Placement::GpuSide));
         assert!(gpu.on_gpu);
-        assert_eq!((gpu.staleness, gpu.offset, gpu.frequency), (0, 4, 10));
-        let host = Task::of(&refresh(Placement::Host), RefreshMode::Inline);
+        assert_eq!((gpu.staleness, gpu.offset, gpu.frequency), (5, 4, 10));
+        let host = Task::of(&refresh(Placement::Host));
         assert!(!host.on_gpu);
         assert_eq!((host.staleness, host.offset), (5, 4));
-        let planned = Task::of(&refresh(Placement::GpuSide), RefreshMode::Plan);
-        assert!(planned.on_gpu);
-        assert_eq!((planned.staleness, planned.offset), (5, 4));
     }
 }

@@ -9,19 +9,25 @@
 //! - `eigenbasis_init` (syevd): basis-invariant errors, since eigenvectors are only defined up
 //!   to sign: residual `max|F Q − Q diag(QᵀFQ)| / max|F|`, orthonormality `max|QᵀQ − I|`, and
 //!   the eigenvalues `diag(QᵀFQ)` (descending) against float64 `eigh` of the same `F`.
-//! - `eigenbasis_refresh` (power iteration + QR, then the swap): with `U` as the stored basis,
+//! - `eigenbasis_refresh_*` (power iteration + QR, then the swap): with `U` as the stored basis,
 //!   the new basis (columns sign-aligned to the reference), the permutation (exact), and the
 //!   moments after [`crate::refresh::apply`]: `exp_avg` re-projected (signs aligned) and
 //!   `exp_avg_sq` permuted, against `optim::refresh_compute` + `refresh_apply` in float64.
-//! - `eigenbasis_refresh` runs the float64 shifted CholeskyQR3 orthonormalisation,
-//!   `eigenbasis_refresh_householder` cuSOLVER's Householder QR (`_householder_ormqr`: Q formed
-//!   by `Sormqr`), `eigenbasis_refresh_rayleigh`
-//!   the fp32 Rayleigh–Cholesky QR; `eigenbasis_refresh_rotated_*` the latter two with a
-//!   stored basis rotated away from the eigenbasis and eigenvalues over two decades;
-//!   `_rayleigh_tc` its 3xTF32 variant (`QrMethod::RayleighCholeskyTc`), and `gemm_3xtf32`
-//!   that variant's GEMM against float64 (tolerance 2e-6, which TF32 alone misses); and
-//!   `eigenbasis_refresh_fallback` a factor with an exactly zero block, where CholeskyQR3 must
-//!   hand over to Householder.
+//! - The QR refresh's method, the tensor-core Rayleigh–Cholesky QR, in
+//!   `eigenbasis_refresh_rayleigh_tc` (and `eigenbasis_refresh_tf32_swap`, the same with the
+//!   swap's GEMMs in TF32), and its Householder fallback run on its own in
+//!   `eigenbasis_refresh_householder`; `eigenbasis_refresh_rotated_*` both with a stored basis
+//!   rotated away from the eigenbasis and eigenvalues over two decades. Rayleigh–Cholesky cases
+//!   also check that the fallback was not taken.
+//! - `eigenbasis_refresh_rayleigh_tc_fallback`: an indefinite factor, where a Cholesky
+//!   factorisation fails and the Rayleigh–Cholesky QR must hand over to Householder.
+//! - `eigenbasis_refresh_rayleigh_tc_repeated` / `_stiff`: many refreshes in a row, each new
+//!   basis stored for the next, must stay orthonormal (the stiff factor's eigenvalues span nine
+//!   decades).
+//! - `eigenbasis_refresh_rank_deficient_*`: a factor that is zero outside a leading block,
+//!   through either method: the range columns against float64, the whole basis orthonormal.
+//! - `gemm_3xtf32`: the Rayleigh–Cholesky QR's GEMM against float64 (tolerance 2e-6, which
+//!   TF32 alone misses).
 //!
 //! Tolerance [`TOL_REFRESH`]: fp32 Householder QR / eigh have a backward error of order
 //! `d · 2⁻²⁴`, i.e. up to ~5e-5 at d = 783.
@@ -59,8 +65,8 @@ pub(crate) fn cases() -> Vec<Case> {
             // `precision = bf16` plan; TF32's 10-bit mantissa, so the bf16 tolerance).
             for (kernel, qr, math, tol) in [
                 (
-                    "eigenbasis_refresh",
-                    QrMethod::ShiftedCholeskyQr3,
+                    "eigenbasis_refresh_rayleigh_tc",
+                    QrMethod::RayleighCholeskyTc,
                     GemmMath::Fp32,
                     TOL_REFRESH,
                 ),
@@ -72,27 +78,9 @@ pub(crate) fn cases() -> Vec<Case> {
                 ),
                 (
                     "eigenbasis_refresh_tf32_swap",
-                    QrMethod::Householder,
+                    QrMethod::RayleighCholeskyTc,
                     GemmMath::Tf32,
                     TOL_BF16,
-                ),
-                (
-                    "eigenbasis_refresh_rayleigh",
-                    QrMethod::RayleighCholesky,
-                    GemmMath::Fp32,
-                    TOL_REFRESH,
-                ),
-                (
-                    "eigenbasis_refresh_householder_ormqr",
-                    QrMethod::HouseholderOrmqr,
-                    GemmMath::Fp32,
-                    TOL_REFRESH,
-                ),
-                (
-                    "eigenbasis_refresh_rayleigh_tc",
-                    QrMethod::RayleighCholeskyTc,
-                    GemmMath::Fp32,
-                    TOL_REFRESH,
                 ),
             ] {
                 v.push(case(
@@ -107,20 +95,12 @@ pub(crate) fn cases() -> Vec<Case> {
             // two decades: L of the Rayleigh–Cholesky QR is far from the identity.
             for (kernel, qr) in [
                 (
-                    "eigenbasis_refresh_rotated_householder",
-                    QrMethod::Householder,
-                ),
-                (
-                    "eigenbasis_refresh_rotated_rayleigh",
-                    QrMethod::RayleighCholesky,
-                ),
-                (
-                    "eigenbasis_refresh_rotated_householder_ormqr",
-                    QrMethod::HouseholderOrmqr,
-                ),
-                (
                     "eigenbasis_refresh_rotated_rayleigh_tc",
                     QrMethod::RayleighCholeskyTc,
+                ),
+                (
+                    "eigenbasis_refresh_rotated_householder",
+                    QrMethod::Householder,
                 ),
             ] {
                 v.push(case(
@@ -136,52 +116,39 @@ pub(crate) fn cases() -> Vec<Case> {
     // An indefinite factor (one eigenvalue below zero): B's Cholesky factorisation fails and
     // the Rayleigh–Cholesky QR must hand over to Householder.
     for (d, other) in [(50usize, 7usize), (257, 33)] {
-        for (kernel, qr) in [
-            (
-                "eigenbasis_refresh_rayleigh_fallback",
-                QrMethod::RayleighCholesky,
-            ),
-            (
-                "eigenbasis_refresh_rayleigh_tc_fallback",
-                QrMethod::RayleighCholeskyTc,
-            ),
-        ] {
-            v.push(case(
-                kernel,
-                format!("side=0 m={d} n={other}"),
-                TOL_REFRESH,
-                false,
-                move |cx| qr_refresh(cx, 0, d, other, qr, GemmMath::Fp32, Factor::Indefinite),
-            ));
-        }
+        v.push(case(
+            "eigenbasis_refresh_rayleigh_tc_fallback",
+            format!("side=0 m={d} n={other}"),
+            TOL_REFRESH,
+            false,
+            move |cx| {
+                qr_refresh(
+                    cx,
+                    0,
+                    d,
+                    other,
+                    QrMethod::RayleighCholeskyTc,
+                    GemmMath::Fp32,
+                    Factor::Indefinite,
+                )
+            },
+        ));
     }
     // Sixty refreshes in a row, each new basis stored for the next: the basis must stay
-    // orthonormal to fp32 rounding (a CholeskyQR pass that never touched Q_p itself drifted by
-    // ~5e-7 per refresh).
-    // At d = 783 (full self-test only) a max-entry gate on MᵀM − I can be d times looser than
-    // the spectral norm the Newton–Schulz step needs (the session-7 review's finding).
+    // orthonormal to fp32 rounding (a CholeskyQR pass that never touched Q_p itself drifts by
+    // ~5e-7 per refresh). At d = 783 (full self-test only) a max-entry gate on MᵀM − I could be
+    // d times looser than the spectral norm the Newton–Schulz step needs.
     for (d, big) in [(64usize, false), (257, false), (783, true)] {
-        for (kernel, qr) in [
-            (
-                "eigenbasis_refresh_rayleigh_repeated",
-                QrMethod::RayleighCholesky,
-            ),
-            (
-                "eigenbasis_refresh_rayleigh_tc_repeated",
-                QrMethod::RayleighCholeskyTc,
-            ),
-        ] {
-            v.push(case(
-                kernel,
-                format!("d={d} refreshes=60"),
-                1e-5,
-                big,
-                move |cx| repeated(cx, d, 60, qr, 2.0),
-            ));
-        }
+        v.push(case(
+            "eigenbasis_refresh_rayleigh_tc_repeated",
+            format!("d={d} refreshes=60"),
+            1e-5,
+            big,
+            move |cx| repeated(cx, d, 60, 2.0),
+        ));
     }
-    // Eigenvalues over nine decades (GPT-2's factors reach cond 1e9) and a rotated basis: L is
-    // ill-conditioned and the tensor-core variant's Newton-Schulz gate is exercised; ten
+    // Eigenvalues over nine decades (as ill-conditioned as real training factors get) and a
+    // rotated basis: L is ill-conditioned and the Newton–Schulz gate is exercised; ten
     // refreshes in a row must keep the basis orthonormal (fallbacks allowed).
     for (d, big) in [(257usize, false), (783, true)] {
         v.push(case(
@@ -189,7 +156,7 @@ pub(crate) fn cases() -> Vec<Case> {
             format!("d={d} refreshes=10 decades=9"),
             1e-5,
             big,
-            move |cx| repeated(cx, d, 10, QrMethod::RayleighCholeskyTc, 9.0),
+            move |cx| repeated(cx, d, 10, 9.0),
         ));
     }
     // 3xTF32 GEMMs (refresh::gemm_3xtf32) against float64 on awkward shapes, every transpose:
@@ -205,14 +172,26 @@ pub(crate) fn cases() -> Vec<Case> {
             ));
         }
     }
+    // A rank-deficient factor (zero outside a leading block), through either method.
     for (d, r) in [(50usize, 30usize), (257, 100)] {
-        v.push(case(
-            "eigenbasis_refresh_fallback",
-            format!("d={d} rank={r}"),
-            TOL_REFRESH,
-            false,
-            move |cx| zero_block(cx, d, r),
-        ));
+        for (kernel, qr) in [
+            (
+                "eigenbasis_refresh_rank_deficient_rayleigh_tc",
+                QrMethod::RayleighCholeskyTc,
+            ),
+            (
+                "eigenbasis_refresh_rank_deficient_householder",
+                QrMethod::Householder,
+            ),
+        ] {
+            v.push(case(
+                kernel,
+                format!("d={d} rank={r}"),
+                TOL_REFRESH,
+                false,
+                move |cx| zero_block(cx, d, r, qr),
+            ));
+        }
     }
     v
 }
@@ -317,15 +296,16 @@ fn max_abs(v: &[f64]) -> f64 {
     v.iter().fold(0.0f64, |m, x| m.max(x.abs()))
 }
 
-/// A compute-stream refresher for side length `d` using `qr`, and an output slot (with the
-/// arena it lives in, which must outlive it).
+/// A compute-stream refresher for side length `d` using `qr` (the engine's refresher, or
+/// Householder alone), and an output slot (with the arena it lives in, which must outlive it).
 fn refresher(
     cx: &Ctx<'_>,
     d: usize,
     qr: QrMethod,
 ) -> Result<(GpuRefresher, crate::memory::Arena, RefreshSlot)> {
     let dev = cx.dev;
-    let (r, _) = GpuRefresher::new(dev, StreamKind::Compute, d, qr)?;
+    let (mut r, _) = GpuRefresher::new(dev, StreamKind::Compute, d)?;
+    r.set_qr_method(qr);
     let mut arena = dev.arena(
         "selftest-refresh",
         crate::Tier::Device,
@@ -338,7 +318,7 @@ fn refresher(
 fn init(cx: &mut Ctx<'_>, d: usize) -> Result<Outcome> {
     let (_, _, f) = factor(cx, d)?;
     let dev = cx.dev;
-    let (r, _arena, slot) = refresher(cx, d, QrMethod::default())?;
+    let (r, _arena, slot) = refresher(cx, d, QrMethod::RayleighCholeskyTc)?;
     dev.poison(&slot.q)?;
     let fb = cx.up(&narrow(&f))?;
     let basis = cx.out(d * d)?;
@@ -467,10 +447,7 @@ fn qr_refresh(
         ("exp_avg", super::rel_err(&narrow(&ea_gpu), &ea_ref)),
         ("exp_avg_sq", super::rel_err(&eas_gpu, &eas_ref)),
     ];
-    if matches!(
-        qr,
-        QrMethod::RayleighCholesky | QrMethod::RayleighCholeskyTc
-    ) {
+    if qr == QrMethod::RayleighCholeskyTc {
         // Plain and rotated factors are positive definite: no fallback; the indefinite one
         // must fall back.
         let want = if kind == Factor::Indefinite {
@@ -484,27 +461,22 @@ fn qr_refresh(
     Ok(Outcome { errs, gpu_ms: ms })
 }
 
-/// `reps` Rayleigh–Cholesky refreshes of one [`rotated_factor`], each storing its basis for
-/// the next; the final basis's `max|QᵀQ − I|` (float64) and whether any refresh fell back.
+/// `reps` refreshes (the engine's Rayleigh–Cholesky QR) of one [`rotated_factor`], each storing
+/// its basis for the next; the final basis's `max|QᵀQ − I|` (float64) and whether any refresh
+/// fell back.
 /// With `decades` other than 2 (a stiff factor) only the orthonormality is checked: the
 /// Householder fallback may take some refreshes.
-fn repeated(
-    cx: &mut Ctx<'_>,
-    d: usize,
-    reps: usize,
-    qr: QrMethod,
-    decades: f64,
-) -> Result<Outcome> {
+fn repeated(cx: &mut Ctx<'_>, d: usize, reps: usize, decades: f64) -> Result<Outcome> {
     let (v, _, f) = rotated_factor(cx, d, decades)?;
     let dev = cx.dev;
-    let (r, _arena, slot) = refresher(cx, d, qr)?;
+    let (r, _arena, slot) = refresher(cx, d, QrMethod::RayleighCholeskyTc)?;
     let (fb, qb) = (cx.up(&narrow(&f))?, cx.up(&narrow(&v))?);
     let ms = cx.timed(|| {
         for _ in 0..reps {
             r.compute(dev, false, d, &fb, &qb, &slot)?;
             let status = dev.download::<i32>(&slot.status)?;
             refresh::verdict(false, d, &status).map_err(|e| crate::CudaError::Invalid {
-                op: "eigenbasis_refresh_rayleigh_repeated",
+                op: "eigenbasis_refresh_rayleigh_tc_repeated",
                 what: e.to_string(),
             })?;
             dev.copy(&qb, &slot.q.slice(0, d * d)?, StreamKind::Compute)?;
@@ -604,13 +576,13 @@ enum Factor {
     Indefinite,
 }
 
-/// A factor that is zero outside its leading `r × r` block and the identity as stored basis:
-/// `A = F[:, idx]` has exactly zero columns, CholeskyQR3's unshifted Gram matrix is singular, and the
-/// refresh must fall back to Householder (checked through the refresher's counters). Only the
-/// first `r` columns (the range, ordered first by the descending estimates) are unique up to
-/// sign; they are compared with float64 `refresh_compute`, and the whole basis must be
-/// orthonormal.
-fn zero_block(cx: &mut Ctx<'_>, d: usize, r: usize) -> Result<Outcome> {
+/// A factor that is zero outside its leading `r × r` block and the identity as stored basis,
+/// refreshed with `qr`: `A = F[:, idx]` has exactly zero columns. The Rayleigh–Cholesky QR's
+/// shift keeps its Cholesky factorisations defined, and either outcome (its own result or the
+/// Householder fallback) is correct. Only the first `r` columns (the range, ordered first by
+/// the descending estimates) are unique up to sign; they are compared with float64
+/// `refresh_compute`, and the whole basis must be orthonormal.
+fn zero_block(cx: &mut Ctx<'_>, d: usize, r: usize, qr: QrMethod) -> Result<Outcome> {
     let (_, _, fr) = factor(cx, r)?;
     let mut f = vec![0.0f64; d * d];
     for i in 0..r {
@@ -621,16 +593,15 @@ fn zero_block(cx: &mut Ctx<'_>, d: usize, r: usize) -> Result<Outcome> {
         eye[i * d + i] = 1.0;
     }
     let dev = cx.dev;
-    let (r_gpu, _arena, slot) = refresher(cx, d, QrMethod::ShiftedCholeskyQr3)?;
+    let (r_gpu, _arena, slot) = refresher(cx, d, qr)?;
     let (fb, qb) = (cx.up(&narrow(&f))?, cx.up(&narrow(&eye))?);
     dev.poison(&slot.q)?;
     let ms = cx.timed(|| r_gpu.compute(dev, false, d, &fb, &qb, &slot))?;
     let status = dev.download::<i32>(&slot.status)?;
     refresh::verdict(false, d, &status).map_err(|e| crate::CudaError::Invalid {
-        op: "eigenbasis_refresh_fallback",
+        op: "eigenbasis_refresh_rank_deficient",
         what: e.to_string(),
     })?;
-    let fell_back = r_gpu.cholesky_counts() == (0, 1);
     let q = wide(&dev.download::<f32>(&slot.q.slice(0, d * d)?)?);
     let res = optim::refresh_compute(&optim::FaerEigensolver, 11, 10, 0, &f, &eye, d, 1)
         .map_err(cpu)?
@@ -658,10 +629,6 @@ fn zero_block(cx: &mut Ctx<'_>, d: usize, r: usize) -> Result<Outcome> {
         errs: vec![
             ("range columns", super::rel_err(&got, &want)),
             ("orthonormality", orth),
-            (
-                "householder fallback taken",
-                if fell_back { 0.0 } else { f64::INFINITY },
-            ),
         ],
         gpu_ms: ms,
     })

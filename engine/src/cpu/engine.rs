@@ -5,7 +5,7 @@ use super::store::{Data, Loc, Store};
 use super::Float;
 use crate::rng::Rng;
 use crate::EngineError;
-use optim::{FaerEigensolver, HostEigensolver, Real};
+use optim::{HostEigensolver, Real};
 use schedule::{BufferId, HostTask, Init, LiveRange, Op, Placement, Plan, TargetPlan};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,8 +17,10 @@ pub struct EngineOptions {
     pub seed: Option<u64>,
     /// Kernel worker threads; `None` = the plan target's `threads` (`None` there = all cores).
     pub threads: Option<usize>,
-    /// Eigensolver for [`schedule::HostTask::EigenbasisRefresh`] (default: faer).
-    pub eigensolver: Arc<dyn HostEigensolver>,
+    /// An eigensolver to use for [`schedule::HostTask::EigenbasisRefresh`] instead of the
+    /// plan's `eigensolver` option (tests inject failing solvers); `None` (the default) = the
+    /// plan's ([`EngineOptions::solver`]).
+    pub eigensolver: Option<Arc<dyn HostEigensolver>>,
     /// Consecutive failed refreshes of one host task after which the run stops with
     /// [`EngineError::RefreshFailures`] (default 3).
     pub max_consecutive_refresh_failures: u32,
@@ -40,10 +42,27 @@ impl Default for EngineOptions {
         EngineOptions {
             seed: None,
             threads: None,
-            eigensolver: Arc::new(FaerEigensolver),
+            eigensolver: None,
             max_consecutive_refresh_failures: 3,
             synchronous_refresh: false,
             poison_transients: false,
+        }
+    }
+}
+
+impl EngineOptions {
+    /// The host eigensolver a run of `plan` uses: the injected one, else the plan's
+    /// `eigensolver` option.
+    ///
+    /// # Errors
+    /// [`EngineError::Option`] when the plan names a solver this build lacks (`lapack` without
+    /// the `lapack` feature).
+    pub fn solver(&self, plan: &Plan) -> Result<Arc<dyn HostEigensolver>, EngineError> {
+        match &self.eigensolver {
+            Some(s) => Ok(Arc::clone(s)),
+            None => optim::solver_by_name(plan.target.eigensolver().name())
+                .map(Arc::from)
+                .map_err(|e| EngineError::Option(format!("eigensolver: {e}"))),
         }
     }
 }
@@ -53,7 +72,7 @@ impl std::fmt::Debug for EngineOptions {
         f.debug_struct("EngineOptions")
             .field("seed", &self.seed)
             .field("threads", &self.threads)
-            .field("eigensolver", &self.eigensolver.name())
+            .field("eigensolver", &self.eigensolver.as_ref().map(|s| s.name()))
             .field(
                 "max_consecutive_refresh_failures",
                 &self.max_consecutive_refresh_failures,
@@ -124,6 +143,8 @@ pub struct CpuEngine<T> {
     pub(crate) plan: Plan,
     pub(crate) store: Store<T>,
     pub(crate) opts: EngineOptions,
+    /// The host eigensolver ([`EngineOptions::solver`]).
+    pub(crate) solver: Arc<dyn HostEigensolver>,
     pub(crate) stats: EngineStats,
     pub(crate) pool: Arc<rayon::ThreadPool>,
     pub(crate) host_pool: Arc<rayon::ThreadPool>,
@@ -236,6 +257,7 @@ impl<T: Float + Real> CpuEngine<T> {
         if opts.threads == Some(0) {
             return Err(EngineError::Option("threads must be at least 1".into()));
         }
+        let solver = opts.solver(&plan)?;
         let pool = Arc::new(build_pool(threads, "kernel")?);
         let host_pool = Arc::new(build_pool(threads, "host")?);
         let mut store = Store::zeros(&plan);
@@ -289,6 +311,7 @@ impl<T: Float + Real> CpuEngine<T> {
             plan,
             store,
             opts,
+            solver,
             stats: EngineStats {
                 refresh_failures: vec![0; tasks],
                 consecutive_refresh_failures: vec![0; tasks],

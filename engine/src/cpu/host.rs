@@ -286,7 +286,7 @@ impl<T: Float + Real> CpuEngine<T> {
             (Ok(f), Ok(q)) => (f, q),
             (Err(e), _) | (_, Err(e)) => return Err(JobError::Lost(e.to_string())),
         };
-        let solver = self.opts.eigensolver.as_ref();
+        let solver = self.solver.as_ref();
         let t_optim = task.optim_step(t, init);
         self.host_pool
             .install(|| refresh_compute(solver, t_optim, task.frequency, task.side, f, q, m, n))
@@ -298,7 +298,7 @@ impl<T: Float + Real> CpuEngine<T> {
         let (m, n) = self.store.dims2(task.exp_avg);
         let factor = self.store.f(task.factor)?.to_vec();
         let basis = self.store.f(task.basis)?.to_vec();
-        let solver = Arc::clone(&self.opts.eigensolver);
+        let solver = Arc::clone(&self.solver);
         let t_optim = task.optim_step(t, false);
         let (tx, rx) = mpsc::channel();
         self.host_pool.spawn(move || {
@@ -449,7 +449,7 @@ impl<T: Float + Real> CpuEngine<T> {
         init: bool,
         report: &mut HostTaskReport,
     ) -> Result<(), EngineError> {
-        let solver = Arc::clone(&self.opts.eigensolver);
+        let solver = Arc::clone(&self.solver);
         let pool = Arc::clone(&self.host_pool);
         let (m, n) = self.store.dims2(task.exp_avg);
         let t_optim = task.optim_step(t, init);

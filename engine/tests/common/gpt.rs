@@ -448,6 +448,7 @@ pub fn plan(g: &Gpt) -> Plan {
         target: TargetPlan::Cpu {
             threads: g.threads,
             staleness: 0,
+            eigensolver: schedule::Eigensolver::Faer,
         },
         memory,
     }

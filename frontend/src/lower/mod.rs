@@ -92,6 +92,7 @@ pub fn lower(spec: &Spec, run_name: &str, base_dir: &Path, c: &mut Checker) -> O
             threads: None,
             staleness: 0,
             calibration: None,
+            eigensolver: ir::Eigensolver::default(),
         }),
     };
     if let (Some((m, mf)), Some((d, df))) = (&model, &data) {

@@ -186,20 +186,43 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
             None
         }
     };
+    const CUDA_ONLY: &[(&str, &str)] = &[
+        ("device", "`device` applies to `target cuda` only"),
+        ("precision", "`precision` applies to `target cuda` only"),
+        ("attention", "`attention` applies to `target cuda` only"),
+        (
+            "refresh_placement",
+            "`refresh_placement` applies to `target cuda` only (the CPU engine refreshes on its host pool)",
+        ),
+    ];
     let (allowed, foreign): (&[&str], &[(&str, &str)]) = match kind {
         Some("cpu") => (
-            &["threads", "staleness", "calibration"],
-            &[
-                ("device", "`device` applies to `target cuda` only"),
-                ("precision", "`precision` applies to `target cuda` only"),
-            ],
+            &["threads", "staleness", "calibration", "eigensolver"],
+            CUDA_ONLY,
         ),
         Some("cuda") => (
-            &["device", "staleness", "calibration", "precision"],
+            &[
+                "device",
+                "staleness",
+                "calibration",
+                "precision",
+                "eigensolver",
+                "attention",
+                "refresh_placement",
+            ],
             &[("threads", "`threads` applies to `target cpu` only")],
         ),
         _ => (
-            &["threads", "device", "staleness", "calibration", "precision"],
+            &[
+                "threads",
+                "device",
+                "staleness",
+                "calibration",
+                "precision",
+                "eigensolver",
+                "attention",
+                "refresh_placement",
+            ],
             &[],
         ),
     };
@@ -208,6 +231,7 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
     let calibration = f
         .get("calibration")
         .and_then(|e| calibration(c, &e.value, base_dir));
+    let eigensolver = named_option(c, &f, "eigensolver", ir::Eigensolver::NAMES);
     match kind? {
         "cuda" => Some(TargetConfig::Cuda {
             device: c.uint_or(&f, "device", 0, 0),
@@ -222,6 +246,14 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
                     }
                 }
             },
+            eigensolver,
+            attention: named_option(c, &f, "attention", ir::AttentionKernel::NAMES),
+            refresh_placement: named_option(
+                c,
+                &f,
+                "refresh_placement",
+                ir::RefreshPlacement::NAMES,
+            ),
         }),
         _ => {
             let threads = match f.get("threads") {
@@ -232,7 +264,22 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
                 threads,
                 staleness,
                 calibration,
+                eigensolver,
             })
         }
     }
+}
+
+/// The value of the option key `key` (one of `names`, written as a bare name), or the option's
+/// default when the key is absent or wrong (the error is recorded, located).
+fn named_option<T: std::str::FromStr + Default>(
+    c: &mut Checker,
+    f: &Fields,
+    key: &str,
+    names: &[&'static str],
+) -> T {
+    f.get(key)
+        .and_then(|e| c.name_value(key, &e.value, key, names))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_default()
 }

@@ -51,6 +51,7 @@ pub fn config() -> Config {
             threads: None,
             staleness: 0,
             calibration: None,
+            eigensolver: ir::Eigensolver::Faer,
         },
     }
 }

@@ -1,0 +1,134 @@
+//! The swap of a computed refresh into the optimizer state ([`apply`]), on the compute stream,
+//! and its work buffers ([`SwapWork`]).
+use crate::device::{Device, GemmMath};
+use crate::error::{CudaError, Result};
+use crate::gemm::{gemm_f32, Dims};
+use crate::kernels::Args;
+use crate::memory::{Buf, Elem};
+use crate::StreamKind;
+
+/// Work buffers of [`apply`] on the compute stream: the basis change `C` (`[d, d]`; when
+/// `d² > m·n` it holds the `[m, n]` intermediate of the two-step re-projection instead) and the
+/// new moments (`[m·n]` each), sized for the largest task.
+pub(crate) struct SwapWork {
+    c: Buf,
+    e_new: Buf,
+    v_new: Buf,
+}
+
+impl SwapWork {
+    /// Bytes [`SwapWork::new`] allocates.
+    pub(crate) fn bytes(max_dim: usize, max_mn: usize) -> usize {
+        (max_dim.max(1).pow(2) + 2 * max_mn.max(1)) * 4 + 3 * crate::memory::BUF_ALIGN
+    }
+
+    /// One device arena for the largest factor side `max_dim` and moment size `max_mn`.
+    pub(crate) fn new(dev: &Device, max_dim: usize, max_mn: usize) -> Result<SwapWork> {
+        let (d, mn) = (max_dim.max(1), max_mn.max(1));
+        let mut arena = dev.arena("refresh-swap", crate::Tier::Device, Self::bytes(d, mn))?;
+        Ok(SwapWork {
+            c: arena.buf(Elem::F32, d * d)?,
+            e_new: arena.buf(Elem::F32, mn)?,
+            v_new: arena.buf(Elem::F32, mn)?,
+        })
+    }
+}
+
+/// Installs a computed refresh (the swap of the double buffer), on the compute stream: for an
+/// init, `basis ← q`; else `exp_avg` re-projected into the new eigenbasis (side 0:
+/// `E ← Q_newᵀ Q_old E`, side 1: `E ← E Q_oldᵀ Q_new`), `exp_avg_sq` permuted along the side by
+/// `idx`, then basis and moments overwritten (`optim::refresh_apply`, up to rounding). For a
+/// side `d` no longer than the other dimension `o` the basis change `C = Q_oldᵀ Q_new` is formed
+/// first (`2d³ + 2d²o` flops), else the moment goes through the old and new bases one after the
+/// other (`4d²o`, as the reference SOAP's project-back / project does). GEMMs run with `math`:
+/// fp32, or TF32 for the optimizer of a `precision = bf16` plan. The caller has made the
+/// compute stream wait for the refresh and checked its [`verdict`](super::verdict).
+///
+/// # Errors
+/// Shape errors (caller bugs) and CUDA / cuBLAS call failures.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn apply(
+    dev: &Device,
+    work: &SwapWork,
+    init: bool,
+    side: u8,
+    q_new: &Buf,
+    idx: &Buf,
+    basis: &Buf,
+    exp_avg: &Buf,
+    exp_avg_sq: &Buf,
+    m: usize,
+    n: usize,
+    math: GemmMath,
+) -> Result<()> {
+    const OP: &str = "refresh_apply";
+    let d = match side {
+        0 => m,
+        1 => n,
+        s => {
+            return Err(CudaError::Invalid {
+                op: OP,
+                what: format!("side {s}"),
+            })
+        }
+    };
+    let (dd, mn) = (d * d, m * n);
+    if dd > work.c.len() || mn > work.e_new.len() || q_new.len() < dd || idx.len() < d {
+        return Err(CudaError::Invalid {
+            op: OP,
+            what: format!("[{m}, {n}] side {side} exceeds the swap buffers"),
+        });
+    }
+    basis.expect(OP, "basis", Elem::F32, dd)?;
+    let q_new = q_new.slice(0, dd)?;
+    if init {
+        return dev.copy(basis, &q_new, StreamKind::Compute);
+    }
+    exp_avg.expect(OP, "exp_avg", Elem::F32, mn)?;
+    exp_avg_sq.expect(OP, "exp_avg_sq", Elem::F32, mn)?;
+    let prev = dev.set_gemm_math(math);
+    let r = (|| {
+        let (e_new, v_new) = (work.e_new.slice(0, mn)?, work.v_new.slice(0, mn)?);
+        let sq = Dims::new(d, d);
+        let e = Dims::new(m, n);
+        if d * d <= mn {
+            // C = Q_oldᵀ Q_new, then one GEMM on the moment.
+            let c = work.c.slice(0, dd)?;
+            gemm_f32(dev, basis, sq, &q_new, sq, &c, true, false, 1.0, 0.0)?;
+            if side == 0 {
+                gemm_f32(dev, &c, sq, exp_avg, e, &e_new, true, false, 1.0, 0.0)?;
+            } else {
+                gemm_f32(dev, exp_avg, e, &c, sq, &e_new, false, false, 1.0, 0.0)?;
+            }
+        } else {
+            // Back to the parameter's coordinates with Q_old, then into Q_new; `c` (d² > m·n
+            // elements) holds the intermediate.
+            let tmp = work.c.slice(0, mn)?;
+            if side == 0 {
+                gemm_f32(dev, basis, sq, exp_avg, e, &tmp, false, false, 1.0, 0.0)?;
+                gemm_f32(dev, &q_new, sq, &tmp, e, &e_new, true, false, 1.0, 0.0)?;
+            } else {
+                gemm_f32(dev, exp_avg, e, basis, sq, &tmp, false, true, 1.0, 0.0)?;
+                gemm_f32(dev, &tmp, e, &q_new, sq, &e_new, false, false, 1.0, 0.0)?;
+            }
+        }
+        let kernel = if side == 0 {
+            "permute_rows"
+        } else {
+            "permute_cols"
+        };
+        let idx = idx.slice(0, d)?;
+        let args = Args::new()
+            .buf(exp_avg_sq)
+            .buf(&idx)
+            .buf(&v_new)
+            .i32(m as i32)
+            .i32(n as i32);
+        dev.launch(kernel, (dev.grid_for(mn), 1, 1), (256, 1, 1), args)?;
+        dev.copy(basis, &q_new, StreamKind::Compute)?;
+        dev.copy(exp_avg, &e_new, StreamKind::Compute)?;
+        dev.copy(exp_avg_sq, &v_new, StreamKind::Compute)
+    })();
+    dev.set_gemm_math(prev);
+    r
+}

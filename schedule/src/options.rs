@@ -1,0 +1,129 @@
+//! Typed run options recorded in the plan: every choice that changes what an engine computes or
+//! where it computes it is one of these, set by a spec key of the `target` block (or a CLI flag
+//! that rewrites the plan before it runs), lowered into [`crate::TargetPlan`] and printed at the
+//! start of a run ([`crate::TargetPlan::options_line`]). Engines read them from the plan; no
+//! environment variable changes them.
+use serde::{Deserialize, Serialize};
+
+/// Defines a closed option enum with its spec/CLI names: `NAMES`, `name()`, `Display` and a
+/// `FromStr` whose error lists the allowed values.
+macro_rules! named_option {
+    ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $v:ident = $s:literal),+ $(,)? } default $d:ident) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        #[serde(rename_all = "snake_case")]
+        pub enum $name {
+            $($(#[$vm])* $v,)+
+        }
+        impl Default for $name {
+            fn default() -> Self {
+                $name::$d
+            }
+        }
+        impl $name {
+            /// Every value's spelling in specs, plans and CLI flags.
+            pub const NAMES: &'static [&'static str] = &[$($s),+];
+            /// This value's spelling.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $($name::$v => $s,)+
+                }
+            }
+        }
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+        impl std::str::FromStr for $name {
+            type Err = String;
+            fn from_str(s: &str) -> Result<Self, String> {
+                match s {
+                    $($s => Ok($name::$v),)+
+                    _ => Err(format!(
+                        "`{s}` is not one of {}",
+                        $name::NAMES.join(", ")
+                    )),
+                }
+            }
+        }
+    };
+}
+
+named_option! {
+    /// The host eigensolver of first refreshes (`eigh`) and of host-placed QR refreshes
+    /// (spec key `eigensolver`, CLI `--eigensolver`). Both give bases of the same factor that
+    /// agree to rounding except in nearly degenerate eigenspaces.
+    Eigensolver {
+        /// `faer` (pure Rust; the default).
+        Faer = "faer",
+        /// LAPACK `ssyevd` through OpenBLAS (needs the `lapack` feature).
+        Lapack = "lapack",
+    } default Faer
+}
+
+named_option! {
+    /// Which kernels run the plan's `Attention` / `AttentionBackward` on the CUDA engine (spec key
+    /// `attention` of `target cuda`).
+    AttentionKernel {
+        /// Under `precision = bf16` the fused tensor-core kernels where the head dim allows
+        /// (≤ 64), else the GEMM path; under `precision = fp32` the GEMM path. The default.
+        Auto = "auto",
+        /// The fused bf16 tensor-core kernels (FlashAttention-2 tiling) whatever the precision;
+        /// heads wider than 64 fall back to the GEMM path.
+        Fused = "fused",
+        /// cuBLAS GEMMs around a materialised `T × T` score matrix, in the plan's precision.
+        Gemm = "gemm",
+    } default Auto
+}
+
+named_option! {
+    /// Where preconditioner refreshes run (spec key `refresh_placement` of `target cuda`): the
+    /// `precond-scheduling` pass writes each refresh's [`crate::Placement`] from it.
+    RefreshPlacement {
+        /// Per factor, where the target's cost model predicts the least visible time. The
+        /// default.
+        Auto = "auto",
+        /// Every refresh on the GPU side stream (cuSOLVER / cuBLAS).
+        Gpu = "gpu",
+        /// Every refresh on the host worker pool (through pinned memory on a GPU target).
+        Host = "host",
+    } default Auto
+}
+
+named_option! {
+    /// A measurement switch of the CUDA engine (CLI `--profile`): per-op GPU times, printed at
+    /// the end of the run. It changes the run's timing, never what it computes.
+    Profile {
+        /// No profile (the default).
+        Off = "off",
+        /// A host synchronisation around every op (per-op host and GPU time, slow steps).
+        Ops = "ops",
+        /// CUDA events around every op (GPU time only; steps keep their overlap).
+        Events = "events",
+    } default Off
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_unknown_values_list_the_allowed_ones() {
+        for n in AttentionKernel::NAMES {
+            assert_eq!(n.parse::<AttentionKernel>().map(|a| a.name()), Ok(*n));
+        }
+        for n in RefreshPlacement::NAMES {
+            assert_eq!(n.parse::<RefreshPlacement>().map(|a| a.name()), Ok(*n));
+        }
+        for n in Eigensolver::NAMES {
+            assert_eq!(n.parse::<Eigensolver>().map(|a| a.name()), Ok(*n));
+        }
+        let e = "flash".parse::<AttentionKernel>().unwrap_err();
+        assert!(e.contains("auto, fused, gemm"), "{e}");
+        assert_eq!(
+            serde_json::to_string(&RefreshPlacement::Gpu).unwrap(),
+            "\"gpu\""
+        );
+    }
+}
