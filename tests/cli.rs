@@ -148,7 +148,7 @@ fn print_after_all_prints_all_five_passes_and_time_passes_reports_each() {
     ]);
     let (out, err) = text(&o);
     assert!(o.status.success(), "{err}");
-    for p in ["expand-model", "autodiff", "expand-optimizer", "liveness"] {
+    for p in ["expand-model", "autodiff", "expand-optimizer", "fuse", "liveness"] {
         assert!(
             out.contains(&format!("; IR after {p}")),
             "missing dump after {p}"
@@ -159,6 +159,39 @@ fn print_after_all_prints_all_five_passes_and_time_passes_reports_each() {
     assert!(err.contains("lower"));
     assert!(out.contains("; memory plan after memory-planning"));
     assert!(err.contains("memory-planning") && err.contains("activations arena"));
+}
+
+#[test]
+fn print_after_fuse_shows_the_fused_ops_of_gpt2_124m_and_skip_pass_keeps_them_apart() {
+    let o = asteria(&[
+        "compile",
+        "examples/gpt2-124m.asteria",
+        "--print-after",
+        "fuse",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(out.contains("; IR after fuse"));
+    assert!(out.contains("%h0.qkv: f32[16384, 2304] = mat_mul_bias %h0.ln_1, %h0.attn.c_attn.weight, %h0.attn.c_attn.bias"));
+    assert!(out.contains("%h0.gelu: bf16[16384, 3072] = gelu %h0.fc"));
+    assert!(out.contains("%d.logits: bf16[16384, 50304] = cross_entropy_backward"));
+    assert!(out.contains("%h0.attn.lse: f32[196608] = attention %h0.qkv"));
+    assert!(out.contains("; bias-epilogue: %h11.mlp_proj = mat_mul_bias"));
+    assert!(!out.contains(" = bias_add "));
+    let o = asteria(&[
+        "compile",
+        "examples/gpt2-124m.asteria",
+        "--skip-pass",
+        "fuse",
+        "--print-after",
+        "fuse",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(out.contains(" = bias_add ") && !out.contains("mat_mul_bias") && !out.contains("bf16["));
+    let o = asteria(&["compile", "examples/tiny.asteria", "--skip-pass", "lower"]);
+    assert!(!o.status.success());
+    assert!(text(&o).1.contains("cannot be skipped"), "{}", text(&o).1);
 }
 
 #[test]

@@ -19,6 +19,7 @@ pub fn compile_spec(spec: &Path, flags: &PassFlags) -> Result<(Plan, passes::liv
         print_after_all: flags.print_after_all,
         verify_each: flags.verify_each,
         time_passes: flags.time_passes,
+        skip: flags.skip_pass.clone(),
     };
     let mut pm = PassManager::new(options).map_err(|e| miette!("{e}"))?;
     let stdout = std::io::stdout();

@@ -18,7 +18,7 @@ struct Cli {
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct PassFlags {
     /// Print the IR after this pass (repeatable): expand-model, autodiff, expand-optimizer,
-    /// liveness, precond-scheduling, lower (the plan JSON), memory-planning (the memory plan's
+    /// fuse, liveness, precond-scheduling, lower (the plan JSON), memory-planning (the memory plan's
     /// arenas, peak live bytes and largest buffers).
     #[arg(long = "print-after", value_name = "PASS")]
     pub print_after: Vec<String>,
@@ -34,6 +34,9 @@ pub struct PassFlags {
     /// Report the wall time of each pass (on stderr).
     #[arg(long = "time-passes")]
     pub time_passes: bool,
+    /// Do not run this optional pass (repeatable): fuse (to compare with the unfused plan).
+    #[arg(long = "skip-pass", value_name = "PASS")]
+    pub skip_pass: Vec<String>,
 }
 
 /// Options of commands that execute a plan.

@@ -203,6 +203,14 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 trans_b: *trans_b,
                 accumulate: false,
             },
+            Op::MatMulBias { trans_a, trans_b } => P::MatMulBias {
+                a: arg(0)?,
+                b: arg(1)?,
+                bias: arg(2)?,
+                out: res(0)?,
+                trans_a: *trans_a,
+                trans_b: *trans_b,
+            },
             Op::BiasAdd => P::BiasAdd {
                 x: arg(0)?,
                 bias: arg(1)?,
@@ -268,6 +276,7 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
             } => P::Attention {
                 qkv: arg(0)?,
                 out: res(0)?,
+                lse: inst.results.get(1).map(|&v| b(v)).transpose()?,
                 batch: *batch,
                 seq_len: *seq_len,
                 n_heads: *n_heads,
@@ -279,6 +288,8 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
             } => P::AttentionBackward {
                 dout: arg(0)?,
                 qkv: arg(1)?,
+                fwd_out: a.get(2).map(|&v| b(v)).transpose()?,
+                lse: a.get(3).map(|&v| b(v)).transpose()?,
                 dqkv: res(0)?,
                 batch: *batch,
                 seq_len: *seq_len,

@@ -64,7 +64,9 @@ impl Drop for BlasLt {
 fn lt_err(op: &'static str) -> impl Fn(lt::CublasError) -> CudaError {
     move |e| CudaError::Invalid {
         op,
-        what: format!("cuBLASLt: {e:?}"),
+        what: format!(
+            "cuBLASLt: {e:?} (`asteria compile --skip-pass fuse` keeps GEMM and bias add separate)"
+        ),
     }
 }
 

@@ -183,6 +183,49 @@ impl Module {
         &mut self.graph[id.0].op
     }
 
+    /// Replaces instruction `id`'s op and arguments in place (a rewrite: the `fuse` pass turns
+    /// a `bias_add` into the `mat_mul_bias` that defines the same value). Results (names,
+    /// types) and the instruction's place in the layout stay; the def → use edges follow the
+    /// new arguments. Arguments must be values of this module (checked by the verifier).
+    pub fn replace_inst(&mut self, id: InstId, op: Op, args: &[ValueId]) {
+        let incoming: Vec<_> = self
+            .graph
+            .edges_directed(id.0, petgraph::Direction::Incoming)
+            .map(|e| petgraph::visit::EdgeRef::id(&e))
+            .collect();
+        for e in incoming {
+            self.graph.remove_edge(e);
+        }
+        for &a in args {
+            if let Some(v) = self.values.get(a.index()) {
+                let def = v.def.0;
+                self.graph.add_edge(def, id.0, a);
+            }
+        }
+        let inst = &mut self.graph[id.0];
+        inst.op = op;
+        inst.args = args.to_vec();
+    }
+
+    /// Appends a result to instruction `id` (the `fuse` pass's `attention-saved` gives an
+    /// `attention` its `lse`); `hint` is made unique as in [`Module::push`]. Returns the value.
+    pub fn add_result(&mut self, id: InstId, hint: &str, ty: TensorType) -> ValueId {
+        let name = self.unique_name(hint);
+        let v = ValueId(self.values.len() as u32);
+        self.names.insert(name.clone(), v);
+        self.values.push(ValueData { name, ty, def: id });
+        self.graph[id.0].results.push(v);
+        v
+    }
+
+    /// Sets the element type of value `id` (its shape stays), e.g. to `bf16` for an output
+    /// the `fuse` pass has its producer write in bf16.
+    pub fn set_dtype(&mut self, id: ValueId, dtype: schedule::DType) {
+        if let Some(v) = self.values.get_mut(id.index()) {
+            v.ty.dtype = dtype;
+        }
+    }
+
     /// The value `id`.
     pub fn value(&self, id: ValueId) -> &ValueData {
         &self.values[id.index()]

@@ -112,6 +112,14 @@ pub enum Op {
         /// Transpose b.
         trans_b: bool,
     },
+    /// args `[a, b, bias [P]]` → `op(a) op(b) + bias` `[M, P]`: a GEMM with a bias epilogue,
+    /// made by the `fuse` pass from a `mat_mul` and the `bias_add` of its product.
+    MatMulBias {
+        /// Transpose a.
+        trans_a: bool,
+        /// Transpose b.
+        trans_b: bool,
+    },
     /// args `[x [N,C], bias [C]]` → `[N, C]`.
     BiasAdd,
     /// args `[x [N,C]]` → `[C]`.
@@ -148,7 +156,8 @@ pub enum Op {
         /// Base θ.
         theta: f64,
     },
-    /// args `[qkv [N,3C]]` → `[N, C]` (causal).
+    /// args `[qkv [N,3C]]` → `[N, C]` (causal), or `[out, lse [B·NH·T]]` when the `fuse`
+    /// pass's `attention-saved` has it keep its softmax statistics for the backward.
     Attention {
         /// Sequences B.
         batch: usize,
@@ -157,7 +166,8 @@ pub enum Op {
         /// Heads.
         n_heads: usize,
     },
-    /// args `[dout [N,C], qkv [N,3C]]` → dqkv `[N, 3C]`.
+    /// args `[dout [N,C], qkv [N,3C]]`, or `[dout, qkv, fwd_out [N,C], lse [B·NH·T]]` with the
+    /// forward's saved output and statistics → dqkv `[N, 3C]`.
     AttentionBackward {
         /// Sequences B.
         batch: usize,
@@ -240,6 +250,7 @@ impl Op {
             Op::RmsNorm { .. } => "rms_norm",
             Op::RmsNormBackward { .. } => "rms_norm_backward",
             Op::MatMul { .. } => "mat_mul",
+            Op::MatMulBias { .. } => "mat_mul_bias",
             Op::BiasAdd => "bias_add",
             Op::SumRows => "sum_rows",
             Op::Add => "add",

@@ -99,7 +99,9 @@ pub(crate) fn attrs(op: &Op) -> Vec<(&'static str, Attr)> {
             vec![("eps", F(eps))]
         }
         Op::LayerNormBackward { eps, bias } => vec![("eps", F(eps)), ("bias", B(bias))],
-        Op::MatMul { trans_a, trans_b } => vec![("trans_a", B(trans_a)), ("trans_b", B(trans_b))],
+        Op::MatMul { trans_a, trans_b } | Op::MatMulBias { trans_a, trans_b } => {
+            vec![("trans_a", B(trans_a)), ("trans_b", B(trans_b))]
+        }
         Op::Rope {
             seq_len,
             head_dim,

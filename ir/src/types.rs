@@ -2,7 +2,8 @@
 use schedule::DType;
 use std::fmt;
 
-/// The type of an IR value: a dense row-major tensor. Prints as `f32[1024, 64]`.
+/// The type of an IR value: a dense row-major tensor. Prints as `f32[1024, 64]` (element
+/// types `f32`, `i32`, `bf16`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct TensorType {
     /// Element type.
@@ -38,11 +39,7 @@ impl TensorType {
 
 impl fmt::Display for TensorType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let d = match self.dtype {
-            DType::F32 => "f32",
-            DType::I32 => "i32",
-        };
-        write!(f, "{d}[")?;
+        write!(f, "{}[", self.dtype.name())?;
         for (i, s) in self.shape.iter().enumerate() {
             if i > 0 {
                 write!(f, ", ")?;

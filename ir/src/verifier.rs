@@ -3,7 +3,8 @@
 //! [`Module::display_with_errors`] prints them inline under the offending instruction.
 //!
 //! Checked: argument and result counts of each op (with the optional `bias` / `left` / `right`
-//! operands), dtypes (`ids` / `targets` and `input` results i32, everything else f32) and
+//! operands), dtypes (`ids` / `targets` and `input` results i32, bf16 only where
+//! `schedule::operand_dtypes` allows it, everything else f32) and
 //! shapes exactly as the plan op of the same name expects (`schedule/src/verify.rs`), values
 //! defined before use in execution order (sections in order, layout order within a section) and
 //! by a live instruction, section membership, the `loss` / `grad_of` markers and the buffers

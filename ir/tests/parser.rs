@@ -82,7 +82,7 @@ fn bad_types() {
         &t,
         "f64",
         0,
-        "expected a type `f32[...]` or `i32[...]`, found `f64[8, 16]",
+        "expected a type `f32[...]`, `i32[...]` or `bf16[...]`, found `f64[8, 16]",
     );
     let t = base().replace("%x0: f32[8, 16]", "%x0: f32[8, sixteen]");
     fails(&t, "sixteen", 0, "bad dimension `sixteen");

@@ -1,7 +1,7 @@
 //! asteria's compiler passes and the [`PassManager`] that runs them.
 //!
 //! The pipeline (in order; names are identical in the CLI flags, file names, dump headers and
-//! timing lines): `expand-model`, `autodiff`, `expand-optimizer`, `liveness`,
+//! timing lines): `expand-model`, `autodiff`, `expand-optimizer`, `fuse`, `liveness`,
 //! `precond-scheduling`, `lower`, `memory-planning`.
 #![deny(missing_docs)]
 
@@ -9,6 +9,7 @@ pub mod autodiff;
 pub mod cost_model;
 pub mod expand_model;
 pub mod expand_optimizer;
+pub mod fuse;
 pub mod liveness;
 pub mod lower;
 mod manager;

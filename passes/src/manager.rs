@@ -18,6 +18,9 @@ pub struct PassOptions {
     pub verify_each: bool,
     /// Record per-pass wall time.
     pub time_passes: bool,
+    /// Optional passes not to run ([`PassManager::SKIPPABLE`]: `fuse`), e.g. to compare a
+    /// fused plan with the unfused one.
+    pub skip: Vec<String>,
 }
 
 /// Wall time of one pass.
@@ -38,6 +41,10 @@ pub struct PassManager {
 }
 
 impl PassManager {
+    /// The passes [`PassOptions::skip`] may name: those whose output the rest of the pipeline
+    /// does not need (the others build the program or the plan).
+    pub const SKIPPABLE: [&'static str; 1] = ["fuse"];
+
     /// Names of the pipeline's passes, in order.
     pub fn pass_names() -> Vec<&'static str> {
         Self::default_passes().iter().map(|p| p.name()).collect()
@@ -48,6 +55,7 @@ impl PassManager {
             Box::new(crate::expand_model::ExpandModel),
             Box::new(crate::autodiff::Autodiff),
             Box::new(crate::expand_optimizer::ExpandOptimizer),
+            Box::new(crate::fuse::Fuse::default()),
             Box::new(crate::liveness::LivenessPass),
             Box::new(crate::precond_scheduling::PrecondScheduling::default()),
             Box::new(crate::lower::Lower),
@@ -55,13 +63,32 @@ impl PassManager {
         ]
     }
 
-    /// A manager for the default pipeline. Fails if a print option names an unknown pass.
+    /// A manager for the default pipeline. Fails if a print option names an unknown pass, or
+    /// `skip` a pass that is not [`PassManager::SKIPPABLE`].
     pub fn new(options: PassOptions) -> Result<Self, PassError> {
         let names = Self::pass_names();
-        for n in options.print_after.iter().chain(&options.print_before) {
+        for n in options
+            .print_after
+            .iter()
+            .chain(&options.print_before)
+            .chain(&options.skip)
+        {
             if !names.contains(&n.as_str()) {
                 return Err(PassError::UnknownPass { name: n.clone() });
             }
+        }
+        if let Some(n) = options
+            .skip
+            .iter()
+            .find(|n| !Self::SKIPPABLE.contains(&n.as_str()))
+        {
+            return Err(PassError::Invalid {
+                pass: "pass-manager",
+                message: format!(
+                    "pass `{n}` cannot be skipped (skippable: {})",
+                    Self::SKIPPABLE.join(", ")
+                ),
+            });
         }
         Ok(PassManager {
             passes: Self::default_passes(),
@@ -112,7 +139,10 @@ impl PassManager {
             }
             let _span = tracing::info_span!("pass", name).entered();
             let start = Instant::now();
-            let summary = pass.run(module, &mut cx)?;
+            let summary = match self.options.skip.iter().any(|p| p == name) {
+                true => "skipped".to_string(),
+                false => pass.run(module, &mut cx)?,
+            };
             let ms = start.elapsed().as_secs_f64() * 1e3;
             tracing::debug!(pass = name, ms, %summary, "pass done");
             if self.options.verify_each || stop_after == Some(name) || name == "liveness" {

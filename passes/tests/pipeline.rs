@@ -56,8 +56,9 @@ fn every_example_compiles_and_round_trips_after_every_pass() {
         let (cx, timings) = pm
             .run(&mut m, None, &mut std::io::sink())
             .expect("pipeline runs");
-        assert_eq!(timings.len(), 7);
-        assert_eq!(timings[6].pass, "memory-planning");
+        assert_eq!(timings.len(), 8);
+        assert_eq!(timings[3].pass, "fuse");
+        assert_eq!(timings[7].pass, "memory-planning");
         let plan = cx.plan.expect("plan");
         plan.verify().expect("plan verifies");
         let back = schedule::Plan::from_json(&plan.to_json()).expect("plan JSON round trips");
@@ -82,6 +83,8 @@ fn print_after_all_prints_all_five_passes() {
         "; IR after expand-model",
         "; IR after autodiff",
         "; IR after expand-optimizer",
+        "; IR after fuse",
+        "; fuse report",
         "; IR after liveness",
         "; plan after lower",
         "; memory plan after memory-planning",
@@ -104,27 +107,61 @@ fn unknown_pass_name_is_an_error() {
 }
 
 /// Regenerates the file-test inputs in `passes/filetests/` from `small.asteria` (the IR before
-/// each tested pass). Run by hand: `cargo test --release -p asteria-passes --test pipeline --
-/// --ignored regenerate`.
+/// each tested pass; the `fuse` inputs also on the CPU target and as a LLaMA, which has no
+/// biases). Run by hand: `cargo test --release -p asteria-passes --test pipeline --
+/// --ignored regenerate`. The hand-written `fuse-blocked-*.ir` are not regenerated.
 #[test]
 #[ignore]
 fn regenerate_filetest_inputs() {
+    use ir::config::{Family, TargetConfig};
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("filetests");
     let config = frontend::load_spec(&dir.join("small.asteria")).expect("spec");
-    for (file, before, pass) in [
-        ("autodiff-gpt2.ir", "expand-model", "autodiff"),
-        ("expand-optimizer-soap.ir", "autodiff", "expand-optimizer"),
-        ("liveness-soap.ir", "expand-optimizer", "liveness"),
+    let mut cpu = config.clone();
+    cpu.target = TargetConfig::Cpu {
+        threads: None,
+        staleness: config.target.staleness(),
+        calibration: None,
+        eigensolver: config.target.eigensolver(),
+    };
+    let mut llama = config.clone();
+    llama.model.family = Family::Llama;
+    let gpt2 = "A one-block GPT-2 (SOAP) under CUDA precision = bf16: every mat_mul + bias_add \
+                pair becomes a\n; mat_mul_bias, and the outputs only GEMMs read (layer norms, \
+                gelu, attention, dlogits) become bf16.";
+    let gpt2_cpu = "The same GPT-2 on the CPU target: bias epilogues (bit-identical there), no \
+                    bf16 outputs.";
+    let llama_bf16 = "The same as a LLaMA (no biases: nothing to fuse into a GEMM) under CUDA \
+                      bf16: only the attention\n; output and dlogits become bf16 (RMSNorm and \
+                      SwiGLU outputs have no bf16 producer).";
+    for (file, cfg, before, pass, about) in [
+        ("autodiff-gpt2.ir", &config, "expand-model", "autodiff", ""),
+        (
+            "expand-optimizer-soap.ir",
+            &config,
+            "autodiff",
+            "expand-optimizer",
+            "",
+        ),
+        ("fuse-gpt2-bf16.ir", &config, "expand-optimizer", "fuse", gpt2),
+        ("fuse-gpt2-cpu.ir", &cpu, "expand-optimizer", "fuse", gpt2_cpu),
+        ("fuse-llama-bf16.ir", &llama, "expand-optimizer", "fuse", llama_bf16),
+        ("liveness-soap.ir", &config, "fuse", "liveness", ""),
         (
             "precond-scheduling-soap.ir",
+            &config,
             "liveness",
             "precond-scheduling",
+            "",
         ),
     ] {
-        let mut m = ir::Module::new(config.clone());
+        let mut m = ir::Module::new(cfg.clone());
         let mut pm = PassManager::new(PassOptions::default()).expect("pm");
         pm.run(&mut m, Some(before), &mut std::io::sink())
             .expect("pipeline");
-        std::fs::write(dir.join(file), format!("; test: {pass}\n{m}")).expect("write");
+        let about = match about {
+            "" => String::new(),
+            a => format!("; {a}\n"),
+        };
+        std::fs::write(dir.join(file), format!("; test: {pass}\n{about}{m}")).expect("write");
     }
 }

@@ -25,7 +25,10 @@ pub use memory::{
     Access, ArenaKind, ArenaPlan, BufferSlot, LiveRange, MemoryPlan, PersistReason, Residency,
     ARENA_ALIGN,
 };
-pub use op::{HostTask, Op, Placement, SoapHyper};
+pub use op::{
+    operand_dtypes, HostTask, Op, Placement, SoapHyper, BF16_ATTENTION_MAX_HEAD_DIM,
+    BF16_LAYERNORM_MAX_C,
+};
 pub use options::{AttentionKernel, Eigensolver, Profile, RefreshPlacement};
 pub use verify::PlanError;
 
@@ -34,7 +37,8 @@ use serde::{Deserialize, Serialize};
 /// Magic string in every plan's `format` field.
 pub const PLAN_FORMAT: &str = "asteria-plan";
 /// Version of the plan format this crate reads and writes. Bumped on any incompatible change
-/// (2: the required `memory` section; 3: the typed run options of [`TargetPlan`]).
+/// (2: the required `memory` section; 3: the typed run options of [`TargetPlan`], and the
+/// `fuse` pass's additions: `mat_mul_bias`, bf16 buffers, attention's saved statistics).
 pub const PLAN_VERSION: u32 = 3;
 
 /// Index of a buffer in [`Plan::buffers`]. Serialized as a plain integer.
@@ -63,13 +67,43 @@ pub enum DType {
     F32,
     /// 32-bit signed integer (4 bytes). Token ids.
     I32,
+    /// bfloat16 (2 bytes: f32's sign and 8-bit exponent, 7 mantissa bits). Only activations
+    /// that the `fuse` pass marks: outputs written in bf16 by their producer and read only as
+    /// GEMM operands ([`operand_dtypes`] says which operands may be bf16). Values are f32
+    /// values rounded to nearest, ties to even; the CPU engine keeps them in f32 storage,
+    /// rounded on every write, so both engines compute with the same values.
+    Bf16,
 }
 
 impl DType {
     /// Size of one element in bytes.
     pub fn size_bytes(self) -> usize {
-        4
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::Bf16 => 2,
+        }
     }
+    /// The name used in the IR text and the plan JSON (`f32`, `i32`, `bf16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::I32 => "i32",
+            DType::Bf16 => "bf16",
+        }
+    }
+}
+
+/// `x` rounded to the nearest bfloat16 (ties to even), returned as the f32 of that value:
+/// the bits a CUDA `__float2bfloat16_rn` gives. NaN stays NaN (quiet), ±∞ stays ±∞, and
+/// finite values past bf16's largest (≈ 3.39e38) round to ±∞ as in IEEE rounding.
+pub fn round_to_bf16(x: f32) -> f32 {
+    if x.is_nan() {
+        return f32::NAN;
+    }
+    let bits = x.to_bits();
+    let lsb = (bits >> 16) & 1;
+    let rounded = bits.wrapping_add(0x7fff + lsb) & 0xffff_0000;
+    f32::from_bits(rounded)
 }
 
 /// What a buffer holds; drives memory accounting (`asteria explain`) and, later, tier placement.

@@ -1,8 +1,38 @@
 //! The plan's instruction set: one [`Op`] per kernel, with named buffer operands and the
 //! attributes the kernel needs. Shapes are given by the operands' buffers; the verifier
 //! (`verify.rs`) checks they agree with what each op expects.
-use crate::BufferId;
+use crate::{BufferId, DType};
 use serde::{Deserialize, Serialize};
+
+/// Widest LayerNorm row (C, elements) whose output may be bf16: the CUDA engine's bf16-output
+/// LayerNorm keeps a row in one warp's registers (32 lanes × 64 values).
+pub const BF16_LAYERNORM_MAX_C: usize = 32 * 64;
+
+/// Largest head dimension (C / n_heads) of an `Attention` whose output may be bf16: the CUDA
+/// engine's tensor-core attention kernels, the ones that write bf16, support heads up to 64.
+pub const BF16_ATTENTION_MAX_HEAD_DIM: usize = 64;
+
+/// The element types operand `operand` of the plan op named `op` (its snake_case tag, as
+/// [`Op::name`]; IR ops of the same name follow the same rule) may have. `ids` / `targets`
+/// are i32. bf16 is allowed only where both engines implement it: as the GEMM operands `a` /
+/// `b` of `mat_mul` / `mat_mul_bias` (read directly by bf16 tensor-core GEMMs), and as the
+/// outputs of the producers that can write bf16 directly — `layer_norm.out` (rows of at most
+/// [`BF16_LAYERNORM_MAX_C`]), `gelu.out`, `attention.out` (heads of at most
+/// [`BF16_ATTENTION_MAX_HEAD_DIM`]) and `cross_entropy_backward.dlogits` — and the saved
+/// forward output `attention_backward.fwd_out` the tensor-core backward reads. Everything
+/// else is f32.
+pub fn operand_dtypes(op: &str, operand: &str) -> &'static [DType] {
+    const F32: &[DType] = &[DType::F32];
+    const EITHER: &[DType] = &[DType::F32, DType::Bf16];
+    match (op, operand) {
+        (_, "ids" | "targets") => &[DType::I32],
+        ("mat_mul" | "mat_mul_bias", "a" | "b") => EITHER,
+        ("layer_norm" | "gelu" | "attention", "out") => EITHER,
+        ("attention_backward", "fwd_out") => EITHER,
+        ("cross_entropy_backward", "dlogits") => EITHER,
+        _ => F32,
+    }
+}
 
 /// Hyperparameters of one SOAP parameter update (Vyas et al. 2024, reference `soap.py`).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -101,6 +131,18 @@ pub enum Op {
         trans_b: bool,
         accumulate: bool,
     },
+    /// A GEMM with a bias epilogue (the `fuse` pass's fusion of a `MatMul` and the `BiasAdd`
+    /// of its product): `out[m, :] = (op(a) · op(b))[m, :] + bias`, the product rounded to f32
+    /// before the bias is added, exactly as the unfused pair computes it. a `[M, K]` (or
+    /// `[K, M]`), b `[K, P]` (or `[P, K]`), bias f32 `[P]`, out f32 `[M, P]` (overwritten).
+    MatMulBias {
+        a: BufferId,
+        b: BufferId,
+        bias: BufferId,
+        out: BufferId,
+        trans_a: bool,
+        trans_b: bool,
+    },
     /// `out[n, :] = x[n, :] + bias`. x/out `[N, C]`, bias `[C]`.
     BiasAdd {
         x: BufferId,
@@ -153,18 +195,30 @@ pub enum Op {
         theta: f64,
     },
     /// Causal multi-head self-attention on a fused qkv `[N, 3C]` (`[q | k | v]`, heads
-    /// contiguous in each), softmax scale `1/√(C/n_heads)`; out `[N, C]`.
+    /// contiguous in each), softmax scale `1/√(C/n_heads)`; out `[N, C]`. With `lse` (the
+    /// `fuse` pass's `attention-saved`), also the softmax statistics its backward reuses:
+    /// `lse[(b·NH + h)·T + t] = log₂ Σ_{s ≤ t} 2^(q_t·k_s · scale · log₂e)`, the base-2
+    /// log-sum-exp of row t's scaled scores, f32 `[B·NH·T]`.
     Attention {
         qkv: BufferId,
         out: BufferId,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        lse: Option<BufferId>,
         batch: usize,
         seq_len: usize,
         n_heads: usize,
     },
-    /// Gradient of [`Op::Attention`] (probabilities recomputed): dout `[N, C]`, dqkv `[N, 3C]`.
+    /// Gradient of [`Op::Attention`]: dout `[N, C]`, dqkv `[N, 3C]`. With `fwd_out` and `lse`
+    /// (both or neither: the forward's `out` and `lse`), an engine may take the softmax
+    /// statistics and `rowsum(dout ⊙ out)` from them instead of recomputing them from qkv (the
+    /// CUDA tensor-core backward does; the CPU engine recomputes: the same math).
     AttentionBackward {
         dout: BufferId,
         qkv: BufferId,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fwd_out: Option<BufferId>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        lse: Option<BufferId>,
         dqkv: BufferId,
         batch: usize,
         seq_len: usize,

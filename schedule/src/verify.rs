@@ -78,6 +78,7 @@ impl Op {
             Op::RmsNorm { .. } => "rms_norm",
             Op::RmsNormBackward { .. } => "rms_norm_backward",
             Op::MatMul { .. } => "mat_mul",
+            Op::MatMulBias { .. } => "mat_mul_bias",
             Op::BiasAdd { .. } => "bias_add",
             Op::SumRows { .. } => "sum_rows",
             Op::Add { .. } => "add",
@@ -165,6 +166,9 @@ impl Op {
                 ("dweight", *dweight),
             ]),
             Op::MatMul { a, b, out, .. } => v.extend([("a", *a), ("b", *b), ("out", *out)]),
+            Op::MatMulBias {
+                a, b, bias, out, ..
+            } => v.extend([("a", *a), ("b", *b), ("bias", *bias), ("out", *out)]),
             Op::BiasAdd { x, bias, out } => v.extend([("x", *x), ("bias", *bias), ("out", *out)]),
             Op::SumRows { x, out } => v.extend([("x", *x), ("out", *out)]),
             Op::Add { a, b, out } => v.extend([("a", *a), ("b", *b), ("out", *out)]),
@@ -174,10 +178,22 @@ impl Op {
             }
             Op::Rope { x, out, .. } => v.extend([("x", *x), ("out", *out)]),
             Op::RopeBackward { dout, dx, .. } => v.extend([("dout", *dout), ("dx", *dx)]),
-            Op::Attention { qkv, out, .. } => v.extend([("qkv", *qkv), ("out", *out)]),
+            Op::Attention { qkv, out, lse, .. } => {
+                v.extend([("qkv", *qkv), ("out", *out)]);
+                opt(&mut v, "lse", lse);
+            }
             Op::AttentionBackward {
-                dout, qkv, dqkv, ..
-            } => v.extend([("dout", *dout), ("qkv", *qkv), ("dqkv", *dqkv)]),
+                dout,
+                qkv,
+                fwd_out,
+                lse,
+                dqkv,
+                ..
+            } => {
+                v.extend([("dout", *dout), ("qkv", *qkv), ("dqkv", *dqkv)]);
+                opt(&mut v, "fwd_out", fwd_out);
+                opt(&mut v, "lse", lse);
+            }
             Op::CrossEntropy {
                 logits,
                 targets,
@@ -282,9 +298,15 @@ impl Checker<'_> {
             problem: problem.into(),
         }
     }
-    fn dtype(&self, operand: &'static str, id: BufferId, want: DType) -> Result<(), PlanError> {
-        if self.plan.buffers[id.index()].dtype != want {
-            return Err(self.fail(operand, id, format!("must be {want:?}")));
+    fn dtype(
+        &self,
+        operand: &'static str,
+        id: BufferId,
+        allowed: &[DType],
+    ) -> Result<(), PlanError> {
+        if !allowed.contains(&self.plan.buffers[id.index()].dtype) {
+            let names: Vec<&str> = allowed.iter().map(|d| d.name()).collect();
+            return Err(self.fail(operand, id, format!("must be {}", names.join(" or "))));
         }
         Ok(())
     }
@@ -315,18 +337,16 @@ impl Checker<'_> {
         }
         Ok(())
     }
+    fn is_bf16(&self, id: BufferId) -> bool {
+        self.plan.buffers[id.index()].dtype == DType::Bf16
+    }
     fn numel(&self, id: BufferId) -> usize {
         self.plan.buffers[id.index()].numel()
     }
 
     fn check_op(&self, op: &Op) -> Result<(), PlanError> {
         for (name, id) in op.operands() {
-            let want = if matches!(name, "ids" | "targets") {
-                DType::I32
-            } else {
-                DType::F32
-            };
-            self.dtype(name, id, want)?;
+            self.dtype(name, id, crate::operand_dtypes(op.name(), name))?;
         }
         match op {
             Op::Embedding { table, ids, out } => {
@@ -382,6 +402,16 @@ impl Checker<'_> {
                     self.dims("bias", *b, &[c])?;
                 }
                 self.same(("x", *x), ("out", *out))?;
+                if self.is_bf16(*out) && c > crate::BF16_LAYERNORM_MAX_C {
+                    return Err(self.fail(
+                        "out",
+                        *out,
+                        format!(
+                            "may be bf16 only for rows of at most {} (this has {c})",
+                            crate::BF16_LAYERNORM_MAX_C
+                        ),
+                    ));
+                }
             }
             Op::LayerNormBackward {
                 dout,
@@ -427,6 +457,14 @@ impl Checker<'_> {
                 trans_a,
                 trans_b,
                 ..
+            }
+            | Op::MatMulBias {
+                a,
+                b,
+                out,
+                trans_a,
+                trans_b,
+                ..
             } => {
                 let (ar, ac) = self.rank2("a", *a)?;
                 let (br, bc) = self.rank2("b", *b)?;
@@ -440,6 +478,9 @@ impl Checker<'_> {
                     ));
                 }
                 self.dims("out", *out, &[m, p])?;
+                if let Op::MatMulBias { bias, .. } = op {
+                    self.dims("bias", *bias, &[p])?;
+                }
             }
             Op::BiasAdd { x, bias, out } => {
                 let (_, c) = self.rank2("x", *x)?;
@@ -514,6 +555,7 @@ impl Checker<'_> {
             Op::Attention {
                 qkv,
                 out,
+                lse,
                 batch,
                 seq_len,
                 n_heads,
@@ -529,10 +571,26 @@ impl Checker<'_> {
                     ));
                 }
                 self.dims("out", *out, &[n, w / 3])?;
+                let head = w / 3 / n_heads;
+                if self.is_bf16(*out) && head > crate::BF16_ATTENTION_MAX_HEAD_DIM {
+                    return Err(self.fail(
+                        "out",
+                        *out,
+                        format!(
+                            "may be bf16 only for heads of at most {} (this has {head})",
+                            crate::BF16_ATTENTION_MAX_HEAD_DIM
+                        ),
+                    ));
+                }
+                if let Some(l) = lse {
+                    self.dims("lse", *l, &[batch * n_heads * seq_len])?;
+                }
             }
             Op::AttentionBackward {
                 dout,
                 qkv,
+                fwd_out,
+                lse,
                 dqkv,
                 batch,
                 seq_len,
@@ -550,6 +608,19 @@ impl Checker<'_> {
                 }
                 self.dims("dout", *dout, &[n, w / 3])?;
                 self.same(("qkv", *qkv), ("dqkv", *dqkv))?;
+                match (fwd_out, lse) {
+                    (Some(o), Some(l)) => {
+                        self.dims("fwd_out", *o, &[n, w / 3])?;
+                        self.dims("lse", *l, &[batch * n_heads * seq_len])?;
+                    }
+                    (None, None) => {}
+                    (Some(o), None) => {
+                        return Err(self.fail("fwd_out", *o, "comes with `lse` (saved statistics)"))
+                    }
+                    (None, Some(l)) => {
+                        return Err(self.fail("lse", *l, "comes with `fwd_out` (saved statistics)"))
+                    }
+                }
             }
             Op::CrossEntropy {
                 logits,
@@ -694,6 +765,12 @@ impl Plan {
                     b.name, b.shape
                 )));
             }
+            if b.dtype == DType::Bf16 && b.class != crate::BufferClass::Activation {
+                return Err(PlanError::Invalid(format!(
+                    "buffer {i} `{}` is bf16 but a {:?}: only activations may be bf16",
+                    b.name, b.class
+                )));
+            }
             if !names.insert(b.name.as_str()) {
                 return Err(PlanError::Invalid(format!(
                     "buffer name `{}` is used twice",
@@ -825,5 +902,115 @@ impl Plan {
             }
         }
         crate::memory::verify_memory(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The dtype contract of bf16 buffers and the `mat_mul_bias` operand checks, on the
+    //! one-matmul plan of the memory tests (`d.logits` is read only by a GEMM).
+    use crate::memory::tests::plan;
+    use crate::{
+        round_to_bf16, Buffer, BufferClass, BufferId, DType, Init, MemoryPlan, Op, Plan, PlanError,
+    };
+
+    fn with_dtype(mut p: Plan, buffer: usize, dtype: DType) -> Plan {
+        p.buffers[buffer].dtype = dtype;
+        p.memory = MemoryPlan::unshared(&p.buffers);
+        p
+    }
+
+    #[test]
+    fn a_bf16_gradient_read_only_by_a_gemm_verifies_and_takes_half_the_bytes() {
+        let p = with_dtype(plan(), 7, DType::Bf16);
+        p.verify().expect("dlogits may be bf16");
+        assert_eq!(p.buffers[7].size_bytes(), 2 * 3 * 2);
+    }
+
+    #[test]
+    fn bf16_is_rejected_where_an_engine_reads_or_writes_f32() {
+        // `x` is written by an embedding: its output must be f32.
+        let err = with_dtype(plan(), 4, DType::Bf16).verify().unwrap_err();
+        assert!(
+            matches!(&err, PlanError::Operand { operand: "out", problem, .. } if problem == "must be f32"),
+            "{err}"
+        );
+        // `logits` is read by the cross-entropy.
+        let err = with_dtype(plan(), 5, DType::Bf16).verify().unwrap_err();
+        assert!(err.to_string().contains("must be f32"), "{err}");
+        // A parameter never is.
+        let err = with_dtype(plan(), 2, DType::Bf16).verify().unwrap_err();
+        assert!(err.to_string().contains("only activations may be bf16"), "{err}");
+    }
+
+    fn with_bias(shape: &[usize]) -> Plan {
+        let mut p = plan();
+        p.buffers.push(Buffer {
+            name: "bias".into(),
+            shape: shape.to_vec(),
+            dtype: DType::F32,
+            class: BufferClass::Parameter,
+            init: Init::Zeros,
+        });
+        let bias = BufferId(p.buffers.len() as u32 - 1);
+        p.forward[1] = Op::MatMulBias {
+            a: BufferId(4),
+            b: BufferId(2),
+            bias,
+            out: BufferId(5),
+            trans_a: false,
+            trans_b: true,
+        };
+        p.memory = MemoryPlan::unshared(&p.buffers);
+        p
+    }
+
+    #[test]
+    fn mat_mul_bias_checks_the_bias_against_the_product_columns() {
+        with_bias(&[3]).verify().expect("bias [P] with out [M, P] = [2, 3]");
+        let err = with_bias(&[2]).verify().unwrap_err();
+        assert!(
+            matches!(&err, PlanError::Operand { operand: "bias", problem, .. } if problem == "must have shape [3]"),
+            "{err}"
+        );
+        let ops = with_bias(&[3]).forward[1].accesses();
+        let names: Vec<_> = ops.iter().map(|(n, _, a)| (*n, a.writes())).collect();
+        assert_eq!(
+            names,
+            vec![("a", false), ("b", false), ("bias", false), ("out", true)]
+        );
+    }
+
+    #[test]
+    fn bf16_rounding_is_to_nearest_even() {
+        let one = 1.0f32;
+        let ulp = 2f32.powi(-7); // bf16 spacing in [1, 2)
+        assert_eq!(round_to_bf16(one), one);
+        assert_eq!(round_to_bf16(one + ulp / 2.0), one, "tie goes to the even 1.0");
+        assert_eq!(round_to_bf16(one + 1.5 * ulp), one + 2.0 * ulp, "tie goes to even");
+        assert_eq!(round_to_bf16(one + 0.51 * ulp), one + ulp);
+        assert_eq!(round_to_bf16(-(one + 0.49 * ulp)), -one);
+        assert_eq!(round_to_bf16(f32::INFINITY), f32::INFINITY);
+        assert_eq!(round_to_bf16(f32::MAX), f32::INFINITY);
+        assert!(round_to_bf16(f32::NAN).is_nan());
+        // Against the nearest of the two bf16 neighbours, on a spread of bit patterns.
+        let mut bits = 0x1234_5678u32;
+        for _ in 0..100_000 {
+            bits = bits.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            let x = f32::from_bits(bits);
+            if !x.is_finite() || x.abs() > 1e38 {
+                continue;
+            }
+            let r = round_to_bf16(x);
+            assert_eq!(r.to_bits() & 0xffff, 0, "{x:e} -> {r:e} is not a bf16");
+            let down = f32::from_bits(bits & 0xffff_0000);
+            let up = f32::from_bits((bits & 0xffff_0000) + 0x1_0000);
+            let (dd, du) = (
+                (f64::from(x) - f64::from(down)).abs(),
+                (f64::from(up) - f64::from(x)).abs(),
+            );
+            let best = if dd < du { down } else if du < dd { up } else { r };
+            assert_eq!(r, best, "{x:e}: got {r:e}, nearest {best:e}");
+        }
     }
 }

@@ -453,9 +453,14 @@ fn flash_forward(
     let (hd, grid, block) = flash_check(OP, d, math)?;
     let nc = d.nc();
     qkv.expect(OP, "qkv", Elem::F32, 3 * nc)?;
-    // A bf16 `out` only on the saving path (the engine's shadow of an output only bf16 GEMMs
-    // read).
-    let bf16_out = saved.is_some() && out.elem() == Elem::BF16;
+    // A bf16 `out` (a plan buffer the `fuse` pass made bf16) from the tensor-core kernels only.
+    let bf16_out = out.elem() == Elem::BF16;
+    if bf16_out && math != FlashMath::Bf16 {
+        return Err(CudaError::Invalid {
+            op: OP,
+            what: "a bf16 `out` needs the tensor-core (bf16) kernels".into(),
+        });
+    }
     out.expect(OP, "out", if bf16_out { Elem::BF16 } else { Elem::F32 }, nc)?;
     flash_scratch(OP, scratch, flash_forward_scratch_len(d, math))?;
     let rows = d.batch * d.n_heads * d.seq_len;

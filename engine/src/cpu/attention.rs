@@ -120,6 +120,36 @@ pub fn attention_forward<T: Float>(
     Ok(())
 }
 
+/// The softmax statistics of [`attention_forward`] that a saving forward keeps for its
+/// backward (plan `Attention { lse: Some(..) }`): `lse[(b·NH + h)·T + t]` = the base-2
+/// log-sum-exp `log₂ Σ_{s ≤ t} 2^(q_t·k_s · scale · log₂e)` of row t's scaled causal scores
+/// (the CUDA tensor-core kernels' convention), accumulated in f64. lse f32-family
+/// `[B·NH·T]` (overwritten).
+pub fn attention_lse<T: Float>(qkv: &[T], lse: &mut [T], d: &AttnDims) -> Result<(), EngineError> {
+    let hd = d.check("attention", qkv.len())?;
+    let (t, c) = (d.seq_len, d.channels);
+    check_len("attention", "lse", lse.len(), d.batch * d.n_heads * t)?;
+    let w = 3 * c;
+    let scale = 1.0 / (hd as f64).sqrt();
+    lse.par_chunks_mut(t).enumerate().for_each(|(bh, rows)| {
+        let (b, h) = (bh / d.n_heads, bh % d.n_heads);
+        let base = b * t * w + h * hd;
+        let dot = |i: usize, j: usize| -> f64 {
+            (0..hd)
+                .map(|e| qkv[base + i * w + e].to_f64() * qkv[base + c + j * w + e].to_f64())
+                .sum::<f64>()
+                * scale
+        };
+        for (i, out) in rows.iter_mut().enumerate() {
+            let s: Vec<f64> = (0..=i).map(|j| dot(i, j)).collect();
+            let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let sum: f64 = s.iter().map(|v| (v - m).exp()).sum();
+            *out = T::from_f64((m + sum.ln()) * std::f64::consts::LOG2_E);
+        }
+    });
+    Ok(())
+}
+
 /// Causal self-attention backward (probabilities recomputed from `qkv`): dout `[N, C]`,
 /// qkv/dqkv `[N, 3C]` (dqkv fully overwritten).
 pub fn attention_backward<T: Float>(

@@ -36,6 +36,28 @@ pub fn bias_add<T: Float>(x: &[T], bias: &[T], out: &mut [T], c: usize) -> Resul
     Ok(())
 }
 
+/// `x[n, :] += bias` in place (the epilogue of a `MatMulBias`): the same additions as
+/// [`bias_add`]. x `[N, c]`, bias `[c]`.
+pub fn bias_add_in_place<T: Float>(x: &mut [T], bias: &[T], c: usize) -> Result<(), EngineError> {
+    check_len("mat_mul_bias", "bias", bias.len(), c)?;
+    if c == 0 || x.len() % c != 0 {
+        return Err(EngineError::Shape {
+            op: "mat_mul_bias",
+            operand: "out",
+            expected: c,
+            got: x.len(),
+        });
+    }
+    x.par_chunks_mut(c)
+        .with_min_len(super::min_rows(c))
+        .for_each(|row| {
+            for (o, &b) in row.iter_mut().zip(bias) {
+                *o = *o + b;
+            }
+        });
+    Ok(())
+}
+
 /// `out[j] = Σ_n x[n, j]` (the gradient of a bias). x `[N, c]`, out `[c]` (overwritten).
 /// Partial sums are taken over fixed row blocks and added in order, so the result does not
 /// depend on the thread count.

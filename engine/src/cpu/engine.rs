@@ -358,7 +358,8 @@ impl<T: Float + Real> CpuEngine<T> {
         })
     }
 
-    /// Overwrites buffer `name` with `values` (rounded to `T`, or to i32 for i32 buffers).
+    /// Overwrites buffer `name` with `values` (rounded to `T`, to i32 for i32 buffers, and to
+    /// bf16 for bf16 buffers).
     ///
     /// # Errors
     /// [`EngineError::UnknownBuffer`], or [`EngineError::Length`] when `values` does not have
@@ -376,11 +377,16 @@ impl<T: Float + Real> CpuEngine<T> {
                 got: values.len(),
             });
         }
+        let bf16 = self.store.bf16[id.index()];
         match &mut self.store.data[id.index()] {
-            Data::F(v) => v
-                .iter_mut()
-                .zip(values)
-                .for_each(|(x, &y)| *x = <T as Float>::from_f64(y)),
+            Data::F(v) => {
+                v.iter_mut()
+                    .zip(values)
+                    .for_each(|(x, &y)| *x = <T as Float>::from_f64(y));
+                if bf16 {
+                    super::store::round_slice_to_bf16(v);
+                }
+            }
             Data::I(v) => v
                 .iter_mut()
                 .zip(values)

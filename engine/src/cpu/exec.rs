@@ -1,6 +1,6 @@
 //! The op dispatcher: one `match` over [`schedule::Op`] that fetches the operands from the
 //! store and calls the kernel (or the `asteria-optim` update) with buffer slices.
-use super::attention::{attention_backward, attention_forward, AttnDims};
+use super::attention::{attention_backward, attention_forward, attention_lse, AttnDims};
 use super::matmul::{matmul, Dims};
 use super::rope::{rope_backward, rope_forward, RopeDims};
 use super::store::{Loc, Store};
@@ -180,6 +180,34 @@ pub(crate) fn exec_op<T: Float + Real>(
                 )
             })?;
         }
+        Op::MatMulBias {
+            a,
+            b,
+            bias,
+            out,
+            trans_a,
+            trans_b,
+        } => {
+            // The product into `out`, then the bias added in place: the same f32 operations
+            // as the unfused `MatMul` + `BiasAdd`, so bit-identical results.
+            let (ar, ac) = st.dims2(*a);
+            let (br, bc) = st.dims2(*b);
+            let c = cols(st, *out);
+            st.with_outs(loc, &[("out", *out)], &[*a, *b, *bias], |s, o| {
+                let (ad, bd) = (Dims { rows: ar, cols: ac }, Dims { rows: br, cols: bc });
+                matmul(
+                    s.f(*a)?,
+                    ad,
+                    s.f(*b)?,
+                    bd,
+                    &mut o[0],
+                    *trans_a,
+                    *trans_b,
+                    false,
+                )?;
+                ew::bias_add_in_place(&mut o[0], s.f(*bias)?, c)
+            })?;
+        }
         Op::BiasAdd { x, bias, out } => {
             let c = cols(st, *x);
             st.with_outs(loc, &[("out", *out)], &[*x, *bias], |s, o| {
@@ -260,6 +288,7 @@ pub(crate) fn exec_op<T: Float + Real>(
         Op::Attention {
             qkv,
             out,
+            lse,
             batch,
             seq_len,
             n_heads,
@@ -273,7 +302,14 @@ pub(crate) fn exec_op<T: Float + Real>(
             st.with_outs(loc, &[("out", *out)], &[*qkv], |s, o| {
                 attention_forward(s.f(*qkv)?, &mut o[0], &d)
             })?;
+            if let Some(lse) = lse {
+                st.with_outs(loc, &[("lse", *lse)], &[*qkv], |s, o| {
+                    attention_lse(s.f(*qkv)?, &mut o[0], &d)
+                })?;
+            }
         }
+        // The saved `fwd_out` / `lse`, when present, are not read: the CPU backward recomputes
+        // the probabilities from qkv (the same math as using them).
         Op::AttentionBackward {
             dout,
             qkv,
@@ -281,6 +317,7 @@ pub(crate) fn exec_op<T: Float + Real>(
             batch,
             seq_len,
             n_heads,
+            ..
         } => {
             let d = AttnDims {
                 batch: *batch,

@@ -1,5 +1,11 @@
 //! The interpreter's buffer store: one `Vec` per plan buffer (f32-family or i32), with
 //! take/put access so an op can mutate its outputs while reading its inputs.
+//!
+//! bf16 buffers (`DType::Bf16`, outputs the `fuse` pass has their producer write in bf16) are
+//! kept in the float storage `T` like f32 ones, and every value written to them — by an op
+//! ([`Store::with_outs`]) or by `set_buffer` — is rounded to the nearest bf16, ties to even
+//! ([`schedule::round_to_bf16`], through f32 for `T = f64`): the values the CUDA engine's
+//! bf16 buffers hold, so both engines compute with the same numbers.
 use super::Float;
 use crate::EngineError;
 use schedule::{BufferId, DType, Plan};
@@ -33,6 +39,16 @@ pub(crate) struct Store<T> {
     pub(crate) data: Vec<Data<T>>,
     pub(crate) names: Vec<String>,
     pub(crate) shapes: Vec<Vec<usize>>,
+    /// Per buffer: a bf16 buffer (values rounded to bf16 on every write).
+    pub(crate) bf16: Vec<bool>,
+}
+
+/// Rounds every value of `v` to the nearest bf16 (ties to even), kept in `T`.
+pub(crate) fn round_slice_to_bf16<T: Float>(v: &mut [T]) {
+    for x in v.iter_mut() {
+        let r = schedule::round_to_bf16(Float::to_f64(*x) as f32);
+        *x = <T as Float>::from_f64(f64::from(r));
+    }
 }
 
 impl<T: Float> Store<T> {
@@ -42,7 +58,7 @@ impl<T: Float> Store<T> {
             .buffers
             .iter()
             .map(|b| match b.dtype {
-                DType::F32 => Data::F(vec![T::zero(); b.numel()]),
+                DType::F32 | DType::Bf16 => Data::F(vec![T::zero(); b.numel()]),
                 DType::I32 => Data::I(vec![0; b.numel()]),
             })
             .collect();
@@ -50,6 +66,7 @@ impl<T: Float> Store<T> {
             data,
             names: plan.buffers.iter().map(|b| b.name.clone()).collect(),
             shapes: plan.buffers.iter().map(|b| b.shape.clone()).collect(),
+            bf16: plan.buffers.iter().map(|b| b.dtype == DType::Bf16).collect(),
         }
     }
 
@@ -126,7 +143,8 @@ impl<T: Float> Store<T> {
     }
 
     /// Runs `f` with the float buffers `outs` taken out of the store (mutable, in that order)
-    /// while the rest of the store stays readable, then puts them back (also on error).
+    /// while the rest of the store stays readable, then puts them back (also on error),
+    /// rounding the values of bf16 outputs to bf16.
     ///
     /// `reads` are the op's input operands: an output that is also an input is
     /// [`EngineError::Aliased`] (optimizer ops list their in-place state only as outputs).
@@ -153,6 +171,11 @@ impl<T: Float> Store<T> {
             taken.push(std::mem::take(self.f_mut(id)?));
         }
         let result = f(self, &mut taken);
+        for (&(_, id), v) in outs.iter().zip(taken.iter_mut()) {
+            if self.bf16.get(id.index()).copied().unwrap_or(false) {
+                round_slice_to_bf16(v);
+            }
+        }
         for (&(_, id), v) in outs.iter().zip(taken) {
             if let Some(Data::F(slot)) = self.data.get_mut(id.index()) {
                 *slot = v;

@@ -190,6 +190,7 @@ pub fn plan(g: &Gpt) -> Plan {
             Op::Attention {
                 qkv: qkvb,
                 out: att,
+                lse: None,
                 batch: g.batch,
                 seq_len: g.seq,
                 n_heads: g.heads,
@@ -358,6 +359,8 @@ pub fn plan(g: &Gpt) -> Plan {
             Op::AttentionBackward {
                 dout: datt,
                 qkv: ly.qkvb,
+                fwd_out: None,
+                lse: None,
                 dqkv,
                 batch: g.batch,
                 seq_len: g.seq,

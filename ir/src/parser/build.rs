@@ -8,7 +8,7 @@ use schedule::{Init, SoapHyper};
 use std::str::FromStr;
 
 /// Every op name of the text format.
-const OP_NAMES: [&str; 31] = [
+const OP_NAMES: [&str; 32] = [
     "state",
     "input",
     "loss",
@@ -22,6 +22,7 @@ const OP_NAMES: [&str; 31] = [
     "rms_norm",
     "rms_norm_backward",
     "mat_mul",
+    "mat_mul_bias",
     "bias_add",
     "sum_rows",
     "add",
@@ -267,6 +268,10 @@ pub(super) fn build_op<'a>(
         "rms_norm" => Op::RmsNorm { eps: a.f("eps")? },
         "rms_norm_backward" => Op::RmsNormBackward { eps: a.f("eps")? },
         "mat_mul" => Op::MatMul {
+            trans_a: a.b("trans_a")?,
+            trans_b: a.b("trans_b")?,
+        },
+        "mat_mul_bias" => Op::MatMulBias {
             trans_a: a.b("trans_a")?,
             trans_b: a.b("trans_b")?,
         },

@@ -108,18 +108,19 @@ impl<'a> Cursor<'a> {
             _ => Err(self.err(format!("expected a value `%name`, found {}", self.found()))),
         }
     }
-    /// `f32[d0, d1, ...]` / `i32[...]`.
+    /// `f32[d0, d1, ...]` / `i32[...]` / `bf16[...]`.
     pub(super) fn ty(&mut self) -> Res<TensorType> {
         self.ws();
         let at = self.rest;
         let dtype = match self.token(word) {
             Some("f32") => DType::F32,
             Some("i32") => DType::I32,
+            Some("bf16") => DType::Bf16,
             _ => {
                 return Err(self.err_at(
                     at,
                     format!(
-                        "expected a type `f32[...]` or `i32[...]`, found {}",
+                        "expected a type `f32[...]`, `i32[...]` or `bf16[...]`, found {}",
                         self.found_at(at)
                     ),
                 ))

@@ -46,12 +46,19 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
         Op::LayerNormBackward { .. } | Op::RmsNormBackward { .. } => vec!["dout", "x", "weight"],
         Op::RmsNorm { .. } => vec!["x", "weight"],
         Op::MatMul { .. } | Op::Add => vec!["a", "b"],
+        Op::MatMulBias { .. } => vec!["a", "b", "bias"],
         Op::BiasAdd => vec!["x", "bias"],
         Op::SumRows | Op::Gelu | Op::SwiGlu | Op::Rope { .. } => vec!["x"],
         Op::GeluBackward | Op::SwiGluBackward => vec!["dout", "x"],
         Op::RopeBackward { .. } => vec!["dout"],
         Op::Attention { .. } => vec!["qkv"],
-        Op::AttentionBackward { .. } => vec!["dout", "qkv"],
+        Op::AttentionBackward { .. } => {
+            return match found {
+                2 => Ok(vec!["dout", "qkv"]),
+                4 => Ok(vec!["dout", "qkv", "fwd_out", "lse"]),
+                _ => Err("2 (dout, qkv) or 4 (dout, qkv, fwd_out, lse)".into()),
+            }
+        }
         Op::CrossEntropy | Op::CrossEntropyBackward => vec!["logits", "targets"],
         Op::AdamW { .. } => vec!["param", "grad", "exp_avg", "exp_avg_sq"],
         Op::EigenbasisRefresh { .. } => vec!["factor", "basis", "exp_avg", "exp_avg_sq"],
@@ -67,9 +74,10 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
     }
 }
 
-/// Result roles of `op`.
-fn result_roles(op: &Op) -> Vec<&'static str> {
+/// Result roles of `op` given `found` results (`attention` has 1 or 2).
+fn result_roles(op: &Op, found: usize) -> Vec<&'static str> {
     match op {
+        Op::Attention { .. } if found == 2 => vec!["out", "lse"],
         Op::State { .. } | Op::Input { .. } => vec!["value"],
         Op::LayerNormBackward { bias: true, .. } => vec!["dx", "dweight", "dbias"],
         Op::LayerNormBackward { bias: false, .. } | Op::RmsNormBackward { .. } => {
@@ -104,7 +112,7 @@ pub(super) fn check_inst(v: &Verifier<'_>, id: InstId) -> R {
             expected,
             found: inst.args.len(),
         })?;
-    let results = result_roles(&inst.op);
+    let results = result_roles(&inst.op, inst.results.len());
     if results.len() != inst.results.len() {
         let (expected, found) = (results.len().to_string(), inst.results.len());
         return Err(VerifierError::ResultCount {
@@ -125,14 +133,14 @@ pub(super) fn check_inst(v: &Verifier<'_>, id: InstId) -> R {
         operands: operands.collect(),
     };
     for &(role, val) in &c.operands {
-        let i32_ok = matches!(role, "ids" | "targets") || matches!(inst.op, Op::Input { .. });
-        let want = if i32_ok { DType::I32 } else { DType::F32 };
-        if m.value(val).ty.dtype != want {
-            return Err(c.fail_value(
-                role,
-                val,
-                format!("must be {}", if i32_ok { "i32" } else { "f32" }),
-            ));
+        // The plan's rule (`schedule::operand_dtypes`), plus IR-only `input` values (i32).
+        let allowed: &[DType] = match inst.op {
+            Op::Input { .. } => &[DType::I32],
+            _ => schedule::operand_dtypes(inst.op.name(), role),
+        };
+        if !allowed.contains(&m.value(val).ty.dtype) {
+            let names: Vec<&str> = allowed.iter().map(|d| d.name()).collect();
+            return Err(c.fail_value(role, val, format!("must be {}", names.join(" or "))));
         }
     }
     check_shapes(&c, &inst.op)
@@ -219,6 +227,15 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 c.dims("bias", &[ch])?;
             }
             c.same("x", "out")?;
+            if c.get("out")?.1.dtype == DType::Bf16 && ch > schedule::BF16_LAYERNORM_MAX_C {
+                return Err(c.fail(
+                    "out",
+                    format!(
+                        "may be bf16 only for rows of at most {} (this has {ch})",
+                        schedule::BF16_LAYERNORM_MAX_C
+                    ),
+                ));
+            }
         }
         Op::LayerNormBackward { .. } | Op::RmsNormBackward { .. } => {
             let (_, ch) = c.rank2("x")?;
@@ -230,7 +247,7 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
             c.same("x", "dout")?;
             c.same("x", "dx")?;
         }
-        Op::MatMul { trans_a, trans_b } => {
+        Op::MatMul { trans_a, trans_b } | Op::MatMulBias { trans_a, trans_b } => {
             let (ar, ac) = c.rank2("a")?;
             let (br, bc) = c.rank2("b")?;
             let (rows, k) = if trans_a { (ac, ar) } else { (ar, ac) };
@@ -239,6 +256,9 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 return Err(c.fail("b", format!("inner dimension {k2} does not match a's {k}")));
             }
             c.dims("out", &[rows, cols])?;
+            if matches!(op, Op::MatMulBias { .. }) {
+                c.dims("bias", &[cols])?;
+            }
         }
         Op::BiasAdd => {
             let (_, ch) = c.rank2("x")?;
@@ -325,10 +345,30 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 ));
             }
             match op {
-                Op::Attention { .. } => c.dims("out", &[n, w / 3])?,
+                Op::Attention { .. } => {
+                    c.dims("out", &[n, w / 3])?;
+                    if c.get("lse").is_ok() {
+                        c.dims("lse", &[batch * n_heads * seq_len])?;
+                    }
+                    let head = w / 3 / n_heads;
+                    let bf16 = c.get("out")?.1.dtype == DType::Bf16;
+                    if bf16 && head > schedule::BF16_ATTENTION_MAX_HEAD_DIM {
+                        return Err(c.fail(
+                            "out",
+                            format!(
+                                "may be bf16 only for heads of at most {} (this has {head})",
+                                schedule::BF16_ATTENTION_MAX_HEAD_DIM
+                            ),
+                        ));
+                    }
+                }
                 _ => {
                     c.dims("dout", &[n, w / 3])?;
                     c.same("qkv", "dqkv")?;
+                    if c.get("lse").is_ok() {
+                        c.dims("fwd_out", &[n, w / 3])?;
+                        c.dims("lse", &[batch * n_heads * seq_len])?;
+                    }
                 }
             }
         }

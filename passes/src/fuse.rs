@@ -1,0 +1,542 @@
+//! `fuse`: rewrites the IR into the fused ops the engines execute, so that an engine runs what
+//! the plan says and plans no fusion of its own (everything is visible with
+//! `--print-after fuse`). Runs after `expand-optimizer`, before `liveness` (memory is planned
+//! for the fused program). Two rules:
+//!
+//! - **`bias-epilogue`** (an egg rewrite, every target):
+//!   `(bias_add (mat_mul ?ta ?tb ?a ?b) ?bias) → (mat_mul_bias ?ta ?tb ?a ?b ?bias)`.
+//!   The product must have no reader but that `bias_add` (checked before the e-graph is built:
+//!   a product with other readers enters it as an opaque value, which the pattern cannot
+//!   match), and under bf16 GEMMs (CUDA, `precision = bf16`) the operands' rows must be
+//!   16-byte aligned — `a` and `b` a multiple of 8 bf16 columns, the f32 output a multiple of
+//!   4 — a condition on the rule (cuBLAS's unaligned kernels lose more than the fusion gains).
+//!   The CPU engine computes `mat_mul_bias` as the product then the bias add, bit-identical to
+//!   the pair; the CUDA engine as one cuBLASLt GEMM with a bias epilogue. Either way the
+//!   product's buffer disappears from the plan.
+//! - **`attention-saved`** (an egg rewrite, CUDA with `precision = bf16` and `attention` not
+//!   `gemm`, heads of at most `schedule::BF16_ATTENTION_MAX_HEAD_DIM`: where the tensor-core
+//!   kernels run):
+//!   `(attention_backward ?g ?dout ?qkv) → (attention_backward_saved ?g ?dout ?qkv
+//!   (attention ?g ?qkv))` if the e-graph holds that forward — hash-consing finds the
+//!   `attention` of the same qkv and geometry, whose e-class also holds its output value. The
+//!   forward gets a second result `lse` (its softmax statistics, f32 `[B·NH·T]`) and the
+//!   backward reads `fwd_out` and `lse` instead of rerunning the forward's score pass; the
+//!   memory plan keeps both alive until the backward.
+//! - **`bf16-output`** (an analysis, CUDA with `precision = bf16` only): the output of a
+//!   `layer_norm` (rows of at most `schedule::BF16_LAYERNORM_MAX_C`), `gelu`, `attention`
+//!   (heads of at most `schedule::BF16_ATTENTION_MAX_HEAD_DIM`, the tensor-core kernels) or
+//!   `cross_entropy_backward` whose every reader reads it as a GEMM operand (`a` / `b` of
+//!   `mat_mul` / `mat_mul_bias`, which read bf16 under that precision anyway) or as the saved
+//!   `fwd_out` of an `attention_backward` (read in bf16 by the tensor-core backward) becomes `bf16`:
+//!   the producer writes bf16 directly, the buffer takes half the bytes and no f32 copy exists.
+//!   It is not an e-graph rewrite: it changes a value's type on a condition over *all* of its
+//!   readers, which a term rewrite (local by nature) cannot see.
+//!
+//! The e-graph language [`Dataflow`] holds only the ops the rewrite rules mention; every
+//! other value is an opaque leaf `%name`. The runner has explicit iteration, node and time
+//! limits ([`RUNNER_LIMITS`]); the cheapest term per root (fewest kernels, [`KernelCost`]) is
+//! mapped back onto the instruction that defined the root's value.
+use crate::{Pass, PassContext, PassError};
+use egg::{define_language, CostFunction, Extractor, Id, Language, Pattern, Rewrite};
+use egg::{EGraph, Runner, Subst, Symbol, Var};
+use ir::config::TargetConfig;
+use ir::{DType, Module, Op, Precision, Section, ValueId};
+use schedule::AttentionKernel;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+define_language! {
+    /// The dataflow terms the fusion rules rewrite: `(mat_mul trans_a trans_b a b)`,
+    /// `(mat_mul_bias trans_a trans_b a b bias)`, `(bias_add x bias)`, `(attention g qkv)`,
+    /// `(attention_backward g dout qkv)`, `(attention_backward_saved g dout qkv fwd)` (`fwd`:
+    /// the forward whose output and statistics it reads), and the leaves `true` / `false` (a
+    /// GEMM's transpose flags), `%name` (an IR value the rules treat as opaque) and
+    /// `#b<B>.t<T>.h<NH>` (an attention's geometry), with the semantics of the IR ops of the
+    /// same names.
+    #[allow(missing_docs)]
+    pub enum Dataflow {
+        "mat_mul" = MatMul([Id; 4]),
+        "mat_mul_bias" = MatMulBias([Id; 5]),
+        "bias_add" = BiasAdd([Id; 2]),
+        "attention" = Attention([Id; 2]),
+        "attention_backward" = AttentionBackward([Id; 3]),
+        "attention_backward_saved" = AttentionBackwardSaved([Id; 4]),
+        Flag(bool),
+        Value(Symbol),
+    }
+}
+
+/// The geometry leaf of an attention: `#b<batch>.t<seq_len>.h<n_heads>`.
+pub fn geometry(batch: usize, seq_len: usize, n_heads: usize) -> Symbol {
+    Symbol::from(format!("#b{batch}.t{seq_len}.h{n_heads}"))
+}
+
+/// The runner's limits: iterations, e-nodes, wall time. One rule over disjoint matches
+/// saturates in two iterations; the limits only bound a pathological module.
+pub const RUNNER_LIMITS: (usize, usize, Duration) = (8, 200_000, Duration::from_secs(2));
+
+/// The fusions the target allows, from the module's `target` config.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FuseTarget {
+    /// GEMM operands are read as bf16 (CUDA, `precision = bf16`): bias epilogues need aligned
+    /// rows, and `bf16-output` applies.
+    pub bf16_gemms: bool,
+    /// `attention` outputs may be bf16 (the tensor-core kernels write bf16).
+    pub bf16_attention: bool,
+}
+
+impl FuseTarget {
+    /// The fusions of `target`: bf16 GEMMs under CUDA with `precision = bf16`, and there bf16
+    /// attention outputs and saved statistics unless `attention = gemm` (the tensor-core
+    /// kernels, which write them, run for `auto` and `fused`); on the CPU or CUDA fp32 only the
+    /// target-independent bias epilogue.
+    pub fn of(target: &TargetConfig) -> FuseTarget {
+        match target {
+            TargetConfig::Cuda {
+                precision: Precision::Bf16,
+                attention,
+                ..
+            } => FuseTarget {
+                bf16_gemms: true,
+                bf16_attention: *attention != AttentionKernel::Gemm,
+            },
+            _ => FuseTarget {
+                bf16_gemms: false,
+                bf16_attention: false,
+            },
+        }
+    }
+}
+
+/// Shapes `[rows, cols]` of the 2-D values the rules' conditions look at, by leaf symbol.
+type Shapes = Arc<HashMap<Symbol, (usize, usize)>>;
+
+/// The value leaf of e-class `id` (every e-class a rule variable binds to a value holds one).
+fn leaf(egraph: &EGraph<Dataflow, ()>, id: Id) -> Option<Symbol> {
+    egraph[id].nodes.iter().find_map(|n| match n {
+        Dataflow::Value(s) => Some(*s),
+        _ => None,
+    })
+}
+
+/// The flag leaf of e-class `id`.
+fn flag(egraph: &EGraph<Dataflow, ()>, id: Id) -> Option<bool> {
+    egraph[id].nodes.iter().find_map(|n| match n {
+        Dataflow::Flag(f) => Some(*f),
+        _ => None,
+    })
+}
+
+/// The fusion rewrite rules for `target`; `shapes` gives the `[rows, cols]` of the values the
+/// conditions look at. Errors only if a pattern does not parse (a compiler bug).
+pub fn rules(target: FuseTarget, shapes: Shapes) -> Result<Vec<Rewrite<Dataflow, ()>>, String> {
+    let lhs: Pattern<Dataflow> = "(bias_add (mat_mul ?ta ?tb ?a ?b) ?bias)"
+        .parse()
+        .map_err(|e| format!("bias-epilogue lhs: {e}"))?;
+    let rhs: Pattern<Dataflow> = "(mat_mul_bias ?ta ?tb ?a ?b ?bias)"
+        .parse()
+        .map_err(|e| format!("bias-epilogue rhs: {e}"))?;
+    let var = |s: &str| s.parse::<Var>().map_err(|e| format!("variable {s}: {e}"));
+    let (a, b, tb) = (var("?a")?, var("?b")?, var("?tb")?);
+    let bf16 = target.bf16_gemms;
+    // Under bf16 GEMMs: rows of a and b a multiple of 8 bf16 (16 bytes), the f32 output's a
+    // multiple of 4. Otherwise no condition.
+    let aligned = move |eg: &mut EGraph<Dataflow, ()>, _: Id, s: &Subst| {
+        if !bf16 {
+            return true;
+        }
+        let shape = |v: Var| leaf(eg, s[v]).and_then(|sym| shapes.get(&sym).copied());
+        match (shape(a), shape(b), flag(eg, s[tb])) {
+            (Some((_, ac)), Some((br, bc)), Some(trans_b)) => {
+                let out_cols = if trans_b { br } else { bc };
+                ac % 8 == 0 && bc % 8 == 0 && out_cols % 4 == 0
+            }
+            _ => false,
+        }
+    };
+    let applier = egg::ConditionalApplier {
+        condition: aligned,
+        applier: rhs,
+    };
+    let mut rules = vec![Rewrite::new("bias-epilogue", lhs, applier)?];
+    if target.bf16_attention {
+        let lhs: Pattern<Dataflow> = "(attention_backward ?g ?dout ?qkv)"
+            .parse()
+            .map_err(|e| format!("attention-saved lhs: {e}"))?;
+        let rhs: Pattern<Dataflow> = "(attention_backward_saved ?g ?dout ?qkv (attention ?g ?qkv))"
+            .parse()
+            .map_err(|e| format!("attention-saved rhs: {e}"))?;
+        let (g, qkv) = (var("?g")?, var("?qkv")?);
+        // Only where the forward of the same qkv and geometry is in the e-graph.
+        let has_forward = move |eg: &mut EGraph<Dataflow, ()>, _: Id, s: &Subst| {
+            eg.lookup(Dataflow::Attention([s[g], s[qkv]])).is_some()
+        };
+        let applier = egg::ConditionalApplier {
+            condition: has_forward,
+            applier: rhs,
+        };
+        rules.push(Rewrite::new("attention-saved", lhs, applier)?);
+    }
+    Ok(rules)
+}
+
+/// Extraction cost: kernel passes (one per op node, two for an `attention_backward` that
+/// reruns its forward's score pass; leaves are free).
+pub struct KernelCost;
+
+impl CostFunction<Dataflow> for KernelCost {
+    type Cost = usize;
+    fn cost<C>(&mut self, enode: &Dataflow, mut costs: C) -> usize
+    where
+        C: FnMut(Id) -> usize,
+    {
+        let own = match enode {
+            Dataflow::Flag(_) | Dataflow::Value(_) => 0,
+            Dataflow::AttentionBackward(_) => 2,
+            _ => 1,
+        };
+        enode.fold(own, |sum, id| sum + costs(id))
+    }
+}
+
+/// What `fuse` did, for the dump and the summary line.
+#[derive(Clone, Debug, Default)]
+pub struct FuseReport {
+    /// The target's fusions.
+    pub target: Option<FuseTarget>,
+    /// `bias-epilogue` rewrites: `(result, removed product)` names.
+    pub bias_epilogues: Vec<(String, String)>,
+    /// `bias_add`s of a GEMM product left unfused, with the reason.
+    pub blocked: Vec<(String, String)>,
+    /// `attention-saved` rewrites: `(dqkv, forward output)` names.
+    pub attention_saved: Vec<(String, String)>,
+    /// Values made bf16 by `bf16-output`, with their producer op.
+    pub bf16_outputs: Vec<(String, &'static str)>,
+    /// Why the e-graph runner stopped (`Saturated` normally).
+    pub stop_reason: Option<String>,
+}
+
+/// The `fuse` pass. See the module docs.
+#[derive(Default)]
+pub struct Fuse {
+    report: FuseReport,
+}
+
+fn invalid(message: impl Into<String>) -> PassError {
+    PassError::Invalid {
+        pass: "fuse",
+        message: message.into(),
+    }
+}
+
+fn rank2(m: &Module, v: ValueId) -> Option<(usize, usize)> {
+    match m.value(v).ty.shape[..] {
+        [r, c] => Some((r, c)),
+        _ => None,
+    }
+}
+
+/// An instruction added to the e-graph as a root: a `bias_add` of a single-reader GEMM
+/// product, or an `attention_backward`.
+struct Candidate {
+    inst: ir::InstId,
+    root: Id,
+    /// The product's name (`bias_add` roots).
+    product: String,
+}
+
+impl Fuse {
+    /// The report of the last run.
+    pub fn report(&self) -> &FuseReport {
+        &self.report
+    }
+
+    /// The egg rules: builds one term per `bias_add` of a single-reader GEMM product and per
+    /// `attention_backward`, plus each `attention` forward (its e-class holding its output
+    /// value), runs the rules, and rewrites each root instruction whose cheapest term is fused.
+    fn rewrite(&mut self, m: &mut Module, target: FuseTarget) -> Result<(), PassError> {
+        let name = |m: &Module, v: ValueId| Symbol::from(m.display_value(v));
+        let mut shapes: HashMap<Symbol, (usize, usize)> = HashMap::new();
+        let mut eg = EGraph::<Dataflow, ()>::default();
+        let mut candidates = Vec::new();
+        let insts: Vec<_> = [Section::Forward, Section::Backward]
+            .iter()
+            .flat_map(|&s| m.section(s).collect::<Vec<_>>())
+            .collect();
+        let tc_heads = |m: &Module, qkv: ValueId, n_heads: usize| {
+            rank2(m, qkv).is_some_and(|(_, w)| {
+                n_heads > 0 && w / 3 / n_heads <= schedule::BF16_ATTENTION_MAX_HEAD_DIM
+            })
+        };
+        for id in insts {
+            let inst = m.inst(id);
+            match inst.op {
+                Op::BiasAdd if inst.args.len() == 2 => {
+                    let (x, bias) = (inst.args[0], inst.args[1]);
+                    let def = m.inst(m.value(x).def);
+                    let Op::MatMul { trans_a, trans_b } = def.op else {
+                        continue;
+                    };
+                    let readers = m.uses(x).len();
+                    if readers != 1 || def.section != inst.section {
+                        let why = format!("{} has {readers} readers", m.display_value(x));
+                        self.report
+                            .blocked
+                            .push((m.display_value(inst.results[0]), why));
+                        continue;
+                    }
+                    let (a, b) = (def.args[0], def.args[1]);
+                    for v in [a, b] {
+                        if let Some(s) = rank2(m, v) {
+                            shapes.insert(name(m, v), s);
+                        }
+                    }
+                    let ta = eg.add(Dataflow::Flag(trans_a));
+                    let tb = eg.add(Dataflow::Flag(trans_b));
+                    let av = eg.add(Dataflow::Value(name(m, a)));
+                    let bv = eg.add(Dataflow::Value(name(m, b)));
+                    let mm = eg.add(Dataflow::MatMul([ta, tb, av, bv]));
+                    let bs = eg.add(Dataflow::Value(name(m, bias)));
+                    let root = eg.add(Dataflow::BiasAdd([mm, bs]));
+                    candidates.push(Candidate {
+                        inst: id,
+                        root,
+                        product: m.display_value(x),
+                    });
+                }
+                Op::Attention {
+                    batch,
+                    seq_len,
+                    n_heads,
+                } if target.bf16_attention
+                    && inst.results.len() == 1
+                    && tc_heads(m, inst.args[0], n_heads) =>
+                {
+                    let g = eg.add(Dataflow::Value(geometry(batch, seq_len, n_heads)));
+                    let q = eg.add(Dataflow::Value(name(m, inst.args[0])));
+                    let fwd = eg.add(Dataflow::Attention([g, q]));
+                    let out = eg.add(Dataflow::Value(name(m, inst.results[0])));
+                    eg.union(fwd, out);
+                }
+                Op::AttentionBackward {
+                    batch,
+                    seq_len,
+                    n_heads,
+                } if target.bf16_attention && inst.args.len() == 2 => {
+                    let g = eg.add(Dataflow::Value(geometry(batch, seq_len, n_heads)));
+                    let d = eg.add(Dataflow::Value(name(m, inst.args[0])));
+                    let q = eg.add(Dataflow::Value(name(m, inst.args[1])));
+                    let root = eg.add(Dataflow::AttentionBackward([g, d, q]));
+                    candidates.push(Candidate {
+                        inst: id,
+                        root,
+                        product: String::new(),
+                    });
+                }
+                _ => {}
+            }
+        }
+        if candidates.is_empty() {
+            return Ok(());
+        }
+        eg.rebuild();
+        let rules = rules(target, Arc::new(shapes)).map_err(invalid)?;
+        let runner = Runner::<Dataflow, ()>::default()
+            .with_iter_limit(RUNNER_LIMITS.0)
+            .with_node_limit(RUNNER_LIMITS.1)
+            .with_time_limit(RUNNER_LIMITS.2)
+            .with_egraph(eg)
+            .run(&rules);
+        self.report.stop_reason = runner.stop_reason.as_ref().map(|r| format!("{r:?}"));
+        let extractor = Extractor::new(&runner.egraph, KernelCost);
+        for c in &candidates {
+            let (_, best) = extractor.find_best(runner.egraph.find(c.root));
+            let flag_of = |id: &Id| match best[*id] {
+                Dataflow::Flag(f) => Ok(f),
+                ref other => Err(invalid(format!("expected a flag leaf, found {other:?}"))),
+            };
+            let value_of = |m: &Module, id: &Id| match &best[*id] {
+                Dataflow::Value(s) => s
+                    .as_str()
+                    .strip_prefix('%')
+                    .and_then(|n| m.value_by_name(n))
+                    .ok_or_else(|| invalid(format!("unknown value {s} in an extracted term"))),
+                other => Err(invalid(format!("expected a value leaf, found {other:?}"))),
+            };
+            let root_op = m.inst(c.inst).op.clone();
+            match (best.as_ref().last(), &root_op) {
+                (Some(Dataflow::MatMulBias([ta, tb, a, b, bias])), Op::BiasAdd) => {
+                    let op = Op::MatMulBias {
+                        trans_a: flag_of(ta)?,
+                        trans_b: flag_of(tb)?,
+                    };
+                    let args = [value_of(m, a)?, value_of(m, b)?, value_of(m, bias)?];
+                    m.replace_inst(c.inst, op, &args);
+                    let result = m.display_value(m.inst(c.inst).results[0]);
+                    self.report
+                        .bias_epilogues
+                        .push((result, c.product.clone()));
+                }
+                (Some(Dataflow::BiasAdd(_)), Op::BiasAdd) => {
+                    let result = m.display_value(m.inst(c.inst).results[0]);
+                    self.report
+                        .blocked
+                        .push((result, "operand rows not 16-byte aligned for bf16".into()));
+                }
+                (
+                    Some(Dataflow::AttentionBackwardSaved([_, dout, qkv, fwd])),
+                    Op::AttentionBackward { .. },
+                ) => {
+                    let (dout, qkv, out) = (value_of(m, dout)?, value_of(m, qkv)?, value_of(m, fwd)?);
+                    let forward = m.value(out).def;
+                    let lse = match m.inst(forward).results.get(1) {
+                        Some(&l) => l,
+                        None => {
+                            let Op::Attention {
+                                batch,
+                                seq_len,
+                                n_heads,
+                            } = m.inst(forward).op
+                            else {
+                                return Err(invalid(format!(
+                                    "{} is not an attention output",
+                                    m.display_value(out)
+                                )));
+                            };
+                            let hint = format!("{}.lse", m.value(out).name);
+                            let ty = ir::TensorType::f32([batch * n_heads * seq_len]);
+                            m.add_result(forward, &hint, ty)
+                        }
+                    };
+                    m.replace_inst(c.inst, root_op.clone(), &[dout, qkv, out, lse]);
+                    let dqkv = m.display_value(m.inst(c.inst).results[0]);
+                    self.report
+                        .attention_saved
+                        .push((dqkv, m.display_value(out)));
+                }
+                (Some(Dataflow::AttentionBackward(_)), Op::AttentionBackward { .. }) => {}
+                (other, op) => {
+                    return Err(invalid(format!(
+                        "extracted {other:?} for a `{}` root",
+                        op.name()
+                    )))
+                }
+            }
+        }
+        m.remove_dead();
+        Ok(())
+    }
+
+    /// `bf16-output`: marks the outputs that only GEMMs read (see the module docs).
+    fn bf16_outputs(&mut self, m: &mut Module, target: FuseTarget) {
+        if !target.bf16_gemms {
+            return;
+        }
+        let mut marked = Vec::new();
+        for s in [Section::Forward, Section::Backward] {
+            for id in m.section(s) {
+                let inst = m.inst(id);
+                let fits = match inst.op {
+                    Op::LayerNorm { .. } => inst
+                        .args
+                        .first()
+                        .and_then(|&x| rank2(m, x))
+                        .is_some_and(|(_, c)| c <= schedule::BF16_LAYERNORM_MAX_C),
+                    Op::Attention { n_heads, .. } => {
+                        target.bf16_attention
+                            && inst.args.first().and_then(|&q| rank2(m, q)).is_some_and(
+                                |(_, w)| {
+                                    n_heads > 0
+                                        && w / 3 / n_heads <= schedule::BF16_ATTENTION_MAX_HEAD_DIM
+                                },
+                            )
+                    }
+                    Op::Gelu | Op::CrossEntropyBackward => true,
+                    _ => false,
+                };
+                let Some(&out) = inst.results.first().filter(|_| fits) else {
+                    continue;
+                };
+                let uses = m.uses(out);
+                let gemm_only = !uses.is_empty()
+                    && uses.iter().all(|&u| {
+                        let r = m.inst(u);
+                        // Positions at which `out` may be read in bf16.
+                        let ok = |i: usize| match r.op {
+                            Op::MatMul { .. } | Op::MatMulBias { .. } => i < 2,
+                            Op::AttentionBackward { .. } => i == 2,
+                            _ => false,
+                        };
+                        matches!(r.section, Section::Forward | Section::Backward)
+                            && r.args.iter().enumerate().all(|(i, &a)| a != out || ok(i))
+                    });
+                if gemm_only && m.value(out).ty.dtype == DType::F32 {
+                    marked.push((out, inst.op.name()));
+                }
+            }
+        }
+        for (v, op) in marked {
+            m.set_dtype(v, DType::Bf16);
+            self.report.bf16_outputs.push((m.display_value(v), op));
+        }
+    }
+}
+
+impl Pass for Fuse {
+    fn name(&self) -> &'static str {
+        "fuse"
+    }
+
+    fn run(&mut self, module: &mut Module, _cx: &mut PassContext) -> Result<String, PassError> {
+        if module.section(Section::Forward).next().is_none() {
+            return Err(invalid("no forward program: run `expand-model` first"));
+        }
+        let target = FuseTarget::of(&module.config.target);
+        self.report = FuseReport {
+            target: Some(target),
+            ..FuseReport::default()
+        };
+        self.rewrite(module, target)?;
+        self.bf16_outputs(module, target);
+        let r = &self.report;
+        Ok(format!(
+            "{} bias epilogues ({} blocked), {} saved attention statistics, {} bf16 outputs",
+            r.bias_epilogues.len(),
+            r.blocked.len(),
+            r.attention_saved.len(),
+            r.bf16_outputs.len()
+        ))
+    }
+
+    fn dump_extra(&self, _module: &Module, _cx: &PassContext) -> Option<String> {
+        let r = &self.report;
+        let mut s = String::from("; fuse report\n");
+        if let Some(t) = r.target {
+            s.push_str(&format!(
+                "; target: bf16 GEMMs {}, bf16 attention outputs {}\n",
+                t.bf16_gemms, t.bf16_attention
+            ));
+        }
+        if let Some(reason) = &r.stop_reason {
+            s.push_str(&format!("; e-graph runner stopped: {reason}\n"));
+        }
+        for (result, product) in &r.bias_epilogues {
+            s.push_str(&format!(
+                "; bias-epilogue: {result} = mat_mul_bias (product {product} removed)\n"
+            ));
+        }
+        for (result, why) in &r.blocked {
+            s.push_str(&format!("; bias-epilogue blocked for {result}: {why}\n"));
+        }
+        for (dqkv, out) in &r.attention_saved {
+            s.push_str(&format!(
+                "; attention-saved: {dqkv} reads {out} and its lse from the forward\n"
+            ));
+        }
+        for (value, op) in &r.bf16_outputs {
+            s.push_str(&format!("; bf16-output: {value} ({op})\n"));
+        }
+        Some(s)
+    }
+}

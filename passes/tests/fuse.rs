@@ -1,0 +1,210 @@
+//! The `fuse` pass's rules one at a time: the egg rewrite `bias-epilogue` on terms (fires, and
+//! its alignment condition under bf16 GEMMs), and the whole pass on real specs (fused modules
+//! verify, lower to plans that verify, with fewer and smaller buffers). The numerics of the
+//! fused ops are tested on the CPU engine (`engine/tests/fused.rs`, `tests/fuse_train.rs`).
+use egg::{Extractor, RecExpr, Runner, Symbol};
+use passes::fuse::{rules, Dataflow, FuseTarget, KernelCost, RUNNER_LIMITS};
+use passes::{PassManager, PassOptions};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+const CPU: FuseTarget = FuseTarget {
+    bf16_gemms: false,
+    bf16_attention: false,
+};
+const BF16: FuseTarget = FuseTarget {
+    bf16_gemms: true,
+    bf16_attention: true,
+};
+
+/// Runs the rules on `term` and returns the cheapest equivalent term, as text.
+fn best(term: &str, target: FuseTarget, shapes: &[(&str, (usize, usize))]) -> String {
+    let expr: RecExpr<Dataflow> = term.parse().expect("term parses");
+    let shapes: HashMap<Symbol, (usize, usize)> = shapes
+        .iter()
+        .map(|&(n, s)| (Symbol::from(n), s))
+        .collect();
+    let rules = rules(target, Arc::new(shapes)).expect("rules build");
+    let runner = Runner::default()
+        .with_iter_limit(RUNNER_LIMITS.0)
+        .with_node_limit(RUNNER_LIMITS.1)
+        .with_time_limit(RUNNER_LIMITS.2)
+        .with_expr(&expr)
+        .run(&rules);
+    assert!(
+        matches!(runner.stop_reason, Some(egg::StopReason::Saturated)),
+        "{:?}",
+        runner.stop_reason
+    );
+    let (_, e) = Extractor::new(&runner.egraph, KernelCost).find_best(runner.roots[0]);
+    e.to_string().replace('"', "") // egg quotes symbols with `%`
+}
+
+#[test]
+fn bias_epilogue_fuses_a_gemm_and_the_bias_add_of_its_product() {
+    for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+        let term = format!("(bias_add (mat_mul {ta} {tb} %a %b) %bias)");
+        assert_eq!(
+            best(&term, CPU, &[]),
+            format!("(mat_mul_bias {ta} {tb} %a %b %bias)")
+        );
+    }
+    // Nested: only the outer bias_add has a GEMM product; the inner one is a plain value.
+    assert_eq!(
+        best("(bias_add (bias_add %x %c) %d)", CPU, &[]),
+        "(bias_add (bias_add %x %c) %d)"
+    );
+}
+
+#[test]
+fn bias_epilogue_under_bf16_gemms_needs_16_byte_rows() {
+    let term = "(bias_add (mat_mul false true %a %b) %bias)";
+    // a [N, 64], b [96, 64]: bf16 rows of 128 bytes, f32 output rows of 384 bytes.
+    let aligned = [("%a", (16, 64)), ("%b", (96, 64))];
+    assert_eq!(
+        best(term, BF16, &aligned),
+        "(mat_mul_bias false true %a %b %bias)"
+    );
+    // b with 60 columns: a bf16 row of 120 bytes is not a multiple of 16.
+    let odd_k = [("%a", (16, 60)), ("%b", (96, 60))];
+    assert_eq!(best(term, BF16, &odd_k), term);
+    // Output of 6 columns (b [6, 64] transposed): f32 rows of 24 bytes.
+    let odd_out = [("%a", (16, 64)), ("%b", (6, 64))];
+    assert_eq!(best(term, BF16, &odd_out), term);
+    // Unknown shapes never fuse under bf16; the CPU target ignores alignment.
+    assert_eq!(best(term, BF16, &[]), term);
+    assert_eq!(best(term, CPU, &odd_out), "(mat_mul_bias false true %a %b %bias)");
+}
+
+/// Like [`best`], with the forward `(attention g %qkv)` in the e-graph, its e-class holding
+/// its output `%out` (as the pass builds it).
+fn best_with_forward(term: &str, forward: Option<&str>, target: FuseTarget) -> String {
+    let mut eg = egg::EGraph::<Dataflow, ()>::default();
+    if let Some(f) = forward {
+        let fwd = eg.add_expr(&f.parse().expect("forward parses"));
+        let out = eg.add(Dataflow::Value(Symbol::from("%out")));
+        eg.union(fwd, out);
+    }
+    let root = eg.add_expr(&term.parse().expect("term parses"));
+    eg.rebuild();
+    let rules = rules(target, Arc::new(HashMap::new())).expect("rules build");
+    let runner = Runner::default()
+        .with_iter_limit(RUNNER_LIMITS.0)
+        .with_node_limit(RUNNER_LIMITS.1)
+        .with_time_limit(RUNNER_LIMITS.2)
+        .with_egraph(eg)
+        .run(&rules);
+    let root = runner.egraph.find(root);
+    let (_, e) = Extractor::new(&runner.egraph, KernelCost).find_best(root);
+    e.to_string().replace('"', "")
+}
+
+#[test]
+fn attention_saved_reads_the_forward_of_the_same_qkv_and_geometry() {
+    let bwd = "(attention_backward #b2.t4.h2 %dout %qkv)";
+    let fwd = "(attention #b2.t4.h2 %qkv)";
+    assert_eq!(
+        best_with_forward(bwd, Some(fwd), BF16),
+        "(attention_backward_saved #b2.t4.h2 %dout %qkv %out)"
+    );
+    // No forward of that qkv, another geometry, or no bf16 attention: unchanged.
+    assert_eq!(best_with_forward(bwd, None, BF16), bwd);
+    let other_qkv = "(attention #b2.t4.h2 %qkv2)";
+    assert_eq!(best_with_forward(bwd, Some(other_qkv), BF16), bwd);
+    let other_geometry = "(attention #b2.t4.h4 %qkv)";
+    assert_eq!(best_with_forward(bwd, Some(other_geometry), BF16), bwd);
+    assert_eq!(best_with_forward(bwd, Some(fwd), CPU), bwd);
+}
+
+fn compile(spec: &str, skip_fuse: bool) -> (ir::Module, schedule::Plan) {
+    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(spec);
+    let config = frontend::load_spec(&path).expect("spec");
+    let mut m = ir::Module::new(config);
+    let mut pm = PassManager::new(PassOptions {
+        skip: if skip_fuse { vec!["fuse".into()] } else { vec![] },
+        verify_each: true,
+        ..Default::default()
+    })
+    .expect("pm");
+    let (cx, _) = pm.run(&mut m, None, &mut std::io::sink()).expect("pipeline");
+    (m, cx.plan.expect("plan"))
+}
+
+fn count(plan: &schedule::Plan, name: &str) -> usize {
+    plan.forward
+        .iter()
+        .chain(&plan.backward)
+        .filter(|o| o.name() == name)
+        .count()
+}
+
+#[test]
+fn gpt2_124m_lowers_to_fused_ops_and_bf16_buffers() {
+    let (_, plan) = compile("../examples/gpt2-124m.asteria", false);
+    let (_, unfused) = compile("../examples/gpt2-124m.asteria", true);
+    // 12 blocks × (qkv, attention projection, fc, MLP projection).
+    assert_eq!(count(&plan, "mat_mul_bias"), 48);
+    assert_eq!(count(&plan, "bias_add"), 0);
+    assert_eq!(count(&unfused, "bias_add"), 48);
+    assert_eq!(count(&unfused, "mat_mul_bias"), 0);
+    // 48 products fewer, 12 attention statistics more.
+    assert_eq!(plan.buffers.len() + 48 - 12, unfused.buffers.len());
+    let bf16: Vec<&str> = plan
+        .buffers
+        .iter()
+        .filter(|b| b.dtype == schedule::DType::Bf16)
+        .map(|b| b.name.as_str())
+        .collect();
+    // Per block ln_1, ln_2, attn, gelu; plus ln_f and the LM head's dlogits.
+    assert_eq!(bf16.len(), 12 * 4 + 2, "{bf16:?}");
+    assert!(bf16.contains(&"d.logits") && bf16.contains(&"h11.gelu"));
+    // attention-saved: every backward reads its forward's output and lse.
+    let saved = plan
+        .backward
+        .iter()
+        .filter(|o| {
+            matches!(
+                o,
+                schedule::Op::AttentionBackward {
+                    fwd_out: Some(_),
+                    lse: Some(_),
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(saved, 12);
+    assert!(!bf16.iter().any(|n| n.ends_with(".fc")), "gelu_backward reads fc");
+    assert!(
+        plan.memory.total_bytes() < unfused.memory.total_bytes(),
+        "fused {} vs unfused {} bytes",
+        plan.memory.total_bytes(),
+        unfused.memory.total_bytes()
+    );
+}
+
+#[test]
+fn cpu_specs_fuse_bias_epilogues_only() {
+    let (m, plan) = compile("../examples/tiny.asteria", false);
+    assert_eq!(count(&plan, "mat_mul_bias"), 8);
+    assert!(plan
+        .buffers
+        .iter()
+        .all(|b| b.dtype != schedule::DType::Bf16));
+    assert!(!m.to_string().contains("bias_add"));
+    // LLaMA has no biases: nothing to fuse, and the CPU target makes nothing bf16.
+    let (_, llama) = compile("../examples/tiny-llama-soap.asteria", false);
+    let (_, llama_unfused) = compile("../examples/tiny-llama-soap.asteria", true);
+    assert_eq!(llama, llama_unfused);
+}
+
+#[test]
+fn only_optional_passes_can_be_skipped() {
+    for name in ["expand-model", "lower", "nope"] {
+        let err = PassManager::new(PassOptions {
+            skip: vec![name.into()],
+            ..Default::default()
+        });
+        assert!(err.is_err(), "skipping `{name}` must be refused");
+    }
+}

@@ -1,0 +1,168 @@
+//! A small GPT-2 compiled with and without the `fuse` pass (`PassOptions::skip`) and trained a
+//! few steps on the CPU engine on one fixed batch, AdamW and SOAP:
+//! - CPU target: only bias epilogues apply; `mat_mul_bias` is computed bit-identically to the
+//!   pair, so every loss is identical, bit for bit.
+//! - CUDA target with `precision = bf16`: the bf16 outputs (layer norms, GELU, attention,
+//!   dlogits) hold bf16-rounded values on the CPU engine too; the losses stay within bf16
+//!   tolerance of the unfused plan's.
+use engine::{CpuEngine, EngineOptions, Rng};
+use ir::config::*;
+use passes::{PassManager, PassOptions};
+
+fn config(target: TargetConfig, soap: bool) -> Config {
+    let optimizer = match soap {
+        false => OptimizerConfig::Adamw(AdamWConfig {
+            lr: 3e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        }),
+        true => OptimizerConfig::Soap(SoapConfig {
+            lr: 3e-3,
+            beta1: 0.95,
+            beta2: 0.95,
+            shampoo_beta: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            precondition_frequency: 3,
+            max_precond_dim: 64,
+            correct_bias: true,
+            normalize_grads: false,
+        }),
+    };
+    Config {
+        name: "fuse-train".into(),
+        // Widths multiples of 8 so that the bias epilogues also apply under bf16 GEMMs.
+        model: ModelConfig {
+            family: Family::Gpt2,
+            vocab_size: 40,
+            context: 8,
+            d_model: 16,
+            n_layers: 2,
+            n_heads: 2,
+            mlp_hidden: 32,
+            norm_eps: 1e-5,
+            init_std: 0.02,
+            rope_theta: 10000.0,
+        },
+        optimizer,
+        data: DataConfig {
+            corpus: CorpusConfig::Builtin,
+            tokenizer: TokenizerKind::Bytes,
+            batch_size: 3,
+            seq_len: 8,
+            val_fraction: 0.1,
+        },
+        train: TrainConfig {
+            steps: 8,
+            warmup_steps: 0,
+            min_lr_ratio: 0.1,
+            grad_clip: Some(1.0),
+            eval_interval: 0,
+            eval_batches: 1,
+            seed: 5,
+        },
+        target,
+    }
+}
+
+fn cpu() -> TargetConfig {
+    TargetConfig::Cpu {
+        threads: Some(2),
+        staleness: 0,
+        calibration: None,
+        eigensolver: Default::default(),
+    }
+}
+
+fn cuda_bf16() -> TargetConfig {
+    TargetConfig::Cuda {
+        device: 0,
+        staleness: 0,
+        precision: schedule::Precision::Bf16,
+        calibration: None,
+        eigensolver: Default::default(),
+        attention: Default::default(),
+        refresh_placement: Default::default(),
+    }
+}
+
+fn compile(config: Config, fuse: bool) -> schedule::Plan {
+    let mut m = ir::Module::new(config);
+    let mut pm = PassManager::new(PassOptions {
+        skip: if fuse { vec![] } else { vec!["fuse".into()] },
+        ..Default::default()
+    })
+    .expect("pass manager");
+    let (cx, _) = pm
+        .run(&mut m, None, &mut std::io::sink())
+        .expect("pipeline");
+    cx.plan.expect("plan")
+}
+
+/// Losses of `steps` steps on one fixed batch (synchronous refreshes, 2 threads).
+fn train(plan: schedule::Plan, steps: u64) -> Vec<f64> {
+    let n = plan.data.batch_size * plan.data.seq_len;
+    let opts = EngineOptions {
+        threads: Some(2),
+        synchronous_refresh: true,
+        ..EngineOptions::default()
+    };
+    let mut e = CpuEngine::<f32>::new(plan, opts).expect("engine");
+    let mut rng = Rng::new(17);
+    let x: Vec<i32> = (0..n).map(|_| (rng.next_u64() % 40) as i32).collect();
+    let y: Vec<i32> = x.iter().map(|&t| (t * 7 + 3) % 40).collect();
+    let mut losses = Vec::new();
+    for t in 1..=steps {
+        e.load_batch(&x, &y).expect("batch");
+        losses.push(e.forward().expect("forward"));
+        e.backward().expect("backward");
+        e.optimizer_step(t, 1.0).expect("optimizer");
+        e.run_host_tasks(t).expect("host tasks");
+    }
+    losses
+}
+
+fn count(plan: &schedule::Plan, name: &str) -> usize {
+    plan.forward.iter().filter(|o| o.name() == name).count()
+}
+
+#[test]
+fn bias_epilogues_train_bit_identically_on_the_cpu() {
+    for soap in [false, true] {
+        let fused = compile(config(cpu(), soap), true);
+        let unfused = compile(config(cpu(), soap), false);
+        assert_eq!(count(&fused, "mat_mul_bias"), 8);
+        assert_eq!(count(&unfused, "mat_mul_bias"), 0);
+        let (a, b) = (train(fused, 6), train(unfused, 6));
+        assert!(a[5] < a[0], "the loss falls: {a:?}");
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a), bits(&b), "soap {soap}: {a:?} vs {b:?}");
+    }
+}
+
+#[test]
+fn bf16_outputs_train_within_bf16_tolerance() {
+    for soap in [false, true] {
+        let fused = compile(config(cuda_bf16(), soap), true);
+        let unfused = compile(config(cuda_bf16(), soap), false);
+        let bf16 = fused
+            .buffers
+            .iter()
+            .filter(|b| b.dtype == schedule::DType::Bf16)
+            .count();
+        // Per block ln_1, ln_2, attention, gelu; ln_f; dlogits.
+        assert_eq!(bf16, 2 * 4 + 2);
+        assert_eq!(count(&fused, "mat_mul_bias"), 8);
+        let (a, b) = (train(fused, 6), train(unfused, 6));
+        assert!(a[5] < a[0], "the loss falls: {a:?}");
+        assert_ne!(a, b, "bf16 rounding must show in the losses");
+        for (x, y) in a.iter().zip(&b) {
+            assert!(
+                (x - y).abs() <= 1e-2 * y.abs(),
+                "soap {soap}: fused {a:?} vs unfused {b:?}"
+            );
+        }
+    }
+}
