@@ -41,7 +41,8 @@
 //! - Host tasks (`EigenbasisRefresh`): on the GPU through cuSOLVER ([`crate::refresh`]) or on
 //!   the host through `optim` (the CPU engine's functions), as the plan places each one
 //!   (`precond-scheduling`, the spec's `refresh_placement`); synchronous for S = 0, else off the critical path on the side stream or
-//!   the host pool with shadow states, double buffering and bounded staleness (module `tasks`).
+//!   the host pool with shadow states, double buffering and bounded staleness (module `tasks`:
+//!   the GPU mechanics under the scheduling both engines share, `engine::refresh_runtime`).
 use crate::device::{Device, GemmMath};
 use crate::error::{CudaError, Tier};
 use crate::gemm::{self, Dims};
@@ -517,7 +518,7 @@ impl CudaEngine {
         }
 
         // Refresh machinery: refreshers, swap buffers, shadows of asynchronous tasks.
-        let refreshes = tasks::Refreshes::new(&dev, &plan)?;
+        let refreshes = tasks::Refreshes::new(&dev, &plan, &opts.engine)?;
         let solver = opts.engine.solver(&plan)?;
         let profile = (opts.profile != Profile::Off).then(|| ProfileRows {
             events: opts.profile == Profile::Events,

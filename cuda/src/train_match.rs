@@ -307,7 +307,7 @@ impl Lockstep<'_> {
                 offset,
                 ..
             } = *task;
-            if !engine::cpu::refresh_due(t, frequency, offset) {
+            if !engine::refresh_runtime::refresh_due(t, frequency, offset) {
                 continue;
             }
             for id in [basis, exp_avg, exp_avg_sq] {

@@ -2,19 +2,22 @@
 //!
 //! The engine interprets a plan generically — it has no notion of a GPT. This crate holds the
 //! CPU backend ([`cpu`]: kernels generic over [`cpu::Float`] and the interpreter
-//! [`cpu::CpuEngine`]), the host eigensolver tasks (through `asteria-optim`), and the training
-//! loop [`train`] (data through `asteria-data`). It depends only on the plan format, never on
-//! the compiler crates.
+//! [`cpu::CpuEngine`]), the refresh runtime both engines share ([`refresh_runtime`]: when
+//! eigenbasis refreshes run, swaps, the staleness bound, failures), and the training loop
+//! [`train`] (data through `asteria-data`). It depends only on the plan format, never on the
+//! compiler crates.
 #![deny(missing_docs)]
 // `usize::is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
 #![allow(clippy::manual_is_multiple_of)]
 
 pub mod cpu;
 mod error;
+pub mod refresh_runtime;
 mod rng;
 mod train;
 
-pub use cpu::{CpuEngine, EngineOptions, EngineStats, HostTaskReport};
+pub use cpu::{CpuEngine, EngineOptions, EngineStats};
 pub use error::EngineError;
+pub use refresh_runtime::HostTaskReport;
 pub use rng::Rng;
 pub use train::{train, train_with, StepExecutor, TrainOptions, TrainSummary};

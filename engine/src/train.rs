@@ -1,7 +1,8 @@
 //! The training loop: data through `asteria-data`, steps through [`CpuEngine`], validation,
 //! JSONL metrics, a progress bar and a summary.
-use crate::cpu::{CpuEngine, EngineOptions, EngineStats, HostTaskReport};
+use crate::cpu::{CpuEngine, EngineOptions, EngineStats};
 use crate::EngineError;
+use crate::HostTaskReport;
 use data::{BatchSampler, CorpusSource, Dataset};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use schedule::{Corpus, Op, Plan, Tokenizer};

@@ -10,12 +10,12 @@ use common::gpt::{plan, Gpt};
 use common::rand_ids;
 use engine::{CpuEngine, EngineError, EngineOptions, HostTaskReport, Rng};
 use optim::{EigenError, Eigh, FaerEigensolver, HostEigensolver};
-use schedule::{HostTask, Plan};
+use schedule::{HostTask, Plan, TargetPlan};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// The tiny SOAP plan with every refresh every `freq` steps (staggered by task index when
-/// `stagger`), staleness `s`.
+/// `stagger`), staleness `s` (the target's bound too).
 fn soap_plan(freq: u64, s: u32, stagger: bool) -> Plan {
     let mut p = plan(&Gpt::tiny(true));
     for (i, task) in p.host_tasks.iter_mut().enumerate() {
@@ -29,7 +29,28 @@ fn soap_plan(freq: u64, s: u32, stagger: bool) -> Plan {
         *offset = if stagger { i as u64 % freq } else { 0 };
         *staleness = s;
     }
+    let TargetPlan::Cpu { staleness, .. } = &mut p.target else {
+        unreachable!("the tiny plan targets the CPU")
+    };
+    *staleness = s;
     p
+}
+
+#[test]
+fn a_refresh_staleness_above_the_targets_bound_is_rejected() {
+    let mut p = soap_plan(5, 3, false);
+    let TargetPlan::Cpu { staleness, .. } = &mut p.target else {
+        unreachable!("the tiny plan targets the CPU")
+    };
+    *staleness = 2;
+    let Err(e) = CpuEngine::<f32>::new(p, EngineOptions::default()) else {
+        panic!("a plan whose refreshes exceed the target's staleness bound ran");
+    };
+    assert!(
+        e.to_string()
+            .contains("exceeds the target's staleness bound 2"),
+        "{e}"
+    );
 }
 
 fn engine(p: Plan, opts: EngineOptions) -> CpuEngine<f32> {

@@ -289,7 +289,9 @@ pub enum TargetPlan {
 }
 
 impl TargetPlan {
-    /// The preconditioner staleness bound in steps.
+    /// The run's preconditioner staleness bound in steps: `precond-scheduling` gives every
+    /// eigenbasis refresh this staleness, and [`Plan::verify`] rejects a refresh whose own
+    /// `staleness` exceeds it (the engines schedule by each refresh's own bound).
     pub fn staleness(&self) -> u32 {
         match self {
             TargetPlan::Cpu { staleness, .. } | TargetPlan::Cuda { staleness, .. } => *staleness,

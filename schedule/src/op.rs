@@ -339,7 +339,8 @@ pub enum HostTask {
     /// a period; 0 = the reference schedule). With `staleness` S > 0 the refresh works on a
     /// snapshot of the factor while training continues with the previous basis; its result is
     /// swapped in at a later step boundary, at the latest before step t + S + 1 (the engine
-    /// waits only then). S = 0 is the synchronous, native behaviour.
+    /// waits only then). S = 0 is the synchronous, native behaviour. S is at most the target's
+    /// bound ([`crate::TargetPlan::staleness`]; [`crate::Plan::verify`] checks it).
     EigenbasisRefresh {
         factor: BufferId,
         basis: BufferId,

@@ -857,9 +857,15 @@ impl Plan {
                 exp_avg_sq,
                 frequency,
                 offset,
+                staleness,
                 placement,
-                ..
             } = task;
+            let bound = self.target.staleness();
+            if *staleness > bound {
+                return Err(PlanError::Invalid(format!(
+                    "{location}: staleness {staleness} exceeds the target's staleness bound {bound}"
+                )));
+            }
             if let crate::TargetPlan::Cuda {
                 refresh_placement, ..
             } = self.target

@@ -1,103 +1,58 @@
-//! Host tasks of the CUDA engine: SOAP eigenbasis refreshes, synchronous or off the critical
-//! path with bounded staleness, with the
-//! CPU engine's semantics (`engine::cpu`, module `host`): the same schedule
-//! (`engine::cpu::refresh_due`), the same swap point and deadline
-//! ([`engine::cpu::inflight::InFlightSet`]), the same counters and failure handling.
+//! The CUDA engine's refresh backend: the GPU mechanics of SOAP eigenbasis refreshes. The
+//! scheduling — when a refresh is due, synchronous or in the background, the swap point, the
+//! wait at the staleness bound, failure counting and counters — is
+//! [`engine::refresh_runtime`]'s, shared with the CPU engine; this module supplies the
+//! compute and data movement ([`RefreshBackend`] for [`CudaEngine`]).
 //!
-//! **Synchronous** (S = 0, every first basis, or `EngineOptions::synchronous_refresh`):
+//! **Synchronous** (first basis, S = 0, `EngineOptions::synchronous_refresh`):
 //! `placement = gpu_side` runs [`GpuRefresher::compute`] and [`refresh::apply`] back to back on
 //! the compute stream with one status read in between; `placement = host` downloads factor,
 //! basis and moments, runs `optim::eigenbasis_refresh` on the host pool and uploads the result.
+//! The end of a boundary that ran one waits for the compute stream (only: side-stream and host
+//! work in flight is not waited for).
 //!
-//! **Asynchronous** (S > 0), the shadow state and the double buffer:
-//! - at the end of step t the factor (and, for `gpu_side`, the basis) is copied on the compute
-//!   stream into the task's device snapshot: the factor keeps accumulating while the refresh
-//!   runs, and the side-stream work is enqueued later by another thread, so it must not read
-//!   live state (the host path's copy-out is enqueued at once, behind the same event);
-//! - `gpu_side`: the side stream (above the compute stream's priority) waits for that copy, computes the candidate basis
-//!   and permutation into the task's [`RefreshSlot`] (the back buffer) through its own cuSOLVER
-//!   and cuBLAS handles, copies the status words into pinned host memory and records the
-//!   task's `done` event. That work is enqueued by a dedicated launcher thread, not the engine
-//!   thread: cuSOLVER's `Sgeqrf` / `Sorgqr` block the calling host thread until their GPU work
-//!   is done (measured on the H200: ~100 ms of host time per step for GPT-2 124M at S = 5,
-//!   which serialised the refreshes with the step when called from the engine thread);
+//! **In the background** (S > 0), the shadow state and the double buffer:
+//! - at launch the factor (and, for `gpu_side`, the basis) is copied on the compute stream into
+//!   the task's device snapshot: the factor keeps accumulating while the refresh runs, and the
+//!   side-stream work is enqueued later by another thread, so it must not read live state (the
+//!   host path's copy-out is enqueued at once, behind the same event);
+//! - `gpu_side`: the side stream (above the compute stream's priority) waits for that copy,
+//!   computes the candidate basis and permutation into the task's [`RefreshSlot`] (the back
+//!   buffer) through its own cuSOLVER and cuBLAS handles, copies the status words into pinned
+//!   host memory and records the task's `done` event. That work is enqueued by a dedicated
+//!   launcher thread, not the engine thread: cuSOLVER's `Sgeqrf` / `Sorgqr` block the calling
+//!   host thread until their GPU work is done (~100 ms of host time per step for GPT-2 124M at
+//!   S = 5 on an H200, which serialised the refreshes with the step when called from the
+//!   engine thread);
 //! - `host`: the copy-out stream waits for the snapshot, copies factor and basis into pinned
-//!   host memory and records an event; a host-pool worker waits for that event and runs
-//!   `optim::refresh_compute` on the pinned data;
-//! - at the start of each later `run_host_tasks` (the step boundary), finished results are
-//!   swapped in, and a result launched at step L is swapped in at the end of step L + S at the
-//!   latest, the engine blocking on it only then (each block is counted and timed). The swap
-//!   checks the status ([`refresh::verdict`]; host results: `optim`'s own checks), uploads a
-//!   host result into the back buffer through pinned memory, and runs [`refresh::apply`] on
-//!   the compute stream: basis replaced, `exp_avg` re-projected, `exp_avg_sq` permuted.
+//!   host memory and records an event; a host-pool worker waits for that event, runs
+//!   `optim::refresh_compute` on the pinned data and stages the result in pinned memory;
+//! - install (at the swap the runtime decides): the status is checked ([`refresh::verdict`];
+//!   host results: `optim`'s own checks), a host result is uploaded into the back buffer from
+//!   pinned memory, and [`refresh::apply`] runs on the compute stream: basis replaced,
+//!   `exp_avg` re-projected, `exp_avg_sq` permuted.
 use super::{cuda_err, dims2, CudaEngine};
 use crate::error::{CudaError, Tier};
 use crate::memory::{Arena, Buf, Elem};
 use crate::refresh::{self, GpuRefresher, RefreshSlot, SwapWork, STATUS_WORDS};
 use crate::{Device, StreamKind};
 use cudarc::driver::CudaEvent;
-use engine::cpu::inflight::{InFlightSet, Job, JobError, JobOutput, Swap};
-use engine::{EngineError, HostTaskReport};
+use engine::refresh_runtime::inflight::{Job, JobError, JobOutput};
+use engine::refresh_runtime::{Outcome, RefreshBackend, RefreshRuntime, RefreshTask};
+use engine::{EngineError, EngineOptions, EngineStats, HostTaskReport};
 use optim::RefreshOutcome;
-use schedule::{BufferId, HostTask, Placement, Plan};
+use schedule::{Placement, Plan};
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
-/// The operands and schedule of one `EigenbasisRefresh` task.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Task {
-    factor: BufferId,
-    basis: BufferId,
-    side: u8,
-    exp_avg: BufferId,
-    exp_avg_sq: BufferId,
-    frequency: u64,
-    offset: u64,
-    staleness: u32,
-    on_gpu: bool,
+/// Side length of the task's factor.
+fn dim(plan: &Plan, task: &RefreshTask) -> usize {
+    dims2(&plan.buffer(task.factor).shape).0
 }
 
-impl Task {
-    pub(super) fn of(task: &HostTask) -> Task {
-        let HostTask::EigenbasisRefresh {
-            factor,
-            basis,
-            side,
-            exp_avg,
-            exp_avg_sq,
-            frequency,
-            offset,
-            staleness,
-            placement,
-        } = *task;
-        Task {
-            factor,
-            basis,
-            side,
-            exp_avg,
-            exp_avg_sq,
-            frequency,
-            offset,
-            staleness,
-            on_gpu: placement == Placement::GpuSide,
-        }
-    }
-
-    /// `optim` schedules by (t − 1) mod frequency: a step that is due under its rule.
-    fn optim_step(&self, t: u64, init: bool) -> u64 {
-        if init {
-            1
-        } else if self.offset == 0 {
-            t
-        } else {
-            1 + self.frequency
-        }
-    }
-
-    /// Side length of the factor.
-    fn dim(&self, plan: &Plan) -> usize {
-        dims2(&plan.buffer(self.factor).shape).0
-    }
+/// Whether the plan placed the task on the GPU side stream.
+fn on_gpu(task: &RefreshTask) -> bool {
+    task.placement == Placement::GpuSide
 }
 
 /// The per-task buffers of asynchronous refreshes (tasks with S > 0 only).
@@ -120,7 +75,7 @@ pub(super) struct Shadow {
 }
 
 /// A refresh in flight.
-pub(super) enum CudaJob {
+pub enum CudaJob {
     /// On the side stream: the launcher thread answers with the `done` event, recorded after
     /// the status words reached pinned memory (or with the CUDA error that stopped it).
     Gpu {
@@ -244,9 +199,11 @@ pub(super) struct Refreshes {
     swap: Option<SwapWork>,
     /// Per task, `Some` when S > 0.
     shadows: Vec<Option<Shadow>>,
-    pending: InFlightSet<CudaJob>,
-    /// Whether the task's first eigendecomposition succeeded.
-    initialized: Vec<bool>,
+    /// The shared scheduling: refreshes in flight, first bases, failure limit (taken out
+    /// while it drives the engine, [`CudaEngine::host_tasks`]).
+    runtime: RefreshRuntime<CudaJob>,
+    /// A synchronous refresh enqueued compute-stream work at this boundary.
+    synced: bool,
     host_pool: Option<Arc<rayon::ThreadPool>>,
     /// Host wall time spent in: launching side-stream refreshes, launching host refreshes,
     /// swapping in GPU results, swapping in host results, synchronous refreshes (ms).
@@ -274,8 +231,8 @@ fn pinned_write<T: Copy>(b: &Buf, src: &[T]) {
 
 /// Writes a host refresh's new basis (f32 `[d, d]`) and, for a QR refresh, its permutation
 /// (i32 `[d]`) into the task's pinned shadows `hq` / `hi`, on the pool thread that computed it,
-/// so that the swap on the engine thread only enqueues the uploads (session 9: the engine
-/// thread's two pinned copies per swap, ~0.25 ms each at d = 768, lengthened the step).
+/// so that the swap on the engine thread only enqueues the uploads (two pinned copies per swap
+/// on the engine thread, ~0.25 ms each at d = 768, would lengthen the step).
 /// Safe to write: the worker owns the shadows from its launch (after the upload of the
 /// task's previous result, ordered before this launch's snapshot) to its swap.
 ///
@@ -312,21 +269,26 @@ pub(super) fn host_pool_threads() -> usize {
 
 impl Refreshes {
     /// Allocates what the plan's tasks need, each where the plan placed it.
-    pub(super) fn new(dev: &Arc<Device>, plan: &Plan) -> Result<Refreshes, EngineError> {
+    pub(super) fn new(
+        dev: &Arc<Device>,
+        plan: &Plan,
+        opts: &EngineOptions,
+    ) -> Result<Refreshes, EngineError> {
         let e = |w: &'static str| move |err: CudaError| cuda_err(w, err);
-        let tasks: Vec<Task> = plan.host_tasks.iter().map(Task::of).collect();
+        let runtime = RefreshRuntime::new(plan, opts);
+        let tasks = runtime.tasks().to_vec();
         let (mut max_dim, mut max_mn) = (0usize, 0usize);
         for t in &tasks {
-            max_dim = max_dim.max(t.dim(plan));
+            max_dim = max_dim.max(dim(plan, t));
             max_mn = max_mn.max(plan.buffer(t.exp_avg).numel());
         }
-        let any_gpu = tasks.iter().any(|t| t.on_gpu);
-        let any_host = tasks.iter().any(|t| !t.on_gpu);
+        let any_gpu = tasks.iter().any(on_gpu);
+        let any_host = tasks.iter().any(|t| !on_gpu(t));
         let any_async = tasks.iter().any(|t| t.staleness > 0);
         let side_dim = tasks
             .iter()
-            .filter(|t| t.on_gpu && t.staleness > 0)
-            .map(|t| t.dim(plan))
+            .filter(|t| on_gpu(t) && t.staleness > 0)
+            .map(|t| dim(plan, t))
             .max();
         let mut bytes = 0;
         let mut arenas = Vec::new();
@@ -363,13 +325,13 @@ impl Refreshes {
         let align = crate::memory::BUF_ALIGN;
         let (mut dev_bytes, mut pin_bytes) = (0usize, 0usize);
         for t in tasks.iter().filter(|t| t.staleness > 0) {
-            let d = t.dim(plan);
+            let d = dim(plan, t);
             dev_bytes += d * d * 4 + align + RefreshSlot::bytes(d);
-            if t.on_gpu {
+            if on_gpu(t) {
                 dev_bytes += d * d * 4 + align;
             }
             pin_bytes += STATUS_WORDS * 4 + align;
-            if !t.on_gpu {
+            if !on_gpu(t) {
                 pin_bytes += 2 * d * d * 4 + d * 4 + 3 * align;
             }
         }
@@ -387,15 +349,15 @@ impl Refreshes {
                     shadows.push(None);
                     continue;
                 }
-                let d = t.dim(plan);
+                let d = dim(plan, t);
                 let host = |pa: &mut Arena, elem, len| -> Result<Option<Buf>, EngineError> {
-                    if t.on_gpu {
+                    if on_gpu(t) {
                         Ok(None)
                     } else {
                         pa.buf(elem, len).map(Some).map_err(c)
                     }
                 };
-                let basis_snapshot = if t.on_gpu {
+                let basis_snapshot = if on_gpu(t) {
                     Some(da.buf(Elem::F32, d * d).map_err(c)?)
                 } else {
                     None
@@ -433,8 +395,8 @@ impl Refreshes {
             side,
             swap,
             shadows,
-            pending: InFlightSet::new(tasks.len()),
-            initialized: vec![false; tasks.len()],
+            runtime,
+            synced: false,
             host_pool,
             times: [0.0; 5],
             _arenas: arenas,
@@ -443,72 +405,23 @@ impl Refreshes {
     }
 }
 
-fn loc(index: usize) -> String {
-    format!("host_tasks[{index}] (eigenbasis_refresh)")
+/// A finished refresh, ready to install.
+pub enum Done {
+    /// A side-stream result: its `done` event (complete), status words in pinned memory.
+    Gpu(CudaEvent),
+    /// A host-pool result, staged in the task's pinned shadows.
+    Host(JobOutput<f32>),
 }
 
-/// The outcome of one refresh: installed (`Ok(kind)`) or a numerical failure (message).
-type Outcome = Result<RefreshOutcome, String>;
-
 impl CudaEngine {
-    fn task(&self, index: usize) -> Task {
-        Task::of(&self.plan.host_tasks[index])
-    }
-
-    /// Runs the host tasks at the end of 1-based step `t`: swaps in finished (and due) results,
-    /// then launches or runs the refreshes due now. See the module docs.
+    /// Runs the host tasks at the end of 1-based step `t` through the shared refresh runtime
+    /// ([`RefreshRuntime::step`]): installs finished (and due) results, then runs or launches
+    /// the refreshes due now.
     pub(super) fn host_tasks(&mut self, t: u64) -> Result<HostTaskReport, EngineError> {
-        let start = Instant::now();
-        let mut report = HostTaskReport::default();
-        for swap in self.refreshes.pending.boundary(t, CudaJob::poll) {
-            self.swap(swap, t, &mut report)?;
-        }
-        let mut synced = false;
-        for index in 0..self.plan.host_tasks.len() {
-            let task = self.task(index);
-            if !engine::cpu::refresh_due(t, task.frequency, task.offset) {
-                continue;
-            }
-            if self.refreshes.pending.is_in_flight(index) {
-                self.swap(
-                    Swap {
-                        task: index,
-                        wait: true,
-                    },
-                    t,
-                    &mut report,
-                )?;
-            }
-            report.launched += 1;
-            self.stats.refreshes_launched += 1;
-            let init = t == 1 || !self.refreshes.initialized[index];
-            if task.dim(&self.plan) == 0 {
-                continue; // an empty factor has nothing to refresh (`optim` skips it too)
-            }
-            let t0 = Instant::now();
-            let slot = if init || task.staleness == 0 || self.opts.engine.synchronous_refresh {
-                let outcome = self.refresh_now(index, task, t, init)?;
-                self.record(index, task, t, t, outcome, &mut report)?;
-                synced = true;
-                4
-            } else if task.on_gpu {
-                self.launch_gpu(index, task, t)?;
-                0
-            } else {
-                self.launch_host(index, task, t)?;
-                1
-            };
-            self.refreshes.times[slot] += t0.elapsed().as_secs_f64() * 1e3;
-        }
-        if synced {
-            // The compute stream only: side-stream and host work in flight is not waited for.
-            self.dev
-                .stream(StreamKind::Compute)
-                .synchronize()
-                .map_err(|e| cuda_err("refresh", e.into()))?;
-        }
-        self.stats.host_task_ms += start.elapsed().as_secs_f64() * 1e3;
-        Ok(report)
+        let mut runtime = std::mem::take(&mut self.refreshes.runtime);
+        let report = runtime.step(t, self);
+        self.refreshes.runtime = runtime;
+        report
     }
 
     /// Waits for every refresh in flight and swaps it in, as at the end of step `t`.
@@ -516,11 +429,10 @@ impl CudaEngine {
     /// # Errors
     /// As [`StepExecutor::run_host_tasks`](engine::StepExecutor::run_host_tasks).
     pub fn finish_refreshes(&mut self, t: u64) -> Result<HostTaskReport, EngineError> {
-        let mut report = HostTaskReport::default();
-        for task in self.refreshes.pending.tasks() {
-            self.swap(Swap { task, wait: true }, t, &mut report)?;
-        }
-        Ok(report)
+        let mut runtime = std::mem::take(&mut self.refreshes.runtime);
+        let report = runtime.finish(t, self);
+        self.refreshes.runtime = runtime;
+        report
     }
 
     /// Where the host time of the refresh machinery went (ms; blocking waits excluded), one
@@ -547,20 +459,19 @@ impl CudaEngine {
 
     /// Refreshes running (or finished but not swapped in yet).
     pub fn refreshes_in_flight(&self) -> usize {
-        self.refreshes.pending.len()
+        self.refreshes.runtime.in_flight()
     }
 
     /// One synchronous refresh (see the module docs).
     fn refresh_now(
         &mut self,
-        index: usize,
-        task: Task,
+        task: &RefreshTask,
         t: u64,
         init: bool,
     ) -> Result<Outcome, EngineError> {
         let (m, n) = self.dims(task.exp_avg);
         let e = |err| cuda_err("eigenbasis refresh", err);
-        if task.on_gpu {
+        if on_gpu(task) {
             let (Some(r), Some(slot), Some(work)) = (
                 self.refreshes.sync.as_ref(),
                 self.refreshes.sync_slot.as_ref(),
@@ -570,7 +481,7 @@ impl CudaEngine {
                     "internal: no GPU refresher".into(),
                 ));
             };
-            let d = task.dim(&self.plan);
+            let d = dim(&self.plan, task);
             let (f, q) = (self.b(task.factor), self.b(task.basis));
             r.compute(&self.dev, init, d, f, q, slot).map_err(e)?;
             let status = self.dev.download::<i32>(&slot.status).map_err(e)?;
@@ -631,18 +542,11 @@ impl CudaEngine {
                 self.dev.upload(self.b(task.basis), &q).map_err(e)?;
                 self.dev.upload(self.b(task.exp_avg), &ea).map_err(e)?;
                 self.dev.upload(self.b(task.exp_avg_sq), &eas).map_err(e)?;
-                // The basis's cached bf16 copy (SOAP's bf16 projections) is stale now. Missing
-                // here since 4dc42e8: every host-placed factor's first basis (always
-                // synchronous) left the copy cast before it in use until the factor's first
-                // asynchronous swap, which cost SOAP S=5 0.14 of validation loss on GPT-2.
+                // The basis's cached bf16 copy (SOAP's bf16 projections) is stale now.
                 self.basis_changed(task.basis);
                 Ok(Ok(kind))
             }
-            Err(err) if err.is_numerical() => Ok(Err(err.to_string())),
-            Err(err) => Err(EngineError::Optim {
-                location: loc(index),
-                message: err.to_string(),
-            }),
+            Err(err) => task.outcome(Err(err)),
         }
     }
 
@@ -653,39 +557,23 @@ impl CudaEngine {
             .ok_or_else(|| EngineError::Unsupported("internal: no host pool".into()))
     }
 
-    fn shadow_of(&self, index: usize) -> Result<&Shadow, EngineError> {
+    fn shadow_of(&self, task: &RefreshTask) -> Result<&Shadow, EngineError> {
         self.refreshes
             .shadows
-            .get(index)
+            .get(task.index)
             .and_then(Option::as_ref)
             .ok_or_else(|| EngineError::Optim {
-                location: loc(index),
+                location: task.location(),
                 message: "internal: no shadow buffers for an asynchronous refresh".into(),
-            })
-    }
-
-    fn register(
-        &mut self,
-        index: usize,
-        task: Task,
-        t: u64,
-        job: CudaJob,
-    ) -> Result<(), EngineError> {
-        self.refreshes
-            .pending
-            .launch(index, t, task.staleness, job)
-            .map_err(|_| EngineError::Optim {
-                location: loc(index),
-                message: "internal: a refresh is already in flight for this task".into(),
             })
     }
 
     /// Snapshot on the compute stream, refresh on the side stream through the launcher thread
     /// (see the module docs).
-    fn launch_gpu(&mut self, index: usize, task: Task, t: u64) -> Result<(), EngineError> {
+    fn launch_gpu(&mut self, task: &RefreshTask) -> Result<CudaJob, EngineError> {
         let e = |err| cuda_err("launching a side-stream refresh", err);
-        let d = task.dim(&self.plan);
-        let sh = self.shadow_of(index)?;
+        let d = dim(&self.plan, task);
+        let sh = self.shadow_of(task)?;
         let tx = self
             .refreshes
             .side
@@ -713,27 +601,22 @@ impl CudaEngine {
             reply,
         };
         tx.send(req).map_err(|_| EngineError::Optim {
-            location: loc(index),
+            location: task.location(),
             message: "the side-stream launcher thread exited".into(),
         })?;
-        self.register(
-            index,
-            task,
-            t,
-            CudaJob::Gpu {
-                reply: rx,
-                done: None,
-            },
-        )
+        Ok(CudaJob::Gpu {
+            reply: rx,
+            done: None,
+        })
     }
 
     /// Snapshot on the compute stream, D2H into pinned memory on the copy-out stream,
     /// `optim::refresh_compute` on the host pool (see the module docs).
-    fn launch_host(&mut self, index: usize, task: Task, t: u64) -> Result<(), EngineError> {
+    fn launch_host(&mut self, task: &RefreshTask, t: u64) -> Result<CudaJob, EngineError> {
         let e = |err| cuda_err("launching a host refresh", err);
-        let d = task.dim(&self.plan);
+        let d = dim(&self.plan, task);
         let (m, n) = self.dims(task.exp_avg);
-        let sh = self.shadow_of(index)?;
+        let sh = self.shadow_of(task)?;
         let (Some(hf), Some(hq), Some(hi)) =
             (sh.host_f.clone(), sh.host_q.clone(), sh.host_idx.clone())
         else {
@@ -752,7 +635,7 @@ impl CudaEngine {
             .map_err(e)?;
         let copied = dev.record(StreamKind::CopyOut, false).map_err(e)?;
         let solver = Arc::clone(&self.solver);
-        let t_optim = task.optim_step(t, false);
+        let (t_optim, frequency, side) = (task.optim_step(t, false), task.frequency, task.side);
         let (tx, rx) = mpsc::channel::<JobOutput<f32>>();
         self.host_pool()?.spawn(move || {
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -764,16 +647,7 @@ impl CudaEngine {
                 // One refresh per pool thread, each single-threaded: the throughput setting
                 // `asteria calibrate` measures for the cost model.
                 let result = optim::with_sequential(|| {
-                    optim::refresh_compute(
-                        solver.as_ref(),
-                        t_optim,
-                        task.frequency,
-                        task.side,
-                        &f,
-                        &q,
-                        m,
-                        n,
-                    )
+                    optim::refresh_compute(solver.as_ref(), t_optim, frequency, side, &f, &q, m, n)
                 })
                 .map_err(JobError::Refresh)?;
                 if let Some(r) = &result {
@@ -787,75 +661,14 @@ impl CudaEngine {
             };
             let _ = tx.send(out);
         });
-        self.register(index, task, t, CudaJob::Host { job: Job::new(rx) })
+        Ok(CudaJob::Host { job: Job::new(rx) })
     }
 
-    /// Takes the in-flight refresh of `swap.task` (blocking when unfinished) and installs it
-    /// as at the end of step `t`.
-    fn swap(&mut self, swap: Swap, t: u64, report: &mut HostTaskReport) -> Result<(), EngineError> {
-        let Some(flight) = self.refreshes.pending.take(swap.task) else {
-            return Ok(());
-        };
-        let index = swap.task;
-        let task = self.task(index);
+    fn swap_gpu(&mut self, task: &RefreshTask, done: &CudaEvent) -> Result<Outcome, EngineError> {
         let e = |err| cuda_err("swapping in a refresh", err);
-        let started = Instant::now();
-        let (outcome, blocked, waited, slot) = match flight.job {
-            CudaJob::Gpu { reply, done } => {
-                let mut job = CudaJob::Gpu { reply, done };
-                let blocked = !job.poll();
-                let CudaJob::Gpu { reply, done } = job else {
-                    unreachable!("constructed above")
-                };
-                let done = match done {
-                    Some(r) => r,
-                    None => reply
-                        .recv()
-                        .unwrap_or_else(|_| Err("the side-stream launcher thread exited".into())),
-                }
-                .map_err(|msg| EngineError::Optim {
-                    location: loc(index),
-                    message: format!("side-stream refresh: {msg}"),
-                })?;
-                done.synchronize().map_err(|err| e(err.into()))?;
-                let waited = started.elapsed();
-                let outcome = self.swap_gpu(index, task, &done)?;
-                (outcome, blocked, waited, 2)
-            }
-            CudaJob::Host { job } => {
-                let (out, blocked) = job.wait();
-                let waited = started.elapsed();
-                (self.swap_host(index, task, out)?, blocked, waited, 3)
-            }
-        };
-        self.refreshes.times[slot] += (started.elapsed() - waited).as_secs_f64() * 1e3;
-        if blocked {
-            let ms = waited.as_secs_f64() * 1e3;
-            report.waits += 1;
-            report.wait_ms += ms;
-            self.stats.refresh_waits += 1;
-            self.stats.refresh_wait_ms += ms;
-            tracing::debug!(
-                step = t,
-                task = index,
-                launched = flight.launched,
-                wait_ms = ms,
-                "waited for an eigenbasis refresh at its staleness bound"
-            );
-        }
-        self.record(index, task, flight.launched, t, outcome, report)
-    }
-
-    fn swap_gpu(
-        &mut self,
-        index: usize,
-        task: Task,
-        done: &CudaEvent,
-    ) -> Result<Outcome, EngineError> {
-        let e = |err| cuda_err("swapping in a refresh", err);
-        let d = task.dim(&self.plan);
+        let d = dim(&self.plan, task);
         let (m, n) = self.dims(task.exp_avg);
-        let sh = self.shadow_of(index)?;
+        let sh = self.shadow_of(task)?;
         let status = pinned_slice::<i32>(&sh.status_host, STATUS_WORDS);
         if let Err(fail) = refresh::verdict(false, d, status) {
             return Ok(Err(fail.to_string()));
@@ -892,31 +705,17 @@ impl CudaEngine {
 
     fn swap_host(
         &mut self,
-        index: usize,
-        task: Task,
+        task: &RefreshTask,
         out: JobOutput<f32>,
     ) -> Result<Outcome, EngineError> {
         let e = |err| cuda_err("swapping in a host refresh", err);
-        let result = match out {
-            Ok(None) => return Ok(Ok(RefreshOutcome::Skipped)),
-            Ok(Some(result)) => result,
-            Err(JobError::Refresh(err)) if err.is_numerical() => return Ok(Err(err.to_string())),
-            Err(JobError::Refresh(err)) => {
-                return Err(EngineError::Optim {
-                    location: loc(index),
-                    message: err.to_string(),
-                })
-            }
-            Err(JobError::Lost(message)) => {
-                return Err(EngineError::Optim {
-                    location: loc(index),
-                    message,
-                })
-            }
+        let result = match task.computed(out)? {
+            Ok(result) => result,
+            Err(outcome) => return Ok(outcome),
         };
-        let d = task.dim(&self.plan);
+        let d = dim(&self.plan, task);
         let (m, n) = self.dims(task.exp_avg);
-        let sh = self.shadow_of(index)?;
+        let sh = self.shadow_of(task)?;
         let (Some(hq), Some(hi)) = (sh.host_q.as_ref(), sh.host_idx.as_ref()) else {
             return Err(EngineError::Unsupported(
                 "internal: no pinned shadows".into(),
@@ -963,39 +762,111 @@ impl CudaEngine {
         self.basis_changed(task.basis);
         Ok(Ok(result.kind()))
     }
+}
 
-    /// Counts the outcome of one refresh of task `index` (launched at the end of step
-    /// `launched`, settled at the end of step `t`) as the CPU engine does
-    /// ([`engine::cpu::count_refresh_outcome`]).
-    fn record(
+/// The GPU mechanics under the shared refresh runtime. Host time of each kind of work goes to
+/// [`CudaEngine::refresh_timing`]'s counters. An empty factor has nothing to refresh: it is
+/// neither run nor launched.
+impl RefreshBackend for CudaEngine {
+    type Job = CudaJob;
+    type Done = Done;
+
+    fn stats(&mut self) -> &mut EngineStats {
+        &mut self.stats
+    }
+
+    /// See the module docs; `reference` changes nothing here (both paths are one synchronous
+    /// refresh).
+    fn run_now(
         &mut self,
-        index: usize,
-        task: Task,
-        launched: u64,
+        task: &RefreshTask,
         t: u64,
-        outcome: Outcome,
-        report: &mut HostTaskReport,
-    ) -> Result<(), EngineError> {
-        let name = self.plan.buffer(task.factor).name.clone();
-        engine::cpu::count_refresh_outcome(
-            &mut self.stats,
-            report,
-            &mut self.refreshes.initialized,
-            engine::cpu::RefreshEvent {
-                task: index,
-                factor: &name,
-                launched,
-                step: t,
-                limit: self.opts.engine.max_consecutive_refresh_failures,
-            },
-            outcome,
-        )
+        init: bool,
+        _reference: bool,
+    ) -> Result<Outcome, EngineError> {
+        if dim(&self.plan, task) == 0 {
+            return Ok(Ok(RefreshOutcome::Skipped));
+        }
+        let t0 = Instant::now();
+        let outcome = self.refresh_now(task, t, init);
+        self.refreshes.synced |= outcome.is_ok();
+        self.refreshes.times[4] += t0.elapsed().as_secs_f64() * 1e3;
+        outcome
+    }
+
+    fn launch(&mut self, task: &RefreshTask, t: u64) -> Result<Option<CudaJob>, EngineError> {
+        if dim(&self.plan, task) == 0 {
+            return Ok(None);
+        }
+        let t0 = Instant::now();
+        let (job, slot) = if on_gpu(task) {
+            (self.launch_gpu(task)?, 0)
+        } else {
+            (self.launch_host(task, t)?, 1)
+        };
+        self.refreshes.times[slot] += t0.elapsed().as_secs_f64() * 1e3;
+        Ok(Some(job))
+    }
+
+    fn poll(&mut self, job: &mut CudaJob) -> bool {
+        job.poll()
+    }
+
+    /// A side-stream job: the launcher's reply, then its `done` event synchronised; a host job:
+    /// its channel.
+    fn wait(&mut self, task: &RefreshTask, job: CudaJob) -> Result<(Done, bool), EngineError> {
+        match job {
+            CudaJob::Gpu { reply, done } => {
+                let mut job = CudaJob::Gpu { reply, done };
+                let blocked = !job.poll();
+                let CudaJob::Gpu { reply, done } = job else {
+                    unreachable!("constructed above")
+                };
+                let done = match done {
+                    Some(r) => r,
+                    None => reply
+                        .recv()
+                        .unwrap_or_else(|_| Err("the side-stream launcher thread exited".into())),
+                }
+                .map_err(|msg| task.error(format!("side-stream refresh: {msg}")))?;
+                done.synchronize()
+                    .map_err(|err| cuda_err("swapping in a refresh", err.into()))?;
+                Ok((Done::Gpu(done), blocked))
+            }
+            CudaJob::Host { job } => {
+                let (out, blocked) = job.wait();
+                Ok((Done::Host(out), blocked))
+            }
+        }
+    }
+
+    fn install(&mut self, task: &RefreshTask, done: Done) -> Result<Outcome, EngineError> {
+        let t0 = Instant::now();
+        let (outcome, slot) = match done {
+            Done::Gpu(event) => (self.swap_gpu(task, &event)?, 2),
+            Done::Host(out) => (self.swap_host(task, out)?, 3),
+        };
+        self.refreshes.times[slot] += t0.elapsed().as_secs_f64() * 1e3;
+        Ok(outcome)
+    }
+
+    /// Waits for the compute stream when a synchronous refresh ran at this boundary (only:
+    /// side-stream and host work in flight is not waited for).
+    fn end_boundary(&mut self) -> Result<(), EngineError> {
+        if std::mem::take(&mut self.refreshes.synced) {
+            self.dev
+                .stream(StreamKind::Compute)
+                .synchronize()
+                .map_err(|e| cuda_err("refresh", e.into()))?;
+        }
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use schedule::{BufferId, HostTask};
 
     fn refresh(placement: Placement) -> HostTask {
         HostTask::EigenbasisRefresh {
@@ -1014,11 +885,11 @@ mod tests {
     /// A task runs where the plan placed it, with the plan's staleness and offset.
     #[test]
     fn tasks_follow_the_plan() {
-        let gpu = Task::of(&refresh(Placement::GpuSide));
-        assert!(gpu.on_gpu);
+        let gpu = RefreshTask::of(0, &refresh(Placement::GpuSide));
+        assert!(on_gpu(&gpu));
         assert_eq!((gpu.staleness, gpu.offset, gpu.frequency), (5, 4, 10));
-        let host = Task::of(&refresh(Placement::Host));
-        assert!(!host.on_gpu);
+        let host = RefreshTask::of(1, &refresh(Placement::Host));
+        assert!(!on_gpu(&host));
         assert_eq!((host.staleness, host.offset), (5, 4));
     }
 }

@@ -1,6 +1,6 @@
 //! [`CpuEngine`]: allocates a verified plan's buffers and runs its programs on the CPU.
 use super::exec::{exec_op, OpOutcome};
-use super::host::Pending;
+use super::host::Runtime;
 use super::store::{Data, Loc, Store};
 use super::Float;
 use crate::rng::Rng;
@@ -138,19 +138,17 @@ impl EngineStats {
 /// [`backward`](Self::backward), [`optimizer_step`](Self::optimizer_step),
 /// [`run_host_tasks`](Self::run_host_tasks). Kernels run on the engine's own rayon pool;
 /// eigenbasis refreshes with staleness S > 0 run on a second (host) pool in the background and
-/// are swapped in at the start of a later `run_host_tasks` (see the `host` module docs).
+/// are swapped in at the start of a later `run_host_tasks` ([`crate::refresh_runtime`]).
 pub struct CpuEngine<T> {
     pub(crate) plan: Plan,
     pub(crate) store: Store<T>,
-    pub(crate) opts: EngineOptions,
     /// The host eigensolver ([`EngineOptions::solver`]).
     pub(crate) solver: Arc<dyn HostEigensolver>,
     pub(crate) stats: EngineStats,
     pub(crate) pool: Arc<rayon::ThreadPool>,
     pub(crate) host_pool: Arc<rayon::ThreadPool>,
-    pub(crate) pending: Pending<T>,
-    /// Per host task: whether its first eigendecomposition succeeded.
-    pub(crate) initialized: Vec<bool>,
+    /// The refresh runtime: refreshes in flight, first bases, failure limit.
+    pub(crate) refresh: Runtime<T>,
     by_name: HashMap<String, BufferId>,
     /// With [`EngineOptions::poison_transients`]: what to poison after each op.
     poison: Option<Poison>,
@@ -307,10 +305,10 @@ impl<T: Float + Real> CpuEngine<T> {
                 store.poison(id);
             }
         }
+        let refresh = Runtime::new(&plan, &opts);
         Ok(CpuEngine {
             plan,
             store,
-            opts,
             solver,
             stats: EngineStats {
                 refresh_failures: vec![0; tasks],
@@ -319,8 +317,7 @@ impl<T: Float + Real> CpuEngine<T> {
             },
             pool,
             host_pool,
-            pending: Pending::new(tasks),
-            initialized: vec![false; tasks],
+            refresh,
             by_name,
             poison,
         })

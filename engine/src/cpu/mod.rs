@@ -15,7 +15,6 @@ mod engine;
 mod exec;
 mod float;
 mod host;
-pub mod inflight;
 pub mod matmul;
 pub mod norms;
 pub mod positional;
@@ -24,7 +23,6 @@ mod store;
 
 pub use engine::{CpuEngine, EngineOptions, EngineStats};
 pub use float::{fast_exp_f32, Float};
-pub use host::{count_refresh_outcome, refresh_due, HostTaskReport, RefreshEvent};
 
 use crate::EngineError;
 use rayon::prelude::*;
