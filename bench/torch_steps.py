@@ -13,7 +13,7 @@ Usage (GPU host, PyTorch with CUDA): python3 torch_steps.py {adamw|soap} STEPS O
           asteria's `precision = bf16` runs SOAP's per-step GEMMs).
   --compile: the model's forward through torch.compile (default mode), as torch_baseline's
           compile row; the compilation happens in the first steps, which summarize.py skips.
-  --mpd N: SOAP's max_precond_dim (2048 is the paper's setting, DESIGN.md: dimensions above it,
+  --mpd N: SOAP's max_precond_dim (2048 is the paper's setting: dimensions above it,
           here the 2304/3072 sides and the vocabulary, stay unrotated)."""
 import json, os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

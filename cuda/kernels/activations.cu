@@ -6,11 +6,18 @@
 #define GELU_S 0.7978845608028654f
 #define GELU_C 0.044715f
 
-// out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+// s = sigmoid(2u) = (1 + tanh u) / 2 with u = sqrt(2/pi) (x + 0.044715 x^3): the GELU written
+// without 1 + tanh u, which cancels catastrophically in fp32 for x below about -3 (relative
+// error 1e-4 and worse against float64; the sigmoid form stays at fp32 rounding).
+__device__ __forceinline__ float gelu_s(float v) {
+    return 1.0f / (1.0f + expf(-2.0f * GELU_S * (v + GELU_C * v * v * v)));
+}
+
+// out = 0.5 x (1 + tanh u) = x sigmoid(2u).
 extern "C" __global__ void gelu_forward(const float* __restrict__ x, float* __restrict__ out, long long n) {
     for (long long i = gtid(); i < n; i += gstride()) {
         const float v = x[i];
-        out[i] = 0.5f * v * (1.0f + tanhf(GELU_S * (v + GELU_C * v * v * v)));
+        out[i] = v * gelu_s(v);
     }
 }
 
@@ -20,17 +27,18 @@ extern "C" __global__ void gelu_forward_bf16(const float* __restrict__ x, __nv_b
                                              long long n) {
     for (long long i = gtid(); i < n; i += gstride()) {
         const float v = x[i];
-        out[i] = __float2bfloat16_rn(0.5f * v * (1.0f + tanhf(GELU_S * (v + GELU_C * v * v * v))));
+        out[i] = __float2bfloat16_rn(v * gelu_s(v));
     }
 }
 
-// dx = dout * (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)).
+// dx = dout * (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)) with t = tanh u,
+// written with s = sigmoid(2u): 0.5 (1 + t) = s, 1 - t^2 = 4 s (1 - s).
 extern "C" __global__ void gelu_backward(const float* __restrict__ dout, const float* __restrict__ x,
                                          float* __restrict__ dx, long long n) {
     for (long long i = gtid(); i < n; i += gstride()) {
         const float v = x[i];
-        const float t = tanhf(GELU_S * (v + GELU_C * v * v * v));
-        const float g = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * GELU_S * (1.0f + 3.0f * GELU_C * v * v);
+        const float s = gelu_s(v);
+        const float g = s + 2.0f * v * s * (1.0f - s) * GELU_S * (1.0f + 3.0f * GELU_C * v * v);
         dx[i] = dout[i] * g;
     }
 }

@@ -2,8 +2,8 @@
 // `AttentionBackward` under `precision = bf16`), FlashAttention-2 (Dao, 2023) with the MMA
 // register layout of its CUTLASS kernels: Q, K, V, dO, P and dS enter `mma.sync m16n8k16` as
 // bf16, every accumulation (scores, O, dQ, dK, dV, row sums) is fp32, and the softmax runs in
-// fp32 registers on the score accumulators (base 2: s2 = (q . k) * scale * log2(e)). The same
-// three-pass backward as flash_attention.cu (the fp32 SIMT family).
+// fp32 registers on the score accumulators (base 2: s2 = (q . k) * scale * log2(e)). The
+// backward runs in three passes (row statistics, dK/dV per key block, dQ per query block).
 //
 // Inputs are bf16 copies made by the launcher (one cast kernel per call): qkv [B*T, 3C] =
 // [q | k | v] (head h = columns h*hd .. h*hd+hd-1 of its part) and, for the backward, dout

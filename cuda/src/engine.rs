@@ -378,7 +378,7 @@ impl CudaEngine {
         }
         // bf16 tensor-core GEMMs want every leading dimension a multiple of 8 elements (16
         // bytes); cuBLAS runs the others on slow unaligned kernels (GPT-2's LM head with
-        // N = 50257: 13.3 ms against 2.4 ms at 50304 on the H200, BENCHMARKS.md session 5).
+        // N = 50257: 13.3 ms against 2.4 ms at 50304 on the H200).
         if precision == Precision::Bf16 {
             let mut odd: Vec<usize> = plan
                 .forward
@@ -605,9 +605,9 @@ impl CudaEngine {
         self.dev.synchronize().map_err(e)
     }
 
-    /// The per-op table of `ASTERIA_CUDA_PROFILE`, largest GPU time first; empty without it.
-    /// `ASTERIA_CUDA_PROFILE=1`: every op is synchronized before and after, so "GPU ms" is
-    /// its wall time including launch overhead (slower steps). `ASTERIA_CUDA_PROFILE=events`:
+    /// The per-op table of `--profile`, largest GPU time first; empty without it.
+    /// `--profile ops`: every op is synchronized before and after, so "GPU ms" is
+    /// its wall time including launch overhead (slower steps). `--profile events`:
     /// no host syncs inside a program; CUDA events on the compute stream around each op give
     /// its GPU time, "host ms" the time the engine thread spent enqueueing it, and a
     /// `SECTION/(GPU idle)` row per program the time the compute stream sat idle between its

@@ -98,20 +98,6 @@ pub const FAMILIES: &[Family] = &[
         ]
     ),
     family!(
-        "flash_attention",
-        [
-            "flash_attn_fwd_d32",
-            "flash_attn_fwd_d64",
-            "flash_attn_fwd_d128",
-            "flash_attn_bwd_dkdv_d32",
-            "flash_attn_bwd_dkdv_d64",
-            "flash_attn_bwd_dkdv_d128",
-            "flash_attn_bwd_dq_d32",
-            "flash_attn_bwd_dq_d64",
-            "flash_attn_bwd_dq_d128",
-        ]
-    ),
-    family!(
         "flash_attention_tc",
         [
             "flash_attn_tc_fwd_d32",

@@ -1,4 +1,4 @@
-//! asteria's CUDA backend: the GPU side of the engine (DESIGN.md, "Schedule and engine").
+//! asteria's CUDA backend: the GPU side of the engine.
 //!
 //! - [`Device`]: a CUDA context with the `compute`, `copy-in`, `copy-out` and `side` streams,
 //!   a cuBLAS handle, and every kernel family compiled by NVRTC for the device's own compute
@@ -19,7 +19,7 @@
 //!
 //! Not yet here (later work): pinned-host prefetch of offloaded state, asynchronous refreshes
 //! on the side stream with bounded staleness, and NCCL — cudarc 0.19 opens `libnccl.so`
-//! only, while GPU hosts often ship just `libnccl.so.2` (see shared/GPU.md), so the NCCL
+//! only, while GPU hosts often ship just `libnccl.so.2` (seen on the reference H200 host), so the NCCL
 //! loader must try the versioned soname itself.
 #![deny(missing_docs)]
 

@@ -2,7 +2,7 @@
 //!
 //! cudarc 0.19 opens NCCL by the names `libnccl.so`, `libnccl.so.{9..13}` and a few more, but
 //! NVIDIA's packages install only the versioned soname `libnccl.so.2` (no development symlink
-//! on a runtime-only host such as the reference H200 box; shared/GPU.md). [`probe`] finds the
+//! on a runtime-only host such as the reference H200 box). [`probe`] finds the
 //! library either way; [`ensure_loadable`] makes it loadable for cudarc by creating a
 //! `libnccl.so` symlink to the found file in a private folder and re-executing the current
 //! program once with that folder prepended to `LD_LIBRARY_PATH` (the dynamic loader reads it

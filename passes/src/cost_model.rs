@@ -67,13 +67,10 @@ impl TargetDescription {
     /// A built-in description by name: `h200`, `gh200`, `gb10`, `cpu`.
     pub fn builtin(name: &str) -> Option<TargetDescription> {
         // Measured on the H200 host (16 cores, driver 580) with `asteria calibrate --device
-        // cuda --sizes 768,1024,2304,3072` (bench/results/h200-side/cal-h200.json, rounded):
-        // host QR times are one refresh per core with all 16 cores busy (how the engines run
-        // them), GPU times through the engine's refresher. GPU QR: the default Rayleigh–Cholesky
-        // QR on the tensor cores (session 8, `bench/results/h200-s8-probes/c2/cal-rc-tc-lower.json`;
-        // 1024 interpolated). Householder's were 3.3 / 4.7 / 13.7 / 20.6 ms; the engine's
-        // `ASTERIA_CUDA_QR=householder` override is not seen here (calibrate with it and name
-        // the file in the spec's `calibration` to plan for it).
+        // cuda --sizes 768,1024,2304,3072` (rounded): host QR times are one refresh per core
+        // with all 16 cores busy (how the engines run them), GPU times through the engine's
+        // refresher, whose QR is the Rayleigh–Cholesky QR on the tensor cores (1024
+        // interpolated; Householder QR, its fallback, takes 3.3 / 4.7 / 13.7 / 20.6 ms).
         let h200_gpu_eigh = vec![(768, 7.7), (1024, 10.6), (2304, 31.6), (3072, 50.9)];
         let h200_gpu_qr = vec![(768, 1.34), (2304, 4.98), (3072, 8.08)];
         let h200_host_eigh = vec![(768, 55.7), (1024, 107.0), (2304, 660.0), (3072, 1076.0)];
@@ -90,21 +87,19 @@ impl TargetDescription {
                 host_qr_ms: h200_host_qr,
                 gpu_eigh_ms: h200_gpu_eigh,
                 gpu_qr_ms: h200_gpu_qr,
-                // asteria's CUDA engine on GPT-2 124M at batch 16×1024: 52.0 ms per AdamW step
-                // (BENCHMARKS.md, "Session 5"; 6·124M·16384 flop / 52 ms). It was 75 (163 ms
-                // steps) until session 5. Either way the pass keeps the 2304/3072 factors on the
-                // side stream and moves the 768/1024 ones to the host pool (session 3: mean
-                // step 1.285x AdamW vs 1.419x all on the side stream, BENCHMARKS.md "Where
-                // refreshes run").
+                // asteria's CUDA engine on GPT-2 124M at batch 16×1024: 52 ms per AdamW step
+                // (BENCHMARKS.md; 6·124M·16384 flop / 52 ms). The pass keeps the 2304/3072
+                // factors on the side stream and moves the 768/1024 ones to the host pool
+                // (measured: mean step 1.285x AdamW against 1.419x with every refresh on the
+                // side stream).
                 train_tflops: 235.0,
-                // Session 8 (BENCHMARKS.md): the 36 side-stream rc-tc refreshes per period
-                // (24 × 8.08 + 12 × 4.98 ≈ 254 ms of GPU time) added 213 ms per period to S=5
-                // against S=0's median step (80.3 against 59.0 ms): 0.84. Householder's
-                // latency-bound panels hid better (0.6, sessions 3–6).
+                // Measured: the 36 side-stream refreshes per period (24 × 8.08 + 12 × 4.98 ≈
+                // 254 ms of GPU time) add 213 ms per period to S=5 against S=0's median step
+                // (80.3 against 59.0 ms): 0.84.
                 side_stream_interference: 0.84,
             },
             // Simulated: 72 Neoverse V2 cores, NVLink-C2C 450 GB/s with coherent unified
-            // memory, an H100-class GPU with asteria's H200 engine rate (session 5).
+            // memory, an H100-class GPU with asteria's H200 engine rate.
             // Estimated, not measured: a Grace core ~1.7x one of the H200 VM's x86 cores at
             // the power iteration + QR (~32 GFLOP/s measured there), all-core eigh ~4x.
             "gh200" => TargetDescription {
@@ -135,7 +130,7 @@ impl TargetDescription {
             },
             // A 2-core CI-class host without GPU (measured on the development machine with
             // `asteria calibrate`, rounded; the QR times one refresh per core with both cores
-            // busy, session 3).
+            // busy).
             "cpu" => TargetDescription {
                 name: "cpu".into(),
                 host_cores: 2,

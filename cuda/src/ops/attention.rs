@@ -1,19 +1,16 @@
-//! Causal multi-head self-attention (plan ops `Attention`, `AttentionBackward`), three ways.
+//! Causal multi-head self-attention (plan ops `Attention`, `AttentionBackward`), two ways.
 //!
 //! Per (batch, head) with `Q, K, V` `[T, d]`, `s = 1/√d`: `S = s·Q Kᵀ`, `P = softmax(S + mask)`,
 //! `O = P V`. Backward (P recomputed): `dV = Pᵀ dO`, `dP = dO Vᵀ`,
 //! `dS = P ⊙ (dP − rowsum(P ⊙ dP))`, `dQ = s·dS K`, `dK = s·dSᵀ Q`.
 //!
-//! - [`attention_forward`] / [`attention_backward`] (`ASTERIA_CUDA_ATTENTION=gemm`, kernel family
+//! - [`attention_forward`] / [`attention_backward`] (spec `attention = gemm`, kernel family
 //!   `attention`): cuBLAS strided-batched GEMMs around permutes and a causal row softmax; the
-//!   full `T × T` scores are materialised. `CudaEngine`'s choice under `precision = fp32`.
+//!   full `T × T` scores are materialised. `attention = auto`'s choice under `precision = fp32`.
 //! - [`flash_attention_forward`] / [`flash_attention_backward`] with [`FlashMath::Bf16`]
-//!   (families `flash_attention_tc`; `ASTERIA_CUDA_ATTENTION=tc`, and the default `auto` under
-//!   `precision = bf16` for head dims ≤ 64): FlashAttention-2 on bf16 tensor cores
-//!   (`mma.sync m16n8k16`, fp32 softmax and accumulation) over bf16 copies of qkv and dout
-//!   made by the launcher.
-//! - The same launchers with [`FlashMath::Fp32`] (family `flash_attention`;
-//!   `ASTERIA_CUDA_ATTENTION=fused`): the FlashAttention-2 tiling in fp32 SIMT arithmetic.
+//!   (family `flash_attention_tc`; `attention = fused`, and `auto` under `precision = bf16`
+//!   for head dims ≤ 64): FlashAttention-2 on bf16 tensor cores (`mma.sync m16n8k16`, fp32
+//!   softmax and accumulation) over bf16 copies of qkv and dout made by the launcher.
 //!
 //! The fused paths read q/k/v strided straight from the fused qkv and keep no `T × T` buffer.
 //! Their backward takes only `dout` and `qkv` (as the plan op does) and so recomputes the row
@@ -266,27 +263,22 @@ pub fn attention_backward(
     dev.launch("attn_merge_qkv", grid, (256, 1, 1), merge)
 }
 
-/// Largest head dimension the fused kernels take (`_d32`, `_d64`, `_d128` variants).
-pub const FLASH_MAX_HEAD_DIM: usize = 128;
-
 /// Largest head dimension the tensor-core fused kernels take (`_d32`, `_d64` variants).
 pub const FLASH_TC_MAX_HEAD_DIM: usize = 64;
 
-/// How the fused attention kernels compute.
+/// How the fused attention kernels compute: one way today (an fp32 SIMT variant lost its
+/// measurement against the GEMM path and was deleted; git history has it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FlashMath {
-    /// fp32 SIMT arithmetic throughout (`flash_attention.cu`; head dim ≤ 128).
-    Fp32,
     /// bf16 tensor-core MMA (`mma.sync m16n8k16`) with fp32 accumulation and fp32 softmax
     /// (`flash_attention_tc.cu`; head dim ≤ 64): the `precision = bf16` kernels.
     Bf16,
 }
 
 /// Whether [`flash_attention_forward`] / [`flash_attention_backward`] take this geometry with
-/// `math` (head dim ≤ [`FLASH_MAX_HEAD_DIM`], or ≤ [`FLASH_TC_MAX_HEAD_DIM`] on tensor cores).
+/// `math` (head dim ≤ [`FLASH_TC_MAX_HEAD_DIM`]).
 pub fn flash_supported(d: &AttnDims, math: FlashMath) -> bool {
     let max = match math {
-        FlashMath::Fp32 => FLASH_MAX_HEAD_DIM,
         FlashMath::Bf16 => FLASH_TC_MAX_HEAD_DIM,
     };
     d.n_heads > 0
@@ -310,7 +302,6 @@ fn bf16_region(n: usize) -> usize {
 pub fn flash_forward_scratch_len(d: &AttnDims, math: FlashMath) -> usize {
     let lse = region(d.batch * d.n_heads * d.seq_len);
     match math {
-        FlashMath::Fp32 => lse,
         FlashMath::Bf16 => lse + bf16_region(3 * d.nc()),
     }
 }
@@ -321,7 +312,6 @@ pub fn flash_forward_scratch_len(d: &AttnDims, math: FlashMath) -> usize {
 pub fn flash_backward_scratch_len(d: &AttnDims, math: FlashMath) -> usize {
     let rows = region(d.batch * d.n_heads * d.seq_len);
     match math {
-        FlashMath::Fp32 => 2 * rows,
         FlashMath::Bf16 => 2 * rows + bf16_region(3 * d.nc()) + bf16_region(d.nc()),
     }
 }
@@ -352,28 +342,8 @@ fn flash_variant(hd: usize, math: FlashMath) -> (usize, &'static str, &'static s
             "flash_attn_tc_bwd_dkdv_d64",
             "flash_attn_tc_bwd_dq_d64",
         ),
-        FlashMath::Fp32 if hd <= 32 => (
-            FLASH_ROWS,
-            "flash_attn_fwd_d32",
-            "flash_attn_bwd_dkdv_d32",
-            "flash_attn_bwd_dq_d32",
-        ),
-        FlashMath::Fp32 if hd <= 64 => (
-            2 * FLASH_ROWS,
-            "flash_attn_fwd_d64",
-            "flash_attn_bwd_dkdv_d64",
-            "flash_attn_bwd_dq_d64",
-        ),
-        FlashMath::Fp32 => (
-            4 * FLASH_ROWS,
-            "flash_attn_fwd_d128",
-            "flash_attn_bwd_dkdv_d128",
-            "flash_attn_bwd_dq_d128",
-        ),
     }
 }
-
-const FLASH_ROWS: usize = 64;
 
 /// Rows per block and threads per block of the tensor-core kernels (8 warps of 16 rows).
 const FLASH_TC_ROWS: usize = 128;
@@ -385,7 +355,6 @@ type Dim3 = (u32, u32, u32);
 fn flash_check(op: &'static str, d: &AttnDims, math: FlashMath) -> Result<(usize, Dim3, Dim3)> {
     if !flash_supported(d, math) || d.batch == 0 || d.seq_len == 0 {
         let max = match math {
-            FlashMath::Fp32 => FLASH_MAX_HEAD_DIM,
             FlashMath::Bf16 => FLASH_TC_MAX_HEAD_DIM,
         };
         return Err(CudaError::Invalid {
@@ -407,7 +376,6 @@ fn flash_check(op: &'static str, d: &AttnDims, math: FlashMath) -> Result<(usize
     }
     let (threads, ..) = flash_variant(hd, math);
     let rows = match math {
-        FlashMath::Fp32 => FLASH_ROWS,
         FlashMath::Bf16 => FLASH_TC_ROWS,
     };
     let grid = (d.seq_len.div_ceil(rows) as u32, bh as u32, 1);
@@ -510,7 +478,6 @@ fn flash_forward(
             crate::gemm::cast_f32_to_bf16(dev, qkv, sv.qkv16)?;
             (sv.lse.clone(), sv.qkv16.clone())
         }
-        (_, FlashMath::Fp32) => (scratch.slice(0, rows)?, qkv.clone()),
         (None, FlashMath::Bf16) => (
             scratch.slice(0, rows)?,
             bf16_copy(dev, scratch, region(rows), qkv, 3 * nc)?,
@@ -630,7 +597,6 @@ pub fn flash_attention_backward(
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
     let (_, fwd, dkdv, dq) = flash_variant(hd, math);
     let (qkv, dout) = match math {
-        FlashMath::Fp32 => (qkv.clone(), dout.clone()),
         FlashMath::Bf16 => {
             let at = 2 * region(rows);
             (

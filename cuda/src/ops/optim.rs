@@ -73,7 +73,7 @@ pub fn adamw(
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum SoapProjections {
     /// cuBLAS on the fp32 operands with the device's [`crate::GemmMath`] (TF32 under
-    /// `precision = bf16`; `ASTERIA_CUDA_SOAP_GEMM=fp32`).
+    /// `precision = bf16`).
     Fp32Storage,
     /// Bases, gradient and intermediates cast to bf16, native bf16 GEMMs with fp32
     /// accumulation and fp32 outputs (the precision policy of the model GEMMs; the default).

@@ -548,20 +548,12 @@ fn flash_attention(v: &mut Vec<Case>) {
             channels: ch,
         };
         let nc = b * t * ch;
-        for (math, fwd_name, bwd_name, tol) in [
-            (
-                gattn::FlashMath::Fp32,
-                "flash_attention",
-                "flash_attention_backward",
-                TOL_F32,
-            ),
-            (
-                gattn::FlashMath::Bf16,
-                "flash_attention_tc",
-                "flash_attention_tc_backward",
-                TOL_BF16,
-            ),
-        ] {
+        for (math, fwd_name, bwd_name, tol) in [(
+            gattn::FlashMath::Bf16,
+            "flash_attention_tc",
+            "flash_attention_tc_backward",
+            TOL_BF16,
+        )] {
             if !gattn::flash_supported(&gd, math) {
                 continue;
             }
@@ -594,9 +586,6 @@ fn flash_attention(v: &mut Vec<Case>) {
                 let errs = dqkv_errs(&cx.down(&db)?, &r, ch);
                 Ok(Outcome { errs, gpu_ms: ms })
             }));
-            if math != gattn::FlashMath::Bf16 {
-                continue;
-            }
             // The engine's path: the forward keeps lse and bf16 qkv, the backward takes them
             // and the bf16 copy of the output (delta from O instead of a forward rerun).
             v.push(case(
@@ -728,14 +717,13 @@ fn dqkv_errs(got: &[f32], r: &[f64], ch: usize) -> Vec<(&'static str, f64)> {
 }
 
 /// The float64 reference's operands for fused attention computed as `math` says: the inputs
-/// themselves for fp32, the inputs rounded to bf16 (nearest even) for the tensor-core kernels.
+/// rounded to bf16 (nearest even) for the tensor-core kernels.
 /// Those kernels compute attention of bf16-rounded Q, K, V and dO by contract (the precision
 /// policy of `precision = bf16`); with the same rounded operands on both sides the bf16
 /// tolerance measures the kernel's own arithmetic (P and dS rounded to bf16 for the MMAs, fp32
 /// sums and softmax) rather than the conditioning of the gradients at tiny T.
 fn operands(x: &[f32], math: gattn::FlashMath) -> Vec<f64> {
     match math {
-        gattn::FlashMath::Fp32 => wide(x),
         gattn::FlashMath::Bf16 => x
             .iter()
             .map(|&v| f64::from(half::bf16::from_f32(v).to_f32()))

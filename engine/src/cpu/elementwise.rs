@@ -85,39 +85,46 @@ const GELU_S: f64 = 0.797_884_560_802_865_4;
 /// Cubic coefficient of the GPT-2 GELU approximation.
 const GELU_C: f64 = 0.044_715;
 
+/// `sigmoid(2u) = ½(1 + tanh u)` with `u = √(2/π)(x + 0.044715 x³)`: the GELU's gate without
+/// `1 + tanh u`, which cancels catastrophically in f32 for x below about −3.
+fn gelu_gate<T: Float>(v: T) -> T {
+    let (s, k, two) = (T::from_f64(GELU_S), T::from_f64(GELU_C), T::from_f64(2.0));
+    sigmoid(two * s * (v + k * v * v * v))
+}
+
 /// GELU, tanh approximation (Hendrycks & Gimpel 2016, as in GPT-2):
-/// `out = ½ x (1 + tanh(√(2/π) (x + 0.044715 x³)))`. Same shapes.
+/// `out = ½ x (1 + tanh(√(2/π) (x + 0.044715 x³)))`, computed as `x · sigmoid(2u)` (the same
+/// function, accurate to rounding for negative x). Same shapes.
 pub fn gelu<T: Float>(x: &[T], out: &mut [T]) -> Result<(), EngineError> {
     check_len("gelu", "out", out.len(), x.len())?;
-    let (s, k, half) = (T::from_f64(GELU_S), T::from_f64(GELU_C), T::from_f64(0.5));
     out.par_chunks_mut(GRAIN)
         .zip(x.par_chunks(GRAIN))
         .for_each(|(o, xs)| {
             for (o, &v) in o.iter_mut().zip(xs) {
-                *o = half * v * (T::one() + (s * (v + k * v * v * v)).tanh());
+                *o = v * gelu_gate(v);
             }
         });
     Ok(())
 }
 
 /// `dx = dout · gelu′(x)` for [`gelu`], with `u = √(2/π)(x + 0.044715x³)`, `t = tanh u`:
-/// `gelu′(x) = ½(1 + t) + ½ x (1 − t²) √(2/π) (1 + 3·0.044715 x²)`.
+/// `gelu′(x) = ½(1 + t) + ½ x (1 − t²) √(2/π) (1 + 3·0.044715 x²)`, computed with
+/// `g = sigmoid(2u)`: `½(1 + t) = g`, `1 − t² = 4 g (1 − g)`.
 pub fn gelu_backward<T: Float>(dout: &[T], x: &[T], dx: &mut [T]) -> Result<(), EngineError> {
     check_len("gelu_backward", "dout", dout.len(), x.len())?;
     check_len("gelu_backward", "dx", dx.len(), x.len())?;
-    let (s, k, half, three) = (
+    let (s, k, two, three) = (
         T::from_f64(GELU_S),
         T::from_f64(GELU_C),
-        T::from_f64(0.5),
+        T::from_f64(2.0),
         T::from_f64(3.0),
     );
     dx.par_chunks_mut(GRAIN)
         .zip(x.par_chunks(GRAIN).zip(dout.par_chunks(GRAIN)))
         .for_each(|(d, (xs, g))| {
             for ((d, &v), &g) in d.iter_mut().zip(xs).zip(g) {
-                let t = (s * (v + k * v * v * v)).tanh();
-                let grad = half * (T::one() + t)
-                    + half * v * (T::one() - t * t) * s * (T::one() + three * k * v * v);
+                let q = gelu_gate(v);
+                let grad = q + two * v * q * (T::one() - q) * s * (T::one() + three * k * v * v);
                 *d = g * grad;
             }
         });

@@ -1,7 +1,7 @@
 //! Host tasks: SOAP eigenbasis refreshes through the configured [`optim::HostEigensolver`] on
 //! the engine's host pool (a rayon pool separate from the kernel pool, so eigensolver threads
 //! never share a core's AVX state with the kernels' threads), off the critical path with
-//! bounded staleness (DESIGN.md, "Off-critical-path preconditioner work").
+//! bounded staleness.
 //!
 //! **Shadow states and double buffering.** When a refresh with staleness S > 0 is due at the
 //! end of step t, the factor and the current basis are copied (the shadow state) and
