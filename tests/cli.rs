@@ -148,7 +148,13 @@ fn print_after_all_prints_all_five_passes_and_time_passes_reports_each() {
     ]);
     let (out, err) = text(&o);
     assert!(o.status.success(), "{err}");
-    for p in ["expand-model", "autodiff", "expand-optimizer", "fuse", "liveness"] {
+    for p in [
+        "expand-model",
+        "autodiff",
+        "expand-optimizer",
+        "fuse",
+        "liveness",
+    ] {
         assert!(
             out.contains(&format!("; IR after {p}")),
             "missing dump after {p}"
@@ -188,7 +194,9 @@ fn print_after_fuse_shows_the_fused_ops_of_gpt2_124m_and_skip_pass_keeps_them_ap
     ]);
     let (out, err) = text(&o);
     assert!(o.status.success(), "{err}");
-    assert!(out.contains(" = bias_add ") && !out.contains("mat_mul_bias") && !out.contains("bf16["));
+    assert!(
+        out.contains(" = bias_add ") && !out.contains("mat_mul_bias") && !out.contains("bf16[")
+    );
     let o = asteria(&["compile", "examples/tiny.asteria", "--skip-pass", "lower"]);
     assert!(!o.status.success());
     assert!(text(&o).1.contains("cannot be skipped"), "{}", text(&o).1);

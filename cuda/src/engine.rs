@@ -148,7 +148,12 @@ fn check_fused(
             n_heads,
         } = o
         {
-            let d = attn_dims(*batch, *seq_len, *n_heads, dims2(&plan.buffer(*qkv).shape).1);
+            let d = attn_dims(
+                *batch,
+                *seq_len,
+                *n_heads,
+                dims2(&plan.buffer(*qkv).shape).1,
+            );
             let tc = flash_math(attention, &d, precision) == Some(at::FlashMath::Bf16);
             if !tc && (lse.is_some() || plan.buffer(*out).dtype == DType::Bf16) {
                 return refuse(format!(

@@ -145,7 +145,10 @@ fn mat_mul_bias_is_bit_identical_to_mat_mul_then_bias_add() {
             trans_b: tb,
         }];
         let (e1, e2) = (run(plan(m, unfused, pair)), run(plan(m, fused, one)));
-        let (y1, y2) = (e1.buffer("out").expect("out"), e2.buffer("out").expect("out"));
+        let (y1, y2) = (
+            e1.buffer("out").expect("out"),
+            e2.buffer("out").expect("out"),
+        );
         assert!(y1.iter().any(|&v| v != 0.0));
         let bits = |v: &[f64]| v.iter().map(|&x| (x as f32).to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&y1), bits(&y2), "m {m} k {k} p {p} ta {ta} tb {tb}");
@@ -189,7 +192,10 @@ fn bf16_outputs_hold_rounded_values_and_gemms_read_them_exactly() {
         "rounding must change some values for the test to mean anything"
     );
     let g16_f32: Vec<f32> = g16.iter().map(|&v| v as f32).collect();
-    assert_eq!(g16_f32, rounded, "bf16 buffer = producer output rounded to bf16");
+    assert_eq!(
+        g16_f32, rounded,
+        "bf16 buffer = producer output rounded to bf16"
+    );
     // The GEMM computes on the rounded values: the same kernel on them by hand.
     let b: Vec<f32> = bf16_run
         .buffer("b")
@@ -284,7 +290,11 @@ fn a_saving_attention_writes_the_base_2_log_sum_exp_of_its_scaled_scores() {
                     .map(|j| ((0..hd).map(|e| q(e) * k(j, e)).sum::<f64>() * scale).exp())
                     .sum();
                 let got = lse[(bb * nh + h) * t + i];
-                assert!((got - z.log2()).abs() < 1e-5, "b {bb} h {h} t {i}: {got} vs {}", z.log2());
+                assert!(
+                    (got - z.log2()).abs() < 1e-5,
+                    "b {bb} h {h} t {i}: {got} vs {}",
+                    z.log2()
+                );
             }
         }
     }

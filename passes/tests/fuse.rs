@@ -20,10 +20,8 @@ const BF16: FuseTarget = FuseTarget {
 /// Runs the rules on `term` and returns the cheapest equivalent term, as text.
 fn best(term: &str, target: FuseTarget, shapes: &[(&str, (usize, usize))]) -> String {
     let expr: RecExpr<Dataflow> = term.parse().expect("term parses");
-    let shapes: HashMap<Symbol, (usize, usize)> = shapes
-        .iter()
-        .map(|&(n, s)| (Symbol::from(n), s))
-        .collect();
+    let shapes: HashMap<Symbol, (usize, usize)> =
+        shapes.iter().map(|&(n, s)| (Symbol::from(n), s)).collect();
     let rules = rules(target, Arc::new(shapes)).expect("rules build");
     let runner = Runner::default()
         .with_iter_limit(RUNNER_LIMITS.0)
@@ -73,7 +71,10 @@ fn bias_epilogue_under_bf16_gemms_needs_16_byte_rows() {
     assert_eq!(best(term, BF16, &odd_out), term);
     // Unknown shapes never fuse under bf16; the CPU target ignores alignment.
     assert_eq!(best(term, BF16, &[]), term);
-    assert_eq!(best(term, CPU, &odd_out), "(mat_mul_bias false true %a %b %bias)");
+    assert_eq!(
+        best(term, CPU, &odd_out),
+        "(mat_mul_bias false true %a %b %bias)"
+    );
 }
 
 /// Like [`best`], with the forward `(attention g %qkv)` in the e-graph, its e-class holding
@@ -121,12 +122,18 @@ fn compile(spec: &str, skip_fuse: bool) -> (ir::Module, schedule::Plan) {
     let config = frontend::load_spec(&path).expect("spec");
     let mut m = ir::Module::new(config);
     let mut pm = PassManager::new(PassOptions {
-        skip: if skip_fuse { vec!["fuse".into()] } else { vec![] },
+        skip: if skip_fuse {
+            vec!["fuse".into()]
+        } else {
+            vec![]
+        },
         verify_each: true,
         ..Default::default()
     })
     .expect("pm");
-    let (cx, _) = pm.run(&mut m, None, &mut std::io::sink()).expect("pipeline");
+    let (cx, _) = pm
+        .run(&mut m, None, &mut std::io::sink())
+        .expect("pipeline");
     (m, cx.plan.expect("plan"))
 }
 
@@ -174,7 +181,10 @@ fn gpt2_124m_lowers_to_fused_ops_and_bf16_buffers() {
         })
         .count();
     assert_eq!(saved, 12);
-    assert!(!bf16.iter().any(|n| n.ends_with(".fc")), "gelu_backward reads fc");
+    assert!(
+        !bf16.iter().any(|n| n.ends_with(".fc")),
+        "gelu_backward reads fc"
+    );
     assert!(
         plan.memory.total_bytes() < unfused.memory.total_bytes(),
         "fused {} vs unfused {} bytes",

@@ -946,7 +946,10 @@ mod tests {
         assert!(err.to_string().contains("must be f32"), "{err}");
         // A parameter never is.
         let err = with_dtype(plan(), 2, DType::Bf16).verify().unwrap_err();
-        assert!(err.to_string().contains("only activations may be bf16"), "{err}");
+        assert!(
+            err.to_string().contains("only activations may be bf16"),
+            "{err}"
+        );
     }
 
     fn with_bias(shape: &[usize]) -> Plan {
@@ -973,7 +976,9 @@ mod tests {
 
     #[test]
     fn mat_mul_bias_checks_the_bias_against_the_product_columns() {
-        with_bias(&[3]).verify().expect("bias [P] with out [M, P] = [2, 3]");
+        with_bias(&[3])
+            .verify()
+            .expect("bias [P] with out [M, P] = [2, 3]");
         let err = with_bias(&[2]).verify().unwrap_err();
         assert!(
             matches!(&err, PlanError::Operand { operand: "bias", problem, .. } if problem == "must have shape [3]"),
@@ -992,8 +997,16 @@ mod tests {
         let one = 1.0f32;
         let ulp = 2f32.powi(-7); // bf16 spacing in [1, 2)
         assert_eq!(round_to_bf16(one), one);
-        assert_eq!(round_to_bf16(one + ulp / 2.0), one, "tie goes to the even 1.0");
-        assert_eq!(round_to_bf16(one + 1.5 * ulp), one + 2.0 * ulp, "tie goes to even");
+        assert_eq!(
+            round_to_bf16(one + ulp / 2.0),
+            one,
+            "tie goes to the even 1.0"
+        );
+        assert_eq!(
+            round_to_bf16(one + 1.5 * ulp),
+            one + 2.0 * ulp,
+            "tie goes to even"
+        );
         assert_eq!(round_to_bf16(one + 0.51 * ulp), one + ulp);
         assert_eq!(round_to_bf16(-(one + 0.49 * ulp)), -one);
         assert_eq!(round_to_bf16(f32::INFINITY), f32::INFINITY);
@@ -1015,7 +1028,13 @@ mod tests {
                 (f64::from(x) - f64::from(down)).abs(),
                 (f64::from(up) - f64::from(x)).abs(),
             );
-            let best = if dd < du { down } else if du < dd { up } else { r };
+            let best = if dd < du {
+                down
+            } else if du < dd {
+                up
+            } else {
+                r
+            };
             assert_eq!(r, best, "{x:e}: got {r:e}, nearest {best:e}");
         }
     }

@@ -66,7 +66,11 @@ impl<T: Float> Store<T> {
             data,
             names: plan.buffers.iter().map(|b| b.name.clone()).collect(),
             shapes: plan.buffers.iter().map(|b| b.shape.clone()).collect(),
-            bf16: plan.buffers.iter().map(|b| b.dtype == DType::Bf16).collect(),
+            bf16: plan
+                .buffers
+                .iter()
+                .map(|b| b.dtype == DType::Bf16)
+                .collect(),
         }
     }
 
