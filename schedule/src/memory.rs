@@ -582,7 +582,7 @@ pub(crate) fn verify_memory(plan: &Plan) -> Result<(), PlanError> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::{
         Corpus, DType, DataPlan, Init, ParamRef, TargetPlan, Tokenizer, TrainPlan, PLAN_FORMAT,
@@ -600,7 +600,7 @@ mod tests {
     }
 
     /// A one-matmul language model: embedding, tied head, cross-entropy, AdamW.
-    fn plan() -> Plan {
+    pub(crate) fn plan() -> Plan {
         use BufferClass::*;
         let b = |i: u32| BufferId(i);
         let buffers = vec![
