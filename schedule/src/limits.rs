@@ -45,6 +45,7 @@ impl std::fmt::Display for IntRange {
 }
 
 /// `n` with `_` between groups of three digits from 10_000 on (`1_048_576`).
+#[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` needs Rust 1.87; the workspace supports 1.85
 pub fn grouped(n: u64) -> String {
     let s = n.to_string();
     if s.len() <= 4 {
@@ -283,6 +284,15 @@ pub const SPEC_KEYS: &[(&str, &str, Limit)] = &[
     ("target", "device", Limit::Int(DEVICE)),
 ];
 
+/// The README's "Spec keys" table: one row per entry of [`SPEC_KEYS`].
+pub fn markdown_table() -> String {
+    let mut s = String::from("| block | key | allowed range |\n|---|---|---|\n");
+    for (block, key, limit) in SPEC_KEYS {
+        s.push_str(&format!("| `{block}` | `{key}` | `{limit}` |\n"));
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -309,7 +319,9 @@ mod tests {
         let tokens = BATCH_SIZE.max * SEQ_LEN.max;
         let logits = tokens.checked_mul(VOCAB.max).and_then(|n| n.checked_mul(4));
         assert!(logits.is_some());
-        let mlp = tokens.checked_mul(2 * MLP_HIDDEN.max).and_then(|n| n.checked_mul(4));
+        let mlp = tokens
+            .checked_mul(2 * MLP_HIDDEN.max)
+            .and_then(|n| n.checked_mul(4));
         assert!(mlp.is_some());
         let factor = MAX_PRECOND_DIM.max.checked_mul(MAX_PRECOND_DIM.max);
         assert!(factor.is_some_and(|n| n <= MAX_BUFFER_ELEMENTS));

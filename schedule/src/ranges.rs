@@ -39,7 +39,11 @@ fn optimizer_hyper(
     float(format!("{at}: beta1"), betas.0, limits::BETA)?;
     float(format!("{at}: beta2"), betas.1, limits::BETA)?;
     float(format!("{at}: eps"), eps, limits::EPS)?;
-    float(format!("{at}: weight_decay"), weight_decay, limits::WEIGHT_DECAY)
+    float(
+        format!("{at}: weight_decay"),
+        weight_decay,
+        limits::WEIGHT_DECAY,
+    )
 }
 
 impl Plan {
@@ -62,7 +66,11 @@ impl Plan {
             )));
         }
         float("train.min_lr_ratio", t.min_lr_ratio, limits::MIN_LR_RATIO)?;
-        int("train.eval_interval", t.eval_interval, limits::EVAL_INTERVAL)?;
+        int(
+            "train.eval_interval",
+            t.eval_interval,
+            limits::EVAL_INTERVAL,
+        )?;
         int("train.eval_batches", t.eval_batches, limits::EVAL_BATCHES)?;
         match &self.target {
             TargetPlan::Cpu {
@@ -149,9 +157,7 @@ impl Plan {
                 .shape
                 .iter()
                 .try_fold(b.dtype.size_bytes() as u64, |a, &d| a.checked_mul(d as u64));
-            total = bytes
-                .and_then(|n| total.checked_add(n))
-                .unwrap_or(u64::MAX);
+            total = bytes.and_then(|n| total.checked_add(n)).unwrap_or(u64::MAX);
         }
         if total > limits::MAX_PLAN_BYTES {
             return Err(PlanError::Invalid(format!(
@@ -180,9 +186,7 @@ mod tests {
 
     fn set_adamw(p: &mut crate::Plan, f: impl FnOnce(&mut f64, &mut f64, &mut f64)) {
         match &mut p.optimizer[0] {
-            Op::AdamW {
-                lr, beta1, eps, ..
-            } => f(lr, beta1, eps),
+            Op::AdamW { lr, beta1, eps, .. } => f(lr, beta1, eps),
             other => panic!("the fixture's optimizer op is AdamW, found {other:?}"),
         }
     }
