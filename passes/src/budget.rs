@@ -40,7 +40,7 @@ pub fn check(module: &Module, pass: &'static str) -> Result<u64, PassError> {
     if !too_big && total.is_some_and(|t| t <= MAX_PLAN_BYTES) {
         return Ok(total.unwrap_or(0));
     }
-    sizes.sort_by(|a, b| b.0.cmp(&a.0));
+    sizes.sort_by_key(|s| std::cmp::Reverse(s.0));
     let largest = sizes
         .iter()
         .take(NAMED)
