@@ -11,6 +11,7 @@
 
 pub mod cpu;
 mod error;
+pub mod fits;
 mod rng;
 mod train;
 
