@@ -194,7 +194,10 @@ impl SpecErrors {
 /// errors.
 pub(crate) const STOPPED: &str = "spec::too-many-errors";
 
-/// Cuts `e`'s texts to [`MAX_TEXT`] bytes and its spans to [`MAX_SPAN`] bytes.
+/// Cuts `e`'s texts to [`MAX_TEXT`] bytes and its spans to [`MAX_SPAN`] bytes; a note whose
+/// snippet would be long (more than [`MAX_CONTEXT`] bytes from the primary span, or across a
+/// line longer than [`MAX_LINE`]) becomes a line of the hint (`first set here: line 3, column
+/// 5`) instead of a label, so each error's snippet stays small.
 fn clip_error(e: &mut SpecError, source: &str) {
     clip_text(&mut e.message);
     clip_text(&mut e.label);
@@ -202,10 +205,39 @@ fn clip_error(e: &mut SpecError, source: &str) {
         clip_text(h);
     }
     e.span = clip_span(e.span, source);
-    for (span, label) in &mut e.notes {
+    let primary = e.span;
+    let mut far = Vec::new();
+    e.notes.retain_mut(|(span, label)| {
         *span = clip_span(*span, source);
         clip_text(label);
+        let near = near(source, primary, *span);
+        if !near {
+            let (line, col) = line_col(source, span.start);
+            far.push(format!("{label}: line {line}, column {col}"));
+        }
+        near
+    });
+    if !far.is_empty() {
+        let mut help = e.help.take().map(|h| h + "\n").unwrap_or_default();
+        help.push_str(&far.join("\n"));
+        e.help = Some(help);
     }
+}
+
+/// Lines longer than this are shown as windows (see [`SpecSource`]).
+const MAX_LINE: usize = 1024;
+
+/// Whether the snippet showing both `a` and `b` is small: at most [`MAX_CONTEXT`] bytes from
+/// the start of the first's line to the end of the second's, with no line over [`MAX_LINE`].
+fn near(source: &str, a: Span, b: Span) -> bool {
+    let (lo, hi) = (a.start.min(b.start), a.end.max(b.end).min(source.len()));
+    if hi - lo > MAX_CONTEXT || !source.is_char_boundary(lo) || !source.is_char_boundary(hi) {
+        return false;
+    }
+    let brk = |c: char| c == '\n' || c == '\r';
+    let start = source[..lo].rfind(brk).map_or(0, |k| k + 1);
+    let end = source[hi..].find(brk).map_or(source.len(), |k| hi + k);
+    end - start <= MAX_CONTEXT && source[start..end].split(brk).all(|l| l.len() <= MAX_LINE)
 }
 
 fn clip_text(s: &mut String) {
@@ -284,13 +316,17 @@ impl SourceCode for SpecSource {
                 inner.line_count(),
             )));
         }
+        // A window of the first line around the span's start (labels further on, e.g. a
+        // note at the end of the file, are left out).
         let line_start = text[..start].rfind(brk).map_or(0, |k| k + 1);
-        let line_end = text[end..].find(brk).map_or(text.len(), |k| end + k);
+        let line_end = text[start..].find(brk).map_or(text.len(), |k| start + k);
         let mut ws = start.saturating_sub(WINDOW).max(line_start);
         while !text.is_char_boundary(ws) {
             ws -= 1;
         }
-        let mut we = (end + WINDOW).min(line_end).max(end);
+        let mut we = (end.min(start + MAX_SPAN) + WINDOW)
+            .min(line_end)
+            .max(start);
         while !text.is_char_boundary(we) {
             we += 1;
         }

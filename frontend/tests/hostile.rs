@@ -260,3 +260,53 @@ fn a_huge_identifier_gets_a_short_message() {
     }
     assert!(common::render(&e).len() < 20_000);
 }
+
+#[test]
+fn a_note_at_the_far_end_of_a_long_line_does_not_print_the_line() {
+    // "unterminated block" underlines the `{` and notes the end of the file.
+    let src = format!("model gpt2 {{ vocab = 1 {}", "x = 1 ".repeat(100_000));
+    let e = errors_of(&src);
+    assert!(e
+        .errors()
+        .iter()
+        .any(|err| err.code == "spec::unterminated"));
+    // 51 entries (one per unknown `x`, capped) of a few hundred bytes each; the 600 KB line is
+    // not among them.
+    let rendered = common::render(&e);
+    assert!(rendered.len() < 100_000, "{} bytes", rendered.len());
+}
+
+#[test]
+fn a_note_far_from_its_error_becomes_a_line_of_the_hint() {
+    // Sixty duplicates of a key set 20_000 lines earlier: each snippet would span the file.
+    let src = format!(
+        "model gpt2 {{\n  vocab = 1\n{}{}}}\n",
+        "  # padding\n".repeat(20_000),
+        "  vocab = 2\n".repeat(60)
+    );
+    let e = errors_of(&src);
+    let dup = e
+        .errors()
+        .iter()
+        .find(|err| err.code == "spec::duplicate-key")
+        .expect("a duplicate");
+    assert!(dup.notes.is_empty());
+    assert!(
+        dup.help
+            .as_deref()
+            .is_some_and(|h| h.contains("first set here: line 2, column 3")),
+        "{:?}",
+        dup.help
+    );
+    let rendered = common::render(&e);
+    assert!(rendered.len() < 100_000, "{} bytes", rendered.len());
+    // Near notes stay labels.
+    let near = "model gpt2 {\n  vocab = 1\n  vocab = 2\n}\n";
+    let e = errors_of(near);
+    let dup = e
+        .errors()
+        .iter()
+        .find(|err| err.code == "spec::duplicate-key")
+        .expect("a duplicate");
+    assert_eq!(dup.notes.len(), 1);
+}
