@@ -346,3 +346,294 @@ fn calibrate_names_its_devices_and_needs_a_driver_for_cuda() {
         assert!(err.contains("libcuda"), "{err}");
     }
 }
+
+// --- Hostile input (issue 15): each gets one clear message, fast, and never a panic. ---
+
+/// stderr with miette's wrapping and margins collapsed to single spaces.
+fn flat(o: &Output) -> String {
+    text(o)
+        .1
+        .replace('│', " ")
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// `examples/tiny.asteria` with `from` replaced by `to`, written into `dir` as `name`.
+fn tiny_with(dir: &Path, name: &str, from: &str, to: &str) -> PathBuf {
+    let src = std::fs::read_to_string(root().join("examples/tiny.asteria")).expect("tiny");
+    assert_eq!(
+        src.matches(from).count(),
+        1,
+        "`{from}` once in tiny.asteria"
+    );
+    let path = dir.join(name);
+    std::fs::write(&path, src.replacen(from, to, 1)).expect("write spec");
+    path
+}
+
+#[test]
+fn a_plan_given_to_train_is_one_error_saying_how_to_run_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (plan, _) = compiled_plan(dir.path());
+    let o = asteria(&["train", plan.to_str().expect("utf8"), "--quiet"]);
+    assert_eq!(o.status.code(), Some(1), "{:?}", text(&o));
+    let err = flat(&o);
+    assert!(err.contains("has 1 error"), "{err}");
+    assert!(
+        err.contains("is a compiled asteria plan, not a spec"),
+        "{err}"
+    );
+    assert!(err.contains("asteria run"), "{err}");
+    // And the other way round: a spec given to `run`.
+    let o = asteria(&["run", "examples/tiny.asteria", "--quiet"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(flat(&o).contains("asteria train"), "{}", flat(&o));
+}
+
+#[test]
+fn a_binary_file_given_as_a_spec_is_one_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("random.bin");
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let bytes: Vec<u8> = (0..5 << 20)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 32) as u8
+        })
+        .collect();
+    std::fs::write(&path, bytes).expect("write");
+    let o = asteria(&["compile", path.to_str().expect("utf8")]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = flat(&o);
+    assert!(
+        err.contains("has 1 error") && err.contains("is not a text spec"),
+        "{err}"
+    );
+    assert!(o.stderr.len() < 2000, "{} bytes of errors", o.stderr.len());
+}
+
+/// Runs `asteria args` with stdout and stderr pipes whose read ends are closed at once, so
+/// every write fails with EPIPE; returns the exit code (101 = a panic).
+fn exit_code_with_closed_pipes(args: &[&str]) -> Option<i32> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_asteria"))
+        .args(args)
+        .current_dir(root())
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("asteria starts");
+    drop(child.stdout.take());
+    drop(child.stderr.take());
+    child.wait().expect("asteria exits").code()
+}
+
+#[test]
+fn a_closed_pipe_is_not_a_panic() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (plan, _) = compiled_plan(dir.path());
+    // An error report on a closed stderr: still exit status 1.
+    assert_eq!(
+        exit_code_with_closed_pipes(&["train", plan.to_str().expect("utf8")]),
+        Some(1)
+    );
+    // Dumps and reports on a closed stdout (`asteria compile ... | head -1`): success.
+    for args in [
+        &["compile", "examples/tiny.asteria", "--print-after-all"][..],
+        &["explain", "examples/tiny.asteria"],
+        &["calibrate", "--sizes", "16", "--reps", "1"],
+    ] {
+        assert_eq!(exit_code_with_closed_pipes(args), Some(0), "{args:?}");
+    }
+}
+
+#[test]
+fn zero_steps_is_a_cli_error_not_a_nan_summary() {
+    let o = asteria(&["train", "examples/tiny.asteria", "--steps", "0"]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = flat(&o);
+    assert!(err.contains("0 is not in 1..=1000000000"), "{err}");
+    assert!(!err.contains("NaN"), "{err}");
+}
+
+#[test]
+fn a_corpus_smaller_than_one_batch_names_both_sizes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("small.txt"), "word ".repeat(3000)).expect("corpus");
+    let spec = tiny_with(
+        dir.path(),
+        "small.asteria",
+        "corpus = builtin",
+        "corpus = \"small.txt\"",
+    );
+    let cache = dir.path().join("cache");
+    let o = asteria(&[
+        "train",
+        spec.to_str().expect("utf8"),
+        "--steps",
+        "1",
+        "--quiet",
+        "--cache-dir",
+        cache.to_str().expect("utf8"),
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{:?}", text(&o));
+    let err = flat(&o);
+    assert!(
+        err.contains("the validation split has 300 tokens, fewer than one batch of 16 × 64 tokens"),
+        "{err}"
+    );
+    assert!(err.contains("corpus has 3001 tokens"), "{err}");
+}
+
+#[test]
+fn a_batch_larger_than_host_memory_is_refused_before_allocating() {
+    // 65536 × 64 tokens: the logits and their gradient alone are 2 × 843 GB.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spec = tiny_with(
+        dir.path(),
+        "huge.asteria",
+        "batch_size = 16 ",
+        "batch_size = 65536 ",
+    );
+    let o = asteria(&["train", spec.to_str().expect("utf8"), "--steps", "1"]);
+    assert_eq!(o.status.code(), Some(1), "{:?}", text(&o));
+    let err = flat(&o);
+    assert!(err.contains("for its buffers but host memory has"), "{err}");
+    assert!(err.contains("`logits` [4194304, 50257]"), "{err}");
+}
+
+#[test]
+fn absurd_spec_numbers_are_located_errors_with_the_range() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (from, to, expect) in [
+        (
+            "lr = 2e-3",
+            "lr = 2e-3 precondition_frequency = 1000000000000",
+            "`precondition_frequency` is not valid for `optimizer adamw`",
+        ),
+        (
+            "layers = 2 ",
+            "layers = 100000000 ",
+            "`layers` = 100000000 is outside the allowed range 1..=1024",
+        ),
+        (
+            "d_model = 64 ",
+            "d_model = 1099511627776 ",
+            "`d_model` = 1099511627776 is outside the allowed range 1..=65_536",
+        ),
+        (
+            "  # threads = 2 ",
+            "  threads = 100000 ",
+            "`threads` = 100000 is outside the allowed range 1..=1024",
+        ),
+    ] {
+        let spec = tiny_with(dir.path(), "bad.asteria", from, to);
+        let o = asteria(&["compile", spec.to_str().expect("utf8")]);
+        assert_eq!(o.status.code(), Some(1), "{:?}", text(&o));
+        let err = flat(&o);
+        assert!(err.contains(expect), "{err}");
+        assert!(err.contains("bad.asteria:"), "located: {err}");
+    }
+    let spec = dir.path().join("soap.asteria");
+    let src = std::fs::read_to_string(root().join("examples/tiny-soap.asteria")).expect("spec");
+    std::fs::write(
+        &spec,
+        src.replace(
+            "precondition_frequency = 10 ",
+            "precondition_frequency = 1000000000000 ",
+        ),
+    )
+    .expect("write");
+    let o = asteria(&["compile", spec.to_str().expect("utf8")]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        flat(&o).contains(
+            "`precondition_frequency` = 1000000000000 is outside the allowed range 1..=100_000"
+        ),
+        "{}",
+        flat(&o)
+    );
+}
+
+#[test]
+fn more_threads_than_four_per_core_are_refused_by_the_engine() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if 4 * cores >= 1000 {
+        return; // this machine may run 1000 threads
+    }
+    // In the spec's range (a plan may run on a bigger machine), but on this one each step
+    // would take minutes.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spec = tiny_with(
+        dir.path(),
+        "t.asteria",
+        "  # threads = 2 ",
+        "  threads = 1000 ",
+    );
+    let o = asteria(&["train", spec.to_str().expect("utf8"), "--steps", "1"]);
+    assert_eq!(o.status.code(), Some(1), "{:?}", text(&o));
+    assert!(flat(&o).contains("asks for 1000 threads"), "{}", flat(&o));
+}
+
+#[test]
+fn tampered_plan_hyperparameters_are_refused_before_running() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_, json) = compiled_plan(dir.path());
+    let soap = json["optimizer"]
+        .as_array()
+        .expect("optimizer ops")
+        .iter()
+        .position(|o| o["op"] == "soap_update")
+        .expect("a soap_update");
+    for (name, path, value, expect) in [
+        (
+            "lr",
+            "lr",
+            serde_json::json!(-1.0),
+            "lr = -1 is outside the allowed range (0, 10]",
+        ),
+        (
+            "beta1",
+            "beta1",
+            serde_json::json!(1.5),
+            "beta1 = 1.5 is outside the allowed range [0, 1)",
+        ),
+        (
+            "eps",
+            "eps",
+            serde_json::json!(0.0),
+            "eps = 0 is outside the allowed range (0, 1]",
+        ),
+    ] {
+        let mut v = json.clone();
+        v["optimizer"][soap]["hyper"][path] = value;
+        run_rejects(dir.path(), &format!("{name}.json"), &v.to_string(), expect);
+    }
+    let mut v = json.clone();
+    v["train"]["eval_batches"] = serde_json::json!(0);
+    run_rejects(
+        dir.path(),
+        "eval_batches.json",
+        &v.to_string(),
+        "train.eval_batches = 0 is outside the allowed range 1..=100_000",
+    );
+    let mut v = json.clone();
+    v["target"]["threads"] = serde_json::json!(0);
+    run_rejects(
+        dir.path(),
+        "threads.json",
+        &v.to_string(),
+        "target.threads = 0 is outside the allowed range 1..=1024",
+    );
+    let mut v = json;
+    v["host_tasks"][0]["frequency"] = serde_json::json!(1_000_000_000_000u64);
+    run_rejects(
+        dir.path(),
+        "frequency.json",
+        &v.to_string(),
+        "frequency = 1000000000000 is outside the allowed range 1..=100_000",
+    );
+}

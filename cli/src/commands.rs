@@ -29,11 +29,11 @@ pub fn compile_spec(spec: &Path, flags: &PassFlags) -> Result<(Plan, passes::liv
         .map_err(|e| miette!("{e}"))?;
     if flags.time_passes {
         let total: f64 = timings.iter().map(|t| t.ms).sum();
-        eprintln!("{:>10}  {:<18} summary", "ms", "pass");
+        note!("{:>10}  {:<18} summary", "ms", "pass");
         for t in &timings {
-            eprintln!("{:>10.3}  {:<18} {}", t.ms, t.pass, t.summary);
+            note!("{:>10.3}  {:<18} {}", t.ms, t.pass, t.summary);
         }
-        eprintln!("{total:>10.3}  total");
+        note!("{total:>10.3}  total");
     }
     let plan = cx
         .plan
@@ -52,7 +52,7 @@ pub fn compile(spec: &Path, output: Option<&Path>, flags: &PassFlags) -> Result<
             std::fs::write(path, plan.to_json())
                 .into_diagnostic()
                 .wrap_err_with(|| format!("cannot write the plan to {}", path.display()))?;
-            eprintln!(
+            note!(
                 "wrote {} ({} buffers, {} ops per step, {} host tasks)",
                 path.display(),
                 plan.buffers.len(),
@@ -60,7 +60,7 @@ pub fn compile(spec: &Path, output: Option<&Path>, flags: &PassFlags) -> Result<
                 plan.host_tasks.len()
             );
         }
-        None => eprintln!(
+        None => note!(
             "compiled {} (no -o given: plan not written)",
             spec.display()
         ),
@@ -230,7 +230,7 @@ fn execute(plan: &Plan, run: &RunFlags) -> Result<()> {
     opts.engine
         .solver(&plan)
         .map_err(|e| miette!("plan `{}`: {e}", plan.name))?;
-    eprintln!("{}", plan.target.options_line());
+    note!("{}", plan.target.options_line());
     let plan = &plan;
     if let TargetPlan::Cuda { .. } = plan.target {
         return execute_cuda(plan, &opts, run.profile);
@@ -267,7 +267,7 @@ fn execute_cuda(
     let mut eng = cuda::CudaEngine::new(plan.clone(), copts)
         .map_err(|e| miette!("plan `{}` targets CUDA: {e}", plan.name))?;
     if !opts.quiet {
-        eprintln!(
+        note!(
             "{}; {}",
             engine::StepExecutor::describe(&eng),
             eng.arena_line()
@@ -275,7 +275,7 @@ fn execute_cuda(
     }
     engine::train_with(&mut eng, opts).map_err(|e| miette!("{e}"))?;
     let stats = engine::StepExecutor::stats(&eng);
-    eprintln!(
+    note!(
         "cuda: {}; {}; host tasks {:.0} ms total, {} refreshes",
         eng.memory_report(),
         eng.arena_line(),
@@ -283,11 +283,11 @@ fn execute_cuda(
         stats.refreshes
     );
     if stats.refreshes > 0 {
-        eprintln!("cuda: {}", eng.refresh_timing());
+        note!("cuda: {}", eng.refresh_timing());
     }
     let profile = eng.profile_table();
     if !profile.is_empty() {
-        eprintln!("per-op GPU time (--profile):\n{profile}");
+        note!("per-op GPU time (--profile):\n{profile}");
     }
     Ok(())
 }
@@ -297,8 +297,20 @@ pub fn run(path: &Path, run: &RunFlags) -> Result<()> {
     let text = std::fs::read_to_string(path)
         .into_diagnostic()
         .wrap_err_with(|| format!("cannot read plan {}", path.display()))?;
-    let plan =
-        Plan::from_json(&text).map_err(|e| miette!("rejected plan {}: {e}", path.display()))?;
+    let plan = Plan::from_json(&text).map_err(|e| {
+        if text.trim_start().starts_with('{') {
+            miette!("rejected plan {}: {e}", path.display())
+        } else {
+            miette!(
+                help = format!(
+                    "a spec is compiled and run with `asteria train {}`",
+                    path.display()
+                ),
+                "rejected plan {}: not JSON; is it a spec? ({e})",
+                path.display()
+            )
+        }
+    })?;
     execute(&plan, run)
 }
 
@@ -310,9 +322,12 @@ pub fn train(spec: &Path, run: &RunFlags, flags: &PassFlags) -> Result<()> {
 
 /// `asteria bench eigh`: median eigensolve times per backend, size and thread count.
 pub fn bench_eigh(sizes: &[usize], threads: &[usize], reps: usize) -> Result<()> {
-    println!(
+    out!(
         "{:<8} {:>6} {:>8} {:>12}",
-        "solver", "n", "threads", "median ms"
+        "solver",
+        "n",
+        "threads",
+        "median ms"
     );
     for name in optim::solver_names() {
         let solver = optim::solver_by_name(name).map_err(|e| miette!("{e}"))?;
@@ -320,7 +335,7 @@ pub fn bench_eigh(sizes: &[usize], threads: &[usize], reps: usize) -> Result<()>
             for &t in threads {
                 let ms = optim::bench::eigh_median_ms(solver.as_ref(), n, t, reps)
                     .map_err(|e| miette!("{e}"))?;
-                println!("{name:<8} {n:>6} {t:>8} {ms:>12.1}");
+                out!("{name:<8} {n:>6} {t:>8} {ms:>12.1}");
             }
         }
     }
@@ -372,14 +387,16 @@ pub fn calibrate(
             let g = cuda::calibrate::measure(ordinal, sizes, reps, sync_phases)
                 .map_err(|e| miette!("GPU calibration: {e}"))?;
             for ((n, e), (_, q)) in g.eigh_ms.iter().zip(&g.qr_ms) {
-                eprintln!("GPU n = {n:>5}: syevd refresh {e:>9.2} ms   power iteration + QR refresh {q:>9.2} ms");
+                note!("GPU n = {n:>5}: syevd refresh {e:>9.2} ms   power iteration + QR refresh {q:>9.2} ms");
             }
             for (n, phases) in &g.qr_phases {
-                eprintln!("GPU n = {n:>5}: refresher phases, ms over all runs [{phases}]");
+                note!("GPU n = {n:>5}: refresher phases, ms over all runs [{phases}]");
             }
-            eprintln!(
+            note!(
                 "GPU {}: pinned host->device {:.1} GB/s, bf16 GEMM {:.0} TFLOP/s",
-                g.device, g.h2d_gbps, g.bf16_gemm_tflops
+                g.device,
+                g.h2d_gbps,
+                g.bf16_gemm_tflops
             );
             Some(g)
         }
@@ -427,7 +444,7 @@ pub fn calibrate(
             })?;
             let mm = median_ms(reps, || optim::matmul(&mut fq, &a, false, &q, false, n, n, n).map_err(|e| miette!("{e}")))?;
             gflops = gflops.max(2.0 * (n as f64).powi(3) / (mm * 1e6));
-            eprintln!("n = {n:>5}: eigh {e:>9.2} ms   power iteration + QR (1 core of {refresh_threads} busy) {r:>9.2} ms   GEMM {:.1} GFLOP/s", 2.0 * (n as f64).powi(3) / (mm * 1e6));
+            note!("n = {n:>5}: eigh {e:>9.2} ms   power iteration + QR (1 core of {refresh_threads} busy) {r:>9.2} ms   GEMM {:.1} GFLOP/s", 2.0 * (n as f64).powi(3) / (mm * 1e6));
             eigh.push((n, e));
             qr.push((n, r));
         }
@@ -467,13 +484,13 @@ pub fn calibrate(
             std::fs::write(p, &json)
                 .into_diagnostic()
                 .wrap_err_with(|| format!("cannot write {}", p.display()))?;
-            eprintln!(
+            note!(
                 "wrote {} (name it in a spec: target cpu {{ calibration = \"{}\" }})",
                 p.display(),
                 p.display()
             );
         }
-        None => println!("{json}"),
+        None => out!("{json}"),
     }
     Ok(())
 }
@@ -523,7 +540,7 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
     let mut failed = Vec::new();
     if !a.no_kernels {
         let dev = cuda::Device::new(a.ordinal).map_err(|e| miette!("{e}"))?;
-        println!("{}", dev.info());
+        out!("{}", dev.info());
         let opts = cuda::selftest::Options {
             seed: a.seed,
             filter: a.filter.clone(),
@@ -531,7 +548,7 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
             verbose: false,
         };
         let report = cuda::selftest::run(&dev, &opts);
-        print!("{}", report.table());
+        out!(nonl "{}", report.table());
         if !report.passed() {
             failed.push("kernel self-test".to_string());
         }
@@ -562,14 +579,14 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
         };
         match cuda::train_match::train_match(&plan, &opts) {
             Ok(r) => {
-                println!();
-                print!("{}", r.table());
+                out!();
+                out!(nonl "{}", r.table());
                 if !r.passed() {
                     failed.push(format!("train-match {}", spec.display()));
                 }
             }
             Err(e) => {
-                println!("train-match {}: ERROR {e}", spec.display());
+                out!("train-match {}: ERROR {e}", spec.display());
                 failed.push(format!("train-match {}", spec.display()));
             }
         }
@@ -577,7 +594,7 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
     if a.nccl {
         match cuda::nccl::all_reduce_check(1_000_003, a.seed.unwrap_or(7)) {
             Ok(c) => {
-                println!(
+                out!(
                     "\n{}: NCCL {} all-reduce (sum) over {} GPU(s), {} f32 each: max rel err {:.2e} (tol {:.0e}), {:.2} ms",
                     if c.passed() { "PASS" } else { "FAIL" },
                     c.version,
@@ -592,13 +609,13 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
                 }
             }
             Err(e) => {
-                println!("\nnccl all-reduce: ERROR {e}");
+                out!("\nnccl all-reduce: ERROR {e}");
                 failed.push("nccl all-reduce".to_string());
             }
         }
     }
     if failed.is_empty() {
-        println!("\nselftest: all passed");
+        out!("\nselftest: all passed");
         Ok(())
     } else {
         Err(miette!("selftest failed: {}", failed.join(", ")))
@@ -720,6 +737,6 @@ pub fn plot(metrics: &[String], output: &Path, title: &str, metric: &str) -> Res
         Ok(())
     };
     draw().map_err(|e| miette!("plotting to {}: {e}", output.display()))?;
-    eprintln!("wrote {}", output.display());
+    note!("wrote {}", output.display());
     Ok(())
 }

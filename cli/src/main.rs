@@ -1,5 +1,26 @@
 //! The `asteria` command: compile spec files into execution plans, inspect what each pass did,
 //! and run plans on the CPU engine.
+/// `eprintln!` that ignores a closed stderr (a pipe whose reader exited) instead of panicking.
+macro_rules! note {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
+/// `println!` (and `print!` with `out!(nonl ...)`) that ignores a closed stdout
+/// (`asteria ... | head -1`) instead of panicking.
+macro_rules! out {
+    (nonl $($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stdout(), $($t)*);
+    }};
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($t)*);
+    }};
+}
+
 mod commands;
 
 use clap::{Parser, Subcommand};
@@ -42,8 +63,8 @@ pub struct PassFlags {
 /// Options of commands that execute a plan.
 #[derive(clap::Args, Clone, Debug)]
 pub struct RunFlags {
-    /// Override the number of training steps.
-    #[arg(long)]
+    /// Override the number of training steps (1..=1_000_000_000).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1_000_000_000))]
     pub steps: Option<u64>,
     /// Write per-step and per-evaluation metrics as JSON lines to this file.
     #[arg(long, value_name = "FILE.jsonl")]
@@ -329,7 +350,10 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(report) => {
-            eprintln!("{report:?}");
+            // Rendered once and written in one call (miette writes character by character),
+            // ignoring a closed stderr.
+            let text = format!("{report:?}");
+            note!("{text}");
             ExitCode::FAILURE
         }
     }

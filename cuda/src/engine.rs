@@ -324,6 +324,18 @@ impl CudaEngine {
         dev: Arc<Device>,
         precision: Precision,
     ) -> Result<CudaEngine, EngineError> {
+        // Memory before allocation: the plan's arenas alone (scratch and bf16 shadows come on
+        // top) must fit the device's free memory, or the plan is refused before anything is
+        // allocated.
+        if let Ok((free, _total)) = dev.context().mem_get_info() {
+            let planned = plan
+                .memory
+                .arenas
+                .iter()
+                .fold(0u64, |t, a| t.saturating_add(a.bytes as u64));
+            let place = format!("GPU {} ({})", dev.info().ordinal, dev.info().name);
+            engine::fits::check_fits(&plan, &place, planned, free as u64)?;
+        }
         let e = |w: &'static str| move |err: CudaError| cuda_err(w, err);
         // `auto` under bf16 wants the tensor-core attention family; if it did not load (e.g. a
         // GPU below sm_80), fall back to the GEMM path instead of failing at the first launch.

@@ -61,6 +61,35 @@ impl Dataset {
         Ok(())
     }
 
+    /// Checks that each split holds at least one batch of `batch × seq_len` tokens (+1 for
+    /// the last target): a smaller split would repeat its windows within every batch.
+    ///
+    /// # Errors
+    /// [`DataError::SmallerThanBatch`] naming the split, its size and the batch size.
+    pub fn check_batch(&self, batch: usize, seq_len: usize) -> Result<(), DataError> {
+        let needed = batch.saturating_mul(seq_len).saturating_add(1);
+        for (split, tokens, hint) in [
+            ("train", self.train().len(), ""),
+            (
+                "validation",
+                self.val().len(),
+                ", or a larger `val_fraction`",
+            ),
+        ] {
+            if tokens < needed {
+                return Err(DataError::SmallerThanBatch {
+                    split,
+                    tokens,
+                    batch,
+                    seq_len,
+                    corpus_tokens: self.tokens.len(),
+                    hint,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// The training split (head of the corpus), u16 token ids.
     pub fn train(&self) -> &[u16] {
         &self.tokens[..self.split]

@@ -133,6 +133,27 @@ pub enum DataError {
         corpus_tokens: usize,
     },
 
+    /// A train or validation split holds fewer tokens than one batch.
+    #[error(
+        "the {split} split has {tokens} tokens, fewer than one batch of {batch} × {seq_len} \
+         tokens (+1 for the last target) (corpus has {corpus_tokens} tokens); use a larger \
+         corpus, a smaller `batch_size` or `seq_len`{hint}"
+    )]
+    SmallerThanBatch {
+        /// "train" or "validation".
+        split: &'static str,
+        /// Tokens in that split.
+        tokens: usize,
+        /// Sequences per batch.
+        batch: usize,
+        /// Tokens per sequence.
+        seq_len: usize,
+        /// Tokens in the whole corpus.
+        corpus_tokens: usize,
+        /// `, or a larger val_fraction` for the validation split.
+        hint: &'static str,
+    },
+
     /// A batch was requested with a zero dimension.
     #[error("batch size and seq_len must be positive, got batch={batch}, seq_len={seq_len}")]
     EmptyBatch {

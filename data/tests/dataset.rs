@@ -234,3 +234,39 @@ fn wrong_buffer_sizes_and_long_seq_rejected() {
         "{err}"
     );
 }
+
+#[test]
+fn a_split_smaller_than_one_batch_is_named_with_the_batch_size() {
+    // 10_000 tokens, 10% validation: 1000 validation tokens < 16 × 64 + 1.
+    let ds = Dataset::new(ramp(10_000), 0.1, 64).unwrap();
+    let err = ds.check_batch(16, 64).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DataError::SmallerThanBatch {
+                split: "validation",
+                tokens: 1000,
+                batch: 16,
+                seq_len: 64,
+                corpus_tokens: 10_000,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("fewer than one batch of 16 × 64 tokens"),
+        "{msg}"
+    );
+    assert!(msg.contains("val_fraction"), "{msg}");
+    // The training split is checked too, and one batch plus the last target is enough.
+    let err = ds.check_batch(200, 64).unwrap_err();
+    assert!(matches!(
+        err,
+        DataError::SmallerThanBatch { split: "train", .. }
+    ));
+    ds.check_batch(15, 64).unwrap();
+    ds.check_batch(1, 999).unwrap();
+    assert!(ds.check_batch(1, 1000).is_err());
+}

@@ -105,6 +105,24 @@ pub enum EngineError {
     /// The plan asks for something this engine cannot do (a CUDA target, ...).
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// The plan's buffers need more memory than the machine has free (checked before
+    /// allocating; see [`crate::fits`]).
+    #[error(
+        "plan `{plan}` needs {needed} for its buffers but {place} has {available} available; \
+         the largest buffers: {largest}; reduce batch_size, seq_len or the model"
+    )]
+    OutOfMemory {
+        /// The plan's name.
+        plan: String,
+        /// Where (`host memory`, `GPU 0 (NVIDIA H200)`).
+        place: String,
+        /// Bytes needed, human-readable.
+        needed: String,
+        /// Bytes free, human-readable.
+        available: String,
+        /// The largest buffers with their shapes and sizes.
+        largest: String,
+    },
     /// A training option is invalid.
     #[error("invalid option: {0}")]
     Option(String),

@@ -12,6 +12,7 @@
 
 pub mod cpu;
 mod error;
+pub mod fits;
 pub mod refresh_runtime;
 mod rng;
 mod train;

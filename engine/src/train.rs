@@ -166,6 +166,7 @@ fn load_data(plan: &Plan, opts: &TrainOptions) -> Result<BatchSampler, EngineErr
     };
     let tokens = data::load_corpus_tokens(&source, tokenizer, opts.cache_dir.as_deref())?;
     let dataset = Dataset::new(tokens, plan.data.val_fraction, plan.data.seq_len)?;
+    dataset.check_batch(plan.data.batch_size, plan.data.seq_len)?;
     Ok(BatchSampler::new(dataset, plan.train.seed))
 }
 
@@ -264,8 +265,10 @@ fn progress_bar(steps: u64, quiet: bool) -> ProgressBar {
 /// step (`eval_interval = 0`: never).
 ///
 /// # Errors
-/// Any [`EngineError`]: invalid plan, data loading, a kernel error (bad token id), metrics
-/// I/O, or too many consecutive eigenbasis refresh failures.
+/// Any [`EngineError`]: invalid plan, `steps` outside `schedule::limits::STEPS` (0 steps is an
+/// error, not an empty summary), data loading (a corpus split smaller than one batch),
+/// buffers larger than the free memory, a kernel error (bad token id), metrics I/O, or too
+/// many consecutive eigenbasis refresh failures.
 pub fn train(plan: &Plan, opts: &TrainOptions) -> Result<TrainSummary, EngineError> {
     plan.verify()?;
     let mut engine = CpuEngine::<f32>::new(plan.clone(), opts.engine.clone())?;
@@ -282,6 +285,12 @@ pub fn train_with<E: StepExecutor>(
 ) -> Result<TrainSummary, EngineError> {
     let plan = &engine.plan().clone();
     let steps = opts.steps.unwrap_or(plan.train.steps);
+    if !schedule::limits::STEPS.contains_u64(steps) {
+        return Err(EngineError::Option(format!(
+            "steps = {steps} is outside the allowed range {}",
+            schedule::limits::STEPS
+        )));
+    }
     let sampler_start = Instant::now();
     let mut sampler = load_data(plan, opts)?;
     tracing::info!(
@@ -316,8 +325,10 @@ pub fn train_with<E: StepExecutor>(
         eval(engine, &sampler, 0, &mut summary, &mut metrics)?;
     }
     let pb = progress_bar(steps, opts.quiet);
-    let mut step_ms = Vec::with_capacity(steps as usize);
-    let mut optimizer_ms = Vec::with_capacity(steps as usize);
+    // Grows with the run (a billion-step run must not reserve 8 GB up front).
+    let reserve = usize::try_from(steps).map_or(1 << 16, |s| s.min(1 << 16));
+    let mut step_ms = Vec::with_capacity(reserve);
+    let mut optimizer_ms = Vec::with_capacity(reserve);
     let (mut bx, mut by) = (vec![0i32; b * t], vec![0i32; b * t]);
     for step in 1..=steps {
         let start = Instant::now();
@@ -387,7 +398,8 @@ pub fn train_with<E: StepExecutor>(
     summary.skipped_steps = engine.stats().skipped_steps;
     tracing::info!(%summary, "training done");
     if !opts.quiet {
-        eprintln!("{summary}");
+        // A closed stderr (its reader exited) is not an error of the run.
+        let _ = writeln!(std::io::stderr(), "{summary}");
     }
     Ok(summary)
 }

@@ -1,9 +1,11 @@
 //! Semantic checking machinery: the keys of a block (unknown, duplicate, not valid here), and
-//! typed getters that read an entry as an integer, a float in a range, a boolean or a name,
-//! recording a diagnostic and falling back to a default on any error, so that every problem of
+//! typed getters that read an entry as an integer or a float in its range ([`ir::limits`]), a
+//! boolean or a name, recording a diagnostic and falling back to a default on any error, so that every problem of
 //! a file is reported in one run. The per-block rules are in [`crate::lower`].
 
 use std::collections::HashMap;
+
+use ir::limits::{FloatRange, IntRange};
 
 use crate::ast::{Block, Entry, Span, Value, ValueKind};
 use crate::diagnostics::{did_you_mean, suggest, SpecError};
@@ -30,43 +32,6 @@ impl<'a> Fields<'a> {
     /// The entry for `key`, if set.
     pub fn get(&self, key: &str) -> Option<&'a Entry> {
         self.entries.get(key).copied()
-    }
-}
-
-/// An allowed range for a float.
-#[derive(Clone, Copy, Debug)]
-pub enum Range {
-    /// x > 0.
-    Positive,
-    /// x ≥ 0.
-    NonNegative,
-    /// 0 ≤ x < 1 (EMA factors such as betas).
-    Beta,
-    /// 0 < x < 1.
-    OpenUnit,
-    /// 0 ≤ x ≤ 1.
-    ClosedUnit,
-}
-
-impl Range {
-    fn contains(self, x: f64) -> bool {
-        match self {
-            Range::Positive => x > 0.0,
-            Range::NonNegative => x >= 0.0,
-            Range::Beta => (0.0..1.0).contains(&x),
-            Range::OpenUnit => x > 0.0 && x < 1.0,
-            Range::ClosedUnit => (0.0..=1.0).contains(&x),
-        }
-    }
-
-    fn describe(self) -> &'static str {
-        match self {
-            Range::Positive => "greater than 0",
-            Range::NonNegative => "at least 0",
-            Range::Beta => "in [0, 1)",
-            Range::OpenUnit => "in (0, 1), exclusive",
-            Range::ClosedUnit => "in [0, 1]",
-        }
     }
 }
 
@@ -175,29 +140,36 @@ impl Checker {
         self.push(e);
     }
 
-    /// Reads `v` as an integer `≥ min` that fits `T`.
-    pub fn uint_value<T: TryFrom<i128>>(&mut self, key: &str, v: &Value, min: i128) -> Option<T> {
+    /// Reads `v` as an integer in `range` that fits `T`.
+    pub fn uint_value<T: TryFrom<i128>>(
+        &mut self,
+        key: &str,
+        v: &Value,
+        range: IntRange,
+    ) -> Option<T> {
         let ValueKind::Int(n) = v.kind else {
             self.wrong_type(key, v, "an integer");
             return None;
         };
-        if n < min {
-            let what = if n < 0 { "negative" } else { "too small" };
-            self.push(SpecError::new(
-                "spec::out-of-range",
-                v.span,
-                format!("`{key}` must be at least {min}, found {n}"),
-                what,
-            ));
+        if !range.contains(n) {
+            let label = if n < 0 {
+                "negative"
+            } else if n < i128::from(range.min) {
+                "too small"
+            } else {
+                "too large"
+            };
+            self.push(out_of_range(&format!("`{key}`"), n, v.span, range, label));
             return None;
         }
         match T::try_from(n) {
             Ok(x) => Some(x),
             Err(_) => {
-                self.push(SpecError::new(
-                    "spec::out-of-range",
+                self.push(out_of_range(
+                    &format!("`{key}`"),
+                    n,
                     v.span,
-                    format!("`{key}` is too large: {n}"),
+                    range,
                     "too large",
                 ));
                 None
@@ -205,10 +177,15 @@ impl Checker {
         }
     }
 
-    /// Required integer `key ≥ min`.
-    pub fn uint_req<T: TryFrom<i128>>(&mut self, f: &Fields, key: &str, min: i128) -> Option<T> {
+    /// Required integer `key` in `range`.
+    pub fn uint_req<T: TryFrom<i128>>(
+        &mut self,
+        f: &Fields,
+        key: &str,
+        range: IntRange,
+    ) -> Option<T> {
         match f.get(key) {
-            Some(e) => self.uint_value(key, &e.value, min),
+            Some(e) => self.uint_value(key, &e.value, range),
             None => {
                 self.missing(f, key, example(key));
                 None
@@ -216,20 +193,26 @@ impl Checker {
         }
     }
 
-    /// Optional integer `key ≥ min`, `default` when absent or invalid.
-    pub fn uint_or<T: TryFrom<i128>>(&mut self, f: &Fields, key: &str, min: i128, default: T) -> T {
+    /// Optional integer `key` in `range`, `default` when absent or invalid.
+    pub fn uint_or<T: TryFrom<i128>>(
+        &mut self,
+        f: &Fields,
+        key: &str,
+        range: IntRange,
+        default: T,
+    ) -> T {
         f.get(key)
-            .and_then(|e| self.uint_value(key, &e.value, min))
+            .and_then(|e| self.uint_value(key, &e.value, range))
             .unwrap_or(default)
     }
 
     /// Reads `v` (integer or float) as the float `key` in `range`.
-    pub fn float_value(&mut self, key: &str, v: &Value, range: Range) -> Option<f64> {
+    pub fn float_value(&mut self, key: &str, v: &Value, range: FloatRange) -> Option<f64> {
         self.float_in(&format!("`{key}`"), v, range)
     }
 
     /// [`Checker::float_value`] with the setting named by `what` (already quoted).
-    pub fn float_in(&mut self, what: &str, v: &Value, range: Range) -> Option<f64> {
+    pub fn float_in(&mut self, what: &str, v: &Value, range: FloatRange) -> Option<f64> {
         let x = match v.kind {
             ValueKind::Float(x) => x,
             ValueKind::Int(n) => n as f64,
@@ -239,19 +222,19 @@ impl Checker {
             }
         };
         if !range.contains(x) {
-            self.push(SpecError::new(
-                "spec::out-of-range",
-                v.span,
-                format!("{what} must be {}, found {x}", range.describe()),
-                "out of range",
-            ));
+            let label = if x > range.max || (x == range.max && !range.max_closed) {
+                "too large"
+            } else {
+                "too small"
+            };
+            self.push(out_of_range(what, x, v.span, range, label));
             return None;
         }
         Some(x)
     }
 
     /// Optional float `key` in `range`, `default` when absent or invalid.
-    pub fn float_or(&mut self, f: &Fields, key: &str, range: Range, default: f64) -> f64 {
+    pub fn float_or(&mut self, f: &Fields, key: &str, range: FloatRange, default: f64) -> f64 {
         f.get(key)
             .and_then(|e| self.float_value(key, &e.value, range))
             .unwrap_or(default)
@@ -305,6 +288,23 @@ impl Checker {
             }
         }
     }
+}
+
+/// "`d_model` = 100000 is outside the allowed range 1..=65_536", at the value, labelled `label`
+/// ("too large"); the wording of [`ir::limits`]' plan-verifier errors.
+fn out_of_range(
+    what: &str,
+    x: impl std::fmt::Display,
+    span: Span,
+    range: impl std::fmt::Display,
+    label: &str,
+) -> SpecError {
+    SpecError::new(
+        "spec::out-of-range",
+        span,
+        format!("{what} = {x} is outside the allowed range {range}"),
+        label,
+    )
 }
 
 /// "unknown tokenizer `gtp2`" with a suggestion among `choices`.

@@ -3,7 +3,9 @@
 
 use std::fmt;
 
-use miette::{Diagnostic, LabeledSpan, NamedSource, SourceCode};
+use miette::{
+    Diagnostic, LabeledSpan, MietteError, MietteSpanContents, SourceCode, SourceSpan, SpanContents,
+};
 
 use crate::ast::Span;
 
@@ -83,39 +85,97 @@ impl Diagnostic for SpecError {
     }
 }
 
+/// At most this many errors of a file are shown; the rest are counted in a last entry
+/// ("… and 950 more errors").
+pub const MAX_SHOWN_ERRORS: usize = 50;
+/// Messages, labels and hints are cut to this many bytes (they quote words of the input).
+const MAX_TEXT: usize = 300;
+/// Underlines are cut to this many bytes.
+const MAX_SPAN: usize = 80;
+
 /// Every error found in one spec file, with the file's name and text.
 ///
 /// As a [`Diagnostic`] it renders a one-line summary followed by each error as `related`, each
-/// with its span underlined in the source.
+/// with its span underlined in the source. Output stays small on any input: at most
+/// [`MAX_SHOWN_ERRORS`] errors, messages and underlines cut to a few hundred bytes, and a span
+/// on a very long line shows only a window of that line.
 #[derive(Debug)]
 pub struct SpecErrors {
-    src: NamedSource<String>,
+    src: SpecSource,
     errors: Vec<SpecError>,
+    total: usize,
+    stopped: bool,
 }
 
 impl SpecErrors {
-    /// Wraps `errors` (in source order after sorting) found in `source`, named `name`.
+    /// Wraps `errors` (in source order after sorting) found in `source`, named `name`; keeps
+    /// the first [`MAX_SHOWN_ERRORS`] and a last entry counting the others.
     pub fn new(name: &str, source: String, mut errors: Vec<SpecError>) -> Self {
         errors.sort_by_key(|e| (e.span.start, e.span.end));
+        // The parser's "stopped after N syntax errors" goes last, wherever it points.
+        let stop = errors
+            .iter()
+            .position(|e| e.code == STOPPED)
+            .map(|i| errors.remove(i));
+        let total = errors.len();
+        if total > MAX_SHOWN_ERRORS || stop.is_some() {
+            let hidden = total.saturating_sub(MAX_SHOWN_ERRORS);
+            errors.truncate(MAX_SHOWN_ERRORS);
+            let at = stop.as_ref().map_or_else(
+                || errors.last().map_or(Span::new(0, 0), |e| e.span),
+                |s| s.span,
+            );
+            let mut message = match hidden {
+                0 => String::new(),
+                1 => "… and 1 more error".to_string(),
+                n => format!("… and {n} more errors"),
+            };
+            if let Some(s) = &stop {
+                if !message.is_empty() {
+                    message.push_str("; ");
+                }
+                message.push_str(&s.message);
+            }
+            errors.push(
+                SpecError::new(STOPPED, at, message, "errors stop here").with_help(
+                    "is this the right file? a spec is a short text file such as \
+                     examples/tiny.asteria",
+                ),
+            );
+        }
+        for e in &mut errors {
+            clip_error(e, &source);
+        }
         SpecErrors {
-            src: NamedSource::new(name, source),
+            src: SpecSource {
+                name: name.to_string(),
+                text: source,
+            },
             errors,
+            total,
+            stopped: stop.is_some(),
         }
     }
 
-    /// The errors, in source order.
+    /// The errors shown, in source order (at most [`MAX_SHOWN_ERRORS`], then one counting the
+    /// rest).
     pub fn errors(&self) -> &[SpecError] {
         &self.errors
     }
 
+    /// How many errors were found (when parsing stopped early: found before it stopped).
+    pub fn total(&self) -> usize {
+        self.total
+    }
+
     /// The file's name, as given to the parser.
     pub fn name(&self) -> &str {
-        self.src.name()
+        &self.src.name
     }
 
     /// The source text the spans point into (after lossy decoding for non-UTF-8 files).
     pub fn source_text(&self) -> &str {
-        self.src.inner()
+        &self.src.text
     }
 
     /// `(line, column, message)` of each error, 1-based, column counted in characters.
@@ -127,6 +187,161 @@ impl SpecErrors {
                 (line, col, e.message.clone())
             })
             .collect()
+    }
+}
+
+/// Code of the parser's "stopped after N syntax errors" and of the entry counting hidden
+/// errors.
+pub(crate) const STOPPED: &str = "spec::too-many-errors";
+
+/// Cuts `e`'s texts to [`MAX_TEXT`] bytes and its spans to [`MAX_SPAN`] bytes; a note whose
+/// snippet would be long (more than [`MAX_CONTEXT`] bytes from the primary span, or across a
+/// line longer than [`MAX_LINE`]) becomes a line of the hint (`first set here: line 3, column
+/// 5`) instead of a label, so each error's snippet stays small.
+fn clip_error(e: &mut SpecError, source: &str) {
+    clip_text(&mut e.message);
+    clip_text(&mut e.label);
+    if let Some(h) = &mut e.help {
+        clip_text(h);
+    }
+    e.span = clip_span(e.span, source);
+    let primary = e.span;
+    let mut far = Vec::new();
+    e.notes.retain_mut(|(span, label)| {
+        *span = clip_span(*span, source);
+        clip_text(label);
+        let near = near(source, primary, *span);
+        if !near {
+            let (line, col) = line_col(source, span.start);
+            far.push(format!("{label}: line {line}, column {col}"));
+        }
+        near
+    });
+    if !far.is_empty() {
+        let mut help = e.help.take().map(|h| h + "\n").unwrap_or_default();
+        help.push_str(&far.join("\n"));
+        e.help = Some(help);
+    }
+}
+
+/// Lines longer than this are shown as windows (see [`SpecSource`]).
+const MAX_LINE: usize = 1024;
+
+/// Whether the snippet showing both `a` and `b` is small: at most [`MAX_CONTEXT`] bytes from
+/// the start of the first's line to the end of the second's, with no line over [`MAX_LINE`].
+fn near(source: &str, a: Span, b: Span) -> bool {
+    let (lo, hi) = (a.start.min(b.start), a.end.max(b.end).min(source.len()));
+    if hi - lo > MAX_CONTEXT || !source.is_char_boundary(lo) || !source.is_char_boundary(hi) {
+        return false;
+    }
+    let brk = |c: char| c == '\n' || c == '\r';
+    let start = source[..lo].rfind(brk).map_or(0, |k| k + 1);
+    let end = source[hi..].find(brk).map_or(source.len(), |k| hi + k);
+    end - start <= MAX_CONTEXT && source[start..end].split(brk).all(|l| l.len() <= MAX_LINE)
+}
+
+fn clip_text(s: &mut String) {
+    if s.len() > MAX_TEXT {
+        let mut end = MAX_TEXT;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+        s.push('…');
+    }
+}
+
+fn clip_span(span: Span, source: &str) -> Span {
+    if span.end - span.start <= MAX_SPAN {
+        return span;
+    }
+    let mut end = (span.start + MAX_SPAN).min(source.len());
+    while !source.is_char_boundary(end) {
+        end -= 1;
+    }
+    Span::new(span.start, end.max(span.start))
+}
+
+/// The spec text as miette reads it. A span whose context (the lines miette shows around it)
+/// spans more than [`MAX_CONTEXT`] bytes is shown as a window of its own line instead, so a
+/// huge one-line file does not print itself once per error.
+#[derive(Debug)]
+struct SpecSource {
+    name: String,
+    text: String,
+}
+
+/// Context up to this many bytes is shown whole.
+const MAX_CONTEXT: usize = 4096;
+/// Bytes shown on each side of a span on a long line.
+const WINDOW: usize = 60;
+
+impl SourceCode for SpecSource {
+    fn read_span<'a>(
+        &'a self,
+        span: &SourceSpan,
+        before: usize,
+        after: usize,
+    ) -> Result<Box<dyn SpanContents<'a> + 'a>, MietteError> {
+        let text = self.text.as_str();
+        let floor = |mut k: usize| {
+            k = k.min(text.len());
+            while !text.is_char_boundary(k) {
+                k -= 1;
+            }
+            k
+        };
+        let start = floor(span.offset());
+        let end = floor(span.offset().saturating_add(span.len())).max(start);
+        let brk = |c: char| c == '\n' || c == '\r';
+        // The first byte of the line `n` lines before `start`'s, and the end of the line `n`
+        // lines after `end`'s.
+        let mut lo = start;
+        for _ in 0..=before {
+            lo = text[..lo].rfind(brk).unwrap_or(0);
+        }
+        let mut hi = end;
+        for _ in 0..=after {
+            hi = text[hi..].find(brk).map_or(text.len(), |k| hi + k + 1);
+        }
+        let name = self.name.clone();
+        if hi - lo <= MAX_CONTEXT {
+            let inner = text.read_span(span, before, after)?;
+            return Ok(Box::new(MietteSpanContents::new_named(
+                name,
+                inner.data(),
+                *inner.span(),
+                inner.line(),
+                inner.column(),
+                inner.line_count(),
+            )));
+        }
+        // A window of the first line around the span's start (labels further on, e.g. a
+        // note at the end of the file, are left out).
+        let line_start = text[..start].rfind(brk).map_or(0, |k| k + 1);
+        let line_end = text[start..].find(brk).map_or(text.len(), |k| start + k);
+        let mut ws = start.saturating_sub(WINDOW).max(line_start);
+        while !text.is_char_boundary(ws) {
+            ws -= 1;
+        }
+        let mut we = (end.min(start + MAX_SPAN) + WINDOW)
+            .min(line_end)
+            .max(start);
+        while !text.is_char_boundary(we) {
+            we += 1;
+        }
+        let line = text[..line_start]
+            .char_indices()
+            .filter(|&(k, c)| c == '\n' || (c == '\r' && !text[k + 1..].starts_with('\n')))
+            .count();
+        Ok(Box::new(MietteSpanContents::new_named(
+            name,
+            &text.as_bytes()[ws..we],
+            SourceSpan::new(ws.into(), we - ws),
+            line,
+            ws - line_start,
+            1,
+        )))
     }
 }
 
@@ -145,9 +360,10 @@ pub fn line_col(src: &str, offset: usize) -> (usize, usize) {
 
 impl fmt::Display for SpecErrors {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let n = self.errors.len();
+        let n = self.total;
         let plural = if n == 1 { "" } else { "s" };
-        write!(f, "{} has {n} error{plural}", self.src.name())
+        let more = if self.stopped { "more than " } else { "" };
+        write!(f, "{} has {more}{n} error{plural}", self.src.name)
     }
 }
 
@@ -193,8 +409,12 @@ const ALIASES: &[(&str, &str)] = &[
     ("device", "target"),
 ];
 
-/// The candidate closest to `word` (an alias, or within a small edit distance), if any.
+/// The candidate closest to `word` (an alias, or within a small edit distance), if any. Words
+/// longer than 64 bytes get no suggestion (the edit distance is quadratic).
 pub fn suggest<'a>(word: &str, candidates: &[&'a str]) -> Option<&'a str> {
+    if word.len() > 64 {
+        return None;
+    }
     let lower = word.to_ascii_lowercase();
     if let Some(c) = candidates.iter().find(|c| **c == lower) {
         return Some(c);

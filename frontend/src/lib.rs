@@ -12,8 +12,14 @@
 //! data { batch_size = 8  seq_len = 64 }
 //! train { steps = 500 }
 //! ```
-//! The grammar is in [`parser`]; the keys, types, ranges and defaults of each block are
-//! documented in `examples/*.asteria` and enforced by `src/lower/` (one file per block family).
+//! The grammar is in [`parser`]; the keys, types and defaults of each block are documented in
+//! `examples/*.asteria` and enforced by `src/lower/` (one file per block family); the range of
+//! every numeric key is defined once in `schedule::limits` (re-exported as [`ir::limits`]) and
+//! listed in the README's "Spec keys" table.
+//!
+//! Any input is handled in linear time with bounded output: binary data, JSON (a compiled plan
+//! given as a spec) and files over [`MAX_SPEC_BYTES`] are one error each, parsing stops after
+//! [`parser::MAX_SYNTAX_ERRORS`], and at most [`diagnostics::MAX_SHOWN_ERRORS`] errors are shown.
 //!
 //! Entry points: [`parse_spec`] (text), [`parse_spec_bytes`] (bytes, UTF-8 checked),
 //! [`load_spec`] (a file). Render a [`SpecErrors`] with any miette report handler.
@@ -34,13 +40,23 @@ use ir::config::Config;
 use crate::ast::Span;
 pub use crate::diagnostics::{SpecError, SpecErrors};
 
+/// The largest spec accepted, in bytes (1 MiB; real specs are a few KiB).
+pub const MAX_SPEC_BYTES: usize = 1 << 20;
+/// A file with more invalid UTF-8 sequences than this (or any NUL byte) is not a text spec.
+const MAX_INVALID_UTF8: usize = 8;
+
 /// Parses and checks the spec text `source`, named `name` in diagnostics (usually the file
 /// name); relative corpus paths are resolved against `base_dir`. `Config::name` is the stem of
 /// `name` (`tiny.asteria` → `tiny`).
 ///
 /// # Errors
-/// Every syntax and semantic error of the file, at once.
+/// Every syntax and semantic error of the file, at once (at most
+/// [`diagnostics::MAX_SHOWN_ERRORS`] shown); a single error for text that is no spec at all
+/// (JSON, such as a plan; more than [`MAX_SPEC_BYTES`]).
 pub fn parse_spec(name: &str, source: &str, base_dir: &Path) -> Result<Config, SpecErrors> {
+    if let Some(e) = not_a_spec(name, source) {
+        return Err(SpecErrors::new(name, source.to_string(), vec![e]));
+    }
     let (spec, mut errors) = parser::parse(source);
     if spec.blocks.is_empty() && errors.is_empty() {
         errors.push(
@@ -56,7 +72,8 @@ pub fn parse_spec(name: &str, source: &str, base_dir: &Path) -> Result<Config, S
             ),
         );
     }
-    if !errors.is_empty() && spec.blocks.is_empty() {
+    let stopped = errors.iter().any(|e| e.code == diagnostics::STOPPED);
+    if !errors.is_empty() && (spec.blocks.is_empty() || stopped) {
         return Err(SpecErrors::new(name, source.to_string(), errors));
     }
     let mut checker = check::Checker { errors };
@@ -67,12 +84,19 @@ pub fn parse_spec(name: &str, source: &str, base_dir: &Path) -> Result<Config, S
     }
 }
 
-/// Like [`parse_spec`] for raw bytes: input that is not UTF-8 is reported with the byte offset,
-/// line and column of every invalid sequence.
+/// Like [`parse_spec`] for raw bytes: binary data (a NUL byte, or more than a few invalid
+/// UTF-8 sequences) is one "not a text spec" error; otherwise each invalid sequence is
+/// reported with its byte offset, line and column.
 ///
 /// # Errors
-/// Invalid UTF-8, or every syntax and semantic error of the file.
+/// Binary data, invalid UTF-8, or every syntax and semantic error of the file.
 pub fn parse_spec_bytes(name: &str, bytes: &[u8], base_dir: &Path) -> Result<Config, SpecErrors> {
+    if let Some(e) = not_text(name, bytes) {
+        return Err(SpecErrors::new(name, String::new(), vec![e]));
+    }
+    if bytes.len() > MAX_SPEC_BYTES {
+        return Err(SpecErrors::new(name, String::new(), vec![too_large(name)]));
+    }
     match std::str::from_utf8(bytes) {
         Ok(source) => parse_spec(name, source, base_dir),
         Err(_) => {
@@ -82,16 +106,25 @@ pub fn parse_spec_bytes(name: &str, bytes: &[u8], base_dir: &Path) -> Result<Con
     }
 }
 
-/// Reads the spec file at `path` and parses it with [`parse_spec_bytes`]; corpus paths are
-/// resolved against the file's folder and the diagnostics name the file as given.
+/// Reads the spec file at `path` (at most [`MAX_SPEC_BYTES`] of it) and parses it with
+/// [`parse_spec_bytes`]; corpus paths are resolved against the file's folder and the
+/// diagnostics name the file as given.
 ///
 /// # Errors
-/// The file cannot be read, is empty or not UTF-8, or has syntax or semantic errors.
+/// The file cannot be read, is empty, binary, too large or not UTF-8, or has syntax or semantic
+/// errors.
 pub fn load_spec(path: &Path) -> Result<Config, SpecErrors> {
+    use std::io::Read;
     let name = path.display().to_string();
     let base_dir = path.parent().unwrap_or_else(|| Path::new(""));
-    match std::fs::read(path) {
-        Ok(bytes) => parse_spec_bytes(&name, &bytes, base_dir),
+    let mut bytes = Vec::new();
+    let read = std::fs::File::open(path).and_then(|f| {
+        f.take(MAX_SPEC_BYTES as u64 + 1)
+            .read_to_end(&mut bytes)
+            .map(|_| ())
+    });
+    match read {
+        Ok(()) => parse_spec_bytes(&name, &bytes, base_dir),
         Err(e) => {
             let err = SpecError::new(
                 "spec::unreadable",
@@ -102,6 +135,85 @@ pub fn load_spec(path: &Path) -> Result<Config, SpecErrors> {
             Err(SpecErrors::new(&name, String::new(), vec![err]))
         }
     }
+}
+
+/// The "not a text spec" error for binary `bytes` (a NUL byte, or more than
+/// [`MAX_INVALID_UTF8`] invalid UTF-8 sequences), if they are.
+fn not_text(name: &str, bytes: &[u8]) -> Option<SpecError> {
+    let why = if let Some(at) = bytes.iter().position(|&b| b == 0) {
+        format!("it holds a NUL byte at byte offset {at}")
+    } else {
+        let (mut invalid, mut first, mut offset) = (0usize, 0usize, 0usize);
+        for chunk in bytes.utf8_chunks() {
+            offset += chunk.valid().len();
+            if !chunk.invalid().is_empty() {
+                if invalid == 0 {
+                    first = offset;
+                }
+                invalid += 1;
+            }
+            offset += chunk.invalid().len();
+        }
+        if invalid <= MAX_INVALID_UTF8 {
+            return None;
+        }
+        format!("it holds {invalid} invalid UTF-8 sequences, the first at byte offset {first}")
+    };
+    Some(
+        SpecError::new(
+            "spec::not-text",
+            Span::new(0, 0),
+            format!("`{name}` is not a text spec: {why}"),
+            "binary data",
+        )
+        .with_help(
+            "a spec is a UTF-8 text file such as examples/tiny.asteria; \
+             a compiled plan runs with `asteria run PLAN.json`",
+        ),
+    )
+}
+
+/// The one error for text that is no spec at all: JSON (a compiled plan, or other JSON), or
+/// more than [`MAX_SPEC_BYTES`].
+fn not_a_spec(name: &str, source: &str) -> Option<SpecError> {
+    let body = source.trim_start_matches(|c: char| c.is_whitespace() || c == '\u{feff}');
+    let at = source.len() - body.len();
+    if body.starts_with(['{', '[']) {
+        let span = Span::new(at, at + 1);
+        let plan = body.starts_with('{') && source.contains(&format!("\"{}\"", ir::PLAN_FORMAT));
+        return Some(if plan {
+            SpecError::new(
+                "spec::is-a-plan",
+                span,
+                format!("`{name}` is a compiled asteria plan, not a spec"),
+                "a plan (JSON)",
+            )
+            .with_help(format!("run it with `asteria run {name}`"))
+        } else {
+            SpecError::new(
+                "spec::is-json",
+                span,
+                format!("`{name}` is JSON, not a spec"),
+                "JSON",
+            )
+            .with_help(
+                "a spec is a list of blocks such as `model gpt2 { ... }`; \
+                 see examples/tiny.asteria",
+            )
+        });
+    }
+    (source.len() > MAX_SPEC_BYTES).then(|| too_large(name))
+}
+
+/// "`name` is too large for a spec".
+fn too_large(name: &str) -> SpecError {
+    SpecError::new(
+        "spec::too-large",
+        Span::new(0, 0),
+        format!("`{name}` is too large for a spec: more than {MAX_SPEC_BYTES} bytes (specs are a few KiB)"),
+        "too large",
+    )
+    .with_help("is this the right file? see examples/tiny.asteria")
 }
 
 /// The run name for a spec named `name`: its file stem.

@@ -27,7 +27,11 @@ use crate::lex::{
 const BLOCK_HINT: &str = "a spec is a list of blocks such as `model gpt2 { ... }`, \
                           `optimizer soap { ... }`, `data { ... }`, `train { ... }`";
 
-/// Parses `src` into a syntax tree, recovering from errors; returns the tree and every error.
+/// Parsing stops after this many syntax errors (the input is probably not a spec).
+pub const MAX_SYNTAX_ERRORS: usize = 1000;
+
+/// Parses `src` into a syntax tree, recovering from errors; returns the tree and every error
+/// (parsing stops after [`MAX_SYNTAX_ERRORS`], with an error saying where). Linear time.
 pub fn parse(src: &str) -> (Spec, Vec<SpecError>) {
     let mut errors = Vec::new();
     let mut blocks = Vec::new();
@@ -40,6 +44,10 @@ pub fn parse(src: &str) -> (Spec, Vec<SpecError>) {
         let Some(c) = i.fragment().chars().next() else {
             break;
         };
+        if errors.len() >= MAX_SYNTAX_ERRORS {
+            errors.push(stopped(&i));
+            break;
+        }
         if is_ident_start(c) {
             i = block(i, &mut blocks, &mut errors);
         } else if c == '}' {
@@ -131,6 +139,10 @@ fn block<'a>(i: Input<'a>, blocks: &mut Vec<Block>, errors: &mut Vec<SpecError>)
             blk.broken = true;
             break;
         };
+        if errors.len() >= MAX_SYNTAX_ERRORS {
+            blk.broken = true;
+            break;
+        }
         if c == '}' {
             j = advance(&j, 1);
             break;
@@ -165,6 +177,19 @@ fn block<'a>(i: Input<'a>, blocks: &mut Vec<Block>, errors: &mut Vec<SpecError>)
     }
     blocks.push(blk);
     j
+}
+
+/// "parsing stopped at line L after N syntax errors", at `at`.
+fn stopped(at: &Input) -> SpecError {
+    SpecError::new(
+        crate::diagnostics::STOPPED,
+        Span::new(off(at), off(at)),
+        format!(
+            "parsing stopped at line {} after {MAX_SYNTAX_ERRORS} syntax errors",
+            at.location_line()
+        ),
+        "parsing stopped here",
+    )
 }
 
 fn unterminated_block(blk: &Block, open: Span, at: &Input) -> SpecError {

@@ -108,7 +108,7 @@ fn beta_outside_unit_interval() {
         &src,
         9,
         28,
-        "beta2 (the second of `betas`) must be in [0, 1), found 1",
+        "beta2 (the second of `betas`) = 1 is outside the allowed range [0, 1)",
         None,
     );
 }
@@ -130,7 +130,13 @@ fn betas_not_a_pair() {
 #[test]
 fn lr_not_positive() {
     let src = edit("lr = 1e-3", "lr = 0.0");
-    assert_error(&src, 9, 8, "`lr` must be greater than 0, found 0", None);
+    assert_error(
+        &src,
+        9,
+        8,
+        "`lr` = 0 is outside the allowed range (0, 10]",
+        None,
+    );
 }
 
 #[test]
@@ -140,7 +146,7 @@ fn negative_integer() {
         &src,
         12,
         16,
-        "`batch_size` must be at least 1, found -8",
+        "`batch_size` = -8 is outside the allowed range 1..=65_536",
         None,
     );
 }
@@ -152,7 +158,7 @@ fn val_fraction_out_of_range() {
         &src,
         14,
         18,
-        "`val_fraction` must be in (0, 1), exclusive, found 1",
+        "`val_fraction` = 1 is outside the allowed range (0, 1)",
         None,
     );
 }
@@ -196,9 +202,21 @@ fn llama_head_size_must_be_even() {
 #[test]
 fn zero_layers_and_zero_steps() {
     let src = edit("layers = 2", "layers = 0");
-    assert_error(&src, 5, 12, "`layers` must be at least 1, found 0", None);
+    assert_error(
+        &src,
+        5,
+        12,
+        "`layers` = 0 is outside the allowed range 1..=1024",
+        None,
+    );
     let src = edit("steps = 10", "steps = 0");
-    assert_error(&src, 16, 11, "`steps` must be at least 1, found 0", None);
+    assert_error(
+        &src,
+        16,
+        11,
+        "`steps` = 0 is outside the allowed range 1..=1_000_000_000",
+        None,
+    );
 }
 
 #[test]
@@ -461,7 +479,7 @@ fn grad_clip_zero_suggests_none() {
         &src,
         16,
         27,
-        "`grad_clip` must be greater than 0, found 0",
+        "`grad_clip` = 0 is outside the allowed range (0, 1e6]",
         Some("`grad_clip = none`"),
     );
 }

@@ -204,7 +204,13 @@ fn integer_too_large() {
         None,
     );
     let src = edit("steps = 10", "steps = 99999999999999999999999");
-    assert_error(&src, 16, 11, "`steps` is too large", None);
+    assert_error(
+        &src,
+        16,
+        11,
+        "`steps` = 99999999999999999999999 is outside the allowed range 1..=1_000_000_000",
+        None,
+    );
 }
 
 #[test]

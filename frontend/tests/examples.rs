@@ -164,3 +164,31 @@ fn gpt2_124m() {
         }
     );
 }
+
+/// The README's "Spec keys" table is `schedule::limits::markdown_table()`
+/// (`ASTERIA_BLESS=1` rewrites it).
+#[test]
+fn readme_lists_every_key_with_its_range() {
+    let path = examples_dir().join("../README.md");
+    let readme = std::fs::read_to_string(&path).expect("README.md");
+    let open = "<!-- spec-keys:";
+    let close = "<!-- /spec-keys -->";
+    let start = readme
+        .find(open)
+        .expect("the README has the spec-keys marker");
+    let body = start + readme[start..].find('\n').expect("marker line") + 1;
+    let end = readme
+        .find(close)
+        .expect("the README has the closing marker");
+    let want = ir::limits::markdown_table();
+    if std::env::var_os("ASTERIA_BLESS").is_some() {
+        let text = format!("{}{want}{}", &readme[..body], &readme[end..]);
+        std::fs::write(&path, text).expect("write README.md");
+        return;
+    }
+    assert_eq!(
+        &readme[body..end],
+        want,
+        "README.md's spec-keys table is stale: rerun with ASTERIA_BLESS=1"
+    );
+}

@@ -15,6 +15,7 @@ mod verifier;
 pub use module::{Inst, InstId, Module, ValueData, ValueId};
 pub use op::{InputRole, Op, Section};
 pub use parser::{parse_module, ParseError};
+pub use schedule::{limits, PLAN_FORMAT};
 pub use schedule::{
     AttentionKernel, BufferClass, DType, Eigensolver, Init, Placement, Precision, RefreshPlacement,
     SoapHyper,

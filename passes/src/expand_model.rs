@@ -9,6 +9,7 @@
 //! untied LM head.
 use crate::{Pass, PassContext, PassError};
 use ir::config::{Family, ModelConfig};
+use ir::limits;
 use ir::{BufferClass, Init, InputRole, Module, Op, Section, TensorType, ValueId};
 
 /// The `expand-model` pass.
@@ -74,7 +75,7 @@ impl Pass for ExpandModel {
         }
         let cfg: ModelConfig = module.config.model.clone();
         let (batch, t) = (module.config.data.batch_size, module.config.data.seq_len);
-        check(&cfg, t)?;
+        check(&cfg, batch, t)?;
         let n = batch * t;
         let (v, c, f, l) = (cfg.vocab_size, cfg.d_model, cfg.mlp_hidden, cfg.n_layers);
         let std = cfg.init_std;
@@ -209,13 +210,29 @@ impl Pass for ExpandModel {
     }
 }
 
-fn check(cfg: &ModelConfig, seq_len: usize) -> Result<(), PassError> {
+fn check(cfg: &ModelConfig, batch: usize, seq_len: usize) -> Result<(), PassError> {
     let bad = |m: String| {
         Err(PassError::Invalid {
             pass: "expand-model",
             message: m,
         })
     };
+    // Sizes in their spec ranges (a module parsed from IR text skips the frontend): then every
+    // product below (tokens `batch · seq_len`, `3 · d_model`, `2 · mlp_hidden`) fits 64 bits.
+    for (key, x, range) in [
+        ("vocab", cfg.vocab_size, limits::VOCAB),
+        ("context", cfg.context, limits::CONTEXT),
+        ("d_model", cfg.d_model, limits::D_MODEL),
+        ("layers", cfg.n_layers, limits::LAYERS),
+        ("heads", cfg.n_heads, limits::HEADS),
+        ("mlp_hidden", cfg.mlp_hidden, limits::MLP_HIDDEN),
+        ("batch_size", batch, limits::BATCH_SIZE),
+        ("seq_len", seq_len, limits::SEQ_LEN),
+    ] {
+        if !range.contains_u64(x as u64) {
+            return bad(format!("{key} = {x} is outside the allowed range {range}"));
+        }
+    }
     if cfg.n_heads == 0 || cfg.d_model % cfg.n_heads != 0 {
         return bad(format!(
             "heads ({}) must divide d_model ({})",

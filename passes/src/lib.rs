@@ -6,6 +6,7 @@
 #![deny(missing_docs)]
 
 pub mod autodiff;
+pub mod budget;
 pub mod cost_model;
 pub mod expand_model;
 pub mod expand_optimizer;
@@ -43,6 +44,22 @@ pub enum PassError {
         pass: &'static str,
         /// What is wrong.
         message: String,
+    },
+    /// The module's tensors need more memory than any target holds (see [`budget`]).
+    #[error(
+        "pass `{pass}`: the tensors of this spec need {total} with one place each, more than the \
+         16 TiB any host or device holds (or one tensor has more than 2^40 elements); \
+         the largest: {}; reduce batch_size, seq_len, vocab, d_model, mlp_hidden, layers or \
+         max_precond_dim",
+        largest.join(", ")
+    )]
+    TooLarge {
+        /// The pass after which the ceiling was exceeded.
+        pass: &'static str,
+        /// All tensors together (`16.50 TiB`, or `more than 2^64 bytes`).
+        total: String,
+        /// The largest tensors: `%logits f32[1048576, 1048576] (4.00 TiB)`.
+        largest: Vec<String>,
     },
     /// An unknown pass name was given to `--print-after` / `--print-before`.
     #[error("unknown pass `{name}`; passes are: {}", PassManager::pass_names().join(", "))]

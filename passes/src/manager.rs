@@ -110,6 +110,7 @@ impl PassManager {
                 name: name.to_string(),
             })?;
         pass.run(module, &mut cx)?;
+        crate::budget::check(module, pass.name())?;
         if let Err(errors) = module.verify() {
             return Err(PassError::Verify {
                 pass: name.to_string(),
@@ -143,6 +144,7 @@ impl PassManager {
                 true => "skipped".to_string(),
                 false => pass.run(module, &mut cx)?,
             };
+            crate::budget::check(module, name)?;
             let ms = start.elapsed().as_secs_f64() * 1e3;
             tracing::debug!(pass = name, ms, %summary, "pass done");
             if self.options.verify_each || stop_after == Some(name) || name == "liveness" {

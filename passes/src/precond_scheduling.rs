@@ -213,16 +213,19 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
     // 2. Offsets (S > 0): largest first into the least-loaded step of the period, per place.
     let mut by_size: Vec<usize> = (0..items.len()).collect();
     by_size.sort_by(|&a, &b| items[b].1.cmp(&items[a].1));
-    let (mut host_slots, mut gpu_slots) = (
-        vec![0.0f64; frequency as usize],
-        vec![0.0f64; frequency as usize],
-    );
+    // One slot per step of the period; with n refreshes at most n slots are ever filled and
+    // `least` picks the first least-loaded one, so n slots give the same offsets (and a
+    // period of 10^12 steps allocates nothing).
+    let slots = usize::try_from(frequency)
+        .unwrap_or(usize::MAX)
+        .min(items.len().max(1));
+    let (mut host_slots, mut gpu_slots) = (vec![0.0f64; slots], vec![0.0f64; slots]);
     let mut offsets = vec![0u64; items.len()];
     let threads = desc.host_pool_threads() as f64;
     if staleness > 0 {
         for i in by_size {
             let (host_ms, gpu_ms) = cost(items[i].1);
-            let period = (items[i].2.min(frequency)) as usize;
+            let period = usize::try_from(items[i].2).map_or(slots, |p| p.min(slots));
             let least = |slots: &[f64]| {
                 (0..period)
                     .min_by(|&a, &b| slots[a].total_cmp(&slots[b]))

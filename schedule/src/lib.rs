@@ -16,9 +16,11 @@
 //! live ranges (module [`memory`]); [`Plan::verify`] rejects an unsafe placement.
 #![deny(missing_docs)]
 
+pub mod limits;
 pub mod memory;
 mod op;
 mod options;
+mod ranges;
 mod verify;
 
 pub use memory::{

@@ -59,6 +59,17 @@ pub enum PlanError {
     /// attribute values).
     #[error("{0}")]
     Invalid(String),
+    /// A hyperparameter or setting is outside the range its spec key allows
+    /// ([`crate::limits`]).
+    #[error("{field} = {value} is outside the allowed range {range}")]
+    OutOfRange {
+        /// Where (`optimizer[3] (adam_w): lr`, `train.eval_batches`).
+        field: String,
+        /// The value found.
+        value: String,
+        /// The allowed range (`(0, 10]`, `1..=100_000`).
+        range: String,
+    },
     /// The memory plan is unsafe or inconsistent (a slot outside its arena, a misaligned
     /// offset, a persistent buffer sharing bytes, two live buffers sharing bytes).
     #[error("memory plan: {0}")]
@@ -735,7 +746,8 @@ impl Checker<'_> {
 }
 
 impl Plan {
-    /// Checks the whole plan: format and version, buffer shapes, every operand in range with the
+    /// Checks the whole plan: format and version, buffer shapes, hyperparameters and settings in
+    /// the ranges of their spec keys ([`crate::limits`]), every operand in range with the
     /// dtype and shape its op expects, parameters and gradients paired with equal shapes, the
     /// data inputs and loss buffers, the host tasks, and the memory plan (every buffer inside
     /// its arena at an aligned offset; bytes shared only by step-local buffers whose live
@@ -758,7 +770,7 @@ impl Plan {
             if b.shape
                 .iter()
                 .try_fold(1usize, |a, &d| a.checked_mul(d))
-                .is_none_or(|n| n > (1usize << 40))
+                .is_none_or(|n| n as u64 > crate::limits::MAX_BUFFER_ELEMENTS)
             {
                 return Err(PlanError::Invalid(format!(
                     "buffer {i} `{}` is absurdly large: {:?}",
@@ -778,6 +790,7 @@ impl Plan {
                 )));
             }
         }
+        self.verify_ranges()?;
         let count = self.buffers.len();
         let in_range = |location: &str, operand: &'static str, id: BufferId| {
             if id.index() >= count {

@@ -239,7 +239,9 @@ impl<T: Float + Real> CpuEngine<T> {
     ///
     /// # Errors
     /// [`EngineError::Plan`] when verification fails; [`EngineError::Option`] for a zero
-    /// thread count or failure limit.
+    /// thread count or failure limit, or more than `schedule::limits::MAX_THREADS_PER_CORE`
+    /// threads per core of this machine; [`EngineError::OutOfMemory`] when the buffers need more
+    /// than the host's available memory (checked before anything is allocated).
     pub fn new(plan: Plan, opts: EngineOptions) -> Result<Self, EngineError> {
         plan.verify()?;
         if opts.max_consecutive_refresh_failures == 0 {
@@ -254,6 +256,21 @@ impl<T: Float + Real> CpuEngine<T> {
         let threads = opts.threads.or(target_threads).unwrap_or(0);
         if opts.threads == Some(0) {
             return Err(EngineError::Option("threads must be at least 1".into()));
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let most = schedule::limits::MAX_THREADS_PER_CORE * cores;
+        if threads > most {
+            return Err(EngineError::Option(format!(
+                "plan `{}` asks for {threads} threads; this machine has {cores} cores and more \
+                 than {most} threads ({} per core) only slow each step down; set `threads` \
+                 in the spec's `target cpu` block to at most {most}, or leave it out (all cores)",
+                plan.name,
+                schedule::limits::MAX_THREADS_PER_CORE
+            )));
+        }
+        if let Some(available) = crate::fits::host_available_bytes() {
+            let needed = crate::fits::host_bytes(&plan, std::mem::size_of::<T>());
+            crate::fits::check_fits(&plan, "host memory", needed, available)?;
         }
         let solver = opts.solver(&plan)?;
         let pool = Arc::new(build_pool(threads, "kernel")?);

@@ -11,6 +11,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use ir::config::{Config, DataConfig, ModelConfig, TargetConfig, TokenizerKind};
+use ir::limits;
 
 use crate::ast::{Block, Entry, Span, Spec, ValueKind};
 use crate::check::{Checker, Fields};
@@ -113,9 +114,10 @@ pub fn lower(spec: &Spec, run_name: &str, base_dir: &Path, c: &mut Checker) -> O
 
 /// Checks across blocks: `seq_len ≤ context`, tokenizer vs `vocab`.
 fn cross_check(c: &mut Checker, m: &ModelConfig, mf: &Fields, d: &DataConfig, df: &Fields) {
-    let valid = |e: &Entry| matches!(e.value.kind, ValueKind::Int(n) if n >= 1);
+    // Only keys that were read without error: the config holds defaults for the others.
+    let valid = |e: &Entry, range: limits::IntRange| matches!(e.value.kind, ValueKind::Int(n) if range.contains(n));
     if let (Some(s), Some(ctx)) = (df.get("seq_len"), mf.get("context")) {
-        if valid(s) && valid(ctx) && d.seq_len > m.context {
+        if valid(s, limits::SEQ_LEN) && valid(ctx, limits::CONTEXT) && d.seq_len > m.context {
             c.push(
                 SpecError::new(
                     "spec::seq-len-exceeds-context",
@@ -130,7 +132,7 @@ fn cross_check(c: &mut Checker, m: &ModelConfig, mf: &Fields, d: &DataConfig, df
             );
         }
     }
-    let Some(v) = mf.get("vocab").filter(|v| valid(v)) else {
+    let Some(v) = mf.get("vocab").filter(|v| valid(v, limits::VOCAB)) else {
         return;
     };
     if let Some(t) = df.get("tokenizer") {

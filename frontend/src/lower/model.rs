@@ -5,8 +5,9 @@ use ir::config::{Family, ModelConfig};
 
 use super::{block_name, missing_name};
 use crate::ast::Block;
-use crate::check::{unknown_name, Checker, Fields, Range};
+use crate::check::{unknown_name, Checker, Fields};
 use crate::diagnostics::SpecError;
+use ir::limits;
 
 const FAMILIES: &[&str] = &["gpt2", "llama"];
 const MODEL_KEYS: &[&str] = &[
@@ -53,11 +54,11 @@ pub(crate) fn model<'a>(c: &mut Checker, b: &'a Block) -> (ModelConfig, Fields<'
         (MODEL_KEYS, &[])
     };
     let f = c.fields(b, &block_name(b), allowed, foreign);
-    let vocab = c.uint_req(&f, "vocab", 1);
-    let context = c.uint_req(&f, "context", 1);
-    let d_model = c.uint_req::<usize>(&f, "d_model", 1);
-    let n_layers = c.uint_req(&f, "layers", 1);
-    let n_heads = c.uint_req::<usize>(&f, "heads", 1);
+    let vocab = c.uint_req(&f, "vocab", limits::VOCAB);
+    let context = c.uint_req(&f, "context", limits::CONTEXT);
+    let d_model = c.uint_req::<usize>(&f, "d_model", limits::D_MODEL);
+    let n_layers = c.uint_req(&f, "layers", limits::LAYERS);
+    let n_heads = c.uint_req::<usize>(&f, "heads", limits::HEADS);
     let default_mlp = match (family, d_model) {
         (Some(Family::Llama), Some(d)) => d
             .saturating_mul(8)
@@ -67,7 +68,7 @@ pub(crate) fn model<'a>(c: &mut Checker, b: &'a Block) -> (ModelConfig, Fields<'
         (_, Some(d)) => d.saturating_mul(4),
         (_, None) => 1,
     };
-    let mlp_hidden = c.uint_or(&f, "mlp_hidden", 1, default_mlp);
+    let mlp_hidden = c.uint_or(&f, "mlp_hidden", limits::MLP_HIDDEN, default_mlp);
     if let (Some(d), Some(h), Some(he), Some(de)) =
         (d_model, n_heads, f.get("heads"), f.get("d_model"))
     {
@@ -113,9 +114,9 @@ pub(crate) fn model<'a>(c: &mut Checker, b: &'a Block) -> (ModelConfig, Fields<'
         n_layers: n_layers.unwrap_or(1),
         n_heads: n_heads.unwrap_or(1),
         mlp_hidden,
-        norm_eps: c.float_or(&f, "norm_eps", Range::Positive, 1e-5),
-        init_std: c.float_or(&f, "init_std", Range::Positive, 0.02),
-        rope_theta: c.float_or(&f, "rope_theta", Range::Positive, 10000.0),
+        norm_eps: c.float_or(&f, "norm_eps", limits::NORM_EPS, 1e-5),
+        init_std: c.float_or(&f, "init_std", limits::INIT_STD, 0.02),
+        rope_theta: c.float_or(&f, "rope_theta", limits::ROPE_THETA, 10000.0),
     };
     (config, f)
 }

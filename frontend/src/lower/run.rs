@@ -7,9 +7,10 @@ use ir::config::{CorpusConfig, DataConfig, TargetConfig, TokenizerKind, TrainCon
 
 use super::{block_name, missing_name, no_name, TOKENIZERS};
 use crate::ast::{Block, Value, ValueKind};
-use crate::check::{unknown_name, Checker, Fields, Range};
+use crate::check::{unknown_name, Checker, Fields};
 use crate::diagnostics::SpecError;
 use crate::files::check_corpus_path;
+use ir::limits;
 
 const DATA_KEYS: &[&str] = &[
     "corpus",
@@ -48,9 +49,11 @@ pub(crate) fn data<'a>(c: &mut Checker, b: &'a Block, base_dir: &Path) -> (DataC
         } else {
             TokenizerKind::Gpt2
         },
-        batch_size: c.uint_req(&f, "batch_size", 1).unwrap_or(1),
-        seq_len: c.uint_req(&f, "seq_len", 1).unwrap_or(1),
-        val_fraction: c.float_or(&f, "val_fraction", Range::OpenUnit, 0.1),
+        batch_size: c
+            .uint_req(&f, "batch_size", limits::BATCH_SIZE)
+            .unwrap_or(1),
+        seq_len: c.uint_req(&f, "seq_len", limits::SEQ_LEN).unwrap_or(1),
+        val_fraction: c.float_or(&f, "val_fraction", limits::VAL_FRACTION, 0.1),
     };
     (config, f)
 }
@@ -89,8 +92,8 @@ fn corpus(c: &mut Checker, v: &Value, base_dir: &Path) -> CorpusConfig {
 pub(crate) fn train(c: &mut Checker, b: &Block) -> TrainConfig {
     no_name(c, b);
     let f = c.fields(b, "train", TRAIN_KEYS, &[]);
-    let steps = c.uint_req::<u64>(&f, "steps", 1);
-    let warmup_steps = c.uint_or(&f, "warmup", 0, 0u64);
+    let steps = c.uint_req::<u64>(&f, "steps", limits::STEPS);
+    let warmup_steps = c.uint_or(&f, "warmup", limits::WARMUP, 0u64);
     if let (Some(s), Some(w)) = (steps, f.get("warmup")) {
         if warmup_steps > s {
             c.push(SpecError::new(
@@ -104,7 +107,7 @@ pub(crate) fn train(c: &mut Checker, b: &Block) -> TrainConfig {
     let grad_clip = match f.get("grad_clip") {
         None => Some(1.0),
         Some(e) if e.value.kind == ValueKind::None => None,
-        Some(e) => match c.float_value("grad_clip", &e.value, Range::Positive) {
+        Some(e) => match c.float_value("grad_clip", &e.value, limits::GRAD_CLIP) {
             Some(x) => Some(x),
             None => {
                 if let Some(last) = c.errors.last_mut() {
@@ -117,11 +120,11 @@ pub(crate) fn train(c: &mut Checker, b: &Block) -> TrainConfig {
     TrainConfig {
         steps: steps.unwrap_or(1),
         warmup_steps,
-        min_lr_ratio: c.float_or(&f, "min_lr_ratio", Range::ClosedUnit, 0.1),
+        min_lr_ratio: c.float_or(&f, "min_lr_ratio", limits::MIN_LR_RATIO, 0.1),
         grad_clip,
-        eval_interval: c.uint_or(&f, "eval_interval", 0, 0),
-        eval_batches: c.uint_or(&f, "eval_batches", 1, 4),
-        seed: c.uint_or(&f, "seed", 0, 1337),
+        eval_interval: c.uint_or(&f, "eval_interval", limits::EVAL_INTERVAL, 0),
+        eval_batches: c.uint_or(&f, "eval_batches", limits::EVAL_BATCHES, 4),
+        seed: c.uint_or(&f, "seed", limits::SEED, 1337),
     }
 }
 
@@ -227,14 +230,14 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
         ),
     };
     let f = c.fields(b, &block_name(b), allowed, foreign);
-    let staleness = c.uint_or(&f, "staleness", 0, 0u32);
+    let staleness = c.uint_or(&f, "staleness", limits::STALENESS, 0u32);
     let calibration = f
         .get("calibration")
         .and_then(|e| calibration(c, &e.value, base_dir));
     let eigensolver = named_option(c, &f, "eigensolver", ir::Eigensolver::NAMES);
     match kind? {
         "cuda" => Some(TargetConfig::Cuda {
-            device: c.uint_or(&f, "device", 0, 0),
+            device: c.uint_or(&f, "device", limits::DEVICE, 0),
             staleness,
             calibration,
             precision: match f.get("precision") {
@@ -257,7 +260,9 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
         }),
         _ => {
             let threads = match f.get("threads") {
-                Some(e) if e.value.kind != ValueKind::None => c.uint_value("threads", &e.value, 1),
+                Some(e) if e.value.kind != ValueKind::None => {
+                    c.uint_value("threads", &e.value, limits::THREADS)
+                }
                 _ => None,
             };
             Some(TargetConfig::Cpu {
