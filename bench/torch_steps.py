@@ -6,7 +6,7 @@ torch_baseline.train_steps; the reference SOAP is nikhilvyas/SOAP soap.py (not c
 bench/prepare-gpu puts it in .gpu/.ext, found from bench/ and from .gpu/bench/), frequency 10,
 max_precond_dim 10000 (soap.py's default) unless --mpd N. Random token ids: step time does not
 depend on the text, and the losses are not comparable with asteria's.
-Usage (GPU host, PyTorch with CUDA): python3 torch_steps.py {adamw|soap} STEPS OUT.jsonl [--tf32] [--compile] [--mpd N]
+Usage (GPU host, PyTorch with CUDA): python3 torch_steps.py {adamw|soap} STEPS OUT.jsonl [--tf32] [--compile] [--mpd N] [--model M]
   Writes OUT.jsonl, one line per step; prints the peak GPU memory. ~15 s plus STEPS steps
   (soap at 10000 in fp32: ~0.2 s a step).
   --tf32: torch.backends.cuda.matmul.allow_tf32 = True (fp32 matmuls on TF32 tensor cores, as
@@ -14,7 +14,11 @@ Usage (GPU host, PyTorch with CUDA): python3 torch_steps.py {adamw|soap} STEPS O
   --compile: the model's forward through torch.compile (default mode), as torch_baseline's
           compile row; the compilation happens in the first steps, which summarize.py skips.
   --mpd N: SOAP's max_precond_dim (2048 is the paper's setting: dimensions above it,
-          here the 2304/3072 sides and the vocabulary, stay unrotated)."""
+          here the 2304/3072 sides and the vocabulary, stay unrotated).
+  --model M: gpt2-124m (default, batch 16), gpt-0.9b (d 2048, 16 layers, batch 4), llama-1.4b
+          (d 2048, 24 layers, SwiGLU 5632, batch 4) or llama-6.9b (d 4096, 32 layers, SwiGLU
+          11008, batch 1): the models of bench/specs/*.asteria and bench/h200-scale.sh, built as
+          torch_baseline's `big`, `llama` and `huge` modes build them."""
 import json, os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 for ext in (("..", ".ext"), ("..", ".gpu", ".ext")):
@@ -26,12 +30,23 @@ argv = sys.argv[1:]
 mpd = 10000
 if "--mpd" in argv:
     k = argv.index("--mpd"); mpd = int(argv[k + 1]); del argv[k:k + 2]
+model_name = "gpt2-124m"
+if "--model" in argv:
+    k = argv.index("--model"); model_name = argv[k + 1]; del argv[k:k + 2]
+MODELS = {  # name: (constructor, batch)
+    "gpt2-124m": (lambda: tb.GPT(), 16),
+    "gpt-0.9b": (lambda: tb.GPT(L=16, d=2048, h=16), 4),
+    "llama-1.4b": (lambda: tb.Llama(L=24, d=2048, h=16, m=5632), 4),
+    "llama-6.9b": (lambda: tb.Llama(L=32, d=4096, h=32, m=11008), 1),
+}
+if model_name not in MODELS:
+    sys.exit("torch_steps: unknown --model %s (one of %s)" % (model_name, ", ".join(MODELS)))
 pos = [a for a in argv if not a.startswith("--")]
 opt_name, steps, out = pos[0], int(pos[1]), pos[2]
 torch.backends.cuda.matmul.allow_tf32 = "--tf32" in sys.argv
 dev = tb.dev
 torch.manual_seed(0)
-model = tb.GPT().to(dev)
+model = MODELS[model_name][0]().to(dev)
 if opt_name == "adamw":
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 else:
@@ -39,7 +54,7 @@ else:
     opt = SOAP(model.parameters(), lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01,
                precondition_frequency=10, max_precond_dim=mpd)
 fwd = torch.compile(model) if "--compile" in sys.argv else model
-B, T = 16, 1024
+B, T = MODELS[model_name][1], 1024
 x = torch.randint(0, 50257, (B, T), device=dev); y = torch.randint(0, 50257, (B, T), device=dev)
 torch.cuda.reset_peak_memory_stats()
 with open(out, "w") as f:
@@ -52,7 +67,12 @@ with open(out, "w") as f:
         opt.step(); opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize(); dt = (time.perf_counter() - t) * 1e3
         f.write(json.dumps({"step": i, "loss": loss.item(), "step_ms": dt, "tokens_per_s": B * T / (dt / 1e3)}) + "\n")
+free, total = torch.cuda.mem_get_info()
 print("GPU peak used %.2f GiB" % (torch.cuda.max_memory_allocated() / 2**30))
-print(json.dumps({"what": "torch_steps", "opt": opt_name, "max_precond_dim": mpd, "tf32": torch.backends.cuda.matmul.allow_tf32,
+# What the whole GPU held at the end (context + the caching allocator's reserve), the measure
+# asteria's "GPU peak used" line takes (total - free, sampled).
+print("device used at end %.2f GiB; allocator reserved peak %.2f GiB" % (
+    (total - free) / 2**30, torch.cuda.max_memory_reserved() / 2**30))
+print(json.dumps({"what": "torch_steps", "model": model_name, "opt": opt_name, "max_precond_dim": mpd, "tf32": torch.backends.cuda.matmul.allow_tf32,
                   "compile": "--compile" in sys.argv,
                   "steps": steps, "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2**30}))
