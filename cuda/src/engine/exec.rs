@@ -1,0 +1,534 @@
+//! The op dispatch: [`CudaEngine::exec`] runs one plan op through the launchers of
+//! [`crate::ops`] and [`crate::gemm`], with the bf16 operand helpers it reads GEMM inputs
+//! through (shadow casts, bf16 plan buffers).
+use super::{attn_dims, flash_math, CudaEngine};
+use crate::error::CudaError;
+use crate::gemm::{self, Dims};
+use crate::memory::{Buf, Elem};
+use crate::ops::{attention as at, loss, nn, optim as op};
+use schedule::{BufferId, Op, Precision};
+
+impl CudaEngine {
+    /// The bf16 copy of buffer `id`, cast now unless still fresh.
+    fn shadow(&mut self, id: BufferId) -> Result<Buf, CudaError> {
+        let s = self.shadows[id.index()].clone().ok_or(CudaError::Invalid {
+            op: "mat_mul",
+            what: format!("buffer {id} has no bf16 shadow"),
+        })?;
+        if !self.shadow_fresh[id.index()] {
+            gemm::cast_f32_to_bf16(&self.dev, &self.bufs[id.index()], &s)?;
+            self.shadow_fresh[id.index()] = true;
+            self.shadow_casts += 1;
+        }
+        Ok(s)
+    }
+
+    /// Buffer `id` as a bf16 GEMM operand: a bf16 plan buffer itself, else its shadow.
+    fn gemm_operand(&mut self, id: BufferId) -> Result<Buf, CudaError> {
+        match self.bufs[id.index()].elem() {
+            Elem::BF16 => Ok(self.bufs[id.index()].clone()),
+            _ => self.shadow(id),
+        }
+    }
+
+    /// Whether both operands can be read in bf16 (a bf16 plan buffer or a shadow).
+    fn bf16_operands(&self, a: BufferId, b: BufferId) -> bool {
+        let ok = |id: BufferId| {
+            self.bufs[id.index()].elem() == Elem::BF16 || self.shadows[id.index()].is_some()
+        };
+        self.precision == Precision::Bf16 && ok(a) && ok(b)
+    }
+
+    /// Runs one op; `Ok(Some(norm))` from a `ClipGradNorm`.
+    pub(super) fn exec(&mut self, op: &Op, t: u64, lr_mult: f64) -> Result<Option<f64>, CudaError> {
+        // A written buffer's bf16 shadow is stale (the same read/write classification the
+        // memory planner uses: `schedule::Op::accesses`).
+        for (_, id, access) in op.accesses() {
+            if access.writes() {
+                self.shadow_fresh[id.index()] = false;
+                self.write_gen[id.index()] += 1;
+            }
+        }
+        let dev = &self.dev;
+        let s = &self.scratch;
+        match op {
+            Op::Embedding { table, ids, out } => {
+                let (v, c) = self.dims(*table);
+                nn::embedding_forward(dev, self.b(*table), self.b(*ids), self.b(*out), v, c)?;
+            }
+            Op::EmbeddingBackward { dout, ids, dtable } => {
+                let (v, c) = self.dims(*dtable);
+                nn::embedding_backward(dev, self.b(*dout), self.b(*ids), self.b(*dtable), v, c)?;
+            }
+            Op::AddPositional {
+                x,
+                pos,
+                out,
+                seq_len,
+            } => {
+                let c = self.dims(*x).1;
+                nn::add_positional(dev, self.b(*x), self.b(*pos), self.b(*out), c, *seq_len)?;
+            }
+            Op::AddPositionalBackward {
+                dout,
+                dpos,
+                seq_len,
+            } => {
+                let c = self.dims(*dout).1;
+                nn::add_positional_backward(dev, self.b(*dout), self.b(*dpos), c, *seq_len)?;
+            }
+            Op::LayerNorm {
+                x,
+                weight,
+                bias,
+                out,
+                eps,
+            } if self.b(*out).elem() == Elem::BF16 => {
+                let c = self.dims(*x).1;
+                let bias = bias.map(|b| self.b(b));
+                nn::layernorm_forward_bf16(
+                    dev,
+                    self.b(*x),
+                    self.b(*weight),
+                    bias,
+                    self.b(*out),
+                    c,
+                    *eps,
+                )?;
+            }
+            Op::LayerNorm {
+                x,
+                weight,
+                bias,
+                out,
+                eps,
+            } => {
+                let c = self.dims(*x).1;
+                let bias = bias.map(|b| self.b(b));
+                nn::layernorm_forward(
+                    dev,
+                    self.b(*x),
+                    self.b(*weight),
+                    bias,
+                    self.b(*out),
+                    c,
+                    *eps,
+                )?;
+            }
+            Op::LayerNormBackward {
+                dout,
+                x,
+                weight,
+                dx,
+                dweight,
+                dbias,
+                eps,
+            } => {
+                let c = self.dims(*x).1;
+                let dbias = dbias.map(|b| self.b(b));
+                nn::layernorm_backward(
+                    dev,
+                    self.b(*dout),
+                    self.b(*x),
+                    self.b(*weight),
+                    self.b(*dx),
+                    self.b(*dweight),
+                    dbias,
+                    c,
+                    *eps,
+                    s,
+                )?;
+            }
+            Op::RmsNorm {
+                x,
+                weight,
+                out,
+                eps,
+            } => {
+                let c = self.dims(*x).1;
+                nn::rmsnorm_forward(dev, self.b(*x), self.b(*weight), self.b(*out), c, *eps)?;
+            }
+            Op::RmsNormBackward {
+                dout,
+                x,
+                weight,
+                dx,
+                dweight,
+                eps,
+            } => {
+                let c = self.dims(*x).1;
+                nn::rmsnorm_backward(
+                    dev,
+                    self.b(*dout),
+                    self.b(*x),
+                    self.b(*weight),
+                    self.b(*dx),
+                    self.b(*dweight),
+                    c,
+                    *eps,
+                    s,
+                )?;
+            }
+            Op::MatMul {
+                a,
+                b,
+                out,
+                trans_a,
+                trans_b,
+                accumulate,
+            } => {
+                let (ar, ac) = self.dims(*a);
+                let (br, bc) = self.dims(*b);
+                let (ad, bd) = (Dims::new(ar, ac), Dims::new(br, bc));
+                if self.bf16_operands(*a, *b) {
+                    let (sa, sb) = (self.gemm_operand(*a)?, self.gemm_operand(*b)?);
+                    let out = self.b(*out);
+                    gemm::matmul_bf16(
+                        &self.dev,
+                        &sa,
+                        ad,
+                        &sb,
+                        bd,
+                        out,
+                        *trans_a,
+                        *trans_b,
+                        *accumulate,
+                    )?;
+                } else {
+                    let (a, b, out) = (self.b(*a), self.b(*b), self.b(*out));
+                    gemm::matmul(dev, a, ad, b, bd, out, *trans_a, *trans_b, *accumulate)?;
+                }
+            }
+            Op::MatMulBias {
+                a,
+                b,
+                bias,
+                out,
+                trans_a,
+                trans_b,
+            } => {
+                let (ar, ac) = self.dims(*a);
+                let (br, bc) = self.dims(*b);
+                let (ad, bd) = (Dims::new(ar, ac), Dims::new(br, bc));
+                let bf16 = self.bf16_operands(*a, *b);
+                if bf16 && gemm::has_fused_bias(&self.dev) {
+                    let (sa, sb) = (self.gemm_operand(*a)?, self.gemm_operand(*b)?);
+                    gemm::gemm_bf16_bias(
+                        &self.dev,
+                        &sa,
+                        ad,
+                        &sb,
+                        bd,
+                        self.b(*bias),
+                        self.b(*out),
+                        *trans_a,
+                        *trans_b,
+                    )?;
+                } else {
+                    // The product, then the bias added in place (the unfused pair's math):
+                    // under fp32, or where cuBLASLt did not load.
+                    if bf16 {
+                        let (sa, sb) = (self.gemm_operand(*a)?, self.gemm_operand(*b)?);
+                        gemm::matmul_bf16(
+                            &self.dev,
+                            &sa,
+                            ad,
+                            &sb,
+                            bd,
+                            self.b(*out),
+                            *trans_a,
+                            *trans_b,
+                            false,
+                        )?;
+                    } else {
+                        let (a, b, o) = (self.b(*a), self.b(*b), self.b(*out));
+                        gemm::matmul(dev, a, ad, b, bd, o, *trans_a, *trans_b, false)?;
+                    }
+                    let c = self.dims(*out).1;
+                    let o = self.b(*out);
+                    nn::bias_add(&self.dev, o, self.b(*bias), o, c)?;
+                }
+            }
+            Op::BiasAdd { x, bias, out } => {
+                let c = self.dims(*x).1;
+                nn::bias_add(dev, self.b(*x), self.b(*bias), self.b(*out), c)?;
+            }
+            Op::SumRows { x, out } => {
+                let c = self.dims(*x).1;
+                nn::sum_rows(dev, self.b(*x), self.b(*out), c, s)?;
+            }
+            Op::Add { a, b, out } => nn::add(dev, self.b(*a), self.b(*b), self.b(*out))?,
+            Op::Gelu { x, out } if self.b(*out).elem() == Elem::BF16 => {
+                nn::gelu_forward_bf16(dev, self.b(*x), self.b(*out))?;
+            }
+            Op::Gelu { x, out } => nn::gelu_forward(dev, self.b(*x), self.b(*out))?,
+            Op::GeluBackward { dout, x, dx } => {
+                nn::gelu_backward(dev, self.b(*dout), self.b(*x), self.b(*dx))?
+            }
+            Op::SwiGlu { x, out } => {
+                let f = self.dims(*out).1;
+                nn::swiglu_forward(dev, self.b(*x), self.b(*out), f)?;
+            }
+            Op::SwiGluBackward { dout, x, dx } => {
+                let f = self.dims(*dout).1;
+                nn::swiglu_backward(dev, self.b(*dout), self.b(*x), self.b(*dx), f)?;
+            }
+            Op::Rope {
+                x,
+                out,
+                seq_len,
+                head_dim,
+                rotated_cols,
+                theta,
+            } => {
+                let d = nn::RopeDims {
+                    width: self.dims(*x).1,
+                    seq_len: *seq_len,
+                    head_dim: *head_dim,
+                    rotated_cols: *rotated_cols,
+                    theta: *theta,
+                };
+                nn::rope_forward(dev, self.b(*x), self.b(*out), &d)?;
+            }
+            Op::RopeBackward {
+                dout,
+                dx,
+                seq_len,
+                head_dim,
+                rotated_cols,
+                theta,
+            } => {
+                let d = nn::RopeDims {
+                    width: self.dims(*dout).1,
+                    seq_len: *seq_len,
+                    head_dim: *head_dim,
+                    rotated_cols: *rotated_cols,
+                    theta: *theta,
+                };
+                nn::rope_backward(dev, self.b(*dout), self.b(*dx), &d)?;
+            }
+            Op::Attention {
+                qkv,
+                out,
+                lse,
+                batch,
+                seq_len,
+                n_heads,
+            } => {
+                let d = attn_dims(*batch, *seq_len, *n_heads, self.dims(*qkv).1);
+                let math = flash_math(self.attention, &d, self.precision);
+                let qkv16 = self.saved_qkv.get(qkv).map(|sv| sv.qkv16.clone());
+                match (lse, qkv16, math) {
+                    // A saving forward: lse into its plan buffer, the bf16 qkv into the cache.
+                    (Some(lse), Some(qkv16), Some(at::FlashMath::Bf16)) => {
+                        let sv = at::FlashSaved {
+                            lse: self.b(*lse),
+                            qkv16: &qkv16,
+                        };
+                        at::flash_attention_forward_saving(
+                            dev,
+                            self.b(*qkv),
+                            self.b(*out),
+                            &d,
+                            s,
+                            &sv,
+                        )?;
+                        let gen = self.write_gen[qkv.index()];
+                        if let Some(sv) = self.saved_qkv.get_mut(qkv) {
+                            sv.gen = Some(gen);
+                        }
+                    }
+                    (Some(_), ..) => {
+                        return Err(CudaError::Invalid {
+                            op: "attention",
+                            what: "a saving attention (`lse`) needs the tensor-core kernels".into(),
+                        })
+                    }
+                    (None, _, Some(math)) => {
+                        at::flash_attention_forward(dev, self.b(*qkv), self.b(*out), &d, s, math)?
+                    }
+                    (None, _, None) => {
+                        at::attention_forward(dev, self.b(*qkv), self.b(*out), &d, s)?
+                    }
+                }
+            }
+            Op::AttentionBackward {
+                dout,
+                qkv,
+                fwd_out,
+                lse,
+                dqkv,
+                batch,
+                seq_len,
+                n_heads,
+            } => {
+                let d = attn_dims(*batch, *seq_len, *n_heads, self.dims(*qkv).1);
+                let math = flash_math(self.attention, &d, self.precision);
+                // The forward's bf16 qkv, if made from the qkv these buffers hold now.
+                let qkv16 = self
+                    .saved_qkv
+                    .get(qkv)
+                    .filter(|sv| sv.gen == Some(self.write_gen[qkv.index()]))
+                    .map(|sv| sv.qkv16.clone());
+                let saved = match (fwd_out, lse, qkv16, math) {
+                    (Some(o), Some(l), Some(q16), Some(at::FlashMath::Bf16)) => {
+                        Some((self.gemm_operand(*o)?, *l, q16))
+                    }
+                    _ => None,
+                };
+                let (dev, s) = (&self.dev, &self.scratch);
+                let (g, q, dq) = (self.b(*dout), self.b(*qkv), self.b(*dqkv));
+                if let Some((o16, l, q16)) = saved {
+                    let fs = at::FlashSaved {
+                        lse: self.b(l),
+                        qkv16: &q16,
+                    };
+                    at::flash_attention_backward_saved(dev, g, dq, &d, s, &fs, &o16)?;
+                } else if let Some(math) = math {
+                    at::flash_attention_backward(dev, g, q, dq, &d, s, math)?;
+                } else {
+                    at::attention_backward(dev, g, q, dq, &d, s)?;
+                }
+            }
+            Op::CrossEntropy {
+                logits,
+                targets,
+                loss: l,
+            } => {
+                let v = self.dims(*logits).1;
+                loss::cross_entropy_forward(
+                    dev,
+                    self.b(*logits),
+                    self.b(*targets),
+                    self.b(*l),
+                    v,
+                    s,
+                )?;
+            }
+            Op::CrossEntropyBackward {
+                logits,
+                targets,
+                dlogits,
+            } if self.b(*dlogits).elem() == Elem::BF16 => {
+                let v = self.dims(*logits).1;
+                loss::cross_entropy_backward_bf16(
+                    dev,
+                    self.b(*logits),
+                    self.b(*targets),
+                    self.b(*dlogits),
+                    v,
+                )?;
+            }
+            Op::CrossEntropyBackward {
+                logits,
+                targets,
+                dlogits,
+            } => {
+                let v = self.dims(*logits).1;
+                loss::cross_entropy_backward(
+                    dev,
+                    self.b(*logits),
+                    self.b(*targets),
+                    self.b(*dlogits),
+                    v,
+                )?;
+            }
+            Op::ClipGradNorm {
+                grads,
+                norm,
+                max_norm,
+            } => {
+                let gs: Vec<&Buf> = grads.iter().map(|g| self.b(*g)).collect();
+                loss::clip_grad_norm(dev, &gs, self.b(*norm), *max_norm, s)?;
+                let v = dev.download::<f32>(self.b(*norm))?;
+                return Ok(Some(v.first().map_or(f64::NAN, |&x| f64::from(x))));
+            }
+            Op::AdamW {
+                param,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
+                let st = op::AdamWStep {
+                    t,
+                    lr: lr * lr_mult,
+                    beta1: *beta1,
+                    beta2: *beta2,
+                    eps: *eps,
+                    weight_decay: *weight_decay,
+                };
+                op::adamw(
+                    dev,
+                    &st,
+                    self.b(*param),
+                    self.b(*grad),
+                    self.b(*exp_avg),
+                    self.b(*exp_avg_sq),
+                )?;
+            }
+            Op::SoapUpdate {
+                param,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                basis_left,
+                basis_right,
+                hyper,
+            } => {
+                let (m, n) = self.dims(*param);
+                let proj = CudaEngine::soap_projections(self.precision);
+                let mut cached = [None, None];
+                if proj == op::SoapProjections::Bf16 {
+                    for (slot, q) in cached.iter_mut().zip([basis_left, basis_right]) {
+                        if let Some(q) = q.filter(|q| self.shadows[q.index()].is_some()) {
+                            *slot = Some(self.shadow(q)?);
+                        }
+                    }
+                }
+                let (dev, s) = (&self.dev, &self.scratch);
+                op::soap_update(
+                    dev,
+                    t,
+                    hyper.lr * lr_mult,
+                    hyper,
+                    self.b(*param),
+                    self.b(*grad),
+                    self.b(*exp_avg),
+                    self.b(*exp_avg_sq),
+                    basis_left.map(|q| self.b(q)),
+                    basis_right.map(|q| self.b(q)),
+                    m,
+                    n,
+                    s,
+                    proj,
+                    [cached[0].as_ref(), cached[1].as_ref()],
+                )?;
+            }
+            Op::SoapFactorUpdate {
+                grad,
+                factor_left,
+                factor_right,
+                shampoo_beta,
+            } => {
+                let (m, n) = self.dims(*grad);
+                op::soap_factor_update(
+                    dev,
+                    self.b(*grad),
+                    factor_left.map(|f| self.b(f)),
+                    factor_right.map(|f| self.b(f)),
+                    m,
+                    n,
+                    *shampoo_beta,
+                    s,
+                    CudaEngine::soap_projections(self.precision),
+                )?;
+            }
+        }
+        Ok(None)
+    }
+}
