@@ -7,10 +7,13 @@
 //! `slots[i].offset` bytes from the start of arena `slots[i].arena`. Offsets are multiples of
 //! [`ARENA_ALIGN`] (256 bytes, the CUDA arena's alignment).
 //! - [`ArenaKind::Persistent`]: buffers whose contents matter outside one op range of one step
-//!   (parameters, gradients, optimizer state, data inputs, the loss, anything a host task or the
-//!   host touches, anything read before it is written). One place per buffer: no two buffers
-//!   of this arena overlap.
-//! - [`ArenaKind::Activations`]: step-local buffers ([`Residency::Transient`]). Two of them may
+//!   (parameters, optimizer state, data inputs, the loss, anything a host task or the host
+//!   touches, anything read before it is written). One place per buffer: no two buffers of this
+//!   arena overlap.
+//! - [`ArenaKind::Activations`]: step-local buffers ([`Residency::Transient`]): activations and
+//!   gradients, which live from the backward op that first writes them to the optimizer op that
+//!   last reads them, so a layer's gradients take the bytes its activations free during the
+//!   backward pass (as PyTorch's `zero_grad(set_to_none=True)` does, planned). Two of them may
 //!   overlap in bytes only when their live ranges are disjoint. The contents of such a buffer
 //!   are defined only inside its live range: read outside it (e.g. downloaded by the host after
 //!   the step) it holds whatever a later buffer wrote there.
@@ -25,10 +28,10 @@
 //! # Which buffers are step-local
 //! A buffer is transient ([`Plan::residency`]) only when all of these hold; otherwise it is
 //! persistent and gets a [`PersistReason`]:
-//! 1. its class is [`BufferClass::Activation`] (parameters, gradients, optimizer state,
-//!    inputs and scalars persist);
-//! 2. the plan does not name it as `loss`, a data input, a parameter or gradient, or an operand
-//!    of a host task (those are read or written by the host between programs);
+//! 1. its class is [`BufferClass::Activation`] or [`BufferClass::Gradient`] (parameters,
+//!    optimizer state, inputs and scalars persist);
+//! 2. the plan does not name it as `loss`, a data input, a parameter, or an operand of a host
+//!    task (those are read or written by the host between programs);
 //! 3. some op touches it, and the first op that does (in step order) only writes it — no read
 //!    and no read-modify-write such as `MatMul { accumulate: true }` or the in-place optimizer
 //!    updates.
@@ -265,8 +268,6 @@ pub enum PersistReason {
     DataInput,
     /// A trainable parameter.
     Parameter,
-    /// A parameter's gradient (read by the optimizer program and by gradient checks).
-    Gradient,
     /// An operand of a host task (refreshes read and write it between steps).
     HostTask,
     /// A class that lives across steps or is read by the host (anything but activations).
@@ -288,7 +289,6 @@ impl PersistReason {
             PersistReason::Loss => "the loss".into(),
             PersistReason::DataInput => "a data input".into(),
             PersistReason::Parameter => "a parameter".into(),
-            PersistReason::Gradient => "a gradient".into(),
             PersistReason::HostTask => "a host-task operand".into(),
             PersistReason::Class(c) => {
                 let name = serde_json::to_value(c)
@@ -402,7 +402,6 @@ impl Plan {
         mark(self.data.targets, PersistReason::DataInput);
         for p in &self.params {
             mark(p.param, PersistReason::Parameter);
-            mark(p.grad, PersistReason::Gradient);
         }
         for t in &self.host_tasks {
             for (_, id) in t.operands() {
@@ -415,7 +414,7 @@ impl Plan {
                     return Residency::Persistent(why);
                 }
                 let class = self.buffers[i].class;
-                if class != BufferClass::Activation {
+                if !matches!(class, BufferClass::Activation | BufferClass::Gradient) {
                     return Residency::Persistent(PersistReason::Class(class));
                 }
                 match first[i] {
@@ -783,7 +782,7 @@ pub(crate) mod tests {
         use PersistReason as W;
         assert_eq!(r[0], Residency::Persistent(W::DataInput));
         assert_eq!(r[2], Residency::Persistent(W::Parameter));
-        assert_eq!(r[3], Residency::Persistent(W::Gradient));
+        assert_eq!(r[3], t(4, 5), "grad.wte: weight-gradient matmul .. AdamW");
         assert_eq!(r[4], t(0, 4), "x: embedding .. weight-gradient matmul");
         assert_eq!(r[5], t(1, 3), "logits: head .. cross-entropy backward");
         assert_eq!(r[6], Residency::Persistent(W::Loss));
@@ -793,7 +792,8 @@ pub(crate) mod tests {
         assert_eq!(p.step_position(3), "backward[0]");
         assert_eq!(p.step_position(5), "optimizer[0]");
         assert_eq!(p.step_position_of("backward", 1), 4);
-        // Peak: x + logits + d.logits at backward[0] = 16 + 24 + 24 bytes.
+        // Peak: x + logits + d.logits at backward[0] = 16 + 24 + 24 bytes (and x + d.logits +
+        // grad.wte at backward[1]).
         assert_eq!(p.peak_live_bytes(&r), 64);
     }
 
