@@ -225,6 +225,10 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 b: arg(1)?,
                 out: res(0)?,
             },
+            Op::Cast => P::Cast {
+                x: arg(0)?,
+                out: res(0)?,
+            },
             Op::Gelu => P::Gelu {
                 x: arg(0)?,
                 out: res(0)?,

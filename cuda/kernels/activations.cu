@@ -56,6 +56,18 @@ extern "C" __global__ void swiglu_forward(const float* __restrict__ x, float* __
     }
 }
 
+// swiglu_forward with a bf16 output (round to nearest even), for an output only bf16 GEMMs read.
+extern "C" __global__ void swiglu_forward_bf16(const float* __restrict__ x, __nv_bfloat16* __restrict__ out,
+                                               long long total, int f) {
+    for (long long i = gtid(); i < total; i += gstride()) {
+        const long long r = i / f;
+        const int k = (int)(i - r * f);
+        const float g = x[r * 2 * f + k];
+        const float u = x[r * 2 * f + f + k];
+        out[i] = __float2bfloat16_rn(g * sigmoidf_(g) * u);
+    }
+}
+
 // dgate = dout * up * s (1 + g (1 - s)), dup = dout * g * s with s = sigmoid(g).
 extern "C" __global__ void swiglu_backward(const float* __restrict__ dout, const float* __restrict__ x,
                                            float* __restrict__ dx, long long total, int f) {

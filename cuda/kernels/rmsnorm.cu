@@ -1,3 +1,5 @@
+#include <cuda_bf16.h>
+
 // RMSNorm over the last dim (plan ops `RmsNorm`, `RmsNormBackward`; Zhang & Sennrich 2019).
 // x/out/dout/dx [n, c], weight/dweight [c]; r = 1/sqrt(mean(x^2) + eps).
 
@@ -16,6 +18,17 @@ extern "C" __global__ void rmsnorm_forward(const float* __restrict__ x, const fl
     float* o = out + (long long)row * c;
     const float r = rms_rinv(xr, c, eps);
     for (int j = threadIdx.x; j < c; j += blockDim.x) o[j] = xr[j] * r * weight[j];
+}
+
+// rmsnorm_forward with a bf16 output (round to nearest even), for an output only bf16 GEMMs read.
+extern "C" __global__ void rmsnorm_forward_bf16(const float* __restrict__ x, const float* __restrict__ weight,
+                                                __nv_bfloat16* __restrict__ out, int n, int c, float eps) {
+    const int row = blockIdx.x;
+    if (row >= n) return;
+    const float* xr = x + (long long)row * c;
+    __nv_bfloat16* o = out + (long long)row * c;
+    const float r = rms_rinv(xr, c, eps);
+    for (int j = threadIdx.x; j < c; j += blockDim.x) o[j] = __float2bfloat16_rn(xr[j] * r * weight[j]);
 }
 
 // dx = r*g - r^3 * x * mean(g * x), g = dout * weight. Writes r to rinv[row].

@@ -62,6 +62,7 @@ pub const FAMILIES: &[Family] = &[
         "rmsnorm",
         [
             "rmsnorm_forward",
+            "rmsnorm_forward_bf16",
             "rmsnorm_backward_dx",
             "rmsnorm_backward_weight"
         ]
@@ -73,6 +74,7 @@ pub const FAMILIES: &[Family] = &[
             "gelu_forward_bf16",
             "gelu_backward",
             "swiglu_forward",
+            "swiglu_forward_bf16",
             "swiglu_backward"
         ]
     ),

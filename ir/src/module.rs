@@ -117,6 +117,29 @@ impl Module {
         (inst, ids)
     }
 
+    /// Inserts a single-result instruction into the layout just before instruction `before`
+    /// (same rules as [`Module::push`]; `fuse`'s `bf16-cast` puts a `cast` before the GEMM that
+    /// first reads its result). Returns the value.
+    pub fn insert1_before(
+        &mut self,
+        before: InstId,
+        section: Section,
+        op: Op,
+        args: &[ValueId],
+        name: &str,
+        ty: TensorType,
+    ) -> ValueId {
+        let (inst, r) = self.push(section, op, args, vec![(name.to_string(), ty)]);
+        self.layout.pop();
+        let at = self
+            .layout
+            .iter()
+            .position(|&i| i == before)
+            .unwrap_or(self.layout.len());
+        self.layout.insert(at, inst);
+        r[0]
+    }
+
     /// Appends a single-result instruction and returns its value.
     pub fn push1(
         &mut self,

@@ -126,6 +126,9 @@ pub enum Op {
     SumRows,
     /// args `[a, b]` (same type) → same type.
     Add,
+    /// args `[x]` (f32) → the same shape in the result's dtype (bf16): `x` rounded to nearest,
+    /// ties to even. Inserted by `fuse` (`bf16-cast`) for GEMM operands under bf16.
+    Cast,
     /// args `[x]` → same type (tanh approximation).
     Gelu,
     /// args `[dout, x]` → dx.
@@ -254,6 +257,7 @@ impl Op {
             Op::BiasAdd => "bias_add",
             Op::SumRows => "sum_rows",
             Op::Add => "add",
+            Op::Cast => "cast",
             Op::Gelu => "gelu",
             Op::GeluBackward => "gelu_backward",
             Op::SwiGlu => "swi_glu",

@@ -195,6 +195,7 @@ pub(crate) fn attrs(op: &Op) -> Vec<(&'static str, Attr)> {
         | Op::BiasAdd
         | Op::SumRows
         | Op::Add
+        | Op::Cast
         | Op::Gelu
         | Op::GeluBackward
         | Op::SwiGlu

@@ -1,7 +1,7 @@
 //! `fuse`: rewrites the IR into the fused ops the engines execute, so that an engine runs what
 //! the plan says and plans no fusion of its own (everything is visible with
 //! `--print-after fuse`). Runs after `expand-optimizer`, before `liveness` (memory is planned
-//! for the fused program). Two rules:
+//! for the fused program). Four rules:
 //!
 //! - **`bias-epilogue`** (an egg rewrite, every target):
 //!   `(bias_add (mat_mul ?ta ?tb ?a ?b) ?bias) → (mat_mul_bias ?ta ?tb ?a ?b ?bias)`.
@@ -23,7 +23,8 @@
 //!   backward reads `fwd_out` and `lse` instead of rerunning the forward's score pass; the
 //!   memory plan keeps both alive until the backward.
 //! - **`bf16-output`** (an analysis, CUDA with `precision = bf16` only): the output of a
-//!   `layer_norm` (rows of at most `schedule::BF16_LAYERNORM_MAX_C`), `gelu`, `attention`
+//!   `layer_norm` (rows of at most `schedule::BF16_LAYERNORM_MAX_C`), `rms_norm`, `gelu`,
+//!   `swi_glu`, `attention`
 //!   (heads of at most `schedule::BF16_ATTENTION_MAX_HEAD_DIM`, the tensor-core kernels) or
 //!   `cross_entropy_backward` whose every reader reads it as a GEMM operand (`a` / `b` of
 //!   `mat_mul` / `mat_mul_bias`, which read bf16 under that precision anyway) or as the saved
@@ -31,6 +32,15 @@
 //!   the producer writes bf16 directly, the buffer takes half the bytes and no f32 copy exists.
 //!   It is not an e-graph rewrite: it changes a value's type on a condition over *all* of its
 //!   readers, which a term rewrite (local by nature) cannot see.
+//! - **`bf16-cast`** (CUDA with `precision = bf16` only, after `bf16-output`): every value
+//!   still f32 that a GEMM reads as `a` / `b` (weights, f32 activations, activation gradients)
+//!   gets a `cast` to a bf16 value, inserted just before its first GEMM reader in each section
+//!   (forward, backward); those GEMMs read the cast. The bf16 copies are plan buffers like any
+//!   other, step-local and placed by the memory planner — a weight's copy lives from its cast to
+//!   its last GEMM in that section, not across the step — so no engine keeps copies of its
+//!   own, and the plan shows every rounding. A weight is cast twice per step (forward and
+//!   backward): a read of its f32 bytes and a write of half as many, against keeping a copy
+//!   alive from the forward to the backward (what PyTorch's autocast does).
 //!
 //! The e-graph language [`Dataflow`] holds only the ops the rewrite rules mention; every
 //! other value is an opaque leaf `%name`. The runner has explicit iteration, node and time
@@ -93,6 +103,8 @@ pub struct FuseReport {
     pub attention_saved: Vec<(String, String)>,
     /// Values made bf16 by `bf16-output`, with their producer op.
     pub bf16_outputs: Vec<(String, &'static str)>,
+    /// `bf16-cast`: `(f32 value, its bf16 cast, section)`.
+    pub bf16_casts: Vec<(String, String, &'static str)>,
     /// Why the e-graph runner stopped (`Saturated` normally).
     pub stop_reason: Option<String>,
 }
@@ -333,7 +345,7 @@ impl Fuse {
                                         && w / 3 / n_heads <= schedule::BF16_ATTENTION_MAX_HEAD_DIM
                                 })
                     }
-                    Op::Gelu | Op::CrossEntropyBackward => true,
+                    Op::Gelu | Op::SwiGlu | Op::RmsNorm { .. } | Op::CrossEntropyBackward => true,
                     _ => false,
                 };
                 let Some(&out) = inst.results.first().filter(|_| fits) else {
@@ -362,6 +374,53 @@ impl Fuse {
             self.report.bf16_outputs.push((m.display_value(v), op));
         }
     }
+
+    /// `bf16-cast`: a bf16 `cast` of every f32 GEMM operand, once per section, before its first
+    /// GEMM reader there (see the module docs).
+    fn bf16_casts(&mut self, m: &mut Module, target: FuseTarget) {
+        if !target.bf16_gemms {
+            return;
+        }
+        for (section, label) in [(Section::Forward, "forward"), (Section::Backward, "backward")] {
+            let gemms: Vec<ir::InstId> = m
+                .section(section)
+                .filter(|&i| matches!(m.inst(i).op, Op::MatMul { .. } | Op::MatMulBias { .. }))
+                .collect();
+            let mut casts: HashMap<ValueId, ValueId> = HashMap::new();
+            for g in gemms {
+                let inst = m.inst(g).clone();
+                let mut args = inst.args.clone();
+                for arg in args.iter_mut().take(2) {
+                    let v = m.value(*arg);
+                    if v.ty.dtype != DType::F32 {
+                        continue;
+                    }
+                    let cast = match casts.get(arg) {
+                        Some(&c) => c,
+                        None => {
+                            let ty = ir::TensorType {
+                                dtype: DType::Bf16,
+                                shape: v.ty.shape.clone(),
+                            };
+                            let hint = format!("{}.bf16", v.name);
+                            let c = m.insert1_before(g, section, Op::Cast, &[*arg], &hint, ty);
+                            self.report.bf16_casts.push((
+                                m.display_value(*arg),
+                                m.display_value(c),
+                                label,
+                            ));
+                            casts.insert(*arg, c);
+                            c
+                        }
+                    };
+                    *arg = cast;
+                }
+                if args != inst.args {
+                    m.replace_inst(g, inst.op.clone(), &args);
+                }
+            }
+        }
+    }
 }
 
 impl Pass for Fuse {
@@ -380,13 +439,15 @@ impl Pass for Fuse {
         };
         self.rewrite(module, target)?;
         self.bf16_outputs(module, target);
+        self.bf16_casts(module, target);
         let r = &self.report;
         Ok(format!(
-            "{} bias epilogues ({} blocked), {} saved attention statistics, {} bf16 outputs",
+            "{} bias epilogues ({} blocked), {} saved attention statistics, {} bf16 outputs, {} bf16 casts",
             r.bias_epilogues.len(),
             r.blocked.len(),
             r.attention_saved.len(),
-            r.bf16_outputs.len()
+            r.bf16_outputs.len(),
+            r.bf16_casts.len()
         ))
     }
 
@@ -417,6 +478,9 @@ impl Pass for Fuse {
         }
         for (value, op) in &r.bf16_outputs {
             s.push_str(&format!("; bf16-output: {value} ({op})\n"));
+        }
+        for (value, cast, section) in &r.bf16_casts {
+            s.push_str(&format!("; bf16-cast: {cast} = cast {value} ({section})\n"));
         }
         Some(s)
     }

@@ -154,13 +154,27 @@ fn gpt2_124m_lowers_to_fused_ops_and_bf16_buffers() {
     assert_eq!(count(&plan, "bias_add"), 0);
     assert_eq!(count(&unfused, "bias_add"), 48);
     assert_eq!(count(&unfused, "mat_mul_bias"), 0);
-    // 48 products fewer, 12 attention statistics more.
-    assert_eq!(plan.buffers.len() + 48 - 12, unfused.buffers.len());
+    // 48 products fewer, 12 attention statistics more, one buffer per bf16 cast more.
+    let casts = count(&plan, "cast");
+    assert_eq!(plan.buffers.len() + 48 - 12 - casts, unfused.buffers.len());
+    let cast_outs: Vec<schedule::BufferId> = plan
+        .forward
+        .iter()
+        .chain(&plan.backward)
+        .filter_map(|o| match o {
+            schedule::Op::Cast { out, .. } => Some(*out),
+            _ => None,
+        })
+        .collect();
     let bf16: Vec<&str> = plan
         .buffers
         .iter()
-        .filter(|b| b.dtype == schedule::DType::Bf16)
-        .map(|b| b.name.as_str())
+        .enumerate()
+        .filter(|(i, b)| {
+            b.dtype == schedule::DType::Bf16
+                && !cast_outs.contains(&schedule::BufferId(*i as u32))
+        })
+        .map(|(_, b)| b.name.as_str())
         .collect();
     // Per block ln_1, ln_2, attn, gelu; plus ln_f and the LM head's dlogits.
     assert_eq!(bf16.len(), 12 * 4 + 2, "{bf16:?}");
@@ -185,12 +199,87 @@ fn gpt2_124m_lowers_to_fused_ops_and_bf16_buffers() {
         !bf16.iter().any(|n| n.ends_with(".fc")),
         "gelu_backward reads fc"
     );
+    assert_gemm_operands_bf16(&plan);
+    // bf16-cast: the 49 GEMM weights (4 per block and the tied LM head) are cast once in the
+    // forward and once in the backward; f32 activation gradients read by GEMMs add more.
+    let weight_casts = |section: &[schedule::Op]| {
+        section
+            .iter()
+            .filter(|o| match o {
+                schedule::Op::Cast { x, .. } => {
+                    plan.buffer(*x).class == schedule::BufferClass::Parameter
+                }
+                _ => false,
+            })
+            .count()
+    };
+    assert_eq!(weight_casts(&plan.forward), 49);
+    assert_eq!(weight_casts(&plan.backward), 49);
+    assert!(casts > 98, "{casts} casts");
     assert!(
         plan.memory.total_bytes() < unfused.memory.total_bytes(),
         "fused {} vs unfused {} bytes",
         plan.memory.total_bytes(),
         unfused.memory.total_bytes()
     );
+}
+
+/// Every GEMM of the forward and backward reads two bf16 plan buffers.
+fn assert_gemm_operands_bf16(plan: &schedule::Plan) {
+    for o in plan.forward.iter().chain(&plan.backward) {
+        if let schedule::Op::MatMul { a, b, .. } | schedule::Op::MatMulBias { a, b, .. } = o {
+            for id in [a, b] {
+                assert_eq!(
+                    plan.buffer(*id).dtype,
+                    schedule::DType::Bf16,
+                    "{} reads f32 `{}`",
+                    o.name(),
+                    plan.buffer(*id).name
+                );
+            }
+        }
+    }
+}
+
+/// LLaMA on the GPU in bf16: RMSNorm and SwiGLU outputs that only GEMMs read are written in
+/// bf16, every GEMM operand is bf16, and the casts are step-local buffers of the memory plan.
+#[test]
+fn llama_under_bf16_writes_norm_and_swiglu_outputs_in_bf16() {
+    let dir = std::env::temp_dir().join(format!("asteria-fuse-llama-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let src = std::fs::read_to_string(
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/tiny-llama-soap.asteria"),
+    )
+    .expect("example");
+    let spec = dir.join("llama-bf16.asteria");
+    std::fs::write(
+        &spec,
+        src.replace("target cpu { }", "target cuda {\n  precision = bf16\n}"),
+    )
+    .expect("write spec");
+    let (_, plan) = compile(spec.to_str().expect("utf-8 path"), false);
+    std::fs::remove_dir_all(&dir).ok();
+    assert_gemm_operands_bf16(&plan);
+    let bf16_of = |op: &str| {
+        plan.forward
+            .iter()
+            .filter(|o| o.name() == op)
+            .filter(|o| {
+                o.operands()
+                    .iter()
+                    .any(|&(n, id)| n == "out" && plan.buffer(id).dtype == schedule::DType::Bf16)
+            })
+            .count()
+    };
+    // 2 blocks × 2 norms + the final norm; 2 SwiGLUs.
+    assert_eq!(bf16_of("rms_norm"), 5);
+    assert_eq!(bf16_of("swi_glu"), 2);
+    let res = plan.residency();
+    for o in plan.forward.iter().chain(&plan.backward) {
+        if let schedule::Op::Cast { out, .. } = o {
+            assert!(res[out.index()].live_range().is_some(), "casts are step-local");
+        }
+    }
 }
 
 #[test]

@@ -18,18 +18,20 @@ pub const BF16_ATTENTION_MAX_HEAD_DIM: usize = 64;
 /// `b` of `mat_mul` / `mat_mul_bias` (read directly by bf16 tensor-core GEMMs), and as the
 /// outputs of the producers that can write bf16 directly — `layer_norm.out` (rows of at most
 /// [`BF16_LAYERNORM_MAX_C`]), `gelu.out`, `attention.out` (heads of at most
-/// [`BF16_ATTENTION_MAX_HEAD_DIM`]) and `cross_entropy_backward.dlogits` — and the saved
-/// forward output `attention_backward.fwd_out` the tensor-core backward reads. Everything
-/// else is f32.
+/// [`BF16_ATTENTION_MAX_HEAD_DIM`]), `rms_norm.out`, `swi_glu.out` and
+/// `cross_entropy_backward.dlogits` — and the saved
+/// forward output `attention_backward.fwd_out` the tensor-core backward reads; `cast.out` is
+/// always bf16 (its `x` f32). Everything else is f32.
 pub fn operand_dtypes(op: &str, operand: &str) -> &'static [DType] {
     const F32: &[DType] = &[DType::F32];
     const EITHER: &[DType] = &[DType::F32, DType::Bf16];
     match (op, operand) {
         (_, "ids" | "targets") => &[DType::I32],
         ("mat_mul" | "mat_mul_bias", "a" | "b") => EITHER,
-        ("layer_norm" | "gelu" | "attention", "out") => EITHER,
+        ("layer_norm" | "rms_norm" | "gelu" | "swi_glu" | "attention", "out") => EITHER,
         ("attention_backward", "fwd_out") => EITHER,
         ("cross_entropy_backward", "dlogits") => EITHER,
+        ("cast", "out") => &[DType::Bf16],
         _ => F32,
     }
 }
@@ -157,6 +159,10 @@ pub enum Op {
         b: BufferId,
         out: BufferId,
     },
+    /// `out = bf16(x)`: x f32, out bf16, same shape; round to nearest, ties to even
+    /// ([`crate::round_to_bf16`]). The `fuse` pass's `bf16-cast` inserts it for the f32 operands
+    /// of bf16 GEMMs (weights, f32 activations and gradients).
+    Cast { x: BufferId, out: BufferId },
     /// GELU, tanh approximation (GPT-2). Same shapes.
     Gelu { x: BufferId, out: BufferId },
     /// `dx = dout · gelu'(x)`.

@@ -93,6 +93,7 @@ impl Op {
             Op::BiasAdd { .. } => "bias_add",
             Op::SumRows { .. } => "sum_rows",
             Op::Add { .. } => "add",
+            Op::Cast { .. } => "cast",
             Op::Gelu { .. } => "gelu",
             Op::GeluBackward { .. } => "gelu_backward",
             Op::SwiGlu { .. } => "swi_glu",
@@ -183,7 +184,9 @@ impl Op {
             Op::BiasAdd { x, bias, out } => v.extend([("x", *x), ("bias", *bias), ("out", *out)]),
             Op::SumRows { x, out } => v.extend([("x", *x), ("out", *out)]),
             Op::Add { a, b, out } => v.extend([("a", *a), ("b", *b), ("out", *out)]),
-            Op::Gelu { x, out } | Op::SwiGlu { x, out } => v.extend([("x", *x), ("out", *out)]),
+            Op::Cast { x, out } | Op::Gelu { x, out } | Op::SwiGlu { x, out } => {
+                v.extend([("x", *x), ("out", *out)])
+            }
             Op::GeluBackward { dout, x, dx } | Op::SwiGluBackward { dout, x, dx } => {
                 v.extend([("dout", *dout), ("x", *x), ("dx", *dx)])
             }
@@ -489,6 +492,14 @@ impl Checker<'_> {
                     ));
                 }
                 self.dims("out", *out, &[m, p])?;
+                let (da, db) = (self.plan.buffer(*a).dtype, self.plan.buffer(*b).dtype);
+                if da != db {
+                    return Err(self.fail(
+                        "b",
+                        *b,
+                        format!("is {db:?} but a is {da:?}: GEMM operands share one dtype"),
+                    ));
+                }
                 if let Op::MatMulBias { bias, .. } = op {
                     self.dims("bias", *bias, &[p])?;
                 }
@@ -506,7 +517,7 @@ impl Checker<'_> {
                 self.same(("a", *a), ("b", *b))?;
                 self.same(("a", *a), ("out", *out))?;
             }
-            Op::Gelu { x, out } => self.same(("x", *x), ("out", *out))?,
+            Op::Cast { x, out } | Op::Gelu { x, out } => self.same(("x", *x), ("out", *out))?,
             Op::GeluBackward { dout, x, dx } => {
                 self.same(("x", *x), ("dout", *dout))?;
                 self.same(("x", *x), ("dx", *dx))?;

@@ -1,12 +1,12 @@
 //! The op dispatch: [`CudaEngine::exec`] runs one plan op through the launchers of
 //! [`crate::ops`] and [`crate::gemm`], with the bf16 operand helpers it reads GEMM inputs
-//! through (shadow casts, bf16 plan buffers).
+//! through (bf16 plan buffers; SOAP's eigenbasis shadows).
 use super::{attn_dims, flash_math, CudaEngine};
 use crate::error::CudaError;
 use crate::gemm::{self, Dims};
 use crate::memory::{Buf, Elem};
 use crate::ops::{attention as at, loss, nn, optim as op};
-use schedule::{BufferId, Op, Precision};
+use schedule::{BufferId, Op};
 
 impl CudaEngine {
     /// The bf16 copy of buffer `id`, cast now unless still fresh.
@@ -23,20 +23,30 @@ impl CudaEngine {
         Ok(s)
     }
 
-    /// Buffer `id` as a bf16 GEMM operand: a bf16 plan buffer itself, else its shadow.
-    fn gemm_operand(&mut self, id: BufferId) -> Result<Buf, CudaError> {
+    /// Buffer `id` as a bf16 GEMM operand: a bf16 plan buffer (the plan casts f32 operands,
+    /// `fuse`'s `bf16-cast`).
+    fn gemm_operand(&self, id: BufferId) -> Result<Buf, CudaError> {
         match self.bufs[id.index()].elem() {
             Elem::BF16 => Ok(self.bufs[id.index()].clone()),
-            _ => self.shadow(id),
+            _ => Err(CudaError::Invalid {
+                op: "mat_mul",
+                what: format!("buffer {id} is f32 where the plan reads a bf16 operand"),
+            }),
         }
     }
 
-    /// Whether both operands can be read in bf16 (a bf16 plan buffer or a shadow).
-    fn bf16_operands(&self, a: BufferId, b: BufferId) -> bool {
-        let ok = |id: BufferId| {
-            self.bufs[id.index()].elem() == Elem::BF16 || self.shadows[id.index()].is_some()
-        };
-        self.precision == Precision::Bf16 && ok(a) && ok(b)
+    /// Whether a GEMM runs in bf16: both operands bf16 plan buffers (else both f32: an fp32
+    /// GEMM; mixed operand dtypes are refused by the plan verifier).
+    fn bf16_operands(&self, a: BufferId, b: BufferId) -> Result<bool, CudaError> {
+        let bf16 = |id: BufferId| self.bufs[id.index()].elem() == Elem::BF16;
+        match (bf16(a), bf16(b)) {
+            (true, true) => Ok(true),
+            (false, false) => Ok(false),
+            _ => Err(CudaError::Invalid {
+                op: "mat_mul",
+                what: format!("operands {a} and {b} have different dtypes"),
+            }),
+        }
     }
 
     /// Runs one op; `Ok(Some(norm))` from a `ClipGradNorm`.
@@ -180,7 +190,7 @@ impl CudaEngine {
                 let (ar, ac) = self.dims(*a);
                 let (br, bc) = self.dims(*b);
                 let (ad, bd) = (Dims::new(ar, ac), Dims::new(br, bc));
-                if self.bf16_operands(*a, *b) {
+                if self.bf16_operands(*a, *b)? {
                     let (sa, sb) = (self.gemm_operand(*a)?, self.gemm_operand(*b)?);
                     let out = self.b(*out);
                     gemm::matmul_bf16(
@@ -210,7 +220,7 @@ impl CudaEngine {
                 let (ar, ac) = self.dims(*a);
                 let (br, bc) = self.dims(*b);
                 let (ad, bd) = (Dims::new(ar, ac), Dims::new(br, bc));
-                let bf16 = self.bf16_operands(*a, *b);
+                let bf16 = self.bf16_operands(*a, *b)?;
                 if bf16 && gemm::has_fused_bias(&self.dev) {
                     let (sa, sb) = (self.gemm_operand(*a)?, self.gemm_operand(*b)?);
                     gemm::gemm_bf16_bias(
@@ -258,6 +268,7 @@ impl CudaEngine {
                 nn::sum_rows(dev, self.b(*x), self.b(*out), c, s)?;
             }
             Op::Add { a, b, out } => nn::add(dev, self.b(*a), self.b(*b), self.b(*out))?,
+            Op::Cast { x, out } => gemm::cast_f32_to_bf16(dev, self.b(*x), self.b(*out))?,
             Op::Gelu { x, out } if self.b(*out).elem() == Elem::BF16 => {
                 nn::gelu_forward_bf16(dev, self.b(*x), self.b(*out))?;
             }

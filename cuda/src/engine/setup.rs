@@ -231,17 +231,10 @@ impl CudaEngine {
             .unwrap_or(0)
             .max(2);
         check_fused(&plan, attention, precision)?;
+        // Model GEMMs read their operands in the plan's dtypes: under bf16 the `fuse` pass
+        // made every operand a bf16 plan buffer (a bf16 producer output or a `cast`); a GEMM
+        // with f32 operands runs in f32. Only SOAP's bf16 eigenbases (below) get engine shadows.
         let mut needs_shadow = vec![false; plan.buffers.len()];
-        // f32 GEMM operands get a bf16 shadow under bf16 (bf16 plan buffers are read as they are).
-        if precision == Precision::Bf16 {
-            for o in plan.forward.iter().chain(&plan.backward) {
-                if let Op::MatMul { a, b, .. } | Op::MatMulBias { a, b, .. } = o {
-                    for id in [a, b] {
-                        needs_shadow[id.index()] = plan.buffer(*id).dtype == DType::F32;
-                    }
-                }
-            }
-        }
         // bf16 tensor-core GEMMs want every leading dimension a multiple of 8 elements (16
         // bytes); cuBLAS runs the others on slow unaligned kernels (GPT-2's LM head with
         // N = 50257: 13.3 ms against 2.4 ms at 50304 on the H200).

@@ -451,7 +451,9 @@ pub fn layernorm_backward(
     add_slab_partials(dev, OP, &pw, pb, dweight, dbias, c, slabs)
 }
 
-/// Plan op `RmsNorm`: `out = x / √(mean(x²) + eps) · weight`. x/out `[N, c]`, weight `[c]`.
+/// Plan op `RmsNorm`: `out = x / √(mean(x²) + eps) · weight`. x f32 `[N, c]`, weight f32
+/// `[c]`, out `[N, c]` f32 or bf16 (round to nearest even; the plan makes it bf16 where only
+/// bf16 GEMMs read it).
 pub fn rmsnorm_forward(
     dev: &Device,
     x: &Buf,
@@ -463,7 +465,8 @@ pub fn rmsnorm_forward(
     const OP: &str = "rms_norm";
     let n = rows_of(OP, "x", x.len(), c)?;
     x.expect(OP, "x", Elem::F32, n * c)?;
-    out.expect(OP, "out", Elem::F32, n * c)?;
+    let bf16 = out.elem() == Elem::BF16;
+    out.expect(OP, "out", if bf16 { Elem::BF16 } else { Elem::F32 }, n * c)?;
     weight.expect(OP, "weight", Elem::F32, c)?;
     if n == 0 {
         return Ok(());
@@ -476,7 +479,11 @@ pub fn rmsnorm_forward(
         .i32(int(OP, "C", c)?)
         .f32(eps as f32);
     dev.launch(
-        "rmsnorm_forward",
+        if bf16 {
+            "rmsnorm_forward_bf16"
+        } else {
+            "rmsnorm_forward"
+        },
         (n as u32, 1, 1),
         (row_threads(c), 1, 1),
         args,
@@ -578,12 +585,15 @@ pub fn gelu_backward(dev: &Device, dout: &Buf, x: &Buf, dx: &Buf) -> Result<()> 
     dev.launch("gelu_backward", (dev.grid_for(n), 1, 1), (256, 1, 1), args)
 }
 
-/// Plan op `SwiGlu`: x `[N, 2f]` = `[gate | up]`, `out[n, k] = silu(gate) · up`, out `[N, f]`.
+/// Plan op `SwiGlu`: x f32 `[N, 2f]` = `[gate | up]`, `out[n, k] = silu(gate) · up`, out
+/// `[N, f]` f32 or bf16 (round to nearest even; the plan makes it bf16 where only bf16 GEMMs
+/// read it).
 pub fn swiglu_forward(dev: &Device, x: &Buf, out: &Buf, f: usize) -> Result<()> {
     const OP: &str = "swi_glu";
     let n = rows_of(OP, "out", out.len(), f)?;
     x.expect(OP, "x", Elem::F32, 2 * n * f)?;
-    out.expect(OP, "out", Elem::F32, n * f)?;
+    let bf16 = out.elem() == Elem::BF16;
+    out.expect(OP, "out", if bf16 { Elem::BF16 } else { Elem::F32 }, n * f)?;
     no_alias(OP, x, out)?;
     let total = n * f;
     let args = Args::new()
@@ -592,7 +602,11 @@ pub fn swiglu_forward(dev: &Device, x: &Buf, out: &Buf, f: usize) -> Result<()> 
         .i64(total as i64)
         .i32(int(OP, "F", f)?);
     dev.launch(
-        "swiglu_forward",
+        if bf16 {
+            "swiglu_forward_bf16"
+        } else {
+            "swiglu_forward"
+        },
         (dev.grid_for(total), 1, 1),
         (256, 1, 1),
         args,

@@ -225,6 +225,13 @@ pub(crate) fn exec_op<T: Float + Real>(
                 ew::add(s.f(*a)?, s.f(*b)?, &mut o[0])
             })?;
         }
+        // The store rounds the bf16 output.
+        Op::Cast { x, out } => {
+            st.with_outs(loc, &[("out", *out)], &[*x], |s, o| {
+                o[0].copy_from_slice(s.f(*x)?);
+                Ok(())
+            })?;
+        }
         Op::Gelu { x, out } => {
             st.with_outs(loc, &[("out", *out)], &[*x], |s, o| {
                 ew::gelu(s.f(*x)?, &mut o[0])

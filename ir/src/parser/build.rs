@@ -8,7 +8,7 @@ use schedule::{Init, SoapHyper};
 use std::str::FromStr;
 
 /// Every op name of the text format.
-const OP_NAMES: [&str; 32] = [
+const OP_NAMES: [&str; 33] = [
     "state",
     "input",
     "loss",
@@ -26,6 +26,7 @@ const OP_NAMES: [&str; 32] = [
     "bias_add",
     "sum_rows",
     "add",
+    "cast",
     "gelu",
     "gelu_backward",
     "swi_glu",
@@ -278,6 +279,7 @@ pub(super) fn build_op<'a>(
         "bias_add" => Op::BiasAdd,
         "sum_rows" => Op::SumRows,
         "add" => Op::Add,
+        "cast" => Op::Cast,
         "gelu" => Op::Gelu,
         "gelu_backward" => Op::GeluBackward,
         "swi_glu" => Op::SwiGlu,

@@ -48,7 +48,7 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
         Op::MatMul { .. } | Op::Add => vec!["a", "b"],
         Op::MatMulBias { .. } => vec!["a", "b", "bias"],
         Op::BiasAdd => vec!["x", "bias"],
-        Op::SumRows | Op::Gelu | Op::SwiGlu | Op::Rope { .. } => vec!["x"],
+        Op::SumRows | Op::Cast | Op::Gelu | Op::SwiGlu | Op::Rope { .. } => vec!["x"],
         Op::GeluBackward | Op::SwiGluBackward => vec!["dout", "x"],
         Op::RopeBackward { .. } => vec!["dout"],
         Op::Attention { .. } => vec!["qkv"],
@@ -273,7 +273,7 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
             c.same("a", "b")?;
             c.same("a", "out")?;
         }
-        Op::Gelu => c.same("x", "out")?,
+        Op::Cast | Op::Gelu => c.same("x", "out")?,
         Op::GeluBackward => {
             c.same("x", "dout")?;
             c.same("x", "dx")?;
