@@ -273,7 +273,28 @@ fn execute_cuda(
             eng.arena_line()
         );
     }
-    engine::train_with(&mut eng, opts).map_err(|e| miette!("{e}"))?;
+    let summary = engine::train_with(&mut eng, opts).map_err(|e| miette!("{e}"))?;
+    // MFU: the plan's model FLOPs per step over the median step time, against the GPU's
+    // dense bf16 peak.
+    let flops = plan.model_flops_per_step();
+    if summary.median_step_ms > 0.0 && flops > 0.0 {
+        let tflops = flops / (summary.median_step_ms * 1e-3) / 1e12;
+        let name = &eng.device().info().name;
+        match cuda::peak_bf16_tflops(name) {
+            Some(peak) => note!(
+                "cuda: MFU {:.1}% ({:.0} model TFLOP/s of {peak:.0} peak bf16 on {name}; {:.2} TFLOP per step, median step {:.1} ms)",
+                100.0 * tflops / peak,
+                tflops,
+                flops / 1e12,
+                summary.median_step_ms
+            ),
+            None => note!(
+                "cuda: {tflops:.0} model TFLOP/s ({:.2} TFLOP per step, median step {:.1} ms; no bf16 peak known for {name}, so no MFU)",
+                flops / 1e12,
+                summary.median_step_ms
+            ),
+        }
+    }
     let stats = engine::StepExecutor::stats(&eng);
     note!(
         "cuda: {}; {}; host tasks {:.0} ms total, {} refreshes",

@@ -77,6 +77,22 @@ impl std::fmt::Display for DeviceInfo {
     }
 }
 
+/// Dense bf16 tensor-core peak of the GPU named `name` (as the driver reports it), TFLOP/s,
+/// from the vendor's data sheets (without sparsity): H100 / H200 / GH200 SXM 989.4, H100 PCIe
+/// 756, A100 312. `None` for other GPUs (MFU is then not printed).
+pub fn peak_bf16_tflops(name: &str) -> Option<f64> {
+    let n = name.to_ascii_uppercase();
+    if n.contains("H100") && n.contains("PCIE") {
+        Some(756.0)
+    } else if n.contains("H100") || n.contains("H200") {
+        Some(989.4)
+    } else if n.contains("A100") {
+        Some(312.0)
+    } else {
+        None
+    }
+}
+
 /// Memory use in bytes: what the arenas reserved (now and peak, per tier) and what the driver
 /// reports used on the whole GPU (peak sampled at allocations and reports).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

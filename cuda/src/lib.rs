@@ -39,7 +39,8 @@ pub mod selftest;
 pub mod train_match;
 
 pub use device::{
-    driver_present, Device, DeviceInfo, GemmMath, HostElem, MemoryReport, StreamKind,
+    driver_present, peak_bf16_tflops, Device, DeviceInfo, GemmMath, HostElem, MemoryReport,
+    StreamKind,
 };
 pub use engine::{CudaEngine, CudaOptions};
 pub use error::{CudaError, Result, Tier};

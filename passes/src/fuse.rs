@@ -381,7 +381,10 @@ impl Fuse {
         if !target.bf16_gemms {
             return;
         }
-        for (section, label) in [(Section::Forward, "forward"), (Section::Backward, "backward")] {
+        for (section, label) in [
+            (Section::Forward, "forward"),
+            (Section::Backward, "backward"),
+        ] {
             let gemms: Vec<ir::InstId> = m
                 .section(section)
                 .filter(|&i| matches!(m.inst(i).op, Op::MatMul { .. } | Op::MatMulBias { .. }))

@@ -171,8 +171,7 @@ fn gpt2_124m_lowers_to_fused_ops_and_bf16_buffers() {
         .iter()
         .enumerate()
         .filter(|(i, b)| {
-            b.dtype == schedule::DType::Bf16
-                && !cast_outs.contains(&schedule::BufferId(*i as u32))
+            b.dtype == schedule::DType::Bf16 && !cast_outs.contains(&schedule::BufferId(*i as u32))
         })
         .map(|(_, b)| b.name.as_str())
         .collect();
@@ -248,7 +247,8 @@ fn llama_under_bf16_writes_norm_and_swiglu_outputs_in_bf16() {
     let dir = std::env::temp_dir().join(format!("asteria-fuse-llama-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let src = std::fs::read_to_string(
-        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/tiny-llama-soap.asteria"),
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../examples/tiny-llama-soap.asteria"),
     )
     .expect("example");
     let spec = dir.join("llama-bf16.asteria");
@@ -277,7 +277,10 @@ fn llama_under_bf16_writes_norm_and_swiglu_outputs_in_bf16() {
     let res = plan.residency();
     for o in plan.forward.iter().chain(&plan.backward) {
         if let schedule::Op::Cast { out, .. } = o {
-            assert!(res[out.index()].live_range().is_some(), "casts are step-local");
+            assert!(
+                res[out.index()].live_range().is_some(),
+                "casts are step-local"
+            );
         }
     }
 }
@@ -306,4 +309,21 @@ fn only_optional_passes_can_be_skipped() {
         });
         assert!(err.is_err(), "skipping `{name}` must be refused");
     }
+}
+
+/// The MFU numerator counts PaLM's model FLOPs on the fused bf16 plan: `6·N` per token for the
+/// N GEMM weights (the blocks' four matrices and the tied LM head) plus `12·L·C·T` per token
+/// for attention — casts, bias epilogues and the saved attention statistics add nothing.
+#[test]
+fn model_flops_per_step_are_palms_6n_plus_attention() {
+    let (_, plan) = compile("../examples/gpt2-124m.asteria", false);
+    let (l, c, t, v, batch) = (12.0, 768.0, 1024.0, 50304.0, 16.0);
+    let n = l * (c * 3.0 * c + c * c + 2.0 * c * 4.0 * c) + v * c;
+    let tokens = batch * t;
+    let want = 6.0 * n * tokens + 12.0 * l * c * t * tokens;
+    let got = plan.model_flops_per_step();
+    assert!(
+        ((got - want) / want).abs() < 1e-12,
+        "got {got:e}, want {want:e}"
+    );
 }

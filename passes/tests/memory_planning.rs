@@ -243,9 +243,17 @@ fn residency_keeps_state_inputs_and_host_operands_persistent() {
     for p in &plan.params {
         assert!(persistent(p.param));
         // A gradient is step-local: written in the backward pass, last read by the optimizer.
-        let live = res[p.grad.index()].live_range().expect("gradients are step-local");
-        assert!(live.first >= plan.forward.len() && live.last <= step_end, "{live:?}");
-        assert!(live.last >= plan.forward.len() + plan.backward.len(), "read by the optimizer");
+        let live = res[p.grad.index()]
+            .live_range()
+            .expect("gradients are step-local");
+        assert!(
+            live.first >= plan.forward.len() && live.last <= step_end,
+            "{live:?}"
+        );
+        assert!(
+            live.last >= plan.forward.len() + plan.backward.len(),
+            "read by the optimizer"
+        );
     }
     for t in &plan.host_tasks {
         for (_, id) in t.operands() {

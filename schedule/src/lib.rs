@@ -395,6 +395,70 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// Model FLOPs of one training step, the numerator of MFU (PaLM's definition, Chowdhery et
+    /// al. 2022, appendix B): `2·m·k·n` for every GEMM of the forward and backward programs
+    /// (the backward's two GEMMs per forward GEMM give the usual `6·N` per token), plus causal
+    /// self-attention counted unmasked — `4·B·T²·C` for the scores and the weighted sum of the
+    /// forward, twice that for the backward (`12·L·C·T` per token). Recomputation, casts,
+    /// norms, element-wise ops and the optimizer are not model FLOPs. Saturates instead of
+    /// overflowing.
+    pub fn model_flops_per_step(&self) -> f64 {
+        let dims = |id: BufferId| -> (f64, f64) {
+            match self.buffer(id).shape[..] {
+                [r, c] => (r as f64, c as f64),
+                _ => (0.0, 0.0),
+            }
+        };
+        let mut flops = 0.0;
+        for op in self.forward.iter().chain(&self.backward) {
+            match op {
+                Op::MatMul {
+                    a,
+                    b,
+                    trans_a,
+                    trans_b,
+                    ..
+                }
+                | Op::MatMulBias {
+                    a,
+                    b,
+                    trans_a,
+                    trans_b,
+                    ..
+                } => {
+                    let (ar, ac) = dims(*a);
+                    let (br, bc) = dims(*b);
+                    let (m, k) = if *trans_a { (ac, ar) } else { (ar, ac) };
+                    let n = if *trans_b { br } else { bc };
+                    flops += 2.0 * m * k * n;
+                }
+                Op::Attention {
+                    qkv,
+                    batch,
+                    seq_len,
+                    ..
+                }
+                | Op::AttentionBackward {
+                    qkv,
+                    batch,
+                    seq_len,
+                    ..
+                } => {
+                    let c = dims(*qkv).1 / 3.0;
+                    let t = *seq_len as f64;
+                    let fwd = 4.0 * *batch as f64 * t * t * c;
+                    flops += if matches!(op, Op::Attention { .. }) {
+                        fwd
+                    } else {
+                        2.0 * fwd
+                    };
+                }
+                _ => {}
+            }
+        }
+        flops
+    }
+
     /// Serializes to pretty JSON.
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("invariant: a Plan always serializes")

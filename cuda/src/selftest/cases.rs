@@ -274,15 +274,21 @@ fn norms(v: &mut Vec<Case>) {
             c::norms::rmsnorm_forward(&wide(&x), &wide(&w), &mut r, ch, eps).map_err(cpu)?;
             Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
         }));
-        v.push(case("rms_norm_bf16", size.clone(), TOL_BF16, big, move |cx| {
-            let x = cx.normal(n * ch, 0.5, 2.0);
-            let w = cx.normal(ch, 1.0, 0.1);
-            let (xb, wb, ob) = (cx.up(&x)?, cx.up(&w)?, cx.raw(Elem::BF16, n * ch)?);
-            let ms = cx.timed(|| g::rmsnorm_forward(cx.dev, &xb, &wb, &ob, ch, eps))?;
-            let mut r = vec![0.0; n * ch];
-            c::norms::rmsnorm_forward(&wide(&x), &wide(&w), &mut r, ch, eps).map_err(cpu)?;
-            Ok(one("out", rel_err(&down_bf16(cx, &ob)?, &r), ms))
-        }));
+        v.push(case(
+            "rms_norm_bf16",
+            size.clone(),
+            TOL_BF16,
+            big,
+            move |cx| {
+                let x = cx.normal(n * ch, 0.5, 2.0);
+                let w = cx.normal(ch, 1.0, 0.1);
+                let (xb, wb, ob) = (cx.up(&x)?, cx.up(&w)?, cx.raw(Elem::BF16, n * ch)?);
+                let ms = cx.timed(|| g::rmsnorm_forward(cx.dev, &xb, &wb, &ob, ch, eps))?;
+                let mut r = vec![0.0; n * ch];
+                c::norms::rmsnorm_forward(&wide(&x), &wide(&w), &mut r, ch, eps).map_err(cpu)?;
+                Ok(one("out", rel_err(&down_bf16(cx, &ob)?, &r), ms))
+            },
+        ));
         v.push(case("rms_norm_backward", size, TOL_F32, big, move |cx| {
             let x = cx.normal(n * ch, 0.5, 2.0);
             let w = cx.normal(ch, 1.0, 0.1);
@@ -351,14 +357,20 @@ fn activations(v: &mut Vec<Case>) {
             c::elementwise::swiglu(&wide(&x), &mut r, f).map_err(cpu)?;
             Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
         }));
-        v.push(case("swi_glu_bf16", size.clone(), TOL_BF16, big, move |cx| {
-            let x = cx.normal(rows * 2 * f, 0.0, 3.0);
-            let (xb, ob) = (cx.up(&x)?, cx.raw(Elem::BF16, rows * f)?);
-            let ms = cx.timed(|| g::swiglu_forward(cx.dev, &xb, &ob, f))?;
-            let mut r = vec![0.0; rows * f];
-            c::elementwise::swiglu(&wide(&x), &mut r, f).map_err(cpu)?;
-            Ok(one("out", rel_err(&down_bf16(cx, &ob)?, &r), ms))
-        }));
+        v.push(case(
+            "swi_glu_bf16",
+            size.clone(),
+            TOL_BF16,
+            big,
+            move |cx| {
+                let x = cx.normal(rows * 2 * f, 0.0, 3.0);
+                let (xb, ob) = (cx.up(&x)?, cx.raw(Elem::BF16, rows * f)?);
+                let ms = cx.timed(|| g::swiglu_forward(cx.dev, &xb, &ob, f))?;
+                let mut r = vec![0.0; rows * f];
+                c::elementwise::swiglu(&wide(&x), &mut r, f).map_err(cpu)?;
+                Ok(one("out", rel_err(&down_bf16(cx, &ob)?, &r), ms))
+            },
+        ));
         v.push(case("swi_glu_backward", size, TOL_F32, big, move |cx| {
             let x = cx.normal(rows * 2 * f, 0.0, 3.0);
             let dout = cx.normal(rows * f, 0.0, 1.0);
