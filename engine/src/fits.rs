@@ -17,11 +17,7 @@ pub fn host_bytes(plan: &Plan, float_bytes: usize) -> u64 {
             DType::F32 | DType::Bf16 => float_bytes,
             DType::I32 => 4,
         } as u64;
-        let bytes = b
-            .shape
-            .iter()
-            .try_fold(elem, |a, &d| a.checked_mul(d as u64))
-            .unwrap_or(u64::MAX);
+        let bytes = schedule::checked_bytes(&b.shape, elem as usize).unwrap_or(u64::MAX);
         total.saturating_add(bytes)
     })
 }

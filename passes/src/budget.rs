@@ -10,12 +10,7 @@ use ir::Module;
 /// How many tensors the error names.
 const NAMED: usize = 5;
 
-/// Bytes of a tensor of `shape` with elements of `elem` bytes; `None` on overflow.
-pub fn checked_bytes(shape: &[usize], elem: usize) -> Option<u64> {
-    shape
-        .iter()
-        .try_fold(elem as u64, |a, &d| a.checked_mul(d as u64))
-}
+pub use schedule::checked_bytes;
 
 /// Total bytes of `module`'s live tensors, one place each.
 ///

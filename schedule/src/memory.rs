@@ -49,6 +49,14 @@ use serde::{Deserialize, Serialize};
 /// operands and vector loads want 256-byte alignment); the CUDA crate checks the two agree.
 pub const ARENA_ALIGN: usize = 256;
 
+/// Bytes of a tensor of `shape` with elements of `elem` bytes; `None` on overflow (the
+/// compiler's memory ceiling and the engines' fit checks count with it).
+pub fn checked_bytes(shape: &[usize], elem: usize) -> Option<u64> {
+    shape
+        .iter()
+        .try_fold(elem as u64, |a, &d| a.checked_mul(d as u64))
+}
+
 /// `bytes` rounded up to a multiple of `align` (a power of two); saturates at the largest
 /// multiple below `usize::MAX` instead of overflowing.
 pub fn align_up(bytes: usize, align: usize) -> usize {
