@@ -45,40 +45,59 @@ extern "C" __global__ void gelu_backward(const float* __restrict__ dout, const f
 
 __device__ __forceinline__ float sigmoidf_(float v) { return 1.0f / (1.0f + expf(-v)); }
 
-// x [rows, 2f] = [gate | up]; out[r, k] = silu(gate) * up, out [rows, f].
-extern "C" __global__ void swiglu_forward(const float* __restrict__ x, float* __restrict__ out, long long total, int f) {
+__device__ __forceinline__ float ld_f(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float ld_f(const __nv_bfloat16* p, long long i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void st_f(float* p, long long i, float v) { p[i] = v; }
+__device__ __forceinline__ void st_f(__nv_bfloat16* p, long long i, float v) { p[i] = __float2bfloat16_rn(v); }
+
+// x [rows, 2f] = [gate | up]; out[r, k] = silu(gate) * up, out [rows, f]. x and out f32 or bf16
+// (a bf16 x is the output of a bf16 GEMM; a bf16 out is read only by bf16 GEMMs; math in fp32).
+template <typename TX, typename TO>
+__device__ __forceinline__ void swiglu_fwd(const TX* __restrict__ x, TO* __restrict__ out, long long total, int f) {
     for (long long i = gtid(); i < total; i += gstride()) {
         const long long r = i / f;
         const int k = (int)(i - r * f);
-        const float g = x[r * 2 * f + k];
-        const float u = x[r * 2 * f + f + k];
-        out[i] = g * sigmoidf_(g) * u;
+        const float g = ld_f(x, r * 2 * f + k);
+        const float u = ld_f(x, r * 2 * f + f + k);
+        st_f(out, i, g * sigmoidf_(g) * u);
     }
 }
-
-// swiglu_forward with a bf16 output (round to nearest even), for an output only bf16 GEMMs read.
+extern "C" __global__ void swiglu_forward(const float* __restrict__ x, float* __restrict__ out, long long total, int f) {
+    swiglu_fwd(x, out, total, f);
+}
 extern "C" __global__ void swiglu_forward_bf16(const float* __restrict__ x, __nv_bfloat16* __restrict__ out,
                                                long long total, int f) {
-    for (long long i = gtid(); i < total; i += gstride()) {
-        const long long r = i / f;
-        const int k = (int)(i - r * f);
-        const float g = x[r * 2 * f + k];
-        const float u = x[r * 2 * f + f + k];
-        out[i] = __float2bfloat16_rn(g * sigmoidf_(g) * u);
-    }
+    swiglu_fwd(x, out, total, f);
+}
+extern "C" __global__ void swiglu_forward_bf16x(const __nv_bfloat16* __restrict__ x, float* __restrict__ out,
+                                                long long total, int f) {
+    swiglu_fwd(x, out, total, f);
+}
+extern "C" __global__ void swiglu_forward_bf16x_bf16(const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ out,
+                                                     long long total, int f) {
+    swiglu_fwd(x, out, total, f);
 }
 
-// dgate = dout * up * s (1 + g (1 - s)), dup = dout * g * s with s = sigmoid(g).
-extern "C" __global__ void swiglu_backward(const float* __restrict__ dout, const float* __restrict__ x,
+// dgate = dout * up * s (1 + g (1 - s)), dup = dout * g * s with s = sigmoid(g); x f32 or bf16.
+template <typename TX>
+__device__ __forceinline__ void swiglu_bwd(const float* __restrict__ dout, const TX* __restrict__ x,
                                            float* __restrict__ dx, long long total, int f) {
     for (long long i = gtid(); i < total; i += gstride()) {
         const long long r = i / f;
         const int k = (int)(i - r * f);
-        const float g = x[r * 2 * f + k];
-        const float u = x[r * 2 * f + f + k];
+        const float g = ld_f(x, r * 2 * f + k);
+        const float u = ld_f(x, r * 2 * f + f + k);
         const float s = sigmoidf_(g);
         const float d = dout[i];
         dx[r * 2 * f + k] = d * u * s * (1.0f + g * (1.0f - s));
         dx[r * 2 * f + f + k] = d * g * s;
     }
+}
+extern "C" __global__ void swiglu_backward(const float* __restrict__ dout, const float* __restrict__ x,
+                                           float* __restrict__ dx, long long total, int f) {
+    swiglu_bwd(dout, x, dx, total, f);
+}
+extern "C" __global__ void swiglu_backward_bf16x(const float* __restrict__ dout, const __nv_bfloat16* __restrict__ x,
+                                                 float* __restrict__ dx, long long total, int f) {
+    swiglu_bwd(dout, x, dx, total, f);
 }

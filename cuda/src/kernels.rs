@@ -75,7 +75,10 @@ pub const FAMILIES: &[Family] = &[
             "gelu_backward",
             "swiglu_forward",
             "swiglu_forward_bf16",
-            "swiglu_backward"
+            "swiglu_forward_bf16x",
+            "swiglu_forward_bf16x_bf16",
+            "swiglu_backward",
+            "swiglu_backward_bf16x"
         ]
     ),
     family!(

@@ -24,11 +24,13 @@
 //!   memory plan keeps both alive until the backward.
 //! - **`bf16-output`** (an analysis, CUDA with `precision = bf16` only): the output of a
 //!   `layer_norm` (rows of at most `schedule::BF16_LAYERNORM_MAX_C`), `rms_norm`, `gelu`,
-//!   `swi_glu`, `attention`
+//!   `swi_glu`, `mat_mul` (the bf16 GEMM rounds its fp32 result in the epilogue), `attention`
 //!   (heads of at most `schedule::BF16_ATTENTION_MAX_HEAD_DIM`, the tensor-core kernels) or
 //!   `cross_entropy_backward` whose every reader reads it as a GEMM operand (`a` / `b` of
-//!   `mat_mul` / `mat_mul_bias`, which read bf16 under that precision anyway) or as the saved
-//!   `fwd_out` of an `attention_backward` (read in bf16 by the tensor-core backward) becomes `bf16`:
+//!   `mat_mul` / `mat_mul_bias`, which read bf16 under that precision anyway), as the input
+//!   `x` of `swi_glu` / `swi_glu_backward` (LLaMA's `fc`, the largest activation: the SwiGLU
+//!   kernels read bf16 and compute in fp32) or as the saved `fwd_out` of an
+//!   `attention_backward` (read in bf16 by the tensor-core backward) becomes `bf16`:
 //!   the producer writes bf16 directly, the buffer takes half the bytes and no f32 copy exists.
 //!   It is not an e-graph rewrite: it changes a value's type on a condition over *all* of its
 //!   readers, which a term rewrite (local by nature) cannot see.
@@ -345,7 +347,11 @@ impl Fuse {
                                         && w / 3 / n_heads <= schedule::BF16_ATTENTION_MAX_HEAD_DIM
                                 })
                     }
-                    Op::Gelu | Op::SwiGlu | Op::RmsNorm { .. } | Op::CrossEntropyBackward => true,
+                    Op::Gelu
+                    | Op::SwiGlu
+                    | Op::RmsNorm { .. }
+                    | Op::MatMul { .. }
+                    | Op::CrossEntropyBackward => true,
                     _ => false,
                 };
                 let Some(&out) = inst.results.first().filter(|_| fits) else {
@@ -359,6 +365,9 @@ impl Fuse {
                         let ok = |i: usize| match r.op {
                             Op::MatMul { .. } | Op::MatMulBias { .. } => i < 2,
                             Op::AttentionBackward { .. } => i == 2,
+                            // SwiGLU's forward reads x at 0, its backward at 1.
+                            Op::SwiGlu => i == 0,
+                            Op::SwiGluBackward => i == 1,
                             _ => false,
                         };
                         matches!(r.section, Section::Forward | Section::Backward)

@@ -240,8 +240,9 @@ fn assert_gemm_operands_bf16(plan: &schedule::Plan) {
     }
 }
 
-/// LLaMA on the GPU in bf16: RMSNorm and SwiGLU outputs that only GEMMs read are written in
-/// bf16, every GEMM operand is bf16, and the casts are step-local buffers of the memory plan.
+/// LLaMA on the GPU in bf16: RMSNorm and SwiGLU outputs that only GEMMs read and the fc GEMM's
+/// output that only SwiGLU reads are written in bf16, every GEMM operand is bf16, and the
+/// casts are step-local buffers of the memory plan.
 #[test]
 fn llama_under_bf16_writes_norm_and_swiglu_outputs_in_bf16() {
     let dir = std::env::temp_dir().join(format!("asteria-fuse-llama-{}", std::process::id()));
@@ -274,6 +275,13 @@ fn llama_under_bf16_writes_norm_and_swiglu_outputs_in_bf16() {
     // 2 blocks × 2 norms + the final norm; 2 SwiGLUs.
     assert_eq!(bf16_of("rms_norm"), 5);
     assert_eq!(bf16_of("swi_glu"), 2);
+    // The fc GEMM's output, read only by SwiGLU's forward and backward, is written in bf16.
+    assert_eq!(bf16_of("mat_mul"), 2);
+    assert!(plan
+        .buffers
+        .iter()
+        .filter(|b| b.name.starts_with('h') && b.name.ends_with(".fc"))
+        .all(|b| b.dtype == schedule::DType::Bf16));
     let res = plan.residency();
     for o in plan.forward.iter().chain(&plan.backward) {
         if let schedule::Op::Cast { out, .. } = o {

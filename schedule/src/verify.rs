@@ -492,6 +492,14 @@ impl Checker<'_> {
                     ));
                 }
                 self.dims("out", *out, &[m, p])?;
+                if let Op::MatMul {
+                    accumulate: true, ..
+                } = op
+                {
+                    if self.plan.buffer(*out).dtype != DType::F32 {
+                        return Err(self.fail("out", *out, "must be f32 to accumulate into"));
+                    }
+                }
                 let (da, db) = (self.plan.buffer(*a).dtype, self.plan.buffer(*b).dtype);
                 if da != db {
                     return Err(self.fail(

@@ -585,13 +585,14 @@ pub fn gelu_backward(dev: &Device, dout: &Buf, x: &Buf, dx: &Buf) -> Result<()> 
     dev.launch("gelu_backward", (dev.grid_for(n), 1, 1), (256, 1, 1), args)
 }
 
-/// Plan op `SwiGlu`: x f32 `[N, 2f]` = `[gate | up]`, `out[n, k] = silu(gate) · up`, out
-/// `[N, f]` f32 or bf16 (round to nearest even; the plan makes it bf16 where only bf16 GEMMs
-/// read it).
+/// Plan op `SwiGlu`: x `[N, 2f]` = `[gate | up]`, `out[n, k] = silu(gate) · up`, out `[N, f]`;
+/// x f32 or bf16 (a bf16 GEMM's output), out f32 or bf16 (round to nearest even; the plan makes
+/// it bf16 where only bf16 GEMMs read it); the math is fp32.
 pub fn swiglu_forward(dev: &Device, x: &Buf, out: &Buf, f: usize) -> Result<()> {
     const OP: &str = "swi_glu";
     let n = rows_of(OP, "out", out.len(), f)?;
-    x.expect(OP, "x", Elem::F32, 2 * n * f)?;
+    let x16 = x.elem() == Elem::BF16;
+    x.expect(OP, "x", if x16 { Elem::BF16 } else { Elem::F32 }, 2 * n * f)?;
     let bf16 = out.elem() == Elem::BF16;
     out.expect(OP, "out", if bf16 { Elem::BF16 } else { Elem::F32 }, n * f)?;
     no_alias(OP, x, out)?;
@@ -602,10 +603,11 @@ pub fn swiglu_forward(dev: &Device, x: &Buf, out: &Buf, f: usize) -> Result<()> 
         .i64(total as i64)
         .i32(int(OP, "F", f)?);
     dev.launch(
-        if bf16 {
-            "swiglu_forward_bf16"
-        } else {
-            "swiglu_forward"
+        match (x16, bf16) {
+            (false, false) => "swiglu_forward",
+            (false, true) => "swiglu_forward_bf16",
+            (true, false) => "swiglu_forward_bf16x",
+            (true, true) => "swiglu_forward_bf16x_bf16",
         },
         (dev.grid_for(total), 1, 1),
         (256, 1, 1),
@@ -613,12 +615,14 @@ pub fn swiglu_forward(dev: &Device, x: &Buf, out: &Buf, f: usize) -> Result<()> 
     )
 }
 
-/// Plan op `SwiGluBackward`: dout `[N, f]`, x/dx `[N, 2f]`.
+/// Plan op `SwiGluBackward`: dout f32 `[N, f]`, x `[N, 2f]` f32 or bf16 (as the forward read
+/// it), dx f32 `[N, 2f]`.
 pub fn swiglu_backward(dev: &Device, dout: &Buf, x: &Buf, dx: &Buf, f: usize) -> Result<()> {
     const OP: &str = "swi_glu_backward";
     let n = rows_of(OP, "dout", dout.len(), f)?;
     dout.expect(OP, "dout", Elem::F32, n * f)?;
-    x.expect(OP, "x", Elem::F32, 2 * n * f)?;
+    let x16 = x.elem() == Elem::BF16;
+    x.expect(OP, "x", if x16 { Elem::BF16 } else { Elem::F32 }, 2 * n * f)?;
     dx.expect(OP, "dx", Elem::F32, 2 * n * f)?;
     no_alias(OP, x, dx)?;
     let total = n * f;
@@ -629,7 +633,11 @@ pub fn swiglu_backward(dev: &Device, dout: &Buf, x: &Buf, dx: &Buf, f: usize) ->
         .i64(total as i64)
         .i32(int(OP, "F", f)?);
     dev.launch(
-        "swiglu_backward",
+        if x16 {
+            "swiglu_backward_bf16x"
+        } else {
+            "swiglu_backward"
+        },
         (dev.grid_for(total), 1, 1),
         (256, 1, 1),
         args,

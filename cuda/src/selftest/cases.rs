@@ -371,6 +371,54 @@ fn activations(v: &mut Vec<Case>) {
                 Ok(one("out", rel_err(&down_bf16(cx, &ob)?, &r), ms))
             },
         ));
+        // A bf16 x (LLaMA's fc, a bf16 GEMM's output): the reference reads the same rounded x.
+        for bf16_out in [false, true] {
+            let kernel = if bf16_out {
+                "swi_glu_bf16x_bf16"
+            } else {
+                "swi_glu_bf16x"
+            };
+            let tol = if bf16_out { TOL_BF16 } else { TOL_F32 };
+            v.push(case(kernel, size.clone(), tol, big, move |cx| {
+                let x = cx.normal(rows * 2 * f, 0.0, 3.0);
+                let x16: Vec<f32> = x.iter().map(|&v| schedule::round_to_bf16(v)).collect();
+                let (x32b, xb) = (cx.up(&x)?, cx.raw(Elem::BF16, rows * 2 * f)?);
+                crate::gemm::cast_f32_to_bf16(cx.dev, &x32b, &xb)?;
+                let ob = if bf16_out {
+                    cx.raw(Elem::BF16, rows * f)?
+                } else {
+                    cx.out(rows * f)?
+                };
+                let ms = cx.timed(|| g::swiglu_forward(cx.dev, &xb, &ob, f))?;
+                let mut r = vec![0.0; rows * f];
+                c::elementwise::swiglu(&wide(&x16), &mut r, f).map_err(cpu)?;
+                let got = if bf16_out {
+                    down_bf16(cx, &ob)?
+                } else {
+                    cx.down(&ob)?
+                };
+                Ok(one("out", rel_err(&got, &r), ms))
+            }));
+        }
+        v.push(case(
+            "swi_glu_backward_bf16x",
+            size.clone(),
+            TOL_F32,
+            big,
+            move |cx| {
+                let x = cx.normal(rows * 2 * f, 0.0, 3.0);
+                let x16: Vec<f32> = x.iter().map(|&v| schedule::round_to_bf16(v)).collect();
+                let dout = cx.normal(rows * f, 0.0, 1.0);
+                let (x32b, xb) = (cx.up(&x)?, cx.raw(Elem::BF16, rows * 2 * f)?);
+                crate::gemm::cast_f32_to_bf16(cx.dev, &x32b, &xb)?;
+                let (gb, ob) = (cx.up(&dout)?, cx.out(rows * 2 * f)?);
+                let ms = cx.timed(|| g::swiglu_backward(cx.dev, &gb, &xb, &ob, f))?;
+                let mut r = vec![0.0; rows * 2 * f];
+                c::elementwise::swiglu_backward(&wide(&dout), &wide(&x16), &mut r, f)
+                    .map_err(cpu)?;
+                Ok(one("dx", rel_err(&cx.down(&ob)?, &r), ms))
+            },
+        ));
         v.push(case("swi_glu_backward", size, TOL_F32, big, move |cx| {
             let x = cx.normal(rows * 2 * f, 0.0, 3.0);
             let dout = cx.normal(rows * f, 0.0, 1.0);
