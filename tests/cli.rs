@@ -179,8 +179,12 @@ fn print_after_fuse_shows_the_fused_ops_of_gpt2_124m_and_skip_pass_keeps_them_ap
     assert!(o.status.success(), "{err}");
     assert!(out.contains("; IR after fuse"));
     assert!(out.contains("%h0.qkv: f32[16384, 2304] = mat_mul_bias %h0.ln_1, %h0.attn.c_attn.weight.bf16, %h0.attn.c_attn.bias"));
-    assert!(out.contains("%h0.attn.c_attn.weight.bf16: bf16[2304, 768] = cast %h0.attn.c_attn.weight"));
-    assert!(out.contains("; bf16-cast: %h0.attn.c_attn.weight.bf16 = cast %h0.attn.c_attn.weight (forward)"));
+    assert!(
+        out.contains("%h0.attn.c_attn.weight.bf16: bf16[2304, 768] = cast %h0.attn.c_attn.weight")
+    );
+    assert!(out.contains(
+        "; bf16-cast: %h0.attn.c_attn.weight.bf16 = cast %h0.attn.c_attn.weight (forward)"
+    ));
     assert!(out.contains("%h0.gelu: bf16[16384, 3072] = gelu %h0.fc"));
     assert!(out.contains("%d.logits: bf16[16384, 50304] = cross_entropy_backward"));
     assert!(out.contains("%h0.attn.lse: f32[196608] = attention %h0.qkv"));

@@ -200,3 +200,67 @@ extern "C" __global__ void xent_backward_bf16(const float* __restrict__ logits, 
         d[j + 3] = __float2bfloat16_rn(xent_exp(q.w, m) * k - (j + 3 == t ? inv_n : 0.0f));
     }
 }
+
+// bf16 logits (the LM head's bf16 GEMM rounds its fp32 result; PyTorch's autocast head does
+// the same): the statistics, loss and gradient are computed in fp32 from the bf16 values, one
+// element per thread and step (coalesced 2-byte loads; the head's output is half the bytes).
+__device__ void xent_row_stats_bf16(const __nv_bfloat16* __restrict__ x, int v, float* m_out, float* s_out) {
+    __shared__ float s_m[32];
+    __shared__ float s_s[32];
+    const int tid = threadIdx.x;
+    float m = XENT_NEG_INF, s = 0.0f;
+    for (int j = tid; j < v; j += blockDim.x) xent_add1(m, s, __bfloat162float(x[j]));
+    xent_warp_merge(m, s);
+    const int lane = tid & 31, warp = tid >> 5, nwarps = (blockDim.x + 31) >> 5;
+    if (lane == 0) {
+        s_m[warp] = m;
+        s_s[warp] = s;
+    }
+    __syncthreads();
+    m = lane < nwarps ? s_m[lane] : XENT_NEG_INF;
+    s = lane < nwarps ? s_s[lane] : 0.0f;
+    xent_warp_merge(m, s);
+    *m_out = m;
+    *s_out = s;
+}
+
+// xent_row_loss over bf16 logits.
+extern "C" __global__ void xent_row_loss_bf16x(const __nv_bfloat16* __restrict__ logits, const int* __restrict__ targets,
+                                               double* __restrict__ row_loss, int n, int v, int* status) {
+    const int row = blockIdx.x;
+    if (row >= n) return;
+    const __nv_bfloat16* x = logits + (long long)row * v;
+    const int t = targets[row];
+    float m, s;
+    xent_row_stats_bf16(x, v, &m, &s);
+    if (threadIdx.x == 0) {
+        if (t < 0 || t >= v) {
+            atomicMin(status, row);
+            row_loss[row] = __longlong_as_double(0x7ff8000000000000ll);
+        } else {
+            row_loss[row] = (double)m + log((double)s) - (double)__bfloat162float(x[t]);
+        }
+    }
+}
+
+// xent_backward over bf16 logits, dlogits written in bf16 (round to nearest even).
+extern "C" __global__ void xent_backward_bf16x_bf16(const __nv_bfloat16* __restrict__ logits,
+                                                    const int* __restrict__ targets,
+                                                    __nv_bfloat16* __restrict__ dlogits, int n, int v, float inv_n,
+                                                    int* status) {
+    const int row = blockIdx.x;
+    if (row >= n) return;
+    const __nv_bfloat16* x = logits + (long long)row * v;
+    __nv_bfloat16* d = dlogits + (long long)row * v;
+    const int t = targets[row];
+    if (t < 0 || t >= v) {
+        if (threadIdx.x == 0) atomicMin(status, row);
+        for (int j = threadIdx.x; j < v; j += blockDim.x) d[j] = __float2bfloat16_rn(ASTERIA_NAN);
+        return;
+    }
+    float m, s;
+    xent_row_stats_bf16(x, v, &m, &s);
+    const float k = inv_n / s;
+    for (int j = threadIdx.x; j < v; j += blockDim.x)
+        d[j] = __float2bfloat16_rn(xent_exp(__bfloat162float(x[j]), m) * k - (j == t ? inv_n : 0.0f));
+}

@@ -122,7 +122,9 @@ pub const FAMILIES: &[Family] = &[
             "xent_row_loss",
             "xent_mean",
             "xent_backward",
-            "xent_backward_bf16"
+            "xent_backward_bf16",
+            "xent_row_loss_bf16x",
+            "xent_backward_bf16x_bf16"
         ]
     ),
     family!(

@@ -29,7 +29,9 @@
 //!   `cross_entropy_backward` whose every reader reads it as a GEMM operand (`a` / `b` of
 //!   `mat_mul` / `mat_mul_bias`, which read bf16 under that precision anyway), as the input
 //!   `x` of `swi_glu` / `swi_glu_backward` (LLaMA's `fc`, the largest activation: the SwiGLU
-//!   kernels read bf16 and compute in fp32) or as the saved `fwd_out` of an
+//!   kernels read bf16 and compute in fp32), as the `logits` of `cross_entropy` /
+//!   `cross_entropy_backward` when that backward writes a bf16 gradient (the LM head's output:
+//!   the loss kernels read bf16, statistics in fp32) or as the saved `fwd_out` of an
 //!   `attention_backward` (read in bf16 by the tensor-core backward) becomes `bf16`:
 //!   the producer writes bf16 directly, the buffer takes half the bytes and no f32 copy exists.
 //!   It is not an e-graph rewrite: it changes a value's type on a condition over *all* of its
@@ -326,61 +328,75 @@ impl Fuse {
         if !target.bf16_gemms {
             return;
         }
-        let mut marked = Vec::new();
-        for s in [Section::Forward, Section::Backward] {
-            for id in m.section(s) {
-                let inst = m.inst(id);
-                let fits = match inst.op {
-                    Op::LayerNorm { .. } => inst
-                        .args
-                        .first()
-                        .and_then(|&x| rank2(m, x))
-                        .is_some_and(|(_, c)| c <= schedule::BF16_LAYERNORM_MAX_C),
-                    Op::Attention { n_heads, .. } => {
-                        target.bf16_attention
-                            && inst
-                                .args
-                                .first()
-                                .and_then(|&q| rank2(m, q))
-                                .is_some_and(|(_, w)| {
-                                    n_heads > 0
-                                        && w / 3 / n_heads <= schedule::BF16_ATTENTION_MAX_HEAD_DIM
-                                })
+        // To a fixed point: a reader's condition can depend on another value's dtype (the
+        // logits may be bf16 once the gradient their backward writes is), and marks only grow.
+        loop {
+            let mut marked = Vec::new();
+            for s in [Section::Forward, Section::Backward] {
+                for id in m.section(s) {
+                    let inst = m.inst(id);
+                    let fits = match inst.op {
+                        Op::LayerNorm { .. } => inst
+                            .args
+                            .first()
+                            .and_then(|&x| rank2(m, x))
+                            .is_some_and(|(_, c)| c <= schedule::BF16_LAYERNORM_MAX_C),
+                        Op::Attention { n_heads, .. } => {
+                            target.bf16_attention
+                                && inst.args.first().and_then(|&q| rank2(m, q)).is_some_and(
+                                    |(_, w)| {
+                                        n_heads > 0
+                                            && w / 3 / n_heads
+                                                <= schedule::BF16_ATTENTION_MAX_HEAD_DIM
+                                    },
+                                )
+                        }
+                        Op::Gelu
+                        | Op::SwiGlu
+                        | Op::RmsNorm { .. }
+                        | Op::MatMul { .. }
+                        | Op::CrossEntropyBackward => true,
+                        _ => false,
+                    };
+                    let Some(&out) = inst.results.first().filter(|_| fits) else {
+                        continue;
+                    };
+                    let uses = m.uses(out);
+                    let gemm_only = !uses.is_empty()
+                        && uses.iter().all(|&u| {
+                            let r = m.inst(u);
+                            // Positions at which `out` may be read in bf16.
+                            let ok = |i: usize| match r.op {
+                                Op::MatMul { .. } | Op::MatMulBias { .. } => i < 2,
+                                Op::AttentionBackward { .. } => i == 2,
+                                // SwiGLU's forward reads x at 0, its backward at 1.
+                                Op::SwiGlu => i == 0,
+                                Op::SwiGluBackward => i == 1,
+                                // The logits, where the backward writes a bf16 gradient.
+                                Op::CrossEntropy => i == 0,
+                                Op::CrossEntropyBackward => {
+                                    i == 0
+                                        && r.results
+                                            .first()
+                                            .is_some_and(|&d| m.value(d).ty.dtype == DType::Bf16)
+                                }
+                                _ => false,
+                            };
+                            matches!(r.section, Section::Forward | Section::Backward)
+                                && r.args.iter().enumerate().all(|(i, &a)| a != out || ok(i))
+                        });
+                    if gemm_only && m.value(out).ty.dtype == DType::F32 {
+                        marked.push((out, inst.op.name()));
                     }
-                    Op::Gelu
-                    | Op::SwiGlu
-                    | Op::RmsNorm { .. }
-                    | Op::MatMul { .. }
-                    | Op::CrossEntropyBackward => true,
-                    _ => false,
-                };
-                let Some(&out) = inst.results.first().filter(|_| fits) else {
-                    continue;
-                };
-                let uses = m.uses(out);
-                let gemm_only = !uses.is_empty()
-                    && uses.iter().all(|&u| {
-                        let r = m.inst(u);
-                        // Positions at which `out` may be read in bf16.
-                        let ok = |i: usize| match r.op {
-                            Op::MatMul { .. } | Op::MatMulBias { .. } => i < 2,
-                            Op::AttentionBackward { .. } => i == 2,
-                            // SwiGLU's forward reads x at 0, its backward at 1.
-                            Op::SwiGlu => i == 0,
-                            Op::SwiGluBackward => i == 1,
-                            _ => false,
-                        };
-                        matches!(r.section, Section::Forward | Section::Backward)
-                            && r.args.iter().enumerate().all(|(i, &a)| a != out || ok(i))
-                    });
-                if gemm_only && m.value(out).ty.dtype == DType::F32 {
-                    marked.push((out, inst.op.name()));
                 }
             }
-        }
-        for (v, op) in marked {
-            m.set_dtype(v, DType::Bf16);
-            self.report.bf16_outputs.push((m.display_value(v), op));
+            if marked.is_empty() {
+                break;
+            }
+            for (v, op) in marked {
+                m.set_dtype(v, DType::Bf16);
+                self.report.bf16_outputs.push((m.display_value(v), op));
+            }
         }
     }
 

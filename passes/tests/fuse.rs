@@ -175,9 +175,10 @@ fn gpt2_124m_lowers_to_fused_ops_and_bf16_buffers() {
         })
         .map(|(_, b)| b.name.as_str())
         .collect();
-    // Per block ln_1, ln_2, attn, gelu; plus ln_f and the LM head's dlogits.
-    assert_eq!(bf16.len(), 12 * 4 + 2, "{bf16:?}");
-    assert!(bf16.contains(&"d.logits") && bf16.contains(&"h11.gelu"));
+    // Per block ln_1, ln_2, attn, gelu; plus ln_f, the LM head's logits (read by the
+    // cross-entropy and its backward, which writes a bf16 gradient) and dlogits.
+    assert_eq!(bf16.len(), 12 * 4 + 3, "{bf16:?}");
+    assert!(bf16.contains(&"d.logits") && bf16.contains(&"h11.gelu") && bf16.contains(&"logits"));
     // attention-saved: every backward reads its forward's output and lse.
     let saved = plan
         .backward
@@ -275,8 +276,9 @@ fn llama_under_bf16_writes_norm_and_swiglu_outputs_in_bf16() {
     // 2 blocks × 2 norms + the final norm; 2 SwiGLUs.
     assert_eq!(bf16_of("rms_norm"), 5);
     assert_eq!(bf16_of("swi_glu"), 2);
-    // The fc GEMM's output, read only by SwiGLU's forward and backward, is written in bf16.
-    assert_eq!(bf16_of("mat_mul"), 2);
+    // The fc GEMMs' outputs, read only by SwiGLU's forward and backward, and the LM head's
+    // logits are written in bf16.
+    assert_eq!(bf16_of("mat_mul"), 3);
     assert!(plan
         .buffers
         .iter()

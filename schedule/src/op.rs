@@ -22,8 +22,9 @@ pub const BF16_ATTENTION_MAX_HEAD_DIM: usize = 64;
 /// `cross_entropy_backward.dlogits` — and the saved
 /// forward output `attention_backward.fwd_out` the tensor-core backward reads; `mat_mul.out`
 /// (bf16 GEMMs round their fp32 result in the epilogue; not with `accumulate`) and the SwiGLU
-/// input `x` of `swi_glu` / `swi_glu_backward` it feeds; `cast.out` is always bf16 (its `x`
-/// f32). Everything else is f32.
+/// input `x` of `swi_glu` / `swi_glu_backward` it feeds, and the `logits` of `cross_entropy` /
+/// `cross_entropy_backward` (a bf16 `logits` needs a bf16 `dlogits`); `cast.out` is always
+/// bf16 (its `x` f32). Everything else is f32.
 pub fn operand_dtypes(op: &str, operand: &str) -> &'static [DType] {
     const F32: &[DType] = &[DType::F32];
     const EITHER: &[DType] = &[DType::F32, DType::Bf16];
@@ -32,6 +33,7 @@ pub fn operand_dtypes(op: &str, operand: &str) -> &'static [DType] {
         ("mat_mul" | "mat_mul_bias", "a" | "b") => EITHER,
         ("mat_mul", "out") => EITHER,
         ("swi_glu" | "swi_glu_backward", "x") => EITHER,
+        ("cross_entropy" | "cross_entropy_backward", "logits") => EITHER,
         ("layer_norm" | "rms_norm" | "gelu" | "swi_glu" | "attention", "out") => EITHER,
         ("attention_backward", "fwd_out") => EITHER,
         ("cross_entropy_backward", "dlogits") => EITHER,

@@ -669,6 +669,11 @@ impl Checker<'_> {
                 let (n, _) = self.rank2("logits", *logits)?;
                 self.dims("targets", *targets, &[n])?;
                 self.same(("logits", *logits), ("dlogits", *dlogits))?;
+                if self.plan.buffer(*logits).dtype == DType::Bf16
+                    && self.plan.buffer(*dlogits).dtype != DType::Bf16
+                {
+                    return Err(self.fail("dlogits", *dlogits, "must be bf16 when the logits are"));
+                }
             }
             Op::ClipGradNorm { norm, max_norm, .. } => {
                 self.dims("norm", *norm, &[1])?;

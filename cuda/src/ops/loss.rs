@@ -27,6 +27,7 @@ fn xent_threads(vocab: usize) -> u32 {
 /// loss NaN and is reported by [`Device::take_status`]. `scratch` f32 of at least
 /// [`cross_entropy_scratch_len`]. One block per row reads the row once (online max and
 /// exp-sum, float4 loads); row losses in f64 are averaged in a fixed order (deterministic).
+/// `logits` may be bf16 (the output of a bf16 LM head; the statistics are fp32).
 /// Errors: [`CudaError::Shape`] on a length mismatch, [`CudaError::Operand`] on a wrong
 /// dtype or memory tier, [`CudaError::Invalid`] when `N` or `vocab` exceeds the kernels'
 /// `int` range.
@@ -41,7 +42,14 @@ pub fn cross_entropy_forward(
     const OP: &str = "cross_entropy";
     let n = targets.len();
     targets.expect(OP, "targets", Elem::I32, n)?;
-    logits.expect(OP, "logits", Elem::F32, n * vocab)?;
+    // f32 logits, or bf16 (a bf16 LM head's output; the math stays fp32).
+    let x16 = logits.elem() == Elem::BF16;
+    logits.expect(
+        OP,
+        "logits",
+        if x16 { Elem::BF16 } else { Elem::F32 },
+        n * vocab,
+    )?;
     loss.expect(OP, "loss", Elem::F32, 1)?;
     let rows = scratch
         .reinterpret(Elem::F64, n)
@@ -60,7 +68,11 @@ pub fn cross_entropy_forward(
             .i32(int(OP, "V", vocab)?)
             .buf(dev.status());
         dev.launch(
-            "xent_row_loss",
+            if x16 {
+                "xent_row_loss_bf16x"
+            } else {
+                "xent_row_loss"
+            },
             (n as u32, 1, 1),
             (xent_threads(vocab), 1, 1),
             args,
@@ -109,8 +121,9 @@ pub fn cross_entropy_backward_bf16(
     xent_backward(dev, logits, targets, dlogits, vocab, Elem::BF16)
 }
 
-/// The two `CrossEntropyBackward` launchers: `dlogits` of `out` (f32: `xent_backward`, bf16:
-/// `xent_backward_bf16`; same arguments).
+/// The `CrossEntropyBackward` launchers: `dlogits` of `out` (f32: `xent_backward`, bf16:
+/// `xent_backward_bf16`; same arguments); bf16 logits (`xent_backward_bf16x_bf16`) only with a
+/// bf16 `dlogits`.
 fn xent_backward(
     dev: &Device,
     logits: &Buf,
@@ -119,13 +132,26 @@ fn xent_backward(
     vocab: usize,
     out: Elem,
 ) -> Result<()> {
-    let (op, kernel) = match out {
-        Elem::BF16 => ("cross_entropy_backward_bf16", "xent_backward_bf16"),
-        _ => ("cross_entropy_backward", "xent_backward"),
+    let x16 = logits.elem() == Elem::BF16;
+    let (op, kernel) = match (x16, out) {
+        (true, Elem::BF16) => ("cross_entropy_backward_bf16", "xent_backward_bf16x_bf16"),
+        (true, _) => {
+            return Err(CudaError::Invalid {
+                op: "cross_entropy_backward",
+                what: "bf16 logits need a bf16 dlogits".into(),
+            })
+        }
+        (false, Elem::BF16) => ("cross_entropy_backward_bf16", "xent_backward_bf16"),
+        (false, _) => ("cross_entropy_backward", "xent_backward"),
     };
     let n = rows_of(op, "logits", logits.len(), vocab)?;
     targets.expect(op, "targets", Elem::I32, n)?;
-    logits.expect(op, "logits", Elem::F32, n * vocab)?;
+    logits.expect(
+        op,
+        "logits",
+        if x16 { Elem::BF16 } else { Elem::F32 },
+        n * vocab,
+    )?;
     dlogits.expect(op, "dlogits", out, n * vocab)?;
     if n == 0 {
         return Ok(());

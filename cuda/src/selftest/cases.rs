@@ -926,7 +926,7 @@ fn cross_entropy_cases(
     }
     v.push(case(
         "cross_entropy_backward_bf16",
-        size,
+        size.clone(),
         TOL_BF16,
         big,
         move |cx| {
@@ -937,6 +937,48 @@ fn cross_entropy_cases(
                 cx.timed(|| gloss::cross_entropy_backward_bf16(cx.dev, &lb, &tb, &ob, vocab))?;
             let mut r = vec![0.0; n * vocab];
             c::cross_entropy::cross_entropy_backward(&wide(&logits), &targets, &mut r, vocab)
+                .map_err(cpu)?;
+            Ok(one("dlogits", rel_err(&down_bf16(cx, &ob)?, &r), ms))
+        },
+    ));
+    // bf16 logits (a bf16 LM head's output): the reference reads the same rounded logits.
+    let up16 = |cx: &mut Ctx<'_>, x: &[f32]| -> Result<crate::Buf> {
+        let (b32, b16) = (cx.up(x)?, cx.raw(Elem::BF16, x.len())?);
+        crate::gemm::cast_f32_to_bf16(cx.dev, &b32, &b16)?;
+        Ok(b16)
+    };
+    let size16 = size.clone();
+    v.push(case(
+        "cross_entropy_bf16x",
+        size16,
+        TOL_F32,
+        big,
+        move |cx| {
+            let (logits, targets) = xent_inputs(cx, n, vocab, masked);
+            let l16: Vec<f32> = logits.iter().map(|&x| schedule::round_to_bf16(x)).collect();
+            let (lb, tb, ob) = (up16(cx, &logits)?, cx.up(&targets)?, cx.out(1)?);
+            let sb = cx.out(gloss::cross_entropy_scratch_len(n))?;
+            let ms =
+                cx.timed(|| gloss::cross_entropy_forward(cx.dev, &lb, &tb, &ob, vocab, &sb))?;
+            let r = c::cross_entropy::cross_entropy_forward(&wide(&l16), &targets, vocab)
+                .map_err(cpu)?;
+            Ok(one("loss", rel_err(&cx.down(&ob)?, &[r]), ms))
+        },
+    ));
+    v.push(case(
+        "cross_entropy_backward_bf16x",
+        size,
+        TOL_BF16,
+        big,
+        move |cx| {
+            let (logits, targets) = xent_inputs(cx, n, vocab, masked);
+            let l16: Vec<f32> = logits.iter().map(|&x| schedule::round_to_bf16(x)).collect();
+            let (lb, tb) = (up16(cx, &logits)?, cx.up(&targets)?);
+            let ob = cx.raw(Elem::BF16, n * vocab)?;
+            let ms =
+                cx.timed(|| gloss::cross_entropy_backward_bf16(cx.dev, &lb, &tb, &ob, vocab))?;
+            let mut r = vec![0.0; n * vocab];
+            c::cross_entropy::cross_entropy_backward(&wide(&l16), &targets, &mut r, vocab)
                 .map_err(cpu)?;
             Ok(one("dlogits", rel_err(&down_bf16(cx, &ob)?, &r), ms))
         },

@@ -227,7 +227,12 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 c.dims("bias", &[ch])?;
             }
             c.same("x", "out")?;
-            if c.get("out")?.1.dtype == DType::Bf16 && ch > schedule::BF16_LAYERNORM_MAX_C {
+            // The bf16 LayerNorm kernels are warp-per-row; RMSNorm's bf16 kernel takes any row.
+            let layer_norm = matches!(op, Op::LayerNorm { .. });
+            if layer_norm
+                && c.get("out")?.1.dtype == DType::Bf16
+                && ch > schedule::BF16_LAYERNORM_MAX_C
+            {
                 return Err(c.fail(
                     "out",
                     format!(
