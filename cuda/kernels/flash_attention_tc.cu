@@ -30,10 +30,32 @@
 // index is the tile row (P V, dS K, P^T dO, dS^T Q) come from `ldmatrix.trans`, which hands each
 // lane the (k = 2t..2t+1, n = g) pairs of the transposed 8x8 blocks.
 //
-// Head dims up to 64 (variants _d32, _d64; padded with zeros); wider heads use the SIMT family.
-// The forward and dQ kernels are capped at 128 registers (__launch_bounds__(256, 2)) so that two
-// blocks share an SM (a few bytes of spills; on the H200 GPT-2's attention forward 0.37 -> 0.31 ms
-// and backward 1.21 -> 1.06 ms per layer); dK/dV needs ~220 registers and keeps one block.
+// Head dims up to 128 (variants _d32, _d64, _d128; a head is padded with zeros up to its
+// variant's width); wider heads take the GEMM path.
+// d32/d64: the forward and dQ kernels are capped at 128 registers (__launch_bounds__(256, 2)) so
+// that two blocks share an SM (a few bytes of spills; on the H200 GPT-2's attention forward
+// 0.37 -> 0.31 ms and backward 1.21 -> 1.06 ms per layer); dK/dV needs ~220 registers and keeps
+// one block. Their tiles live in static shared memory (at most 37 KB).
+// d128: the forward and dQ kernels keep their A fragments (Q; Q and dO) in registers as the
+// narrower variants do. The dK/dV kernel keeps the block's K and V rows, its MMA A operands, in
+// shared memory and re-reads them per tile (tc_mma_rows_s) instead of holding them as
+// fragments in registers: K, V, dK, dV and the two score tiles alone would be 256 registers.
+// Same MMAs summed in the same order, so the numerics are those of the register path. All d128
+// kernels run one block of 256 threads per SM (__launch_bounds__(256, 1), up to 255 registers;
+// NVRTC 13.5 for sm_90: forward 210, dQ 226, dK/dV 249, no spills; NVRTC 12.9: dQ 237, dK/dV
+// 255 with 12 bytes of spills). Capped at 128 registers for two blocks per SM
+// (__launch_bounds__(256, 2)) the forward spills 280 bytes and dQ 720 (the forward with Q in
+// shared memory instead, 56 with NVRTC 12.9).
+// Shared memory is dynamic (extern tc_dyn_smem: the static limit is 48 KB; the launcher passes
+// the byte count and raises the function's dynamic limit), row stride 136 bf16 = 272 bytes:
+//   forward (both outputs): 2 stages x (64 K + 64 V rows) = 256 x 272 B = 69632 B
+//                           (holding the block's 128 Q rows first)
+//   dQ:    the same 69632 B (the 128 Q rows and 128 dO rows first)
+//   dK/dV: 128 K + 128 V rows, then 2 stages x (64 Q + 64 dO rows) = 512 x 272 B = 139264 B
+//          (+ 1 KB static: the staged lse2 / delta values)
+// so d128 needs a device whose opt-in shared memory per block holds 137 KB (sm_80: 163 KB,
+// sm_90: 227 KB; not sm_86 / sm_89: 99 KB). Every region starts at a multiple of 272 bytes, so
+// the 16-byte alignment of cp.async and ldmatrix holds as in the static arrays.
 
 #include <cuda_bf16.h>
 
@@ -44,6 +66,23 @@
 #define TC_NEG_INF __int_as_float(0xff800000)
 
 typedef __nv_bfloat16 bf16;
+
+// The d128 kernels' tile space (bytes passed at launch; see the header).
+extern __shared__ __align__(16) unsigned char tc_dyn_smem[];
+
+// Whether a variant's tiles live in dynamic shared memory (tc_dyn_smem) instead of a static
+// array (whose 48 KB limit the d128 tiles exceed): the d128 kernels.
+template <int HD>
+__host__ __device__ constexpr bool tc_dyn() {
+    return HD > 64;
+}
+
+// Whether the dK/dV kernel keeps the block's K and V rows (its MMA A operands) in shared memory
+// and re-reads them per tile (tc_mma_rows_s) instead of holding them in registers: d128.
+template <int HD>
+__host__ __device__ constexpr bool tc_a_smem() {
+    return HD > 64;
+}
 
 __device__ __forceinline__ unsigned tc_pack(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
@@ -93,6 +132,24 @@ __device__ __forceinline__ void tc_mma_rows(float (&acc)[NT][4], const unsigned 
             const int base = (j * 8 + g) * lds + kk * 16 + 2 * t;
             tc_mma(acc[j], a[kk], tc_ld(s, base), tc_ld(s, base + 8));
         }
+}
+
+// As tc_mma_rows, with A read from shared memory instead of registers: rows r0 .. r0+15,
+// columns 0 .. 16*KS-1 of the row-major tile sa (row stride lds). Every acc[j] sums its MMAs
+// in the same order (kk = 0 .. KS-1) as tc_mma_rows.
+template <int KS, int NT>
+__device__ __forceinline__ void tc_mma_rows_s(float (&acc)[NT][4], const bf16* sa, int r0, const bf16* s, int lds,
+                                              int g, int t) {
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+        unsigned a[4];
+        tc_frag_a(a, sa, lds, r0, kk * 16, g, t);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const int base = (j * 8 + g) * lds + kk * 16 + 2 * t;
+            tc_mma(acc[j], a, tc_ld(s, base), tc_ld(s, base + 8));
+        }
+    }
 }
 
 // acc[n] += P (16 x TC_TILE, held as score accumulators p[TC_TILE / 8][4]) times B with
@@ -212,7 +269,9 @@ __device__ __forceinline__ void tc_forward(const bf16* __restrict__ qkv, OutT* _
                                            float* __restrict__ delta, int seq_len, int n_heads, int hd, float scale) {
     constexpr int LD = HD + 8, KS = HD / 16, ND = HD / 8, NT = TC_TILE / 8;
     // Two stages of (K tile, V tile), double-buffered; at the start the block's 128 Q rows.
-    __shared__ __align__(16) bf16 sm[2 * 2 * TC_TILE * LD];
+    __shared__ __align__(16) bf16 sm_static[tc_dyn<HD>() ? 8 : 2 * 2 * TC_TILE * LD];
+    bf16* const sm = tc_dyn<HD>() ? reinterpret_cast<bf16*>(tc_dyn_smem) : sm_static;
+    static_assert(!tc_dyn<HD>() || 2 * 2 * TC_TILE * LD * 2 == 69632, "attention.rs's fwd_smem");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int bh = blockIdx.y, b = bh / n_heads, h = bh % n_heads;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * TC_ROWS;  // longest rows first
@@ -341,9 +400,15 @@ __device__ __forceinline__ void tc_backward_dkdv(const bf16* __restrict__ dout, 
                                                  float* __restrict__ dqkv, int seq_len, int n_heads, int hd,
                                                  float scale) {
     constexpr int LD = HD + 8, KS = HD / 16, ND = HD / 8, NT = TC_TILE / 8;
+    constexpr bool AS = tc_a_smem<HD>();
     // Q tile then dO tile; at the start the block's 128 K rows, then its 128 V rows.
-    // (Two stages of (Q tile, dO tile), double-buffered, in the same space.)
-    __shared__ __align__(16) bf16 sm[2 * TC_ROWS * LD];
+    // (Two stages of (Q tile, dO tile), double-buffered, in the same space; with AS the K and V
+    // rows keep their own space, before the stages.)
+    constexpr int KVSP = AS ? 2 * TC_ROWS * LD : 0;
+    __shared__ __align__(16) bf16 sm_static[tc_dyn<HD>() ? 8 : 2 * TC_ROWS * LD];
+    bf16* const sm = tc_dyn<HD>() ? reinterpret_cast<bf16*>(tc_dyn_smem) : sm_static;
+    bf16* const stg = sm + KVSP;
+    static_assert(!tc_dyn<HD>() || (KVSP + 2 * TC_ROWS * LD) * 2 == 139264, "attention.rs's dkdv_smem");
     __shared__ float ls[2][TC_TILE], dls[2][TC_TILE];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int bh = blockIdx.y, b = bh / n_heads, h = bh % n_heads;
@@ -359,14 +424,16 @@ __device__ __forceinline__ void tc_backward_dkdv(const bf16* __restrict__ dout, 
     const int keys[2] = {w0 + g, w0 + g + 8};
     const float sl = scale * TC_LOG2E;
 
-    unsigned ka[KS][4], va[KS][4];
+    unsigned ka[AS ? 1 : KS][4], va[AS ? 1 : KS][4];
     tc_load<HD>(sm, base + c, ld, j0, TC_ROWS, seq_len, hd, vec);
     tc_load<HD>(sm + TC_ROWS * LD, base + 2 * c, ld, j0, TC_ROWS, seq_len, hd, vec);
     __syncthreads();
+    if constexpr (!AS) {
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-        tc_frag_a(ka[kk], sm, LD, warp * 16, kk * 16, g, t);
-        tc_frag_a(va[kk], sm + TC_ROWS * LD, LD, warp * 16, kk * 16, g, t);
+        for (int kk = 0; kk < KS; ++kk) {
+            tc_frag_a(ka[kk], sm, LD, warp * 16, kk * 16, g, t);
+            tc_frag_a(va[kk], sm + TC_ROWS * LD, LD, warp * 16, kk * 16, g, t);
+        }
     }
     float dk[ND][4], dv[ND][4];
 #pragma unroll
@@ -376,7 +443,7 @@ __device__ __forceinline__ void tc_backward_dkdv(const bf16* __restrict__ dout, 
 
     static_assert(2 * 2 * TC_TILE <= 2 * TC_ROWS, "two stages fit in the K/V rows' space");
     auto issue = [&](int i0, int st) {
-        bf16* qs = sm + st * 2 * TC_TILE * LD;
+        bf16* qs = stg + st * 2 * TC_TILE * LD;
         tc_load_async<HD>(qs, base, ld, i0, TC_TILE, seq_len, hd, vec);
         tc_load_async<HD>(qs + TC_TILE * LD, gbase, c, i0, TC_TILE, seq_len, hd, vec);
         tc_cp_commit();
@@ -398,7 +465,7 @@ __device__ __forceinline__ void tc_backward_dkdv(const bf16* __restrict__ dout, 
             tc_cp_wait<0>();
         }
         __syncthreads();
-        const bf16* qs = sm + stage * 2 * TC_TILE * LD;
+        const bf16* qs = stg + stage * 2 * TC_TILE * LD;
         const bf16* gs = qs + TC_TILE * LD;
         if (i0 + TC_TILE - 1 >= w0) {  // else every query of this tile is before this warp's keys
         // S^T = K Q^T and dP^T = V dO^T: 16 keys x 64 queries.
@@ -407,8 +474,13 @@ __device__ __forceinline__ void tc_backward_dkdv(const bf16* __restrict__ dout, 
         for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.0f;
-        tc_mma_rows<KS, NT>(st, ka, qs, LD, g, t);
-        tc_mma_rows<KS, NT>(dpt, va, gs, LD, g, t);
+        if constexpr (AS) {
+            tc_mma_rows_s<KS, NT>(st, sm, warp * 16, qs, LD, g, t);
+            tc_mma_rows_s<KS, NT>(dpt, sm + TC_ROWS * LD, warp * 16, gs, LD, g, t);
+        } else {
+            tc_mma_rows<KS, NT>(st, ka, qs, LD, g, t);
+            tc_mma_rows<KS, NT>(dpt, va, gs, LD, g, t);
+        }
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -438,7 +510,9 @@ __device__ __forceinline__ void tc_backward_dq(const bf16* __restrict__ dout, co
     constexpr int LD = HD + 8, KS = HD / 16, ND = HD / 8, NT = TC_TILE / 8;
     // Two stages of (K tile, V tile), double-buffered; at the start the block's 128 Q rows,
     // then its 128 dO rows.
-    __shared__ __align__(16) bf16 sm[2 * TC_ROWS * LD];
+    __shared__ __align__(16) bf16 sm_static[tc_dyn<HD>() ? 8 : 2 * TC_ROWS * LD];
+    bf16* const sm = tc_dyn<HD>() ? reinterpret_cast<bf16*>(tc_dyn_smem) : sm_static;
+    static_assert(!tc_dyn<HD>() || 2 * TC_ROWS * LD * 2 == 69632, "attention.rs's dq_smem");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int bh = blockIdx.y, b = bh / n_heads, h = bh % n_heads;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * TC_ROWS;
@@ -561,6 +635,31 @@ extern "C" __global__ void __launch_bounds__(256, 2)
                                   const bf16* __restrict__ dout, float* __restrict__ delta, int seq_len,
                                   int n_heads, int hd, float scale) {
     tc_forward<64>(qkv, out, lse2, dout, delta, seq_len, n_heads, hd, scale);
+}
+// d128: one block per SM, up to 255 registers (see the header).
+extern "C" __global__ void __launch_bounds__(256, 1) flash_attn_tc_fwd_d128(const bf16* __restrict__ qkv, float* __restrict__ out,
+                                                 float* __restrict__ lse2, const bf16* __restrict__ dout,
+                                                 float* __restrict__ delta, int seq_len, int n_heads, int hd,
+                                                 float scale) {
+    tc_forward<128>(qkv, out, lse2, dout, delta, seq_len, n_heads, hd, scale);
+}
+extern "C" __global__ void __launch_bounds__(256, 1) flash_attn_tc_bwd_dkdv_d128(const bf16* __restrict__ dout, const bf16* __restrict__ qkv,
+                                                      const float* __restrict__ lse2, const float* __restrict__ delta,
+                                                      float* __restrict__ dqkv, int seq_len, int n_heads, int hd,
+                                                      float scale) {
+    tc_backward_dkdv<128>(dout, qkv, lse2, delta, dqkv, seq_len, n_heads, hd, scale);
+}
+extern "C" __global__ void __launch_bounds__(256, 1) flash_attn_tc_bwd_dq_d128(const bf16* __restrict__ dout, const bf16* __restrict__ qkv,
+                                                    const float* __restrict__ lse2, const float* __restrict__ delta,
+                                                    float* __restrict__ dqkv, int seq_len, int n_heads, int hd,
+                                                    float scale) {
+    tc_backward_dq<128>(dout, qkv, lse2, delta, dqkv, seq_len, n_heads, hd, scale);
+}
+extern "C" __global__ void __launch_bounds__(256, 1)
+    flash_attn_tc_fwd_bf16out_d128(const bf16* __restrict__ qkv, bf16* __restrict__ out, float* __restrict__ lse2,
+                                  const bf16* __restrict__ dout, float* __restrict__ delta, int seq_len,
+                                  int n_heads, int hd, float scale) {
+    tc_forward<128>(qkv, out, lse2, dout, delta, seq_len, n_heads, hd, scale);
 }
 
 // delta[bh * T + t] = sum_d dout[b, t, h*hd + d] * o[b, t, h*hd + d] (fp32 accumulation) from bf16

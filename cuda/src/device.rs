@@ -50,6 +50,9 @@ pub struct DeviceInfo {
     pub sm_count: u32,
     /// Global memory in bytes.
     pub total_mem: usize,
+    /// Shared memory a block may use with the opt-in
+    /// (`CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`; 227 KiB on sm_90), bytes.
+    pub max_shared_per_block_optin: usize,
     /// Driver API version as `(major, minor)` (13.0 → `(13, 0)`).
     pub driver_version: (i32, i32),
     /// NVRTC version.
@@ -210,6 +213,9 @@ impl GemmMath {
     }
 }
 
+/// Dynamic shared memory a launch may take without raising the function's limit (48 KiB).
+const DEFAULT_DYNAMIC_SMEM: u32 = 48 * 1024;
+
 /// 1 << 31 − 1: dimensions passed to kernels as `int` must stay below it.
 pub(crate) const INT_MAX: usize = i32::MAX as usize;
 
@@ -295,6 +301,11 @@ impl Device {
                 .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
                 .max(1) as u32,
             total_mem: ctx.total_mem()?,
+            max_shared_per_block_optin: ctx
+                .attribute(
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                )?
+                .max(0) as usize,
             driver_version: (dv / 1000, (dv % 1000) / 10),
             nvrtc_version: nvrtc::nvrtc_version()?,
             cublas_version,
@@ -593,11 +604,60 @@ impl Device {
         block: (u32, u32, u32),
         args: Args,
     ) -> Result<()> {
+        self.launch_with(kind, kernel, grid, block, 0, args)
+    }
+
+    /// Launches `kernel` on the compute stream with `smem` bytes of dynamic shared memory (its
+    /// `extern __shared__` array). Above the default 48 KiB the function's
+    /// `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` is raised to `smem` first.
+    ///
+    /// # Errors
+    /// As [`Device::launch`]; [`CudaError::Invalid`] when the device's opt-in shared memory
+    /// per block ([`DeviceInfo::max_shared_per_block_optin`]) is smaller than `smem` plus the
+    /// kernel's static shared memory.
+    pub(crate) fn launch_smem(
+        &self,
+        kernel: &'static str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: Args,
+    ) -> Result<()> {
+        self.launch_with(StreamKind::Compute, kernel, grid, block, smem, args)
+    }
+
+    fn launch_with(
+        &self,
+        kind: StreamKind,
+        kernel: &'static str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: Args,
+    ) -> Result<()> {
         let func = self.kernels.get(kernel, &args)?;
+        if smem > DEFAULT_DYNAMIC_SMEM {
+            self.ctx.bind_to_thread()?;
+            // The kernel's static shared memory comes on top of the dynamic bytes.
+            let total = smem as usize + func.shared_size_bytes()?.max(0) as usize;
+            if total > self.info.max_shared_per_block_optin {
+                return Err(CudaError::Invalid {
+                    op: kernel,
+                    what: format!(
+                        "needs {total} bytes of shared memory per block; {} allows {}",
+                        self.info.name, self.info.max_shared_per_block_optin
+                    ),
+                });
+            }
+            func.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )?;
+        }
         let cfg = LaunchConfig {
             grid_dim: grid,
             block_dim: block,
-            shared_mem_bytes: 0,
+            shared_mem_bytes: smem,
         };
         let mut b = self.stream(kind).launch_builder(func);
         for s in &args.slots {

@@ -113,6 +113,10 @@ pub const FAMILIES: &[Family] = &[
             "flash_attn_tc_bwd_dq_d64",
             "flash_attn_tc_fwd_bf16out_d32",
             "flash_attn_tc_fwd_bf16out_d64",
+            "flash_attn_tc_fwd_d128",
+            "flash_attn_tc_bwd_dkdv_d128",
+            "flash_attn_tc_bwd_dq_d128",
+            "flash_attn_tc_fwd_bf16out_d128",
             "flash_attn_tc_delta",
         ]
     ),

@@ -9,8 +9,8 @@ use serde::{Deserialize, Serialize};
 pub const BF16_LAYERNORM_MAX_C: usize = 32 * 64;
 
 /// Largest head dimension (C / n_heads) of an `Attention` whose output may be bf16: the CUDA
-/// engine's tensor-core attention kernels, the ones that write bf16, support heads up to 64.
-pub const BF16_ATTENTION_MAX_HEAD_DIM: usize = 64;
+/// engine's tensor-core attention kernels, the ones that write bf16, support heads up to 128.
+pub const BF16_ATTENTION_MAX_HEAD_DIM: usize = 128;
 
 /// The element types operand `operand` of the plan op named `op` (its snake_case tag, as
 /// [`Op::name`]; IR ops of the same name follow the same rule) may have. `ids` / `targets`

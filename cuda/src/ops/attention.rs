@@ -9,7 +9,7 @@
 //!   full `T × T` scores are materialised. `attention = auto`'s choice under `precision = fp32`.
 //! - [`flash_attention_forward`] / [`flash_attention_backward`] with [`FlashMath::Bf16`]
 //!   (family `flash_attention_tc`; `attention = fused`, and `auto` under `precision = bf16`
-//!   for head dims ≤ 64): FlashAttention-2 on bf16 tensor cores (`mma.sync m16n8k16`, fp32
+//!   for head dims ≤ 128): FlashAttention-2 on bf16 tensor cores (`mma.sync m16n8k16`, fp32
 //!   softmax and accumulation) over bf16 copies of qkv and dout made by the launcher.
 //!
 //! The fused paths read q/k/v strided straight from the fused qkv and keep no `T × T` buffer.
@@ -263,15 +263,16 @@ pub fn attention_backward(
     dev.launch("attn_merge_qkv", grid, (256, 1, 1), merge)
 }
 
-/// Largest head dimension the tensor-core fused kernels take (`_d32`, `_d64` variants).
-pub const FLASH_TC_MAX_HEAD_DIM: usize = 64;
+/// Largest head dimension the tensor-core fused kernels take (`_d32`, `_d64`, `_d128`
+/// variants).
+pub const FLASH_TC_MAX_HEAD_DIM: usize = 128;
 
 /// How the fused attention kernels compute: one way today (an fp32 SIMT variant lost its
 /// measurement against the GEMM path and was deleted; git history has it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FlashMath {
     /// bf16 tensor-core MMA (`mma.sync m16n8k16`) with fp32 accumulation and fp32 softmax
-    /// (`flash_attention_tc.cu`; head dim ≤ 64): the `precision = bf16` kernels.
+    /// (`flash_attention_tc.cu`; head dim ≤ 128): the `precision = bf16` kernels.
     Bf16,
 }
 
@@ -326,28 +327,74 @@ fn bf16_copy(dev: &Device, scratch: &Buf, at: usize, x: &Buf, n: usize) -> Resul
     Ok(b)
 }
 
-/// Threads per block of the fused kernels for head dim `hd`, and the variant's kernels
-/// (forward, dK/dV, dQ).
-fn flash_variant(hd: usize, math: FlashMath) -> (usize, &'static str, &'static str, &'static str) {
+/// The fused kernels of one head-dim variant: threads per block, kernel names, and the dynamic
+/// shared memory (bytes) each takes at launch (0: the variant's tiles are static arrays).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FlashVariant {
+    threads: usize,
+    /// Forward with an f32 output (also backward pass 1).
+    fwd: &'static str,
+    /// Forward with a bf16 output.
+    fwd_bf16out: &'static str,
+    dkdv: &'static str,
+    dq: &'static str,
+    /// Of both forwards.
+    fwd_smem: u32,
+    dkdv_smem: u32,
+    dq_smem: u32,
+}
+
+/// Bytes of `rows` tile rows of the d128 kernels (row stride 128 + 8 bf16).
+const fn tc_d128_rows(rows: usize) -> u32 {
+    (rows * (128 + 8) * 2) as u32
+}
+
+/// The variant of the fused kernels for head dim `hd` (≤ [`FLASH_TC_MAX_HEAD_DIM`]). The d128
+/// kernels' shared memory, as `flash_attention_tc.cu`'s header lays it out: forward and dQ two
+/// stages of (64 + 64) rows (69632 bytes), dK/dV 128 K + 128 V rows and the two stages
+/// (139264 bytes).
+fn flash_variant(hd: usize, math: FlashMath) -> FlashVariant {
+    let stat = |fwd, fwd_bf16out, dkdv, dq| FlashVariant {
+        threads: FLASH_TC_THREADS,
+        fwd,
+        fwd_bf16out,
+        dkdv,
+        dq,
+        fwd_smem: 0,
+        dkdv_smem: 0,
+        dq_smem: 0,
+    };
     match math {
-        FlashMath::Bf16 if hd <= 32 => (
-            FLASH_TC_THREADS,
+        FlashMath::Bf16 if hd <= 32 => stat(
             "flash_attn_tc_fwd_d32",
+            "flash_attn_tc_fwd_bf16out_d32",
             "flash_attn_tc_bwd_dkdv_d32",
             "flash_attn_tc_bwd_dq_d32",
         ),
-        FlashMath::Bf16 => (
-            FLASH_TC_THREADS,
+        FlashMath::Bf16 if hd <= 64 => stat(
             "flash_attn_tc_fwd_d64",
+            "flash_attn_tc_fwd_bf16out_d64",
             "flash_attn_tc_bwd_dkdv_d64",
             "flash_attn_tc_bwd_dq_d64",
         ),
+        FlashMath::Bf16 => FlashVariant {
+            threads: FLASH_TC_THREADS,
+            fwd: "flash_attn_tc_fwd_d128",
+            fwd_bf16out: "flash_attn_tc_fwd_bf16out_d128",
+            dkdv: "flash_attn_tc_bwd_dkdv_d128",
+            dq: "flash_attn_tc_bwd_dq_d128",
+            fwd_smem: tc_d128_rows(2 * 2 * FLASH_TC_TILE),
+            dkdv_smem: tc_d128_rows(2 * FLASH_TC_ROWS + 2 * 2 * FLASH_TC_TILE),
+            dq_smem: tc_d128_rows(2 * FLASH_TC_ROWS),
+        },
     }
 }
 
-/// Rows per block and threads per block of the tensor-core kernels (8 warps of 16 rows).
+/// Rows per block and threads per block of the tensor-core kernels (8 warps of 16 rows), and
+/// rows per streamed shared-memory tile (`TC_ROWS`, `TC_TILE` in the kernel file).
 const FLASH_TC_ROWS: usize = 128;
 const FLASH_TC_THREADS: usize = 256;
+const FLASH_TC_TILE: usize = 64;
 
 /// A launch grid or block.
 type Dim3 = (u32, u32, u32);
@@ -374,7 +421,7 @@ fn flash_check(op: &'static str, d: &AttnDims, math: FlashMath) -> Result<(usize
             what: format!("batch*n_heads = {bh} exceeds the grid's y limit 65535"),
         });
     }
-    let (threads, ..) = flash_variant(hd, math);
+    let threads = flash_variant(hd, math).threads;
     let rows = match math {
         FlashMath::Bf16 => FLASH_TC_ROWS,
     };
@@ -465,12 +512,8 @@ fn flash_forward(
     flash_scratch(OP, scratch, flash_forward_scratch_len(d, math))?;
     let rows = d.batch * d.n_heads * d.seq_len;
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
-    let (_, fwd, ..) = flash_variant(hd, math);
-    let fwd = match (bf16_out, hd <= 32) {
-        (false, _) => fwd,
-        (true, true) => "flash_attn_tc_fwd_bf16out_d32",
-        (true, false) => "flash_attn_tc_fwd_bf16out_d64",
-    };
+    let var = flash_variant(hd, math);
+    let fwd = if bf16_out { var.fwd_bf16out } else { var.fwd };
     let (lse, input) = match (saved, math) {
         (Some(sv), FlashMath::Bf16) => {
             sv.lse.expect(OP, "saved lse", Elem::F32, rows)?;
@@ -493,7 +536,7 @@ fn flash_forward(
         .i32(d.n_heads as i32)
         .i32(hd as i32)
         .f32(scale);
-    dev.launch(fwd, grid, block, args)
+    dev.launch_smem(fwd, grid, block, var.fwd_smem, args)
 }
 
 /// Plan op `AttentionBackward` on the tensor cores from what the forward kept: `saved` (row
@@ -528,7 +571,7 @@ pub fn flash_attention_backward_saved(
     flash_scratch(OP, scratch, flash_backward_scratch_len(d, math))?;
     let delta = scratch.slice(region(rows), rows)?;
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
-    let (_, _, dkdv, dq) = flash_variant(hd, math);
+    let var = flash_variant(hd, math);
     let at = 2 * region(rows) + bf16_region(3 * nc);
     let dout = bf16_copy(dev, scratch, at, dout, nc)?;
     let args = Args::new()
@@ -559,8 +602,8 @@ pub fn flash_attention_backward_saved(
             .buf(&delta)
             .buf(dqkv)
     };
-    dev.launch(dkdv, grid, block, tail(bwd()))?;
-    dev.launch(dq, grid, block, tail(bwd()))
+    dev.launch_smem(var.dkdv, grid, block, var.dkdv_smem, tail(bwd()))?;
+    dev.launch_smem(var.dq, grid, block, var.dq_smem, tail(bwd()))
 }
 
 fn int32(op: &'static str, n: usize) -> Result<i32> {
@@ -595,7 +638,7 @@ pub fn flash_attention_backward(
     let rows = d.batch * d.n_heads * d.seq_len;
     let (lse, delta) = (scratch.slice(0, rows)?, scratch.slice(region(rows), rows)?);
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
-    let (_, fwd, dkdv, dq) = flash_variant(hd, math);
+    let var = flash_variant(hd, math);
     let (qkv, dout) = match math {
         FlashMath::Bf16 => {
             let at = 2 * region(rows);
@@ -618,7 +661,7 @@ pub fn flash_attention_backward(
         .buf(&lse)
         .buf(dout)
         .buf(&delta);
-    dev.launch(fwd, grid, block, tail(pass1))?;
+    dev.launch_smem(var.fwd, grid, block, var.fwd_smem, tail(pass1))?;
     let bwd = || {
         Args::new()
             .buf(dout)
@@ -627,6 +670,49 @@ pub fn flash_attention_backward(
             .buf(&delta)
             .buf(dqkv)
     };
-    dev.launch(dkdv, grid, block, tail(bwd()))?;
-    dev.launch(dq, grid, block, tail(bwd()))
+    dev.launch_smem(var.dkdv, grid, block, var.dkdv_smem, tail(bwd()))?;
+    dev.launch_smem(var.dq, grid, block, var.dq_smem, tail(bwd()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_head_dim_up_to_the_limit_has_a_registered_variant() {
+        for hd in 1..=FLASH_TC_MAX_HEAD_DIM {
+            let v = flash_variant(hd, FlashMath::Bf16);
+            let width = [32, 64, 128].into_iter().find(|&w| hd <= w).unwrap();
+            for k in [v.fwd, v.fwd_bf16out, v.dkdv, v.dq] {
+                assert!(k.ends_with(&format!("_d{width}")), "hd {hd}: {k}");
+                assert_eq!(
+                    crate::kernels::family_of(k).map(|f| f.name),
+                    Some("flash_attention_tc"),
+                    "{k}"
+                );
+            }
+            let smem = [v.fwd_smem, v.dkdv_smem, v.dq_smem];
+            if width < 128 {
+                assert_eq!(smem, [0; 3], "d{width} tiles are static arrays");
+            }
+        }
+    }
+
+    #[test]
+    fn the_d128_launch_sizes_are_the_kernel_files_layout() {
+        let v = flash_variant(128, FlashMath::Bf16);
+        assert_eq!(
+            [v.fwd_smem, v.dkdv_smem, v.dq_smem],
+            [69_632, 139_264, 69_632]
+        );
+        let src = crate::kernels::family_of("flash_attn_tc_fwd_d128")
+            .expect("registered")
+            .source;
+        for bytes in [v.fwd_smem, v.dkdv_smem, v.dq_smem] {
+            assert!(
+                src.contains(&format!("{bytes} B")),
+                "header gives {bytes} B"
+            );
+        }
+    }
 }

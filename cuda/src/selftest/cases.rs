@@ -599,10 +599,11 @@ fn attention(v: &mut Vec<Case>) {
 }
 
 /// The fused (flash-style) attention kernels against the CPU reference at awkward sizes: every
-/// head-dim variant (d32, d64, d128 with padding), T not a multiple of the 64-row block or the
-/// 32-row tile, T = 1, several batches. Outputs and scratch NaN-poisoned. Each geometry with the
-/// fp32 SIMT kernels (fp32 tolerance) and, for head dims ≤ 64, the bf16 tensor-core kernels
-/// (`flash_attention_tc*`, bf16 tolerance: operands rounded to bf16, fp32 accumulation).
+/// head-dim variant (d32, d64, d128, each also padded: head dims 16, 24, 48, 50, 100), T not
+/// a multiple of the 128-row block or the 64-row tile, T = 1, several batches. Outputs and
+/// scratch NaN-poisoned. The bf16 tensor-core kernels (`flash_attention_tc*`, bf16 tolerance:
+/// operands rounded to bf16, fp32 accumulation) take every geometry with head dims ≤ 128:
+/// forward, backward (statistics from a forward rerun) and the saved-statistics backward.
 fn flash_attention(v: &mut Vec<Case>) {
     // (batch, seq_len, n_heads, channels)
     for (b, t, nh, ch, big) in [
@@ -621,6 +622,14 @@ fn flash_attention(v: &mut Vec<Case>) {
         (3, 1024, 2, 64, false),
         (1, 1024, 12, 768, true),
         (2, 1024, 12, 768, true),
+        // Head dim 128 (the d128 kernels: dynamic shared memory, K/V rows re-read from it in
+        // dK/dV) and 100 (padded to 128).
+        (1, 1, 1, 128, false),
+        (2, 200, 2, 256, false),
+        (1, 129, 2, 200, false),
+        (2, 1000, 2, 256, false),
+        (2, 1024, 2, 256, false),
+        (1, 1024, 16, 2048, true),
     ] {
         let size = format!("B={b} T={t} NH={nh} C={ch}");
         let gd = gattn::AttnDims {
