@@ -965,8 +965,34 @@ mod tests {
 
     #[test]
     fn a_bf16_gradient_read_only_by_a_gemm_verifies_and_takes_half_the_bytes() {
-        let p = with_dtype(plan(), 7, DType::Bf16);
-        p.verify().expect("dlogits may be bf16");
+        // dlogits bf16 alone: its weight-gradient GEMM would mix bf16 and the f32 `x`.
+        let err = with_dtype(plan(), 7, DType::Bf16).verify().unwrap_err();
+        assert!(
+            err.to_string().contains("GEMM operands share one dtype"),
+            "{err}"
+        );
+        // With `x` cast to bf16 for that GEMM (what `fuse`'s bf16-cast inserts) it verifies.
+        let mut p = plan();
+        p.buffers.push(Buffer {
+            name: "x.bf16".into(),
+            shape: vec![2, 2],
+            dtype: DType::Bf16,
+            class: BufferClass::Activation,
+            init: Init::Zeros,
+        });
+        let x16 = BufferId(p.buffers.len() as u32 - 1);
+        p.backward.insert(
+            1,
+            Op::Cast {
+                x: BufferId(4),
+                out: x16,
+            },
+        );
+        if let Op::MatMul { b, .. } = &mut p.backward[2] {
+            *b = x16;
+        }
+        let p = with_dtype(p, 7, DType::Bf16);
+        p.verify().expect("dlogits and the cast x may be bf16");
         assert_eq!(p.buffers[7].size_bytes(), 2 * 3 * 2);
     }
 
@@ -978,9 +1004,12 @@ mod tests {
             matches!(&err, PlanError::Operand { operand: "out", problem, .. } if problem == "must be f32"),
             "{err}"
         );
-        // `logits` is read by the cross-entropy.
+        // bf16 `logits` need the cross-entropy backward to write a bf16 gradient.
         let err = with_dtype(plan(), 5, DType::Bf16).verify().unwrap_err();
-        assert!(err.to_string().contains("must be f32"), "{err}");
+        assert!(
+            err.to_string().contains("must be bf16 when the logits are"),
+            "{err}"
+        );
         // A parameter never is.
         let err = with_dtype(plan(), 2, DType::Bf16).verify().unwrap_err();
         assert!(
