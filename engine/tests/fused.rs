@@ -169,21 +169,27 @@ fn bf16_outputs_hold_rounded_values_and_gemms_read_them_exactly() {
             ("b", vec![p, k], DType::F32, Parameter),
             ("g", vec![m, k], dtype, Activation),
             ("out", vec![m, p], DType::F32, Activation),
+            ("b.bf16", vec![p, k], DType::Bf16, Activation),
         ]
     };
-    let prog = vec![
-        Op::Gelu { x: B(0), out: B(2) },
-        Op::MatMul {
+    // Under bf16 the GEMM's f32 operand is cast first (`fuse`'s bf16-cast): both operands bf16.
+    let prog = |bf16: bool| {
+        let mut ops = vec![Op::Gelu { x: B(0), out: B(2) }];
+        if bf16 {
+            ops.push(Op::Cast { x: B(1), out: B(4) });
+        }
+        ops.push(Op::MatMul {
             a: B(2),
-            b: B(1),
+            b: if bf16 { B(4) } else { B(1) },
             out: B(3),
             trans_a: false,
             trans_b: true,
             accumulate: false,
-        },
-    ];
-    let f32_run = run(plan(m, bufs(DType::F32), prog.clone()));
-    let mut bf16_run = run(plan(m, bufs(DType::Bf16), prog));
+        });
+        ops
+    };
+    let f32_run = run(plan(m, bufs(DType::F32), prog(false)));
+    let mut bf16_run = run(plan(m, bufs(DType::Bf16), prog(true)));
     let g32 = f32_run.buffer("g").expect("g");
     let g16 = bf16_run.buffer("g").expect("g");
     let rounded: Vec<f32> = g32.iter().map(|&v| round_to_bf16(v as f32)).collect();
@@ -201,7 +207,7 @@ fn bf16_outputs_hold_rounded_values_and_gemms_read_them_exactly() {
         .buffer("b")
         .expect("b")
         .iter()
-        .map(|&v| v as f32)
+        .map(|&v| round_to_bf16(v as f32))
         .collect();
     let mut want = vec![0f32; m * p];
     matmul(
