@@ -20,5 +20,5 @@ mod train;
 pub use cpu::{CpuEngine, EngineOptions, EngineStats};
 pub use error::EngineError;
 pub use refresh_runtime::HostTaskReport;
-pub use rng::Rng;
+pub use rng::{normal_fill, Rng, INIT_CHUNK};
 pub use train::{train, train_with, StepExecutor, TrainOptions, TrainSummary};

@@ -7,7 +7,7 @@ use crate::device::Device;
 use crate::error::{CudaError, Tier};
 use crate::memory::{Arena, Buf, Elem, BUF_ALIGN};
 use crate::ops::{attention as at, loss, nn, optim as op};
-use engine::{EngineError, EngineStats, Rng};
+use engine::{EngineError, EngineStats};
 use schedule::{
     ArenaKind, AttentionKernel, BufferId, DType, Init, Op, Plan, Precision, Profile, TargetPlan,
 };
@@ -430,8 +430,8 @@ impl CudaEngine {
     /// The CPU engine's initialisation (`engine::CpuEngine::new`), on the host, uploaded.
     fn init_buffers(&mut self) -> Result<(), EngineError> {
         let e = |err: CudaError| cuda_err("initialising buffers", err);
-        let mut rng = Rng::new(self.opts.engine.seed.unwrap_or(self.plan.train.seed));
-        for (b, buf) in self.plan.buffers.iter().zip(&self.bufs) {
+        let seed = self.opts.engine.seed.unwrap_or(self.plan.train.seed);
+        for (i, (b, buf)) in self.plan.buffers.iter().zip(&self.bufs).enumerate() {
             match (b.init, b.dtype) {
                 (Init::Zeros, _) => self.dev.zero(buf).map_err(e)?,
                 (Init::Ones, DType::F32) => {
@@ -441,15 +441,13 @@ impl CudaEngine {
                     self.dev.upload(buf, &vec![1i32; b.numel()]).map_err(e)?
                 }
                 (Init::Normal { std }, DType::F32) => {
-                    let v: Vec<f32> = (0..b.numel())
-                        .map(|_| (std * rng.normal()) as f32)
-                        .collect();
+                    let mut v = vec![0f32; b.numel()];
+                    engine::normal_fill(seed, i as u64, &mut v, |z| (std * z) as f32);
                     self.dev.upload(buf, &v).map_err(e)?
                 }
                 (Init::Normal { std }, DType::I32) => {
-                    let v: Vec<i32> = (0..b.numel())
-                        .map(|_| (std * rng.normal()).round() as i32)
-                        .collect();
+                    let mut v = vec![0i32; b.numel()];
+                    engine::normal_fill(seed, i as u64, &mut v, |z| (std * z).round() as i32);
                     self.dev.upload(buf, &v).map_err(e)?
                 }
                 (Init::Ones | Init::Normal { .. }, DType::Bf16) => {

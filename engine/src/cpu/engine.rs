@@ -3,7 +3,6 @@ use super::exec::{exec_op, OpOutcome};
 use super::host::Runtime;
 use super::store::{Data, Loc, Store};
 use super::Float;
-use crate::rng::Rng;
 use crate::EngineError;
 use optim::{HostEigensolver, Real};
 use schedule::{BufferId, HostTask, Init, LiveRange, Op, Placement, Plan, TargetPlan};
@@ -276,20 +275,24 @@ impl<T: Float + Real> CpuEngine<T> {
         let pool = Arc::new(build_pool(threads, "kernel")?);
         let host_pool = Arc::new(build_pool(threads, "host")?);
         let mut store = Store::zeros(&plan);
-        let mut rng = Rng::new(opts.seed.unwrap_or(plan.train.seed));
-        for (b, data) in plan.buffers.iter().zip(store.data.iter_mut()) {
-            match (b.init, data) {
-                (Init::Zeros, _) => {}
-                (Init::Ones, Data::F(v)) => v.iter_mut().for_each(|x| *x = T::one()),
-                (Init::Ones, Data::I(v)) => v.iter_mut().for_each(|x| *x = 1),
-                (Init::Normal { std }, Data::F(v)) => v
-                    .iter_mut()
-                    .for_each(|x| *x = <T as Float>::from_f64(std * rng.normal())),
-                (Init::Normal { std }, Data::I(v)) => v
-                    .iter_mut()
-                    .for_each(|x| *x = (std * rng.normal()).round() as i32),
+        // Normal draws: `crate::normal_fill` per buffer (stream = buffer index), in parallel on
+        // the kernel pool; the CUDA engine uploads the same values.
+        let seed = opts.seed.unwrap_or(plan.train.seed);
+        pool.install(|| {
+            for (i, (b, data)) in plan.buffers.iter().zip(store.data.iter_mut()).enumerate() {
+                match (b.init, data) {
+                    (Init::Zeros, _) => {}
+                    (Init::Ones, Data::F(v)) => v.iter_mut().for_each(|x| *x = T::one()),
+                    (Init::Ones, Data::I(v)) => v.iter_mut().for_each(|x| *x = 1),
+                    (Init::Normal { std }, Data::F(v)) => {
+                        crate::normal_fill(seed, i as u64, v, |z| <T as Float>::from_f64(std * z))
+                    }
+                    (Init::Normal { std }, Data::I(v)) => {
+                        crate::normal_fill(seed, i as u64, v, |z| (std * z).round() as i32)
+                    }
+                }
             }
-        }
+        });
         let tasks = plan.host_tasks.len();
         let gpu_side = plan
             .host_tasks
