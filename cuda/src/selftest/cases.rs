@@ -1,9 +1,9 @@
 //! Self-test cases of the model, attention, loss, GEMM and elementwise launchers.
 use super::{cpu, rel_err, wide, Case, Ctx, Outcome, TOL_BF16, TOL_F32};
 use crate::error::Result;
-use crate::gemm::{self, Dims};
+use crate::gemm::Dims;
 use crate::memory::Elem;
-use crate::ops::{attention as gattn, loss as gloss, nn as g};
+use crate::ops::{attention as gattn, nn as g};
 use engine::cpu as c;
 
 /// Registers a case.
@@ -23,7 +23,7 @@ pub(crate) fn case(
     }
 }
 
-fn one(name: &'static str, err: f64, gpu_ms: f64) -> Outcome {
+pub(super) fn one(name: &'static str, err: f64, gpu_ms: f64) -> Outcome {
     Outcome {
         errs: vec![(name, err)],
         gpu_ms,
@@ -41,8 +41,8 @@ pub(crate) fn cases() -> Vec<Case> {
     rope(&mut v);
     attention(&mut v);
     flash_attention(&mut v);
-    cross_entropy(&mut v);
-    matmul(&mut v);
+    super::cases_loss::cross_entropy(&mut v);
+    super::cases_loss::matmul(&mut v);
     v
 }
 
@@ -135,7 +135,7 @@ fn positional(v: &mut Vec<Case>) {
 }
 
 /// The contents of a bf16 device buffer, widened to f32.
-fn down_bf16(cx: &super::Ctx<'_>, b: &crate::Buf) -> Result<Vec<f32>> {
+pub(super) fn down_bf16(cx: &super::Ctx<'_>, b: &crate::Buf) -> Result<Vec<f32>> {
     Ok(cx
         .dev
         .download::<half::bf16>(b)?
@@ -731,7 +731,7 @@ fn flash_attention(v: &mut Vec<Case>) {
 }
 
 /// The CPU engine's matmul geometry of a GPU one (same rows and columns).
-fn cpu_dims(d: Dims) -> c::matmul::Dims {
+pub(super) fn cpu_dims(d: Dims) -> c::matmul::Dims {
     c::matmul::Dims {
         rows: d.rows,
         cols: d.cols,
@@ -825,291 +825,6 @@ fn operands(x: &[f32], math: gattn::FlashMath) -> Vec<f64> {
             .iter()
             .map(|&v| f64::from(half::bf16::from_f32(v).to_f32()))
             .collect(),
-    }
-}
-
-fn cross_entropy(v: &mut Vec<Case>) {
-    for (n, vocab, big) in [
-        (3, 3, false),
-        (783, 50, false),
-        (50, 50257, false),
-        (4096, 783, false),
-        (783, 50257, true),
-    ] {
-        cross_entropy_cases(v, n, vocab, false, (0, 0), big);
-    }
-    // V = 1; rows starting at every 16-byte phase (odd V); logits and dlogits of different
-    // 16-byte alignment (the scalar gradient path) and of the same non-zero one; a padded
-    // vocabulary (every row aligned); -inf logits (masked entries add exactly 0); GPT-2's
-    // vocabulary at 2048 rows.
-    for (n, vocab, masked, offsets, big) in [
-        (1, 1, false, (0, 0), false),
-        (5, 7, false, (0, 0), false),
-        (37, 1001, false, (0, 1), false),
-        (37, 1001, false, (2, 2), false),
-        (64, 50304, false, (0, 0), false),
-        (257, 4099, true, (1, 3), false),
-        (2048, 50257, false, (0, 0), true),
-    ] {
-        cross_entropy_cases(v, n, vocab, masked, offsets, big);
-    }
-}
-
-/// Logits `N(0, 2²)` `[n, vocab]` and targets in `[0, vocab)`; when `masked`, every logit at
-/// `j % 3 == 1` is −∞ and no target points at one.
-fn xent_inputs(cx: &mut Ctx<'_>, n: usize, vocab: usize, masked: bool) -> (Vec<f32>, Vec<i32>) {
-    let mut logits = cx.normal(n * vocab, 0.0, 2.0);
-    let mut targets = cx.ids(n, vocab);
-    if masked {
-        for (k, l) in logits.iter_mut().enumerate() {
-            if (k % vocab) % 3 == 1 {
-                *l = f32::NEG_INFINITY;
-            }
-        }
-        for t in targets.iter_mut() {
-            if *t % 3 == 1 {
-                *t -= 1;
-            }
-        }
-    }
-    (logits, targets)
-}
-
-/// The `cross_entropy` and `cross_entropy_backward` cases of one size. `offsets` = (logits,
-/// dlogits) element offsets inside their device buffers, to move rows off 16-byte alignment.
-/// Outputs and scratch NaN-poisoned.
-fn cross_entropy_cases(
-    v: &mut Vec<Case>,
-    n: usize,
-    vocab: usize,
-    masked: bool,
-    offsets: (usize, usize),
-    big: bool,
-) {
-    let (lo, dlo) = offsets;
-    let mut size = format!("N={n} V={vocab}");
-    if masked {
-        size.push_str(" masked");
-    }
-    if lo > 0 || dlo > 0 {
-        size.push_str(&format!(" offsets {lo}/{dlo}"));
-    }
-    v.push(case(
-        "cross_entropy",
-        size.clone(),
-        TOL_F32,
-        big,
-        move |cx| {
-            let (logits, targets) = xent_inputs(cx, n, vocab, masked);
-            let padded: Vec<f32> = vec![0.0; lo].into_iter().chain(logits.clone()).collect();
-            let (lb, tb, ob) = (cx.up(&padded)?, cx.up(&targets)?, cx.out(1)?);
-            let lb = lb.slice(lo, n * vocab)?;
-            let sb = cx.out(gloss::cross_entropy_scratch_len(n))?;
-            let ms =
-                cx.timed(|| gloss::cross_entropy_forward(cx.dev, &lb, &tb, &ob, vocab, &sb))?;
-            let r = c::cross_entropy::cross_entropy_forward(&wide(&logits), &targets, vocab)
-                .map_err(cpu)?;
-            Ok(one("loss", rel_err(&cx.down(&ob)?, &[r]), ms))
-        },
-    ));
-    v.push(case(
-        "cross_entropy_backward",
-        size.clone(),
-        TOL_F32,
-        big,
-        move |cx| {
-            let (logits, targets) = xent_inputs(cx, n, vocab, masked);
-            let padded: Vec<f32> = vec![0.0; lo].into_iter().chain(logits.clone()).collect();
-            let (lb, tb) = (cx.up(&padded)?, cx.up(&targets)?);
-            let lb = lb.slice(lo, n * vocab)?;
-            let ob = cx.out(n * vocab + dlo)?.slice(dlo, n * vocab)?;
-            let ms = cx.timed(|| gloss::cross_entropy_backward(cx.dev, &lb, &tb, &ob, vocab))?;
-            let mut r = vec![0.0; n * vocab];
-            c::cross_entropy::cross_entropy_backward(&wide(&logits), &targets, &mut r, vocab)
-                .map_err(cpu)?;
-            Ok(one("dlogits", rel_err(&cx.down(&ob)?, &r), ms))
-        },
-    ));
-    if lo > 0 {
-        return; // the bf16 variant reads the same logits; its cases use aligned rows
-    }
-    v.push(case(
-        "cross_entropy_backward_bf16",
-        size.clone(),
-        TOL_BF16,
-        big,
-        move |cx| {
-            let (logits, targets) = xent_inputs(cx, n, vocab, masked);
-            let (lb, tb) = (cx.up(&logits)?, cx.up(&targets)?);
-            let ob = cx.raw(Elem::BF16, n * vocab)?;
-            let ms =
-                cx.timed(|| gloss::cross_entropy_backward_bf16(cx.dev, &lb, &tb, &ob, vocab))?;
-            let mut r = vec![0.0; n * vocab];
-            c::cross_entropy::cross_entropy_backward(&wide(&logits), &targets, &mut r, vocab)
-                .map_err(cpu)?;
-            Ok(one("dlogits", rel_err(&down_bf16(cx, &ob)?, &r), ms))
-        },
-    ));
-    // bf16 logits (a bf16 LM head's output): the reference reads the same rounded logits.
-    let up16 = |cx: &mut Ctx<'_>, x: &[f32]| -> Result<crate::Buf> {
-        let (b32, b16) = (cx.up(x)?, cx.raw(Elem::BF16, x.len())?);
-        crate::gemm::cast_f32_to_bf16(cx.dev, &b32, &b16)?;
-        Ok(b16)
-    };
-    let size16 = size.clone();
-    v.push(case(
-        "cross_entropy_bf16x",
-        size16,
-        TOL_F32,
-        big,
-        move |cx| {
-            let (logits, targets) = xent_inputs(cx, n, vocab, masked);
-            let l16: Vec<f32> = logits.iter().map(|&x| schedule::round_to_bf16(x)).collect();
-            let (lb, tb, ob) = (up16(cx, &logits)?, cx.up(&targets)?, cx.out(1)?);
-            let sb = cx.out(gloss::cross_entropy_scratch_len(n))?;
-            let ms =
-                cx.timed(|| gloss::cross_entropy_forward(cx.dev, &lb, &tb, &ob, vocab, &sb))?;
-            let r = c::cross_entropy::cross_entropy_forward(&wide(&l16), &targets, vocab)
-                .map_err(cpu)?;
-            Ok(one("loss", rel_err(&cx.down(&ob)?, &[r]), ms))
-        },
-    ));
-    v.push(case(
-        "cross_entropy_backward_bf16x",
-        size,
-        TOL_BF16,
-        big,
-        move |cx| {
-            let (logits, targets) = xent_inputs(cx, n, vocab, masked);
-            let l16: Vec<f32> = logits.iter().map(|&x| schedule::round_to_bf16(x)).collect();
-            let (lb, tb) = (up16(cx, &logits)?, cx.up(&targets)?);
-            let ob = cx.raw(Elem::BF16, n * vocab)?;
-            let ms =
-                cx.timed(|| gloss::cross_entropy_backward_bf16(cx.dev, &lb, &tb, &ob, vocab))?;
-            let mut r = vec![0.0; n * vocab];
-            c::cross_entropy::cross_entropy_backward(&wide(&l16), &targets, &mut r, vocab)
-                .map_err(cpu)?;
-            Ok(one("dlogits", rel_err(&down_bf16(cx, &ob)?, &r), ms))
-        },
-    ));
-}
-
-fn matmul(v: &mut Vec<Case>) {
-    // (M, K, P, trans_a, trans_b, accumulate)
-    let f32_cases = [
-        (3, 50, 783, false, false, false, false),
-        (783, 4096, 50, false, true, true, false),
-        (50, 783, 3, true, false, false, false),
-        (783, 783, 4096, true, true, true, false),
-        (4096, 783, 4096, false, true, false, true),
-    ];
-    for (m, k, p, ta, tb, acc, big) in f32_cases {
-        let size = format!(
-            "M={m} K={k} P={p} ta={} tb={} acc={}",
-            ta as u8, tb as u8, acc as u8
-        );
-        v.push(case("mat_mul", size, TOL_F32, big, move |cx| {
-            let (a, b) = (cx.normal(m * k, 0.0, 1.0), cx.normal(k * p, 0.0, 1.0));
-            let out0 = cx.normal(m * p, 0.0, 1.0);
-            let ad = if ta { Dims::new(k, m) } else { Dims::new(m, k) };
-            let bd = if tb { Dims::new(p, k) } else { Dims::new(k, p) };
-            let (abuf, bbuf) = (cx.up(&a)?, cx.up(&b)?);
-            let ob = if acc { cx.up(&out0)? } else { cx.out(m * p)? };
-            let ms = cx.timed(|| gemm::matmul(cx.dev, &abuf, ad, &bbuf, bd, &ob, ta, tb, acc))?;
-            let mut r = if acc { wide(&out0) } else { vec![0.0; m * p] };
-            let (cad, cbd) = (cpu_dims(ad), cpu_dims(bd));
-            c::matmul::matmul(&wide(&a), cad, &wide(&b), cbd, &mut r, ta, tb, acc).map_err(cpu)?;
-            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
-        }));
-    }
-    for (m, k, p, ta, tb, acc, big) in [
-        (783, 4096, 50, false, true, false, false),
-        (1024, 783, 4096, true, false, true, true),
-    ] {
-        let size = format!(
-            "M={m} K={k} P={p} ta={} tb={} acc={}",
-            ta as u8, tb as u8, acc as u8
-        );
-        v.push(case("mat_mul_bf16", size, TOL_BF16, big, move |cx| {
-            let (a, b) = (cx.normal(m * k, 0.0, 1.0), cx.normal(k * p, 0.0, 1.0));
-            let out0 = cx.normal(m * p, 0.0, 1.0);
-            let ad = if ta { Dims::new(k, m) } else { Dims::new(m, k) };
-            let bd = if tb { Dims::new(p, k) } else { Dims::new(k, p) };
-            let (a32, b32) = (cx.up(&a)?, cx.up(&b)?);
-            let (a16, b16) = (cx.raw(Elem::BF16, a.len())?, cx.raw(Elem::BF16, b.len())?);
-            let ob = if acc { cx.up(&out0)? } else { cx.out(m * p)? };
-            let ms = cx.timed(|| {
-                gemm::cast_f32_to_bf16(cx.dev, &a32, &a16)?;
-                gemm::cast_f32_to_bf16(cx.dev, &b32, &b16)?;
-                gemm::matmul_bf16(cx.dev, &a16, ad, &b16, bd, &ob, ta, tb, acc)
-            })?;
-            let mut r = if acc { wide(&out0) } else { vec![0.0; m * p] };
-            let (cad, cbd) = (cpu_dims(ad), cpu_dims(bd));
-            c::matmul::matmul(&wide(&a), cad, &wide(&b), cbd, &mut r, ta, tb, acc).map_err(cpu)?;
-            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
-        }));
-    }
-    // bf16 output (SOAP's chained eigenbasis projections): the GEMM rounds its fp32 result to
-    // bf16 in the epilogue; odd shapes, every transpose combination.
-    for (m, k, p, ta, tb, big) in [
-        (3, 50, 783, false, false, false),
-        (783, 257, 50, true, true, false),
-        (50, 783, 3, true, false, false),
-        (3072, 3072, 768, true, false, true),
-        (768, 3072, 3072, false, true, true),
-    ] {
-        let size = format!("M={m} K={k} P={p} ta={} tb={}", ta as u8, tb as u8);
-        v.push(case("mat_mul_bf16_out", size, TOL_BF16, big, move |cx| {
-            let (a, b) = (cx.normal(m * k, 0.0, 1.0), cx.normal(k * p, 0.0, 1.0));
-            let ad = if ta { Dims::new(k, m) } else { Dims::new(m, k) };
-            let bd = if tb { Dims::new(p, k) } else { Dims::new(k, p) };
-            let (a32, b32) = (cx.up(&a)?, cx.up(&b)?);
-            let (a16, b16) = (cx.raw(Elem::BF16, a.len())?, cx.raw(Elem::BF16, b.len())?);
-            let ob = cx.raw(Elem::BF16, m * p)?;
-            let ms = cx.timed(|| {
-                gemm::cast_f32_to_bf16(cx.dev, &a32, &a16)?;
-                gemm::cast_f32_to_bf16(cx.dev, &b32, &b16)?;
-                gemm::matmul_bf16(cx.dev, &a16, ad, &b16, bd, &ob, ta, tb, false)
-            })?;
-            let mut r = vec![0.0; m * p];
-            let (cad, cbd) = (cpu_dims(ad), cpu_dims(bd));
-            c::matmul::matmul(&wide(&a), cad, &wide(&b), cbd, &mut r, ta, tb, false)
-                .map_err(cpu)?;
-            Ok(one("out", rel_err(&down_bf16(cx, &ob)?, &r), ms))
-        }));
-    }
-    // GEMM + bias in cuBLASLt's epilogue (the engine's fused `MatMul` + `BiasAdd`): odd and
-    // aligned shapes, every transpose combination.
-    for (m, k, p, ta, tb, big) in [
-        (3, 50, 783, false, false, false),
-        (783, 4096, 50, false, true, false),
-        (50, 783, 3, true, false, false),
-        (1024, 768, 2304, false, true, true),
-        (4096, 3072, 768, true, true, true),
-    ] {
-        let size = format!("M={m} K={k} P={p} ta={} tb={}", ta as u8, tb as u8);
-        v.push(case("mat_mul_bf16_bias", size, TOL_BF16, big, move |cx| {
-            let (a, b) = (cx.normal(m * k, 0.0, 1.0), cx.normal(k * p, 0.0, 1.0));
-            let bias = cx.normal(p, 0.0, 1.0);
-            let ad = if ta { Dims::new(k, m) } else { Dims::new(m, k) };
-            let bd = if tb { Dims::new(p, k) } else { Dims::new(k, p) };
-            let (a32, b32, biasb) = (cx.up(&a)?, cx.up(&b)?, cx.up(&bias)?);
-            let (a16, b16) = (cx.raw(Elem::BF16, a.len())?, cx.raw(Elem::BF16, b.len())?);
-            let ob = cx.out(m * p)?;
-            let ms = cx.timed(|| {
-                gemm::cast_f32_to_bf16(cx.dev, &a32, &a16)?;
-                gemm::cast_f32_to_bf16(cx.dev, &b32, &b16)?;
-                gemm::gemm_bf16_bias(cx.dev, &a16, ad, &b16, bd, &biasb, &ob, ta, tb)
-            })?;
-            let mut r = vec![0.0; m * p];
-            let (cad, cbd) = (cpu_dims(ad), cpu_dims(bd));
-            c::matmul::matmul(&wide(&a), cad, &wide(&b), cbd, &mut r, ta, tb, false)
-                .map_err(cpu)?;
-            for (i, x) in r.iter_mut().enumerate() {
-                *x += bias[i % p] as f64;
-            }
-            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
-        }));
     }
 }
 
