@@ -161,8 +161,7 @@ fn bf16_outputs_train_within_bf16_tolerance() {
             .iter()
             .enumerate()
             .filter(|(i, b)| {
-                b.dtype == schedule::DType::Bf16
-                    && !casts.contains(&schedule::BufferId(*i as u32))
+                b.dtype == schedule::DType::Bf16 && !casts.contains(&schedule::BufferId(*i as u32))
             })
             .count();
         // Per block ln_1, ln_2, attention, gelu; ln_f; logits and dlogits; every other GEMM
