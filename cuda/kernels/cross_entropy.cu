@@ -58,23 +58,14 @@ __device__ __forceinline__ int xent_head(const float* x, int v) {
     return h < v ? h : v;
 }
 
-// Row max *m_out and *s_out = sum_j exp(x[j] - m) over x[0..v), for every thread of the block
-// (blockDim.x a multiple of 32). Call once per kernel (its shared arrays are not re-synced).
-__device__ void xent_row_stats(const float* __restrict__ x, int v, float* m_out, float* s_out) {
+// Merges every thread's running (m, s) over the block in a fixed order and hands the row's
+// (max, sum) to every thread (blockDim.x a multiple of 32). Once per kernel (its shared arrays
+// are not re-synced).
+__device__ __forceinline__ void xent_block_merge(float m, float s, float* m_out, float* s_out) {
     __shared__ float s_m[32];
     __shared__ float s_s[32];
-    const int tid = threadIdx.x;
-    const int head = xent_head(x, v);
-    const int nvec = (v - head) >> 2;
-    const int rest = head + 4 * nvec;
-    float m = XENT_NEG_INF, s = 0.0f;
-    if (tid < head) xent_add1(m, s, x[tid]);
-    if (tid < v - rest) xent_add1(m, s, x[rest + tid]);
-    const float4* xv = reinterpret_cast<const float4*>(x + head);
-#pragma unroll 4
-    for (int i = tid; i < nvec; i += blockDim.x) xent_add4(m, s, xv[i]);
     xent_warp_merge(m, s);
-    const int lane = tid & 31, warp = tid >> 5, nwarps = (blockDim.x + 31) >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
     if (lane == 0) {
         s_m[warp] = m;
         s_s[warp] = s;
@@ -85,6 +76,22 @@ __device__ void xent_row_stats(const float* __restrict__ x, int v, float* m_out,
     xent_warp_merge(m, s);
     *m_out = m;
     *s_out = s;
+}
+
+// Row max *m_out and *s_out = sum_j exp(x[j] - m) over x[0..v), for every thread of the block
+// (blockDim.x a multiple of 32). Call once per kernel (its shared arrays are not re-synced).
+__device__ void xent_row_stats(const float* __restrict__ x, int v, float* m_out, float* s_out) {
+    const int tid = threadIdx.x;
+    const int head = xent_head(x, v);
+    const int nvec = (v - head) >> 2;
+    const int rest = head + 4 * nvec;
+    float m = XENT_NEG_INF, s = 0.0f;
+    if (tid < head) xent_add1(m, s, x[tid]);
+    if (tid < v - rest) xent_add1(m, s, x[rest + tid]);
+    const float4* xv = reinterpret_cast<const float4*>(x + head);
+#pragma unroll 4
+    for (int i = tid; i < nvec; i += blockDim.x) xent_add4(m, s, xv[i]);
+    xent_block_merge(m, s, m_out, s_out);
 }
 
 // row_loss[r] = logsumexp(logits[r, :]) - logits[r, targets[r]] (double). One block per row.
@@ -205,23 +212,10 @@ extern "C" __global__ void xent_backward_bf16(const float* __restrict__ logits, 
 // the same): the statistics, loss and gradient are computed in fp32 from the bf16 values, one
 // element per thread and step (coalesced 2-byte loads; the head's output is half the bytes).
 __device__ void xent_row_stats_bf16(const __nv_bfloat16* __restrict__ x, int v, float* m_out, float* s_out) {
-    __shared__ float s_m[32];
-    __shared__ float s_s[32];
     const int tid = threadIdx.x;
     float m = XENT_NEG_INF, s = 0.0f;
     for (int j = tid; j < v; j += blockDim.x) xent_add1(m, s, __bfloat162float(x[j]));
-    xent_warp_merge(m, s);
-    const int lane = tid & 31, warp = tid >> 5, nwarps = (blockDim.x + 31) >> 5;
-    if (lane == 0) {
-        s_m[warp] = m;
-        s_s[warp] = s;
-    }
-    __syncthreads();
-    m = lane < nwarps ? s_m[lane] : XENT_NEG_INF;
-    s = lane < nwarps ? s_s[lane] : 0.0f;
-    xent_warp_merge(m, s);
-    *m_out = m;
-    *s_out = s;
+    xent_block_merge(m, s, m_out, s_out);
 }
 
 // xent_row_loss over bf16 logits.
