@@ -94,25 +94,6 @@ __device__ void xent_row_stats(const float* __restrict__ x, int v, float* m_out,
     xent_block_merge(m, s, m_out, s_out);
 }
 
-// row_loss[r] = logsumexp(logits[r, :]) - logits[r, targets[r]] (double). One block per row.
-extern "C" __global__ void xent_row_loss(const float* __restrict__ logits, const int* __restrict__ targets,
-                                         double* __restrict__ row_loss, int n, int v, int* status) {
-    const int row = blockIdx.x;
-    if (row >= n) return;
-    const float* x = logits + (long long)row * v;
-    const int t = targets[row];
-    float m, s;
-    xent_row_stats(x, v, &m, &s);
-    if (threadIdx.x == 0) {
-        if (t < 0 || t >= v) {
-            atomicMin(status, row);
-            row_loss[row] = __longlong_as_double(0x7ff8000000000000ll);
-        } else {
-            row_loss[row] = (double)m + log((double)s) - (double)x[t];
-        }
-    }
-}
-
 // loss[0] = (1/n) sum_r row_loss[r], in double, fixed order. Launch with one block.
 extern "C" __global__ void xent_mean(const double* __restrict__ row_loss, float* __restrict__ loss, int n) {
     double acc = 0.0;
@@ -211,30 +192,43 @@ extern "C" __global__ void xent_backward_bf16(const float* __restrict__ logits, 
 // bf16 logits (the LM head's bf16 GEMM rounds its fp32 result; PyTorch's autocast head does
 // the same): the statistics, loss and gradient are computed in fp32 from the bf16 values, one
 // element per thread and step (coalesced 2-byte loads; the head's output is half the bytes).
-__device__ void xent_row_stats_bf16(const __nv_bfloat16* __restrict__ x, int v, float* m_out, float* s_out) {
+__device__ void xent_row_stats(const __nv_bfloat16* __restrict__ x, int v, float* m_out, float* s_out) {
     const int tid = threadIdx.x;
     float m = XENT_NEG_INF, s = 0.0f;
     for (int j = tid; j < v; j += blockDim.x) xent_add1(m, s, __bfloat162float(x[j]));
     xent_block_merge(m, s, m_out, s_out);
 }
 
-// xent_row_loss over bf16 logits.
-extern "C" __global__ void xent_row_loss_bf16x(const __nv_bfloat16* __restrict__ logits, const int* __restrict__ targets,
-                                               double* __restrict__ row_loss, int n, int v, int* status) {
+__device__ __forceinline__ float xent_f(float x) { return x; }
+__device__ __forceinline__ float xent_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// row_loss[r] = logsumexp(logits[r, :]) - logits[r, targets[r]] (double), logits f32 or bf16
+// (a bf16 LM head's output; the statistics are fp32 either way). One block per row.
+template <typename T>
+__device__ void xent_row_loss_t(const T* __restrict__ logits, const int* __restrict__ targets,
+                                double* __restrict__ row_loss, int n, int v, int* status) {
     const int row = blockIdx.x;
     if (row >= n) return;
-    const __nv_bfloat16* x = logits + (long long)row * v;
+    const T* x = logits + (long long)row * v;
     const int t = targets[row];
     float m, s;
-    xent_row_stats_bf16(x, v, &m, &s);
+    xent_row_stats(x, v, &m, &s);
     if (threadIdx.x == 0) {
         if (t < 0 || t >= v) {
             atomicMin(status, row);
             row_loss[row] = __longlong_as_double(0x7ff8000000000000ll);
         } else {
-            row_loss[row] = (double)m + log((double)s) - (double)__bfloat162float(x[t]);
+            row_loss[row] = (double)m + log((double)s) - (double)xent_f(x[t]);
         }
     }
+}
+extern "C" __global__ void xent_row_loss(const float* __restrict__ logits, const int* __restrict__ targets,
+                                         double* __restrict__ row_loss, int n, int v, int* status) {
+    xent_row_loss_t(logits, targets, row_loss, n, v, status);
+}
+extern "C" __global__ void xent_row_loss_bf16x(const __nv_bfloat16* __restrict__ logits, const int* __restrict__ targets,
+                                               double* __restrict__ row_loss, int n, int v, int* status) {
+    xent_row_loss_t(logits, targets, row_loss, n, v, status);
 }
 
 // xent_backward over bf16 logits, dlogits written in bf16 (round to nearest even).
@@ -253,7 +247,7 @@ extern "C" __global__ void xent_backward_bf16x_bf16(const __nv_bfloat16* __restr
         return;
     }
     float m, s;
-    xent_row_stats_bf16(x, v, &m, &s);
+    xent_row_stats(x, v, &m, &s);
     const float k = inv_n / s;
     for (int j = threadIdx.x; j < v; j += blockDim.x)
         d[j] = __float2bfloat16_rn(xent_exp(__bfloat162float(x[j]), m) * k - (j == t ? inv_n : 0.0f));
