@@ -17,10 +17,7 @@
 # Usage: bench/h200-equal-time.sh OUT_DIR
 set -uo pipefail
 out="${1:?usage: bench/h200-equal-time.sh OUT_DIR}"; mkdir -p "$out"
-export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
-export LD_LIBRARY_PATH="$CUDA_HOME/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-B=.gpu/bin/asteria; S=.gpu/specs; TC="${TMPDIR:-/tmp}/asteria-token-cache"
-[[ -x $B ]] || { echo "h200-equal-time: $B is missing: run bench/prepare-gpu and carry .gpu/" >&2; exit 2; }
+NAME=h200-equal-time; source "$(dirname "${BASH_SOURCE[0]}")/gpu-env.sh"
 cat .gpu/BUILD 2>/dev/null
 mk() { # base staleness steps seed -> spec path (beside the base, so its corpus path still holds)
   local f=$S/eq-$(basename "$1" .asteria)-s$2-n$3-seed$4.asteria

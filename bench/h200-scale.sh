@@ -32,14 +32,8 @@ done
 [[ ${#pos[@]} -ge 1 ]] || { echo "$usage" >&2; exit 2; }
 out="${pos[0]}"; steps="${pos[1]:-60}"; torch_steps="${pos[2]:-40}"
 mkdir -p "$out"
-export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
-export LD_LIBRARY_PATH="$CUDA_HOME/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export PYTHONUNBUFFERED=1
 here="$(dirname "${BASH_SOURCE[0]}")"
-B=.gpu/bin/asteria; S=.gpu/specs; TC="${TMPDIR:-/tmp}/asteria-token-cache"
-[[ -x $B ]] || { echo "h200-scale: $B is missing: run bench/prepare-gpu on the build machine and carry .gpu/" >&2; exit 2; }
-start=$(date +%s)
-stamp() { echo "== $(date -u +%H:%M:%S) (+$(( $(date +%s) - start ))s) $*"; }
+NAME=h200-scale; source "$here/gpu-env.sh"
 stamp machine
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__)'
