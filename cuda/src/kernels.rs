@@ -123,10 +123,10 @@ pub const FAMILIES: &[Family] = &[
     family!(
         "cross_entropy",
         [
-            "xent_row_loss",
             "xent_mean",
             "xent_backward",
             "xent_backward_bf16",
+            "xent_row_loss",
             "xent_row_loss_bf16x",
             "xent_backward_bf16x_bf16"
         ]
