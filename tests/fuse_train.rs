@@ -62,6 +62,7 @@ fn config(target: TargetConfig, soap: bool) -> Config {
             eval_interval: 0,
             eval_batches: 1,
             seed: 5,
+            rematerialize: Default::default(),
         },
         target,
     }

@@ -43,6 +43,7 @@ fn config(family: Family) -> Config {
             eval_interval: 0,
             eval_batches: 1,
             seed: 7,
+            rematerialize: Default::default(),
         },
         target: TargetConfig::Cpu {
             threads: Some(1),

@@ -230,7 +230,11 @@ fn execute(plan: &Plan, run: &RunFlags) -> Result<()> {
     opts.engine
         .solver(&plan)
         .map_err(|e| miette!("plan `{}`: {e}", plan.name))?;
-    note!("{}", plan.target.options_line());
+    note!(
+        "{}; train: rematerialize {}",
+        plan.target.options_line(),
+        plan.train.rematerialize
+    );
     let plan = &plan;
     if let TargetPlan::Cuda { .. } = plan.target {
         return execute_cuda(plan, &opts, run.profile);

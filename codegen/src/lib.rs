@@ -423,6 +423,7 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
             eval_interval: c.train.eval_interval,
             eval_batches: c.train.eval_batches,
             seed: c.train.seed,
+            rematerialize: c.train.rematerialize,
         },
         target: match &c.target {
             TargetConfig::Cpu {

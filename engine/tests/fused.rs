@@ -80,6 +80,7 @@ fn plan(m: usize, bufs: Vec<(&str, Vec<usize>, DType, BufferClass)>, forward: Ve
             eval_interval: 0,
             eval_batches: 1,
             seed: 11,
+            rematerialize: Default::default(),
         },
         target: TargetPlan::Cpu {
             threads: Some(2),

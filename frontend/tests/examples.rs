@@ -71,6 +71,7 @@ fn tiny_train() -> TrainConfig {
         eval_interval: 100,
         eval_batches: 8,
         seed: 1337,
+        rematerialize: Default::default(),
     }
 }
 

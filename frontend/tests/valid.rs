@@ -37,6 +37,7 @@ fn defaults() {
         eval_interval: 0,
         eval_batches: 4,
         seed: 1337,
+        rematerialize: Default::default(),
     };
     assert_eq!(c.train, train);
     assert_eq!(

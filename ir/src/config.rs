@@ -160,6 +160,10 @@ pub struct TrainConfig {
     pub eval_batches: u64,
     /// RNG seed.
     pub seed: u64,
+    /// Activation recomputation (`rematerialize = off | selective | layers`, default off):
+    /// the `rematerialize` pass's policy.
+    #[serde(default)]
+    pub rematerialize: crate::Rematerialize,
 }
 
 /// Execution target.

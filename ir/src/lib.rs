@@ -18,7 +18,7 @@ pub use parser::{parse_module, ParseError};
 pub use schedule::{limits, PLAN_FORMAT};
 pub use schedule::{
     AttentionKernel, BufferClass, DType, Eigensolver, Init, Placement, Precision, RefreshPlacement,
-    SoapHyper,
+    Rematerialize, SoapHyper,
 };
 pub use types::TensorType;
 pub use verifier::{verify, VerifierError};

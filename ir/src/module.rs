@@ -129,7 +129,22 @@ impl Module {
         name: &str,
         ty: TensorType,
     ) -> ValueId {
-        let (inst, r) = self.push(section, op, args, vec![(name.to_string(), ty)]);
+        self.insert_before(before, section, op, args, vec![(name.to_string(), ty)])
+            .1[0]
+    }
+
+    /// Inserts an instruction into the layout just before instruction `before` (at the end if
+    /// `before` is not in the layout); `results` as in [`Module::push`]. Returns the
+    /// instruction and its result values.
+    pub fn insert_before(
+        &mut self,
+        before: InstId,
+        section: Section,
+        op: Op,
+        args: &[ValueId],
+        results: Vec<(String, TensorType)>,
+    ) -> (InstId, Vec<ValueId>) {
+        let (inst, r) = self.push(section, op, args, results);
         self.layout.pop();
         let at = self
             .layout
@@ -137,7 +152,7 @@ impl Module {
             .position(|&i| i == before)
             .unwrap_or(self.layout.len());
         self.layout.insert(at, inst);
-        r[0]
+        (inst, r)
     }
 
     /// Appends a single-result instruction and returns its value.
@@ -239,6 +254,18 @@ impl Module {
         self.values.push(ValueData { name, ty, def: id });
         self.graph[id.0].results.push(v);
         v
+    }
+
+    /// Removes result `value` from instruction `id` when nothing reads it (the inverse of
+    /// [`Module::add_result`]: `rematerialize` takes the `lse` back from a forward `attention`
+    /// whose backward now reads a recomputed copy's). The value's id and name stay reserved; it
+    /// is no longer defined. Returns whether it was removed.
+    pub fn remove_unused_result(&mut self, id: InstId, value: ValueId) -> bool {
+        if !self.graph[id.0].results.contains(&value) || !self.uses(value).is_empty() {
+            return false;
+        }
+        self.graph[id.0].results.retain(|&r| r != value);
+        true
     }
 
     /// Sets the element type of value `id` (its shape stays), e.g. to `bf16` for an output

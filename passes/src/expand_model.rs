@@ -97,7 +97,7 @@ impl Pass for ExpandModel {
         let fc_out = if gpt2 { f } else { 2 * f };
         let mut layers = Vec::with_capacity(l);
         for i in 0..l {
-            let p = format!("h{i}");
+            let p = layer_prefix(i);
             let pair = |b: &mut Builder, name: &str, shape: &[usize], init: Init, bias: usize| {
                 let w = b.param(&format!("{p}.{name}.weight"), shape, init);
                 let bb = gpt2.then(|| b.param(&format!("{p}.{name}.bias"), &[bias], Init::Zeros));
@@ -156,7 +156,7 @@ impl Pass for ExpandModel {
             x = b.fwd(Op::AddPositional { seq_len: t }, &[x, wpe], "emb", &[n, c]);
         }
         for (i, ly) in layers.iter().enumerate() {
-            let p = format!("h{i}");
+            let p = layer_prefix(i);
             let h = norm(&mut b, x, ly.ln1, &format!("{p}.ln_1"));
             let mut qkv = b.linear(h, ly.qkv.0, ly.qkv.1, &format!("{p}.qkv"), 3 * c);
             if !gpt2 {
@@ -249,4 +249,21 @@ fn check(cfg: &ModelConfig, batch: usize, seq_len: usize) -> Result<(), PassErro
         ));
     }
     Ok(())
+}
+
+/// The name prefix of transformer layer `i`'s values and parameters: `h<i>` (`%h3.ln_1`,
+/// `%h3.attn.c_attn.weight`), as in GPT-2's checkpoints.
+pub fn layer_prefix(i: usize) -> String {
+    format!("h{i}")
+}
+
+/// The layer whose prefix ([`layer_prefix`]) starts `name` followed by a `.`, if any:
+/// `h3.ln_1` → 3, `h3.attn.c_attn.weight.bf16` → 3, `ln_f` / `hx.y` / `h3` → none.
+pub fn layer_of(name: &str) -> Option<usize> {
+    let rest = name.strip_prefix('h')?;
+    let (digits, tail) = rest.split_once('.')?;
+    if digits.is_empty() || tail.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
 }

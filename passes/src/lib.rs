@@ -1,7 +1,7 @@
 //! asteria's compiler passes and the [`PassManager`] that runs them.
 //!
 //! The pipeline (in order; names are identical in the CLI flags, file names, dump headers and
-//! timing lines): `expand-model`, `autodiff`, `expand-optimizer`, `fuse`, `liveness`,
+//! timing lines): `expand-model`, `autodiff`, `expand-optimizer`, `fuse`, `rematerialize`, `liveness`,
 //! `precond-scheduling`, `lower`, `memory-planning`.
 #![deny(missing_docs)]
 
@@ -16,6 +16,7 @@ pub mod lower;
 mod manager;
 pub mod memory_planning;
 pub mod precond_scheduling;
+pub mod rematerialize;
 
 pub use manager::{PassManager, PassOptions, PassTiming};
 

@@ -56,6 +56,7 @@ impl PassManager {
             Box::new(crate::autodiff::Autodiff),
             Box::new(crate::expand_optimizer::ExpandOptimizer),
             Box::new(crate::fuse::Fuse::default()),
+            Box::new(crate::rematerialize::Rematerialize::default()),
             Box::new(crate::liveness::LivenessPass),
             Box::new(crate::precond_scheduling::PrecondScheduling::default()),
             Box::new(crate::lower::Lower),

@@ -17,9 +17,17 @@ fn examples() -> Vec<PathBuf> {
 
 #[test]
 fn every_example_compiles_and_round_trips_after_every_pass() {
-    for spec in examples() {
-        let config =
+    // Each example as written and with `rematerialize = layers` (recomputed `.remat` values in
+    // the backward section).
+    let specs = examples()
+        .into_iter()
+        .flat_map(|s| [(s.clone(), false), (s, true)]);
+    for (spec, remat) in specs {
+        let mut config =
             frontend::load_spec(&spec).unwrap_or_else(|e| panic!("{}: {e:?}", spec.display()));
+        if remat {
+            config.train.rematerialize = ir::Rematerialize::Layers;
+        }
         let mut module = ir::Module::new(config);
         for pass in PassManager::pass_names() {
             if pass == "lower" {
@@ -56,9 +64,10 @@ fn every_example_compiles_and_round_trips_after_every_pass() {
         let (cx, timings) = pm
             .run(&mut m, None, &mut std::io::sink())
             .expect("pipeline runs");
-        assert_eq!(timings.len(), 8);
+        assert_eq!(timings.len(), 9);
         assert_eq!(timings[3].pass, "fuse");
-        assert_eq!(timings[7].pass, "memory-planning");
+        assert_eq!(timings[4].pass, "rematerialize");
+        assert_eq!(timings[8].pass, "memory-planning");
         let plan = cx.plan.expect("plan");
         plan.verify().expect("plan verifies");
         let back = schedule::Plan::from_json(&plan.to_json()).expect("plan JSON round trips");
@@ -85,6 +94,7 @@ fn print_after_all_prints_all_five_passes() {
         "; IR after expand-optimizer",
         "; IR after fuse",
         "; fuse report",
+        "; IR after rematerialize",
         "; IR after liveness",
         "; plan after lower",
         "; memory plan after memory-planning",
@@ -125,6 +135,10 @@ fn regenerate_filetest_inputs() {
     };
     let mut llama = config.clone();
     llama.model.family = Family::Llama;
+    let mut gpt2_selective = config.clone();
+    gpt2_selective.train.rematerialize = ir::Rematerialize::Selective;
+    let mut llama_layers = llama.clone();
+    llama_layers.train.rematerialize = ir::Rematerialize::Layers;
     let gpt2 = "A one-block GPT-2 (SOAP) under CUDA precision = bf16: every mat_mul + bias_add \
                 pair becomes a\n; mat_mul_bias, and the outputs only GEMMs read (layer norms, \
                 gelu, attention, dlogits) become bf16.";
@@ -162,6 +176,22 @@ fn regenerate_filetest_inputs() {
             "expand-optimizer",
             "fuse",
             llama_bf16,
+        ),
+        (
+            "rematerialize-gpt2-selective.ir",
+            &gpt2_selective,
+            "fuse",
+            "rematerialize",
+            "The GPT-2 under bf16 with `rematerialize = selective`: the layer norms and GELU \
+             are rerun\n; in the backward (`.remat`) from the inputs their backward keeps anyway.",
+        ),
+        (
+            "rematerialize-llama-layers.ir",
+            &llama_layers,
+            "fuse",
+            "rematerialize",
+            "The LLaMA under bf16 with `rematerialize = layers`: the block's forward (GEMMs and \
+             attention\n; included) is rerun before its backward; only the residual stream is kept.",
         ),
         ("liveness-soap.ir", &config, "fuse", "liveness", ""),
         (

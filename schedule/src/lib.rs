@@ -31,7 +31,7 @@ pub use op::{
     operand_dtypes, HostTask, Op, Placement, SoapHyper, BF16_ATTENTION_MAX_HEAD_DIM,
     BF16_LAYERNORM_MAX_C,
 };
-pub use options::{AttentionKernel, Eigensolver, Profile, RefreshPlacement};
+pub use options::{AttentionKernel, Eigensolver, Profile, RefreshPlacement, Rematerialize};
 pub use verify::PlanError;
 
 use serde::{Deserialize, Serialize};
@@ -240,6 +240,10 @@ pub struct TrainPlan {
     pub eval_batches: u64,
     /// Seed for parameter initialisation and batch sampling.
     pub seed: u64,
+    /// The activation recomputation the `rematerialize` pass applied (the recomputing ops are
+    /// in [`Plan::backward`]; this records the choice for `explain` and the run's first line).
+    #[serde(default)]
+    pub rematerialize: Rematerialize,
 }
 
 impl TrainPlan {
@@ -396,12 +400,13 @@ pub struct Plan {
 
 impl Plan {
     /// Model FLOPs of one training step, the numerator of MFU (PaLM's definition, Chowdhery et
-    /// al. 2022, appendix B): `2·m·k·n` for every GEMM of the forward and backward programs
-    /// (the backward's two GEMMs per forward GEMM give the usual `6·N` per token), plus causal
-    /// self-attention counted unmasked — `4·B·T²·C` for the scores and the weighted sum of the
-    /// forward, twice that for the backward (`12·L·C·T` per token). Recomputation, casts,
-    /// norms, element-wise ops and the optimizer are not model FLOPs. Saturates instead of
-    /// overflowing.
+    /// al. 2022, appendix B): `2·m·k·n` for every GEMM of the forward program and twice that
+    /// for its two backward GEMMs (input and weight gradients: the usual `6·N` per token), plus
+    /// causal self-attention counted unmasked — `4·B·T²·C` for the scores and the weighted sum
+    /// of the forward, twice that for the backward (`12·L·C·T` per token). Counted from the
+    /// forward program so that recomputation (`rematerialize`'s copies in the backward) is not
+    /// model FLOPs; neither are casts, norms, element-wise ops and the optimizer. Saturates
+    /// instead of overflowing.
     pub fn model_flops_per_step(&self) -> f64 {
         let dims = |id: BufferId| -> (f64, f64) {
             match self.buffer(id).shape[..] {
@@ -410,7 +415,7 @@ impl Plan {
             }
         };
         let mut flops = 0.0;
-        for op in self.forward.iter().chain(&self.backward) {
+        for op in &self.forward {
             match op {
                 Op::MatMul {
                     a,
@@ -430,15 +435,9 @@ impl Plan {
                     let (br, bc) = dims(*b);
                     let (m, k) = if *trans_a { (ac, ar) } else { (ar, ac) };
                     let n = if *trans_b { br } else { bc };
-                    flops += 2.0 * m * k * n;
+                    flops += 3.0 * 2.0 * m * k * n;
                 }
                 Op::Attention {
-                    qkv,
-                    batch,
-                    seq_len,
-                    ..
-                }
-                | Op::AttentionBackward {
                     qkv,
                     batch,
                     seq_len,
@@ -446,12 +445,7 @@ impl Plan {
                 } => {
                     let c = dims(*qkv).1 / 3.0;
                     let t = *seq_len as f64;
-                    let fwd = 4.0 * *batch as f64 * t * t * c;
-                    flops += if matches!(op, Op::Attention { .. }) {
-                        fwd
-                    } else {
-                        2.0 * fwd
-                    };
+                    flops += 3.0 * 4.0 * *batch as f64 * t * t * c;
                 }
                 _ => {}
             }

@@ -698,6 +698,7 @@ pub(crate) mod tests {
                 eval_interval: 0,
                 eval_batches: 1,
                 seed: 1,
+                rematerialize: Default::default(),
             },
             target: TargetPlan::Cpu {
                 threads: Some(1),

@@ -92,6 +92,25 @@ named_option! {
 }
 
 named_option! {
+    /// Activation recomputation (spec key `rematerialize` of the `train` block): which forward
+    /// activations the `rematerialize` pass recomputes in the backward program instead of
+    /// keeping them from the forward. Recomputation runs the same ops on the same inputs, so
+    /// the gradients are bit-identical; it trades step time for activation memory.
+    Rematerialize {
+        /// Keep every activation the backward reads (the default).
+        Off = "off",
+        /// Recompute the outputs of normalisations (LayerNorm, RMSNorm) and activation
+        /// functions (GELU, SwiGLU) from inputs the backward keeps anyway: no GEMM is rerun
+        /// (Korthikanti et al. 2022's "selective" recomputation applied to the cheap ops).
+        Selective = "selective",
+        /// Keep only each transformer layer's input (the residual stream between layers) and
+        /// rerun the layer's forward, GEMMs and attention included, just before its backward
+        /// (Chen et al. 2016's per-layer checkpointing; about one extra forward per step).
+        Layers = "layers",
+    } default Off
+}
+
+named_option! {
     /// A measurement switch of the CUDA engine (CLI `--profile`): per-op GPU times, printed at
     /// the end of the run. It changes the run's timing, never what it computes.
     Profile {

@@ -33,7 +33,7 @@ fn check_fused(
             ));
         }
     }
-    for o in &plan.forward {
+    for o in plan.forward.iter().chain(&plan.backward) {
         if let Op::Attention {
             qkv,
             out,
@@ -352,9 +352,12 @@ impl CudaEngine {
         // The bf16 qkv copies of the saving attentions (plan `Attention { lse: Some(..) }`).
         let mut saved_qkv = HashMap::new();
         let mut saved_arena = None;
+        // Forward and backward: `rematerialize = layers` reruns saving attentions in the
+        // backward program.
         let want: Vec<(BufferId, usize)> = plan
             .forward
             .iter()
+            .chain(&plan.backward)
             .filter_map(|o| match o {
                 Op::Attention {
                     qkv, lse: Some(_), ..

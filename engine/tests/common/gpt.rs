@@ -444,6 +444,7 @@ pub fn plan(g: &Gpt) -> Plan {
             eval_interval: 5,
             eval_batches: 2,
             seed: 1234,
+            rematerialize: Default::default(),
         },
         target: TargetPlan::Cpu {
             threads: g.threads,

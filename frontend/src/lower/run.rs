@@ -27,6 +27,7 @@ const TRAIN_KEYS: &[&str] = &[
     "eval_interval",
     "eval_batches",
     "seed",
+    "rematerialize",
 ];
 const TARGETS: &[&str] = &["cpu", "cuda"];
 
@@ -125,6 +126,7 @@ pub(crate) fn train(c: &mut Checker, b: &Block) -> TrainConfig {
         eval_interval: c.uint_or(&f, "eval_interval", limits::EVAL_INTERVAL, 0),
         eval_batches: c.uint_or(&f, "eval_batches", limits::EVAL_BATCHES, 4),
         seed: c.uint_or(&f, "seed", limits::SEED, 1337),
+        rematerialize: named_option(c, &f, "rematerialize", ir::Rematerialize::NAMES),
     }
 }
 

@@ -46,6 +46,7 @@ pub fn config() -> Config {
             eval_interval: 5,
             eval_batches: 2,
             seed: 1337,
+            rematerialize: Default::default(),
         },
         target: TargetConfig::Cpu {
             threads: None,
