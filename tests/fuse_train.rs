@@ -74,6 +74,7 @@ fn cpu() -> TargetConfig {
         staleness: 0,
         calibration: None,
         eigensolver: Default::default(),
+        budgets: Default::default(),
     }
 }
 
@@ -86,6 +87,7 @@ fn cuda_bf16() -> TargetConfig {
         eigensolver: Default::default(),
         attention: Default::default(),
         refresh_placement: Default::default(),
+        budgets: Default::default(),
     }
 }
 

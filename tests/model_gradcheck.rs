@@ -50,6 +50,7 @@ fn config(family: Family) -> Config {
             staleness: 0,
             calibration: None,
             eigensolver: ir::Eigensolver::Faer,
+            budgets: Default::default(),
         },
     }
 }

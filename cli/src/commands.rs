@@ -91,9 +91,19 @@ pub fn explain(spec: &Path) -> Result<()> {
         plan.params.len(),
         tokens
     );
+    let offloaded = plan
+        .memory
+        .arenas
+        .iter()
+        .any(|a| !a.kind.on_device() && a.bytes > 0);
     let _ = writeln!(
         o,
-        "\nmemory per class (all placed in the `{tier}` tier; tier placement is a later pass):"
+        "\nmemory per class{}:",
+        if offloaded {
+            " (see \"memory per tier\" for what `tier-placement` moved off the device)".to_string()
+        } else {
+            format!(" (all in the `{tier}` tier: no budget, or everything fits it)")
+        }
     );
     let mut total = 0;
     for class in [
@@ -177,6 +187,41 @@ pub fn explain(spec: &Path) -> Result<()> {
         "\nmemory per tier:\n  {tier:<6} {:>11}  ({note})",
         human_bytes(tier_bytes)
     );
+    for kind in [schedule::ArenaKind::Host, schedule::ArenaKind::Nvme] {
+        let bytes = plan.memory.arena_bytes(kind);
+        if bytes == 0 {
+            continue;
+        }
+        let ids: Vec<schedule::BufferId> = (0..plan.buffers.len())
+            .map(|i| schedule::BufferId(i as u32))
+            .filter(|&id| plan.memory.tier(id) == Some(kind))
+            .collect();
+        let config = frontend::load_spec(spec).map_err(miette::Report::new)?;
+        let desc = passes::precond_scheduling::target_description(&config.target)
+            .map_err(|e| miette!("{e}"))?;
+        let moved: usize = ids.iter().map(|&id| plan.buffer(id).size_bytes()).sum();
+        let ms = match kind {
+            schedule::ArenaKind::Host => 2.0 * desc.host_tier_ms(moved),
+            _ => desc.nvme_ms(moved, false) + desc.nvme_ms(moved, true),
+        };
+        let _ = writeln!(
+            o,
+            "  {:<6} {:>11}  ({} tensors offloaded by tier-placement; predicted copies {ms:.2} ms \
+             per step on `{}`)",
+            kind.name(),
+            human_bytes(bytes),
+            ids.len(),
+            desc.name
+        );
+    }
+    if let Some(budget) = plan.memory.budgets.device {
+        let _ = writeln!(
+            o,
+            "  device budget {} (planned device arenas {})",
+            human_bytes(budget as usize),
+            human_bytes(plan.memory.device_bytes())
+        );
+    }
     let _ = writeln!(o, "\nops per step:");
     for (section, prog) in [
         ("forward", &plan.forward),
@@ -491,6 +536,8 @@ pub fn calibrate(
         // Whole training steps reach about half the GEMM rate on the CPU engine.
         train_tflops: 0.5 * gflops / 1e3,
         side_stream_interference: 0.0,
+        nvme_read_gbps: None,
+        nvme_write_gbps: None,
     };
     if let Some(g) = gpu {
         desc.name = format!("{}-{}", desc.name, g.device.replace(' ', "_"));

@@ -126,4 +126,9 @@ pub enum EngineError {
     /// A training option is invalid.
     #[error("invalid option: {0}")]
     Option(String),
+    /// An offload tier (host store, NVMe store) failed: a full or missing directory, a failed
+    /// read or write, or a block whose checksum does not match (the step stops before the
+    /// corrupt state is used).
+    #[error("offload tier: {0}")]
+    Tier(String),
 }

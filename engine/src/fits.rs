@@ -11,7 +11,12 @@ const NAMED: usize = 3;
 /// Bytes the CPU engine allocates for `plan`'s buffers, one allocation each, with `float_bytes`
 /// per f32 element (4 for `CpuEngine<f32>`, 8 for `f64`); saturates at `u64::MAX`.
 pub fn host_bytes(plan: &Plan, float_bytes: usize) -> u64 {
-    plan.buffers.iter().fold(0u64, |total, b| {
+    let on_disk =
+        |i: usize| plan.memory.slots.get(i).map(|s| s.arena) == Some(schedule::ArenaKind::Nvme);
+    plan.buffers.iter().enumerate().fold(0u64, |total, (i, b)| {
+        if on_disk(i) {
+            return total;
+        }
         let elem = match b.dtype {
             // The CPU engine stores bf16 buffers in its float type (rounding every write).
             DType::F32 | DType::Bf16 => float_bytes,

@@ -3,9 +3,10 @@
 //! The engine interprets a plan generically — it has no notion of a GPT. This crate holds the
 //! CPU backend ([`cpu`]: kernels generic over [`cpu::Float`] and the interpreter
 //! [`cpu::CpuEngine`]), the refresh runtime both engines share ([`refresh_runtime`]: when
-//! eigenbasis refreshes run, swaps, the staleness bound, failures), and the training loop
-//! [`train`] (data through `asteria-data`). It depends only on the plan format, never on the
-//! compiler crates.
+//! eigenbasis refreshes run, swaps, the staleness bound, failures), the training loop
+//! [`train`] (data through `asteria-data`), and the NVMe tier store ([`nvme`]: a checksummed
+//! scratch swap file for optimizer state offloaded to an NVMe drive). It depends only on the
+//! plan format, never on the compiler crates.
 #![deny(missing_docs)]
 // `usize::is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
 #![allow(clippy::manual_is_multiple_of)]
@@ -13,6 +14,7 @@
 pub mod cpu;
 mod error;
 pub mod fits;
+pub mod nvme;
 pub mod refresh_runtime;
 mod rng;
 mod train;

@@ -59,6 +59,8 @@ pub enum ValueKind {
     Int(i128),
     /// A float literal (`3e-3`, `0.95`); always finite.
     Float(f64),
+    /// A size with a unit (`24GiB`, `512MiB`, `1.5TB`, `4096B`), in bytes (rounded down).
+    Size(u128),
     /// `true` / `false`.
     Bool(bool),
     /// `none`.
@@ -88,6 +90,7 @@ impl Value {
         match &self.kind {
             ValueKind::Int(_) => "an integer".into(),
             ValueKind::Float(_) => "a float".into(),
+            ValueKind::Size(_) => "a size".into(),
             ValueKind::Bool(_) => "a boolean".into(),
             ValueKind::None => "`none`".into(),
             ValueKind::Ident(name) => format!("the name `{name}`"),

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use ir::limits::{FloatRange, IntRange};
+use ir::limits::{self, FloatRange, IntRange};
 
 use crate::ast::{Block, Entry, Span, Value, ValueKind};
 use crate::diagnostics::{did_you_mean, suggest, SpecError};
@@ -175,6 +175,50 @@ impl Checker {
                 None
             }
         }
+    }
+
+    /// Reads `v` as a size with a unit (`24GiB`) in `range` (bytes). A plain integer is refused
+    /// with a hint to add the unit (a bare `24` is too easily meant as GiB).
+    pub fn size_value(&mut self, key: &str, v: &Value, range: IntRange) -> Option<u64> {
+        let n = match v.kind {
+            ValueKind::Size(n) => n,
+            ValueKind::Int(n) => {
+                let mut e = SpecError::new(
+                    "spec::wrong-type",
+                    v.span,
+                    format!(
+                        "expected a size with a unit for `{key}`, found {}",
+                        v.describe()
+                    ),
+                    "expected a size such as `24GiB`",
+                );
+                e = e.with_help(format!("write the unit: `{n}GiB`, `{n}MiB` or `{n}B`"));
+                self.push(e);
+                return None;
+            }
+            _ => {
+                self.wrong_type(key, v, "a size such as `24GiB`");
+                return None;
+            }
+        };
+        if n > u128::from(u64::MAX) || !range.contains_u64(n as u64) {
+            self.push(SpecError::new(
+                "spec::out-of-range",
+                v.span,
+                format!(
+                    "`{key}` = {} is outside the allowed range {}",
+                    limits::human_size(n),
+                    limits::Limit::Size(range)
+                ),
+                if n < u128::from(range.min) {
+                    "too small"
+                } else {
+                    "too large"
+                },
+            ));
+            return None;
+        }
+        Some(n as u64)
     }
 
     /// Required integer `key` in `range`.

@@ -163,7 +163,21 @@ pub fn at_entry_start(i: Input) -> bool {
     }
 }
 
-/// A number: `[+-]digits[_digits][.digits][(e|E)[+-]digits]`; integers become `Int`.
+/// Units of size literals (`24GiB`): decimal (`KB` = 10³ bytes) and binary (`KiB` = 2¹⁰).
+pub const SIZE_UNITS: &[(&str, u64)] = &[
+    ("B", 1),
+    ("KB", 1_000),
+    ("MB", 1_000_000),
+    ("GB", 1_000_000_000),
+    ("TB", 1_000_000_000_000),
+    ("KiB", 1 << 10),
+    ("MiB", 1 << 20),
+    ("GiB", 1 << 30),
+    ("TiB", 1 << 40),
+];
+
+/// A number: `[+-]digits[_digits][.digits][(e|E)[+-]digits]`; integers become `Int`; a number
+/// directly followed by a unit of [`SIZE_UNITS`] is a `Size` in bytes.
 fn number(i: Input) -> PResult<Value> {
     let digits =
         |i| recognize((digit1, take_while(|c: char| c.is_ascii_digit() || c == '_'))).parse(i);
@@ -176,6 +190,33 @@ fn number(i: Input) -> PResult<Value> {
     .parse(i)?;
     let start = off(&i);
     let tail = rest.fragment();
+    if let Some((unit, mult)) = SIZE_UNITS
+        .iter()
+        .filter(|(u, _)| {
+            tail.starts_with(u) && !tail[u.len()..].starts_with(|c: char| is_word(c) || c == '.')
+        })
+        .max_by_key(|(u, _)| u.len())
+    {
+        let rest = advance(&rest, unit.len());
+        let span = Span::new(start, off(&rest));
+        let clean: String = text.fragment().chars().filter(|c| *c != '_').collect();
+        let bytes = clean.parse::<f64>().ok().map(|x| x * *mult as f64);
+        return match bytes {
+            Some(b) if b.is_finite() && b >= 0.0 && b < 2f64.powi(100) => Ok((
+                rest,
+                Value {
+                    kind: ValueKind::Size(b as u128),
+                    span,
+                },
+            )),
+            _ => Err(nom::Err::Failure(PErr::at(SpecError::new(
+                "spec::bad-number",
+                span,
+                format!("size `{}{unit}` is out of range", text.fragment()),
+                "not a size",
+            )))),
+        };
+    }
     if tail.starts_with(|c: char| is_word(c) || c == '.') {
         let bad = tail
             .find(|c: char| !(is_word(c) || c == '.'))
@@ -188,7 +229,10 @@ fn number(i: Input) -> PResult<Value> {
                 format!("invalid number `{}{}`", text.fragment(), &tail[..bad]),
                 "not a number",
             )
-            .with_help("numbers look like `64`, `50_257`, `0.95` or `3e-4`"),
+            .with_help(
+                "numbers look like `64`, `50_257`, `0.95` or `3e-4`; sizes like `24GiB` or \
+                 `512MB` (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)",
+            ),
         )));
     }
     let span = Span::new(start, off(&rest));

@@ -112,6 +112,7 @@ fn tiny() {
             staleness: 0,
             calibration: None,
             eigensolver: ir::Eigensolver::Faer,
+            budgets: Default::default(),
         }
     );
 }
@@ -138,6 +139,7 @@ fn tiny_llama_soap() {
             staleness: 0,
             calibration: None,
             eigensolver: ir::Eigensolver::Faer,
+            budgets: Default::default(),
         }
     );
 }
@@ -162,6 +164,7 @@ fn gpt2_124m() {
             eigensolver: ir::Eigensolver::Faer,
             attention: ir::AttentionKernel::Auto,
             refresh_placement: ir::RefreshPlacement::Auto,
+            budgets: Default::default(),
         }
     );
 }

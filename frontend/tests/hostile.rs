@@ -36,7 +36,7 @@ target cpu {
 /// returns the spec and the 1-based line:column of the value.
 fn with_entry(block: &str, key: &str, value: &str) -> (String, usize, usize) {
     let mut base = BASE.to_string();
-    if key == "device" {
+    if key == "device" || key == "gpu_memory" {
         base = base.replace("target cpu {", "target cuda {");
     }
     let mut lines: Vec<String> = base
@@ -51,6 +51,13 @@ fn with_entry(block: &str, key: &str, value: &str) -> (String, usize, usize) {
     let entry = format!("  {key} = {value}");
     lines.insert(header + 1, entry);
     (lines.join("\n") + "\n", header + 2, 3 + key.len() + 3)
+}
+
+fn limit_max(l: &Limit) -> u64 {
+    match l {
+        Limit::Int(r) | Limit::Size(r) => r.max,
+        Limit::Float(_) => 0,
+    }
 }
 
 fn errors_of(src: &str) -> SpecErrors {
@@ -86,6 +93,7 @@ fn every_numeric_key_above_its_range_is_a_located_error_naming_the_range() {
             Limit::Int(r) => ((u128::from(r.max) + 1).to_string(), r.to_string()),
             Limit::Float(r) if r.max_closed => (format!("{:e}", r.max * 2.0), r.to_string()),
             Limit::Float(r) => (format!("{:e}", r.max), r.to_string()),
+            Limit::Size(_) => (format!("{}B", limit_max(limit) + 1), limit.to_string()),
         };
         let value = if *key == "betas" {
             format!("(0.9, {value})")
@@ -108,6 +116,7 @@ fn every_numeric_key_below_its_range_is_a_located_error_naming_the_range() {
             Limit::Int(r) => ((r.min - 1).to_string(), r.to_string()),
             Limit::Float(r) if r.min_closed => (format!("{}", r.min - 1.0), r.to_string()),
             Limit::Float(r) => (format!("{}", r.min), r.to_string()),
+            Limit::Size(r) => (format!("{}B", r.min - 1), limit.to_string()),
         };
         let value = if *key == "betas" {
             format!("({value}, 0.95)")
@@ -136,6 +145,8 @@ fn the_issues_absurd_numbers_are_refused() {
         ("model", "vocab", "9223372036854775807", "1..=1_048_576"),
         ("data", "batch_size", "1_000_000_000", "1..=65_536"),
         ("target", "threads", "1000000", "1..=1024"),
+        ("target", "memory", "0GiB", "1MiB..=16TiB"),
+        ("target", "host_memory", "1e9TiB", "1MiB..=16TiB"),
     ] {
         let (src, line, col) = with_entry(block, key, value);
         assert_range_error(&src, line, col, range);
@@ -309,4 +320,41 @@ fn a_note_far_from_its_error_becomes_a_line_of_the_hint() {
         .find(|err| err.code == "spec::duplicate-key")
         .expect("a duplicate");
     assert_eq!(dup.notes.len(), 1);
+}
+
+#[test]
+fn budgets_need_units_and_the_right_target() {
+    // A bare number: the error asks for a unit.
+    let (src, line, col) = with_entry("target", "memory", "24");
+    let e = errors_of(&src);
+    let items = e.items();
+    assert_eq!(items.len(), 1, "{items:#?}");
+    assert_eq!((items[0].0, items[0].1), (line, col));
+    assert!(items[0].2.contains("unit"), "{}", items[0].2);
+    // An unknown unit is a bad number that lists the units.
+    let (src, _, _) = with_entry("target", "memory", "24Gb");
+    let text = format!("{:?}", errors_of(&src));
+    assert!(text.contains("GiB") && text.contains("MB"), "{text}");
+    // `gpu_memory` on a CPU target says which key the CPU engine reads.
+    let src = BASE.replace("target cpu {", "target cpu {\n  gpu_memory = 8GiB");
+    let text = format!("{:?}", errors_of(&src));
+    assert!(text.contains("`memory`"), "{text}");
+    // `nvme_memory` without a directory.
+    let src = BASE.replace("target cpu {", "target cpu {\n  nvme_memory = 100GiB");
+    let text = format!("{:?}", errors_of(&src));
+    assert!(
+        text.contains("needs `nvme`") || text.contains("no `nvme` directory"),
+        "{text}"
+    );
+    // A valid set: sizes in bytes, the directory kept as written.
+    let src = BASE.replace(
+        "target cpu {",
+        "target cpu {\n  memory = 1.5GiB\n  host_memory = 512MB\n  nvme = \"/tmp\"\n  nvme_memory = 2TiB",
+    );
+    let c = common::parse(&src).expect("valid budgets");
+    let b = c.target.budgets();
+    assert_eq!(b.device, Some(3 << 29));
+    assert_eq!(b.host, Some(512_000_000));
+    assert_eq!(b.nvme, Some(2 << 40));
+    assert_eq!(b.nvme_dir.as_deref(), Some("/tmp"));
 }

@@ -47,6 +47,7 @@ fn defaults() {
             staleness: 0,
             calibration: None,
             eigensolver: ir::Eigensolver::Faer,
+            budgets: Default::default(),
         }
     );
     assert_eq!(c.data.corpus, CorpusConfig::Builtin);
@@ -116,6 +117,7 @@ fn syntax_liberties() {
             staleness: 3,
             calibration: None,
             eigensolver: ir::Eigensolver::Faer,
+            budgets: Default::default(),
         }
     );
 }
@@ -137,6 +139,7 @@ fn cuda_target_and_threads_none() {
             eigensolver: ir::Eigensolver::Faer,
             attention: ir::AttentionKernel::Auto,
             refresh_placement: ir::RefreshPlacement::Auto,
+            budgets: Default::default(),
         }
     );
     let c = parse(&spec(
@@ -154,6 +157,7 @@ fn cuda_target_and_threads_none() {
             eigensolver: ir::Eigensolver::Lapack,
             attention: ir::AttentionKernel::Gemm,
             refresh_placement: ir::RefreshPlacement::Host,
+            budgets: Default::default(),
         }
     );
     let c = parse(&spec(
@@ -168,6 +172,7 @@ fn cuda_target_and_threads_none() {
             staleness: 0,
             calibration: None,
             eigensolver: ir::Eigensolver::Faer,
+            budgets: Default::default(),
         }
     );
 }

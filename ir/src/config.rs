@@ -184,6 +184,9 @@ pub enum TargetConfig {
         /// Host eigensolver of refreshes (`eigensolver`, default faer).
         #[serde(default)]
         eigensolver: crate::Eigensolver,
+        /// Memory budgets (`memory`, `host_memory`, `nvme`, `nvme_memory`; default none).
+        #[serde(default, skip_serializing_if = "crate::Budgets::is_empty")]
+        budgets: crate::Budgets,
     },
     /// CUDA engine.
     Cuda {
@@ -207,6 +210,9 @@ pub enum TargetConfig {
         /// cost model decides per factor).
         #[serde(default)]
         refresh_placement: crate::RefreshPlacement,
+        /// Memory budgets (`gpu_memory`, `host_memory`, `nvme`, `nvme_memory`; default none).
+        #[serde(default, skip_serializing_if = "crate::Budgets::is_empty")]
+        budgets: crate::Budgets,
     },
 }
 
@@ -234,6 +240,12 @@ impl TargetConfig {
             TargetConfig::Cuda {
                 refresh_placement, ..
             } => *refresh_placement,
+        }
+    }
+    /// The memory budgets (none set: every buffer on the device).
+    pub fn budgets(&self) -> &crate::Budgets {
+        match self {
+            TargetConfig::Cpu { budgets, .. } | TargetConfig::Cuda { budgets, .. } => budgets,
         }
     }
     /// The cost-model description named by the spec, if any.

@@ -39,6 +39,13 @@ pub struct TargetDescription {
     /// Fraction of GPU side-stream time that shows up in the step time (the side stream
     /// competes with the compute stream for SMs).
     pub side_stream_interference: f64,
+    /// Sequential read bandwidth of the NVMe tier's drive, GB/s (`None`: unknown, the
+    /// `tier-placement` pass assumes 1 GB/s).
+    #[serde(default)]
+    pub nvme_read_gbps: Option<f64>,
+    /// Sequential write bandwidth of the NVMe tier's drive, GB/s.
+    #[serde(default)]
+    pub nvme_write_gbps: Option<f64>,
 }
 
 /// Linear interpolation in log-log space; beyond the measured range, `n³` scaling from the
@@ -97,6 +104,9 @@ impl TargetDescription {
                 // 254 ms of GPU time) add 213 ms per period to S=5 against S=0's median step
                 // (80.3 against 59.0 ms): 0.84.
                 side_stream_interference: 0.84,
+                // Estimated (a data-center PCIe 4 NVMe drive), not measured.
+                nvme_read_gbps: Some(3.0),
+                nvme_write_gbps: Some(2.5),
             },
             // Simulated: 72 Neoverse V2 cores, NVLink-C2C 450 GB/s with coherent unified
             // memory, an H100-class GPU with asteria's H200 engine rate.
@@ -113,6 +123,8 @@ impl TargetDescription {
                 gpu_qr_ms: scale(&h200_gpu_qr, 1.1),
                 train_tflops: 235.0,
                 side_stream_interference: 0.6,
+                nvme_read_gbps: Some(6.0),
+                nvme_write_gbps: Some(5.0),
             },
             // Simulated: 20 Arm cores (about the H200 VM's per core), one LPDDR5x pool shared
             // with a GPU ~1/8 of an H200 (asteria's engine rate scaled alike).
@@ -127,6 +139,8 @@ impl TargetDescription {
                 gpu_qr_ms: scale(&h200_gpu_qr, 8.0),
                 train_tflops: 235.0 / 8.0,
                 side_stream_interference: 0.8,
+                nvme_read_gbps: Some(6.0),
+                nvme_write_gbps: Some(5.0),
             },
             // A 2-core CI-class host without GPU (measured on the development machine with
             // `asteria calibrate`, rounded; the QR times one refresh per core with both cores
@@ -142,6 +156,8 @@ impl TargetDescription {
                 gpu_qr_ms: vec![],
                 train_tflops: 0.06,
                 side_stream_interference: 0.0,
+                nvme_read_gbps: Some(1.0),
+                nvme_write_gbps: Some(0.8),
             },
             _ => return None,
         })
@@ -196,6 +212,22 @@ impl TargetDescription {
             return None;
         }
         interpolate(table, n)
+    }
+
+    /// Copy time (ms) of `bytes` between the device and the host tier, one way: the
+    /// host↔GPU link, or on a host without GPU a memory copy (10 GB/s assumed).
+    pub fn host_tier_ms(&self, bytes: usize) -> f64 {
+        bytes as f64 / (self.host_gpu_gbps.unwrap_or(10.0) * 1e6)
+    }
+
+    /// Read (`write = false`) or write time (ms) of `bytes` on the NVMe tier.
+    pub fn nvme_ms(&self, bytes: usize, write: bool) -> f64 {
+        let gbps = if write {
+            self.nvme_write_gbps
+        } else {
+            self.nvme_read_gbps
+        };
+        bytes as f64 / (gbps.unwrap_or(1.0) * 1e6)
     }
 
     /// Predicted step time (ms) of a model with `params` parameters and `tokens` per step.

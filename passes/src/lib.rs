@@ -2,7 +2,8 @@
 //!
 //! The pipeline (in order; names are identical in the CLI flags, file names, dump headers and
 //! timing lines): `expand-model`, `autodiff`, `expand-optimizer`, `fuse`, `rematerialize`, `liveness`,
-//! `precond-scheduling`, `lower`, `memory-planning`.
+//! `precond-scheduling`, `lower`, `tier-placement`, `prefetch-insertion`, `memory-planning` (the
+//! last three work on the plan).
 #![deny(missing_docs)]
 
 pub mod autodiff;
@@ -16,7 +17,9 @@ pub mod lower;
 mod manager;
 pub mod memory_planning;
 pub mod precond_scheduling;
+pub mod prefetch_insertion;
 pub mod rematerialize;
+pub mod tier_placement;
 
 pub use manager::{PassManager, PassOptions, PassTiming};
 

@@ -60,6 +60,8 @@ impl PassManager {
             Box::new(crate::liveness::LivenessPass),
             Box::new(crate::precond_scheduling::PrecondScheduling::default()),
             Box::new(crate::lower::Lower),
+            Box::new(crate::tier_placement::TierPlacement::default()),
+            Box::new(crate::prefetch_insertion::PrefetchInsertion::default()),
             Box::new(crate::memory_planning::MemoryPlanning),
         ]
     }

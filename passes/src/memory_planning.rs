@@ -99,6 +99,11 @@ pub fn plan_memory(plan: &Plan) -> MemoryPlan {
     let mut blocks = Vec::new();
     let mut persistent_bytes = 0usize;
     for (i, (b, r)) in plan.buffers.iter().zip(&residency).enumerate() {
+        // Offloaded buffers keep the slot `tier-placement` gave them.
+        if let Some(slot) = plan.memory.slots.get(i).filter(|s| !s.arena.on_device()) {
+            slots[i] = *slot;
+            continue;
+        }
         match r {
             Residency::Transient(live) => {
                 transient.push(i);
@@ -121,19 +126,28 @@ pub fn plan_memory(plan: &Plan) -> MemoryPlan {
             offset,
         };
     }
+    let mut arenas = vec![
+        ArenaPlan {
+            kind: ArenaKind::Persistent,
+            bytes: persistent_bytes,
+        },
+        ArenaPlan {
+            kind: ArenaKind::Activations,
+            bytes: activations_bytes,
+        },
+    ];
+    arenas.extend(
+        plan.memory
+            .arenas
+            .iter()
+            .filter(|a| !a.kind.on_device())
+            .copied(),
+    );
     MemoryPlan {
         alignment: ARENA_ALIGN,
-        arenas: vec![
-            ArenaPlan {
-                kind: ArenaKind::Persistent,
-                bytes: persistent_bytes,
-            },
-            ArenaPlan {
-                kind: ArenaKind::Activations,
-                bytes: activations_bytes,
-            },
-        ],
+        arenas,
         slots,
+        budgets: plan.memory.budgets.clone(),
     }
 }
 
@@ -296,6 +310,73 @@ impl MemorySummary {
     }
 }
 
+/// A compile error when the planned arenas exceed a budget of the plan's
+/// [`schedule::Budgets`], naming the largest consumers of that tier.
+pub fn check_budgets(plan: &Plan) -> Result<(), PassError> {
+    let m = &plan.memory;
+    let b = &m.budgets;
+    type Tier = (&'static str, usize, Option<u64>, fn(ArenaKind) -> bool);
+    let tiers: [Tier; 3] = [
+        (
+            "the device (`gpu_memory` / `memory`)",
+            m.device_bytes(),
+            b.device,
+            |k| k.on_device(),
+        ),
+        (
+            "`host_memory`",
+            m.arena_bytes(ArenaKind::Host),
+            b.host,
+            |k| k == ArenaKind::Host,
+        ),
+        (
+            "`nvme_memory`",
+            m.arena_bytes(ArenaKind::Nvme),
+            b.nvme,
+            |k| k == ArenaKind::Nvme,
+        ),
+    ];
+    for (what, have, budget, member) in tiers {
+        let Some(cap) = budget else { continue };
+        if have as u64 <= cap {
+            continue;
+        }
+        let mut list: Vec<(usize, &str)> = plan
+            .buffers
+            .iter()
+            .zip(&m.slots)
+            .filter(|(_, s)| member(s.arena) && s.arena != ArenaKind::Activations)
+            .map(|(b, _)| (b.size_bytes(), b.name.as_str()))
+            .collect();
+        list.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(b.1)));
+        let mut largest: Vec<String> = list
+            .iter()
+            .take(5)
+            .map(|(n, name)| format!("%{name} {}", human_bytes(*n)))
+            .collect();
+        if member(ArenaKind::Activations) {
+            largest.insert(
+                0,
+                format!(
+                    "the activations arena {}",
+                    human_bytes(m.arena_bytes(ArenaKind::Activations))
+                ),
+            );
+        }
+        return Err(PassError::Invalid {
+            pass: "memory-planning",
+            message: format!(
+                "{what} budget of {} cannot be met: the planned arenas need {}; the largest \
+                 consumers: {}",
+                human_bytes(cap as usize),
+                human_bytes(have),
+                largest.join(", ")
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// The `memory-planning` pass. Needs the plan of `lower`; replaces its memory plan, verifies
 /// the result and leaves the figures in [`PassContext::memory`].
 pub struct MemoryPlanning;
@@ -304,12 +385,14 @@ impl Pass for MemoryPlanning {
     fn name(&self) -> &'static str {
         "memory-planning"
     }
-    fn run(&mut self, _module: &mut Module, cx: &mut PassContext) -> Result<String, PassError> {
+    fn run(&mut self, module: &mut Module, cx: &mut PassContext) -> Result<String, PassError> {
         let plan = cx.plan.as_mut().ok_or_else(|| PassError::Invalid {
             pass: "memory-planning",
             message: "no plan to place: run `lower` first".into(),
         })?;
         plan.memory = plan_memory(plan);
+        plan.memory.budgets = module.config.target.budgets().clone();
+        check_budgets(plan)?;
         plan.verify().map_err(|e| PassError::Invalid {
             pass: "memory-planning",
             message: format!("the planned plan fails verification (compiler bug): {e}"),

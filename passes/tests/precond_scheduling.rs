@@ -31,6 +31,7 @@ fn gpt2_124m_soap(staleness: u32, calibration: &str) -> ir::Module {
         eigensolver: ir::Eigensolver::Faer,
         attention: ir::AttentionKernel::Auto,
         refresh_placement: ir::RefreshPlacement::Auto,
+        budgets: Default::default(),
     };
     let mut m = ir::Module::new(config);
     let mut pm = PassManager::new(PassOptions::default()).expect("pm");

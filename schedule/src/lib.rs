@@ -24,8 +24,8 @@ mod ranges;
 mod verify;
 
 pub use memory::{
-    checked_bytes, Access, ArenaKind, ArenaPlan, BufferSlot, LiveRange, MemoryPlan, PersistReason,
-    Residency, ARENA_ALIGN,
+    checked_bytes, Access, ArenaKind, ArenaPlan, Budgets, BufferSlot, LiveRange, MemoryPlan,
+    PersistReason, Residency, ARENA_ALIGN,
 };
 pub use op::{
     operand_dtypes, HostTask, Op, Placement, SoapHyper, BF16_ATTENTION_MAX_HEAD_DIM,

@@ -158,6 +158,20 @@ pub enum Limit {
     Int(IntRange),
     /// A float key (integers are accepted and converted).
     Float(FloatRange),
+    /// A size key, in bytes (written with a unit: `24GiB`).
+    Size(IntRange),
+}
+
+/// `bytes` in the largest binary unit that divides it (`24GiB`, `1536MiB`, `1000B`), as a
+/// spec would write it.
+pub fn human_size(bytes: u128) -> String {
+    for (unit, shift) in [("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)] {
+        let m = 1u128 << shift;
+        if bytes >= m && bytes % m == 0 {
+            return format!("{}{unit}", bytes / m);
+        }
+    }
+    format!("{bytes}B")
 }
 
 impl std::fmt::Display for Limit {
@@ -165,6 +179,12 @@ impl std::fmt::Display for Limit {
         match self {
             Limit::Int(r) => r.fmt(f),
             Limit::Float(r) => r.fmt(f),
+            Limit::Size(r) => write!(
+                f,
+                "{}..={}",
+                human_size(u128::from(r.min)),
+                human_size(u128::from(r.max))
+            ),
         }
     }
 }
@@ -239,6 +259,10 @@ pub const MAX_THREADS_PER_CORE: usize = 4;
 pub const STALENESS: IntRange = IntRange::new(0, 100_000);
 /// `device` (CUDA target): device ordinal.
 pub const DEVICE: IntRange = IntRange::new(0, 255);
+/// `gpu_memory` / `memory` / `host_memory`: a memory budget in bytes (1 MiB to 16 TiB).
+pub const MEMORY_BUDGET: IntRange = IntRange::new(1 << 20, 1 << 44);
+/// `nvme_memory`: the NVMe tier's budget in bytes (1 MiB to 1 PiB).
+pub const NVME_BUDGET: IntRange = IntRange::new(1 << 20, 1 << 50);
 
 // --- sizes ---------------------------------------------------------------------------------
 /// The most elements one buffer may have (2^40: 4 TiB of f32).
@@ -282,6 +306,10 @@ pub const SPEC_KEYS: &[(&str, &str, Limit)] = &[
     ("target", "threads", Limit::Int(THREADS)),
     ("target", "staleness", Limit::Int(STALENESS)),
     ("target", "device", Limit::Int(DEVICE)),
+    ("target", "gpu_memory", Limit::Size(MEMORY_BUDGET)),
+    ("target", "memory", Limit::Size(MEMORY_BUDGET)),
+    ("target", "host_memory", Limit::Size(MEMORY_BUDGET)),
+    ("target", "nvme_memory", Limit::Size(NVME_BUDGET)),
 ];
 
 /// The README's "Spec keys" table: one row per entry of [`SPEC_KEYS`].

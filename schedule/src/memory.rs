@@ -17,6 +17,14 @@
 //!   overlap in bytes only when their live ranges are disjoint. The contents of such a buffer
 //!   are defined only inside its live range: read outside it (e.g. downloaded by the host after
 //!   the step) it holds whatever a later buffer wrote there.
+//! - [`ArenaKind::Host`] and [`ArenaKind::Nvme`]: the tiers below the device. The
+//!   `tier-placement` pass moves optimizer state there when the device budget
+//!   ([`Budgets::device`]) cannot hold everything: pinned host memory on a GPU (a separate host
+//!   store on the CPU engine) and a checksummed file in the spec's `nvme` directory. An engine
+//!   never computes on these bytes: `prefetch-insertion`'s [`Op::CopyIn`] brings a buffer into
+//!   its staging buffer (a transient buffer of the activations arena) before use and
+//!   [`Op::CopyOut`] writes it back after its last writer. A buffer's *tier* is its arena's:
+//!   `persistent` and `activations` are the device.
 //!
 //! # Step positions and live ranges
 //! The ops of one training step are numbered in execution order — forward `0..F`, backward
@@ -29,7 +37,8 @@
 //! A buffer is transient ([`Plan::residency`]) only when all of these hold; otherwise it is
 //! persistent and gets a [`PersistReason`]:
 //! 1. its class is [`BufferClass::Activation`] or [`BufferClass::Gradient`] (parameters,
-//!    optimizer state, inputs and scalars persist);
+//!    optimizer state, inputs and scalars persist), or it is the staging buffer of offloaded
+//!    state (the destination of an [`Op::CopyIn`]);
 //! 2. the plan does not name it as `loss`, a data input, a parameter, or an operand of a host
 //!    task (those are read or written by the host between programs);
 //! 3. some op touches it, and the first op that does (in step order) only writes it — no read
@@ -74,18 +83,36 @@ pub enum ArenaKind {
     Persistent,
     /// Step-local buffers; bytes reused across disjoint live ranges.
     Activations,
+    /// Offloaded persistent buffers in host memory (pinned on a GPU target); never shared.
+    Host,
+    /// Offloaded persistent buffers in the NVMe store (a file in [`Budgets::nvme_dir`]);
+    /// never shared.
+    Nvme,
 }
 
 impl ArenaKind {
     /// Every kind, in arena order.
-    pub const ALL: [ArenaKind; 2] = [ArenaKind::Persistent, ArenaKind::Activations];
+    pub const ALL: [ArenaKind; 4] = [
+        ArenaKind::Persistent,
+        ArenaKind::Activations,
+        ArenaKind::Host,
+        ArenaKind::Nvme,
+    ];
 
     /// The snake_case name (as in the plan JSON and the engines' reports).
     pub fn name(self) -> &'static str {
         match self {
             ArenaKind::Persistent => "persistent",
             ArenaKind::Activations => "activations",
+            ArenaKind::Host => "host",
+            ArenaKind::Nvme => "nvme",
         }
+    }
+
+    /// Whether buffers of this arena live on the engine's device (where ops run), as opposed
+    /// to an offload tier that only [`Op::CopyIn`] / [`Op::CopyOut`] touch.
+    pub fn on_device(self) -> bool {
+        matches!(self, ArenaKind::Persistent | ArenaKind::Activations)
     }
 
     fn index(self) -> usize {
@@ -117,6 +144,33 @@ pub struct BufferSlot {
     pub offset: usize,
 }
 
+/// The memory budgets of a run (spec keys of the `target` block), in bytes; `None` = no limit.
+/// The compiler's `tier-placement` pass fits the plan under them and [`Plan::verify`] refuses a
+/// memory plan whose arenas exceed them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Budgets {
+    /// The engine's device memory (`gpu_memory` on `target cuda`, `memory` on `target cpu`):
+    /// the `persistent` and `activations` arenas together.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<u64>,
+    /// The host tier (`host_memory`): the `host` arena.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<u64>,
+    /// The directory of the NVMe tier's file (`nvme`); no NVMe tier without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvme_dir: Option<String>,
+    /// The NVMe tier (`nvme_memory`): the `nvme` arena.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvme: Option<u64>,
+}
+
+impl Budgets {
+    /// True when no key is set (nothing to place: every buffer stays on the device).
+    pub fn is_empty(&self) -> bool {
+        *self == Budgets::default()
+    }
+}
+
 /// The memory plan of a [`Plan`]: its arenas and the slot of every buffer. Written by the
 /// compiler (`lower` writes [`MemoryPlan::unshared`], `memory-planning` the shared layout) and
 /// checked by [`Plan::verify`] (slots in range and aligned, persistent buffers never shared,
@@ -129,6 +183,9 @@ pub struct MemoryPlan {
     pub arenas: Vec<ArenaPlan>,
     /// One slot per buffer, indexed like [`Plan::buffers`].
     pub slots: Vec<BufferSlot>,
+    /// The budgets the arenas must fit ([`Plan::verify`] checks them).
+    #[serde(default, skip_serializing_if = "Budgets::is_empty")]
+    pub budgets: Budgets,
 }
 
 impl MemoryPlan {
@@ -155,6 +212,7 @@ impl MemoryPlan {
                 bytes: offset,
             }],
             slots,
+            budgets: Budgets::default(),
         }
     }
 
@@ -165,6 +223,20 @@ impl MemoryPlan {
             .filter(|a| a.kind == kind)
             .map(|a| a.bytes)
             .sum()
+    }
+
+    /// Bytes of the arenas on the engine's device (`persistent` and `activations`).
+    pub fn device_bytes(&self) -> usize {
+        self.arenas
+            .iter()
+            .filter(|a| a.kind.on_device())
+            .map(|a| a.bytes)
+            .sum()
+    }
+
+    /// The arena (tier) of buffer `id`, `None` when out of range.
+    pub fn tier(&self, id: BufferId) -> Option<ArenaKind> {
+        self.slots.get(id.index()).map(|s| s.arena)
     }
 
     /// Bytes of all arenas together.
@@ -236,6 +308,7 @@ impl Op {
                 Access::ReadWrite
             }
             (Op::SoapFactorUpdate { .. }, "factor_left" | "factor_right") => Access::ReadWrite,
+            (Op::CopyIn { .. } | Op::CopyOut { .. }, "dst") => Access::Write,
             (
                 _,
                 "out" | "dtable" | "dpos" | "dx" | "dweight" | "dbias" | "dqkv" | "loss"
@@ -399,6 +472,16 @@ impl Plan {
                 last[i] = pos;
             }
         }
+        // Staging buffers of offloaded state (`CopyIn` destinations) are step-local whatever
+        // their class.
+        let mut staged = vec![false; n];
+        for (_, op) in self.step_ops() {
+            if let Op::CopyIn { dst, .. } = op {
+                if let Some(s) = staged.get_mut(dst.index()) {
+                    *s = true;
+                }
+            }
+        }
         let mut role: Vec<Option<PersistReason>> = vec![None; n];
         let mut mark = |id: BufferId, why: PersistReason| {
             if let Some(r) = role.get_mut(id.index()) {
@@ -422,7 +505,7 @@ impl Plan {
                     return Residency::Persistent(why);
                 }
                 let class = self.buffers[i].class;
-                if !matches!(class, BufferClass::Activation | BufferClass::Gradient) {
+                if !matches!(class, BufferClass::Activation | BufferClass::Gradient) && !staged[i] {
                     return Residency::Persistent(PersistReason::Class(class));
                 }
                 match first[i] {
@@ -485,7 +568,7 @@ pub(crate) fn verify_memory(plan: &Plan) -> Result<(), PlanError> {
             plan.buffers.len()
         )));
     }
-    let mut capacity: [Option<usize>; 2] = [None; 2];
+    let mut capacity: [Option<usize>; 4] = [None; 4];
     for a in &m.arenas {
         if capacity[a.kind.index()].replace(a.bytes).is_some() {
             return Err(invalid(format!("arena `{}` is listed twice", a.kind)));
@@ -498,7 +581,7 @@ pub(crate) fn verify_memory(plan: &Plan) -> Result<(), PlanError> {
         }
     }
     let name = |i: usize| &plan.buffers[i].name;
-    let mut members: [Vec<(usize, usize, usize)>; 2] = [Vec::new(), Vec::new()];
+    let mut members: [Vec<(usize, usize, usize)>; 4] = Default::default();
     for (i, (b, s)) in plan.buffers.iter().zip(&m.slots).enumerate() {
         let Some(cap) = capacity[s.arena.index()] else {
             return Err(invalid(format!(
@@ -540,6 +623,7 @@ pub(crate) fn verify_memory(plan: &Plan) -> Result<(), PlanError> {
             )));
         }
     }
+    verify_tiers(plan)?;
     let residency = plan.residency();
     for &(_, _, i) in &members[ArenaKind::Activations.index()] {
         if let Residency::Persistent(why) = residency[i] {
@@ -584,6 +668,143 @@ pub(crate) fn verify_memory(plan: &Plan) -> Result<(), PlanError> {
                     }
                 }
             }
+        }
+    }
+    Ok(())
+}
+
+/// The tier rules: arenas within their [`Budgets`]; an offloaded buffer (in the `host` or
+/// `nvme` arena) is persistent, touched by no op but [`Op::CopyIn`] (as `src`) and
+/// [`Op::CopyOut`] (as `dst`) and by no host task; every copy moves between an offloaded buffer
+/// and a device buffer; a staging buffer (a `CopyIn` destination) is written first by its
+/// `CopyIn` — no op touches it before the copy has brought its bytes — and, when an op writes
+/// it, a `CopyOut` to its home follows the last such write.
+fn verify_tiers(plan: &Plan) -> Result<(), PlanError> {
+    let m = &plan.memory;
+    let b = &m.budgets;
+    let gib = |x: u64| format!("{:.2} GiB", x as f64 / (1u64 << 30) as f64);
+    let over = |what: &str, key: &str, have: usize, budget: Option<u64>| match budget {
+        Some(cap) if have as u64 > cap => Err(invalid(format!(
+            "the {what} arenas need {} ({have} bytes), more than `{key}` = {} allows",
+            gib(have as u64),
+            gib(cap)
+        ))),
+        _ => Ok(()),
+    };
+    over("device", "gpu_memory / memory", m.device_bytes(), b.device)?;
+    over(
+        "host",
+        "host_memory",
+        m.arena_bytes(ArenaKind::Host),
+        b.host,
+    )?;
+    over(
+        "nvme",
+        "nvme_memory",
+        m.arena_bytes(ArenaKind::Nvme),
+        b.nvme,
+    )?;
+    if m.arena_bytes(ArenaKind::Nvme) > 0 && b.nvme_dir.is_none() {
+        return Err(invalid(
+            "buffers are placed in the `nvme` arena but the plan names no NVMe directory".into(),
+        ));
+    }
+    let tier = |id: BufferId| m.tier(id).unwrap_or(ArenaKind::Persistent);
+    let name = |id: BufferId| &plan.buffer(id).name;
+    for t in &plan.host_tasks {
+        for (field, id) in t.operands() {
+            if !tier(id).on_device() {
+                return Err(invalid(format!(
+                    "host task operand `{field}` `{}` is offloaded to the `{}` tier; host tasks \
+                     read device buffers",
+                    name(id),
+                    tier(id)
+                )));
+            }
+        }
+    }
+    let n = plan.buffers.len();
+    // Per staging buffer: step position of its CopyIn, its last write, its CopyOut after it.
+    let mut copied_in: Vec<Option<usize>> = vec![None; n];
+    let mut last_write: Vec<Option<usize>> = vec![None; n];
+    let mut copied_out: Vec<Option<usize>> = vec![None; n];
+    let mut staging = vec![false; n];
+    for (_, op) in plan.step_ops() {
+        if let Op::CopyIn { dst, .. } = op {
+            if let Some(s) = staging.get_mut(dst.index()) {
+                *s = true;
+            }
+        }
+    }
+    for (pos, op) in plan.step_ops() {
+        match op {
+            Op::CopyIn { src, dst } | Op::CopyOut { dst: src, src: dst } => {
+                // (`src` is the offloaded side, `dst` the device side, for both.)
+                if tier(*src).on_device() || !tier(*dst).on_device() {
+                    return Err(invalid(format!(
+                        "{} `{}` -> `{}` at {}: a tier copy moves between an offloaded buffer \
+                         and a device buffer",
+                        op.name(),
+                        name(*src),
+                        name(*dst),
+                        plan.step_position(pos)
+                    )));
+                }
+                if matches!(op, Op::CopyIn { .. }) {
+                    if copied_in[dst.index()].is_some() {
+                        return Err(invalid(format!(
+                            "`{}` is the destination of two copy_in ops",
+                            name(*dst)
+                        )));
+                    }
+                    copied_in[dst.index()] = Some(pos);
+                } else {
+                    copied_out[dst.index()] = Some(pos);
+                }
+            }
+            _ => {
+                for (field, id, access) in op.accesses() {
+                    if !tier(id).on_device() {
+                        return Err(invalid(format!(
+                            "{} at {} touches `{}` (operand `{field}`), which is offloaded to \
+                             the `{}` tier; ops read its staging buffer after a copy_in",
+                            op.name(),
+                            plan.step_position(pos),
+                            name(id),
+                            tier(id)
+                        )));
+                    }
+                    let i = id.index();
+                    if i < n && copied_out[i].is_none() && access.writes() {
+                        last_write[i] = Some(pos);
+                    }
+                    if i < n && copied_in[i].is_none() && staging[i] {
+                        return Err(invalid(format!(
+                            "{} at {} touches the staging buffer `{}` before its copy_in",
+                            op.name(),
+                            plan.step_position(pos),
+                            name(id)
+                        )));
+                    }
+                    if i < n && copied_out[i].is_some() && access.writes() {
+                        return Err(invalid(format!(
+                            "{} at {} writes the staging buffer `{}` after its copy_out: \
+                             the write would be lost",
+                            op.name(),
+                            plan.step_position(pos),
+                            name(id)
+                        )));
+                    }
+                }
+            }
+        }
+    }
+    for i in 0..n {
+        if copied_in[i].is_some() && last_write[i].is_some() && copied_out[i].is_none() {
+            return Err(invalid(format!(
+                "the staging buffer `{}` is written but never copied back to its home",
+                plan.buffers[i].name
+            )));
         }
     }
     Ok(())

@@ -291,6 +291,15 @@ pub enum Op {
         factor_right: Option<BufferId>,
         shampoo_beta: f64,
     },
+    /// Brings an offloaded buffer `src` (placed in the `host` or `nvme` arena by the
+    /// `tier-placement` pass) into its staging buffer `dst` on the engine's device (same dtype
+    /// and shape), a byte copy. The `prefetch-insertion` pass issues it ahead of `dst`'s first
+    /// use; an engine may run it asynchronously (a copy stream, an I/O thread) but completes it
+    /// before any later op touches `dst`.
+    CopyIn { src: BufferId, dst: BufferId },
+    /// Writes the staging buffer `src` back to its offloaded home `dst` after its last writer
+    /// (the inverse of [`Op::CopyIn`]); `src`'s bytes are free once it completes.
+    CopyOut { src: BufferId, dst: BufferId },
 }
 
 /// Where a preconditioner refresh runs (decided by the `precond-scheduling` pass).

@@ -108,6 +108,8 @@ impl Op {
             Op::AdamW { .. } => "adam_w",
             Op::SoapUpdate { .. } => "soap_update",
             Op::SoapFactorUpdate { .. } => "soap_factor_update",
+            Op::CopyIn { .. } => "copy_in",
+            Op::CopyOut { .. } => "copy_out",
         }
     }
 
@@ -265,6 +267,9 @@ impl Op {
                 v.push(("grad", *grad));
                 opt(&mut v, "factor_left", factor_left);
                 opt(&mut v, "factor_right", factor_right);
+            }
+            Op::CopyIn { src, dst } | Op::CopyOut { src, dst } => {
+                v.extend([("src", *src), ("dst", *dst)])
             }
         }
         v
@@ -734,6 +739,17 @@ impl Checker<'_> {
                     *factor_right,
                     ("factor_left", "factor_right"),
                 )?;
+            }
+            Op::CopyIn { src, dst } | Op::CopyOut { src, dst } => {
+                self.same(("src", *src), ("dst", *dst))?;
+                let (ds, dd) = (self.plan.buffer(*src).dtype, self.plan.buffer(*dst).dtype);
+                if ds != dd {
+                    return Err(self.fail(
+                        "dst",
+                        *dst,
+                        format!("is {dd:?} but src is {ds:?}: a tier copy moves bytes"),
+                    ));
+                }
             }
         }
         Ok(())

@@ -539,6 +539,13 @@ impl CudaEngine {
                     CudaEngine::soap_projections(self.precision),
                 )?;
             }
+            // `check_fused` refuses plans with offloaded state before anything runs.
+            Op::CopyIn { .. } | Op::CopyOut { .. } => {
+                return Err(CudaError::Invalid {
+                    op: "copy_in / copy_out",
+                    what: "the CUDA engine does not run offload tiers yet".into(),
+                })
+            }
         }
         Ok(None)
     }

@@ -25,6 +25,19 @@ fn check_fused(
     precision: Precision,
 ) -> Result<(), EngineError> {
     let refuse = |what: String| Err(EngineError::Unsupported(format!("CUDA backend: {what}")));
+    if let Some(a) = plan
+        .memory
+        .arenas
+        .iter()
+        .find(|a| !a.kind.on_device() && a.bytes > 0)
+    {
+        return refuse(format!(
+            "the plan offloads {} bytes to the `{}` tier (`tier-placement` under the spec's \
+             budgets); the CUDA engine does not run offload tiers yet: remove `gpu_memory` \
+             from the target block, or run the plan on the CPU engine",
+            a.bytes, a.kind
+        ));
+    }
     if precision != Precision::Bf16 {
         if let Some(b) = plan.buffers.iter().find(|b| b.dtype == DType::Bf16) {
             return refuse(format!(

@@ -151,6 +151,8 @@ pub struct CpuEngine<T> {
     by_name: HashMap<String, BufferId>,
     /// With [`EngineOptions::poison_transients`]: what to poison after each op.
     poison: Option<Poison>,
+    /// The offloaded buffers (host and NVMe tiers) and their copies.
+    tiers: super::tiers::Tiers<T>,
 }
 
 /// The poisoning schedule of [`EngineOptions::poison_transients`].
@@ -325,6 +327,13 @@ impl<T: Float + Real> CpuEngine<T> {
                 store.poison(id);
             }
         }
+        let tiers = super::tiers::Tiers::new(&plan, |i, v: &mut [T]| match plan.buffers[i].init {
+            Init::Zeros => {}
+            Init::Ones => v.iter_mut().for_each(|x| *x = T::one()),
+            Init::Normal { std } => {
+                crate::normal_fill(seed, i as u64, v, |z| <T as Float>::from_f64(std * z))
+            }
+        })?;
         let refresh = Runtime::new(&plan, &opts);
         Ok(CpuEngine {
             plan,
@@ -340,6 +349,7 @@ impl<T: Float + Real> CpuEngine<T> {
             refresh,
             by_name,
             poison,
+            tiers,
         })
     }
 
@@ -470,10 +480,21 @@ impl<T: Float + Real> CpuEngine<T> {
         let store = &mut self.store;
         let stats = &mut self.stats;
         let poison = self.poison.as_ref();
+        let tiers = &mut self.tiers;
         pool.install(|| {
             for (index, op) in program.iter().enumerate() {
                 let loc = Loc { section, index, op: op.name() };
-                let outcome = exec_op(store, op, loc, t, lr_multiplier)?;
+                let outcome = match op {
+                    Op::CopyIn { src, dst } => {
+                        tiers.copy_in(store, *src, *dst, loc)?;
+                        OpOutcome::Done
+                    }
+                    Op::CopyOut { src, dst } => {
+                        tiers.copy_out(store, *src, *dst, loc)?;
+                        OpOutcome::Done
+                    }
+                    _ => exec_op(store, op, loc, t, lr_multiplier)?,
+                };
                 if let Some(p) = poison {
                     let pos = p.base(section) + index;
                     for &id in p.after.get(pos).map_or(&[][..], Vec::as_slice) {
@@ -494,6 +515,12 @@ impl<T: Float + Real> CpuEngine<T> {
             }
             Ok(true)
         })
+    }
+
+    /// Bytes moved through the NVMe tier so far and whether it uses O_DIRECT (`None` when the
+    /// plan offloads nothing to NVMe).
+    pub fn nvme_stats(&self) -> Option<crate::nvme::NvmeStats> {
+        self.tiers.nvme_stats()
     }
 
     /// Runs the forward program and returns the loss (mean cross-entropy, nats) read from

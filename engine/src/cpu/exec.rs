@@ -37,6 +37,11 @@ pub(crate) fn exec_op<T: Float + Real>(
     use OpOutcome::Done;
     let cols = |st: &Store<T>, id: BufferId| st.dims2(id).1;
     match op {
+        Op::CopyIn { .. } | Op::CopyOut { .. } => {
+            return Err(EngineError::Tier(format!(
+                "{loc}: tier copies run through the engine's tier stores, not as kernels"
+            )))
+        }
         Op::Embedding { table, ids, out } => {
             let (v, c) = st.dims2(*table);
             st.with_outs(loc, &[("out", *out)], &[*table, *ids], |s, o| {

@@ -20,6 +20,7 @@ pub mod norms;
 pub mod positional;
 pub mod rope;
 mod store;
+mod tiers;
 
 pub use engine::{CpuEngine, EngineOptions, EngineStats};
 pub use float::{fast_exp_f32, Float};

@@ -52,14 +52,28 @@ pub(crate) fn round_slice_to_bf16<T: Float>(v: &mut [T]) {
 }
 
 impl<T: Float> Store<T> {
-    /// Zero-filled buffers for every plan buffer.
+    /// Zero-filled buffers for every plan buffer; a buffer offloaded to the `host` or `nvme`
+    /// tier gets no working storage (its bytes live in the engine's tier stores and reach ops
+    /// through its staging buffer).
     pub(crate) fn zeros(plan: &Plan) -> Self {
         let data = plan
             .buffers
             .iter()
-            .map(|b| match b.dtype {
-                DType::F32 | DType::Bf16 => Data::F(vec![T::zero(); b.numel()]),
-                DType::I32 => Data::I(vec![0; b.numel()]),
+            .enumerate()
+            .map(|(i, b)| {
+                let n = if plan
+                    .memory
+                    .tier(BufferId(i as u32))
+                    .is_some_and(|t| !t.on_device())
+                {
+                    0
+                } else {
+                    b.numel()
+                };
+                match b.dtype {
+                    DType::F32 | DType::Bf16 => Data::F(vec![T::zero(); n]),
+                    DType::I32 => Data::I(vec![0; n]),
+                }
             })
             .collect();
         Store {

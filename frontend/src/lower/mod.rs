@@ -94,6 +94,7 @@ pub fn lower(spec: &Spec, run_name: &str, base_dir: &Path, c: &mut Checker) -> O
             staleness: 0,
             calibration: None,
             eigensolver: ir::Eigensolver::default(),
+            budgets: Default::default(),
         }),
     };
     if let (Some((m, mf)), Some((d, df))) = (&model, &data) {

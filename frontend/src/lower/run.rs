@@ -193,6 +193,10 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
     };
     const CUDA_ONLY: &[(&str, &str)] = &[
         ("device", "`device` applies to `target cuda` only"),
+        (
+            "gpu_memory",
+            "`gpu_memory` applies to `target cuda` only; the CPU engine's budget is `memory`",
+        ),
         ("precision", "`precision` applies to `target cuda` only"),
         ("attention", "`attention` applies to `target cuda` only"),
         (
@@ -202,7 +206,16 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
     ];
     let (allowed, foreign): (&[&str], &[(&str, &str)]) = match kind {
         Some("cpu") => (
-            &["threads", "staleness", "calibration", "eigensolver"],
+            &[
+                "threads",
+                "staleness",
+                "calibration",
+                "eigensolver",
+                "memory",
+                "host_memory",
+                "nvme",
+                "nvme_memory",
+            ],
             CUDA_ONLY,
         ),
         Some("cuda") => (
@@ -214,8 +227,18 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
                 "eigensolver",
                 "attention",
                 "refresh_placement",
+                "gpu_memory",
+                "host_memory",
+                "nvme",
+                "nvme_memory",
             ],
-            &[("threads", "`threads` applies to `target cpu` only")],
+            &[
+                ("threads", "`threads` applies to `target cpu` only"),
+                (
+                    "memory",
+                    "`memory` is the CPU engine's budget; on `target cuda` it is `gpu_memory`",
+                ),
+            ],
         ),
         _ => (
             &[
@@ -227,6 +250,11 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
                 "eigensolver",
                 "attention",
                 "refresh_placement",
+                "memory",
+                "gpu_memory",
+                "host_memory",
+                "nvme",
+                "nvme_memory",
             ],
             &[],
         ),
@@ -237,6 +265,7 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
         .get("calibration")
         .and_then(|e| calibration(c, &e.value, base_dir));
     let eigensolver = named_option(c, &f, "eigensolver", ir::Eigensolver::NAMES);
+    let budgets = budgets(c, &f, kind == Some("cuda"));
     match kind? {
         "cuda" => Some(TargetConfig::Cuda {
             device: c.uint_or(&f, "device", limits::DEVICE, 0),
@@ -259,6 +288,7 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
                 "refresh_placement",
                 ir::RefreshPlacement::NAMES,
             ),
+            budgets,
         }),
         _ => {
             let threads = match f.get("threads") {
@@ -272,8 +302,56 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
                 staleness,
                 calibration,
                 eigensolver,
+                budgets,
             })
         }
+    }
+}
+
+/// The memory budgets of a `target` block: `gpu_memory` (cuda) or `memory` (cpu), `host_memory`,
+/// `nvme` (a directory, resolved when the run starts) and `nvme_memory`, sizes with units
+/// (`24GiB`). `nvme_memory` needs `nvme`.
+fn budgets(c: &mut Checker, f: &Fields, cuda: bool) -> ir::Budgets {
+    let device_key = if cuda { "gpu_memory" } else { "memory" };
+    let device = f
+        .get(device_key)
+        .and_then(|e| c.size_value(device_key, &e.value, limits::MEMORY_BUDGET));
+    let host = f
+        .get("host_memory")
+        .and_then(|e| c.size_value("host_memory", &e.value, limits::MEMORY_BUDGET));
+    let nvme = f
+        .get("nvme_memory")
+        .and_then(|e| c.size_value("nvme_memory", &e.value, limits::NVME_BUDGET));
+    let nvme_dir = match f.get("nvme").map(|e| &e.value) {
+        None => None,
+        Some(v) => match &v.kind {
+            ValueKind::Str(s) if !s.trim().is_empty() => Some(s.clone()),
+            _ => {
+                c.wrong_type(
+                    "nvme",
+                    v,
+                    "a directory path string (`nvme = \"/mnt/nvme\"`)",
+                );
+                None
+            }
+        },
+    };
+    if let (Some(e), Some(_), None) = (f.get("nvme_memory"), nvme, f.get("nvme")) {
+        c.push(
+            SpecError::new(
+                "spec::missing-key",
+                e.value.span,
+                "`nvme_memory` sizes the NVMe tier, but no `nvme` directory is given",
+                "needs `nvme`",
+            )
+            .with_help("add `nvme = \"/path/to/nvme/dir\"` to the target block"),
+        );
+    }
+    ir::Budgets {
+        device,
+        host,
+        nvme_dir,
+        nvme,
     }
 }
 

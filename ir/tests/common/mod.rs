@@ -53,6 +53,7 @@ pub fn config() -> Config {
             staleness: 0,
             calibration: None,
             eigensolver: ir::Eigensolver::Faer,
+            budgets: Default::default(),
         },
     }
 }

@@ -1,0 +1,417 @@
+//! `tier-placement`: under the spec's memory budgets (`target { gpu_memory = 24GiB
+//! host_memory = 96GiB nvme = "DIR" nvme_memory = 200GiB }`, [`schedule::Budgets`]), chooses
+//! for each persistent tensor whether it lives on the device, in host memory or on the NVMe
+//! drive, and records the choice in the plan's memory plan (a buffer's tier is its arena:
+//! `host` or `nvme` for offloaded state). `prefetch-insertion` then adds the copies that bring
+//! offloaded state back around its uses, and `memory-planning` sizes the arenas and checks the
+//! device budget.
+//!
+//! # What moves, and where
+//! Without a budget nothing moves. Otherwise the pass computes the device bytes the plan needs
+//! (persistent arena plus planned activations), and while that exceeds the device budget it
+//! offloads optimizer state, cheapest first by the cost model:
+//! - **Candidates** are the moments (`exp_avg`, `exp_avg_sq`, of AdamW and of SOAP's rotated
+//!   Adam), which only the optimizer program touches, once per step: one copy in and one copy
+//!   out per step. Parameters (read by the forward, the backward and the casts) and the
+//!   Kronecker factors and eigenbases (read by the host refresh tasks) stay on the device in
+//!   this version.
+//! - **Cost** per candidate: its per-step copy time over the tier's link (pinned host memory:
+//!   the host↔GPU bandwidth of the target description; NVMe: the drive's read plus write
+//!   bandwidth). Candidates go largest first (fewest copies per byte freed), then any that
+//!   were not needed are taken back, smallest first.
+//! - **Tier**: the host tier while `host_memory` allows, then the NVMe tier if the spec names
+//!   one. On a unified-memory target (GH200, GB10: `unified_memory` in the description) host
+//!   memory *is* device memory, so the host tier frees nothing there and the pass goes to NVMe
+//!   directly.
+//!
+//! When every candidate is offloaded and the device still does not fit, the pass fails with the
+//! budget, the need and the largest device consumers. `--print-after tier-placement` prints
+//! every decision with its predicted copy time; `asteria explain` shows bytes per tier.
+use crate::cost_model::TargetDescription;
+use crate::liveness::human_bytes;
+use crate::memory_planning::plan_memory;
+use crate::prefetch_insertion::insert_prefetches;
+use crate::{Pass, PassContext, PassError};
+use ir::Module;
+use schedule::memory::align_up;
+use schedule::{ArenaKind, ArenaPlan, Budgets, BufferClass, BufferId, BufferSlot, Op, Plan};
+use std::fmt::Write;
+
+/// Alignment of NVMe-tier offsets: one checksummed block of the engine's NVMe store (1 MiB).
+pub const NVME_ALIGN: usize = 1 << 20;
+
+/// One offloaded tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    /// The buffer.
+    pub buffer: BufferId,
+    /// Its name.
+    pub name: String,
+    /// Its bytes.
+    pub bytes: usize,
+    /// Where it goes (`Host` or `Nvme`).
+    pub tier: ArenaKind,
+    /// Predicted copy time per step (in and out), ms.
+    pub copy_ms: f64,
+}
+
+/// What the pass decided.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Placement {
+    /// The target description the costs come from.
+    pub target: String,
+    /// The budgets.
+    pub budgets: Budgets,
+    /// Device bytes the plan needs with everything on the device.
+    pub device_need: usize,
+    /// The offloaded tensors, in buffer order.
+    pub decisions: Vec<Decision>,
+    /// Why the host tier was not used, if it was not.
+    pub host_note: Option<String>,
+}
+
+impl Placement {
+    /// Bytes placed in `tier`.
+    pub fn bytes_in(&self, tier: ArenaKind) -> usize {
+        self.decisions
+            .iter()
+            .filter(|d| d.tier == tier)
+            .map(|d| d.bytes)
+            .sum()
+    }
+    /// Predicted copy time per step of every offloaded tensor, ms (the copies are not hidden
+    /// under the optimizer program, which is itself bound by memory bandwidth).
+    pub fn copy_ms(&self) -> f64 {
+        self.decisions.iter().map(|d| d.copy_ms).sum()
+    }
+}
+
+/// The `tier-placement` pass.
+#[derive(Default)]
+pub struct TierPlacement {
+    placement: Placement,
+}
+
+impl TierPlacement {
+    /// What the last run decided.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
+    }
+}
+
+impl Pass for TierPlacement {
+    fn name(&self) -> &'static str {
+        "tier-placement"
+    }
+
+    fn run(&mut self, module: &mut Module, cx: &mut PassContext) -> Result<String, PassError> {
+        let budgets = module.config.target.budgets().clone();
+        let plan = cx.plan.as_mut().ok_or_else(|| PassError::Invalid {
+            pass: "tier-placement",
+            message: "no plan to place: run `lower` first".into(),
+        })?;
+        if budgets.is_empty() {
+            self.placement = Placement::default();
+            return Ok("no budget: every buffer on the device".into());
+        }
+        let desc = crate::precond_scheduling::target_description(&module.config.target)?;
+        self.placement = place(plan, &budgets, &desc)?;
+        let p = &self.placement;
+        Ok(format!(
+            "on `{}`: device needs {} of {}; {} tensor(s) offloaded, {} to host, {} to nvme; \
+             predicted copies {:.2} ms per step",
+            p.target,
+            human_bytes(p.device_need),
+            budgets
+                .device
+                .map_or("no limit".to_string(), |b| human_bytes(b as usize)),
+            p.decisions.len(),
+            human_bytes(p.bytes_in(ArenaKind::Host)),
+            human_bytes(p.bytes_in(ArenaKind::Nvme)),
+            p.copy_ms()
+        ))
+    }
+
+    fn dump_after(&self, _module: &Module, _cx: &PassContext) -> String {
+        report(&self.placement)
+    }
+}
+
+/// The `--print-after tier-placement` report: budgets, need, and every decision.
+pub fn report(p: &Placement) -> String {
+    let mut s = String::from("; tier placement\n");
+    let b = |x: Option<u64>| x.map_or("no limit".to_string(), |v| human_bytes(v as usize));
+    let _ = writeln!(
+        s,
+        "; target `{}`: gpu/device budget {}, host {}, nvme {} ({})",
+        p.target,
+        b(p.budgets.device),
+        b(p.budgets.host),
+        b(p.budgets.nvme),
+        p.budgets.nvme_dir.as_deref().unwrap_or("no directory")
+    );
+    let _ = writeln!(
+        s,
+        "; device need with every tensor on the device: {}",
+        human_bytes(p.device_need)
+    );
+    if let Some(note) = &p.host_note {
+        let _ = writeln!(s, "; host tier not used: {note}");
+    }
+    if p.decisions.is_empty() {
+        let _ = writeln!(s, "; nothing offloaded");
+    }
+    for d in &p.decisions {
+        let _ = writeln!(
+            s,
+            ";   %{:<36} {:>11}  -> {:<4}  copies {:>8.3} ms/step",
+            d.name,
+            human_bytes(d.bytes),
+            d.tier.name(),
+            d.copy_ms
+        );
+    }
+    let _ = writeln!(
+        s,
+        "; host {}, nvme {}; predicted copies {:.2} ms per step (not hidden: the optimizer \
+         program is memory-bound)",
+        human_bytes(p.bytes_in(ArenaKind::Host)),
+        human_bytes(p.bytes_in(ArenaKind::Nvme)),
+        p.copy_ms()
+    );
+    s
+}
+
+/// Offloads candidates of `plan` until its device bytes fit `budgets.device`, writing the
+/// `host` / `nvme` slots and arenas into `plan.memory`. Errors when the budget cannot be met.
+pub fn place(
+    plan: &mut Plan,
+    budgets: &Budgets,
+    desc: &TargetDescription,
+) -> Result<Placement, PassError> {
+    let mut placement = Placement {
+        target: desc.name.clone(),
+        budgets: budgets.clone(),
+        ..Default::default()
+    };
+    let device_need = |p: &Plan| plan_memory(p).device_bytes();
+    placement.device_need = device_need(plan);
+    let cap = budgets.device.map_or(usize::MAX, |b| b as usize);
+    if placement.device_need <= cap {
+        return Ok(placement);
+    }
+    let host_ok = !desc.unified_memory;
+    if !host_ok {
+        placement.host_note = Some(format!(
+            "`{}` has unified memory: host memory is the device's, offloading there frees nothing",
+            desc.name
+        ));
+    }
+    let mut candidates = candidates(plan);
+    // Largest first; ties in buffer order.
+    candidates.sort_by(|&a, &b| {
+        let (x, y) = (plan.buffer(a).size_bytes(), plan.buffer(b).size_bytes());
+        y.cmp(&x).then(a.cmp(&b))
+    });
+    // Greedy on the estimate: freeing a tensor's persistent bytes.
+    let mut excess = placement.device_need - cap;
+    let mut chosen: Vec<BufferId> = Vec::new();
+    for &c in &candidates {
+        if excess == 0 {
+            break;
+        }
+        chosen.push(c);
+        excess = excess.saturating_sub(align_up(plan.buffer(c).size_bytes(), 256));
+    }
+    // Then exact: with the staging copies in place, add more until the device fits; take
+    // back the smallest ones that are not needed.
+    let fits = |chosen: &[BufferId]| -> Result<Option<usize>, PassError> {
+        let mut trial = plan.clone();
+        assign(&mut trial, chosen, budgets, desc, host_ok, &mut Vec::new())?;
+        insert_prefetches(&mut trial)?;
+        let need = device_need(&trial);
+        Ok((need <= cap).then_some(need))
+    };
+    let mut rest = candidates.iter().skip(chosen.len());
+    while fits(&chosen)?.is_none() {
+        match rest.next() {
+            Some(&c) => chosen.push(c),
+            None => return Err(over_budget(plan, budgets, placement.device_need, &chosen)),
+        }
+    }
+    let mut by_size = chosen.clone();
+    by_size.sort_by_key(|&c| (plan.buffer(c).size_bytes(), c));
+    for c in by_size {
+        let without: Vec<BufferId> = chosen.iter().copied().filter(|&x| x != c).collect();
+        if fits(&without)?.is_some() {
+            chosen = without;
+        }
+    }
+    assign(
+        plan,
+        &chosen,
+        budgets,
+        desc,
+        host_ok,
+        &mut placement.decisions,
+    )?;
+    placement.decisions.sort_by_key(|d| d.buffer);
+    Ok(placement)
+}
+
+/// The tensors this version may offload: f32 moments touched by the optimizer program only.
+fn candidates(plan: &Plan) -> Vec<BufferId> {
+    let n = plan.buffers.len();
+    let mut outside = vec![false; n];
+    for op in plan.forward.iter().chain(&plan.backward) {
+        for (_, id) in op.operands() {
+            if let Some(o) = outside.get_mut(id.index()) {
+                *o = true;
+            }
+        }
+    }
+    for t in &plan.host_tasks {
+        for (_, id) in t.operands() {
+            if let Some(o) = outside.get_mut(id.index()) {
+                *o = true;
+            }
+        }
+    }
+    let mut used = vec![false; n];
+    for op in &plan.optimizer {
+        for (_, id) in op.operands() {
+            if let Some(u) = used.get_mut(id.index()) {
+                *u = true;
+            }
+        }
+    }
+    (0..n)
+        .filter(|&i| {
+            let b = &plan.buffers[i];
+            matches!(b.class, BufferClass::ExpAvg | BufferClass::ExpAvgSq)
+                && b.dtype == schedule::DType::F32
+                && used[i]
+                && !outside[i]
+        })
+        .map(|i| BufferId(i as u32))
+        .collect()
+}
+
+/// Places `chosen` in the host tier while its budget allows (and `host_ok`), then on NVMe:
+/// slots and arenas of `plan.memory`. Errors when neither tier has room.
+fn assign(
+    plan: &mut Plan,
+    chosen: &[BufferId],
+    budgets: &Budgets,
+    desc: &TargetDescription,
+    host_ok: bool,
+    decisions: &mut Vec<Decision>,
+) -> Result<(), PassError> {
+    let host_cap = budgets.host.map_or(usize::MAX, |b| b as usize);
+    let nvme_cap = if budgets.nvme_dir.is_some() {
+        budgets.nvme.map_or(usize::MAX, |b| b as usize)
+    } else {
+        0
+    };
+    let (mut host, mut nvme) = (0usize, 0usize);
+    for &c in chosen {
+        let bytes = plan.buffer(c).size_bytes();
+        let (tier, offset, copy_ms) = if host_ok && host.saturating_add(bytes) <= host_cap {
+            let at = host;
+            host = align_up(host.saturating_add(bytes), 256);
+            (ArenaKind::Host, at, 2.0 * desc.host_tier_ms(bytes))
+        } else if nvme.saturating_add(bytes) <= nvme_cap {
+            let at = nvme;
+            nvme = align_up(nvme.saturating_add(bytes), NVME_ALIGN);
+            (
+                ArenaKind::Nvme,
+                at,
+                desc.nvme_ms(bytes, false) + desc.nvme_ms(bytes, true),
+            )
+        } else {
+            let why = if budgets.nvme_dir.is_none() {
+                "and the spec names no `nvme` directory"
+            } else {
+                "and `nvme_memory` is full too"
+            };
+            return Err(PassError::Invalid {
+                pass: "tier-placement",
+                message: format!(
+                    "`{}` ({}) must leave the device, but the host tier {} {why}",
+                    plan.buffer(c).name,
+                    human_bytes(bytes),
+                    if host_ok {
+                        format!(
+                            "has {} left of `host_memory`",
+                            human_bytes(host_cap.saturating_sub(host))
+                        )
+                    } else {
+                        "frees nothing on this unified-memory target".to_string()
+                    }
+                ),
+            });
+        };
+        plan.memory.slots[c.index()] = BufferSlot {
+            arena: tier,
+            offset,
+        };
+        decisions.push(Decision {
+            buffer: c,
+            name: plan.buffer(c).name.clone(),
+            bytes,
+            tier,
+            copy_ms,
+        });
+    }
+    plan.memory
+        .arenas
+        .retain(|a| matches!(a.kind, ArenaKind::Persistent | ArenaKind::Activations));
+    for (kind, bytes) in [(ArenaKind::Host, host), (ArenaKind::Nvme, nvme)] {
+        if bytes > 0 {
+            plan.memory.arenas.push(ArenaPlan {
+                kind,
+                bytes: align_up(bytes, 256),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The error when the device budget cannot be met: budget, need, the largest consumers.
+fn over_budget(plan: &Plan, budgets: &Budgets, need: usize, moved: &[BufferId]) -> PassError {
+    let mut sizes: Vec<(usize, String)> = plan
+        .buffers
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| !moved.contains(&BufferId(*i as u32)))
+        .map(|(_, b)| {
+            (
+                b.size_bytes(),
+                format!("%{} {}", b.name, human_bytes(b.size_bytes())),
+            )
+        })
+        .collect();
+    sizes.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    let largest: Vec<String> = sizes.into_iter().take(5).map(|(_, s)| s).collect();
+    let moved_bytes: usize = moved.iter().map(|&c| plan.buffer(c).size_bytes()).sum();
+    PassError::Invalid {
+        pass: "tier-placement",
+        message: format!(
+            "the device budget {} cannot be met: the plan needs {} on the device, and \
+             offloading every movable tensor (the optimizer moments, {}) is not enough; the \
+             largest device consumers: {}; raise the budget, lower batch_size or seq_len, or \
+             set `rematerialize = layers` in the train block",
+            budgets
+                .device
+                .map_or("(none)".to_string(), |b| human_bytes(b as usize)),
+            human_bytes(need),
+            human_bytes(moved_bytes),
+            largest.join(", ")
+        ),
+    }
+}
+
+/// Whether `op` is one of the tier copies (for reports).
+pub fn is_copy(op: &Op) -> bool {
+    matches!(op, Op::CopyIn { .. } | Op::CopyOut { .. })
+}

@@ -1,0 +1,321 @@
+//! Offload tiers on the CPU engine (`target cpu { memory = … host_memory = … nvme = "DIR"
+//! nvme_memory = … }`): the `tier-placement` pass moves optimizer moments off the device when
+//! the `memory` budget cannot hold them, `prefetch-insertion` adds the copies, and the CPU
+//! engine keeps the moved state in its host store or its checksummed NVMe file:
+//! - a tiered run is bit-identical to the untiered run of the same spec (AdamW and SOAP, host
+//!   tier and NVMe tier), and its planned device arenas fit the budget;
+//! - a truncated or byte-flipped NVMe file is detected on the next read and the step stops
+//!   with a clear error;
+//! - a budget no placement can meet is a compile error naming the largest consumers;
+//! - the plan verifier refuses a tiered plan whose copies were tampered with.
+use engine::{CpuEngine, EngineError, EngineOptions, Rng};
+use ir::config::*;
+use passes::{PassError, PassManager, PassOptions};
+use schedule::{ArenaKind, Budgets, Op, Plan};
+
+const VOCAB: usize = 256;
+const MIB: u64 = 1 << 20;
+
+fn config(soap: bool, budgets: Budgets) -> Config {
+    let optimizer = match soap {
+        false => OptimizerConfig::Adamw(AdamWConfig {
+            lr: 3e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        }),
+        true => OptimizerConfig::Soap(SoapConfig {
+            lr: 3e-3,
+            beta1: 0.95,
+            beta2: 0.95,
+            shampoo_beta: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            precondition_frequency: 2,
+            // Below every weight's sides: no Kronecker factors, so every moment may move (the
+            // moments of preconditioned weights are operands of the refresh swap, which
+            // re-projects them, and stay on the device in this version).
+            max_precond_dim: 64,
+            correct_bias: true,
+            normalize_grads: false,
+        }),
+    };
+    Config {
+        name: "tiers".into(),
+        // ~0.4M parameters: the moments are a few MiB, above the budgets' 1 MiB granularity.
+        model: ModelConfig {
+            family: Family::Gpt2,
+            vocab_size: VOCAB,
+            context: 32,
+            d_model: 128,
+            n_layers: 2,
+            n_heads: 4,
+            mlp_hidden: 512,
+            norm_eps: 1e-5,
+            init_std: 0.02,
+            rope_theta: 10000.0,
+        },
+        optimizer,
+        data: DataConfig {
+            corpus: CorpusConfig::Builtin,
+            tokenizer: TokenizerKind::Bytes,
+            batch_size: 2,
+            seq_len: 32,
+            val_fraction: 0.1,
+        },
+        train: TrainConfig {
+            steps: 8,
+            warmup_steps: 0,
+            min_lr_ratio: 0.1,
+            grad_clip: Some(1.0),
+            eval_interval: 0,
+            eval_batches: 1,
+            seed: 3,
+            rematerialize: Default::default(),
+        },
+        target: TargetConfig::Cpu {
+            threads: Some(2),
+            staleness: 0,
+            calibration: None,
+            eigensolver: Default::default(),
+            budgets,
+        },
+    }
+}
+
+fn compile(config: Config) -> Result<Plan, Box<PassError>> {
+    let mut m = ir::Module::new(config);
+    let mut pm = PassManager::new(PassOptions::default()).expect("pass manager");
+    let (cx, _) = pm.run(&mut m, None, &mut std::io::sink())?;
+    Ok(cx.plan.expect("plan"))
+}
+
+fn engine(plan: Plan) -> CpuEngine<f32> {
+    let opts = EngineOptions {
+        threads: Some(2),
+        synchronous_refresh: true,
+        ..EngineOptions::default()
+    };
+    CpuEngine::<f32>::new(plan, opts).expect("engine")
+}
+
+fn batch(plan: &Plan) -> (Vec<i32>, Vec<i32>) {
+    let n = plan.data.batch_size * plan.data.seq_len;
+    let mut rng = Rng::new(29);
+    let x: Vec<i32> = (0..n)
+        .map(|_| (rng.next_u64() % VOCAB as u64) as i32)
+        .collect();
+    let y = x.iter().map(|&t| (t * 7 + 3) % VOCAB as i32).collect();
+    (x, y)
+}
+
+/// One training step; the loss.
+fn step(e: &mut CpuEngine<f32>, x: &[i32], y: &[i32], t: u64) -> Result<f64, EngineError> {
+    e.load_batch(x, y)?;
+    let loss = e.forward()?;
+    e.backward()?;
+    e.optimizer_step(t, 1.0)?;
+    e.run_host_tasks(t)?;
+    Ok(loss)
+}
+
+fn train(plan: Plan, steps: u64) -> (Vec<f64>, Vec<(String, Vec<f64>)>) {
+    let (x, y) = batch(&plan);
+    let mut e = engine(plan);
+    let losses = (1..=steps)
+        .map(|t| step(&mut e, &x, &y, t).expect("step"))
+        .collect();
+    (losses, e.params())
+}
+
+/// A device budget `short` bytes below what the untiered plan needs, rounded up to MiB.
+fn budget_below(soap: bool, short: u64) -> u64 {
+    let need = compile(config(soap, Budgets::default()))
+        .expect("untiered")
+        .memory
+        .device_bytes() as u64;
+    (need - short).div_ceil(MIB) * MIB
+}
+
+fn copies(plan: &Plan) -> (usize, usize) {
+    let n = |name| plan.optimizer.iter().filter(|o| o.name() == name).count();
+    (n("copy_in"), n("copy_out"))
+}
+
+#[test]
+fn a_tiered_run_is_bit_identical_to_the_untiered_run() {
+    let dir = tempfile::tempdir_in(std::env::temp_dir()).expect("tempdir");
+    for soap in [false, true] {
+        let plain = compile(config(soap, Budgets::default())).expect("untiered");
+        assert_eq!(copies(&plain), (0, 0));
+        let device = budget_below(soap, 2 * MIB);
+        let host_only = Budgets {
+            device: Some(device),
+            ..Default::default()
+        };
+        let with_nvme = Budgets {
+            device: Some(device),
+            host: Some(MIB),
+            nvme_dir: Some(dir.path().display().to_string()),
+            nvme: Some(64 * MIB),
+        };
+        let (l0, p0) = train(plain, 5);
+        assert!(l0[4] < l0[0], "soap {soap}: the loss falls: {l0:?}");
+        for (budgets, nvme) in [(host_only, false), (with_nvme, true)] {
+            let plan = compile(config(soap, budgets)).expect("tiered plan");
+            plan.verify().expect("verifies");
+            let m = &plan.memory;
+            assert!(
+                m.device_bytes() as u64 <= device,
+                "soap {soap}: device fits"
+            );
+            assert!(
+                m.arena_bytes(ArenaKind::Host) > 0,
+                "soap {soap}: host tier used"
+            );
+            assert_eq!(m.arena_bytes(ArenaKind::Nvme) > 0, nvme, "soap {soap}");
+            let (ins, outs) = copies(&plan);
+            assert!(ins > 0 && ins == outs, "soap {soap}: {ins} in, {outs} out");
+            let (l, p) = train(plan, 5);
+            assert_eq!(l, l0, "soap {soap}, nvme {nvme}: losses");
+            assert_eq!(p, p0, "soap {soap}, nvme {nvme}: parameters");
+        }
+    }
+    // The NVMe file is removed with its engine.
+    assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0);
+}
+
+fn nvme_file(dir: &std::path::Path) -> std::path::PathBuf {
+    let files: Vec<_> = std::fs::read_dir(dir)
+        .expect("dir")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    assert_eq!(files.len(), 1, "one NVMe file: {files:?}");
+    files[0].clone()
+}
+
+#[test]
+fn a_corrupt_or_truncated_nvme_file_stops_the_step_with_a_clear_error() {
+    use std::os::unix::fs::FileExt;
+    for damage in ["flip", "truncate"] {
+        let dir = tempfile::tempdir_in(std::env::temp_dir()).expect("tempdir");
+        let budgets = Budgets {
+            device: Some(budget_below(false, 2 * MIB)),
+            host: Some(MIB),
+            nvme_dir: Some(dir.path().display().to_string()),
+            nvme: None,
+        };
+        let plan = compile(config(false, budgets)).expect("plan");
+        assert!(plan.memory.arena_bytes(ArenaKind::Nvme) > 0);
+        let (x, y) = batch(&plan);
+        let mut e = engine(plan);
+        step(&mut e, &x, &y, 1).expect("a clean step");
+        let path = nvme_file(dir.path());
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .expect("open");
+        if damage == "flip" {
+            let mut b = [0u8; 1];
+            f.read_exact_at(&mut b, 100).expect("read");
+            f.write_all_at(&[b[0] ^ 0x40], 100).expect("write");
+        } else {
+            f.set_len(1000).expect("truncate");
+        }
+        drop(f);
+        let err = step(&mut e, &x, &y, 2).expect_err("the damaged state is not used");
+        let text = err.to_string();
+        assert!(matches!(err, EngineError::Tier(_)), "{damage}: {err:?}");
+        let want = if damage == "flip" {
+            "corrupt"
+        } else {
+            "truncated"
+        };
+        assert!(
+            text.contains(want) && text.contains(&path.display().to_string()),
+            "{damage}: {text}"
+        );
+        assert!(text.contains("copy_in"), "{damage}: names the op: {text}");
+    }
+}
+
+#[test]
+fn a_budget_no_placement_meets_is_a_compile_error_naming_the_largest_consumers() {
+    let budgets = Budgets {
+        device: Some(MIB),
+        ..Default::default()
+    };
+    let err = compile(config(true, budgets)).expect_err("1 MiB cannot hold the parameters");
+    let text = err.to_string();
+    assert!(text.contains("cannot be met"), "{text}");
+    assert!(text.contains("1.00 MiB"), "names the budget: {text}");
+    assert!(
+        text.contains("largest device consumers: %"),
+        "names the largest consumers: {text}"
+    );
+    // No NVMe directory and a full host tier: the error says so.
+    let budgets = Budgets {
+        device: Some(budget_below(false, 2 * MIB)),
+        host: Some(MIB),
+        ..Default::default()
+    };
+    let text = compile(config(false, budgets))
+        .expect_err("nowhere to put the moments")
+        .to_string();
+    assert!(text.contains("no `nvme` directory"), "{text}");
+}
+
+#[test]
+fn the_verifier_refuses_tampered_copies() {
+    let budgets = Budgets {
+        device: Some(budget_below(false, 2 * MIB)),
+        ..Default::default()
+    };
+    let plan = compile(config(false, budgets)).expect("plan");
+    // Drop a copy out: the update of that moment would be lost.
+    let mut p = plan.clone();
+    let at = p
+        .optimizer
+        .iter()
+        .position(|o| matches!(o, Op::CopyOut { .. }))
+        .expect("a copy out");
+    p.optimizer.remove(at);
+    let e = p.verify().expect_err("missing copy out").to_string();
+    assert!(e.contains("never copied back"), "{e}");
+    // An update that reads the offloaded buffer itself instead of its staging copy.
+    let mut p = plan.clone();
+    let Some(Op::CopyIn { src, dst }) = p
+        .optimizer
+        .iter()
+        .find(|o| matches!(o, Op::CopyIn { .. }))
+        .cloned()
+    else {
+        panic!("a copy in")
+    };
+    for op in p.optimizer.iter_mut() {
+        if let Op::AdamW {
+            exp_avg,
+            exp_avg_sq,
+            ..
+        } = op
+        {
+            for b in [exp_avg, exp_avg_sq] {
+                if *b == dst {
+                    *b = src;
+                }
+            }
+        }
+    }
+    let e = p
+        .verify()
+        .expect_err("an op on offloaded state")
+        .to_string();
+    assert!(e.contains("offloaded"), "{e}");
+    // Over the recorded budget.
+    let mut p = plan;
+    p.memory.budgets.device = Some(MIB);
+    let e = p.verify().expect_err("over budget").to_string();
+    assert!(e.contains("more than"), "{e}");
+}
