@@ -82,7 +82,8 @@ impl Placement {
     /// Predicted copy time per step of every offloaded tensor, ms (the copies are not hidden
     /// under the optimizer program, which is itself bound by memory bandwidth).
     pub fn copy_ms(&self) -> f64 {
-        self.decisions.iter().map(|d| d.copy_ms).sum()
+        // (`+ 0.0`: the empty sum is -0.0.)
+        self.decisions.iter().map(|d| d.copy_ms).sum::<f64>() + 0.0
     }
 }
 
@@ -110,12 +111,11 @@ impl Pass for TierPlacement {
             pass: "tier-placement",
             message: "no plan to place: run `lower` first".into(),
         })?;
-        if budgets.is_empty() {
-            self.placement = Placement::default();
-            return Ok("no budget: every buffer on the device".into());
-        }
         let desc = crate::precond_scheduling::target_description(&module.config.target)?;
         self.placement = place(plan, &budgets, &desc)?;
+        if budgets.is_empty() {
+            return Ok("no budget: every buffer on the device".into());
+        }
         let p = &self.placement;
         Ok(format!(
             "on `{}`: device needs {} of {}; {} tensor(s) offloaded, {} to host, {} to nvme; \
@@ -158,8 +158,10 @@ pub fn report(p: &Placement) -> String {
     if let Some(note) = &p.host_note {
         let _ = writeln!(s, "; host tier not used: {note}");
     }
-    if p.decisions.is_empty() {
-        let _ = writeln!(s, "; nothing offloaded");
+    if p.budgets.is_empty() {
+        let _ = writeln!(s, "; no budget in the target block: nothing to place");
+    } else if p.decisions.is_empty() {
+        let _ = writeln!(s, "; everything fits the device budget: nothing offloaded");
     }
     for d in &p.decisions {
         let _ = writeln!(

@@ -1,0 +1,113 @@
+//! Placement file tests: the LLaMA-style 1.44B spec of `bench/specs/llama-1.4b-adamw.asteria`
+//! (d 2048, 24 layers, batch 4×1024, AdamW) compiled for three targets, each
+//! `--print-after tier-placement` report compared with `passes/tests/placement/<name>.expected`
+//! (`ASTERIA_BLESS=1` rewrites them):
+//! - `h200-24gib`: the H200 description with `gpu_memory = 24GiB` and `host_memory = 96GiB`:
+//!   the plan needs ~24.9 GiB, so the pass moves the largest moments to pinned host memory;
+//! - `h200-unconstrained`: no budget, nothing moves;
+//! - `gb10-24gib`: the GB10 description (unified memory) with the same budget and an NVMe
+//!   directory: host memory is the device's there, so the same moments go to NVMe instead.
+//! The test also asserts those choices directly, so a changed expectation cannot hide them.
+use passes::tier_placement::Placement;
+use passes::{PassManager, PassOptions};
+use schedule::{ArenaKind, Plan};
+use std::path::PathBuf;
+
+fn spec(target: &str) -> String {
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/specs/llama-1.4b-adamw.asteria");
+    let src = std::fs::read_to_string(path).expect("spec");
+    let src = src.replace("corpus = \"../data/medium\"", "corpus = builtin");
+    let cut = src.find("target cuda").expect("target block");
+    format!("{}{target}\n", &src[..cut])
+}
+
+/// The plan and the tier-placement report of `spec`.
+fn compile(name: &str, src: &str) -> (Plan, String, Placement) {
+    let dir = std::env::temp_dir();
+    let config = frontend::parse_spec(name, src, &dir).expect("valid spec");
+    let mut m = ir::Module::new(config);
+    let mut pm = PassManager::new(PassOptions::default()).expect("pm");
+    let (cx, _) = pm
+        .run(&mut m, None, &mut std::io::sink())
+        .expect("pipeline");
+    let plan = cx.plan.expect("plan");
+    // The placement again, alone, for its report (the pipeline's pass object is internal).
+    let mut m = ir::Module::new(frontend::parse_spec(name, src, &dir).expect("spec"));
+    let mut pm = PassManager::new(PassOptions::default()).expect("pm");
+    let (mut cx, _) = pm
+        .run(&mut m, Some("lower"), &mut std::io::sink())
+        .expect("to lower");
+    let desc = passes::precond_scheduling::target_description(&m.config.target).expect("desc");
+    let budgets = m.config.target.budgets().clone();
+    let placement = passes::tier_placement::place(cx.plan.as_mut().expect("plan"), &budgets, &desc)
+        .expect("placement");
+    let mut report = passes::tier_placement::report(&placement);
+    report.push_str(&format!(
+        "; planned device arenas {} bytes, host {} bytes, nvme {} bytes\n",
+        plan.memory.device_bytes(),
+        plan.memory.arena_bytes(ArenaKind::Host),
+        plan.memory.arena_bytes(ArenaKind::Nvme)
+    ));
+    (plan, report, placement)
+}
+
+fn check_expected(name: &str, actual: &str) {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/placement")
+        .join(format!("{name}.expected"));
+    if std::env::var_os("ASTERIA_BLESS").is_some() {
+        std::fs::write(&path, actual).expect("bless");
+        return;
+    }
+    let want = std::fs::read_to_string(&path)
+        .unwrap_or_else(|_| panic!("{}: missing; run with ASTERIA_BLESS=1", path.display()));
+    assert_eq!(want, actual, "{name}: the placement changed");
+}
+
+#[test]
+fn three_targets_place_the_same_model_differently() {
+    const GIB: usize = 1 << 30;
+    let nvme_dir = std::env::temp_dir().display().to_string();
+    let h200 = spec("target cuda {\n  gpu_memory = 24GiB\n  host_memory = 96GiB\n}");
+    let free = spec("target cuda { }");
+    let gb10 = spec(&format!(
+        "target cuda {{\n  calibration = gb10\n  gpu_memory = 24GiB\n  nvme = \"{nvme_dir}\"\n}}"
+    ));
+    let (p_h200, r_h200, d_h200) = compile("h200-24gib", &h200);
+    let (p_free, r_free, _) = compile("h200-unconstrained", &free);
+    let (p_gb10, r_gb10, d_gb10) = compile("gb10-24gib", &gb10);
+    // The report names the NVMe directory, which differs between machines.
+    let r_gb10 = r_gb10.replace(&nvme_dir, "<nvme dir>");
+    check_expected("h200-24gib", &r_h200);
+    check_expected("h200-unconstrained", &r_free);
+    check_expected("gb10-24gib", &r_gb10);
+
+    // Unconstrained: everything on the device, more than 24 GiB of it.
+    assert_eq!(p_free.memory.arena_bytes(ArenaKind::Host), 0);
+    assert_eq!(p_free.memory.arena_bytes(ArenaKind::Nvme), 0);
+    assert!(p_free.memory.device_bytes() > 24 * GIB);
+    // H200 at 24 GiB: moments to pinned host memory, the device under the budget.
+    assert!(p_h200.memory.device_bytes() <= 24 * GIB);
+    assert!(p_h200.memory.arena_bytes(ArenaKind::Host) > 0);
+    assert_eq!(p_h200.memory.arena_bytes(ArenaKind::Nvme), 0);
+    assert!(d_h200.host_note.is_none());
+    // GB10 at 24 GiB: unified memory, so the same tensors go to NVMe, and the report says why.
+    assert!(p_gb10.memory.device_bytes() <= 24 * GIB);
+    assert_eq!(p_gb10.memory.arena_bytes(ArenaKind::Host), 0);
+    assert!(p_gb10.memory.arena_bytes(ArenaKind::Nvme) > 0);
+    assert!(r_gb10.contains("unified memory"), "{r_gb10}");
+    let names = |p: &Placement| {
+        p.decisions
+            .iter()
+            .map(|d| d.name.clone())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        names(&d_h200),
+        names(&d_gb10),
+        "the same tensors leave the device"
+    );
+    // NVMe copies are predicted slower than the host link's.
+    assert!(d_gb10.copy_ms() > d_h200.copy_ms());
+}
