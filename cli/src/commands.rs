@@ -80,7 +80,7 @@ pub fn explain(spec: &Path) -> Result<()> {
         .sum();
     let tokens = plan.data.batch_size * plan.data.seq_len;
     let tier = match plan.target {
-        TargetPlan::Cpu { .. } => "host",
+        TargetPlan::Cpu { .. } => "cpu",
         TargetPlan::Cuda { .. } => "gpu",
     };
     let _ = writeln!(
