@@ -539,12 +539,11 @@ impl CudaEngine {
                     CudaEngine::soap_projections(self.precision),
                 )?;
             }
-            // `check_fused` refuses plans with offloaded state before anything runs.
-            Op::CopyIn { .. } | Op::CopyOut { .. } => {
-                return Err(CudaError::Invalid {
-                    op: "copy_in / copy_out",
-                    what: "the CUDA engine does not run offload tiers yet".into(),
-                })
+            // Host tier <-> staging buffer, stream-ordered on the compute stream (correct by
+            // construction; overlapping them on the copy streams is the next step).
+            Op::CopyIn { src, dst } | Op::CopyOut { src, dst } => {
+                self.dev
+                    .copy(self.b(*dst), self.b(*src), crate::StreamKind::Compute)?
             }
         }
         Ok(None)

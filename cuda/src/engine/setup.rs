@@ -29,13 +29,13 @@ fn check_fused(
         .memory
         .arenas
         .iter()
-        .find(|a| !a.kind.on_device() && a.bytes > 0)
+        .find(|a| a.kind == ArenaKind::Nvme && a.bytes > 0)
     {
         return refuse(format!(
-            "the plan offloads {} bytes to the `{}` tier (`tier-placement` under the spec's \
-             budgets); the CUDA engine does not run offload tiers yet: remove `gpu_memory` \
-             from the target block, or run the plan on the CPU engine",
-            a.bytes, a.kind
+            "the plan offloads {} bytes to the `nvme` tier (`tier-placement` under the spec's \
+             budgets); the CUDA engine runs the host tier but not the NVMe tier yet: raise \
+             `host_memory`, or run the plan on the CPU engine",
+            a.bytes
         ));
     }
     if precision != Precision::Bf16 {
@@ -299,14 +299,18 @@ impl CudaEngine {
             if a.bytes == 0 {
                 continue;
             }
-            let arena = dev
-                .arena(a.kind.name(), Tier::Device, a.bytes)
-                .map_err(|err| {
-                    cuda_err(
-                        &format!("allocating the `{}` arena ({} bytes)", a.kind, a.bytes),
-                        err,
-                    )
-                })?;
+            // The host tier is pinned host memory: the copy engines move it at full speed.
+            let tier = if a.kind == ArenaKind::Host {
+                Tier::PinnedHost
+            } else {
+                Tier::Device
+            };
+            let arena = dev.arena(a.kind.name(), tier, a.bytes).map_err(|err| {
+                cuda_err(
+                    &format!("allocating the `{}` arena ({} bytes)", a.kind, a.bytes),
+                    err,
+                )
+            })?;
             arenas.push((a.kind.name().to_string(), a.bytes));
             plan_arenas.push((a.kind, arena));
         }
@@ -439,8 +443,39 @@ impl CudaEngine {
             solver,
             plan,
         };
+        eng.check_budget()?;
         eng.init_buffers()?;
         Ok(eng)
+    }
+
+    /// The plan's device budget (`gpu_memory`), enforced once everything is allocated and before
+    /// anything runs: over it, an error naming the arenas (the plan's and the engine's own),
+    /// largest first.
+    fn check_budget(&self) -> Result<(), EngineError> {
+        let Some(budget) = self.plan.memory.budgets.device else {
+            return Ok(());
+        };
+        let used = self.dev.memory_report().device_reserved.0;
+        if used as u64 <= budget {
+            return Ok(());
+        }
+        let gib = |b: usize| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+        let mut list = self.arenas.clone();
+        list.push(("refresh work and shadows".into(), self.refresh_bytes));
+        list.sort_by(|a, b| b.1.cmp(&a.1));
+        let named: Vec<String> = list
+            .iter()
+            .filter(|(_, b)| *b > 0)
+            .take(6)
+            .map(|(n, b)| format!("{n} {}", gib(*b)))
+            .collect();
+        Err(EngineError::OutOfMemory {
+            plan: self.plan.name.clone(),
+            place: format!("the `gpu_memory` budget of {}", gib(budget as usize)),
+            needed: gib(used),
+            available: gib(budget as usize),
+            largest: named.join(", "),
+        })
     }
 
     /// The CPU engine's initialisation (`engine::CpuEngine::new`), on the host, uploaded.
@@ -448,6 +483,36 @@ impl CudaEngine {
         let e = |err: CudaError| cuda_err("initialising buffers", err);
         let seed = self.opts.engine.seed.unwrap_or(self.plan.train.seed);
         for (i, (b, buf)) in self.plan.buffers.iter().zip(&self.bufs).enumerate() {
+            if buf.tier() == Tier::PinnedHost {
+                // Host-tier state: written on the host (pinned memory is host memory).
+                let mut v = vec![0f32; b.numel()];
+                match (b.init, b.dtype) {
+                    (Init::Zeros, DType::F32) => {}
+                    (Init::Ones, DType::F32) => v.iter_mut().for_each(|x| *x = 1.0),
+                    (Init::Normal { std }, DType::F32) => {
+                        engine::normal_fill(seed, i as u64, &mut v, |z| (std * z) as f32)
+                    }
+                    _ => {
+                        return Err(EngineError::Unsupported(format!(
+                            "CUDA backend: host-tier buffer `{}` is not f32",
+                            b.name
+                        )))
+                    }
+                }
+                if buf.bytes() < v.len() * 4 {
+                    return Err(EngineError::Unsupported(format!(
+                        "CUDA backend: host-tier buffer `{}` is smaller than its plan buffer",
+                        b.name
+                    )));
+                }
+                // SAFETY: a pinned-host `Buf` is host memory of at least `v.len()` f32
+                // (checked above), allocated while `self.bufs` lives; no copy from or to it
+                // is pending before the first step.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(v.as_ptr(), buf.ptr() as *mut f32, v.len())
+                };
+                continue;
+            }
             match (b.init, b.dtype) {
                 (Init::Zeros, _) => self.dev.zero(buf).map_err(e)?,
                 (Init::Ones, DType::F32) => {
