@@ -33,10 +33,9 @@ fn config(soap: bool, budgets: Budgets) -> Config {
             eps: 1e-8,
             weight_decay: 0.01,
             precondition_frequency: 2,
-            // Below every weight's sides: no Kronecker factors, so every moment may move (the
-            // moments of preconditioned weights are operands of the refresh swap, which
-            // re-projects them, and stay on the device in this version).
-            max_precond_dim: 64,
+            // Every weight has a factor on at least one side (the 512-wide sides get none):
+            // refresh swaps re-project offloaded moments.
+            max_precond_dim: 256,
             correct_bias: true,
             normalize_grads: false,
         }),
@@ -177,6 +176,15 @@ fn a_tiered_run_is_bit_identical_to_the_untiered_run() {
             assert_eq!(m.arena_bytes(ArenaKind::Nvme) > 0, nvme, "soap {soap}");
             let (ins, outs) = copies(&plan);
             assert!(ins > 0 && ins == outs, "soap {soap}: {ins} in, {outs} out");
+            if soap {
+                // Some moved moment is re-projected by a refresh swap.
+                let swapped = plan.host_tasks.iter().any(|t| {
+                    t.operands().iter().any(|(f, id)| {
+                        f.starts_with("exp_avg") && m.tier(*id).is_some_and(|k| !k.on_device())
+                    })
+                });
+                assert!(swapped, "nvme {nvme}: a refresh's moments are offloaded");
+            }
             let (l, p) = train(plan, 5);
             assert_eq!(l, l0, "soap {soap}, nvme {nvme}: losses");
             assert_eq!(p, p0, "soap {soap}, nvme {nvme}: parameters");

@@ -12,9 +12,10 @@
 //! offloads optimizer state, cheapest first by the cost model:
 //! - **Candidates** are the moments (`exp_avg`, `exp_avg_sq`, of AdamW and of SOAP's rotated
 //!   Adam), which only the optimizer program touches, once per step: one copy in and one copy
-//!   out per step. Parameters (read by the forward, the backward and the casts) and the
-//!   Kronecker factors and eigenbases (read by the host refresh tasks) stay on the device in
-//!   this version.
+//!   out per step (a SOAP refresh swap also re-projects them, every `precondition_frequency`
+//!   steps, where they live). Parameters (read by the forward, the backward and the casts) and
+//!   the Kronecker factors and eigenbases (read and written by the refreshes) stay on the
+//!   device in this version.
 //! - **Cost** per candidate: its per-step copy time over the tier's link (pinned host memory:
 //!   the host↔GPU bandwidth of the target description; NVMe: the drive's read plus write
 //!   bandwidth). Candidates go largest first (fewest copies per byte freed), then any that
@@ -261,7 +262,8 @@ pub fn place(
     Ok(placement)
 }
 
-/// The tensors this version may offload: f32 moments touched by the optimizer program only.
+/// The tensors this version may offload: f32 moments touched by the optimizer program (and by
+/// refresh swaps) only.
 fn candidates(plan: &Plan) -> Vec<BufferId> {
     let n = plan.buffers.len();
     let mut outside = vec![false; n];
@@ -273,7 +275,12 @@ fn candidates(plan: &Plan) -> Vec<BufferId> {
         }
     }
     for t in &plan.host_tasks {
-        for (_, id) in t.operands() {
+        for (field, id) in t.operands() {
+            // A refresh's moments may move (its swap re-projects them where they live); the
+            // factor and basis stay.
+            if matches!(field, "exp_avg" | "exp_avg_sq") {
+                continue;
+            }
             if let Some(o) = outside.get_mut(id.index()) {
                 *o = true;
             }

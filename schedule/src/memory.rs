@@ -675,7 +675,8 @@ pub(crate) fn verify_memory(plan: &Plan) -> Result<(), PlanError> {
 
 /// The tier rules: arenas within their [`Budgets`]; an offloaded buffer (in the `host` or
 /// `nvme` arena) is persistent, touched by no op but [`Op::CopyIn`] (as `src`) and
-/// [`Op::CopyOut`] (as `dst`) and by no host task; every copy moves between an offloaded buffer
+/// [`Op::CopyOut`] (as `dst`) and by no host task except as a refresh's moments (which the swap
+/// re-projects where they live); every copy moves between an offloaded buffer
 /// and a device buffer; a staging buffer (a `CopyIn` destination) is written first by its
 /// `CopyIn` — no op touches it before the copy has brought its bytes — and, when an op writes
 /// it, a `CopyOut` to its home follows the last such write.
@@ -713,10 +714,12 @@ fn verify_tiers(plan: &Plan) -> Result<(), PlanError> {
     let name = |id: BufferId| &plan.buffer(id).name;
     for t in &plan.host_tasks {
         for (field, id) in t.operands() {
-            if !tier(id).on_device() {
+            // A refresh swap re-projects the moments where they live; the factor it reads and
+            // the basis it writes stay on the device.
+            if !tier(id).on_device() && !matches!(field, "exp_avg" | "exp_avg_sq") {
                 return Err(invalid(format!(
-                    "host task operand `{field}` `{}` is offloaded to the `{}` tier; host tasks \
-                     read device buffers",
+                    "host task operand `{field}` `{}` is offloaded to the `{}` tier; only a \
+                     refresh's moments may be",
                     name(id),
                     tier(id)
                 )));

@@ -38,6 +38,18 @@ fn check_fused(
             a.bytes
         ));
     }
+    for t in &plan.host_tasks {
+        for (field, id) in t.operands() {
+            if plan.memory.tier(id).is_some_and(|k| !k.on_device()) {
+                return refuse(format!(
+                    "refresh operand `{field}` `{}` is offloaded; the CUDA engine's refresh \
+                     swaps re-project moments on the device, so SOAP moments of preconditioned \
+                     weights stay there for now: raise `gpu_memory`",
+                    plan.buffer(id).name
+                ));
+            }
+        }
+    }
     if precision != Precision::Bf16 {
         if let Some(b) = plan.buffers.iter().find(|b| b.dtype == DType::Bf16) {
             return refuse(format!(

@@ -152,7 +152,7 @@ pub struct CpuEngine<T> {
     /// With [`EngineOptions::poison_transients`]: what to poison after each op.
     poison: Option<Poison>,
     /// The offloaded buffers (host and NVMe tiers) and their copies.
-    tiers: super::tiers::Tiers<T>,
+    pub(crate) tiers: super::tiers::Tiers<T>,
 }
 
 /// The poisoning schedule of [`EngineOptions::poison_transients`].

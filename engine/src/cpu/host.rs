@@ -43,6 +43,8 @@ struct HostRefresher<'a, T> {
     pool: &'a Arc<rayon::ThreadPool>,
     /// The host pool (refresh computations).
     host_pool: &'a Arc<rayon::ThreadPool>,
+    /// Offloaded moments, brought in around a swap's re-projection.
+    tiers: &'a mut super::tiers::Tiers<T>,
 }
 
 impl<T: Float + Real> RefreshBackend for HostRefresher<'_, T> {
@@ -126,6 +128,8 @@ impl<T: Float + Real> RefreshBackend for HostRefresher<'_, T> {
             ("exp_avg_sq", task.exp_avg_sq),
         ];
         let pool = Arc::clone(self.pool);
+        let moments = [task.exp_avg, task.exp_avg_sq];
+        let paged = self.tiers.page_in(self.store, &moments, loc(task))?;
         let applied = self
             .store
             .with_outs(loc(task), &outs, &[task.factor], |_, o| {
@@ -133,8 +137,9 @@ impl<T: Float + Real> RefreshBackend for HostRefresher<'_, T> {
                     return Err(task.error("internal: operand count"));
                 };
                 Ok(pool.install(|| refresh_apply(&result, q, ea, eas, m, n)))
-            })?;
-        task.outcome(applied)
+            });
+        self.tiers.page_out(self.store, &paged, loc(task))?;
+        task.outcome(applied?)
     }
 }
 
@@ -170,7 +175,9 @@ impl<T: Float + Real> HostRefresher<'_, T> {
             ("exp_avg", task.exp_avg),
             ("exp_avg_sq", task.exp_avg_sq),
         ];
-        let outcome: Result<RefreshOutcome, _> =
+        let moments = [task.exp_avg, task.exp_avg_sq];
+        let paged = self.tiers.page_in(self.store, &moments, loc(task))?;
+        let outcome: Result<Result<RefreshOutcome, _>, EngineError> =
             self.store
                 .with_outs(loc(task), &outs, &[task.factor], |s, o| {
                     let [q, ea, eas] = o else {
@@ -191,8 +198,9 @@ impl<T: Float + Real> HostRefresher<'_, T> {
                             n,
                         )
                     }))
-                })?;
-        task.outcome(outcome)
+                });
+        self.tiers.page_out(self.store, &paged, loc(task))?;
+        task.outcome(outcome?)
     }
 }
 
@@ -207,6 +215,7 @@ impl<T: Float + Real> CpuEngine<T> {
                 solver: &self.solver,
                 pool: &self.pool,
                 host_pool: &self.host_pool,
+                tiers: &mut self.tiers,
             },
         )
     }

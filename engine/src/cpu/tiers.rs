@@ -159,6 +159,45 @@ impl<T: Float> Tiers<T> {
         }
     }
 
+    /// Brings the offloaded buffers among `ids` into working storage in `st` (host tasks that
+    /// re-project moments at a refresh swap run on the host, where the host tier lives);
+    /// returns the ones it brought in, for [`Tiers::page_out`].
+    pub(crate) fn page_in(
+        &self,
+        st: &mut Store<T>,
+        ids: &[BufferId],
+        loc: Loc,
+    ) -> Result<Vec<BufferId>, EngineError> {
+        let mut brought = Vec::new();
+        for &id in ids {
+            let offloaded = matches!(self.host.get(id.index()), Some(Some(_)))
+                || matches!(self.nvme_at.get(id.index()), Some(Some(_)));
+            if !offloaded {
+                continue;
+            }
+            let len = st.shapes[id.index()].iter().product();
+            st.data[id.index()] = Data::F(vec![T::zero(); len]);
+            self.copy_in(st, id, id, loc)?;
+            brought.push(id);
+        }
+        Ok(brought)
+    }
+
+    /// Writes the buffers [`Tiers::page_in`] brought in back to their tier and frees their
+    /// working storage.
+    pub(crate) fn page_out(
+        &mut self,
+        st: &mut Store<T>,
+        ids: &[BufferId],
+        loc: Loc,
+    ) -> Result<(), EngineError> {
+        for &id in ids {
+            self.copy_out(st, id, id, loc)?;
+            st.data[id.index()] = Data::F(Vec::new());
+        }
+        Ok(())
+    }
+
     /// Bytes read from and written to the NVMe store so far, and whether it uses O_DIRECT.
     pub(crate) fn nvme_stats(&self) -> Option<crate::nvme::NvmeStats> {
         self.nvme.as_ref().map(|s| s.stats())
