@@ -153,6 +153,19 @@ pub struct CpuEngine<T> {
     poison: Option<Poison>,
     /// The offloaded buffers (host and NVMe tiers) and their copies.
     pub(crate) tiers: super::tiers::Tiers<T>,
+    /// The Cranelift-compiled AdamW updates of an f32 engine, one per distinct set of the
+    /// plan's constants (bit-identical to `optim::adamw_update`, which an f64 engine runs).
+    adamw_kernels: HashMap<[u64; 4], Arc<hostkernels::AdamWKernel>>,
+}
+
+/// The key of an AdamW op's compiled kernel: its constants' bits.
+fn adamw_key(beta1: f64, beta2: f64, eps: f64, weight_decay: f64) -> [u64; 4] {
+    [
+        beta1.to_bits(),
+        beta2.to_bits(),
+        eps.to_bits(),
+        weight_decay.to_bits(),
+    ]
 }
 
 /// The poisoning schedule of [`EngineOptions::poison_transients`].
@@ -334,6 +347,34 @@ impl<T: Float + Real> CpuEngine<T> {
                 crate::normal_fill(seed, i as u64, v, |z| <T as Float>::from_f64(std * z))
             }
         })?;
+        let mut adamw_kernels = HashMap::new();
+        if T::BYTES == 4 {
+            for op in &plan.optimizer {
+                if let Op::AdamW {
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                    ..
+                } = *op
+                {
+                    let key = adamw_key(beta1, beta2, eps, weight_decay);
+                    if adamw_kernels.contains_key(&key) {
+                        continue;
+                    }
+                    let c = hostkernels::AdamWConstants {
+                        beta1,
+                        beta2,
+                        eps,
+                        weight_decay,
+                    };
+                    let k = hostkernels::AdamWKernel::compile(&c).map_err(|e| {
+                        EngineError::Unsupported(format!("compiling the host AdamW kernel: {e}"))
+                    })?;
+                    adamw_kernels.insert(key, Arc::new(k));
+                }
+            }
+        }
         let refresh = Runtime::new(&plan, &opts);
         Ok(CpuEngine {
             plan,
@@ -350,6 +391,7 @@ impl<T: Float + Real> CpuEngine<T> {
             by_name,
             poison,
             tiers,
+            adamw_kernels,
         })
     }
 
@@ -481,6 +523,7 @@ impl<T: Float + Real> CpuEngine<T> {
         let stats = &mut self.stats;
         let poison = self.poison.as_ref();
         let tiers = &mut self.tiers;
+        let kernels = &self.adamw_kernels;
         pool.install(|| {
             for (index, op) in program.iter().enumerate() {
                 let loc = Loc { section, index, op: op.name() };
@@ -491,6 +534,45 @@ impl<T: Float + Real> CpuEngine<T> {
                     }
                     Op::CopyOut { src, dst } => {
                         tiers.copy_out(store, *src, *dst, loc)?;
+                        OpOutcome::Done
+                    }
+                    Op::AdamW {
+                        param,
+                        grad,
+                        exp_avg,
+                        exp_avg_sq,
+                        lr,
+                        beta1,
+                        beta2,
+                        eps,
+                        weight_decay,
+                    } if kernels.contains_key(&adamw_key(*beta1, *beta2, *eps, *weight_decay)) => {
+                        let k = &kernels[&adamw_key(*beta1, *beta2, *eps, *weight_decay)];
+                        let outs = [
+                            ("param", *param),
+                            ("exp_avg", *exp_avg),
+                            ("exp_avg_sq", *exp_avg_sq),
+                        ];
+                        let lr = lr * lr_multiplier;
+                        store.with_outs(loc, &outs, &[*grad], |s, o| {
+                            let bad = || EngineError::Optim {
+                                location: loc.to_string(),
+                                message: "internal: the host AdamW kernel needs f32".into(),
+                            };
+                            let [p, m, v] = o else {
+                                return Err(bad());
+                            };
+                            let g = T::as_f32(s.f(*grad)?).ok_or_else(bad)?;
+                            let (p, m, v) = (
+                                T::as_f32_mut(p).ok_or_else(bad)?,
+                                T::as_f32_mut(m).ok_or_else(bad)?,
+                                T::as_f32_mut(v).ok_or_else(bad)?,
+                            );
+                            k.update(t, lr, p, g, m, v).map_err(|e| EngineError::Optim {
+                                location: loc.to_string(),
+                                message: e.to_string(),
+                            })
+                        })?;
                         OpOutcome::Done
                     }
                     _ => exec_op(store, op, loc, t, lr_multiplier)?,

@@ -38,6 +38,10 @@ pub trait Float:
     fn cos(self) -> Self;
     /// Larger of two values (NaN-propagation unspecified).
     fn max(self, other: Self) -> Self;
+    /// `v` as f32 when `Self` is `f32` (for the f32-only host kernels), else `None`.
+    fn as_f32_mut(v: &mut [Self]) -> Option<&mut [f32]>;
+    /// `v` as f32 when `Self` is `f32`, else `None`.
+    fn as_f32(v: &[Self]) -> Option<&[f32]>;
     /// True when neither NaN nor ±∞.
     fn is_finite(self) -> bool;
     /// In-place `xs[i] = exp(xs[i] − shift)`; returns `Σ xs[i]` after the update.
@@ -51,6 +55,12 @@ pub trait Float:
 }
 
 impl Float for f64 {
+    fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
     const BYTES: usize = 8;
     fn from_f64(v: f64) -> Self {
         v
@@ -97,6 +107,12 @@ impl Float for f64 {
 }
 
 impl Float for f32 {
+    fn as_f32_mut(v: &mut [Self]) -> Option<&mut [f32]> {
+        Some(v)
+    }
+    fn as_f32(v: &[Self]) -> Option<&[f32]> {
+        Some(v)
+    }
     const BYTES: usize = 4;
     fn from_f64(v: f64) -> Self {
         v as f32
