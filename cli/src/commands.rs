@@ -68,6 +68,44 @@ pub fn compile(spec: &Path, output: Option<&Path>, flags: &PassFlags) -> Result<
     Ok(())
 }
 
+/// Read and write bandwidth (GB/s) of the NVMe store in `dir`: 256 MiB written and read back
+/// (checksums verified) three times, medians.
+fn measure_nvme(dir: &Path) -> Result<(f64, f64)> {
+    const BYTES: usize = 256 << 20;
+    let mut store = engine::nvme::NvmeStore::create(dir, "asteria-calibrate.nvme", BYTES as u64)
+        .map_err(|e| miette!("{e}"))?;
+    let data: Vec<u8> = (0..BYTES)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let mut back = vec![0u8; BYTES];
+    let (mut w, mut r) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        store.write(0, &data).map_err(|e| miette!("{e}"))?;
+        w.push(t.elapsed().as_secs_f64());
+        let t = std::time::Instant::now();
+        store.read(0, &mut back).map_err(|e| miette!("{e}"))?;
+        r.push(t.elapsed().as_secs_f64());
+    }
+    if back != data {
+        return Err(miette!(
+            "NVMe calibration: the bytes read back differ from those written"
+        ));
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (rs, ws) = (median(&mut r), median(&mut w));
+    let (read, write) = (BYTES as f64 / rs / 1e9, BYTES as f64 / ws / 1e9);
+    note!(
+        "NVMe store in {}: read {read:.2} GB/s, write {write:.2} GB/s (O_DIRECT {})",
+        dir.display(),
+        if store.stats().direct_io { "on" } else { "off" }
+    );
+    Ok((read, write))
+}
+
 /// `asteria explain`: memory per class and tier, ops per step.
 pub fn explain(spec: &Path) -> Result<()> {
     let (plan, liveness) = compile_spec(spec, &PassFlags::default())?;
@@ -105,6 +143,23 @@ pub fn explain(spec: &Path) -> Result<()> {
             format!(" (all in the `{tier}` tier: no budget, or everything fits it)")
         }
     );
+    // Staging buffers (copies of offloaded state, step-local) are listed on their own line.
+    let staged: Vec<usize> = plan
+        .optimizer
+        .iter()
+        .filter_map(|o| match o {
+            schedule::Op::CopyIn { dst, .. } => Some(dst.index()),
+            _ => None,
+        })
+        .collect();
+    let staged_bytes_of = |class: BufferClass| -> usize {
+        staged
+            .iter()
+            .map(|&i| &plan.buffers[i])
+            .filter(|b| b.class == class)
+            .map(|b| b.size_bytes())
+            .sum()
+    };
     let mut total = 0;
     for class in [
         BufferClass::Parameter,
@@ -117,7 +172,7 @@ pub fn explain(spec: &Path) -> Result<()> {
         BufferClass::Input,
         BufferClass::Scalar,
     ] {
-        let b = plan.bytes_of(class);
+        let b = plan.bytes_of(class) - staged_bytes_of(class);
         if b == 0 {
             continue;
         }
@@ -133,6 +188,17 @@ pub fn explain(spec: &Path) -> Result<()> {
             class_name(class),
             b,
             human_bytes(b)
+        );
+    }
+    let staging: usize = staged.iter().map(|&i| plan.buffers[i].size_bytes()).sum();
+    if staging > 0 {
+        total += staging;
+        let _ = writeln!(
+            o,
+            "  {:<17} {:>14} B  {:>11}  per step (device copies of offloaded state)",
+            "staging",
+            staging,
+            human_bytes(staging)
         );
     }
     let _ = writeln!(
@@ -428,10 +494,13 @@ fn median_ms(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 /// rate (and with `device = Some("cuda")` the GPU's refresh times, host→device bandwidth and
 /// bf16 GEMM rate), and writes a target description for the `precond-scheduling` cost model.
 /// `sync_phases` (with `cuda`): the GPU refresher's printed phase times are GPU times, from
-/// extra runs that synchronise after every phase (`cuda::calibrate::measure`).
+/// extra runs that synchronise after every phase (`cuda::calibrate::measure`). `nvme`: also the
+/// NVMe store's read and write bandwidth in that directory (`tier-placement`'s NVMe costs).
 ///
 /// # Errors
-/// A device other than `cuda`, no CUDA driver or device, measurement or write failures.
+/// A device other than `cuda`, no CUDA driver or device, measurement or write failures, an
+/// NVMe directory that is missing or full.
+#[allow(clippy::too_many_arguments)]
 pub fn calibrate(
     output: Option<&Path>,
     sizes: &[usize],
@@ -440,7 +509,9 @@ pub fn calibrate(
     device: Option<&str>,
     ordinal: usize,
     sync_phases: bool,
+    nvme: Option<&Path>,
 ) -> Result<()> {
+    let nvme_gbps = nvme.map(measure_nvme).transpose()?;
     let gpu = match device {
         None | Some("cpu") if sync_phases => {
             return Err(miette!(
@@ -536,8 +607,8 @@ pub fn calibrate(
         // Whole training steps reach about half the GEMM rate on the CPU engine.
         train_tflops: 0.5 * gflops / 1e3,
         side_stream_interference: 0.0,
-        nvme_read_gbps: None,
-        nvme_write_gbps: None,
+        nvme_read_gbps: nvme_gbps.map(|g| g.0),
+        nvme_write_gbps: nvme_gbps.map(|g| g.1),
     };
     if let Some(g) = gpu {
         desc.name = format!("{}-{}", desc.name, g.device.replace(' ', "_"));

@@ -157,6 +157,10 @@ enum Command {
         /// affected).
         #[arg(long)]
         sync_phases: bool,
+        /// Also measure the NVMe tier's drive: write and read 256 MiB through the engine's
+        /// checksummed NVMe store (O_DIRECT where the filesystem allows) in this directory.
+        #[arg(long, value_name = "DIR")]
+        nvme: Option<PathBuf>,
     },
     /// Check a backend: `--device cuda` runs every CUDA kernel against the CPU kernels and,
     /// with `--train-match SPEC`, trains SPEC on the CPU and the GPU engine in one process and
@@ -286,6 +290,7 @@ fn main() -> ExitCode {
             device,
             ordinal,
             sync_phases,
+            nvme,
         } => commands::calibrate(
             output.as_deref(),
             &sizes,
@@ -294,6 +299,7 @@ fn main() -> ExitCode {
             device.as_deref(),
             ordinal,
             sync_phases,
+            nvme.as_deref(),
         ),
         Command::Bench {
             what:
