@@ -244,7 +244,12 @@ pub fn explain(spec: &Path) -> Result<()> {
             "the memory plan's arenas; engine scratch and bf16 shadows come on top",
         ),
         TargetPlan::Cpu { .. } => (
-            total,
+            total
+                - (0..plan.buffers.len())
+                    .map(|i| schedule::BufferId(i as u32))
+                    .filter(|&id| plan.memory.tier(id).is_some_and(|k| !k.on_device()))
+                    .map(|id| plan.buffer(id).size_bytes())
+                    .sum::<usize>(),
             "the CPU engine keeps one allocation per buffer; the CUDA engine uses the memory plan",
         ),
     };

@@ -339,9 +339,14 @@ fn assign(
             )
         } else {
             let why = if budgets.nvme_dir.is_none() {
-                "and the spec names no `nvme` directory"
+                "and the spec names no `nvme` directory".to_string()
             } else {
-                "and `nvme_memory` is full too"
+                format!(
+                    "and `nvme_memory` ({}) is full too: {} placed there, each tensor in whole \
+                     1 MiB blocks",
+                    human_bytes(nvme_cap),
+                    human_bytes(nvme)
+                )
             };
             return Err(PassError::Invalid {
                 pass: "tier-placement",
@@ -408,8 +413,9 @@ fn over_budget(plan: &Plan, budgets: &Budgets, need: usize, moved: &[BufferId]) 
         message: format!(
             "the device budget {} cannot be met: the plan needs {} on the device, and \
              offloading every movable tensor (the optimizer moments, {}) is not enough; the \
-             largest device consumers: {}; raise the budget, lower batch_size or seq_len, or \
-             set `rematerialize = layers` in the train block",
+             largest device consumers: {}; raise the budget, or lower batch_size or seq_len \
+             (or set `rematerialize = layers` in the train block when activations are among \
+             them)",
             budgets
                 .device
                 .map_or("(none)".to_string(), |b| human_bytes(b as usize)),

@@ -683,7 +683,7 @@ pub(crate) fn verify_memory(plan: &Plan) -> Result<(), PlanError> {
 fn verify_tiers(plan: &Plan) -> Result<(), PlanError> {
     let m = &plan.memory;
     let b = &m.budgets;
-    let gib = |x: u64| format!("{:.2} GiB", x as f64 / (1u64 << 30) as f64);
+    let gib = |x: u64| crate::limits::human_size(u128::from(x));
     let over = |what: &str, key: &str, have: usize, budget: Option<u64>| match budget {
         Some(cap) if have as u64 > cap => Err(invalid(format!(
             "the {what} arenas need {} ({have} bytes), more than `{key}` = {} allows",

@@ -197,6 +197,10 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
             "gpu_memory",
             "`gpu_memory` applies to `target cuda` only; the CPU engine's budget is `memory`",
         ),
+        (
+            "rematerialize",
+            "`rematerialize` is a key of the `train` block",
+        ),
         ("precision", "`precision` applies to `target cuda` only"),
         ("attention", "`attention` applies to `target cuda` only"),
         (
@@ -234,6 +238,10 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
             ],
             &[
                 ("threads", "`threads` applies to `target cpu` only"),
+                (
+                    "rematerialize",
+                    "`rematerialize` is a key of the `train` block",
+                ),
                 (
                     "memory",
                     "`memory` is the CPU engine's budget; on `target cuda` it is `gpu_memory`",
