@@ -21,6 +21,7 @@ pub mod memory;
 mod op;
 mod options;
 mod ranges;
+mod tiers;
 mod verify;
 
 pub use memory::{

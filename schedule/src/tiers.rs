@@ -1,0 +1,144 @@
+//! The plan verifier's tier rules (offloaded buffers, their copies and the memory budgets), split
+//! from [`crate::memory`], whose `verify_memory` calls them.
+use crate::memory::invalid;
+use crate::{ArenaKind, BufferId, Op, Plan, PlanError};
+
+/// The tier rules: arenas within their [`Budgets`]; an offloaded buffer (in the `host` or
+/// `nvme` arena) is persistent, touched by no op but [`Op::CopyIn`] (as `src`) and
+/// [`Op::CopyOut`] (as `dst`) and by no host task except as a refresh's moments (which the swap
+/// re-projects where they live); every copy moves between an offloaded buffer
+/// and a device buffer; a staging buffer (a `CopyIn` destination) is written first by its
+/// `CopyIn` — no op touches it before the copy has brought its bytes — and, when an op writes
+/// it, a `CopyOut` to its home follows the last such write.
+pub(crate) fn verify_tiers(plan: &Plan) -> Result<(), PlanError> {
+    let m = &plan.memory;
+    let b = &m.budgets;
+    let gib = |x: u64| crate::limits::human_size(u128::from(x));
+    let over = |what: &str, key: &str, have: usize, budget: Option<u64>| match budget {
+        Some(cap) if have as u64 > cap => Err(invalid(format!(
+            "the {what} arenas need {} ({have} bytes), more than `{key}` = {} allows",
+            gib(have as u64),
+            gib(cap)
+        ))),
+        _ => Ok(()),
+    };
+    over("device", "gpu_memory / memory", m.device_bytes(), b.device)?;
+    over(
+        "host",
+        "host_memory",
+        m.arena_bytes(ArenaKind::Host),
+        b.host,
+    )?;
+    over(
+        "nvme",
+        "nvme_memory",
+        m.arena_bytes(ArenaKind::Nvme),
+        b.nvme,
+    )?;
+    if m.arena_bytes(ArenaKind::Nvme) > 0 && b.nvme_dir.is_none() {
+        return Err(invalid(
+            "buffers are placed in the `nvme` arena but the plan names no NVMe directory".into(),
+        ));
+    }
+    let tier = |id: BufferId| m.tier(id).unwrap_or(ArenaKind::Persistent);
+    let name = |id: BufferId| &plan.buffer(id).name;
+    for t in &plan.host_tasks {
+        for (field, id) in t.operands() {
+            // A refresh swap re-projects the moments where they live; the factor it reads and
+            // the basis it writes stay on the device.
+            if !tier(id).on_device() && !matches!(field, "exp_avg" | "exp_avg_sq") {
+                return Err(invalid(format!(
+                    "host task operand `{field}` `{}` is offloaded to the `{}` tier; only a \
+                     refresh's moments may be",
+                    name(id),
+                    tier(id)
+                )));
+            }
+        }
+    }
+    let n = plan.buffers.len();
+    // Per staging buffer: step position of its CopyIn, its last write, its CopyOut after it.
+    let mut copied_in: Vec<Option<usize>> = vec![None; n];
+    let mut last_write: Vec<Option<usize>> = vec![None; n];
+    let mut copied_out: Vec<Option<usize>> = vec![None; n];
+    let mut staging = vec![false; n];
+    for (_, op) in plan.step_ops() {
+        if let Op::CopyIn { dst, .. } = op {
+            if let Some(s) = staging.get_mut(dst.index()) {
+                *s = true;
+            }
+        }
+    }
+    for (pos, op) in plan.step_ops() {
+        match op {
+            Op::CopyIn { src, dst } | Op::CopyOut { dst: src, src: dst } => {
+                // (`src` is the offloaded side, `dst` the device side, for both.)
+                if tier(*src).on_device() || !tier(*dst).on_device() {
+                    return Err(invalid(format!(
+                        "{} `{}` -> `{}` at {}: a tier copy moves between an offloaded buffer \
+                         and a device buffer",
+                        op.name(),
+                        name(*src),
+                        name(*dst),
+                        plan.step_position(pos)
+                    )));
+                }
+                if matches!(op, Op::CopyIn { .. }) {
+                    if copied_in[dst.index()].is_some() {
+                        return Err(invalid(format!(
+                            "`{}` is the destination of two copy_in ops",
+                            name(*dst)
+                        )));
+                    }
+                    copied_in[dst.index()] = Some(pos);
+                } else {
+                    copied_out[dst.index()] = Some(pos);
+                }
+            }
+            _ => {
+                for (field, id, access) in op.accesses() {
+                    if !tier(id).on_device() {
+                        return Err(invalid(format!(
+                            "{} at {} touches `{}` (operand `{field}`), which is offloaded to \
+                             the `{}` tier; ops read its staging buffer after a copy_in",
+                            op.name(),
+                            plan.step_position(pos),
+                            name(id),
+                            tier(id)
+                        )));
+                    }
+                    let i = id.index();
+                    if i < n && copied_out[i].is_none() && access.writes() {
+                        last_write[i] = Some(pos);
+                    }
+                    if i < n && copied_in[i].is_none() && staging[i] {
+                        return Err(invalid(format!(
+                            "{} at {} touches the staging buffer `{}` before its copy_in",
+                            op.name(),
+                            plan.step_position(pos),
+                            name(id)
+                        )));
+                    }
+                    if i < n && copied_out[i].is_some() && access.writes() {
+                        return Err(invalid(format!(
+                            "{} at {} writes the staging buffer `{}` after its copy_out: \
+                             the write would be lost",
+                            op.name(),
+                            plan.step_position(pos),
+                            name(id)
+                        )));
+                    }
+                }
+            }
+        }
+    }
+    for i in 0..n {
+        if copied_in[i].is_some() && last_write[i].is_some() && copied_out[i].is_none() {
+            return Err(invalid(format!(
+                "the staging buffer `{}` is written but never copied back to its home",
+                plan.buffers[i].name
+            )));
+        }
+    }
+    Ok(())
+}
