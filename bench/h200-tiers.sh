@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
-# Offload tiers and recomputation on one H200, in one device call (issues 16 and 17): the
-# LLaMA-style 1.44B spec of bench/specs (d 2048, 24 layers, batch 4x1024, bf16, AdamW)
-# unconstrained, under `gpu_memory = 24GiB` and `16GiB` (moments in pinned host memory, copied
-# in and out around their updates), and with `rematerialize = selective | layers`; then the
-# CPU-vs-GPU train-match of the tiered tiny spec (host tier only: the CUDA engine has no NVMe
-# tier yet). Each run prints its GPU peak, arenas and MFU; summarize.py puts them side by side.
+# Offload tiers and recomputation on one H200, in one device call (issues 16 and 17), on the
+# LLaMA-style 1.44B specs of bench/specs (d 2048, 24 layers, batch 4x1024, bf16):
+# - AdamW unconstrained, under `gpu_memory = 24GiB` and `16GiB` (moments in pinned host
+#   memory, copied in and out around their updates), and with `rematerialize = selective |
+#   layers`;
+# - SOAP (staleness 5) unconstrained and under `gpu_memory = 30GiB` (moments of the largest
+#   matrices in pinned host memory; refresh swaps re-project them through a device staging
+#   buffer), SOAP_STEPS steps each with the validation loss at the end;
+# - the CPU-vs-GPU train-matches (fp32) of the tiered tiny AdamW spec and of tiny-soap under a
+#   budget that puts the embedding's moments (a refresh task's) in the host tier.
+# Each run prints its GPU peak, arenas and MFU; summarize.py puts them side by side.
 #
 # Needs: the repository root as working directory, .gpu/ from bench/prepare-gpu, an NVIDIA GPU
-# with ~30 GiB free, CUDA 13 under $CUDA_HOME.
-# Writes into OUT_DIR: per run NAME.jsonl and NAME.txt, summary.md, and OUT_DIR.tgz.
-# Usage: bench/h200-tiers.sh OUT_DIR [STEPS]   (default 40 steps; statistics skip 10)
+# with ~40 GiB free, CUDA 13 under $CUDA_HOME.
+# Writes into OUT_DIR: per run NAME.jsonl, NAME.txt and NAME-placement.txt, summary.md, and
+# OUT_DIR.tgz.
+# Usage: bench/h200-tiers.sh OUT_DIR [STEPS [SOAP_STEPS]]   (defaults 40 and 200; statistics
+# skip 10 steps)
 set -uo pipefail
-[[ $# -ge 1 ]] || { echo "usage: bench/h200-tiers.sh OUT_DIR [STEPS]" >&2; exit 2; }
-out="$1"; steps="${2:-40}"
+[[ $# -ge 1 ]] || { echo "usage: bench/h200-tiers.sh OUT_DIR [STEPS [SOAP_STEPS]]" >&2; exit 2; }
+out="$1"; steps="${2:-40}"; soap_steps="${3:-200}"
 mkdir -p "$out"
 here="$(dirname "${BASH_SOURCE[0]}")"
 NAME=h200-tiers; source "$here/gpu-env.sh"
@@ -20,44 +27,54 @@ stamp machine
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
 cat .gpu/BUILD 2>/dev/null
 
-base="$S/llama-1.4b-adamw.asteria"
-variant() { # name target-lines train-line -> spec path
-  local f="$S/tiers-$1.asteria"   # beside the base spec: its corpus path is relative
-  python3 - "$base" "$f" "$2" "$3" <<'PY'
+variant() { # base name target-lines train-line -> spec path
+  local f="$S/tiers-$2.asteria"   # beside the base spec: its corpus path is relative
+  python3 - "$S/$1.asteria" "$f" "$3" "$4" <<'PY'
 import sys
 src, dst, target, train = sys.argv[1:5]
 s = open(src).read()
 i = s.index("target cuda")
-s = s[:i] + "target cuda {\n  device = 0\n  staleness = 0\n  precision = bf16\n" + target + "\n}\n"
+j = s.index("}", i)
+s = s[:j] + "".join("  " + t.strip() + "\n" for t in target.split(";") if t.strip()) + s[j:]
 if train:
     s = s.replace("train {", "train {\n  " + train, 1)
 open(dst, "w").write(s)
 PY
   echo "$f"
 }
-run() { # name spec
+run() { # name spec steps
   stamp "$1"
-  timeout 300 $B train "$2" --steps "$steps" --quiet --cache-dir "$TC" --metrics "$out/$1.jsonl" > "$out/$1.txt" 2>&1
-  echo "$1 rc=$?"; grep -E "GPU peak|MFU|arena|budget" "$out/$1.txt" | tail -n 6
+  timeout 300 $B train "$2" --steps "$3" --quiet --cache-dir "$TC" --metrics "$out/$1.jsonl" > "$out/$1.txt" 2>&1
+  echo "$1 rc=$?"; grep -E "GPU peak|MFU|val loss|budget|ERROR|×" "$out/$1.txt" | tail -n 6
 }
 rows=()
-for spec in "unconstrained||" "gpu24|  gpu_memory = 24GiB\n  host_memory = 96GiB\n|" \
-            "gpu16|  gpu_memory = 16GiB\n  host_memory = 96GiB\n|" \
-            "remat-selective||rematerialize = selective" "remat-layers||rematerialize = layers"; do
-  IFS='|' read -r name target train <<< "$spec"
-  f=$(variant "$name" "$(printf '%b' "$target")" "$train")
+budget() { printf 'gpu_memory = %s; host_memory = 96GiB' "$1"; }   # one line: `read` below
+for spec in "llama-1.4b-adamw|unconstrained|||$steps" \
+            "llama-1.4b-adamw|gpu24|$(budget 24GiB)||$steps" \
+            "llama-1.4b-adamw|gpu16|$(budget 16GiB)||$steps" \
+            "llama-1.4b-adamw|remat-selective||rematerialize = selective|$steps" \
+            "llama-1.4b-adamw|remat-layers||rematerialize = layers|$steps" \
+            "llama-1.4b-soap|soap-unconstrained|||$soap_steps" \
+            "llama-1.4b-soap|soap-gpu30|$(budget 30GiB)||$soap_steps"; do
+  IFS='|' read -r base name target train n <<< "$spec"
+  f=$(variant "$base" "$name" "$target" "$train")
   $B compile "$f" --print-after tier-placement > "$out/$name-placement.txt" 2>&1
-  run "llama-1.4b-$name" "$f"
+  run "llama-1.4b-$name" "$f" "$n"
   rows+=("$name=$out/llama-1.4b-$name.jsonl:$out/llama-1.4b-$name.txt")
 done
 python3 "$here/summarize.py" --skip 10 "${rows[@]}" | tee "$out/summary.md"
 
-# CPU vs GPU on the tiered tiny spec, host tier only.
+# CPU vs GPU, fp32, with moments in the host tier (the CUDA engine has no NVMe tier yet).
 stamp train-match
-sed -e 's/^  memory = 5MiB.*/  gpu_memory = 5MiB/' -e 's/^  host_memory = 1MiB.*/  host_memory = 64MiB/' \
+sed -e 's/^  memory = 5MiB.*/  gpu_memory = 5MiB\n  precision = fp32/' -e 's/^  host_memory = 1MiB.*/  host_memory = 64MiB/' \
     -e '/^  nvme/d' -e 's/^target cpu {/target cuda {/' examples/tiny-tiers.asteria > "$out/tiny-tiers-gpu.asteria"
-timeout 300 $B selftest --device cuda --no-kernels --train-match "$out/tiny-tiers-gpu.asteria" \
-  --match-precision fp32 > "$out/train-match-tiers.txt" 2>&1
-echo "train-match rc=$?"; tail -n 5 "$out/train-match-tiers.txt"
+sed -e 's/^target cpu {/target cuda {\n  precision = fp32\n  gpu_memory = 470MiB\n  host_memory = 256MiB/' \
+    -e 's/^  staleness = 0 .*/  staleness = 0/' examples/tiny-soap.asteria > "$out/tiny-soap-tiers-gpu.asteria"
+for m in tiny-tiers-gpu tiny-soap-tiers-gpu; do
+  $B compile "$out/$m.asteria" --print-after tier-placement > "$out/$m-placement.txt" 2>&1
+  timeout 300 $B selftest --device cuda --no-kernels --cache-dir "$TC" --train-match "$out/$m.asteria" \
+    --match-precision fp32 > "$out/train-match-$m.txt" 2>&1
+  echo "train-match $m rc=$?"; tail -n 5 "$out/train-match-$m.txt"
+done
 stamp done
 tar czf "$out.tgz" -C "$out" .

@@ -28,7 +28,11 @@ rows = []
 for r in runs:
     name, rest = r.split("=", 1)
     path, _, err = rest.partition(":")
-    steps = [json.loads(l) for l in open(path) if l.strip()]
+    try:
+        steps = [json.loads(l) for l in open(path) if l.strip()]
+    except OSError:
+        print(f"<!-- {name}: no metrics ({path} missing: the run failed, see its log) -->")
+        continue
     tr = [s for s in steps if "loss" in s]
     val = [s for s in steps if "val_loss" in s]
     ms = [s["step_ms"] for s in tr[skip:]]

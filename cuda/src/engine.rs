@@ -152,6 +152,9 @@ pub struct CudaEngine {
     /// `(name, bytes)` of the plan's arenas and the engine's own, in allocation order.
     arenas: Vec<(String, usize)>,
     refresh_bytes: usize,
+    /// Device bytes reserved on the device before this engine allocated anything (another
+    /// engine's or a self-test's; not counted against this plan's `gpu_memory`).
+    reserved_before: usize,
     profile: Option<ProfileRows>,
     /// The host eigensolver (the plan's, or one injected by `EngineOptions`).
     solver: Arc<dyn optim::HostEigensolver>,

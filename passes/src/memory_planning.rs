@@ -311,15 +311,17 @@ impl MemorySummary {
 }
 
 /// A compile error when the planned arenas exceed a budget of the plan's
-/// [`schedule::Budgets`], naming the largest consumers of that tier.
+/// [`schedule::Budgets`], naming the largest consumers of that tier. The device tier counts
+/// the engine's own allocations too ([`schedule::reserve::engine_reserve`]).
 pub fn check_budgets(plan: &Plan) -> Result<(), PassError> {
     let m = &plan.memory;
     let b = &m.budgets;
+    let reserve = schedule::reserve::engine_reserve(plan, m.device_bytes());
     type Tier = (&'static str, usize, Option<u64>, fn(ArenaKind) -> bool);
     let tiers: [Tier; 3] = [
         (
             "the device (`gpu_memory` / `memory`)",
-            m.device_bytes(),
+            m.device_bytes() + reserve.total(),
             b.device,
             |k| k.on_device(),
         ),
@@ -354,6 +356,13 @@ pub fn check_budgets(plan: &Plan) -> Result<(), PassError> {
             .take(5)
             .map(|(n, name)| format!("%{name} {}", human_bytes(*n)))
             .collect();
+        if member(ArenaKind::Activations) && reserve.total() > 0 {
+            largest.push(format!(
+                "the engine's own {} ({})",
+                human_bytes(reserve.total()),
+                reserve.describe()
+            ));
+        }
         if member(ArenaKind::Activations) {
             largest.insert(
                 0,

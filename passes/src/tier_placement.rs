@@ -8,7 +8,9 @@
 //!
 //! # What moves, and where
 //! Without a budget nothing moves. Otherwise the pass computes the device bytes the plan needs
-//! (persistent arena plus planned activations), and while that exceeds the device budget it
+//! (persistent arena plus planned activations, plus what the target's engine allocates beside
+//! them: [`schedule::reserve::engine_reserve`], e.g. the CUDA engine's saved attention copies
+//! and refresh buffers), and while that exceeds the device budget it
 //! offloads optimizer state, cheapest first by the cost model:
 //! - **Candidates** are the moments (`exp_avg`, `exp_avg_sq`, of AdamW and of SOAP's rotated
 //!   Adam), which only the optimizer program touches, once per step: one copy in and one copy
@@ -35,6 +37,7 @@ use crate::prefetch_insertion::insert_prefetches;
 use crate::{Pass, PassContext, PassError};
 use ir::Module;
 use schedule::memory::align_up;
+use schedule::reserve::{engine_reserve, EngineReserve};
 use schedule::{ArenaKind, ArenaPlan, Budgets, BufferClass, BufferId, BufferSlot, Op, Plan};
 use std::fmt::Write;
 
@@ -63,8 +66,11 @@ pub struct Placement {
     pub target: String,
     /// The budgets.
     pub budgets: Budgets,
-    /// Device bytes the plan needs with everything on the device.
+    /// Device bytes the plan needs with everything on the device: its device arenas plus
+    /// [`Placement::reserve`].
     pub device_need: usize,
+    /// What the target's engine allocates beyond the plan's arenas (as placed).
+    pub reserve: EngineReserve,
     /// The offloaded tensors, in buffer order.
     pub decisions: Vec<Decision>,
     /// Why the host tier was not used, if it was not.
@@ -153,8 +159,9 @@ pub fn report(p: &Placement) -> String {
     );
     let _ = writeln!(
         s,
-        "; device need with every tensor on the device: {}",
-        human_bytes(p.device_need)
+        "; device need with every tensor on the device: {} (the engine's own: {})",
+        human_bytes(p.device_need),
+        p.reserve.describe()
     );
     if let Some(note) = &p.host_note {
         let _ = writeln!(s, "; host tier not used: {note}");
@@ -197,8 +204,12 @@ pub fn place(
         budgets: budgets.clone(),
         ..Default::default()
     };
-    let device_need = |p: &Plan| plan_memory(p).device_bytes();
+    let device_need = |p: &Plan| {
+        let m = plan_memory(p).device_bytes();
+        m + engine_reserve(p, m).total()
+    };
     placement.device_need = device_need(plan);
+    placement.reserve = engine_reserve(plan, plan_memory(plan).device_bytes());
     let cap = budgets.device.map_or(usize::MAX, |b| b as usize);
     if placement.device_need <= cap {
         return Ok(placement);
@@ -259,6 +270,7 @@ pub fn place(
         &mut placement.decisions,
     )?;
     placement.decisions.sort_by_key(|d| d.buffer);
+    placement.reserve = engine_reserve(plan, plan_memory(plan).device_bytes());
     Ok(placement)
 }
 
@@ -406,7 +418,15 @@ fn over_budget(plan: &Plan, budgets: &Budgets, need: usize, moved: &[BufferId]) 
         })
         .collect();
     sizes.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-    let largest: Vec<String> = sizes.into_iter().take(5).map(|(_, s)| s).collect();
+    let mut largest: Vec<String> = sizes.into_iter().take(5).map(|(_, s)| s).collect();
+    let reserve = engine_reserve(plan, plan_memory(plan).device_bytes());
+    if reserve.total() > 0 {
+        largest.push(format!(
+            "the engine's own {} ({})",
+            human_bytes(reserve.total()),
+            reserve.describe()
+        ));
+    }
     let moved_bytes: usize = moved.iter().map(|&c| plan.buffer(c).size_bytes()).sum();
     PassError::Invalid {
         pass: "tier-placement",

@@ -21,6 +21,7 @@ pub mod memory;
 mod op;
 mod options;
 mod ranges;
+pub mod reserve;
 mod tiers;
 mod verify;
 

@@ -38,18 +38,6 @@ fn check_fused(
             a.bytes
         ));
     }
-    for t in &plan.host_tasks {
-        for (field, id) in t.operands() {
-            if plan.memory.tier(id).is_some_and(|k| !k.on_device()) {
-                return refuse(format!(
-                    "refresh operand `{field}` `{}` is offloaded; the CUDA engine's refresh \
-                     swaps re-project moments on the device, so SOAP moments of preconditioned \
-                     weights stay there for now: raise `gpu_memory`",
-                    plan.buffer(id).name
-                ));
-            }
-        }
-    }
     if precision != Precision::Bf16 {
         if let Some(b) = plan.buffers.iter().find(|b| b.dtype == DType::Bf16) {
             return refuse(format!(
@@ -202,6 +190,7 @@ impl CudaEngine {
         dev: Arc<Device>,
         precision: Precision,
     ) -> Result<CudaEngine, EngineError> {
+        let reserved_before = dev.memory_report().device_reserved.0;
         // Memory before allocation: the plan's arenas alone (scratch and bf16 shadows come on
         // top) must fit the device's free memory, or the plan is refused before anything is
         // allocated.
@@ -383,17 +372,7 @@ impl CudaEngine {
         let mut saved_arena = None;
         // Forward and backward: `rematerialize = layers` reruns saving attentions in the
         // backward program.
-        let want: Vec<(BufferId, usize)> = plan
-            .forward
-            .iter()
-            .chain(&plan.backward)
-            .filter_map(|o| match o {
-                Op::Attention {
-                    qkv, lse: Some(_), ..
-                } => Some((*qkv, plan.buffer(*qkv).numel())),
-                _ => None,
-            })
-            .collect();
+        let want = schedule::reserve::saved_attention_qkvs(&plan);
         if !want.is_empty() {
             let bytes: usize = want.iter().map(|(_, n)| aligned(n * 2)).sum();
             let mut sa = dev
@@ -401,9 +380,6 @@ impl CudaEngine {
                 .map_err(e("allocating the attention-saved arena"))?;
             arenas.push(("attention-saved".to_string(), bytes));
             for (qkv, n) in want {
-                if saved_qkv.contains_key(&qkv) {
-                    continue;
-                }
                 let qkv16 = sa
                     .buf(Elem::BF16, n)
                     .map_err(e("carving a saved bf16 qkv"))?;
@@ -450,6 +426,7 @@ impl CudaEngine {
                 .collect(),
             arenas,
             refresh_bytes,
+            reserved_before,
             profile,
             attention,
             solver,
@@ -467,13 +444,25 @@ impl CudaEngine {
         let Some(budget) = self.plan.memory.budgets.device else {
             return Ok(());
         };
-        let used = self.dev.memory_report().device_reserved.0;
+        // This engine's own device allocations (another engine or a self-test on the same
+        // device does not count against this plan's budget).
+        let used =
+            (self.dev.memory_report().device_reserved.0).saturating_sub(self.reserved_before);
         if used as u64 <= budget {
             return Ok(());
         }
         let gib = |b: usize| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
-        let mut list = self.arenas.clone();
-        list.push(("refresh work and shadows".into(), self.refresh_bytes));
+        // Device arenas only: the host tier's pinned arena does not count against the budget.
+        let mut list: Vec<(String, usize)> = self
+            .arenas
+            .iter()
+            .filter(|(n, _)| n != ArenaKind::Host.name())
+            .cloned()
+            .collect();
+        list.push((
+            "refresh work and shadows".into(),
+            self.refresh_bytes - self.refreshes.pinned_bytes,
+        ));
         list.sort_by(|a, b| b.1.cmp(&a.1));
         let named: Vec<String> = list
             .iter()

@@ -211,6 +211,8 @@ pub(super) struct Refreshes {
     _arenas: Vec<Arena>,
     /// Bytes allocated (device + pinned).
     pub(super) bytes: usize,
+    /// Of which pinned host memory.
+    pub(super) pinned_bytes: usize,
 }
 
 fn pinned_slice<T>(b: &Buf, len: usize) -> &[T] {
@@ -315,15 +317,25 @@ impl Refreshes {
             }
             None => None,
         };
+        // Moments in the plan's host tier go through a staging buffer at the swap.
+        let staged = tasks.iter().any(|t| {
+            [t.exp_avg, t.exp_avg_sq]
+                .iter()
+                .any(|&b| plan.memory.tier(b).is_some_and(|k| !k.on_device()))
+        });
         let swap = if any_gpu || any_async {
-            bytes += SwapWork::bytes(max_dim, max_mn);
-            Some(SwapWork::new(dev, max_dim, max_mn).map_err(e("allocating the swap buffers"))?)
+            bytes += SwapWork::bytes(max_dim, max_mn, staged);
+            Some(
+                SwapWork::new(dev, max_dim, max_mn, staged)
+                    .map_err(e("allocating the swap buffers"))?,
+            )
         } else {
             None
         };
         // Shadows: one device arena and one pinned arena for every task with S > 0.
         let align = crate::memory::BUF_ALIGN;
         let (mut dev_bytes, mut pin_bytes) = (0usize, 0usize);
+        let mut pinned_bytes = 0;
         for t in tasks.iter().filter(|t| t.staleness > 0) {
             let d = dim(plan, t);
             dev_bytes += d * d * 4 + align + RefreshSlot::bytes(d);
@@ -373,6 +385,7 @@ impl Refreshes {
                 }));
             }
             bytes += dev_bytes + pin_bytes;
+            pinned_bytes = pin_bytes;
             arenas.push(da);
             arenas.push(pa);
         } else {
@@ -401,6 +414,7 @@ impl Refreshes {
             times: [0.0; 5],
             _arenas: arenas,
             bytes,
+            pinned_bytes,
         })
     }
 }

@@ -9,7 +9,7 @@ use crate::kernels::Args;
 use crate::memory::{Buf, Elem};
 
 /// Blocks (= f64 partials) per buffer of a sum-of-squares reduction.
-pub const SUMSQ_BLOCKS: usize = 256;
+pub const SUMSQ_BLOCKS: usize = schedule::reserve::SUMSQ_BLOCKS;
 
 /// Scratch elements (f32) of [`cross_entropy_forward`]: `2N` (N f64 row losses).
 pub fn cross_entropy_scratch_len(n_rows: usize) -> usize {

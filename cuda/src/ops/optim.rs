@@ -8,6 +8,7 @@ use crate::error::{CudaError, Result};
 use crate::gemm::{self, gemm_f32, Dims};
 use crate::kernels::Args;
 use crate::memory::{Buf, Elem};
+use schedule::reserve::bf16_slots;
 use schedule::SoapHyper;
 
 /// AdamW hyperparameters of one step; `lr` is the scheduled learning rate of this step.
@@ -84,12 +85,6 @@ pub enum SoapProjections {
     Bf16,
 }
 
-/// f32 elements reserved for each bf16 work matrix of [`SoapProjections::Bf16`] (aligned to
-/// 256 bytes).
-fn bf16_slots(len: usize) -> usize {
-    len.div_ceil(2).next_multiple_of(64)
-}
-
 /// Scratch elements (f32) of [`soap_update`] for an `[m, n]` parameter with the given bases:
 /// `3·m·n + 2·256 + 2` (projections, f64 partials, the RMS divisor) rounded up to a multiple of
 /// 64 (256 bytes), plus with [`SoapProjections::Bf16`] and a basis the bf16 bases (`m²`, `n²`)
@@ -101,14 +96,7 @@ pub fn soap_update_scratch_len(
     right: bool,
     proj: SoapProjections,
 ) -> usize {
-    let base = (3 * m * n + 2 * SUMSQ_BLOCKS + 2).next_multiple_of(64);
-    if proj == SoapProjections::Bf16 && (left || right) {
-        base + if left { bf16_slots(m * m) } else { 0 }
-            + if right { bf16_slots(n * n) } else { 0 }
-            + 2 * bf16_slots(m * n)
-    } else {
-        base
-    }
+    schedule::reserve::soap_update_scratch_len(m, n, left, right, proj == SoapProjections::Bf16)
 }
 
 /// Plan op `SoapUpdate` on a parameter `[m, n]` at 1-based step `t` with scheduled `lr`

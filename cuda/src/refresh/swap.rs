@@ -9,28 +9,59 @@ use crate::StreamKind;
 
 /// Work buffers of [`apply`] on the compute stream: the basis change `C` (`[d, d]`; when
 /// `d² > m·n` it holds the `[m, n]` intermediate of the two-step re-projection instead) and the
-/// new moments (`[m·n]` each), sized for the largest task.
+/// new moments (`[m·n]` each), sized for the largest task; with `staged`, a third `[m·n]`
+/// buffer that brings a moment kept in pinned host memory (the plan's host tier) onto the
+/// device for the swap's GEMMs and permutation.
 pub(crate) struct SwapWork {
     c: Buf,
     e_new: Buf,
     v_new: Buf,
+    staged: Option<Buf>,
 }
 
 impl SwapWork {
     /// Bytes [`SwapWork::new`] allocates.
-    pub(crate) fn bytes(max_dim: usize, max_mn: usize) -> usize {
-        (max_dim.max(1).pow(2) + 2 * max_mn.max(1)) * 4 + 3 * crate::memory::BUF_ALIGN
+    pub(crate) fn bytes(max_dim: usize, max_mn: usize, staged: bool) -> usize {
+        let moments = if staged { 3 } else { 2 };
+        (max_dim.max(1).pow(2) + moments * max_mn.max(1)) * 4 + 4 * crate::memory::BUF_ALIGN
     }
 
-    /// One device arena for the largest factor side `max_dim` and moment size `max_mn`.
-    pub(crate) fn new(dev: &Device, max_dim: usize, max_mn: usize) -> Result<SwapWork> {
+    /// One device arena for the largest factor side `max_dim` and moment size `max_mn`;
+    /// `staged` when some task's moments are off the device.
+    pub(crate) fn new(
+        dev: &Device,
+        max_dim: usize,
+        max_mn: usize,
+        staged: bool,
+    ) -> Result<SwapWork> {
         let (d, mn) = (max_dim.max(1), max_mn.max(1));
-        let mut arena = dev.arena("refresh-swap", crate::Tier::Device, Self::bytes(d, mn))?;
+        let bytes = Self::bytes(d, mn, staged);
+        let mut arena = dev.arena("refresh-swap", crate::Tier::Device, bytes)?;
         Ok(SwapWork {
             c: arena.buf(Elem::F32, d * d)?,
             e_new: arena.buf(Elem::F32, mn)?,
             v_new: arena.buf(Elem::F32, mn)?,
+            staged: if staged {
+                Some(arena.buf(Elem::F32, mn)?)
+            } else {
+                None
+            },
         })
+    }
+
+    /// `moment` itself when it is device memory, else a copy of it in the staging buffer
+    /// (enqueued on the compute stream).
+    fn on_device(&self, dev: &Device, moment: &Buf, mn: usize) -> Result<Buf> {
+        if moment.tier() == crate::Tier::Device {
+            return Ok(moment.clone());
+        }
+        let staged = self.staged.as_ref().ok_or_else(|| CudaError::Invalid {
+            op: "refresh_apply",
+            what: "a moment in pinned host memory but no staging buffer".into(),
+        })?;
+        let staged = staged.slice(0, mn)?;
+        dev.copy(&staged, moment, StreamKind::Compute)?;
+        Ok(staged)
     }
 }
 
@@ -41,7 +72,9 @@ impl SwapWork {
 /// side `d` no longer than the other dimension `o` the basis change `C = Q_oldᵀ Q_new` is formed
 /// first (`2d³ + 2d²o` flops), else the moment goes through the old and new bases one after the
 /// other (`4d²o`, as the reference SOAP's project-back / project does). GEMMs run with `math`:
-/// fp32, or TF32 for the optimizer of a `precision = bf16` plan. The caller has made the
+/// fp32, or TF32 for the optimizer of a `precision = bf16` plan. Moments in pinned host
+/// memory (the plan's host tier) are copied onto the device one at a time through the staging
+/// buffer and the results copied back, all on the compute stream. The caller has made the
 /// compute stream wait for the refresh and checked its [`verdict`](super::verdict).
 ///
 /// # Errors
@@ -84,11 +117,23 @@ pub(crate) fn apply(
     if init {
         return dev.copy(basis, &q_new, StreamKind::Compute);
     }
-    exp_avg.expect(OP, "exp_avg", Elem::F32, mn)?;
-    exp_avg_sq.expect(OP, "exp_avg_sq", Elem::F32, mn)?;
+    // The moments may be device or pinned host memory (`SwapWork::on_device` stages them).
+    for (name, b) in [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)] {
+        if b.elem() != Elem::F32 || b.len() != mn {
+            return Err(CudaError::Operand {
+                op: OP,
+                operand: name,
+                expected: format!("{mn} x f32"),
+                got: format!("{} x {}", b.len(), b.elem()),
+            });
+        }
+    }
+    let exp_avg_out = exp_avg;
     let prev = dev.set_gemm_math(math);
     let r = (|| {
         let (e_new, v_new) = (work.e_new.slice(0, mn)?, work.v_new.slice(0, mn)?);
+        let exp_avg_in = work.on_device(dev, exp_avg, mn)?;
+        let exp_avg = &exp_avg_in;
         let sq = Dims::new(d, d);
         let e = Dims::new(m, n);
         if d * d <= mn {
@@ -117,16 +162,18 @@ pub(crate) fn apply(
         } else {
             "permute_cols"
         };
+        // The new exp_avg leaves e_new before the staging buffer takes exp_avg_sq.
+        dev.copy(&exp_avg_out, &e_new, StreamKind::Compute)?;
+        let exp_avg_sq_in = work.on_device(dev, exp_avg_sq, mn)?;
         let idx = idx.slice(0, d)?;
         let args = Args::new()
-            .buf(exp_avg_sq)
+            .buf(&exp_avg_sq_in)
             .buf(&idx)
             .buf(&v_new)
             .i32(m as i32)
             .i32(n as i32);
         dev.launch(kernel, (dev.grid_for(mn), 1, 1), (256, 1, 1), args)?;
         dev.copy(basis, &q_new, StreamKind::Compute)?;
-        dev.copy(exp_avg, &e_new, StreamKind::Compute)?;
         dev.copy(exp_avg_sq, &v_new, StreamKind::Compute)
     })();
     dev.set_gemm_math(prev);

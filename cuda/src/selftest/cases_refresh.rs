@@ -36,6 +36,7 @@ use super::{cpu, Case, Ctx, Outcome, TOL_BF16};
 use crate::device::GemmMath;
 use crate::error::Result;
 use crate::gemm::Dims;
+use crate::memory::Elem;
 use crate::refresh::{self, GpuRefresher, QrMethod, RefreshSlot, SwapWork};
 use crate::StreamKind;
 use optim::HostEigensolver;
@@ -91,6 +92,25 @@ pub(crate) fn cases() -> Vec<Case> {
                     move |cx| qr_refresh(cx, side, m, n, qr, math, Factor::Plain),
                 ));
             }
+            // Moments in pinned host memory (a plan's host tier): the swap stages them on the
+            // device and writes the results back.
+            v.push(case(
+                "eigenbasis_refresh_swap_pinned_moments",
+                format!("side={side} m={m} n={n}"),
+                TOL_REFRESH,
+                big,
+                move |cx| {
+                    qr_refresh(
+                        cx,
+                        side,
+                        m,
+                        n,
+                        QrMethod::RayleighCholeskyTc,
+                        GemmMath::Fp32,
+                        Factor::PinnedMoments,
+                    )
+                },
+            ));
             // A stored basis that is a rotation away from the eigenbasis and eigenvalues over
             // two decades: L of the Rayleigh–Cholesky QR is far from the identity.
             for (kernel, qr) in [
@@ -374,7 +394,7 @@ fn qr_refresh(
 ) -> Result<Outcome> {
     let d = if side == 0 { m } else { n };
     let (u, _, f) = match kind {
-        Factor::Plain => factor(cx, d)?,
+        Factor::Plain | Factor::PinnedMoments => factor(cx, d)?,
         Factor::Rotated => rotated_factor(cx, d, 2.0)?,
         Factor::Indefinite => {
             // λ₀ − 6 ∈ [−5, −1]: distinct from the others, and F U stays well conditioned.
@@ -391,9 +411,21 @@ fn qr_refresh(
     let eas = cx.uniform(m * n, 0.1, 2.0);
     let dev = cx.dev;
     let (r, _arena, slot) = refresher(cx, d, qr)?;
-    let work = SwapWork::new(dev, d, m * n)?;
+    let pinned = kind == Factor::PinnedMoments;
+    let work = SwapWork::new(dev, d, m * n, pinned)?;
     let (fb, qb) = (cx.up(&narrow(&f))?, cx.up(&narrow(&u))?);
-    let (eab, easb) = (cx.up(&ea)?, cx.up(&eas)?);
+    let mut _pinned_arena = None;
+    let (eab, easb) = if pinned {
+        let bytes = 2 * (m * n * 4 + crate::memory::BUF_ALIGN);
+        let mut a = dev.arena("selftest-pinned", crate::Tier::PinnedHost, bytes)?;
+        let (x, y) = (a.buf(Elem::F32, m * n)?, a.buf(Elem::F32, m * n)?);
+        dev.upload(&x, &ea)?;
+        dev.upload(&y, &eas)?;
+        _pinned_arena = Some(a);
+        (x, y)
+    } else {
+        (cx.up(&ea)?, cx.up(&eas)?)
+    };
     dev.poison(&slot.q)?;
     let ms = cx.timed(|| {
         r.compute(dev, false, d, &fb, &qb, &slot)?;
@@ -574,6 +606,8 @@ enum Factor {
     Rotated,
     /// [`factor`] with one eigenvalue moved below zero.
     Indefinite,
+    /// [`factor`], with the moments in pinned host memory.
+    PinnedMoments,
 }
 
 /// A factor that is zero outside its leading `r × r` block and the identity as stored basis,

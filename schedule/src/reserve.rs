@@ -1,0 +1,225 @@
+//! The device bytes an engine allocates beyond the plan's arenas, as the compiler estimates
+//! them: what `tier-placement` and `memory-planning` add to the plan's device arenas before
+//! comparing them with the `gpu_memory` budget.
+//!
+//! The CUDA engine owns four kinds of device memory besides the plan's arenas: the bf16 copies
+//! of qkv that saving tensor-core attentions keep for their backward (exact here: the engine
+//! sizes its arena with [`saved_attention_qkvs`]), the refresh machinery (cuSOLVER work,
+//! the swap buffers, one shadow per asynchronous refresh), the bf16 shadows of SOAP's
+//! eigenbases, and op scratch. The refresh and scratch terms follow the engine's allocation
+//! formulas with a fixed allowance for cuSOLVER's own workspace and op scratch
+//! (a fraction of the plan's device arenas up to [`SCRATCH_ALLOWANCE`]); the engine checks what it really allocated against the budget
+//! once everything is allocated and before anything runs, so an estimate that falls short is
+//! a clear error at start, never an out-of-memory mid-run. The CPU engine allocates nothing
+//! beyond its plan: its reserve is zero.
+use crate::{BufferId, DType, HostTask, Op, Placement, Plan, Precision, TargetPlan};
+
+/// Alignment of every engine allocation (bytes): the CUDA engine's `BUF_ALIGN`.
+const ALIGN: usize = 256;
+
+/// Allowance for op scratch (layer-norm and attention partial sums, the clip reduction) and
+/// cuSOLVER's queried workspace, which the compiler does not size: 1/64 of the plan's device
+/// arenas, at least 1 MiB and at most this, 128 MiB. Measured: the LLaMA 1.44B plan's engine
+/// arena is 0.06 GiB.
+pub const SCRATCH_ALLOWANCE: usize = 128 << 20;
+
+fn aligned(bytes: usize) -> usize {
+    bytes.div_ceil(ALIGN) * ALIGN
+}
+
+/// The engine's device bytes beyond the plan's arenas, by kind (bytes).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EngineReserve {
+    /// bf16 qkv copies of the saving attentions.
+    pub attention_saved: usize,
+    /// Refresh work, swap buffers and asynchronous refresh shadows.
+    pub refresh: usize,
+    /// bf16 shadows of SOAP eigenbases (`precision = bf16`).
+    pub basis_shadows: usize,
+    /// Op scratch: SOAP's update scratch for its largest parameter (exact), plus an allowance
+    /// for the other ops and solver workspace (a fraction of the plan's device arenas up to
+    /// [`SCRATCH_ALLOWANCE`]).
+    pub scratch: usize,
+}
+
+impl EngineReserve {
+    /// All of it (bytes).
+    pub fn total(&self) -> usize {
+        self.attention_saved + self.refresh + self.basis_shadows + self.scratch
+    }
+
+    /// `attention-saved 1.12 GiB, refresh 0 B, ...` for reports.
+    pub fn describe(&self) -> String {
+        let b = |x: usize| {
+            let mib = x as f64 / (1u64 << 20) as f64;
+            if mib >= 1024.0 {
+                format!("{:.2} GiB", mib / 1024.0)
+            } else {
+                format!("{mib:.2} MiB")
+            }
+        };
+        format!(
+            "attention-saved {}, refresh {}, basis shadows {}, scratch {}",
+            b(self.attention_saved),
+            b(self.refresh),
+            b(self.basis_shadows),
+            b(self.scratch)
+        )
+    }
+}
+
+/// The qkv buffers (`[N, 3C]`, each once, in program order) whose bf16 copy a saving
+/// tensor-core attention (`Attention { lse: Some(..) }`, forward or — under `rematerialize =
+/// layers` — backward) keeps for its backward, with their element counts.
+pub fn saved_attention_qkvs(plan: &Plan) -> Vec<(BufferId, usize)> {
+    let mut out: Vec<(BufferId, usize)> = Vec::new();
+    for o in plan.forward.iter().chain(&plan.backward) {
+        if let Op::Attention {
+            qkv, lse: Some(_), ..
+        } = o
+        {
+            if !out.iter().any(|(q, _)| q == qkv) {
+                out.push((*qkv, plan.buffer(*qkv).numel()));
+            }
+        }
+    }
+    out
+}
+
+/// f32 elements the CUDA engine reserves for each bf16 work matrix of `len` elements (aligned
+/// to 256 bytes).
+pub fn bf16_slots(len: usize) -> usize {
+    len.div_ceil(2).next_multiple_of(64)
+}
+
+/// Partial sums of the CUDA engine's sum-of-squares reductions (`SUMSQ_BLOCKS`).
+pub const SUMSQ_BLOCKS: usize = 256;
+
+/// Scratch elements (f32) of the CUDA engine's `soap_update` for an `[m, n]` parameter with
+/// the given bases: `3·m·n + 2·256 + 2` (projections, f64 partials, the RMS divisor) rounded up
+/// to a multiple of 64 (256 bytes), plus with bf16 projections (`bf16`) and a basis the bf16
+/// bases (`m²`, `n²`) and two bf16 `[m, n]` matrices, each region rounded up to 256 bytes.
+pub fn soap_update_scratch_len(m: usize, n: usize, left: bool, right: bool, bf16: bool) -> usize {
+    let base = (3 * m * n + 2 * SUMSQ_BLOCKS + 2).next_multiple_of(64);
+    if bf16 && (left || right) {
+        base + if left { bf16_slots(m * m) } else { 0 }
+            + if right { bf16_slots(n * n) } else { 0 }
+            + 2 * bf16_slots(m * n)
+    } else {
+        base
+    }
+}
+
+/// The estimate for `plan` on its target (zero for the CPU engine), given the bytes of its
+/// device arenas (`device_bytes`, from memory planning).
+pub fn engine_reserve(plan: &Plan, device_bytes: usize) -> EngineReserve {
+    let TargetPlan::Cuda { precision, .. } = plan.target else {
+        return EngineReserve::default();
+    };
+    let attention_saved = saved_attention_qkvs(plan)
+        .iter()
+        .map(|(_, n)| aligned(n * 2))
+        .sum();
+    let mut basis_shadows = 0;
+    if precision == Precision::Bf16 {
+        let mut seen: Vec<BufferId> = Vec::new();
+        for o in &plan.optimizer {
+            if let Op::SoapUpdate {
+                basis_left,
+                basis_right,
+                ..
+            } = o
+            {
+                for &q in basis_left.iter().chain(basis_right) {
+                    if !seen.contains(&q) && plan.buffer(q).dtype == DType::F32 {
+                        seen.push(q);
+                        basis_shadows += aligned(plan.buffer(q).numel() * 2);
+                    }
+                }
+            }
+        }
+    }
+    // Op scratch is one buffer sized for the largest need; SOAP's update needs the most.
+    let bf16 = precision == Precision::Bf16;
+    let soap_scratch = plan
+        .optimizer
+        .iter()
+        .filter_map(|o| match o {
+            Op::SoapUpdate {
+                param,
+                basis_left,
+                basis_right,
+                ..
+            } => {
+                let s = &plan.buffer(*param).shape;
+                let (m, n) = match s.as_slice() {
+                    [m, n] => (*m, *n),
+                    _ => (1, s.iter().product()),
+                };
+                let (l, r) = (basis_left.is_some(), basis_right.is_some());
+                Some(soap_update_scratch_len(m, n, l, r, bf16) * 4)
+            }
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
+    EngineReserve {
+        attention_saved,
+        refresh: refresh_bytes(plan),
+        basis_shadows,
+        scratch: aligned(soap_scratch) + (device_bytes / 64).clamp(1 << 20, SCRATCH_ALLOWANCE),
+    }
+}
+
+/// The CUDA engine's refresh allocations (`cuda/src/engine/tasks.rs` `Refreshes::new`): per
+/// GPU refresher 8 `d×d` f32 work matrices and cuSOLVER's workspace, the output slot, the swap buffers (`d²` + two
+/// moments, plus a third when moments live off the device), and per asynchronous task its
+/// factor snapshot and slot (and, placed on the GPU, its basis snapshot).
+fn refresh_bytes(plan: &Plan) -> usize {
+    let f32s = |n: usize| aligned(n * 4);
+    let (mut max_dim, mut max_mn, mut side_dim) = (0usize, 0usize, None::<usize>);
+    let (mut any_gpu, mut any_async, mut offloaded) = (false, false, false);
+    let mut shadows = 0usize;
+    for t in &plan.host_tasks {
+        let HostTask::EigenbasisRefresh {
+            factor,
+            exp_avg,
+            exp_avg_sq,
+            staleness,
+            placement,
+            ..
+        } = t;
+        let d = plan.buffer(*factor).shape.first().copied().unwrap_or(0);
+        let mn = plan.buffer(*exp_avg).numel();
+        max_dim = max_dim.max(d);
+        max_mn = max_mn.max(mn);
+        let gpu = *placement == Placement::GpuSide;
+        any_gpu |= gpu;
+        offloaded |= [exp_avg, exp_avg_sq]
+            .iter()
+            .any(|&&b| plan.memory.tier(b).is_some_and(|k| !k.on_device()));
+        if *staleness > 0 {
+            any_async = true;
+            shadows += f32s(d * d) + f32s(d * d) + f32s(d) + ALIGN;
+            if gpu {
+                shadows += f32s(d * d);
+                side_dim = Some(side_dim.map_or(d, |s| s.max(d)));
+            }
+        }
+    }
+    // 8 d×d work matrices, tau and the f64 estimates, and cuSOLVER's workspace (syevd's
+    // 1 + 6d + 2d² elements, the largest of its queries).
+    let refresher = |d: usize| f32s(8 * d * d + 3 * d) + 8 * ALIGN + f32s(1 + 6 * d + 2 * d * d);
+    let mut bytes = shadows;
+    if any_gpu {
+        bytes += refresher(max_dim) + f32s(max_dim * max_dim) + f32s(max_dim) + ALIGN;
+    }
+    if let Some(d) = side_dim {
+        bytes += refresher(d);
+    }
+    if any_gpu || any_async || offloaded {
+        let moments = if offloaded { 3 } else { 2 };
+        bytes += f32s(max_dim * max_dim) + moments * f32s(max_mn);
+    }
+    bytes
+}
