@@ -4,9 +4,10 @@
 # - AdamW unconstrained, under `gpu_memory = 24GiB` and `16GiB` (moments in pinned host
 #   memory, copied in and out around their updates), and with `rematerialize = selective |
 #   layers`;
-# - SOAP (staleness 5) unconstrained and under `gpu_memory = 30GiB` (moments of the largest
+# - SOAP (staleness 5) unconstrained, under `gpu_memory = 30GiB` (moments of the largest
 #   matrices in pinned host memory; refresh swaps re-project them through a device staging
-#   buffer), SOAP_STEPS steps each with the validation loss at the end;
+#   buffer) and under `gpu_memory = 24GiB` with `rematerialize = layers`, SOAP_STEPS steps each
+#   with the validation loss at the end;
 # - the CPU-vs-GPU train-matches (fp32) of the tiered tiny AdamW spec and of tiny-soap under a
 #   budget that puts the embedding's moments (a refresh task's) in the host tier.
 # Each run prints its GPU peak, arenas and MFU; summarize.py puts them side by side.
@@ -15,11 +16,11 @@
 # with ~40 GiB free, CUDA 13 under $CUDA_HOME.
 # Writes into OUT_DIR: per run NAME.jsonl, NAME.txt and NAME-placement.txt, summary.md, and
 # OUT_DIR.tgz.
-# Usage: bench/h200-tiers.sh OUT_DIR [STEPS [SOAP_STEPS]]   (defaults 40 and 200; statistics
-# skip 10 steps)
+# Usage: bench/h200-tiers.sh OUT_DIR [STEPS [SOAP_STEPS [ROWS]]]   (defaults 40 and 200;
+# statistics skip 10 steps; ROWS: an extended regex of the row names to run, default all)
 set -uo pipefail
 [[ $# -ge 1 ]] || { echo "usage: bench/h200-tiers.sh OUT_DIR [STEPS [SOAP_STEPS]]" >&2; exit 2; }
-out="$1"; steps="${2:-40}"; soap_steps="${3:-200}"
+out="$1"; steps="${2:-40}"; soap_steps="${3:-200}"; only="${4:-.}"
 mkdir -p "$out"
 here="$(dirname "${BASH_SOURCE[0]}")"
 NAME=h200-tiers; source "$here/gpu-env.sh"
@@ -55,20 +56,25 @@ for spec in "llama-1.4b-adamw|unconstrained|||$steps" \
             "llama-1.4b-adamw|remat-selective||rematerialize = selective|$steps" \
             "llama-1.4b-adamw|remat-layers||rematerialize = layers|$steps" \
             "llama-1.4b-soap|soap-unconstrained|||$soap_steps" \
-            "llama-1.4b-soap|soap-gpu30|$(budget 30GiB)||$soap_steps"; do
+            "llama-1.4b-soap|soap-gpu30|$(budget 30GiB)||$soap_steps" \
+            "llama-1.4b-soap|soap-gpu24-layers|$(budget 24GiB)|rematerialize = layers|$soap_steps" \
+            "train-match|train-match|||"; do
   IFS='|' read -r base name target train n <<< "$spec"
+  [[ $name =~ $only ]] || continue
+  [[ $name == train-match ]] && break
   f=$(variant "$base" "$name" "$target" "$train")
   $B compile "$f" --print-after tier-placement > "$out/$name-placement.txt" 2>&1
   run "llama-1.4b-$name" "$f" "$n"
   rows+=("$name=$out/llama-1.4b-$name.jsonl:$out/llama-1.4b-$name.txt")
 done
-python3 "$here/summarize.py" --skip 10 "${rows[@]}" | tee "$out/summary.md"
+[[ ${#rows[@]} -gt 0 ]] && python3 "$here/summarize.py" --skip 10 "${rows[@]}" | tee "$out/summary.md"
+[[ train-match =~ $only ]] || { stamp done; tar czf "$out.tgz" -C "$out" .; exit 0; }
 
 # CPU vs GPU, fp32, with moments in the host tier (the CUDA engine has no NVMe tier yet).
 stamp train-match
 sed -e 's/^  memory = 5MiB.*/  gpu_memory = 5MiB\n  precision = fp32/' -e 's/^  host_memory = 1MiB.*/  host_memory = 64MiB/' \
     -e '/^  nvme/d' -e 's/^target cpu {/target cuda {/' examples/tiny-tiers.asteria > "$out/tiny-tiers-gpu.asteria"
-sed -e 's/^target cpu {/target cuda {\n  precision = fp32\n  gpu_memory = 470MiB\n  host_memory = 256MiB/' \
+sed -e 's/^target cpu {/target cuda {\n  precision = fp32\n  gpu_memory = 505MiB\n  host_memory = 256MiB/' \
     -e 's/^  staleness = 0 .*/  staleness = 0/' examples/tiny-soap.asteria > "$out/tiny-soap-tiers-gpu.asteria"
 for m in tiny-tiers-gpu tiny-soap-tiers-gpu; do
   $B compile "$out/$m.asteria" --print-after tier-placement > "$out/$m-placement.txt" 2>&1

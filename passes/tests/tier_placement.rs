@@ -111,3 +111,77 @@ fn three_targets_place_the_same_model_differently() {
     // NVMe copies are predicted slower than the host link's.
     assert!(d_gb10.copy_ms() > d_h200.copy_ms());
 }
+
+/// The shadow pools of asynchronous refreshes (`schedule::reserve::refresh_pools`) hold exactly
+/// the most refreshes in flight at once, checked against a step-by-step replay of the refresh
+/// runtime's order (installs whose deadline `launch + S` is reached, then the boundary's
+/// launches; a task's previous refresh installed before its next launch) over 300 steps, for the
+/// LLaMA 1.44B SOAP plan at staleness 5 and 2 — and fewer than one shadow per task.
+#[test]
+fn refresh_pools_hold_what_can_be_in_flight() {
+    use schedule::{HostTask, Placement as P};
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/specs/llama-1.4b-soap.asteria");
+    let src = std::fs::read_to_string(path).expect("spec");
+    let src = src.replace("corpus = \"../data/medium\"", "corpus = builtin");
+    for s in [5u32, 2] {
+        let src = src.replace("staleness = 5", &format!("staleness = {s}"));
+        let config = frontend::parse_spec("soap", &src, &std::env::temp_dir()).expect("spec");
+        let mut m = ir::Module::new(config);
+        let mut pm = PassManager::new(PassOptions::default()).expect("pm");
+        let (cx, _) = pm.run(&mut m, None, &mut std::io::sink()).expect("pipeline");
+        let plan = cx.plan.expect("plan");
+        let pools = schedule::reserve::refresh_pools(&plan);
+        assert!(!pools.is_empty(), "S = {s}: no pools");
+        let tasks: Vec<(bool, usize, u64, u64, u64)> = plan
+            .host_tasks
+            .iter()
+            .map(|t| {
+                let HostTask::EigenbasisRefresh {
+                    factor,
+                    frequency,
+                    offset,
+                    staleness,
+                    placement,
+                    ..
+                } = t;
+                let d = plan.buffer(*factor).shape[0];
+                (*placement == P::GpuSide, d, *frequency, *offset, u64::from(*staleness))
+            })
+            .collect();
+        let mut launched: Vec<Option<u64>> = vec![None; tasks.len()];
+        let mut most = std::collections::HashMap::<(bool, usize), usize>::new();
+        for t in 1..=300u64 {
+            for (i, l) in launched.iter_mut().enumerate() {
+                if l.is_some_and(|at| at + tasks[i].4 <= t) {
+                    *l = None;
+                }
+            }
+            for (i, &(_, _, f, off, st)) in tasks.iter().enumerate() {
+                if st > 0 && t > 1 && schedule::refresh_due(t, f, off) {
+                    launched[i] = Some(t);
+                }
+            }
+            let mut now = std::collections::HashMap::<(bool, usize), usize>::new();
+            for (i, l) in launched.iter().enumerate() {
+                if l.is_some() {
+                    *now.entry((tasks[i].0, tasks[i].1)).or_default() += 1;
+                }
+            }
+            for (k, n) in now {
+                let e = most.entry(k).or_default();
+                *e = (*e).max(n);
+            }
+        }
+        let total: usize = pools.iter().map(|p| p.count).sum();
+        let async_tasks = tasks.iter().filter(|t| t.4 > 0).count();
+        for p in &pools {
+            assert_eq!(
+                Some(&p.count),
+                most.get(&(p.gpu_side, p.dim)),
+                "S = {s}: pool {p:?}"
+            );
+        }
+        assert!(total < async_tasks, "S = {s}: {total} shadows for {async_tasks} tasks");
+    }
+}

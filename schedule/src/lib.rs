@@ -36,6 +36,14 @@ pub use op::{
 pub use options::{AttentionKernel, Eigensolver, Profile, RefreshPlacement, Rematerialize};
 pub use verify::PlanError;
 
+/// Whether an `EigenbasisRefresh` with `frequency` and stagger `offset` does work at the end of
+/// 1-based step `t`: the initial eigendecomposition at t = 1, then QR refreshes at t > 1 with
+/// `(t − 1 − offset) mod frequency = 0` (the first one at t = 1 + offset when offset > 0, as
+/// the plan format documents; offset 0 is the reference schedule 1, 1 + f, 1 + 2f, ...).
+pub fn refresh_due(t: u64, frequency: u64, offset: u64) -> bool {
+    t == 1 || (t > 1 && t > offset && frequency > 0 && (t - 1 - offset) % frequency == 0)
+}
+
 use serde::{Deserialize, Serialize};
 
 /// Magic string in every plan's `format` field.

@@ -171,15 +171,134 @@ pub fn engine_reserve(plan: &Plan, device_bytes: usize) -> EngineReserve {
     }
 }
 
+/// One pool of asynchronous-refresh shadows: the tasks placed on the GPU side stream
+/// (`gpu_side`) or on the host, with factors of side `dim`, share `count` shadows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RefreshPool {
+    /// The tasks run on the GPU side stream (else on the host pool).
+    pub gpu_side: bool,
+    /// Side of their factors.
+    pub dim: usize,
+    /// Shadows in the pool: refreshes of the group that can be in flight at once.
+    pub count: usize,
+}
+
+/// Longest schedule period simulated exactly by [`refresh_pools`]; a longer one (frequencies
+/// with a huge least common multiple) gives every task its own shadow.
+const MAX_PERIOD: u64 = 100_000;
+
+/// The shadow pools of the plan's asynchronous refreshes (tasks with S > 0): per placement and
+/// factor side, the most refreshes that can be in flight at once. A refresh launched at the end
+/// of step t (a QR refresh, t > 1: [`crate::refresh_due`]; the first eigendecomposition is
+/// synchronous) is installed at the latest at the end of step t + S, before that boundary's
+/// launches (the refresh runtime's order), so once a boundary's refreshes are launched those in
+/// flight were launched within its last S boundaries: the count is the largest number of a
+/// group's tasks due within any S consecutive boundaries, over one period of the schedule. Pools are ordered by (placement, side).
+pub fn refresh_pools(plan: &Plan) -> Vec<RefreshPool> {
+    struct T {
+        gpu: bool,
+        d: usize,
+        f: u64,
+        off: u64,
+        s: u64,
+    }
+    let tasks: Vec<T> = plan
+        .host_tasks
+        .iter()
+        .filter_map(|t| {
+            let HostTask::EigenbasisRefresh {
+                factor,
+                frequency,
+                offset,
+                staleness,
+                placement,
+                ..
+            } = t;
+            (*staleness > 0).then(|| T {
+                gpu: *placement == Placement::GpuSide,
+                d: plan.buffer(*factor).shape.first().copied().unwrap_or(0),
+                f: *frequency,
+                off: *offset,
+                s: u64::from(*staleness),
+            })
+        })
+        .collect();
+    let mut keys: Vec<(bool, usize)> = tasks.iter().map(|t| (t.gpu, t.d)).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    let gcd = |mut a: u64, mut b: u64| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    keys.into_iter()
+        .map(|(gpu, d)| {
+            let group: Vec<&T> = tasks.iter().filter(|t| t.gpu == gpu && t.d == d).collect();
+            let mut period = 1u64;
+            for t in &group {
+                let f = t.f.max(1);
+                period = period / gcd(period, f) * f;
+                if period > MAX_PERIOD {
+                    break;
+                }
+            }
+            let s = group.iter().map(|t| t.s).max().unwrap_or(0);
+            let off = group.iter().map(|t| t.off).max().unwrap_or(0);
+            let count = if period > MAX_PERIOD || s > MAX_PERIOD {
+                group.len()
+            } else {
+                let first = 2 + off;
+                (first..first + period + s + 1)
+                    .map(|end| {
+                        let start = (end + 1).saturating_sub(s).max(2);
+                        group
+                            .iter()
+                            .filter(|t| (start..=end).any(|x| crate::refresh_due(x, t.f, t.off)))
+                            .count()
+                    })
+                    .max()
+                    .unwrap_or(0)
+            };
+            RefreshPool {
+                gpu_side: gpu,
+                dim: d,
+                count: count.max(1).min(group.len()),
+            }
+        })
+        .collect()
+}
+
+/// Device bytes of one asynchronous-refresh shadow of side `d` (the CUDA engine's `Shadow`):
+/// the factor snapshot and the output slot, and on the GPU side stream the basis snapshot.
+pub fn shadow_device_bytes(d: usize, gpu_side: bool) -> usize {
+    let slot = (d * d + d + STATUS_WORDS) * 4 + 3 * ALIGN;
+    d * d * 4 + ALIGN + slot + if gpu_side { d * d * 4 + ALIGN } else { 0 }
+}
+
+/// Pinned host bytes of one such shadow: the status words, and for a host refresh the factor
+/// and basis snapshots and the permutation.
+pub fn shadow_pinned_bytes(d: usize, gpu_side: bool) -> usize {
+    STATUS_WORDS * 4
+        + ALIGN
+        + if gpu_side {
+            0
+        } else {
+            2 * d * d * 4 + d * 4 + 3 * ALIGN
+        }
+}
+
+/// Status words of a refresh (the CUDA engine's `STATUS_WORDS`).
+pub const STATUS_WORDS: usize = 8;
+
 /// The CUDA engine's refresh allocations (`cuda/src/engine/tasks.rs` `Refreshes::new`): per
-/// GPU refresher 8 `d×d` f32 work matrices and cuSOLVER's workspace, the output slot, the swap buffers (`d²` + two
-/// moments, plus a third when moments live off the device), and per asynchronous task its
-/// factor snapshot and slot (and, placed on the GPU, its basis snapshot).
+/// GPU refresher 8 `d×d` f32 work matrices and cuSOLVER's workspace, the output slot, the swap
+/// buffers (`d²` + two moments, plus a third when moments live off the device), and the
+/// shadow pools of the asynchronous refreshes ([`refresh_pools`]).
 fn refresh_bytes(plan: &Plan) -> usize {
     let f32s = |n: usize| aligned(n * 4);
     let (mut max_dim, mut max_mn, mut side_dim) = (0usize, 0usize, None::<usize>);
     let (mut any_gpu, mut any_async, mut offloaded) = (false, false, false);
-    let mut shadows = 0usize;
     for t in &plan.host_tasks {
         let HostTask::EigenbasisRefresh {
             factor,
@@ -190,9 +309,8 @@ fn refresh_bytes(plan: &Plan) -> usize {
             ..
         } = t;
         let d = plan.buffer(*factor).shape.first().copied().unwrap_or(0);
-        let mn = plan.buffer(*exp_avg).numel();
         max_dim = max_dim.max(d);
-        max_mn = max_mn.max(mn);
+        max_mn = max_mn.max(plan.buffer(*exp_avg).numel());
         let gpu = *placement == Placement::GpuSide;
         any_gpu |= gpu;
         offloaded |= [exp_avg, exp_avg_sq]
@@ -200,9 +318,7 @@ fn refresh_bytes(plan: &Plan) -> usize {
             .any(|&&b| plan.memory.tier(b).is_some_and(|k| !k.on_device()));
         if *staleness > 0 {
             any_async = true;
-            shadows += f32s(d * d) + f32s(d * d) + f32s(d) + ALIGN;
             if gpu {
-                shadows += f32s(d * d);
                 side_dim = Some(side_dim.map_or(d, |s| s.max(d)));
             }
         }
@@ -210,7 +326,10 @@ fn refresh_bytes(plan: &Plan) -> usize {
     // 8 d×d work matrices, tau and the f64 estimates, and cuSOLVER's workspace (syevd's
     // 1 + 6d + 2d² elements, the largest of its queries).
     let refresher = |d: usize| f32s(8 * d * d + 3 * d) + 8 * ALIGN + f32s(1 + 6 * d + 2 * d * d);
-    let mut bytes = shadows;
+    let mut bytes: usize = refresh_pools(plan)
+        .iter()
+        .map(|p| p.count * shadow_device_bytes(p.dim, p.gpu_side))
+        .sum();
     if any_gpu {
         bytes += refresher(max_dim) + f32s(max_dim * max_dim) + f32s(max_dim) + ALIGN;
     }

@@ -74,6 +74,13 @@ pub(super) struct Shadow {
     host_idx: Option<Buf>,
 }
 
+/// Shadows of one placement and factor side that no refresh holds now.
+struct ShadowPool {
+    gpu_side: bool,
+    dim: usize,
+    free: Vec<Shadow>,
+}
+
 /// A refresh in flight.
 pub enum CudaJob {
     /// On the side stream: the launcher thread answers with the `done` event, recorded after
@@ -197,8 +204,10 @@ pub(super) struct Refreshes {
     side: Option<SideLauncher>,
     /// Swap buffers (compute stream).
     swap: Option<SwapWork>,
-    /// Per task, `Some` when S > 0.
-    shadows: Vec<Option<Shadow>>,
+    /// Shadows of asynchronous refreshes not in use, per placement and factor side.
+    pools: Vec<ShadowPool>,
+    /// Per task, the shadow its refresh in flight holds.
+    held: Vec<Option<Shadow>>,
     /// The shared scheduling: refreshes in flight, first bases, failure limit (taken out
     /// while it drives the engine, [`CudaEngine::host_tasks`]).
     runtime: RefreshRuntime<CudaJob>,
@@ -332,22 +341,17 @@ impl Refreshes {
         } else {
             None
         };
-        // Shadows: one device arena and one pinned arena for every task with S > 0.
-        let align = crate::memory::BUF_ALIGN;
+        // Shadows: pools sized to the refreshes that can be in flight at once, per placement
+        // and factor side (`schedule::reserve::refresh_pools`), one device arena and one
+        // pinned arena for all of them. A launch takes a shadow, its install gives it back.
+        let pool_sizes = schedule::reserve::refresh_pools(plan);
         let (mut dev_bytes, mut pin_bytes) = (0usize, 0usize);
-        let mut pinned_bytes = 0;
-        for t in tasks.iter().filter(|t| t.staleness > 0) {
-            let d = dim(plan, t);
-            dev_bytes += d * d * 4 + align + RefreshSlot::bytes(d);
-            if on_gpu(t) {
-                dev_bytes += d * d * 4 + align;
-            }
-            pin_bytes += STATUS_WORDS * 4 + align;
-            if !on_gpu(t) {
-                pin_bytes += 2 * d * d * 4 + d * 4 + 3 * align;
-            }
+        for p in &pool_sizes {
+            dev_bytes += p.count * schedule::reserve::shadow_device_bytes(p.dim, p.gpu_side);
+            pin_bytes += p.count * schedule::reserve::shadow_pinned_bytes(p.dim, p.gpu_side);
         }
-        let mut shadows = Vec::with_capacity(tasks.len());
+        let mut pools = Vec::with_capacity(pool_sizes.len());
+        let mut pinned_bytes = 0;
         if dev_bytes > 0 {
             let mut da = dev
                 .arena("refresh-shadows", Tier::Device, dev_bytes)
@@ -356,41 +360,45 @@ impl Refreshes {
                 .arena("refresh-shadows-pinned", Tier::PinnedHost, pin_bytes)
                 .map_err(e("allocating pinned refresh shadows"))?;
             let c = e("carving refresh shadows");
-            for t in &tasks {
-                if t.staleness == 0 {
-                    shadows.push(None);
-                    continue;
-                }
-                let d = dim(plan, t);
-                let host = |pa: &mut Arena, elem, len| -> Result<Option<Buf>, EngineError> {
-                    if on_gpu(t) {
-                        Ok(None)
+            for p in &pool_sizes {
+                let (d, gpu) = (p.dim, p.gpu_side);
+                let mut free = Vec::with_capacity(p.count);
+                for _ in 0..p.count {
+                    let host = |pa: &mut Arena, elem, len| -> Result<Option<Buf>, EngineError> {
+                        if gpu {
+                            Ok(None)
+                        } else {
+                            pa.buf(elem, len).map(Some).map_err(c)
+                        }
+                    };
+                    let basis_snapshot = if gpu {
+                        Some(da.buf(Elem::F32, d * d).map_err(c)?)
                     } else {
-                        pa.buf(elem, len).map(Some).map_err(c)
-                    }
-                };
-                let basis_snapshot = if on_gpu(t) {
-                    Some(da.buf(Elem::F32, d * d).map_err(c)?)
-                } else {
-                    None
-                };
-                shadows.push(Some(Shadow {
-                    snapshot: da.buf(Elem::F32, d * d).map_err(c)?,
-                    basis_snapshot,
-                    slot: RefreshSlot::carve(&mut da, d).map_err(c)?,
-                    status_host: pa.buf(Elem::I32, STATUS_WORDS).map_err(c)?,
-                    host_f: host(&mut pa, Elem::F32, d * d)?,
-                    host_q: host(&mut pa, Elem::F32, d * d)?,
-                    host_idx: host(&mut pa, Elem::I32, d)?,
-                }));
+                        None
+                    };
+                    free.push(Shadow {
+                        snapshot: da.buf(Elem::F32, d * d).map_err(c)?,
+                        basis_snapshot,
+                        slot: RefreshSlot::carve(&mut da, d).map_err(c)?,
+                        status_host: pa.buf(Elem::I32, STATUS_WORDS).map_err(c)?,
+                        host_f: host(&mut pa, Elem::F32, d * d)?,
+                        host_q: host(&mut pa, Elem::F32, d * d)?,
+                        host_idx: host(&mut pa, Elem::I32, d)?,
+                    });
+                }
+                pools.push(ShadowPool {
+                    gpu_side: gpu,
+                    dim: d,
+                    free,
+                });
             }
             bytes += dev_bytes + pin_bytes;
             pinned_bytes = pin_bytes;
             arenas.push(da);
             arenas.push(pa);
-        } else {
-            shadows.resize_with(tasks.len(), || None);
         }
+        let mut held = Vec::with_capacity(tasks.len());
+        held.resize_with(tasks.len(), || None);
         let host_pool = if any_host {
             Some(Arc::new(
                 rayon::ThreadPoolBuilder::new()
@@ -407,7 +415,8 @@ impl Refreshes {
             sync_slot,
             side,
             swap,
-            shadows,
+            pools,
+            held,
             runtime,
             synced: false,
             host_pool,
@@ -573,7 +582,7 @@ impl CudaEngine {
 
     fn shadow_of(&self, task: &RefreshTask) -> Result<&Shadow, EngineError> {
         self.refreshes
-            .shadows
+            .held
             .get(task.index)
             .and_then(Option::as_ref)
             .ok_or_else(|| EngineError::Optim {
@@ -582,11 +591,63 @@ impl CudaEngine {
             })
     }
 
+    /// Takes a shadow from the task's pool for its launch. The pools hold as many shadows as
+    /// refreshes can be in flight at once (`schedule::reserve::refresh_pools`), so one is
+    /// always free; work enqueued with the previous holder's shadow is ordered before the new
+    /// holder's snapshot on the compute stream.
+    fn take_shadow(&mut self, task: &RefreshTask) -> Result<(), EngineError> {
+        let (gpu, d) = (on_gpu(task), dim(&self.plan, task));
+        let shadow = self
+            .refreshes
+            .pools
+            .iter_mut()
+            .find(|p| p.gpu_side == gpu && p.dim == d)
+            .and_then(|p| p.free.pop())
+            .ok_or_else(|| EngineError::Optim {
+                location: task.location(),
+                message: "internal: every refresh shadow of this size is in use".into(),
+            })?;
+        if let Some(old) = self
+            .refreshes
+            .held
+            .get_mut(task.index)
+            .and_then(|h| h.replace(shadow))
+        {
+            self.give_back(gpu, d, old);
+        }
+        Ok(())
+    }
+
+    /// Returns the shadow `task` holds to its pool (after its install was enqueued).
+    fn release_shadow(&mut self, task: &RefreshTask) {
+        if let Some(sh) = self
+            .refreshes
+            .held
+            .get_mut(task.index)
+            .and_then(Option::take)
+        {
+            let (gpu, d) = (on_gpu(task), dim(&self.plan, task));
+            self.give_back(gpu, d, sh);
+        }
+    }
+
+    fn give_back(&mut self, gpu: bool, d: usize, sh: Shadow) {
+        if let Some(p) = self
+            .refreshes
+            .pools
+            .iter_mut()
+            .find(|p| p.gpu_side == gpu && p.dim == d)
+        {
+            p.free.push(sh);
+        }
+    }
+
     /// Snapshot on the compute stream, refresh on the side stream through the launcher thread
     /// (see the module docs).
     fn launch_gpu(&mut self, task: &RefreshTask) -> Result<CudaJob, EngineError> {
         let e = |err| cuda_err("launching a side-stream refresh", err);
         let d = dim(&self.plan, task);
+        self.take_shadow(task)?;
         let sh = self.shadow_of(task)?;
         let tx = self
             .refreshes
@@ -630,6 +691,7 @@ impl CudaEngine {
         let e = |err| cuda_err("launching a host refresh", err);
         let d = dim(&self.plan, task);
         let (m, n) = self.dims(task.exp_avg);
+        self.take_shadow(task)?;
         let sh = self.shadow_of(task)?;
         let (Some(hf), Some(hq), Some(hi)) =
             (sh.host_f.clone(), sh.host_q.clone(), sh.host_idx.clone())
@@ -857,9 +919,12 @@ impl RefreshBackend for CudaEngine {
     fn install(&mut self, task: &RefreshTask, done: Done) -> Result<Outcome, EngineError> {
         let t0 = Instant::now();
         let (outcome, slot) = match done {
-            Done::Gpu(event) => (self.swap_gpu(task, &event)?, 2),
-            Done::Host(out) => (self.swap_host(task, out)?, 3),
+            Done::Gpu(event) => (self.swap_gpu(task, &event), 2),
+            Done::Host(out) => (self.swap_host(task, out), 3),
         };
+        // Installed (or refused): the shadow is free for the next launch.
+        self.release_shadow(task);
+        let outcome = outcome?;
         self.refreshes.times[slot] += t0.elapsed().as_secs_f64() * 1e3;
         Ok(outcome)
     }

@@ -61,13 +61,7 @@ pub struct HostTaskReport {
     pub wait_ms: f64,
 }
 
-/// Whether an `EigenbasisRefresh` with `frequency` and stagger `offset` does work at the end of
-/// 1-based step `t`: the initial eigendecomposition at t = 1, then QR refreshes at t > 1 with
-/// `(t − 1 − offset) mod frequency = 0` (the first one at t = 1 + offset when offset > 0, as
-/// the plan format documents; offset 0 is the reference schedule 1, 1 + f, 1 + 2f, ...).
-pub fn refresh_due(t: u64, frequency: u64, offset: u64) -> bool {
-    t == 1 || (t > 1 && t > offset && frequency > 0 && (t - 1 - offset) % frequency == 0)
-}
+pub use schedule::refresh_due;
 
 /// The outcome of one refresh as the runtime counts it: installed (`Ok(kind)`;
 /// `Ok(Skipped)` = nothing to install) or a numerical failure (`Err(message)`: the previous
