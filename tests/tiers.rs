@@ -119,13 +119,46 @@ fn step(e: &mut CpuEngine<f32>, x: &[i32], y: &[i32], t: u64) -> Result<f64, Eng
     Ok(loss)
 }
 
-fn train(plan: Plan, steps: u64) -> (Vec<f64>, Vec<(String, Vec<f64>)>) {
+type Named = Vec<(String, Vec<f64>)>;
+
+/// Losses, parameters and moments (read through `CpuEngine::buffer`, from their tier when
+/// offloaded) after `steps` steps; an offloaded moment also survives a `set_buffer` round trip.
+fn train(plan: Plan, steps: u64) -> (Vec<f64>, Named, Named) {
     let (x, y) = batch(&plan);
+    let names: Vec<String> = plan
+        .buffers
+        .iter()
+        .filter(|b| b.name.ends_with(".exp_avg") || b.name.ends_with(".exp_avg_sq"))
+        .map(|b| b.name.clone())
+        .collect();
+    let offloaded: Vec<String> = plan
+        .buffers
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| {
+            plan.memory
+                .tier(schedule::BufferId(*i as u32))
+                .is_some_and(|k| !k.on_device())
+        })
+        .map(|(_, b)| b.name.clone())
+        .collect();
     let mut e = engine(plan);
     let losses = (1..=steps)
         .map(|t| step(&mut e, &x, &y, t).expect("step"))
         .collect();
-    (losses, e.params())
+    let moments: Named = names
+        .iter()
+        .map(|n| (n.clone(), e.buffer(n).expect("moment")))
+        .collect();
+    for n in &offloaded {
+        let v = e.buffer(n).expect("offloaded buffer");
+        let doubled: Vec<f64> = v.iter().map(|x| 2.0 * x).collect();
+        e.set_buffer(n, &doubled).expect("set offloaded");
+        assert_eq!(e.buffer(n).expect("read back"), doubled, "{n}");
+        e.set_buffer(n, &v).expect("restore");
+        assert!(e.set_buffer(n, &v[1..]).is_err(), "{n}: a short write is refused");
+    }
+    (losses, e.params(), moments)
 }
 
 /// A device budget `short` bytes below what the untiered plan needs, rounded up to MiB.
@@ -159,7 +192,7 @@ fn a_tiered_run_is_bit_identical_to_the_untiered_run() {
             nvme_dir: Some(dir.path().display().to_string()),
             nvme: Some(64 * MIB),
         };
-        let (l0, p0) = train(plain, 5);
+        let (l0, p0, m0) = train(plain, 5);
         assert!(l0[4] < l0[0], "soap {soap}: the loss falls: {l0:?}");
         for (budgets, nvme) in [(host_only, false), (with_nvme, true)] {
             let plan = compile(config(soap, budgets)).expect("tiered plan");
@@ -185,9 +218,10 @@ fn a_tiered_run_is_bit_identical_to_the_untiered_run() {
                 });
                 assert!(swapped, "nvme {nvme}: a refresh's moments are offloaded");
             }
-            let (l, p) = train(plan, 5);
+            let (l, p, mo) = train(plan, 5);
             assert_eq!(l, l0, "soap {soap}, nvme {nvme}: losses");
             assert_eq!(p, p0, "soap {soap}, nvme {nvme}: parameters");
+            assert_eq!(mo, m0, "soap {soap}, nvme {nvme}: moments");
         }
     }
     // The NVMe file is removed with its engine.

@@ -246,6 +246,14 @@ fn build_pool(threads: usize, tag: &'static str) -> Result<rayon::ThreadPool, En
         .map_err(|e| EngineError::Unsupported(format!("cannot start {threads} {tag} threads: {e}")))
 }
 
+/// Where [`CpuEngine::buffer`] / [`CpuEngine::set_buffer`] reach an offloaded buffer, for
+/// error messages.
+const ACCESS: Loc = Loc {
+    section: "buffer access",
+    index: 0,
+    op: "read/write",
+};
+
 impl<T: Float + Real> CpuEngine<T> {
     /// Verifies `plan`, allocates every buffer and initialises it from its [`Init`] (normal
     /// draws from one generator seeded by `opts.seed` or `plan.train.seed`, in buffer order:
@@ -418,9 +426,19 @@ impl<T: Float + Real> CpuEngine<T> {
             .ok_or_else(|| EngineError::UnknownBuffer(name.to_string()))
     }
 
-    /// Copies the contents of buffer `name` out as f64 (i32 buffers are converted too).
+    /// Copies the contents of buffer `name` out as f64 (i32 buffers are converted too; a buffer
+    /// in the host or NVMe tier is read from there).
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownBuffer`]; [`EngineError::Tier`] when an NVMe read fails.
     pub fn buffer(&self, name: &str) -> Result<Vec<f64>, EngineError> {
         let id = self.buffer_id(name)?;
+        if self.tiers.is_offloaded(id) {
+            let len = self.plan.buffer(id).numel();
+            let mut v = vec![T::zero(); len];
+            self.tiers.read(id, &mut v, ACCESS)?;
+            return Ok(v.iter().map(|&x| Float::to_f64(x)).collect());
+        }
         Ok(match &self.store.data[id.index()] {
             Data::F(v) => v.iter().map(|&x| Float::to_f64(x)).collect(),
             Data::I(v) => v.iter().map(|&x| x as f64).collect(),
@@ -428,13 +446,25 @@ impl<T: Float + Real> CpuEngine<T> {
     }
 
     /// Overwrites buffer `name` with `values` (rounded to `T`, to i32 for i32 buffers, and to
-    /// bf16 for bf16 buffers).
+    /// bf16 for bf16 buffers; a buffer in the host or NVMe tier is written there).
     ///
     /// # Errors
     /// [`EngineError::UnknownBuffer`], or [`EngineError::Length`] when `values` does not have
     /// the buffer's element count.
     pub fn set_buffer(&mut self, name: &str, values: &[f64]) -> Result<(), EngineError> {
         let id = self.buffer_id(name)?;
+        if self.tiers.is_offloaded(id) {
+            let len = self.plan.buffer(id).numel();
+            if values.len() != len {
+                return Err(EngineError::Length {
+                    buffer: name.to_string(),
+                    expected: len,
+                    got: values.len(),
+                });
+            }
+            let v: Vec<T> = values.iter().map(|&y| <T as Float>::from_f64(y)).collect();
+            return self.tiers.write(id, &v, ACCESS);
+        }
         let len = match &self.store.data[id.index()] {
             Data::F(v) => v.len(),
             Data::I(v) => v.len(),

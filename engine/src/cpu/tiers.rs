@@ -94,21 +94,15 @@ impl<T: Float> Tiers<T> {
         Ok(tiers)
     }
 
-    /// `CopyIn`: the offloaded `src` into the working buffer `dst`.
-    pub(crate) fn copy_in(
-        &self,
-        st: &mut Store<T>,
-        src: BufferId,
-        dst: BufferId,
-        loc: Loc,
-    ) -> Result<(), EngineError> {
+    /// Whether buffer `id` lives in the host or NVMe tier.
+    pub(crate) fn is_offloaded(&self, id: BufferId) -> bool {
+        matches!(self.host.get(id.index()), Some(Some(_)))
+            || matches!(self.nvme_at.get(id.index()), Some(Some(_)))
+    }
+
+    /// Reads the offloaded buffer `src` into `out` (its element count).
+    pub(crate) fn read(&self, src: BufferId, out: &mut [T], loc: Loc) -> Result<(), EngineError> {
         let at = |what: String| tier_err(format!("{loc}: {what}"));
-        let Some(Data::F(out)) = st.data.get_mut(dst.index()) else {
-            return Err(at(format!(
-                "staging buffer #{} is not a float buffer",
-                dst.0
-            )));
-        };
         if let Some(Some(v)) = self.host.get(src.index()) {
             if v.len() != out.len() {
                 return Err(at("host copy of a different length".into()));
@@ -129,22 +123,13 @@ impl<T: Float> Tiers<T> {
         }
     }
 
-    /// `CopyOut`: the working buffer `src` back to the offloaded `dst`.
-    pub(crate) fn copy_out(
-        &mut self,
-        st: &Store<T>,
-        src: BufferId,
-        dst: BufferId,
-        loc: Loc,
-    ) -> Result<(), EngineError> {
+    /// Writes `v` (its element count) to the offloaded buffer `dst`.
+    pub(crate) fn write(&mut self, dst: BufferId, v: &[T], loc: Loc) -> Result<(), EngineError> {
         let at = |what: String| tier_err(format!("{loc}: {what}"));
-        let Some(Data::F(v)) = st.data.get(src.index()) else {
-            return Err(at(format!(
-                "staging buffer #{} is not a float buffer",
-                src.0
-            )));
-        };
         if let Some(Some(h)) = self.host.get_mut(dst.index()) {
+            if h.len() != v.len() {
+                return Err(at("host copy of a different length".into()));
+            }
             h.copy_from_slice(v);
             return Ok(());
         }
@@ -159,6 +144,40 @@ impl<T: Float> Tiers<T> {
         }
     }
 
+    /// `CopyIn`: the offloaded `src` into the working buffer `dst`.
+    pub(crate) fn copy_in(
+        &self,
+        st: &mut Store<T>,
+        src: BufferId,
+        dst: BufferId,
+        loc: Loc,
+    ) -> Result<(), EngineError> {
+        let Some(Data::F(out)) = st.data.get_mut(dst.index()) else {
+            return Err(tier_err(format!(
+                "{loc}: staging buffer #{} is not a float buffer",
+                dst.0
+            )));
+        };
+        self.read(src, out, loc)
+    }
+
+    /// `CopyOut`: the working buffer `src` back to the offloaded `dst`.
+    pub(crate) fn copy_out(
+        &mut self,
+        st: &Store<T>,
+        src: BufferId,
+        dst: BufferId,
+        loc: Loc,
+    ) -> Result<(), EngineError> {
+        let Some(Data::F(v)) = st.data.get(src.index()) else {
+            return Err(tier_err(format!(
+                "{loc}: staging buffer #{} is not a float buffer",
+                src.0
+            )));
+        };
+        self.write(dst, v, loc)
+    }
+
     /// Brings the offloaded buffers among `ids` into working storage in `st` (host tasks that
     /// re-project moments at a refresh swap run on the host, where the host tier lives);
     /// returns the ones it brought in, for [`Tiers::page_out`].
@@ -170,9 +189,7 @@ impl<T: Float> Tiers<T> {
     ) -> Result<Vec<BufferId>, EngineError> {
         let mut brought = Vec::new();
         for &id in ids {
-            let offloaded = matches!(self.host.get(id.index()), Some(Some(_)))
-                || matches!(self.nvme_at.get(id.index()), Some(Some(_)));
-            if !offloaded {
+            if !self.is_offloaded(id) {
                 continue;
             }
             let len = st.shapes[id.index()].iter().product();
