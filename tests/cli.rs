@@ -643,3 +643,64 @@ fn tampered_plan_hyperparameters_are_refused_before_running() {
         "frequency = 1000000000000 is outside the allowed range 1..=100_000",
     );
 }
+
+/// `asteria train --checkpoint-dir` / `--resume`, and SIGINT: the run finishes its step,
+/// writes a checkpoint, says where and exits non-zero; resuming from it continues the run.
+#[test]
+fn train_checkpoints_on_sigint_and_resumes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spec = dir.path().join("tiny-bytes.asteria");
+    std::fs::write(
+        &spec,
+        "model gpt2 { vocab = 256 context = 32 d_model = 64 layers = 2 heads = 4 }
+optimizer adamw { lr = 1e-3 }
+data { corpus = builtin tokenizer = bytes batch_size = 2 seq_len = 32 val_fraction = 0.1 }
+train { steps = 1000000 eval_interval = 0 }
+target cpu { threads = 1 }
+",
+    )
+    .expect("write spec");
+    let ck = dir.path().join("ck");
+    let (spec_s, ck_s) = (spec.to_str().expect("utf8"), ck.to_str().expect("utf8"));
+    let child = Command::new(env!("CARGO_BIN_EXE_asteria"))
+        .args(["train", spec_s, "--quiet", "--checkpoint-dir", ck_s])
+        .current_dir(root())
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    // Let it train a few steps, then Ctrl-C.
+    std::thread::sleep(std::time::Duration::from_secs(4));
+    let killed = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let o = child.wait_with_output().expect("wait");
+    let (_, err) = text(&o);
+    assert!(
+        !o.status.success(),
+        "an interrupted run exits non-zero: {err}"
+    );
+    assert!(
+        err.contains("interrupted") && err.contains("--resume"),
+        "{err}"
+    );
+    let latest = engine::checkpoint::latest(&ck).expect("a checkpoint was written");
+    let step = engine::checkpoint::load(&latest)
+        .expect("it loads")
+        .meta
+        .step;
+    assert!(step >= 1, "{latest:?}");
+    // Resume for two more steps.
+    let more = (step + 2).to_string();
+    let o = asteria(&[
+        "train", spec_s, "--quiet", "--resume", ck_s, "--steps", &more,
+    ]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    // A resume past the run's end is refused with a hint.
+    let o = asteria(&["train", spec_s, "--quiet", "--resume", ck_s, "--steps", "1"]);
+    assert!(!o.status.success());
+    assert!(text(&o).1.contains("raise --steps"), "{:?}", text(&o));
+}

@@ -156,7 +156,10 @@ fn train(plan: Plan, steps: u64) -> (Vec<f64>, Named, Named) {
         e.set_buffer(n, &doubled).expect("set offloaded");
         assert_eq!(e.buffer(n).expect("read back"), doubled, "{n}");
         e.set_buffer(n, &v).expect("restore");
-        assert!(e.set_buffer(n, &v[1..]).is_err(), "{n}: a short write is refused");
+        assert!(
+            e.set_buffer(n, &v[1..]).is_err(),
+            "{n}: a short write is refused"
+        );
     }
     (losses, e.params(), moments)
 }

@@ -331,7 +331,26 @@ fn train_options(run: &RunFlags) -> Result<engine::TrainOptions> {
             max_consecutive_refresh_failures: run.max_refresh_failures,
             ..Default::default()
         },
+        checkpoint_dir: run.checkpoint_dir.clone(),
+        checkpoint_every: run.checkpoint_every,
+        checkpoint_keep: run.checkpoint_keep as usize,
+        resume: run.resume.clone(),
+        interrupt: Some(interrupt_flag()?),
     })
+}
+
+/// A flag that SIGINT and SIGTERM set: the training loop finishes its step, checkpoints (with
+/// `--checkpoint-dir`) and stops. A second signal while the flag is set exits at once
+/// (status 130), as an impatient Ctrl-C expects.
+fn interrupt_flag() -> Result<std::sync::Arc<std::sync::atomic::AtomicBool>> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for sig in [SIGINT, SIGTERM] {
+        signal_hook::flag::register_conditional_shutdown(sig, 130, std::sync::Arc::clone(&flag))
+            .into_diagnostic()?;
+        signal_hook::flag::register(sig, std::sync::Arc::clone(&flag)).into_diagnostic()?;
+    }
+    Ok(flag)
 }
 
 /// Applies the CLI's overrides of plan options, prints the options the run uses, and runs

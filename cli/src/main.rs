@@ -87,6 +87,22 @@ pub struct RunFlags {
     /// (each failure keeps the previous basis).
     #[arg(long, value_name = "N", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_refresh_failures: u32,
+    /// Write checkpoints (weights, the whole optimizer state, data position, step) under DIR:
+    /// after the last step, every `--checkpoint-every` steps, and on SIGINT / SIGTERM (the step
+    /// in progress finishes first).
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Steps between checkpoints (needs --checkpoint-dir).
+    #[arg(long, value_name = "N", requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..=1_000_000_000))]
+    pub checkpoint_every: Option<u64>,
+    /// Checkpoints kept in --checkpoint-dir (the newest).
+    #[arg(long, value_name = "K", default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    pub checkpoint_keep: u64,
+    /// Continue from a checkpoint: a `step-N` directory, or a --checkpoint-dir (its newest).
+    /// The spec must describe the same model and optimizer; staleness, budgets, lr and steps
+    /// may differ.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
 }
 
 /// Parses a typed plan option (`schedule::Eigensolver`, `Profile`, ...) for clap; the error

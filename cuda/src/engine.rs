@@ -391,6 +391,33 @@ impl StepExecutor for CudaEngine {
             .synchronize_step()
             .map_err(|e| cuda_err("synchronize", e))
     }
+
+    fn read_state(&self, name: &str) -> Result<Vec<f64>, EngineError> {
+        self.buffer(name)
+    }
+
+    fn write_state(&mut self, name: &str, values: &[f64]) -> Result<(), EngineError> {
+        self.set_buffer(name, values)
+    }
+
+    fn stats_mut(&mut self) -> Result<&mut EngineStats, EngineError> {
+        Ok(&mut self.stats)
+    }
+
+    fn refreshes_initialized(&self) -> Vec<bool> {
+        self.refreshes.runtime.initialized().to_vec()
+    }
+
+    fn set_refreshes_initialized(&mut self, flags: &[bool]) -> Result<(), EngineError> {
+        self.refreshes
+            .runtime
+            .set_initialized(flags)
+            .map_err(EngineError::Checkpoint)
+    }
+
+    fn drain_refreshes(&mut self, t: u64) -> Result<(), EngineError> {
+        self.finish_refreshes(t).map(|_| ())
+    }
 }
 
 impl Drop for CudaEngine {

@@ -178,6 +178,7 @@ pub fn train_match(plan: &Plan, opts: &MatchOptions) -> Result<MatchReport, Stri
             threads: opts.threads,
             ..EngineOptions::default()
         },
+        ..Default::default()
     };
     if opts.compare_state {
         return lockstep_match(&plan, opts, &train_opts);

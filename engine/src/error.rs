@@ -131,4 +131,12 @@ pub enum EngineError {
     /// corrupt state is used).
     #[error("offload tier: {0}")]
     Tier(String),
+    /// A checkpoint that cannot be written, read or used: an I/O error, a corrupt or
+    /// truncated file (checksum), or state that does not match the plan.
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
+    /// The run was interrupted (SIGINT / SIGTERM) after finishing a step; the message says
+    /// where its checkpoint is, if one was taken.
+    #[error("interrupted: {0}")]
+    Interrupted(String),
 }

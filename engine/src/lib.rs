@@ -11,6 +11,7 @@
 // `usize::is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
 #![allow(clippy::manual_is_multiple_of)]
 
+pub mod checkpoint;
 pub mod cpu;
 mod error;
 pub mod fits;

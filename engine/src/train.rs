@@ -31,6 +31,19 @@ pub struct TrainOptions {
     pub quiet: bool,
     /// Engine options (seed override, threads, eigensolver, refresh failure limit).
     pub engine: EngineOptions,
+    /// Write checkpoints under this directory ([`crate::checkpoint`]): every
+    /// `checkpoint_every` steps, after the last step, and when interrupted.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Steps between checkpoints; `None` = only at the end (and when interrupted).
+    pub checkpoint_every: Option<u64>,
+    /// Checkpoints kept (the newest); 0 counts as 1.
+    pub checkpoint_keep: usize,
+    /// Continue from this checkpoint (a `step-N` directory, or a checkpoint directory: its
+    /// newest) instead of the plan's initial state.
+    pub resume: Option<PathBuf>,
+    /// Set (by a SIGINT / SIGTERM handler) to stop after the current step, checkpointing
+    /// first when `checkpoint_dir` is given.
+    pub interrupt: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 /// What a training run did.
@@ -196,6 +209,39 @@ pub trait StepExecutor {
     fn synchronize(&mut self) -> Result<(), EngineError> {
         Ok(())
     }
+    /// The contents of state buffer `name` as f64 (checkpoints; [`crate::checkpoint`]).
+    fn read_state(&self, name: &str) -> Result<Vec<f64>, EngineError> {
+        let _ = name;
+        Err(self.no_checkpoints())
+    }
+    /// Overwrites state buffer `name` (resuming from a checkpoint).
+    fn write_state(&mut self, name: &str, values: &[f64]) -> Result<(), EngineError> {
+        let _ = (name, values);
+        Err(self.no_checkpoints())
+    }
+    /// Counters, writable (a resume restores failure counters and skipped steps).
+    fn stats_mut(&mut self) -> Result<&mut EngineStats, EngineError> {
+        Err(self.no_checkpoints())
+    }
+    /// Per refresh task, whether its first eigendecomposition succeeded.
+    fn refreshes_initialized(&self) -> Vec<bool> {
+        Vec::new()
+    }
+    /// Restores [`StepExecutor::refreshes_initialized`].
+    fn set_refreshes_initialized(&mut self, flags: &[bool]) -> Result<(), EngineError> {
+        let _ = flags;
+        Err(self.no_checkpoints())
+    }
+    /// Waits for every refresh in flight and swaps it in, as at the end of step `t` (before a
+    /// checkpoint, so that it holds no half-finished refresh).
+    fn drain_refreshes(&mut self, t: u64) -> Result<(), EngineError> {
+        let _ = t;
+        Err(self.no_checkpoints())
+    }
+    /// The error of a backend that does not checkpoint.
+    fn no_checkpoints(&self) -> EngineError {
+        EngineError::Checkpoint(format!("{} does not checkpoint", self.describe()))
+    }
 }
 
 impl<T: crate::cpu::Float + optim::Real> StepExecutor for CpuEngine<T> {
@@ -222,6 +268,24 @@ impl<T: crate::cpu::Float + optim::Real> StepExecutor for CpuEngine<T> {
     }
     fn describe(&self) -> String {
         format!("cpu ({} threads)", self.threads())
+    }
+    fn read_state(&self, name: &str) -> Result<Vec<f64>, EngineError> {
+        CpuEngine::buffer(self, name)
+    }
+    fn write_state(&mut self, name: &str, values: &[f64]) -> Result<(), EngineError> {
+        CpuEngine::set_buffer(self, name, values)
+    }
+    fn stats_mut(&mut self) -> Result<&mut EngineStats, EngineError> {
+        Ok(CpuEngine::stats_mut(self))
+    }
+    fn refreshes_initialized(&self) -> Vec<bool> {
+        CpuEngine::refreshes_initialized(self)
+    }
+    fn set_refreshes_initialized(&mut self, flags: &[bool]) -> Result<(), EngineError> {
+        CpuEngine::set_refreshes_initialized(self, flags)
+    }
+    fn drain_refreshes(&mut self, t: u64) -> Result<(), EngineError> {
+        CpuEngine::finish_refreshes(self, t).map(|_| ())
     }
 }
 
@@ -321,7 +385,34 @@ pub fn train_with<E: StepExecutor>(
         summary.val_losses.push((step, v));
         metrics.write(serde_json::json!({ "step": step, "val_loss": v }))
     };
-    if evals {
+    // Resume: the checkpoint's state, and the sampler replayed to its data position.
+    let mut first = 1u64;
+    let (mut bx, mut by) = (vec![0i32; b * t], vec![0i32; b * t]);
+    if let Some(dir) = &opts.resume {
+        let ckpt = crate::checkpoint::load(dir)?;
+        if ckpt.meta.step >= steps {
+            return Err(EngineError::Checkpoint(format!(
+                "{} is at step {}, and this run ends at step {steps}: raise --steps",
+                ckpt.dir.display(),
+                ckpt.meta.step
+            )));
+        }
+        if ckpt.meta.seed != plan.train.seed {
+            return Err(EngineError::Checkpoint(format!(
+                "{} was written with seed {}, the plan's is {}: the data order would differ",
+                ckpt.dir.display(),
+                ckpt.meta.seed,
+                plan.train.seed
+            )));
+        }
+        crate::checkpoint::restore(engine, &ckpt)?;
+        for _ in 0..ckpt.meta.batches {
+            sampler.next_train_batch(b, t, &mut bx, &mut by)?;
+        }
+        first = ckpt.meta.step + 1;
+        tracing::info!(dir = %ckpt.dir.display(), step = ckpt.meta.step, "resumed");
+    }
+    if evals && first == 1 {
         eval(engine, &sampler, 0, &mut summary, &mut metrics)?;
     }
     let pb = progress_bar(steps, opts.quiet);
@@ -329,8 +420,22 @@ pub fn train_with<E: StepExecutor>(
     let reserve = usize::try_from(steps).map_or(1 << 16, |s| s.min(1 << 16));
     let mut step_ms = Vec::with_capacity(reserve);
     let mut optimizer_ms = Vec::with_capacity(reserve);
-    let (mut bx, mut by) = (vec![0i32; b * t], vec![0i32; b * t]);
-    for step in 1..=steps {
+    let checkpoint = |engine: &mut E, step: u64| -> Result<Option<PathBuf>, EngineError> {
+        match &opts.checkpoint_dir {
+            Some(root) => crate::checkpoint::save(
+                engine,
+                root,
+                step,
+                step,
+                plan.train.seed,
+                opts.checkpoint_keep,
+            )
+            .map(Some),
+            None => Ok(None),
+        }
+    };
+    pb.set_position(first - 1);
+    for step in first..=steps {
         let start = Instant::now();
         sampler.next_train_batch(b, t, &mut bx, &mut by)?;
         engine.load_batch(&bx, &by)?;
@@ -371,7 +476,30 @@ pub fn train_with<E: StepExecutor>(
         if evals && (step % plan.train.eval_interval == 0 || step == steps) {
             eval(engine, &sampler, step, &mut summary, &mut metrics)?;
         }
+        let interrupted = opts
+            .interrupt
+            .as_ref()
+            .is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst));
+        let due = opts
+            .checkpoint_every
+            .is_some_and(|n| n > 0 && step % n == 0);
+        if interrupted {
+            pb.finish_and_clear();
+            let saved = checkpoint(engine, step)?;
+            return Err(EngineError::Interrupted(match saved {
+                Some(dir) => format!(
+                    "stopped after step {step}; checkpoint {} (resume with --resume {})",
+                    dir.display(),
+                    dir.parent().unwrap_or(&dir).display()
+                ),
+                None => format!("stopped after step {step}; no --checkpoint-dir, nothing saved"),
+            }));
+        }
+        if due && step != steps {
+            checkpoint(engine, step)?;
+        }
     }
+    checkpoint(engine, steps)?;
     pb.finish_and_clear();
     summary.steps = steps;
     let total_s: f64 = step_ms.iter().sum::<f64>() / 1e3;

@@ -129,7 +129,9 @@ fn refresh_pools_hold_what_can_be_in_flight() {
         let config = frontend::parse_spec("soap", &src, &std::env::temp_dir()).expect("spec");
         let mut m = ir::Module::new(config);
         let mut pm = PassManager::new(PassOptions::default()).expect("pm");
-        let (cx, _) = pm.run(&mut m, None, &mut std::io::sink()).expect("pipeline");
+        let (cx, _) = pm
+            .run(&mut m, None, &mut std::io::sink())
+            .expect("pipeline");
         let plan = cx.plan.expect("plan");
         let pools = schedule::reserve::refresh_pools(&plan);
         assert!(!pools.is_empty(), "S = {s}: no pools");
@@ -146,7 +148,13 @@ fn refresh_pools_hold_what_can_be_in_flight() {
                     ..
                 } = t;
                 let d = plan.buffer(*factor).shape[0];
-                (*placement == P::GpuSide, d, *frequency, *offset, u64::from(*staleness))
+                (
+                    *placement == P::GpuSide,
+                    d,
+                    *frequency,
+                    *offset,
+                    u64::from(*staleness),
+                )
             })
             .collect();
         let mut launched: Vec<Option<u64>> = vec![None; tasks.len()];
@@ -182,6 +190,9 @@ fn refresh_pools_hold_what_can_be_in_flight() {
                 "S = {s}: pool {p:?}"
             );
         }
-        assert!(total < async_tasks, "S = {s}: {total} shadows for {async_tasks} tasks");
+        assert!(
+            total < async_tasks,
+            "S = {s}: {total} shadows for {async_tasks} tasks"
+        );
     }
 }

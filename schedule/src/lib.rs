@@ -41,7 +41,7 @@ pub use verify::PlanError;
 /// `(t − 1 − offset) mod frequency = 0` (the first one at t = 1 + offset when offset > 0, as
 /// the plan format documents; offset 0 is the reference schedule 1, 1 + f, 1 + 2f, ...).
 pub fn refresh_due(t: u64, frequency: u64, offset: u64) -> bool {
-    t == 1 || (t > 1 && t > offset && frequency > 0 && (t - 1 - offset) % frequency == 0)
+    t == 1 || (t > 1 && t > offset && frequency > 0 && (t - 1 - offset).is_multiple_of(frequency))
 }
 
 use serde::{Deserialize, Serialize};

@@ -210,7 +210,7 @@ pub(super) struct Refreshes {
     held: Vec<Option<Shadow>>,
     /// The shared scheduling: refreshes in flight, first bases, failure limit (taken out
     /// while it drives the engine, [`CudaEngine::host_tasks`]).
-    runtime: RefreshRuntime<CudaJob>,
+    pub(super) runtime: RefreshRuntime<CudaJob>,
     /// A synchronous refresh enqueued compute-stream work at this boundary.
     synced: bool,
     host_pool: Option<Arc<rayon::ThreadPool>>,

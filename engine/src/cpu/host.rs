@@ -253,4 +253,24 @@ impl<T: Float + Real> CpuEngine<T> {
     pub fn refreshes_in_flight(&self) -> usize {
         self.refresh.in_flight()
     }
+
+    /// Per refresh task, whether its first eigendecomposition succeeded.
+    pub fn refreshes_initialized(&self) -> Vec<bool> {
+        self.refresh.initialized().to_vec()
+    }
+
+    /// Restores [`CpuEngine::refreshes_initialized`] (from a checkpoint).
+    ///
+    /// # Errors
+    /// [`EngineError::Checkpoint`] when the list does not match the plan's tasks.
+    pub fn set_refreshes_initialized(&mut self, flags: &[bool]) -> Result<(), EngineError> {
+        self.refresh
+            .set_initialized(flags)
+            .map_err(EngineError::Checkpoint)
+    }
+
+    /// Counters, writable (a checkpoint restores the failure counters and skipped steps).
+    pub fn stats_mut(&mut self) -> &mut EngineStats {
+        &mut self.stats
+    }
 }

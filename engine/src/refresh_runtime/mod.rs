@@ -284,6 +284,28 @@ impl<J> Default for RefreshRuntime<J> {
 }
 
 impl<J> RefreshRuntime<J> {
+    /// Per task, whether its first eigendecomposition succeeded (a checkpoint records it: a
+    /// resumed run must not redo a first basis).
+    pub fn initialized(&self) -> &[bool] {
+        &self.initialized
+    }
+
+    /// Restores [`RefreshRuntime::initialized`] from a checkpoint.
+    ///
+    /// # Errors
+    /// A list of another length than the plan's tasks (the message says both).
+    pub fn set_initialized(&mut self, flags: &[bool]) -> Result<(), String> {
+        if flags.len() != self.initialized.len() {
+            return Err(format!(
+                "{} refresh tasks recorded, the plan has {}",
+                flags.len(),
+                self.initialized.len()
+            ));
+        }
+        self.initialized.copy_from_slice(flags);
+        Ok(())
+    }
+
     /// The runtime of `plan`'s host tasks under `opts`; nothing in flight.
     pub fn new(plan: &Plan, opts: &EngineOptions) -> Self {
         let tasks: Vec<RefreshTask> = plan

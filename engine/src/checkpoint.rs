@@ -1,0 +1,415 @@
+//! Checkpoints of a training run: the whole state a run needs to continue exactly, written
+//! atomically, checked before use.
+//!
+//! # What a checkpoint holds
+//! A directory `step-NNNNNNNNN` (the step it was taken after) with:
+//! - `state.safetensors`: every state buffer of the plan — parameters (fp32 master weights),
+//!   Adam moments, Kronecker factors and eigenbases, whatever tier they live in — as F32
+//!   tensors under their plan names ([`state_buffers`]);
+//! - `meta.json` ([`CheckpointMeta`]): the format and version, the step, the number of
+//!   training batches drawn (the data position: the sampler is replayed that far on resume),
+//!   the seed, the hash of the plan's state layout ([`state_hash`]), per refresh task whether its
+//!   first eigendecomposition succeeded, the failure counters and skipped steps, and a CRC32 of
+//!   every tensor's bytes.
+//!
+//! Refreshes in flight (staleness S > 0) are drained before a checkpoint is taken: each is
+//! installed at the checkpoint's step, which is within its staleness bound, so the checkpoint
+//! holds no half-finished refresh.
+//!
+//! # Atomicity
+//! Both files are written into `step-N.tmp-PID`, fsynced, the directory renamed to `step-N`
+//! and its parent fsynced: a crash (or `kill -9`) mid-write leaves a `.tmp-*` directory that
+//! [`latest`] ignores and the previous checkpoint intact. Only the newest `keep` checkpoints are
+//! kept.
+//!
+//! # Checks on load
+//! A missing or unparsable file, another format version, a tensor whose CRC32 or size does not
+//! match, a state layout of another model or optimizer (the hash and the first differing
+//! tensor are named), or another number of refresh tasks is refused with
+//! [`EngineError::Checkpoint`] before anything is written into the engine. The hash covers the
+//! names, shapes and dtypes of the state buffers only, so a run may resume with another
+//! `staleness`, tier budget, learning rate or number of steps.
+use crate::train::StepExecutor;
+use crate::EngineError;
+use schedule::{ArenaKind, BufferClass, DType, Plan};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// `meta.json`'s `format`.
+pub const FORMAT: &str = "asteria-checkpoint";
+/// `meta.json`'s `version`.
+pub const VERSION: u32 = 1;
+const TENSORS: &str = "state.safetensors";
+const META: &str = "meta.json";
+
+/// One tensor's record in `meta.json`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorMeta {
+    /// Shape, as in the plan.
+    pub shape: Vec<usize>,
+    /// CRC32 of the tensor's little-endian f32 bytes.
+    pub crc32: u32,
+}
+
+/// `meta.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointMeta {
+    /// [`FORMAT`].
+    pub format: String,
+    /// [`VERSION`].
+    pub version: u32,
+    /// The plan's name (for messages).
+    pub plan: String,
+    /// [`state_hash`] of the plan that wrote it.
+    pub state_hash: String,
+    /// The last step run (1-based).
+    pub step: u64,
+    /// Training batches drawn so far (the data position).
+    pub batches: u64,
+    /// The data sampler's seed.
+    pub seed: u64,
+    /// Per refresh task: whether its first eigendecomposition succeeded.
+    pub refreshes_initialized: Vec<bool>,
+    /// Per refresh task: failed refreshes so far.
+    pub refresh_failures: Vec<u64>,
+    /// Per refresh task: failures in a row.
+    pub consecutive_refresh_failures: Vec<u32>,
+    /// Optimizer steps skipped for a non-finite gradient so far.
+    pub skipped_steps: u64,
+    /// Every tensor of `state.safetensors`.
+    pub tensors: BTreeMap<String, TensorMeta>,
+}
+
+/// A checkpoint read back and verified.
+#[derive(Clone, Debug)]
+pub struct Checkpoint {
+    /// Where it was read from.
+    pub dir: PathBuf,
+    /// Its metadata.
+    pub meta: CheckpointMeta,
+    /// Its tensors by name (f32 values).
+    pub tensors: BTreeMap<String, Vec<f32>>,
+}
+
+fn err(what: impl std::fmt::Display) -> EngineError {
+    EngineError::Checkpoint(what.to_string())
+}
+
+/// The plan's state buffers, in plan order: every f32 buffer that lives across steps
+/// (persistent, host or NVMe arena) and is a parameter, moment, Kronecker factor or eigenbasis.
+pub fn state_buffers(plan: &Plan) -> Vec<&schedule::Buffer> {
+    plan.buffers
+        .iter()
+        .enumerate()
+        .filter(|(i, b)| {
+            let arena = plan.memory.tier(schedule::BufferId(*i as u32));
+            b.dtype == DType::F32
+                && arena.is_some_and(|k| k != ArenaKind::Activations)
+                && matches!(
+                    b.class,
+                    BufferClass::Parameter
+                        | BufferClass::ExpAvg
+                        | BufferClass::ExpAvgSq
+                        | BufferClass::KroneckerFactor
+                        | BufferClass::Eigenbasis
+                )
+        })
+        .map(|(_, b)| b)
+        .collect()
+}
+
+/// A hash of the plan's state layout (names, shapes, classes of [`state_buffers`], and the
+/// number of refresh tasks): equal for the same model and optimizer whatever the run options.
+pub fn state_hash(plan: &Plan) -> String {
+    let mut h = crc32fast::Hasher::new();
+    let mut h2 = crc32fast::Hasher::new_with_initial(0x9e37_79b9);
+    for b in state_buffers(plan) {
+        let line = format!("{}|{:?}|{:?};", b.name, b.shape, b.class);
+        h.update(line.as_bytes());
+        h2.update(line.as_bytes());
+    }
+    let tasks = format!("tasks {}", plan.host_tasks.len());
+    h.update(tasks.as_bytes());
+    h2.update(tasks.as_bytes());
+    format!("{:08x}{:08x}", h.finalize(), h2.finalize())
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn fsync_dir(dir: &Path) -> Result<(), EngineError> {
+    std::fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| err(format!("fsync {}: {e}", dir.display())))
+}
+
+/// The directory name of the checkpoint after `step`.
+pub fn step_dir_name(step: u64) -> String {
+    format!("step-{step:09}")
+}
+
+/// Writes the checkpoint of `engine` after step `step` (`batches` training batches drawn,
+/// sampler seed `seed`) into `root/step-N`, atomically, draining refreshes in flight first;
+/// then removes all but the newest `keep` checkpoints in `root`. Returns the directory.
+///
+/// # Errors
+/// [`EngineError::Checkpoint`] on an I/O error (the message names the path); the engine's
+/// errors reading its state.
+pub fn save<E: StepExecutor + ?Sized>(
+    engine: &mut E,
+    root: &Path,
+    step: u64,
+    batches: u64,
+    seed: u64,
+    keep: usize,
+) -> Result<PathBuf, EngineError> {
+    engine.drain_refreshes(step)?;
+    let plan = engine.plan().clone();
+    let mut tensors: BTreeMap<String, Vec<f32>> = BTreeMap::new();
+    let mut metas = BTreeMap::new();
+    for b in state_buffers(&plan) {
+        let v: Vec<f32> = engine
+            .read_state(&b.name)?
+            .into_iter()
+            .map(|x| x as f32)
+            .collect();
+        metas.insert(
+            b.name.clone(),
+            TensorMeta {
+                shape: b.shape.clone(),
+                crc32: crc32fast::hash(&f32_bytes(&v)),
+            },
+        );
+        tensors.insert(b.name.clone(), v);
+    }
+    let stats = engine.stats().clone();
+    let meta = CheckpointMeta {
+        format: FORMAT.into(),
+        version: VERSION,
+        plan: plan.name.clone(),
+        state_hash: state_hash(&plan),
+        step,
+        batches,
+        seed,
+        refreshes_initialized: engine.refreshes_initialized(),
+        refresh_failures: stats.refresh_failures.clone(),
+        consecutive_refresh_failures: stats.consecutive_refresh_failures.clone(),
+        skipped_steps: stats.skipped_steps,
+        tensors: metas,
+    };
+    std::fs::create_dir_all(root).map_err(|e| err(format!("{}: {e}", root.display())))?;
+    let name = step_dir_name(step);
+    let tmp = root.join(format!("{name}.tmp-{}", std::process::id()));
+    let done = root.join(&name);
+    let io = |p: &Path, e: std::io::Error| err(format!("{}: {e}", p.display()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+    }
+    std::fs::create_dir(&tmp).map_err(|e| io(&tmp, e))?;
+    let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
+        .iter()
+        .map(|(n, v)| (n.clone(), f32_bytes(v), metas_shape(&meta, n)))
+        .collect();
+    let views = bytes
+        .iter()
+        .map(|(n, b, s)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| err(format!("tensor `{n}`: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let st = safetensors::serialize(views, None).map_err(|e| err(format!("safetensors: {e}")))?;
+    for (file, data) in [
+        (TENSORS, st),
+        (
+            META,
+            serde_json::to_vec_pretty(&meta).map_err(|e| err(format!("meta.json: {e}")))?,
+        ),
+    ] {
+        let p = tmp.join(file);
+        let mut f = std::fs::File::create(&p).map_err(|e| io(&p, e))?;
+        f.write_all(&data)
+            .and_then(|_| f.sync_all())
+            .map_err(|e| io(&p, e))?;
+    }
+    fsync_dir(&tmp)?;
+    if done.exists() {
+        std::fs::remove_dir_all(&done).map_err(|e| io(&done, e))?;
+    }
+    std::fs::rename(&tmp, &done).map_err(|e| io(&done, e))?;
+    fsync_dir(root)?;
+    let mut all = list(root)?;
+    while all.len() > keep.max(1) {
+        let (_, old) = all.remove(0);
+        std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
+    }
+    tracing::info!(dir = %done.display(), step, "checkpoint written");
+    Ok(done)
+}
+
+fn metas_shape(meta: &CheckpointMeta, name: &str) -> Vec<usize> {
+    meta.tensors
+        .get(name)
+        .map(|t| t.shape.clone())
+        .unwrap_or_default()
+}
+
+/// The complete checkpoints in `root` (`step-N` directories with a `meta.json`), oldest first.
+fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>, EngineError> {
+    let rd = std::fs::read_dir(root).map_err(|e| err(format!("{}: {e}", root.display())))?;
+    let mut out = Vec::new();
+    for entry in rd.flatten() {
+        let name = entry.file_name().to_string_lossy().to_string();
+        let Some(n) = name.strip_prefix("step-") else {
+            continue;
+        };
+        if let Ok(step) = n.parse::<u64>() {
+            if entry.path().join(META).is_file() {
+                out.push((step, entry.path()));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// The newest complete checkpoint in `dir`, or `dir` itself when it is one.
+///
+/// # Errors
+/// [`EngineError::Checkpoint`] when `dir` holds none.
+pub fn latest(dir: &Path) -> Result<PathBuf, EngineError> {
+    if dir.join(META).is_file() {
+        return Ok(dir.to_path_buf());
+    }
+    list(dir)?.pop().map(|(_, p)| p).ok_or_else(|| {
+        err(format!(
+            "{} holds no checkpoint (no step-N directory with a meta.json)",
+            dir.display()
+        ))
+    })
+}
+
+/// Reads and verifies the checkpoint at `dir` (a `step-N` directory, or a checkpoint
+/// directory: its newest): format, version, every tensor's size and CRC32.
+///
+/// # Errors
+/// [`EngineError::Checkpoint`] naming the file and what is wrong.
+pub fn load(dir: &Path) -> Result<Checkpoint, EngineError> {
+    let dir = latest(dir)?;
+    let mp = dir.join(META);
+    let raw = std::fs::read(&mp).map_err(|e| err(format!("{}: {e}", mp.display())))?;
+    let meta: CheckpointMeta = serde_json::from_slice(&raw).map_err(|e| {
+        err(format!(
+            "{}: not a checkpoint's metadata: {e}",
+            mp.display()
+        ))
+    })?;
+    if meta.format != FORMAT || meta.version != VERSION {
+        return Err(err(format!(
+            "{}: format `{}` version {}, this asteria reads `{FORMAT}` version {VERSION}",
+            mp.display(),
+            meta.format,
+            meta.version
+        )));
+    }
+    let tp = dir.join(TENSORS);
+    let raw = std::fs::read(&tp).map_err(|e| err(format!("{}: {e}", tp.display())))?;
+    let st = safetensors::SafeTensors::deserialize(&raw)
+        .map_err(|e| err(format!("{}: corrupt or truncated: {e}", tp.display())))?;
+    let mut tensors = BTreeMap::new();
+    for (name, tm) in &meta.tensors {
+        let view = st
+            .tensor(name)
+            .map_err(|e| err(format!("{}: tensor `{name}` is missing: {e}", tp.display())))?;
+        let numel: usize = tm.shape.iter().product();
+        if view.dtype() != safetensors::Dtype::F32
+            || view.shape() != tm.shape.as_slice()
+            || view.data().len() != numel * 4
+        {
+            return Err(err(format!(
+                "{}: tensor `{name}` is {:?} {:?}, meta.json says F32 {:?}",
+                tp.display(),
+                view.dtype(),
+                view.shape(),
+                tm.shape
+            )));
+        }
+        if crc32fast::hash(view.data()) != tm.crc32 {
+            return Err(err(format!(
+                "{}: tensor `{name}` fails its checksum (the file is corrupt)",
+                tp.display()
+            )));
+        }
+        let v: Vec<f32> = view
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        tensors.insert(name.clone(), v);
+    }
+    Ok(Checkpoint { dir, meta, tensors })
+}
+
+/// Checks that `ckpt` fits `plan` (its state layout and refresh tasks) without changing
+/// anything.
+///
+/// # Errors
+/// [`EngineError::Checkpoint`] naming the first tensor that differs.
+pub fn check(ckpt: &Checkpoint, plan: &Plan) -> Result<(), EngineError> {
+    let want = state_hash(plan);
+    if ckpt.meta.state_hash == want {
+        return Ok(());
+    }
+    let mine = state_buffers(plan);
+    let first = mine
+        .iter()
+        .find(|b| ckpt.meta.tensors.get(&b.name).map(|t| &t.shape) != Some(&b.shape))
+        .map(|b| match ckpt.meta.tensors.get(&b.name) {
+            Some(t) => format!("`{}` is {:?} here and {:?} there", b.name, b.shape, t.shape),
+            None => format!("`{}` is not in the checkpoint", b.name),
+        })
+        .or_else(|| {
+            ckpt.meta
+                .tensors
+                .keys()
+                .find(|n| !mine.iter().any(|b| &b.name == *n))
+                .map(|n| format!("the checkpoint's `{n}` is not in this plan"))
+        })
+        .unwrap_or_else(|| "the refresh tasks differ".into());
+    Err(err(format!(
+        "{} was written by plan `{}` with another model or optimizer ({first}); state hash {} there, {want} here",
+        ckpt.dir.display(),
+        ckpt.meta.plan,
+        ckpt.meta.state_hash
+    )))
+}
+
+/// Writes `ckpt`'s state into `engine` (after [`check`]): every tensor, the refresh tasks'
+/// first-basis flags, the failure counters and skipped steps.
+///
+/// # Errors
+/// [`check`]'s; the engine's errors writing its state.
+pub fn restore<E: StepExecutor + ?Sized>(
+    engine: &mut E,
+    ckpt: &Checkpoint,
+) -> Result<(), EngineError> {
+    check(ckpt, engine.plan())?;
+    for (name, v) in &ckpt.tensors {
+        let values: Vec<f64> = v.iter().map(|&x| f64::from(x)).collect();
+        engine.write_state(name, &values)?;
+    }
+    engine.set_refreshes_initialized(&ckpt.meta.refreshes_initialized)?;
+    let tasks = ckpt.meta.refreshes_initialized.len();
+    let stats = engine.stats_mut()?;
+    if ckpt.meta.refresh_failures.len() == tasks
+        && ckpt.meta.consecutive_refresh_failures.len() == tasks
+    {
+        stats.refresh_failures = ckpt.meta.refresh_failures.clone();
+        stats.consecutive_refresh_failures = ckpt.meta.consecutive_refresh_failures.clone();
+    }
+    stats.skipped_steps = ckpt.meta.skipped_steps;
+    Ok(())
+}

@@ -1,0 +1,252 @@
+//! Checkpoints on the CPU engine (`engine::checkpoint`, `asteria train --checkpoint-dir /
+//! --resume`): a run stopped at step k and resumed from its checkpoint gives losses and
+//! parameters bit-identical to the uninterrupted run (AdamW, SOAP with S = 0); a stop request
+//! (what SIGINT / SIGTERM set) finishes the step, checkpoints and stops with a message; only the
+//! newest K checkpoints are kept; a half-written checkpoint (a crash mid-write) is ignored and
+//! the previous one loads; a byte-flipped, truncated or other-model checkpoint is refused with a
+//! clear error before anything runs. Tiny GPT-2 on the built-in corpus.
+use engine::{train_with, CpuEngine, EngineError, TrainOptions, TrainSummary};
+use passes::{PassManager, PassOptions};
+use schedule::Plan;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+fn spec(optimizer: &str, d_model: usize) -> String {
+    format!(
+        "model gpt2 {{ vocab = 256 context = 32 d_model = {d_model} layers = 2 heads = 4 mlp_hidden = 128 }}
+{optimizer}
+data {{ corpus = builtin tokenizer = bytes batch_size = 4 seq_len = 32 val_fraction = 0.1 }}
+train {{ steps = 12 warmup = 2 eval_interval = 4 eval_batches = 2 }}
+target cpu {{ threads = 2 staleness = 0 }}
+"
+    )
+}
+
+const ADAMW: &str = "optimizer adamw { lr = 3e-3 }";
+const SOAP: &str = "optimizer soap { lr = 3e-3 precondition_frequency = 3 }";
+
+fn compile(src: &str) -> Plan {
+    let config = frontend::parse_spec("ckpt", src, &std::env::temp_dir()).expect("spec");
+    let mut m = ir::Module::new(config);
+    let mut pm = PassManager::new(PassOptions::default()).expect("pass manager");
+    let (cx, _) = pm
+        .run(&mut m, None, &mut std::io::sink())
+        .expect("pipeline");
+    cx.plan.expect("plan")
+}
+
+/// Runs `plan` for `steps` steps with `opts`; the summary and every parameter's bits.
+fn run(
+    plan: &Plan,
+    steps: u64,
+    opts: TrainOptions,
+) -> Result<(TrainSummary, Vec<(String, Vec<u64>)>), EngineError> {
+    let opts = TrainOptions {
+        steps: Some(steps),
+        quiet: true,
+        ..opts
+    };
+    let mut e = CpuEngine::<f32>::new(plan.clone(), opts.engine.clone()).expect("engine");
+    let s = train_with(&mut e, &opts)?;
+    let params = e
+        .params()
+        .into_iter()
+        .map(|(n, v)| (n, v.iter().map(|x| x.to_bits()).collect()))
+        .collect();
+    Ok((s, params))
+}
+
+fn dirs(root: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(root)
+        .expect("dir")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn an_interrupted_run_resumes_bit_identically() {
+    for (name, opt) in [("adamw", ADAMW), ("soap", SOAP)] {
+        let plan = compile(&spec(opt, 64));
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let cache = Some(tmp.path().join("cache"));
+        let base = TrainOptions {
+            cache_dir: cache.clone(),
+            ..TrainOptions::default()
+        };
+        let (full, p_full) = run(&plan, 12, base.clone()).expect("uninterrupted");
+        // Stopped after step 5 (checkpoints every 2 steps: 2, 4, and 5 at the end).
+        let ck = tmp.path().join("ck");
+        let stop = Arc::new(AtomicBool::new(false));
+        let opts = TrainOptions {
+            checkpoint_dir: Some(ck.clone()),
+            checkpoint_every: Some(2),
+            checkpoint_keep: 2,
+            interrupt: Some(Arc::clone(&stop)),
+            ..base.clone()
+        };
+        let mut e = CpuEngine::<f32>::new(plan.clone(), opts.engine.clone()).expect("engine");
+        // The first part ends after step 5 with its final checkpoint.
+        let five = TrainOptions {
+            steps: Some(5),
+            quiet: true,
+            ..opts.clone()
+        };
+        let first = train_with(&mut e, &five).expect("first part");
+        assert_eq!(
+            first.train_losses,
+            full.train_losses[..5],
+            "{name}: first part"
+        );
+        assert_eq!(
+            dirs(&ck),
+            ["step-000000004", "step-000000005"],
+            "{name}: newest 2 kept"
+        );
+        // Resume (from the directory: its newest) up to step 12.
+        let (rest, p_rest) = run(
+            &plan,
+            12,
+            TrainOptions {
+                resume: Some(ck.clone()),
+                checkpoint_dir: None,
+                interrupt: None,
+                ..opts.clone()
+            },
+        )
+        .expect("resumed");
+        assert_eq!(
+            rest.train_losses,
+            full.train_losses[5..],
+            "{name}: resumed losses"
+        );
+        assert_eq!(p_rest, p_full, "{name}: final parameters");
+        assert_eq!(
+            rest.val_losses,
+            full.val_losses
+                .iter()
+                .copied()
+                .filter(|v| v.0 > 5)
+                .collect::<Vec<_>>(),
+            "{name}: validation after the resume"
+        );
+        // A stop request: the step finishes, a checkpoint is written, the run says where.
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let ck2 = tmp.path().join("ck2");
+        let err = run(
+            &plan,
+            12,
+            TrainOptions {
+                checkpoint_dir: Some(ck2.clone()),
+                interrupt: Some(Arc::clone(&stop)),
+                ..base.clone()
+            },
+        )
+        .expect_err("interrupted");
+        let msg = err.to_string();
+        assert!(
+            matches!(err, EngineError::Interrupted(_)) && msg.contains("after step 1"),
+            "{msg}"
+        );
+        assert!(msg.contains("step-000000001"), "{msg}");
+        assert_eq!(dirs(&ck2), ["step-000000001"]);
+    }
+}
+
+#[test]
+fn damaged_or_foreign_checkpoints_are_refused_and_half_written_ones_ignored() {
+    let plan = compile(&spec(ADAMW, 64));
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let base = TrainOptions {
+        cache_dir: Some(tmp.path().join("cache")),
+        ..TrainOptions::default()
+    };
+    let ck = tmp.path().join("ck");
+    run(
+        &plan,
+        4,
+        TrainOptions {
+            checkpoint_dir: Some(ck.clone()),
+            ..base.clone()
+        },
+    )
+    .expect("checkpointed run");
+    let good = ck.join("step-000000004");
+    let resume = |dir: &Path, plan: &Plan| {
+        run(
+            plan,
+            6,
+            TrainOptions {
+                resume: Some(dir.to_path_buf()),
+                ..base.clone()
+            },
+        )
+    };
+    // A crash mid-write leaves a temp directory: ignored, the complete checkpoint loads.
+    let half = ck.join("step-000000009.tmp-4242");
+    std::fs::create_dir(&half).expect("mkdir");
+    std::fs::write(half.join("state.safetensors"), b"partial").expect("write");
+    assert_eq!(engine::checkpoint::latest(&ck).expect("latest"), good);
+    resume(&ck, &plan).expect("resumes from the complete checkpoint");
+
+    let copy = |to: &str| -> PathBuf {
+        let d = tmp.path().join(to);
+        std::fs::create_dir_all(&d).expect("mkdir");
+        for f in ["state.safetensors", "meta.json"] {
+            std::fs::copy(good.join(f), d.join(f)).expect("copy");
+        }
+        d
+    };
+    let expect_refused = |dir: &Path, plan: &Plan, what: &str| {
+        let e = resume(dir, plan).expect_err(what).to_string();
+        assert!(e.contains(what), "expected `{what}` in: {e}");
+    };
+    // One flipped byte in the last tensor's data.
+    let flipped = copy("flipped");
+    let f = flipped.join("state.safetensors");
+    let mut bytes = std::fs::read(&f).expect("read");
+    let n = bytes.len();
+    bytes[n - 3] ^= 0x40;
+    std::fs::write(&f, &bytes).expect("write");
+    expect_refused(&flipped, &plan, "fails its checksum");
+    // Truncated.
+    let cut = copy("truncated");
+    let f = cut.join("state.safetensors");
+    let bytes = std::fs::read(&f).expect("read");
+    std::fs::write(&f, &bytes[..bytes.len() / 2]).expect("write");
+    expect_refused(&cut, &plan, "corrupt or truncated");
+    // Not a checkpoint's metadata.
+    let junk = copy("junk");
+    std::fs::write(junk.join("meta.json"), b"{\"hello\": 1}").expect("write");
+    expect_refused(&junk, &plan, "not a checkpoint's metadata");
+    // Another model (d_model 32), another optimizer (SOAP): refused, naming a tensor.
+    expect_refused(
+        &good,
+        &compile(&spec(ADAMW, 32)),
+        "another model or optimizer",
+    );
+    expect_refused(
+        &good,
+        &compile(&spec(SOAP, 64)),
+        "another model or optimizer",
+    );
+    // A checkpoint at or past the run's last step.
+    let e = run(
+        &plan,
+        4,
+        TrainOptions {
+            resume: Some(good.clone()),
+            ..base.clone()
+        },
+    )
+    .expect_err("nothing left to run")
+    .to_string();
+    assert!(e.contains("raise --steps"), "{e}");
+    // An empty directory.
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir(&empty).expect("mkdir");
+    expect_refused(&empty, &plan, "holds no checkpoint");
+}
