@@ -63,6 +63,7 @@ fn config(target: TargetConfig, soap: bool) -> Config {
             eval_batches: 1,
             seed: 5,
             rematerialize: Default::default(),
+            max_skipped_steps: Some(10),
         },
         target,
     }

@@ -44,6 +44,7 @@ fn config(family: Family) -> Config {
             eval_batches: 1,
             seed: 7,
             rematerialize: Default::default(),
+            max_skipped_steps: Some(10),
         },
         target: TargetConfig::Cpu {
             threads: Some(1),

@@ -68,6 +68,7 @@ fn config(family: Family, target: TargetConfig, soap: bool, remat: Rematerialize
             eval_batches: 1,
             seed: 9,
             rematerialize: remat,
+            max_skipped_steps: Some(10),
         },
         target,
     }

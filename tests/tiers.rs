@@ -72,6 +72,7 @@ fn config(soap: bool, budgets: Budgets) -> Config {
             eval_batches: 1,
             seed: 3,
             rematerialize: Default::default(),
+            max_skipped_steps: Some(10),
         },
         target: TargetConfig::Cpu {
             threads: Some(2),

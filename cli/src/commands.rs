@@ -366,9 +366,12 @@ fn execute(plan: &Plan, run: &RunFlags) -> Result<()> {
         .solver(&plan)
         .map_err(|e| miette!("plan `{}`: {e}", plan.name))?;
     note!(
-        "{}; train: rematerialize {}",
+        "{}; train: rematerialize {}, max_skipped_steps {}",
         plan.target.options_line(),
-        plan.train.rematerialize
+        plan.train.rematerialize,
+        plan.train
+            .max_skipped_steps
+            .map_or("none".to_string(), |n| n.to_string())
     );
     let plan = &plan;
     if let TargetPlan::Cuda { .. } = plan.target {

@@ -424,6 +424,7 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
             eval_batches: c.train.eval_batches,
             seed: c.train.seed,
             rematerialize: c.train.rematerialize,
+            max_skipped_steps: c.train.max_skipped_steps,
         },
         target: match &c.target {
             TargetConfig::Cpu {

@@ -83,6 +83,26 @@ pub enum EngineError {
         /// The last failure's message.
         last: String,
     },
+    /// The run diverged: `skipped` consecutive optimizer steps, the last at `step`, were
+    /// skipped for a non-finite gradient norm, reaching the plan's `train.max_skipped_steps`.
+    #[error(
+        "training stopped at step {step}: {skipped} consecutive steps were skipped for a \
+         non-finite gradient norm (max_skipped_steps = {limit}); {}; the run has diverged: \
+         lower the optimizer's `lr` (or its `weight_decay`, or lengthen `warmup`), or clip \
+         harder with a smaller `grad_clip`",
+        last_finite(.last_finite_loss)
+    )]
+    Diverged {
+        /// 1-based step at which the limit was reached.
+        step: u64,
+        /// Consecutive skipped steps (= the limit).
+        skipped: u64,
+        /// The plan's `train.max_skipped_steps`.
+        limit: u64,
+        /// `(step, training loss in nats)` of the last step whose loss was finite; `None`
+        /// when no step had a finite loss.
+        last_finite_loss: Option<(u64, f64)>,
+    },
     /// An optimizer kernel from `asteria-optim` rejected its inputs.
     #[error("{location}: optimizer kernel failed: {message}")]
     Optim {
@@ -94,9 +114,11 @@ pub enum EngineError {
     /// Loading or tokenizing the corpus, or sampling batches, failed.
     #[error("data: {0}")]
     Data(#[from] data::DataError),
-    /// Writing metrics failed.
-    #[error("{path}: {source}")]
+    /// Creating or writing a file of the run failed (the `--metrics` file); the run stops.
+    #[error("{what} {path} failed: {source}")]
     Io {
+        /// What was being done (`writing the metrics file`).
+        what: &'static str,
         /// File path.
         path: String,
         /// The I/O error.
@@ -139,4 +161,15 @@ pub enum EngineError {
     /// where its checkpoint is, if one was taken.
     #[error("interrupted: {0}")]
     Interrupted(String),
+}
+
+/// The last finite training loss for [`EngineError::Diverged`]'s message.
+fn last_finite(last: &Option<(u64, f64)>) -> String {
+    match last {
+        Some((step, loss)) if loss.abs() < 1e6 => {
+            format!("last finite training loss {loss:.4} at step {step}")
+        }
+        Some((step, loss)) => format!("last finite training loss {loss:.4e} at step {step}"),
+        None => "no step had a finite training loss".into(),
+    }
 }

@@ -77,6 +77,9 @@ pub struct TrainSummary {
     pub max_optimizer_ms: f64,
     /// Optimizer steps skipped for a non-finite gradient norm.
     pub skipped_steps: u64,
+    /// Eigenbasis refreshes skipped because their Kronecker factor was exactly zero (a
+    /// parameter whose gradients all vanished); the previous basis was kept. Not failures.
+    pub zero_factor_refreshes: u64,
     /// Tokens in the training / validation splits.
     pub train_tokens: usize,
     /// Tokens in the validation split.
@@ -101,7 +104,7 @@ impl std::fmt::Display for TrainSummary {
             .map_or("-".to_string(), |v| format!("{v:.4}"));
         write!(
             f,
-            "steps {} | train loss {:.4} | val loss {} | median step {:.1} ms (optimizer {:.1} ms, max {:.1} ms) | {:.0} tok/s | refreshes {} swapped, staleness mean {:.2} max {}, {} waits {:.1} ms | refresh failures {} | skipped steps {}",
+            "steps {} | train loss {:.4} | val loss {} | median step {:.1} ms (optimizer {:.1} ms, max {:.1} ms) | {:.0} tok/s | refreshes {} swapped, staleness mean {:.2} max {}, {} waits {:.1} ms | refresh failures {} (zero-factor skips {}) | skipped steps {}",
             self.steps,
             self.final_train_loss(),
             val,
@@ -115,6 +118,7 @@ impl std::fmt::Display for TrainSummary {
             self.refresh_waits,
             self.refresh_wait_ms,
             self.refresh_failures,
+            self.zero_factor_refreshes,
             self.skipped_steps
         )
     }
@@ -131,6 +135,7 @@ impl Metrics {
             None => None,
             Some(p) => {
                 let io = |source| EngineError::Io {
+                    what: "creating the metrics file",
                     path: p.display().to_string(),
                     source,
                 };
@@ -150,6 +155,7 @@ impl Metrics {
             writeln!(w, "{value}")
                 .and_then(|_| w.flush())
                 .map_err(|source| EngineError::Io {
+                    what: "writing the metrics file",
                     path: path.display().to_string(),
                     source,
                 })?;
@@ -331,8 +337,11 @@ fn progress_bar(steps: u64, quiet: bool) -> ProgressBar {
 /// # Errors
 /// Any [`EngineError`]: invalid plan, `steps` outside `schedule::limits::STEPS` (0 steps is an
 /// error, not an empty summary), data loading (a corpus split smaller than one batch),
-/// buffers larger than the free memory, a kernel error (bad token id), metrics I/O, or too
-/// many consecutive eigenbasis refresh failures.
+/// buffers larger than the free memory, a kernel error (bad token id), creating or writing the
+/// metrics file ([`EngineError::Io`], naming the file; the lines written before it stay), too
+/// many consecutive eigenbasis refresh failures, or [`EngineError::Diverged`]: the optimizer
+/// skipped `plan.train.max_skipped_steps` consecutive steps for a non-finite gradient norm
+/// (the metrics file then ends with the last skipped step).
 pub fn train(plan: &Plan, opts: &TrainOptions) -> Result<TrainSummary, EngineError> {
     plan.verify()?;
     let mut engine = CpuEngine::<f32>::new(plan.clone(), opts.engine.clone())?;
@@ -434,6 +443,9 @@ pub fn train_with<E: StepExecutor>(
             None => Ok(None),
         }
     };
+    // The current run of consecutive skipped steps, and the last finite training loss.
+    let mut skipped_run = 0u64;
+    let mut last_finite_loss: Option<(u64, f64)> = None;
     pb.set_position(first - 1);
     for step in first..=steps {
         let start = Instant::now();
@@ -443,7 +455,7 @@ pub fn train_with<E: StepExecutor>(
         engine.backward()?;
         let mult = plan.train.lr_multiplier(step);
         let opt_start = Instant::now();
-        engine.optimizer_step(step, mult)?;
+        let stepped = engine.optimizer_step(step, mult)?;
         let host = engine.run_host_tasks(step)?;
         let opt_ms = opt_start.elapsed().as_secs_f64() * 1e3;
         engine.synchronize()?;
@@ -457,7 +469,7 @@ pub fn train_with<E: StepExecutor>(
                 .iter()
                 .any(|o| matches!(o, Op::ClipGradNorm { .. }))
         });
-        metrics.write(serde_json::json!({
+        let written = metrics.write(serde_json::json!({
             "step": step,
             "loss": loss,
             "lr": peak.map_or(mult, |p| p * mult),
@@ -469,8 +481,31 @@ pub fn train_with<E: StepExecutor>(
             "refreshes_launched": host.launched,
             "refreshes_swapped": host.swapped,
             "max_swap_staleness": host.max_swap_staleness,
-        }))?;
+        }));
+        if let Err(e) = written {
+            // Lose nothing: the state after this step is saved before the run stops.
+            pb.finish_and_clear();
+            if let Some(dir) = checkpoint(engine, step)? {
+                tracing::error!(checkpoint = %dir.display(), "metrics write failed; checkpoint saved");
+            }
+            return Err(e);
+        }
         tracing::debug!(step, loss, step_ms = ms, "step");
+        if loss.is_finite() {
+            last_finite_loss = Some((step, loss));
+        }
+        skipped_run = if stepped { 0 } else { skipped_run + 1 };
+        if let Some(limit) = plan.train.max_skipped_steps {
+            if skipped_run >= limit {
+                pb.finish_and_clear();
+                return Err(EngineError::Diverged {
+                    step,
+                    skipped: skipped_run,
+                    limit,
+                    last_finite_loss,
+                });
+            }
+        }
         pb.set_position(step);
         pb.set_message(format!("loss {loss:.4} | {tps:.0} tok/s"));
         if evals && (step % plan.train.eval_interval == 0 || step == steps) {
@@ -524,6 +559,7 @@ pub fn train_with<E: StepExecutor>(
     summary.refresh_waits = stats.refresh_waits;
     summary.refresh_wait_ms = stats.refresh_wait_ms;
     summary.skipped_steps = engine.stats().skipped_steps;
+    summary.zero_factor_refreshes = engine.stats().zero_factor_refreshes;
     tracing::info!(%summary, "training done");
     if !opts.quiet {
         // A closed stderr (its reader exited) is not an error of the run.

@@ -81,6 +81,7 @@ fn plan(m: usize, bufs: Vec<(&str, Vec<usize>, DType, BufferClass)>, forward: Ve
             eval_batches: 1,
             seed: 11,
             rematerialize: Default::default(),
+            max_skipped_steps: Some(10),
         },
         target: TargetPlan::Cpu {
             threads: Some(2),

@@ -483,3 +483,33 @@ fn grad_clip_zero_suggests_none() {
         Some("`grad_clip = none`"),
     );
 }
+
+#[test]
+fn max_skipped_steps_zero_is_out_of_range_and_suggests_none() {
+    let src = edit("steps = 10", "steps = 10  max_skipped_steps = 0");
+    assert_error(
+        &src,
+        16,
+        35,
+        "`max_skipped_steps` = 0 is outside the allowed range 1..=1_000_000_000",
+        Some("`max_skipped_steps = none`"),
+    );
+    let src = edit("steps = 10", "steps = 10  max_skipped_steps = 2.5");
+    let errs = errors(&src);
+    assert_eq!(errs.len(), 1, "{errs:#?}");
+    assert_eq!((errs[0].0, errs[0].1), (16, 35));
+}
+
+#[test]
+fn max_skipped_steps_defaults_to_10_and_none_never_stops() {
+    let parse = |src: &str| common::parse(src).expect("valid").train.max_skipped_steps;
+    assert_eq!(parse(common::VALID), Some(10));
+    assert_eq!(
+        parse(&edit("steps = 10", "steps = 10  max_skipped_steps = 3")),
+        Some(3)
+    );
+    assert_eq!(
+        parse(&edit("steps = 10", "steps = 10  max_skipped_steps = none")),
+        None
+    );
+}

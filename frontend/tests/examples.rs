@@ -72,6 +72,7 @@ fn tiny_train() -> TrainConfig {
         eval_batches: 8,
         seed: 1337,
         rematerialize: Default::default(),
+        max_skipped_steps: Some(10),
     }
 }
 

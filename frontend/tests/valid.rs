@@ -38,6 +38,7 @@ fn defaults() {
         eval_batches: 4,
         seed: 1337,
         rematerialize: Default::default(),
+        max_skipped_steps: Some(10),
     };
     assert_eq!(c.train, train);
     assert_eq!(

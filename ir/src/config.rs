@@ -164,6 +164,14 @@ pub struct TrainConfig {
     /// the `rematerialize` pass's policy.
     #[serde(default)]
     pub rematerialize: crate::Rematerialize,
+    /// `max_skipped_steps = N | none` (default 10, `limits::DEFAULT_MAX_SKIPPED_STEPS`): stop
+    /// after N consecutive steps skipped for a non-finite gradient; `None` = never stop.
+    #[serde(default = "default_max_skipped_steps")]
+    pub max_skipped_steps: Option<u64>,
+}
+
+fn default_max_skipped_steps() -> Option<u64> {
+    Some(crate::limits::DEFAULT_MAX_SKIPPED_STEPS)
 }
 
 /// Execution target.

@@ -13,6 +13,13 @@ pub enum RefreshOutcome {
     Refreshed,
     /// Not a refresh step; nothing was read or written.
     Skipped,
+    /// A QR refresh step (t > 1) whose Kronecker factor is exactly zero: every gradient it
+    /// accumulated vanished (a frozen parameter, a gradient clipped to underflow). There is
+    /// nothing to learn a basis from, so nothing was written: the previous basis and moments
+    /// stay. Not a failure (contrast [`RefreshError::RankDeficient`], a non-zero factor whose
+    /// power image has no rank). At t = 1 a zero factor is an ordinary initialization (the
+    /// eigenvectors of `1e-30·I`).
+    ZeroFactor,
 }
 
 /// Why a refresh was refused. In every case **no state was modified**: basis, `exp_avg` and
@@ -114,8 +121,9 @@ pub struct RefreshResult<T> {
 }
 
 impl<T> RefreshResult<T> {
-    /// [`RefreshOutcome::Initialized`] (t = 1, from `eigh`) or [`RefreshOutcome::Refreshed`]
-    /// (power iteration + QR).
+    /// [`RefreshOutcome::Initialized`] (t = 1, from `eigh`), [`RefreshOutcome::Refreshed`]
+    /// (power iteration + QR) or [`RefreshOutcome::ZeroFactor`] (nothing to install: empty
+    /// basis and permutation; [`refresh_apply`] changes nothing).
     pub fn kind(&self) -> RefreshOutcome {
         self.kind
     }
@@ -141,7 +149,9 @@ impl<T> RefreshResult<T> {
 
 /// The pure half of a refresh: computes the new basis of one Kronecker factor at the end of
 /// 1-based engine step `t` from `factor` and the current `basis` (both read only; typically
-/// snapshots), without touching any state. `None` when `t` is not a refresh step.
+/// snapshots), without touching any state. `None` when `t` is not a refresh step; a result of
+/// kind [`RefreshOutcome::ZeroFactor`] (nothing to install) when `t > 1` and `factor` is
+/// exactly zero.
 ///
 /// Shapes (row-major, `T`): the parameter is `[m, n]`; `side` 0 = left (`factor`, `basis`
 /// `[m, m]`), 1 = right (`[n, n]`).
@@ -155,8 +165,9 @@ impl<T> RefreshResult<T> {
 ///
 /// # Errors
 /// [`RefreshError`]: shape/side mismatch (caller bug), non-finite factor, solver failure, a
-/// non-finite stored basis, a power image without numerical rank at a QR refresh (all-zero
-/// factor), or a non-finite / non-unit candidate basis. Rank-deficient factors are fine.
+/// non-finite stored basis, a power image without numerical rank at a QR refresh (a non-zero
+/// but vanishing factor), or a non-finite / non-unit candidate basis. Rank-deficient and
+/// all-zero factors are fine.
 #[allow(clippy::too_many_arguments)]
 pub fn refresh_compute<T: Real>(
     solver: &dyn HostEigensolver,
@@ -204,6 +215,17 @@ pub fn refresh_compute<T: Real>(
             dim: d,
             count,
         });
+    }
+    // An exactly-zero factor (its gradients vanished) has nothing to refresh from: keep the
+    // basis, and do not count it as a failure (the runtime would stop the run after a few).
+    if !init && factor.iter().all(|x| *x == T::zero()) {
+        return Ok(Some(RefreshResult {
+            kind: RefreshOutcome::ZeroFactor,
+            side,
+            dim: d,
+            basis: Vec::new(),
+            permutation: Vec::new(),
+        }));
     }
     // Householder/eigh columns are unit to ~d·ε; anything far off is garbage.
     let tol = (1e-2f64).max(1e3 * d as f64 * T::epsilon().f64());
@@ -320,7 +342,8 @@ fn numerical_rank<T: Real>(q: &[T], a: &[T], d: usize, eps: f64) -> usize {
 /// from the current basis to the new one with `C = Q_oldᵀ Q_new`: side 0 `E ← Cᵀ E`
 /// (= `Q_newᵀ Q_old E`), side 1 `E ← E C`. Applying both sides equals `soap.py`'s
 /// `project(project_back(E, Q_old), Q_new)`. Then `basis ← Q_new`. An initialization only
-/// installs the basis (moments untouched).
+/// installs the basis (moments untouched); a [`RefreshOutcome::ZeroFactor`] result installs
+/// nothing.
 ///
 /// `basis` must be the basis the result was computed from (the engine guarantees this: a
 /// factor has at most one refresh in flight, and only its own refreshes write the basis).
@@ -341,6 +364,10 @@ pub fn refresh_apply<T: Real>(
     const OP: &str = "refresh_apply";
     let side = result.side;
     let d = side_dim(side, m, n)?;
+    if result.kind == RefreshOutcome::ZeroFactor {
+        // Nothing learned: basis and moments stay.
+        return Ok(RefreshOutcome::ZeroFactor);
+    }
     check_len(OP, "result basis", result.basis.len(), d * d)?;
     check_len(OP, "basis", basis.len(), d * d)?;
     check_len(OP, "exp_avg", exp_avg.len(), m * n)?;
@@ -438,7 +465,8 @@ fn side_dim(side: u8, m: usize, n: usize) -> Result<usize, RefreshError> {
 /// # Errors
 /// [`RefreshError`]; on any error nothing is modified (the previous basis stays in use).
 /// Rank-deficient factors are fine (orthonormal bases, no NaN); an all-zero factor is
-/// accepted at `t == 1` and refused at a QR refresh ([`RefreshError::RankDeficient`]).
+/// accepted at `t == 1` and skipped at a QR refresh ([`RefreshOutcome::ZeroFactor`]: nothing
+/// modified, not an error).
 #[allow(clippy::too_many_arguments)]
 pub fn eigenbasis_refresh<T: Real>(
     solver: &dyn HostEigensolver,

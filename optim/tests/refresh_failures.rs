@@ -227,6 +227,16 @@ fn check_degenerate<T: Real>(factor: &[T], d: usize, tol: f64) {
             d,
             n,
         ) {
+            Ok(RefreshOutcome::ZeroFactor) => {
+                // Only an exactly-zero factor at a QR refresh, and then nothing changes.
+                assert!(t > 1 && factor.iter().all(|x| *x == T::zero()), "t={t}");
+                assert_eq!(
+                    bits(p.basis_left.as_ref().expect("left")),
+                    bits(before.basis_left.as_ref().expect("left"))
+                );
+                assert_eq!(bits(&p.exp_avg), bits(&before.exp_avg));
+                assert_eq!(bits(&p.exp_avg_sq), bits(&before.exp_avg_sq));
+            }
             Ok(outcome) => {
                 assert_eq!(
                     outcome,
@@ -306,4 +316,83 @@ fn thin_qr_of_rank_deficient_matrices_is_orthonormal() {
         let q = thin_qr_q(&rank1, d, d).expect("shape");
         assert!(orthonormality_error(&q, d) < 1e-5);
     }
+}
+
+/// A factor that is exactly zero because its gradient vanished (a frozen parameter, a clip to
+/// underflow) is skipped at a QR refresh — previous basis and moments bitwise kept — and is
+/// not an error, in the synchronous call and in the compute/apply halves; a NaN factor still
+/// is one.
+fn check_zero_factor_is_skipped<T: Real>() {
+    let (m, n) = (6, 4);
+    let mut p = trained::<T>(m, n, 12);
+    let zero = vec![T::zero(); m * m];
+    let before = p.clone();
+    let basis = p.basis_left.as_mut().expect("left");
+    let r = eigenbasis_refresh(
+        &FaerEigensolver,
+        21,
+        FREQ,
+        0,
+        &zero,
+        basis,
+        &mut p.exp_avg,
+        &mut p.exp_avg_sq,
+        m,
+        n,
+    );
+    assert_eq!(r, Ok(RefreshOutcome::ZeroFactor));
+    assert_eq!(
+        bits(p.basis_left.as_ref().expect("left")),
+        bits(before.basis_left.as_ref().expect("left"))
+    );
+    assert_eq!(bits(&p.exp_avg), bits(&before.exp_avg));
+    assert_eq!(bits(&p.exp_avg_sq), bits(&before.exp_avg_sq));
+    // Negative zeros are zeros too.
+    let neg = vec![-T::zero(); m * m];
+    let q = p.basis_left.clone().expect("left");
+    let res = optim::refresh_compute(&FaerEigensolver, 21, FREQ, 0, &neg, &q, m, n)
+        .expect("not an error")
+        .expect("a refresh step");
+    assert_eq!(res.kind(), RefreshOutcome::ZeroFactor);
+    let (mut q2, mut ea, mut eas) = (q.clone(), p.exp_avg.clone(), p.exp_avg_sq.clone());
+    assert_eq!(
+        optim::refresh_apply(&res, &mut q2, &mut ea, &mut eas, m, n),
+        Ok(RefreshOutcome::ZeroFactor)
+    );
+    assert_eq!(bits(&q2), bits(&q));
+    assert_eq!(bits(&ea), bits(&p.exp_avg));
+    // At t = 1 a zero factor initialises the basis (eigenvectors of 1e-30·I), orthonormal.
+    let mut q1 = vec![T::zero(); m * m];
+    let r = eigenbasis_refresh(
+        &FaerEigensolver,
+        1,
+        FREQ,
+        0,
+        &zero,
+        &mut q1,
+        &mut ea,
+        &mut eas,
+        m,
+        n,
+    );
+    assert_eq!(r, Ok(RefreshOutcome::Initialized));
+    assert!(orthonormality_error(&q1, m) < 1e-5);
+    // A NaN among the zeros is still a failure.
+    let mut bad = zero.clone();
+    bad[7] = T::nan();
+    let err = assert_refused(&mut p, &FaerEigensolver, 21, &bad);
+    assert!(
+        matches!(err, RefreshError::NonFiniteFactor { count: 1, .. }),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn zero_factor_is_skipped_not_failed_f32() {
+    check_zero_factor_is_skipped::<f32>();
+}
+
+#[test]
+fn zero_factor_is_skipped_not_failed_f64() {
+    check_zero_factor_is_skipped::<f64>();
 }

@@ -254,6 +254,17 @@ pub struct TrainPlan {
     /// in [`Plan::backward`]; this records the choice for `explain` and the run's first line).
     #[serde(default)]
     pub rematerialize: Rematerialize,
+    /// Stop the run with an error after this many consecutive optimizer steps skipped for a
+    /// non-finite gradient norm (spec key `max_skipped_steps`, range
+    /// [`limits::MAX_SKIPPED_STEPS`]); `None` = never stop. Skips are only detected where the
+    /// plan clips gradients (`ClipGradNorm` computes the global norm). A plan written before
+    /// the key existed gets the default, [`limits::DEFAULT_MAX_SKIPPED_STEPS`].
+    #[serde(default = "default_max_skipped_steps")]
+    pub max_skipped_steps: Option<u64>,
+}
+
+fn default_max_skipped_steps() -> Option<u64> {
+    Some(limits::DEFAULT_MAX_SKIPPED_STEPS)
 }
 
 impl TrainPlan {

@@ -246,6 +246,15 @@ pub const EVAL_INTERVAL: IntRange = IntRange::new(0, 1_000_000_000);
 pub const EVAL_BATCHES: IntRange = IntRange::new(1, 100_000);
 /// `seed`: any 64-bit value.
 pub const SEED: IntRange = IntRange::new(0, u64::MAX);
+/// `max_skipped_steps`: consecutive optimizer steps skipped for a non-finite gradient norm
+/// after which a run stops with an error (`none`: never stop). At least 1 (0 would stop at the
+/// first skip, which is what 1 does).
+pub const MAX_SKIPPED_STEPS: IntRange = IntRange::new(1, 1_000_000_000);
+/// The default of `max_skipped_steps`: one non-finite step (an overflow on one unlucky batch)
+/// is skipped and training goes on, but a skipped step leaves the parameters unchanged, so ten
+/// different batches in a row with a non-finite gradient mean the model itself has diverged;
+/// stopping then wastes at most ten steps instead of the rest of the run.
+pub const DEFAULT_MAX_SKIPPED_STEPS: u64 = 10;
 
 // --- target --------------------------------------------------------------------------------
 /// `threads` (CPU target): worker threads. A fixed cap, since a plan may be compiled on one
@@ -303,6 +312,7 @@ pub const SPEC_KEYS: &[(&str, &str, Limit)] = &[
     ("train", "eval_interval", Limit::Int(EVAL_INTERVAL)),
     ("train", "eval_batches", Limit::Int(EVAL_BATCHES)),
     ("train", "seed", Limit::Int(SEED)),
+    ("train", "max_skipped_steps", Limit::Int(MAX_SKIPPED_STEPS)),
     ("target", "threads", Limit::Int(THREADS)),
     ("target", "staleness", Limit::Int(STALENESS)),
     ("target", "device", Limit::Int(DEVICE)),

@@ -783,6 +783,7 @@ pub(crate) mod tests {
                 eval_batches: 1,
                 seed: 1,
                 rematerialize: Default::default(),
+                max_skipped_steps: Some(10),
             },
             target: TargetPlan::Cpu {
                 threads: Some(1),

@@ -72,6 +72,9 @@ impl Plan {
             limits::EVAL_INTERVAL,
         )?;
         int("train.eval_batches", t.eval_batches, limits::EVAL_BATCHES)?;
+        if let Some(n) = t.max_skipped_steps {
+            int("train.max_skipped_steps", n, limits::MAX_SKIPPED_STEPS)?;
+        }
         match &self.target {
             TargetPlan::Cpu {
                 threads, staleness, ..
@@ -211,6 +214,11 @@ mod tests {
         assert_eq!(
             e,
             "train.eval_batches = 0 is outside the allowed range 1..=100_000"
+        );
+        let e = refused(|p| p.train.max_skipped_steps = Some(0));
+        assert_eq!(
+            e,
+            "train.max_skipped_steps = 0 is outside the allowed range 1..=1_000_000_000"
         );
         let e = refused(|p| {
             p.target = TargetPlan::Cpu {

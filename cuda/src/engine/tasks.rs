@@ -508,6 +508,9 @@ impl CudaEngine {
             let (f, q) = (self.b(task.factor), self.b(task.basis));
             r.compute(&self.dev, init, d, f, q, slot).map_err(e)?;
             let status = self.dev.download::<i32>(&slot.status).map_err(e)?;
+            if refresh::zero_factor(init, &status) {
+                return Ok(Ok(RefreshOutcome::ZeroFactor));
+            }
             if let Err(fail) = refresh::verdict(init, d, &status) {
                 return Ok(Err(fail.to_string()));
             }
@@ -560,7 +563,7 @@ impl CudaEngine {
             )
         });
         match out {
-            Ok(RefreshOutcome::Skipped) => Ok(Ok(RefreshOutcome::Skipped)),
+            Ok(k @ (RefreshOutcome::Skipped | RefreshOutcome::ZeroFactor)) => Ok(Ok(k)),
             Ok(kind) => {
                 self.dev.upload(self.b(task.basis), &q).map_err(e)?;
                 self.dev.upload(self.b(task.exp_avg), &ea).map_err(e)?;
@@ -746,6 +749,9 @@ impl CudaEngine {
         let (m, n) = self.dims(task.exp_avg);
         let sh = self.shadow_of(task)?;
         let status = pinned_slice::<i32>(&sh.status_host, STATUS_WORDS);
+        if refresh::zero_factor(false, status) {
+            return Ok(Ok(RefreshOutcome::ZeroFactor));
+        }
         if let Err(fail) = refresh::verdict(false, d, status) {
             return Ok(Err(fail.to_string()));
         }

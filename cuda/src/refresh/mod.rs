@@ -20,8 +20,9 @@
 //! `RefreshSlot` on the refresher's stream without touching the state; `apply` (the swap,
 //! on the compute stream; `swap.rs`) installs them once the host has read the status words and
 //! `verdict` found them clean. So a numerical failure (non-finite factor or basis, solver
-//! `info ≠ 0`, all-zero factor at a QR refresh, non-finite new basis) leaves basis and moments
-//! untouched. The synchronous refresh (S = 0, and every first basis) runs both halves back to
+//! `info ≠ 0`, non-finite new basis) leaves basis and moments untouched; so does an all-zero
+//! factor at a QR refresh (`zero_factor`), which the engine reports as skipped, not failed, as
+//! on the CPU (`optim::RefreshOutcome::ZeroFactor`). The synchronous refresh (S = 0, and every first basis) runs both halves back to
 //! back on the compute stream with one status read in between; the asynchronous one (S > 0,
 //! `placement = gpu_side`) runs `compute` on the side stream on a snapshot of the factor and
 //! `apply` at a later step boundary (see `crate::engine`). cuSOLVER is column-major; a
@@ -65,7 +66,9 @@ pub enum RefreshFailure {
     /// The new basis is non-finite.
     #[error("the new basis is non-finite; basis kept")]
     BadBasis,
-    /// An all-zero factor at a QR refresh: its power image has no rank.
+    /// An all-zero factor at a QR refresh: its power image has no rank. The engine checks
+    /// [`zero_factor`] first and counts such a refresh as skipped; only the self-test and
+    /// calibration callers of [`verdict`] see this.
     #[error("factor [{dim}x{dim}] is all zero: no rank to refresh from; basis kept")]
     NoRank {
         /// Side length.
@@ -192,6 +195,16 @@ impl RefreshSlot {
     pub(crate) fn bytes(d: usize) -> usize {
         (d * d + d + STATUS_WORDS) * 4 + 3 * crate::memory::BUF_ALIGN
     }
+}
+
+/// Whether the status words of a finished refresh say its factor was exactly zero at a QR
+/// refresh (`max |F| = 0`, `init` false): the engine then keeps the previous basis and reports
+/// the refresh as skipped (`optim::RefreshOutcome::ZeroFactor`), not failed, before asking
+/// [`verdict`] (which refuses such a factor: its candidate basis is not installable). A
+/// non-finite factor is not zero (its `max |F|` word is NaN's bits or the count says so).
+pub(crate) fn zero_factor(init: bool, status: &[i32]) -> bool {
+    let word = |i: usize| status.get(i).copied().unwrap_or(0);
+    !init && word(0) == 0 && word(4) == 0 && status.len() > 4
 }
 
 /// Reads the status words of a finished refresh of side length `d`: `Ok(())` when the
@@ -597,8 +610,14 @@ mod tests {
             verdict(false, 8, &status(&[(4, 0)])),
             Err(RefreshFailure::NoRank { dim: 8 })
         );
-        // An all-zero factor is fine for the first basis (eigh of 1e-30·I).
+        // An all-zero factor is fine for the first basis (eigh of 1e-30·I); at a QR refresh
+        // the engine reports it as skipped (`zero_factor`) before asking the verdict.
         assert_eq!(verdict(true, 8, &status(&[(4, 0)])), Ok(()));
+        assert!(zero_factor(false, &status(&[(4, 0)])));
+        assert!(!zero_factor(true, &status(&[(4, 0)])));
+        assert!(!zero_factor(false, &status(&[])));
+        assert!(!zero_factor(false, &status(&[(0, 3), (4, 0)])));
+        assert!(!zero_factor(false, &[]));
         assert_eq!(
             verdict(true, 8, &status(&[(1, 5)])),
             Err(RefreshFailure::Solver {

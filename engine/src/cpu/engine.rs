@@ -92,6 +92,9 @@ pub struct EngineStats {
     pub last_grad_norm: Option<f64>,
     /// Successful eigenbasis refreshes, all tasks.
     pub refreshes: u64,
+    /// Refreshes skipped because their factor was exactly zero (the parameter's gradients
+    /// vanished); the previous basis was kept. Not failures.
+    pub zero_factor_refreshes: u64,
     /// Failed refreshes, per host task (index of `plan.host_tasks`), all time.
     pub refresh_failures: Vec<u64>,
     /// Current run of consecutive failures, per host task.

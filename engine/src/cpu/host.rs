@@ -225,8 +225,9 @@ impl<T: Float + Real> CpuEngine<T> {
     /// that finished or reached their staleness bound, then runs or launches the refreshes due
     /// now.
     ///
-    /// A numerical failure (non-finite factor, eigensolver failure, all-zero factor, bad
-    /// basis) keeps the previous basis and moments untouched, is counted per task in
+    /// An all-zero factor at a QR refresh keeps the previous basis and is counted in
+    /// [`super::EngineStats::zero_factor_refreshes`], not as a failure. A numerical failure
+    /// (non-finite factor, eigensolver failure, vanishing non-zero factor, bad basis) keeps the previous basis and moments untouched, is counted per task in
     /// [`super::EngineStats::refresh_failures`] and logged with `tracing::warn!`; with S > 0
     /// it is found when the result is swapped in.
     ///

@@ -22,6 +22,9 @@
 //!   and only then does the step block on it ([`RefreshBackend::wait`]); a task due again while
 //!   its previous refresh is in flight swaps that one in first. Swap staleness
 //!   = (step of the swap) − L ∈ [0, S].
+//! - **Zero factors**: a QR refresh of an exactly-zero factor (its gradients vanished) keeps
+//!   the previous basis and is counted in [`EngineStats::zero_factor_refreshes`], not as a
+//!   failure.
 //! - **Failures**: a numerical failure keeps the previous basis and moments, is counted per task
 //!   in [`EngineStats::refresh_failures`] and logged; a task failing
 //!   [`EngineOptions::max_consecutive_refresh_failures`] times in a row stops the run
@@ -169,8 +172,9 @@ impl RefreshTask {
     }
 
     /// Sorts the output of a background computation: a result to install (`Ok(Ok(result))`),
-    /// or an outcome that is already final (`Ok(Err(outcome))`: nothing to install, or a
-    /// numerical failure).
+    /// or an outcome that is already final (`Ok(Err(outcome))`: nothing to install — not a
+    /// refresh step, or an all-zero factor ([`RefreshOutcome::ZeroFactor`]) — or a numerical
+    /// failure).
     ///
     /// # Errors
     /// [`EngineError::Optim`] for a lost worker or a non-numerical refusal.
@@ -179,6 +183,9 @@ impl RefreshTask {
         out: JobOutput<T>,
     ) -> Result<Result<RefreshResult<T>, Outcome>, EngineError> {
         match out {
+            Ok(Some(result)) if result.kind() == RefreshOutcome::ZeroFactor => {
+                Ok(Err(Ok(RefreshOutcome::ZeroFactor)))
+            }
             Ok(Some(result)) => Ok(Ok(result)),
             Ok(None) => Ok(Err(Ok(RefreshOutcome::Skipped))),
             Err(JobError::Refresh(e)) => self.outcome(Err(e)).map(Err),
@@ -451,7 +458,9 @@ impl<J> RefreshRuntime<J> {
     /// Counts the outcome of one refresh of task `index`, launched at the end of step
     /// `launched` and settled at the end of step `step`: an installed result (not `Skipped`)
     /// is a swap of staleness `step − launched` and resets the task's failure run (an
-    /// `Initialized` one marks the task initialised); a numerical failure is counted, logged
+    /// `Initialized` one marks the task initialised); an all-zero factor (`ZeroFactor`) is
+    /// counted in [`EngineStats::zero_factor_refreshes`], neither a swap nor a failure; a
+    /// numerical failure is counted, logged
     /// with `tracing::warn!`, and stops the run once the task has failed `limit` times in a
     /// row.
     fn count(
@@ -465,6 +474,15 @@ impl<J> RefreshRuntime<J> {
     ) -> Result<(), EngineError> {
         match outcome {
             Ok(RefreshOutcome::Skipped) => Ok(()),
+            Ok(RefreshOutcome::ZeroFactor) => {
+                // Not a failure and not a swap: the factor's gradients vanished, the previous
+                // basis stays. The failure run is left as it is.
+                stats.zero_factor_refreshes += 1;
+                let factor = self.names.get(index).map_or("", String::as_str);
+                tracing::debug!(step, launched, task = index, factor = %factor,
+                    "eigenbasis refresh skipped: the factor is all zero; keeping the previous basis");
+                Ok(())
+            }
             Ok(kind) => {
                 if kind == RefreshOutcome::Initialized {
                     if let Some(flag) = self.initialized.get_mut(index) {

@@ -445,6 +445,7 @@ pub fn plan(g: &Gpt) -> Plan {
             eval_batches: 2,
             seed: 1234,
             rematerialize: Default::default(),
+            max_skipped_steps: Some(10),
         },
         target: TargetPlan::Cpu {
             threads: g.threads,

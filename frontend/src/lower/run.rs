@@ -28,6 +28,7 @@ const TRAIN_KEYS: &[&str] = &[
     "eval_batches",
     "seed",
     "rematerialize",
+    "max_skipped_steps",
 ];
 const TARGETS: &[&str] = &["cpu", "cuda"];
 
@@ -118,6 +119,21 @@ pub(crate) fn train(c: &mut Checker, b: &Block) -> TrainConfig {
             }
         },
     };
+    let max_skipped_steps = match f.get("max_skipped_steps") {
+        None => Some(limits::DEFAULT_MAX_SKIPPED_STEPS),
+        Some(e) if e.value.kind == ValueKind::None => None,
+        Some(e) => {
+            let n = c.uint_value("max_skipped_steps", &e.value, limits::MAX_SKIPPED_STEPS);
+            if n.is_none() {
+                if let Some(last) = c.errors.last_mut() {
+                    last.help = Some(
+                        "write `max_skipped_steps = none` to never stop on skipped steps".into(),
+                    );
+                }
+            }
+            n
+        }
+    };
     TrainConfig {
         steps: steps.unwrap_or(1),
         warmup_steps,
@@ -127,6 +143,7 @@ pub(crate) fn train(c: &mut Checker, b: &Block) -> TrainConfig {
         eval_batches: c.uint_or(&f, "eval_batches", limits::EVAL_BATCHES, 4),
         seed: c.uint_or(&f, "seed", limits::SEED, 1337),
         rematerialize: named_option(c, &f, "rematerialize", ir::Rematerialize::NAMES),
+        max_skipped_steps,
     }
 }
 

@@ -47,6 +47,7 @@ pub fn config() -> Config {
             eval_batches: 2,
             seed: 1337,
             rematerialize: Default::default(),
+            max_skipped_steps: Some(10),
         },
         target: TargetConfig::Cpu {
             threads: None,
