@@ -58,12 +58,7 @@ fn step_records(path: &Path) -> Vec<(u64, Option<f64>)> {
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json line"))
         .filter(|v| v.get("loss").is_some())
-        .map(|v| {
-            (
-                v["step"].as_u64().expect("step"),
-                v["grad_norm"].as_f64(),
-            )
-        })
+        .map(|v| (v["step"].as_u64().expect("step"), v["grad_norm"].as_f64()))
         .collect()
 }
 
@@ -98,7 +93,10 @@ fn a_diverging_run_stops_after_max_skipped_steps_consecutive_skips() {
         .map(|s| s.0)
         .collect();
     assert_eq!(skipped.len(), limit, "{steps:?}");
-    assert_eq!(skipped, ((last + 1 - limit as u64)..=last).collect::<Vec<_>>());
+    assert_eq!(
+        skipped,
+        ((last + 1 - limit as u64)..=last).collect::<Vec<_>>()
+    );
     assert!(steps[..steps.len() - limit]
         .iter()
         .all(|s| s.1.is_some_and(f64::is_finite)));
@@ -138,7 +136,10 @@ fn max_skipped_steps_none_never_stops() {
     let steps = step_records(&metrics);
     assert_eq!(steps.len(), 30);
     let skipped = steps.iter().filter(|s| s.1.is_none()).count();
-    assert!(skipped > 10, "the run diverged and kept skipping: {steps:?}");
+    assert!(
+        skipped > 10,
+        "the run diverged and kept skipping: {steps:?}"
+    );
     assert!(err.contains(&format!("skipped steps {skipped}")), "{err}");
 }
 
@@ -187,11 +188,11 @@ fn soap_with_vanishing_gradients_skips_zero_factor_refreshes_without_failing() {
     let o = asteria(&["train", path.to_str().expect("utf8")]);
     let err = stderr(&o);
     assert!(o.status.success(), "{err}");
-    let summary = err
-        .split("steps 20 |")
-        .nth(1)
-        .expect("summary line");
-    assert!(summary.contains("refresh failures 0 (zero-factor skips"), "{summary}");
+    let summary = err.split("steps 20 |").nth(1).expect("summary line");
+    assert!(
+        summary.contains("refresh failures 0 (zero-factor skips"),
+        "{summary}"
+    );
     let skips: u64 = summary
         .split("zero-factor skips ")
         .nth(1)

@@ -502,13 +502,14 @@ fn max_skipped_steps_zero_is_out_of_range_and_suggests_none() {
 
 #[test]
 fn max_skipped_steps_defaults_to_10_and_none_never_stops() {
-    let parse = |src: &str| {
-        common::parse(src)
-            .expect("valid")
-            .train
-            .max_skipped_steps
-    };
+    let parse = |src: &str| common::parse(src).expect("valid").train.max_skipped_steps;
     assert_eq!(parse(common::VALID), Some(10));
-    assert_eq!(parse(&edit("steps = 10", "steps = 10  max_skipped_steps = 3")), Some(3));
-    assert_eq!(parse(&edit("steps = 10", "steps = 10  max_skipped_steps = none")), None);
+    assert_eq!(
+        parse(&edit("steps = 10", "steps = 10  max_skipped_steps = 3")),
+        Some(3)
+    );
+    assert_eq!(
+        parse(&edit("steps = 10", "steps = 10  max_skipped_steps = none")),
+        None
+    );
 }

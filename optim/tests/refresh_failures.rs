@@ -381,7 +381,10 @@ fn check_zero_factor_is_skipped<T: Real>() {
     let mut bad = zero.clone();
     bad[7] = T::nan();
     let err = assert_refused(&mut p, &FaerEigensolver, 21, &bad);
-    assert!(matches!(err, RefreshError::NonFiniteFactor { count: 1, .. }), "{err:?}");
+    assert!(
+        matches!(err, RefreshError::NonFiniteFactor { count: 1, .. }),
+        "{err:?}"
+    );
 }
 
 #[test]
