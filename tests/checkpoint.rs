@@ -250,3 +250,78 @@ fn damaged_or_foreign_checkpoints_are_refused_and_half_written_ones_ignored() {
     std::fs::create_dir(&empty).expect("mkdir");
     expect_refused(&empty, &plan, "holds no checkpoint");
 }
+
+/// A checkpoint resumes under other run options: here a SOAP run checkpointed at S = 0 with
+/// everything on the device continues with `staleness = 2` and a `memory` budget that moves
+/// moments to the host tier. The first resumed step's loss (the forward on the restored
+/// parameters) equals the uninterrupted run's, and the offloaded moments hold the
+/// checkpoint's values.
+#[test]
+fn a_checkpoint_resumes_with_another_staleness_and_tier_budget() {
+    let src = spec(SOAP, 64);
+    let plan = compile(&src);
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let base = TrainOptions {
+        cache_dir: Some(tmp.path().join("cache")),
+        ..TrainOptions::default()
+    };
+    let (full, _) = run(&plan, 6, base.clone()).expect("uninterrupted");
+    let ck = tmp.path().join("ck");
+    run(
+        &plan,
+        4,
+        TrainOptions {
+            checkpoint_dir: Some(ck.clone()),
+            ..base.clone()
+        },
+    )
+    .expect("checkpointed");
+    let need = plan.memory.device_bytes() / 1024;
+    let other = src.replace(
+        "target cpu { threads = 2 staleness = 0 }",
+        &format!(
+            "target cpu {{ threads = 2 staleness = 2 memory = {}KiB }}",
+            need - 64
+        ),
+    );
+    let tiered = compile(&other);
+    let offloaded: Vec<String> = tiered
+        .buffers
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| {
+            tiered
+                .memory
+                .tier(schedule::BufferId(*i as u32))
+                .is_some_and(|k| !k.on_device())
+        })
+        .map(|(_, b)| b.name.clone())
+        .collect();
+    assert!(!offloaded.is_empty(), "the budget moves something");
+    let ckpt = engine::checkpoint::load(&ck).expect("load");
+    let mut e = CpuEngine::<f32>::new(tiered.clone(), Default::default()).expect("engine");
+    engine::checkpoint::restore(&mut e, &ckpt).expect("restores into the tiered plan");
+    for n in &offloaded {
+        let got: Vec<f32> = e
+            .buffer(n)
+            .expect("read")
+            .iter()
+            .map(|&x| x as f32)
+            .collect();
+        assert_eq!(&got, &ckpt.tensors[n], "{n}");
+    }
+    let (rest, _) = run(
+        &tiered,
+        6,
+        TrainOptions {
+            resume: Some(ck.clone()),
+            ..base.clone()
+        },
+    )
+    .expect("resumed under other options");
+    assert_eq!(rest.train_losses.len(), 2);
+    assert_eq!(
+        rest.train_losses[0], full.train_losses[4],
+        "step 5's forward"
+    );
+}
