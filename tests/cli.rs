@@ -704,3 +704,42 @@ target cpu { threads = 1 }
     assert!(!o.status.success());
     assert!(text(&o).1.contains("raise --steps"), "{:?}", text(&o));
 }
+
+/// With stderr a pipe (a log file, CI) the run still says what it does: a line at start with
+/// the tokens per step, and one per evaluation with the step, train and validation loss and
+/// tokens/s; `--quiet` silences them.
+#[test]
+fn train_reports_progress_lines_when_stderr_is_not_a_terminal() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spec = dir.path().join("t6.asteria");
+    std::fs::write(
+        &spec,
+        "model gpt2 { vocab = 256 context = 32 d_model = 32 layers = 1 heads = 2 }
+optimizer adamw { lr = 1e-3 }
+data { corpus = builtin tokenizer = bytes batch_size = 2 seq_len = 32 val_fraction = 0.1 }
+train { steps = 6 eval_interval = 3 eval_batches = 2 }
+target cpu { threads = 1 }
+",
+    )
+    .expect("write spec");
+    let s = spec.to_str().expect("utf8");
+    let o = asteria(&["train", s]);
+    let (_, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("64 tokens/step"), "{err}");
+    assert!(err.contains("step 0/6 | val loss"), "{err}");
+    for step in ["step 3/6 | train loss", "step 6/6 | train loss"] {
+        let line = err
+            .lines()
+            .find(|l| l.starts_with(step))
+            .unwrap_or_else(|| panic!("{step}: {err}"));
+        assert!(
+            line.contains("val loss") && line.contains("tok/s"),
+            "{line}"
+        );
+    }
+    let o = asteria(&["train", s, "--quiet"]);
+    let (_, err) = text(&o);
+    assert!(o.status.success());
+    assert!(!err.contains("val loss"), "--quiet: {err}");
+}

@@ -425,6 +425,33 @@ pub fn train_with<E: StepExecutor>(
         eval(engine, &sampler, 0, &mut summary, &mut metrics)?;
     }
     let pb = progress_bar(steps, opts.quiet);
+    // What a run says on stderr besides the bar: a line at start, one per evaluation, and
+    // (when stderr is not a terminal: a log file, CI, a job scheduler) a status line at least
+    // once a minute. In a terminal the lines print above the bar.
+    let tty = std::io::stderr().is_terminal();
+    let say = |pb: &ProgressBar, line: String| {
+        if opts.quiet {
+        } else if tty {
+            pb.println(line);
+        } else {
+            // A closed stderr (its reader exited) is not an error of the run.
+            let _ = writeln!(std::io::stderr(), "{line}");
+        }
+    };
+    say(
+        &pb,
+        format!(
+            "training steps {first}..={steps} on {}: {b} x {t} = {} tokens/step; corpus {} train / {} val tokens",
+            engine.describe(),
+            b * t,
+            summary.train_tokens,
+            summary.val_tokens
+        ),
+    );
+    if let Some(&(_, v)) = summary.val_losses.last() {
+        say(&pb, format!("step 0/{steps} | val loss {v:.4}"));
+    }
+    let mut last_line = Instant::now();
     // Grows with the run (a billion-step run must not reserve 8 GB up front).
     let reserve = usize::try_from(steps).map_or(1 << 16, |s| s.min(1 << 16));
     let mut step_ms = Vec::with_capacity(reserve);
@@ -510,6 +537,20 @@ pub fn train_with<E: StepExecutor>(
         pb.set_message(format!("loss {loss:.4} | {tps:.0} tok/s"));
         if evals && (step % plan.train.eval_interval == 0 || step == steps) {
             eval(engine, &sampler, step, &mut summary, &mut metrics)?;
+            let v = summary.val_losses.last().map_or(f64::NAN, |x| x.1);
+            say(
+                &pb,
+                format!(
+                    "step {step}/{steps} | train loss {loss:.4} | val loss {v:.4} | {tps:.0} tok/s"
+                ),
+            );
+            last_line = Instant::now();
+        } else if !tty && last_line.elapsed().as_secs() >= 60 {
+            say(
+                &pb,
+                format!("step {step}/{steps} | train loss {loss:.4} | {tps:.0} tok/s"),
+            );
+            last_line = Instant::now();
         }
         let interrupted = opts
             .interrupt
