@@ -325,3 +325,31 @@ fn a_checkpoint_resumes_with_another_staleness_and_tier_budget() {
         "step 5's forward"
     );
 }
+
+/// A run resumed from an older checkpoint into the same directory keeps what it writes: the
+/// oldest others are pruned, never the new one.
+#[test]
+fn a_resume_below_newer_checkpoints_keeps_its_own() {
+    let plan = compile(&spec(ADAMW, 64));
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let ck = tmp.path().join("ck");
+    let opts = TrainOptions {
+        cache_dir: Some(tmp.path().join("cache")),
+        checkpoint_dir: Some(ck.clone()),
+        checkpoint_every: Some(2),
+        checkpoint_keep: 2,
+        ..TrainOptions::default()
+    };
+    run(&plan, 6, opts.clone()).expect("first run");
+    assert_eq!(dirs(&ck), ["step-000000004", "step-000000006"]);
+    run(
+        &plan,
+        5,
+        TrainOptions {
+            resume: Some(ck.join("step-000000004")),
+            ..opts
+        },
+    )
+    .expect("resumed from the older one");
+    assert_eq!(dirs(&ck), ["step-000000005", "step-000000006"]);
+}

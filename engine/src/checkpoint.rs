@@ -153,7 +153,8 @@ pub fn step_dir_name(step: u64) -> String {
 
 /// Writes the checkpoint of `engine` after step `step` (`batches` training batches drawn,
 /// sampler seed `seed`) into `root/step-N`, atomically, draining refreshes in flight first;
-/// then removes all but the newest `keep` checkpoints in `root`. Returns the directory.
+/// then removes the oldest others until `keep` checkpoints remain in `root` (the new one
+/// always stays). Returns the directory.
 ///
 /// # Errors
 /// [`EngineError::Checkpoint`] on an I/O error (the message names the path); the engine's
@@ -241,9 +242,15 @@ pub fn save<E: StepExecutor + ?Sized>(
     }
     std::fs::rename(&tmp, &done).map_err(|e| io(&done, e))?;
     fsync_dir(root)?;
-    let mut all = list(root)?;
-    while all.len() > keep.max(1) {
-        let (_, old) = all.remove(0);
+    // Keep the newest `keep` by step, never the one just written (a run resumed from an older
+    // checkpoint writes below newer ones).
+    let mut others: Vec<PathBuf> = list(root)?
+        .into_iter()
+        .map(|(_, p)| p)
+        .filter(|p| *p != done)
+        .collect();
+    while others.len() + 1 > keep.max(1) {
+        let old = others.remove(0);
         std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
     }
     tracing::info!(dir = %done.display(), step, "checkpoint written");
