@@ -644,22 +644,35 @@ fn tampered_plan_hyperparameters_are_refused_before_running() {
     );
 }
 
+/// A tiny AdamW GPT-2 spec on the built-in corpus with the bytes tokenizer (batch 2 × 32, one
+/// thread), its model shape and train keys given, written into `dir`.
+fn bytes_spec(dir: &Path, model: &str, train: &str) -> PathBuf {
+    let spec = dir.join("tiny-bytes.asteria");
+    std::fs::write(
+        &spec,
+        format!(
+            "model gpt2 {{ vocab = 256 context = 32 {model} }}
+optimizer adamw {{ lr = 1e-3 }}
+data {{ corpus = builtin tokenizer = bytes batch_size = 2 seq_len = 32 val_fraction = 0.1 }}
+train {{ {train} }}
+target cpu {{ threads = 1 }}
+"
+        ),
+    )
+    .expect("write spec");
+    spec
+}
+
 /// `asteria train --checkpoint-dir` / `--resume`, and SIGINT: the run finishes its step,
 /// writes a checkpoint, says where and exits non-zero; resuming from it continues the run.
 #[test]
 fn train_checkpoints_on_sigint_and_resumes() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let spec = dir.path().join("tiny-bytes.asteria");
-    std::fs::write(
-        &spec,
-        "model gpt2 { vocab = 256 context = 32 d_model = 64 layers = 2 heads = 4 }
-optimizer adamw { lr = 1e-3 }
-data { corpus = builtin tokenizer = bytes batch_size = 2 seq_len = 32 val_fraction = 0.1 }
-train { steps = 1000000 eval_interval = 0 }
-target cpu { threads = 1 }
-",
-    )
-    .expect("write spec");
+    let spec = bytes_spec(
+        dir.path(),
+        "d_model = 64 layers = 2 heads = 4",
+        "steps = 1000000 eval_interval = 0",
+    );
     let ck = dir.path().join("ck");
     let (spec_s, ck_s) = (spec.to_str().expect("utf8"), ck.to_str().expect("utf8"));
     let child = Command::new(env!("CARGO_BIN_EXE_asteria"))
@@ -711,17 +724,11 @@ target cpu { threads = 1 }
 #[test]
 fn train_reports_progress_lines_when_stderr_is_not_a_terminal() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let spec = dir.path().join("t6.asteria");
-    std::fs::write(
-        &spec,
-        "model gpt2 { vocab = 256 context = 32 d_model = 32 layers = 1 heads = 2 }
-optimizer adamw { lr = 1e-3 }
-data { corpus = builtin tokenizer = bytes batch_size = 2 seq_len = 32 val_fraction = 0.1 }
-train { steps = 6 eval_interval = 3 eval_batches = 2 }
-target cpu { threads = 1 }
-",
-    )
-    .expect("write spec");
+    let spec = bytes_spec(
+        dir.path(),
+        "d_model = 32 layers = 1 heads = 2",
+        "steps = 6 eval_interval = 3 eval_batches = 2",
+    );
     let s = spec.to_str().expect("utf8");
     let o = asteria(&["train", s]);
     let (_, err) = text(&o);
