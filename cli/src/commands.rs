@@ -336,6 +336,7 @@ fn train_options(run: &RunFlags) -> Result<engine::TrainOptions> {
         checkpoint_keep: run.checkpoint_keep as usize,
         resume: run.resume.clone(),
         interrupt: Some(interrupt_flag()?),
+        started: Some(crate::started()),
     })
 }
 
@@ -437,6 +438,10 @@ fn execute_cuda(
             ),
         }
     }
+    note!(
+        "cuda: first step done {:.1} s after process start (compile, set-up, data, first evaluation, step)",
+        summary.first_step_s
+    );
     let stats = engine::StepExecutor::stats(&eng);
     note!(
         "cuda: {}; {}; host tasks {:.0} ms total, {} refreshes",

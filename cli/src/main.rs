@@ -280,7 +280,14 @@ enum BenchCommand {
     },
 }
 
+/// When `main` began: time to first step counts from here.
+fn started() -> std::time::Instant {
+    *STARTED.get_or_init(std::time::Instant::now)
+}
+static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+
 fn main() -> ExitCode {
+    started();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -24,7 +24,8 @@ pub struct TrainOptions {
     /// time of the optimizer program plus the host tasks on the critical path (the visible
     /// optimizer overhead); `refresh_wait_ms` the part of it blocked on background refreshes;
     /// `max_swap_staleness` (steps between launch and swap, max over this step's swaps) is null
-    /// when nothing was swapped in.
+    /// when nothing was swapped in; `wall_s` is the seconds since [`TrainOptions::started`]
+    /// at the end of the step.
     pub metrics_path: Option<PathBuf>,
     /// No progress bar and no summary line on stderr (the bar is also hidden when stderr is
     /// not a terminal).
@@ -44,6 +45,10 @@ pub struct TrainOptions {
     /// Set (by a SIGINT / SIGTERM handler) to stop after the current step, checkpointing
     /// first when `checkpoint_dir` is given.
     pub interrupt: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    /// When the process (or the caller's run) started: the metrics' `wall_s` and the "first
+    /// step after" line count from here. `None` = from the start of [`train_with`] (engine
+    /// construction, plan compilation and start-up then do not count).
+    pub started: Option<Instant>,
 }
 
 /// What a training run did.
@@ -57,6 +62,8 @@ pub struct TrainSummary {
     pub val_losses: Vec<(u64, f64)>,
     /// Median wall time of one step (forward, backward, optimizer, host tasks), ms.
     pub median_step_ms: f64,
+    /// Seconds from [`TrainOptions::started`] to the end of the first step of this run.
+    pub first_step_s: f64,
     /// Training tokens per second over all steps.
     pub tokens_per_s: f64,
     /// Failed eigenbasis refreshes (all tasks).
@@ -356,6 +363,7 @@ pub fn train_with<E: StepExecutor>(
     engine: &mut E,
     opts: &TrainOptions,
 ) -> Result<TrainSummary, EngineError> {
+    let started = opts.started.unwrap_or_else(Instant::now);
     let plan = &engine.plan().clone();
     let steps = opts.steps.unwrap_or(plan.train.steps);
     if !schedule::limits::STEPS.contains_u64(steps) {
@@ -508,7 +516,17 @@ pub fn train_with<E: StepExecutor>(
             "refreshes_launched": host.launched,
             "refreshes_swapped": host.swapped,
             "max_swap_staleness": host.max_swap_staleness,
+            "wall_s": started.elapsed().as_secs_f64(),
         }));
+        if step == first {
+            // Time to first step: process start (or the caller's) to the end of this step:
+            // compilation, engine set-up (allocation, initialisation, kernel compilation),
+            // data loading, the first evaluation and the step itself.
+            let wall = started.elapsed().as_secs_f64();
+            tracing::info!(wall_s = wall, "first step done");
+            summary.first_step_s = wall;
+            say(&pb, format!("first step done {wall:.1} s after start ({ms:.0} ms)"));
+        }
         if let Err(e) = written {
             // Lose nothing: the state after this step is saved before the run stops.
             pb.finish_and_clear();

@@ -56,9 +56,17 @@ fn trains_on_the_builtin_corpus_and_writes_metrics() {
         .iter()
         .find(|l| l["step"] == 1 && l.get("loss").is_some())
         .expect("step 1");
-    for key in ["loss", "lr", "grad_norm", "step_ms", "tokens_per_s"] {
+    for key in ["loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "wall_s"] {
         assert!(step1[key].is_number(), "{key} missing in {step1}");
     }
+    // Wall time since the start grows step by step; the first step's is the summary's.
+    let walls: Vec<f64> = lines
+        .iter()
+        .filter_map(|l| l.get("wall_s").and_then(|w| w.as_f64()))
+        .collect();
+    assert_eq!(walls.len(), 12);
+    assert!(walls.windows(2).all(|w| w[1] > w[0]), "{walls:?}");
+    assert!(s.first_step_s > 0.0 && (s.first_step_s - walls[0]).abs() < 0.05);
     assert!(lines
         .iter()
         .any(|l| l["step"] == 0 && l["val_loss"].is_number()));
