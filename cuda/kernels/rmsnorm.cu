@@ -48,16 +48,24 @@ extern "C" __global__ void rmsnorm_backward_dx(const float* __restrict__ dout, c
     if (threadIdx.x == 0) rinv[row] = r;
 }
 
-// dweight[j] = sum_n dout[n,j] * x[n,j] * rinv[n]. Block (32, 16) column tiles, fixed order.
+// dweight partials: part[slab * c + j] = sum over the slab's rows n of dout[n,j] * x[n,j] * rinv[n],
+// rows [slab * rows_per_slab, min(n, (slab + 1) * rows_per_slab)), slab = blockIdx.y. Block
+// (32, 16) column tiles, fixed order; the partials are added in slab order by
+// `layernorm_backward_params_finalize` (with one slab, part is dweight itself). Before, one
+// slab of all N rows gave ceil(c / 32) blocks (64 at c = 2048): too few to stream the two
+// [N, c] operands at the memory's rate.
 extern "C" __global__ void rmsnorm_backward_weight(const float* __restrict__ dout, const float* __restrict__ x,
-                                                   const float* __restrict__ rinv, float* __restrict__ dweight,
-                                                   int n, int c) {
+                                                   const float* __restrict__ rinv, float* __restrict__ part,
+                                                   int n, int c, int rows_per_slab) {
     __shared__ float s_w[16][33];
     const int j = blockIdx.x * 32 + threadIdx.x;
+    const long long r0 = (long long)blockIdx.y * rows_per_slab;
+    const long long r1 = min((long long)n, r0 + rows_per_slab);
     float aw = 0.0f;
     if (j < c) {
-        for (int r = threadIdx.y; r < n; r += blockDim.y) {
-            const long long k = (long long)r * c + j;
+#pragma unroll 4
+        for (long long r = r0 + threadIdx.y; r < r1; r += blockDim.y) {
+            const long long k = r * c + j;
             aw += dout[k] * x[k] * rinv[r];
         }
     }
@@ -66,6 +74,6 @@ extern "C" __global__ void rmsnorm_backward_weight(const float* __restrict__ dou
     if (threadIdx.y == 0 && j < c) {
         float t = 0.0f;
         for (int y = 0; y < (int)blockDim.y; ++y) t += s_w[y][threadIdx.x];
-        dweight[j] = t;
+        part[(long long)blockIdx.y * c + j] = t;
     }
 }

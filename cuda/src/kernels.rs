@@ -91,7 +91,7 @@ pub const FAMILIES: &[Family] = &[
             "cast_f32_bf16"
         ]
     ),
-    family!("rope", ["rope_rotate"]),
+    family!("rope", ["rope_table", "rope_rotate"]),
     family!(
         "attention",
         [

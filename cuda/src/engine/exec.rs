@@ -299,7 +299,7 @@ impl CudaEngine {
                     rotated_cols: *rotated_cols,
                     theta: *theta,
                 };
-                nn::rope_forward(dev, self.b(*x), self.b(*out), &d)?;
+                nn::rope_forward(dev, self.b(*x), self.b(*out), &d, &self.scratch)?;
             }
             Op::RopeBackward {
                 dout,
@@ -316,7 +316,7 @@ impl CudaEngine {
                     rotated_cols: *rotated_cols,
                     theta: *theta,
                 };
-                nn::rope_backward(dev, self.b(*dout), self.b(*dx), &d)?;
+                nn::rope_backward(dev, self.b(*dout), self.b(*dx), &d, &self.scratch)?;
             }
             Op::Attention {
                 qkv,

@@ -88,7 +88,13 @@ fn scratch_need(
     let cols = |id: BufferId| dims2(shape(id)).1;
     match op {
         Op::LayerNormBackward { x, .. } => nn::layernorm_backward_scratch_len(rows(*x)),
-        Op::RmsNormBackward { x, .. } => nn::rmsnorm_backward_scratch_len(rows(*x)),
+        Op::RmsNormBackward { x, .. } => nn::rmsnorm_backward_scratch_len(rows(*x), cols(*x)),
+        Op::Rope {
+            seq_len, head_dim, ..
+        }
+        | Op::RopeBackward {
+            seq_len, head_dim, ..
+        } => nn::rope_scratch_len(*seq_len, *head_dim),
         Op::SumRows { x, .. } => nn::sum_rows_scratch_len(rows(*x), cols(*x)),
         Op::Attention {
             qkv,

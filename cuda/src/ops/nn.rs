@@ -10,10 +10,6 @@ use crate::memory::{Buf, Elem};
 /// Block of the column-tile kernels: 32 columns × 16 row lanes.
 const COL_BLOCK: (u32, u32, u32) = (32, 16, 1);
 
-fn col_grid(c: usize) -> (u32, u32, u32) {
-    (c.div_ceil(32).max(1) as u32, 1, 1)
-}
-
 /// Plan op `Embedding`: `out[n, :] = table[ids[n], :]`. table f32 `[vocab, c]`, ids i32 `[N]`,
 /// out f32 `[N, c]`. A bad id NaN-fills its row and is reported by [`Device::take_status`].
 pub fn embedding_forward(
@@ -490,13 +486,16 @@ pub fn rmsnorm_forward(
     )
 }
 
-/// Scratch elements (f32) of [`rmsnorm_backward`]: `N` (row 1/rms).
-pub fn rmsnorm_backward_scratch_len(n_rows: usize) -> usize {
-    n_rows
+/// Scratch elements (f32) of [`rmsnorm_backward`] over `n_rows` rows of `c`: `N` (row 1/rms)
+/// and the dweight partials, `slabs · c` ([`sum_rows`]' slabs: at most 64).
+pub fn rmsnorm_backward_scratch_len(n_rows: usize, c: usize) -> usize {
+    n_rows + sum_rows_slabs(n_rows).0 * c
 }
 
 /// Plan op `RmsNormBackward`: dx `[N, c]`, dweight `[c]` (overwritten). `scratch` f32 of at
-/// least [`rmsnorm_backward_scratch_len`].
+/// least [`rmsnorm_backward_scratch_len`]. dx: one block per row; dweight: a two-stage column
+/// reduction (slabs of rows into partials, then the partials added in slab order), so the
+/// result is deterministic for a given `(N, c)`.
 #[allow(clippy::too_many_arguments)]
 pub fn rmsnorm_backward(
     dev: &Device,
@@ -516,8 +515,10 @@ pub fn rmsnorm_backward(
     }
     weight.expect(OP, "weight", Elem::F32, c)?;
     dweight.expect(OP, "dweight", Elem::F32, c)?;
+    let len = rmsnorm_backward_scratch_len(n, c);
+    let scratch = scratch.slice(0, len)?;
+    scratch.expect(OP, "scratch", Elem::F32, len)?;
     let rinv = scratch.slice(0, n)?;
-    rinv.expect(OP, "scratch", Elem::F32, n)?;
     if n > 0 {
         let args = Args::new()
             .buf(dout)
@@ -535,14 +536,24 @@ pub fn rmsnorm_backward(
             args,
         )?;
     }
-    let args = Args::new()
-        .buf(dout)
-        .buf(x)
-        .buf(&rinv)
-        .buf(dweight)
-        .i32(n as i32)
-        .i32(int(OP, "C", c)?);
-    dev.launch("rmsnorm_backward_weight", col_grid(c), COL_BLOCK, args)
+    let (slabs, rows) = sum_rows_slabs(n);
+    let args = |dst: &Buf| -> Result<Args> {
+        Ok(Args::new()
+            .buf(dout)
+            .buf(x)
+            .buf(&rinv)
+            .buf(dst)
+            .i32(int(OP, "N", n)?)
+            .i32(int(OP, "C", c)?)
+            .i32(int(OP, "rows per slab", rows)?))
+    };
+    let grid = slab_grid(c, slabs);
+    if slabs == 1 {
+        return dev.launch("rmsnorm_backward_weight", grid, COL_BLOCK, args(dweight)?);
+    }
+    let part = scratch.slice(n, slabs * c)?;
+    dev.launch("rmsnorm_backward_weight", grid, COL_BLOCK, args(&part)?)?;
+    add_slab_partials(dev, OP, &part, None, dweight, None, c, slabs)
 }
 
 fn same_len(op: &'static str, bufs: &[(&'static str, &Buf)]) -> Result<usize> {
@@ -732,7 +743,22 @@ pub struct RopeDims {
     pub theta: f64,
 }
 
-fn rope(dev: &Device, op: &'static str, x: &Buf, out: &Buf, d: &RopeDims, sign: f32) -> Result<()> {
+/// Scratch elements (f32) of [`rope_forward`] / [`rope_backward`]: the `[seq_len, head_dim/2]`
+/// cosine and sine table, interleaved.
+pub fn rope_scratch_len(seq_len: usize, head_dim: usize) -> usize {
+    2 * seq_len * (head_dim / 2)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rope(
+    dev: &Device,
+    op: &'static str,
+    x: &Buf,
+    out: &Buf,
+    d: &RopeDims,
+    sign: f32,
+    scratch: &Buf,
+) -> Result<()> {
     let total = same_len(op, &[("x", x), ("out", out)])?;
     let bad = d.width == 0
         || total % d.width != 0
@@ -748,32 +774,54 @@ fn rope(dev: &Device, op: &'static str, x: &Buf, out: &Buf, d: &RopeDims, sign: 
         });
     }
     no_alias(op, x, out)?;
+    let len = rope_scratch_len(d.seq_len, d.head_dim);
+    let table = scratch.slice(0, len)?;
+    table.expect(op, "scratch", Elem::F32, len)?;
+    let rows = total / d.width;
+    if rows == 0 {
+        return Ok(());
+    }
+    let args = Args::new()
+        .buf(&table)
+        .i32(int(op, "seq_len", d.seq_len)?)
+        .i32(int(op, "head_dim", d.head_dim)?)
+        .f64(d.theta);
+    dev.launch(
+        "rope_table",
+        (dev.grid_for(len / 2), 1, 1),
+        (256, 1, 1),
+        args,
+    )?;
+    let work = rows * (d.width - d.rotated_cols / 2);
     let args = Args::new()
         .buf(x)
         .buf(out)
-        .i64(total as i64)
+        .buf(&table)
+        .i64(rows as i64)
         .i32(int(op, "width", d.width)?)
         .i32(int(op, "seq_len", d.seq_len)?)
         .i32(int(op, "head_dim", d.head_dim)?)
         .i32(int(op, "rotated_cols", d.rotated_cols)?)
-        .f64(d.theta)
         .f32(sign);
-    dev.launch(
-        "rope_rotate",
-        (dev.grid_for(total), 1, 1),
-        (256, 1, 1),
-        args,
-    )
+    dev.launch("rope_rotate", (dev.grid_for(work), 1, 1), (256, 1, 1), args)
 }
 
-/// Plan op `Rope` (rotate-half layout, angle `p·theta^(−2i/head_dim)`).
-pub fn rope_forward(dev: &Device, x: &Buf, out: &Buf, d: &RopeDims) -> Result<()> {
-    rope(dev, "rope", x, out, d, 1.0)
+/// Plan op `Rope` (rotate-half layout, angle `p·theta^(−2i/head_dim)`). x, out f32
+/// `[N, width]`; `scratch` f32 of at least [`rope_scratch_len`] (the angle table, computed in
+/// f64 and rounded to f32 as the CPU engine's).
+pub fn rope_forward(dev: &Device, x: &Buf, out: &Buf, d: &RopeDims, scratch: &Buf) -> Result<()> {
+    rope(dev, "rope", x, out, d, 1.0, scratch)
 }
 
-/// Plan op `RopeBackward`: the inverse rotation.
-pub fn rope_backward(dev: &Device, dout: &Buf, dx: &Buf, d: &RopeDims) -> Result<()> {
-    rope(dev, "rope_backward", dout, dx, d, -1.0)
+/// Plan op `RopeBackward`: the inverse rotation. Shapes and scratch as [`rope_forward`].
+pub fn rope_backward(
+    dev: &Device,
+    dout: &Buf,
+    dx: &Buf,
+    d: &RopeDims,
+    scratch: &Buf,
+) -> Result<()> {
+    rope(dev, "rope_backward", dout, dx, d, -1.0, scratch)
 }
 
 #[cfg(test)]

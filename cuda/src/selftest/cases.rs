@@ -295,7 +295,7 @@ fn norms(v: &mut Vec<Case>) {
             let dout = cx.normal(n * ch, 0.0, 1.0);
             let (xb, wb, gb) = (cx.up(&x)?, cx.up(&w)?, cx.up(&dout)?);
             let (dxb, dwb) = (cx.out(n * ch)?, cx.out(ch)?);
-            let sb = cx.out(g::rmsnorm_backward_scratch_len(n))?;
+            let sb = cx.out(g::rmsnorm_backward_scratch_len(n, ch))?;
             let ms =
                 cx.timed(|| g::rmsnorm_backward(cx.dev, &gb, &xb, &wb, &dxb, &dwb, ch, eps, &sb))?;
             let (mut dx, mut dw) = (vec![0.0; n * ch], vec![0.0; ch]);
@@ -521,13 +521,14 @@ fn rope(v: &mut Vec<Case>) {
             v.push(case(name, size.clone(), TOL_F32, big, move |cx| {
                 let x = cx.normal(rows * width, 0.0, 1.0);
                 let (xb, ob) = (cx.up(&x)?, cx.out(rows * width)?);
+                let sb = cx.out(g::rope_scratch_len(seq_len, head_dim))?;
                 let mut r = vec![0.0; rows * width];
                 let ms = if backward {
-                    let ms = cx.timed(|| g::rope_backward(cx.dev, &xb, &ob, &gd))?;
+                    let ms = cx.timed(|| g::rope_backward(cx.dev, &xb, &ob, &gd, &sb))?;
                     c::rope::rope_backward(&wide(&x), &mut r, &cd).map_err(cpu)?;
                     ms
                 } else {
-                    let ms = cx.timed(|| g::rope_forward(cx.dev, &xb, &ob, &gd))?;
+                    let ms = cx.timed(|| g::rope_forward(cx.dev, &xb, &ob, &gd, &sb))?;
                     c::rope::rope_forward(&wide(&x), &mut r, &cd).map_err(cpu)?;
                     ms
                 };
