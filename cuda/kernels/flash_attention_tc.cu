@@ -120,17 +120,40 @@ __device__ __forceinline__ void tc_frag_a(unsigned (&a)[4], const bf16* s, int l
     a[3] = tc_ld(s, (r0 + g + 8) * lds + k0 + 2 * t + 8);
 }
 
+// Four 8x8 bf16 blocks, not transposed; lane l gives the address of row l % 8 of block l / 8
+// (16-byte aligned), and receives in r[j] the pair (row g, columns 2t..2t+1) of block j.
+__device__ __forceinline__ void tc_ldmatrix(unsigned (&r)[4], const bf16* p) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// The B fragments of two consecutive k-steps kk, kk+1 of n-tile j from a tile whose rows are
+// the n index and d the reduction index (B[k][n] = s[(j * 8 + n) * lds + k]): one ldmatrix.x4
+// over the blocks at columns 16kk, 16kk+8, 16kk+16, 16kk+24 of rows 8j..8j+7 gives b0, b1 of
+// step kk in r[0], r[1] and of step kk+1 in r[2], r[3] -- the registers four 32-bit shared loads
+// gave before (b0 = (k 2t..2t+1, n g), b1 = (k 2t+8.., n g)), in one instruction.
+__device__ __forceinline__ void tc_frag_b2(unsigned (&r)[4], const bf16* s, int lds, int j, int kk, int lane) {
+    tc_ldmatrix(r, s + (j * 8 + (lane & 7)) * lds + kk * 16 + (lane >> 3) * 8);
+}
+
 // acc[j] += A (16 x 16*KS, fragments a[ks]) times B with B[k][n] = s[(j * 8 + n) * lds + k]
-// (the tile's rows are the n index, d the reduction index): NT n-tiles of 8.
+// (the tile's rows are the n index, d the reduction index): NT n-tiles of 8. KS is even (head
+// dims 32, 64, 128); every acc[j] sums its MMAs in the order kk = 0 .. KS-1.
 template <int KS, int NT>
 __device__ __forceinline__ void tc_mma_rows(float (&acc)[NT][4], const unsigned (&a)[KS][4], const bf16* s, int lds,
                                             int g, int t) {
+    static_assert(KS % 2 == 0, "tc_frag_b2 loads two k-steps");
+    const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-            const int base = (j * 8 + g) * lds + kk * 16 + 2 * t;
-            tc_mma(acc[j], a[kk], tc_ld(s, base), tc_ld(s, base + 8));
+        for (int kk = 0; kk < KS; kk += 2) {
+            unsigned b[4];
+            tc_frag_b2(b, s, lds, j, kk, lane);
+            tc_mma(acc[j], a[kk], b[0], b[1]);
+            tc_mma(acc[j], a[kk + 1], b[2], b[3]);
         }
 }
 
@@ -140,6 +163,8 @@ __device__ __forceinline__ void tc_mma_rows(float (&acc)[NT][4], const unsigned 
 template <int KS, int NT>
 __device__ __forceinline__ void tc_mma_rows_s(float (&acc)[NT][4], const bf16* sa, int r0, const bf16* s, int lds,
                                               int g, int t) {
+    // (B stays on 32-bit shared loads here: this path is for the register-tight d128 dK/dV
+    // kernel, where tc_frag_b2's two A fragments would add registers.)
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
         unsigned a[4];
@@ -319,15 +344,27 @@ __device__ __forceinline__ void tc_forward(const bf16* __restrict__ qkv, OutT* _
         for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
         tc_mma_rows<KS, NT>(s, qa, ks, LD, g, t);
         float mx[2] = {m[0], m[1]};
+        // Only a tile that crosses this warp's diagonal or the sequence's end needs the mask
+        // (warp-uniform; the unmasked branch computes the same values where nothing is masked).
+        if (k0 + TC_TILE - 1 <= w0 && k0 + TC_TILE <= seq_len) {
 #pragma unroll
-        for (int j = 0; j < NT; ++j)
+            for (int j = 0; j < NT; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = k0 + j * 8 + 2 * t + (e & 1);
-                const float v = (key <= rows[e >> 1] && key < seq_len) ? s[j][e] * sl : TC_NEG_INF;
-                s[j][e] = v;
-                mx[e >> 1] = fmaxf(mx[e >> 1], v);
-            }
+                for (int e = 0; e < 4; ++e) {
+                    s[j][e] *= sl;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+                }
+        } else {
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = k0 + j * 8 + 2 * t + (e & 1);
+                    const float v = (key <= rows[e >> 1] && key < seq_len) ? s[j][e] * sl : TC_NEG_INF;
+                    s[j][e] = v;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], v);
+                }
+        }
         float corr[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {

@@ -87,7 +87,7 @@ fn scratch_need(
     let rows = |id: BufferId| dims2(shape(id)).0;
     let cols = |id: BufferId| dims2(shape(id)).1;
     match op {
-        Op::LayerNormBackward { x, .. } => nn::layernorm_backward_scratch_len(rows(*x)),
+        Op::LayerNormBackward { x, .. } => nn::layernorm_backward_scratch_len(rows(*x), cols(*x)),
         Op::RmsNormBackward { x, .. } => nn::rmsnorm_backward_scratch_len(rows(*x), cols(*x)),
         Op::Rope {
             seq_len, head_dim, ..

@@ -326,11 +326,12 @@ fn col_slabs(n: usize, most: usize) -> (usize, usize) {
     (n.div_ceil(rows).max(1), rows)
 }
 
-/// `(slabs, rows per slab)` of the dweight/dbias reduction over `n` rows of `c`: as many slabs
-/// as the `2N` partials area of the scratch holds (`2·slabs·c ≤ 2N`), within [`col_slabs`]'
-/// bounds. Depends on `(n, c)` only.
-fn ln_param_slabs(n: usize, c: usize) -> (usize, usize) {
-    col_slabs(n, n / c.max(1))
+/// `(slabs, rows per slab)` of the dweight/dbias reduction over `n` rows of `c`: [`col_slabs`]
+/// at its most (`min(⌈N / 64⌉, 64)` slabs; their partials have their own scratch). Until
+/// 2026-12 the partials had to fit a `2N` area (`slabs ≤ N / c`), which left 2 slabs, 128 column
+/// blocks, at N = 4096, c = 2048: a quarter of the H200's memory rate. Depends on `n` only.
+fn ln_param_slabs(n: usize, _c: usize) -> (usize, usize) {
+    col_slabs(n, COL_MAX_SLABS)
 }
 
 /// Grid of a slab kernel (stage 1 of the column reductions): 32-column tiles × slabs.
@@ -367,10 +368,11 @@ fn add_slab_partials(
     )
 }
 
-/// Scratch elements (f32) of [`layernorm_backward`]: `4N` — row mean and rstd (`2N`), then
-/// the per-slab dweight/dbias column partials (at most `2N`).
-pub fn layernorm_backward_scratch_len(n_rows: usize) -> usize {
-    4 * n_rows
+/// Scratch elements (f32) of [`layernorm_backward`] over `n_rows` rows of `c`: row mean and
+/// rstd (`2N`), then the per-slab dweight/dbias column partials (`2 · slabs · c`, slabs of
+/// [`ln_param_slabs`]).
+pub fn layernorm_backward_scratch_len(n_rows: usize, c: usize) -> usize {
+    2 * n_rows + 2 * ln_param_slabs(n_rows, c).0 * c
 }
 
 /// Plan op `LayerNormBackward`: dx `[N, c]` and dweight/dbias `[c]` (overwritten; dbias
@@ -404,8 +406,9 @@ pub fn layernorm_backward(
     if let Some(b) = dbias {
         b.expect(OP, "dbias", Elem::F32, c)?;
     }
-    let scratch = scratch.slice(0, layernorm_backward_scratch_len(n))?;
-    scratch.expect(OP, "scratch", Elem::F32, layernorm_backward_scratch_len(n))?;
+    let len = layernorm_backward_scratch_len(n, c);
+    let scratch = scratch.slice(0, len)?;
+    scratch.expect(OP, "scratch", Elem::F32, len)?;
     let stats = scratch.slice(0, 2 * n)?;
     if n > 0 {
         let args = Args::new()
@@ -863,7 +866,8 @@ mod tests {
 
     #[test]
     fn layernorm_param_slabs_fit_the_scratch_and_cover_the_rows() {
-        assert_eq!(ln_param_slabs(16384, 768), (21, 781));
+        assert_eq!(ln_param_slabs(16384, 768), (64, 256));
+        assert_eq!(ln_param_slabs(4096, 2048), (64, 64));
         assert_eq!(ln_param_slabs(0, 50), (1, 1));
         assert_eq!(ln_param_slabs(3, 50), (1, 3));
         for n in [1, 3, 63, 64, 65, 1000, 1031, 4096, 16384, 100_000] {
@@ -873,7 +877,7 @@ mod tests {
                 assert!(slabs * rows >= n && (slabs - 1) * rows < n, "n={n} c={c}");
                 if slabs > 1 {
                     // Partials live in the scratch after the 2N statistics.
-                    assert!(2 * n + 2 * slabs * c <= layernorm_backward_scratch_len(n));
+                    assert!(2 * n + 2 * slabs * c <= layernorm_backward_scratch_len(n, c));
                     assert!(slabs <= n.div_ceil(COL_SLAB_MIN_ROWS), "n={n} c={c}");
                 }
             }

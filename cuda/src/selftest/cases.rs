@@ -204,7 +204,7 @@ fn layer_norm_cases(v: &mut Vec<Case>, n: usize, ch: usize, bias: bool, big: boo
             let dout = cx.normal(n * ch, 0.0, 1.0);
             let (xb, wb, gb) = (cx.up(&x)?, cx.up(&w)?, cx.up(&dout)?);
             let (dxb, dwb, dbb) = (cx.out(n * ch)?, cx.out(ch)?, cx.out(ch)?);
-            let sb = cx.out(g::layernorm_backward_scratch_len(n))?;
+            let sb = cx.out(g::layernorm_backward_scratch_len(n, ch))?;
             let dbias = bias.then_some(&dbb);
             let ms = cx.timed(|| {
                 g::layernorm_backward(cx.dev, &gb, &xb, &wb, &dxb, &dwb, dbias, ch, eps, &sb)
