@@ -64,3 +64,11 @@ __device__ float block_max(float v) {
 // Global linear thread index and stride for grid-stride loops over 64-bit counts.
 __device__ __forceinline__ long long gtid() { return (long long)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ long long gstride() { return (long long)gridDim.x * blockDim.x; }
+
+// Whether a pointer is aligned to `bytes` (a power of two): the vectorised element-wise kernels
+// take 16-byte (float4) steps where every operand allows it, and finish (or, unaligned, do all
+// of it) one element at a time. Each element's arithmetic is the same on both paths.
+__device__ __forceinline__ bool asteria_aligned(const void* p, unsigned bytes) {
+    return (reinterpret_cast<unsigned long long>(p) & (unsigned long long)(bytes - 1)) == 0;
+}
+

@@ -433,10 +433,11 @@ pub fn gemm_bf16(
     }
 }
 
-/// bf16 operands, fp32 accumulation, output and bias: `out = op(a)·op(b) + bias` with `bias`
-/// (`[P]`, f32) added to every row of `out` (`[M, P]`, f32) in the GEMM's epilogue (cuBLASLt
-/// `CUBLASLT_EPILOGUE_BIAS`, compute stream): plan ops `MatMul` + `BiasAdd` in one pass over
-/// the output. `a`, `b` are [`Elem::BF16`].
+/// bf16 operands, fp32 accumulation and bias: `out = op(a)·op(b) + bias` with `bias` (`[P]`,
+/// f32) added to every row of `out` (`[M, P]`, f32, or [`Elem::BF16`]: the fp32 sum rounded
+/// to nearest even) in the GEMM's epilogue (cuBLASLt `CUBLASLT_EPILOGUE_BIAS`, compute
+/// stream): plan ops `MatMul` + `BiasAdd` in one pass over the output. `a`, `b` are
+/// [`Elem::BF16`].
 ///
 /// # Errors
 /// Operand shapes or dtypes that do not match, cuBLASLt missing on this machine
@@ -456,7 +457,8 @@ pub fn gemm_bf16_bias(
     const OP: &str = "gemm_bf16_bias";
     check_operands(OP, a, a_dims, b, b_dims, Elem::BF16)?;
     let g = Geometry::new(OP, a_dims, b_dims, trans_a, trans_b)?;
-    out.expect(OP, "out", Elem::F32, g.m * g.p)?;
+    let d_bf16 = out.elem() == Elem::BF16;
+    out.expect(OP, "out", if d_bf16 { Elem::BF16 } else { Elem::F32 }, g.m * g.p)?;
     bias.expect(OP, "bias", Elem::F32, g.p)?;
     if g.m == 0 || g.p == 0 {
         return Ok(());
@@ -483,6 +485,7 @@ pub fn gemm_bf16_bias(
         trans_b: trans_a,
         a: stored(b_dims),
         b: stored(a_dims),
+        d_bf16,
     };
     let stream = dev.stream(crate::StreamKind::Compute).cu_stream() as _;
     // SAFETY: every operand checked above to cover its matrix; the workspace and handle belong

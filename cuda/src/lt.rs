@@ -37,6 +37,9 @@ pub(crate) struct LtGeometry {
     pub a: (u64, u64, i64),
     /// Stored B: `(rows, cols, ld)`.
     pub b: (u64, u64, i64),
+    /// D is bf16 (the fp32 result plus the f32 bias, rounded to nearest even in the
+    /// epilogue) instead of f32.
+    pub d_bf16: bool,
 }
 
 /// A cuBLASLt handle with its workspace and the algorithms chosen so far.
@@ -192,7 +195,14 @@ impl BlasLt {
         )?;
         let bf = ltsys::cudaDataType_t::CUDA_R_16BF;
         let f32t = ltsys::cudaDataType_t::CUDA_R_32F;
-        for (ty, (r, c, ld)) in [(bf, g.a), (bf, g.b), (f32t, (g.m, g.n, g.m as i64))] {
+        // The bias is f32 whatever D is (its default type is D's).
+        set(
+            A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+            (&f32t as *const ltsys::cudaDataType_t).cast(),
+            std::mem::size_of_val(&f32t),
+        )?;
+        let dt = if g.d_bf16 { bf } else { f32t };
+        for (ty, (r, c, ld)) in [(bf, g.a), (bf, g.b), (dt, (g.m, g.n, g.m as i64))] {
             guard
                 .layouts
                 .push(lt::create_matrix_layout(ty, r, c, ld).map_err(&e)?);

@@ -24,7 +24,8 @@
 //!   memory plan keeps both alive until the backward.
 //! - **`bf16-output`** (an analysis, CUDA with `precision = bf16` only): the output of a
 //!   `layer_norm` (rows of at most `schedule::BF16_LAYERNORM_MAX_C`), `rms_norm`, `gelu`,
-//!   `swi_glu`, `mat_mul` (the bf16 GEMM rounds its fp32 result in the epilogue), `attention`
+//!   `swi_glu`, `mat_mul` (the bf16 GEMM rounds its fp32 result in the epilogue), `mat_mul_bias`
+//!   (rows of a multiple of 8: cuBLASLt adds the bias in fp32 and rounds once), `attention`
 //!   (heads of at most `schedule::BF16_ATTENTION_MAX_HEAD_DIM`, the tensor-core kernels) or
 //!   `cross_entropy_backward` whose every reader reads it as a GEMM operand (`a` / `b` of
 //!   `mat_mul` / `mat_mul_bias`, which read bf16 under that precision anyway), as the input
@@ -32,7 +33,9 @@
 //!   kernels read bf16 and compute in fp32), as the `logits` of `cross_entropy` /
 //!   `cross_entropy_backward` when that backward writes a bf16 gradient (the LM head's output:
 //!   the loss kernels read bf16, statistics in fp32) or as the saved `fwd_out` of an
-//!   `attention_backward` (read in bf16 by the tensor-core backward) becomes `bf16`:
+//!   `attention_backward` (read in bf16 by the tensor-core backward), or as the `qkv` of
+//!   `attention` / `attention_backward` or the `dout` of `attention_backward` where the
+//!   tensor-core kernels run (GPT's `qkv`: no per-call cast, no saved bf16 copy) becomes `bf16`:
 //!   the producer writes bf16 directly, the buffer takes half the bytes and no f32 copy exists.
 //!   It is not an e-graph rewrite: it changes a value's type on a condition over *all* of its
 //!   readers, which a term rewrite (local by nature) cannot see.
@@ -356,19 +359,44 @@ impl Fuse {
                         | Op::RmsNorm { .. }
                         | Op::MatMul { .. }
                         | Op::CrossEntropyBackward => true,
+                        // The bias epilogue rounds in the GEMM (cuBLASLt, bf16 D): rows of a
+                        // multiple of 8 bf16 (16 bytes), as its alignment wants.
+                        Op::MatMulBias { .. } => inst
+                            .results
+                            .first()
+                            .and_then(|&o| rank2(m, o))
+                            .is_some_and(|(_, p)| p % 8 == 0),
                         _ => false,
                     };
                     let Some(&out) = inst.results.first().filter(|_| fits) else {
                         continue;
                     };
                     let uses = m.uses(out);
+                    // Whether an attention reader runs on the tensor-core kernels, which read
+                    // qkv and dout in bf16 (they cast f32 ones per call otherwise).
+                    let tc = |r: &ir::Inst| match r.op {
+                        Op::Attention { n_heads, .. } | Op::AttentionBackward { n_heads, .. } => {
+                            let qkv = if matches!(r.op, Op::Attention { .. }) { 0 } else { 1 };
+                            target.bf16_attention
+                                && r.args.get(qkv).and_then(|&q| rank2(m, q)).is_some_and(
+                                    |(_, w)| {
+                                        n_heads > 0
+                                            && w / 3 / n_heads
+                                                <= schedule::BF16_ATTENTION_MAX_HEAD_DIM
+                                    },
+                                )
+                        }
+                        _ => false,
+                    };
                     let gemm_only = !uses.is_empty()
                         && uses.iter().all(|&u| {
                             let r = m.inst(u);
                             // Positions at which `out` may be read in bf16.
                             let ok = |i: usize| match r.op {
                                 Op::MatMul { .. } | Op::MatMulBias { .. } => i < 2,
-                                Op::AttentionBackward { .. } => i == 2,
+                                // qkv; dout, qkv and the saved forward output.
+                                Op::Attention { .. } => i == 0 && tc(r),
+                                Op::AttentionBackward { .. } => i == 2 || (i < 2 && tc(r)),
                                 // SwiGLU's forward reads x at 0, its backward at 1.
                                 Op::SwiGlu => i == 0,
                                 Op::SwiGluBackward => i == 1,

@@ -175,10 +175,15 @@ fn gpt2_124m_lowers_to_fused_ops_and_bf16_buffers() {
         })
         .map(|(_, b)| b.name.as_str())
         .collect();
-    // Per block ln_1, ln_2, attn, gelu; plus ln_f, the LM head's logits (read by the
+    // Per block ln_1, ln_2, attn, gelu, qkv (the c_attn GEMM's bias epilogue rounds it: only
+    // the tensor-core attention and its backward read it) and the attention's output gradient
+    // (read only by the attention backward); plus ln_f, the LM head's logits (read by the
     // cross-entropy and its backward, which writes a bf16 gradient) and dlogits.
-    assert_eq!(bf16.len(), 12 * 4 + 3, "{bf16:?}");
+    assert_eq!(bf16.len(), 12 * 6 + 3, "{bf16:?}");
     assert!(bf16.contains(&"d.logits") && bf16.contains(&"h11.gelu") && bf16.contains(&"logits"));
+    assert!(bf16.contains(&"h0.qkv") && bf16.contains(&"d.h0.attn"));
+    // So no attention keeps a bf16 copy of its qkv of its own.
+    assert!(schedule::reserve::saved_attention_qkvs(&plan).is_empty());
     // attention-saved: every backward reads its forward's output and lse.
     let saved = plan
         .backward

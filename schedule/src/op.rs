@@ -21,7 +21,10 @@ pub const BF16_ATTENTION_MAX_HEAD_DIM: usize = 128;
 /// [`BF16_ATTENTION_MAX_HEAD_DIM`]), `rms_norm.out`, `swi_glu.out` and
 /// `cross_entropy_backward.dlogits` — and the saved
 /// forward output `attention_backward.fwd_out` the tensor-core backward reads; `mat_mul.out`
-/// (bf16 GEMMs round their fp32 result in the epilogue; not with `accumulate`) and the SwiGLU
+/// (bf16 GEMMs round their fp32 result in the epilogue; not with `accumulate`) and
+/// `mat_mul_bias.out` (the bias added in fp32 before the rounding), the `qkv` of `attention` /
+/// `attention_backward` and the `dout` of `attention_backward` (heads of at most
+/// [`BF16_ATTENTION_MAX_HEAD_DIM`]: the tensor-core kernels read bf16 anyway), the SwiGLU
 /// input `x` of `swi_glu` / `swi_glu_backward` it feeds, and the `logits` of `cross_entropy` /
 /// `cross_entropy_backward` (a bf16 `logits` needs a bf16 `dlogits`); `cast.out` is always
 /// bf16 (its `x` f32). Everything else is f32.
@@ -31,7 +34,9 @@ pub fn operand_dtypes(op: &str, operand: &str) -> &'static [DType] {
     match (op, operand) {
         (_, "ids" | "targets") => &[DType::I32],
         ("mat_mul" | "mat_mul_bias", "a" | "b") => EITHER,
-        ("mat_mul", "out") => EITHER,
+        ("mat_mul" | "mat_mul_bias", "out") => EITHER,
+        ("attention", "qkv") => EITHER,
+        ("attention_backward", "qkv" | "dout") => EITHER,
         ("swi_glu" | "swi_glu_backward", "x") => EITHER,
         ("cross_entropy" | "cross_entropy_backward", "logits") => EITHER,
         ("layer_norm" | "rms_norm" | "gelu" | "swi_glu" | "attention", "out") => EITHER,

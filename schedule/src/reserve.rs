@@ -70,7 +70,8 @@ impl EngineReserve {
 
 /// The qkv buffers (`[N, 3C]`, each once, in program order) whose bf16 copy a saving
 /// tensor-core attention (`Attention { lse: Some(..) }`, forward or — under `rematerialize =
-/// layers` — backward) keeps for its backward, with their element counts.
+/// layers` — backward) keeps for its backward, with their element counts; a bf16 qkv (the
+/// `fuse` pass made it so) needs no copy.
 pub fn saved_attention_qkvs(plan: &Plan) -> Vec<(BufferId, usize)> {
     let mut out: Vec<(BufferId, usize)> = Vec::new();
     for o in plan.forward.iter().chain(&plan.backward) {
@@ -78,7 +79,8 @@ pub fn saved_attention_qkvs(plan: &Plan) -> Vec<(BufferId, usize)> {
             qkv, lse: Some(_), ..
         } = o
         {
-            if !out.iter().any(|(q, _)| q == qkv) {
+            // A bf16 qkv (the `fuse` pass's) is its own bf16 copy.
+            if plan.buffer(*qkv).dtype != DType::Bf16 && !out.iter().any(|(q, _)| q == qkv) {
                 out.push((*qkv, plan.buffer(*qkv).numel()));
             }
         }

@@ -359,6 +359,21 @@ impl Checker<'_> {
     fn is_bf16(&self, id: BufferId) -> bool {
         self.plan.buffers[id.index()].dtype == DType::Bf16
     }
+    /// An attention operand may be bf16 only where the tensor-core kernels run: heads of at
+    /// most [`crate::BF16_ATTENTION_MAX_HEAD_DIM`].
+    fn bf16_head(&self, name: &'static str, id: BufferId, head: usize) -> Result<(), PlanError> {
+        if self.is_bf16(id) && head > crate::BF16_ATTENTION_MAX_HEAD_DIM {
+            return Err(self.fail(
+                name,
+                id,
+                format!(
+                    "may be bf16 only for heads of at most {} (this has {head})",
+                    crate::BF16_ATTENTION_MAX_HEAD_DIM
+                ),
+            ));
+        }
+        Ok(())
+    }
     fn numel(&self, id: BufferId) -> usize {
         self.plan.buffers[id.index()].numel()
     }
@@ -607,15 +622,8 @@ impl Checker<'_> {
                 }
                 self.dims("out", *out, &[n, w / 3])?;
                 let head = w / 3 / n_heads;
-                if self.is_bf16(*out) && head > crate::BF16_ATTENTION_MAX_HEAD_DIM {
-                    return Err(self.fail(
-                        "out",
-                        *out,
-                        format!(
-                            "may be bf16 only for heads of at most {} (this has {head})",
-                            crate::BF16_ATTENTION_MAX_HEAD_DIM
-                        ),
-                    ));
+                for (name, id) in [("out", *out), ("qkv", *qkv)] {
+                    self.bf16_head(name, id, head)?;
                 }
                 if let Some(l) = lse {
                     self.dims("lse", *l, &[batch * n_heads * seq_len])?;
@@ -643,6 +651,10 @@ impl Checker<'_> {
                 }
                 self.dims("dout", *dout, &[n, w / 3])?;
                 self.same(("qkv", *qkv), ("dqkv", *dqkv))?;
+                let head = w / 3 / n_heads;
+                for (name, id) in [("dout", *dout), ("qkv", *qkv)] {
+                    self.bf16_head(name, id, head)?;
+                }
                 match (fwd_out, lse) {
                     (Some(o), Some(l)) => {
                         self.dims("fwd_out", *o, &[n, w / 3])?;

@@ -237,6 +237,14 @@ impl CudaEngine {
                 } else {
                     // The product, then the bias added in place (the unfused pair's math):
                     // under fp32, or where cuBLASLt did not load.
+                    if self.b(*out).elem() == Elem::BF16 {
+                        return Err(CudaError::Invalid {
+                            op: "mat_mul_bias",
+                            what: "a bf16 output is rounded in cuBLASLt's bias epilogue, and \
+                                   cuBLASLt (libcublasLt.so) is not available"
+                                .into(),
+                        });
+                    }
                     if bf16 {
                         let (sa, sb) = (self.gemm_operand(*a)?, self.gemm_operand(*b)?);
                         gemm::matmul_bf16(
@@ -328,7 +336,14 @@ impl CudaEngine {
             } => {
                 let d = attn_dims(*batch, *seq_len, *n_heads, self.dims(*qkv).1);
                 let math = flash_math(self.attention, &d, self.precision);
-                let qkv16 = self.saved_qkv.get(qkv).map(|sv| sv.qkv16.clone());
+                // The bf16 qkv a saving forward keeps: the plan's own when the `fuse` pass made
+                // qkv bf16, else the engine's copy in the attention-saved arena.
+                let plan_bf16 = self.b(*qkv).elem() == Elem::BF16;
+                let qkv16 = if plan_bf16 {
+                    Some(self.b(*qkv).clone())
+                } else {
+                    self.saved_qkv.get(qkv).map(|sv| sv.qkv16.clone())
+                };
                 match (lse, qkv16, math) {
                     // A saving forward: lse into its plan buffer, the bf16 qkv into the cache.
                     (Some(lse), Some(qkv16), Some(at::FlashMath::Bf16)) => {
@@ -375,12 +390,16 @@ impl CudaEngine {
             } => {
                 let d = attn_dims(*batch, *seq_len, *n_heads, self.dims(*qkv).1);
                 let math = flash_math(self.attention, &d, self.precision);
-                // The forward's bf16 qkv, if made from the qkv these buffers hold now.
-                let qkv16 = self
-                    .saved_qkv
-                    .get(qkv)
-                    .filter(|sv| sv.gen == Some(self.write_gen[qkv.index()]))
-                    .map(|sv| sv.qkv16.clone());
+                // The forward's bf16 qkv, if made from the qkv these buffers hold now (a bf16
+                // plan qkv is always current).
+                let qkv16 = if self.b(*qkv).elem() == Elem::BF16 {
+                    Some(self.b(*qkv).clone())
+                } else {
+                    self.saved_qkv
+                        .get(qkv)
+                        .filter(|sv| sv.gen == Some(self.write_gen[qkv.index()]))
+                        .map(|sv| sv.qkv16.clone())
+                };
                 let saved = match (fwd_out, lse, qkv16, math) {
                     (Some(o), Some(l), Some(q16), Some(at::FlashMath::Bf16)) => {
                         Some((self.gemm_operand(*o)?, *l, q16))

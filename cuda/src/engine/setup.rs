@@ -63,10 +63,11 @@ fn check_fused(
                 dims2(&plan.buffer(*qkv).shape).1,
             );
             let tc = flash_math(attention, &d, precision) == Some(at::FlashMath::Bf16);
-            if !tc && (lse.is_some() || plan.buffer(*out).dtype == DType::Bf16) {
+            let bf16 = |id: &BufferId| plan.buffer(*id).dtype == DType::Bf16;
+            if !tc && (lse.is_some() || bf16(out) || bf16(qkv)) {
                 return refuse(format!(
-                    "attention `{}` has a bf16 output or saved statistics, which only the \
-                     tensor-core kernels write, but attention runs as `{attention}` here",
+                    "attention `{}` has a bf16 input or output or saved statistics, which only \
+                     the tensor-core kernels read and write, but attention runs as `{attention}` here",
                     plan.buffer(*out).name
                 ));
             }

@@ -318,13 +318,26 @@ pub fn flash_backward_scratch_len(d: &AttnDims, math: FlashMath) -> usize {
 }
 
 /// The bf16 copy of `x` (`n` elements) in the scratch region at f32 offset `at`: cast on the
-/// compute stream.
+/// compute stream; a bf16 `x` (a plan buffer the `fuse` pass made bf16) is used as it is.
 fn bf16_copy(dev: &Device, scratch: &Buf, at: usize, x: &Buf, n: usize) -> Result<Buf> {
+    if x.elem() == Elem::BF16 {
+        x.expect("attention", "bf16 operand", Elem::BF16, n)?;
+        return Ok(x.clone());
+    }
     let b = scratch
         .slice(at, bf16_region(n))?
         .reinterpret(Elem::BF16, n)?;
     crate::gemm::cast_f32_to_bf16(dev, x, &b)?;
     Ok(b)
+}
+
+/// `x` must hold `n` elements, f32 or — read by the tensor-core kernels — bf16.
+fn f32_or_bf16(op: &'static str, name: &'static str, x: &Buf, n: usize, math: Option<FlashMath>) -> Result<()> {
+    let elem = match (x.elem(), math) {
+        (Elem::BF16, Some(FlashMath::Bf16)) => Elem::BF16,
+        _ => Elem::F32,
+    };
+    x.expect(op, name, elem, n)
 }
 
 /// The fused kernels of one head-dim variant: threads per block, kernel names, and the dynamic
@@ -499,7 +512,7 @@ fn flash_forward(
     const OP: &str = "flash_attention";
     let (hd, grid, block) = flash_check(OP, d, math)?;
     let nc = d.nc();
-    qkv.expect(OP, "qkv", Elem::F32, 3 * nc)?;
+    f32_or_bf16(OP, "qkv", qkv, 3 * nc, Some(math))?;
     // A bf16 `out` (a plan buffer the `fuse` pass made bf16) from the tensor-core kernels only.
     let bf16_out = out.elem() == Elem::BF16;
     if bf16_out && math != FlashMath::Bf16 {
@@ -518,7 +531,15 @@ fn flash_forward(
         (Some(sv), FlashMath::Bf16) => {
             sv.lse.expect(OP, "saved lse", Elem::F32, rows)?;
             sv.qkv16.expect(OP, "saved qkv", Elem::BF16, 3 * nc)?;
-            crate::gemm::cast_f32_to_bf16(dev, qkv, sv.qkv16)?;
+            // A bf16 qkv is what the backward reads (the caller passes it as `saved.qkv16`).
+            if qkv.elem() != Elem::BF16 {
+                crate::gemm::cast_f32_to_bf16(dev, qkv, sv.qkv16)?;
+            } else if qkv.ptr() != sv.qkv16.ptr() {
+                return Err(CudaError::Invalid {
+                    op: OP,
+                    what: "a bf16 qkv must be its own saved copy".into(),
+                });
+            }
             (sv.lse.clone(), sv.qkv16.clone())
         }
         (None, FlashMath::Bf16) => (
@@ -563,7 +584,7 @@ pub fn flash_attention_backward_saved(
     let (hd, grid, block) = flash_check(OP, d, math)?;
     let nc = d.nc();
     dqkv.expect(OP, "dqkv", Elem::F32, 3 * nc)?;
-    dout.expect(OP, "dout", Elem::F32, nc)?;
+    f32_or_bf16(OP, "dout", dout, nc, Some(math))?;
     o16.expect(OP, "o (bf16)", Elem::BF16, nc)?;
     let rows = d.batch * d.n_heads * d.seq_len;
     saved.lse.expect(OP, "saved lse", Elem::F32, rows)?;
@@ -631,9 +652,9 @@ pub fn flash_attention_backward(
     const OP: &str = "flash_attention_backward";
     let (hd, grid, block) = flash_check(OP, d, math)?;
     let nc = d.nc();
-    qkv.expect(OP, "qkv", Elem::F32, 3 * nc)?;
+    f32_or_bf16(OP, "qkv", qkv, 3 * nc, Some(math))?;
     dqkv.expect(OP, "dqkv", Elem::F32, 3 * nc)?;
-    dout.expect(OP, "dout", Elem::F32, nc)?;
+    f32_or_bf16(OP, "dout", dout, nc, Some(math))?;
     flash_scratch(OP, scratch, flash_backward_scratch_len(d, math))?;
     let rows = d.batch * d.n_heads * d.seq_len;
     let (lse, delta) = (scratch.slice(0, rows)?, scratch.slice(region(rows), rows)?);

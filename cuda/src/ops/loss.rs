@@ -189,10 +189,13 @@ pub(crate) fn sumsq_partials(dev: &Device, x: &Buf, partials: &Buf, slot: usize)
         .i64(x.len() as i64)
         .buf(partials)
         .i32(slot as i32);
+    // 1024 threads per block on large tensors (256 blocks of 256 kept too few loads in flight to
+    // stream a [2048, 8192] gradient at the memory's rate); a function of the length only.
+    let threads = if x.len() >= 1 << 22 { 1024 } else { 256 };
     dev.launch(
         "sumsq_partials",
         (SUMSQ_BLOCKS as u32, 1, 1),
-        (256, 1, 1),
+        (threads, 1, 1),
         args,
     )
 }

@@ -460,7 +460,15 @@ fn elementwise(v: &mut Vec<Case>) {
                 .iter()
                 .map(|&v| f64::from(schedule::round_to_bf16(v)))
                 .collect();
-            Ok(one("out", rel_err(&down_bf16(cx, &ob)?, &r), ms))
+            let mut errs = vec![("out", rel_err(&down_bf16(cx, &ob)?, &r))];
+            // Unaligned operands (one element in): the element-at-a-time path.
+            if n * ch > 1 {
+                let m = n * ch - 1;
+                let (xs, os) = (xb.slice(1, m)?, cx.raw(Elem::BF16, m + 1)?.slice(1, m)?);
+                crate::gemm::cast_f32_to_bf16(cx.dev, &xs, &os)?;
+                errs.push(("unaligned", rel_err(&down_bf16(cx, &os)?, &r[1..])));
+            }
+            Ok(Outcome { errs, gpu_ms: ms })
         }));
     }
     // One slab (N <= 64) and many (`min(⌈N / 64⌉, 64)`: 16 for N = 1000, 64 for N = 16384,
@@ -724,6 +732,69 @@ fn flash_attention(v: &mut Vec<Case>) {
                     delta_from_o16(&mut r, &qkv_r, &dout_r, &wide(&o16_host), &ro, &cd);
                     let mut errs = dqkv_errs(&cx.down(&db)?, &r, ch);
                     errs.push(("out", out_err));
+                    Ok(Outcome { errs, gpu_ms: ms })
+                },
+            ));
+            // qkv and dout as bf16 plan buffers (the `fuse` pass's for GPT's qkv): the kernels
+            // read them as they are, and every output is bit-identical to the f32-input path
+            // above, which casts them per call (an error of 1 where any bit differs).
+            v.push(case(
+                "flash_attention_tc_bf16_inputs",
+                size.clone(),
+                tol,
+                big,
+                move |cx| {
+                    let qkv = cx.normal(3 * nc, 0.0, 1.0);
+                    let dout = cx.normal(nc, 0.0, 1.0);
+                    let (qb, gb) = (cx.up(&qkv)?, cx.up(&dout)?);
+                    let (q16, g16) = (cx.raw(Elem::BF16, 3 * nc)?, cx.raw(Elem::BF16, nc)?);
+                    crate::gemm::cast_f32_to_bf16(cx.dev, &qb, &q16)?;
+                    crate::gemm::cast_f32_to_bf16(cx.dev, &gb, &g16)?;
+                    let rows = b * nh * t;
+                    let fs = cx.out(gattn::flash_forward_scratch_len(&gd, math))?;
+                    let bs = cx.out(gattn::flash_backward_scratch_len(&gd, math))?;
+                    // The f32-input reference: the engine's saving path with its own copy.
+                    let (lse, copy16) = (cx.out(rows)?, cx.raw(Elem::BF16, 3 * nc)?);
+                    let (o_ref, d_ref) = (cx.raw(Elem::BF16, nc)?, cx.out(3 * nc)?);
+                    let saved = gattn::FlashSaved {
+                        lse: &lse,
+                        qkv16: &copy16,
+                    };
+                    gattn::flash_attention_forward_saving(cx.dev, &qb, &o_ref, &gd, &fs, &saved)?;
+                    gattn::flash_attention_backward_saved(
+                        cx.dev, &gb, &d_ref, &gd, &bs, &saved, &o_ref,
+                    )?;
+                    let d_rerun = cx.out(3 * nc)?;
+                    gattn::flash_attention_backward(cx.dev, &gb, &qb, &d_rerun, &gd, &bs, math)?;
+                    // The bf16 inputs: qkv is its own saved copy, dout is read as it is.
+                    let (lse2, o16, d16) = (cx.out(rows)?, cx.raw(Elem::BF16, nc)?, cx.out(3 * nc)?);
+                    let saved2 = gattn::FlashSaved {
+                        lse: &lse2,
+                        qkv16: &q16,
+                    };
+                    let ms = cx.timed(|| {
+                        gattn::flash_attention_forward_saving(cx.dev, &q16, &o16, &gd, &fs, &saved2)?;
+                        gattn::flash_attention_backward_saved(
+                            cx.dev, &g16, &d16, &gd, &bs, &saved2, &o16,
+                        )
+                    })?;
+                    let d16_rerun = cx.out(3 * nc)?;
+                    gattn::flash_attention_backward(cx.dev, &g16, &q16, &d16_rerun, &gd, &bs, math)?;
+                    let same = |a: Vec<f32>, b: Vec<f32>| -> f64 {
+                        let eq = a.len() == b.len()
+                            && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+                        if eq {
+                            0.0
+                        } else {
+                            1.0
+                        }
+                    };
+                    let errs = vec![
+                        ("out", same(down_bf16(cx, &o16)?, down_bf16(cx, &o_ref)?)),
+                        ("lse", same(cx.down(&lse2)?, cx.down(&lse)?)),
+                        ("dqkv saved", same(cx.down(&d16)?, cx.down(&d_ref)?)),
+                        ("dqkv rerun", same(cx.down(&d16_rerun)?, cx.down(&d_rerun)?)),
+                    ];
                     Ok(Outcome { errs, gpu_ms: ms })
                 },
             ));
