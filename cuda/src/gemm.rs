@@ -433,9 +433,9 @@ pub fn gemm_bf16(
     }
 }
 
-/// bf16 operands, fp32 accumulation and bias: `out = op(a)·op(b) + bias` with `bias` (`[P]`,
-/// f32) added to every row of `out` (`[M, P]`, f32, or [`Elem::BF16`]: the fp32 sum rounded
-/// to nearest even) in the GEMM's epilogue (cuBLASLt `CUBLASLT_EPILOGUE_BIAS`, compute
+/// bf16 operands, fp32 accumulation: `out = op(a)·op(b) + bias` with `bias` (`[P]`) added to
+/// every row of `out` (`[M, P]`) in fp32 in the GEMM's epilogue; `out` and `bias` both f32, or
+/// both [`Elem::BF16`] (the fp32 sum rounded to nearest even) (cuBLASLt `CUBLASLT_EPILOGUE_BIAS`, compute
 /// stream): plan ops `MatMul` + `BiasAdd` in one pass over the output. `a`, `b` are
 /// [`Elem::BF16`].
 ///
@@ -459,7 +459,7 @@ pub fn gemm_bf16_bias(
     let g = Geometry::new(OP, a_dims, b_dims, trans_a, trans_b)?;
     let d_bf16 = out.elem() == Elem::BF16;
     out.expect(OP, "out", if d_bf16 { Elem::BF16 } else { Elem::F32 }, g.m * g.p)?;
-    bias.expect(OP, "bias", Elem::F32, g.p)?;
+    bias.expect(OP, "bias", if d_bf16 { Elem::BF16 } else { Elem::F32 }, g.p)?;
     if g.m == 0 || g.p == 0 {
         return Ok(());
     }

@@ -37,7 +37,7 @@ pub(crate) struct LtGeometry {
     pub a: (u64, u64, i64),
     /// Stored B: `(rows, cols, ld)`.
     pub b: (u64, u64, i64),
-    /// D is bf16 (the fp32 result plus the f32 bias, rounded to nearest even in the
+    /// D and the bias are bf16 (the fp32 result plus the bias, rounded to nearest even in the
     /// epilogue) instead of f32.
     pub d_bf16: bool,
 }
@@ -195,12 +195,8 @@ impl BlasLt {
         )?;
         let bf = ltsys::cudaDataType_t::CUDA_R_16BF;
         let f32t = ltsys::cudaDataType_t::CUDA_R_32F;
-        // The bias is f32 whatever D is (its default type is D's).
-        set(
-            A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-            (&f32t as *const ltsys::cudaDataType_t).cast(),
-            std::mem::size_of_val(&f32t),
-        )?;
+        // The bias has D's type (cuBLASLt's default; an f32 bias with a bf16 D is refused with
+        // CUBLAS_STATUS_INVALID_VALUE on the H200, cuBLAS 13).
         let dt = if g.d_bf16 { bf } else { f32t };
         for (ty, (r, c, ld)) in [(bf, g.a), (bf, g.b), (dt, (g.m, g.n, g.m as i64))] {
             guard

@@ -25,7 +25,8 @@
 //! - **`bf16-output`** (an analysis, CUDA with `precision = bf16` only): the output of a
 //!   `layer_norm` (rows of at most `schedule::BF16_LAYERNORM_MAX_C`), `rms_norm`, `gelu`,
 //!   `swi_glu`, `mat_mul` (the bf16 GEMM rounds its fp32 result in the epilogue), `mat_mul_bias`
-//!   (rows of a multiple of 8: cuBLASLt adds the bias in fp32 and rounds once), `attention`
+//!   (rows of a multiple of 8; its bias is then cast to bf16 too, as PyTorch's autocast
+//!   does: cuBLASLt's bias epilogue reads the bias in the output's type), `attention`
 //!   (heads of at most `schedule::BF16_ATTENTION_MAX_HEAD_DIM`, the tensor-core kernels) or
 //!   `cross_entropy_backward` whose every reader reads it as a GEMM operand (`a` / `b` of
 //!   `mat_mul` / `mat_mul_bias`, which read bf16 under that precision anyway), as the input
@@ -40,7 +41,8 @@
 //!   It is not an e-graph rewrite: it changes a value's type on a condition over *all* of its
 //!   readers, which a term rewrite (local by nature) cannot see.
 //! - **`bf16-cast`** (CUDA with `precision = bf16` only, after `bf16-output`): every value
-//!   still f32 that a GEMM reads as `a` / `b` (weights, f32 activations, activation gradients)
+//!   still f32 that a GEMM reads as `a` / `b` (weights, f32 activations, activation gradients),
+//!   and the `bias` of a `mat_mul_bias` with a bf16 output,
 //!   gets a `cast` to a bf16 value, inserted just before its first GEMM reader in each section
 //!   (forward, backward); those GEMMs read the cast. The bf16 copies are plan buffers like any
 //!   other, step-local and placed by the memory planner — a weight's copy lives from its cast to
@@ -446,7 +448,15 @@ impl Fuse {
             for g in gemms {
                 let inst = m.inst(g).clone();
                 let mut args = inst.args.clone();
-                for arg in args.iter_mut().take(2) {
+                // A bf16 `mat_mul_bias` output takes a bf16 bias too: cuBLASLt's bias epilogue
+                // reads the bias in D's type (as PyTorch's autocast rounds a linear's bias).
+                let bf16_bias = matches!(inst.op, Op::MatMulBias { .. })
+                    && inst
+                        .results
+                        .first()
+                        .is_some_and(|&o| m.value(o).ty.dtype == DType::Bf16);
+                let operands = if bf16_bias { 3 } else { 2 };
+                for arg in args.iter_mut().take(operands) {
                     let v = m.value(*arg);
                     if v.ty.dtype != DType::F32 {
                         continue;

@@ -206,21 +206,25 @@ fn gpt2_124m_lowers_to_fused_ops_and_bf16_buffers() {
     );
     assert_gemm_operands_bf16(&plan);
     // bf16-cast: the 49 GEMM weights (4 per block and the tied LM head) are cast once in the
-    // forward and once in the backward; f32 activation gradients read by GEMMs add more.
-    let weight_casts = |section: &[schedule::Op]| {
+    // forward and once in the backward, and the 12 qkv biases (their GEMM writes bf16) in the
+    // forward; f32 activation gradients read by GEMMs add more.
+    let param_casts = |section: &[schedule::Op], rank: usize| {
         section
             .iter()
             .filter(|o| match o {
                 schedule::Op::Cast { x, .. } => {
-                    plan.buffer(*x).class == schedule::BufferClass::Parameter
+                    let b = plan.buffer(*x);
+                    b.class == schedule::BufferClass::Parameter && b.shape.len() == rank
                 }
                 _ => false,
             })
             .count()
     };
-    assert_eq!(weight_casts(&plan.forward), 49);
-    assert_eq!(weight_casts(&plan.backward), 49);
-    assert!(casts > 98, "{casts} casts");
+    assert_eq!(param_casts(&plan.forward, 2), 49);
+    assert_eq!(param_casts(&plan.backward, 2), 49);
+    assert_eq!(param_casts(&plan.forward, 1), 12);
+    assert_eq!(param_casts(&plan.backward, 1), 0);
+    assert!(casts > 98 + 12, "{casts} casts");
     assert!(
         plan.memory.total_bytes() < unfused.memory.total_bytes(),
         "fused {} vs unfused {} bytes",

@@ -22,7 +22,8 @@ pub const BF16_ATTENTION_MAX_HEAD_DIM: usize = 128;
 /// `cross_entropy_backward.dlogits` — and the saved
 /// forward output `attention_backward.fwd_out` the tensor-core backward reads; `mat_mul.out`
 /// (bf16 GEMMs round their fp32 result in the epilogue; not with `accumulate`) and
-/// `mat_mul_bias.out` (the bias added in fp32 before the rounding), the `qkv` of `attention` /
+/// `mat_mul_bias.out` with its `bias` (both bf16 or both f32: cuBLASLt's epilogue reads the
+/// bias in the output's type; the sum is formed in fp32 and rounded once), the `qkv` of `attention` /
 /// `attention_backward` and the `dout` of `attention_backward` (heads of at most
 /// [`BF16_ATTENTION_MAX_HEAD_DIM`]: the tensor-core kernels read bf16 anyway), the SwiGLU
 /// input `x` of `swi_glu` / `swi_glu_backward` it feeds, and the `logits` of `cross_entropy` /
@@ -35,6 +36,7 @@ pub fn operand_dtypes(op: &str, operand: &str) -> &'static [DType] {
         (_, "ids" | "targets") => &[DType::I32],
         ("mat_mul" | "mat_mul_bias", "a" | "b") => EITHER,
         ("mat_mul" | "mat_mul_bias", "out") => EITHER,
+        ("mat_mul_bias", "bias") => EITHER,
         ("attention", "qkv") => EITHER,
         ("attention_backward", "qkv" | "dout") => EITHER,
         ("swi_glu" | "swi_glu_backward", "x") => EITHER,

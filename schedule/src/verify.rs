@@ -528,8 +528,15 @@ impl Checker<'_> {
                         format!("is {db:?} but a is {da:?}: GEMM operands share one dtype"),
                     ));
                 }
-                if let Op::MatMulBias { bias, .. } = op {
+                if let Op::MatMulBias { bias, out, .. } = op {
                     self.dims("bias", *bias, &[p])?;
+                    if self.is_bf16(*bias) != self.is_bf16(*out) {
+                        return Err(self.fail(
+                            "bias",
+                            *bias,
+                            "must have the output's dtype (cuBLASLt's bias epilogue reads it so)",
+                        ));
+                    }
                 }
             }
             Op::BiasAdd { x, bias, out } => {
