@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The paper-scale benchmark of BENCHMARKS.md on one H200, in one device call: for each model of
-# bench/specs (GPT 0.9B and LLaMA 1.44B at batch 4x1024, LLaMA 6.9B at batch 1x1024; bf16),
+# bench/specs (GPT-2 124M at batch 16x1024, GPT 0.9B and LLaMA 1.44B at batch 4x1024, LLaMA 6.9B at batch 1x1024; bf16),
 # asteria AdamW, asteria SOAP (max_precond_dim 2048, staleness 5; not at 6.9B, where no side is
 # at most 2048 wide), PyTorch AdamW eager and
 # torch.compile (bench/torch_steps.py, fused AdamW, bf16 autocast) and the PyTorch reference SOAP
@@ -16,10 +16,11 @@
 # Usage: bench/h200-scale.sh OUT_DIR [STEPS [TORCH_STEPS]] [--models m1,m2] [--no-torch-soap]
 #   STEPS: asteria steps per run at 0.9B/1.4B (default 60; 6.9B runs a third of it);
 #   TORCH_STEPS: PyTorch steps per row (default 40; 6.9B: a third). Statistics skip 10 steps
-#   (3 at 6.9B). --models: a subset of gpt-0.9b,llama-1.4b,llama-6.9b.
+#   (3 at 6.9B). --models: a subset of gpt2-124m,gpt-0.9b,llama-1.4b,llama-6.9b (GPT-2 124M:
+#   batch 16x1024; its SOAP row is max_precond_dim 10000).
 set -uo pipefail
 usage="usage: bench/h200-scale.sh OUT_DIR [STEPS [TORCH_STEPS]] [--models m1,m2] [--no-torch-soap]"
-pos=(); models="gpt-0.9b,llama-1.4b,llama-6.9b"; torch_soap=1; want_models=0
+pos=(); models="gpt2-124m,gpt-0.9b,llama-1.4b,llama-6.9b"; torch_soap=1; want_models=0
 for a in "$@"; do
   if [[ $want_models == 1 ]]; then models="$a"; want_models=0; continue; fi
   case "$a" in

@@ -42,17 +42,17 @@ pub(crate) struct LtGeometry {
     pub d_bf16: bool,
 }
 
-/// A cuBLASLt handle with its workspace and the algorithms chosen so far.
+/// A cuBLASLt handle with its workspace and the calls planned so far (per geometry).
 pub(crate) struct BlasLt {
     handle: ltsys::cublasLtHandle_t,
     workspace: Buf,
     _arena: Arena,
-    algos: Mutex<HashMap<LtGeometry, ltsys::cublasLtMatmulAlgo_t>>,
+    plans: Mutex<HashMap<LtGeometry, LtPlan>>,
 }
 
 // SAFETY: the handle is used only by the engine thread that owns the compute stream (the same
 // rule as the compute stream's cuBLAS handle, `device.rs`); cuBLASLt handles may move between
-// threads. The algorithm cache is behind a mutex.
+// threads. The plan cache (descriptors, layouts, algorithms) is behind a mutex.
 unsafe impl Send for BlasLt {}
 // SAFETY: as above.
 unsafe impl Sync for BlasLt {}
@@ -126,7 +126,7 @@ impl BlasLt {
                 handle,
                 workspace,
                 _arena: arena,
-                algos: Mutex::new(HashMap::new()),
+                plans: Mutex::new(HashMap::new()),
             }),
             Err(e) => {
                 tracing::warn!(error = %e, "no cuBLASLt workspace: bias epilogues stay separate kernels");
@@ -154,6 +154,57 @@ impl BlasLt {
     ) -> Result<()> {
         const OP: &str = "gemm_bf16_bias";
         let e = lt_err(OP);
+        let mut plans = self.plans.lock().map_err(|_| CudaError::Invalid {
+            op: OP,
+            what: "the cuBLASLt plan cache was poisoned by an earlier panic".into(),
+        })?;
+        if !plans.contains_key(&g) {
+            let plan = self.plan(g)?;
+            plans.insert(g, plan);
+        }
+        let Some(plan) = plans.get(&g) else {
+            return Err(CudaError::Invalid {
+                op: OP,
+                what: "cuBLASLt plan missing after insertion".into(),
+            });
+        };
+        // Only the bias pointer changes between calls of one geometry.
+        let bias_ptr = bias;
+        lt::set_matmul_desc_attribute(
+            plan.desc,
+            ltsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+            (&bias_ptr as *const u64).cast(),
+            std::mem::size_of_val(&bias_ptr),
+        )
+        .map_err(&e)?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let [la, lb, ld] = plan.layouts;
+        lt::matmul(
+            self.handle,
+            plan.desc,
+            (&alpha as *const f32).cast(),
+            (&beta as *const f32).cast(),
+            a as *const c_void,
+            la,
+            b as *const c_void,
+            lb,
+            d as *const c_void,
+            ld,
+            d as *mut c_void,
+            ld,
+            &plan.algo,
+            self.workspace.ptr() as *mut c_void,
+            self.workspace.bytes(),
+            stream,
+        )
+        .map_err(&e)
+    }
+
+    /// The descriptor, layouts and heuristic algorithm of one geometry, made once and kept
+    /// (creating them took ~0.1 ms of host time per call, during which the GPU could drain).
+    fn plan(&self, g: LtGeometry) -> Result<LtPlan> {
+        const OP: &str = "gemm_bf16_bias";
+        let e = lt_err(OP);
         let mut guard = Descs {
             desc: None,
             layouts: Vec::new(),
@@ -168,8 +219,9 @@ impl BlasLt {
         // cublasOperation_t as a 32-bit int: 0 = CUBLAS_OP_N, 1 = CUBLAS_OP_T.
         let (ta, tb) = (g.trans_a as i32, g.trans_b as i32);
         let epilogue = ltsys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
-        let bias_ptr = bias;
-        let set = |attr, p: *const c_void, size: usize| {
+        // SAFETY (every call below): descriptors created here, attribute sizes those of the
+        // values passed.
+        let set = |attr, p: *const c_void, size: usize| unsafe {
             lt::set_matmul_desc_attribute(desc, attr, p, size).map_err(&e)
         };
         use ltsys::cublasLtMatmulDescAttributes_t as A;
@@ -188,11 +240,6 @@ impl BlasLt {
             (&epilogue as *const ltsys::cublasLtEpilogue_t).cast(),
             std::mem::size_of_val(&epilogue),
         )?;
-        set(
-            A::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-            (&bias_ptr as *const u64).cast(),
-            std::mem::size_of_val(&bias_ptr),
-        )?;
         let bf = ltsys::cudaDataType_t::CUDA_R_16BF;
         let f32t = ltsys::cudaDataType_t::CUDA_R_32F;
         // The bias has D's type (cuBLASLt's default; an f32 bias with a bf16 D is refused with
@@ -204,47 +251,49 @@ impl BlasLt {
                 .push(lt::create_matrix_layout(ty, r, c, ld).map_err(&e)?);
         }
         let (la, lb, ld) = (guard.layouts[0], guard.layouts[1], guard.layouts[2]);
-        let cached = self.algos.lock().ok().and_then(|m| m.get(&g).copied());
-        let algo = match cached {
-            Some(a) => a,
-            None => {
-                let pref = lt::create_matmul_pref().map_err(&e)?;
-                guard.pref = Some(pref);
-                let ws = self.workspace.bytes();
-                lt::set_matmul_pref_attribute(
-                    pref,
-                    ltsys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                    (&ws as *const usize).cast(),
-                    std::mem::size_of_val(&ws),
-                )
-                .map_err(&e)?;
-                let h = lt::get_matmul_algo_heuristic(self.handle, desc, la, lb, ld, ld, pref)
-                    .map_err(&e)?;
-                if let Ok(mut m) = self.algos.lock() {
-                    m.insert(g, h.algo);
-                }
-                h.algo
-            }
+        // SAFETY: plain descriptor creation and a heuristic query on this handle.
+        let algo = unsafe {
+            let pref = lt::create_matmul_pref().map_err(&e)?;
+            guard.pref = Some(pref);
+            let ws = self.workspace.bytes();
+            lt::set_matmul_pref_attribute(
+                pref,
+                ltsys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&ws as *const usize).cast(),
+                std::mem::size_of_val(&ws),
+            )
+            .map_err(&e)?;
+            lt::get_matmul_algo_heuristic(self.handle, desc, la, lb, ld, ld, pref)
+                .map_err(&e)?
+                .algo
         };
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        lt::matmul(
-            self.handle,
+        // The plan owns the descriptor and layouts from here; the guard keeps the preference.
+        guard.desc = None;
+        guard.layouts.clear();
+        Ok(LtPlan {
             desc,
-            (&alpha as *const f32).cast(),
-            (&beta as *const f32).cast(),
-            a as *const c_void,
-            la,
-            b as *const c_void,
-            lb,
-            d as *const c_void,
-            ld,
-            d as *mut c_void,
-            ld,
-            &algo,
-            self.workspace.ptr() as *mut c_void,
-            self.workspace.bytes(),
-            stream,
-        )
-        .map_err(&e)
+            layouts: [la, lb, ld],
+            algo,
+        })
+    }
+}
+
+/// A cached cuBLASLt call of one [`LtGeometry`]: its matmul descriptor (epilogue, transposes;
+/// the bias pointer is set per call), the A, B and C/D layouts and the chosen algorithm.
+struct LtPlan {
+    desc: ltsys::cublasLtMatmulDesc_t,
+    layouts: [ltsys::cublasLtMatrixLayout_t; 3],
+    algo: ltsys::cublasLtMatmulAlgo_t,
+}
+
+impl Drop for LtPlan {
+    fn drop(&mut self) {
+        // SAFETY: created once by `BlasLt::plan`, owned here, destroyed once.
+        unsafe {
+            let _ = lt::destroy_matmul_desc(self.desc);
+            for l in &self.layouts {
+                let _ = lt::destroy_matrix_layout(*l);
+            }
+        }
     }
 }
