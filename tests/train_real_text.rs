@@ -184,14 +184,14 @@ fn run(which: Which) -> Arc<Run> {
 fn unigram_val_loss() -> f64 {
     let ds = data::Dataset::new(tokens().to_vec(), 0.1, 64).expect("split");
     let mut counts = vec![0f64; data::GPT2_VOCAB_SIZE];
-    for &t in ds.train() {
+    for t in ds.train().iter() {
         counts[t as usize] += 1.0;
     }
     let total = ds.train().len() as f64 + 0.1 * data::GPT2_VOCAB_SIZE as f64;
     let nll: f64 = ds
         .val()
         .iter()
-        .map(|&t| -((counts[t as usize] + 0.1) / total).ln())
+        .map(|t| -((counts[t as usize] + 0.1) / total).ln())
         .sum();
     nll / ds.val().len() as f64
 }

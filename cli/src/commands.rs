@@ -8,10 +8,19 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
 
-/// Parses + checks a spec file and runs the pipeline; returns the plan (memory planned) and the
+/// Parses + checks a spec file with the command line's `--set` overrides (printing the
+/// frontend's notes on stderr) and runs the pipeline; returns the plan (memory planned) and the
 /// IR liveness analysis.
-pub fn compile_spec(spec: &Path, flags: &PassFlags) -> Result<(Plan, passes::liveness::Liveness)> {
-    let config = frontend::load_spec(spec).map_err(miette::Report::new)?;
+pub fn compile_spec(
+    spec: &Path,
+    flags: &PassFlags,
+    overrides: &[String],
+) -> Result<(Plan, passes::liveness::Liveness)> {
+    let checked = frontend::load_spec_with(spec, overrides).map_err(miette::Report::new)?;
+    for n in &checked.notes {
+        note!("note: {n}");
+    }
+    let config = checked.config;
     let mut module = ir::Module::new(config);
     let options = PassOptions {
         print_before: flags.print_before.clone(),
@@ -45,8 +54,13 @@ pub fn compile_spec(spec: &Path, flags: &PassFlags) -> Result<(Plan, passes::liv
 }
 
 /// `asteria compile`.
-pub fn compile(spec: &Path, output: Option<&Path>, flags: &PassFlags) -> Result<()> {
-    let (plan, _) = compile_spec(spec, flags)?;
+pub fn compile(
+    spec: &Path,
+    output: Option<&Path>,
+    flags: &PassFlags,
+    overrides: &[String],
+) -> Result<()> {
+    let (plan, _) = compile_spec(spec, flags, overrides)?;
     match output {
         Some(path) => {
             std::fs::write(path, plan.to_json())
@@ -107,8 +121,8 @@ fn measure_nvme(dir: &Path) -> Result<(f64, f64)> {
 }
 
 /// `asteria explain`: memory per class and tier, ops per step.
-pub fn explain(spec: &Path) -> Result<()> {
-    let (plan, liveness) = compile_spec(spec, &PassFlags::default())?;
+pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
+    let (plan, liveness) = compile_spec(spec, &PassFlags::default(), overrides)?;
     let stdout = std::io::stdout();
     let mut o = stdout.lock();
     let params: usize = plan
@@ -267,7 +281,9 @@ pub fn explain(spec: &Path) -> Result<()> {
             .map(|i| schedule::BufferId(i as u32))
             .filter(|&id| plan.memory.tier(id) == Some(kind))
             .collect();
-        let config = frontend::load_spec(spec).map_err(miette::Report::new)?;
+        let config = frontend::load_spec_with(spec, overrides)
+            .map_err(miette::Report::new)?
+            .config;
         let desc = passes::precond_scheduling::target_description(&config.target)
             .map_err(|e| miette!("{e}"))?;
         let moved: usize = ids.iter().map(|&id| plan.buffer(id).size_bytes()).sum();
@@ -483,8 +499,8 @@ pub fn run(path: &Path, run: &RunFlags) -> Result<()> {
 }
 
 /// `asteria train`: compile a spec, then execute the plan.
-pub fn train(spec: &Path, run: &RunFlags, flags: &PassFlags) -> Result<()> {
-    let (plan, _) = compile_spec(spec, flags)?;
+pub fn train(spec: &Path, run: &RunFlags, flags: &PassFlags, overrides: &[String]) -> Result<()> {
+    let (plan, _) = compile_spec(spec, flags, overrides)?;
     execute(&plan, run)
 }
 
@@ -735,7 +751,7 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
         other => return Err(miette!("--match-precision: `{other}` is not fp32 or bf16")),
     };
     for spec in &a.train_match {
-        let (plan, _) = compile_spec(spec, &PassFlags::default())?;
+        let (plan, _) = compile_spec(spec, &PassFlags::default(), &[])?;
         let opts = cuda::train_match::MatchOptions {
             steps: a.steps,
             tol: a.tol,

@@ -60,6 +60,17 @@ pub struct PassFlags {
     pub skip_pass: Vec<String>,
 }
 
+/// Spec overrides, shared by `compile`, `explain` and `train`.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct SpecFlags {
+    /// Override a key of the spec (repeatable; a later one wins): `--set train.seed=7
+    /// --set optimizer.lr=3e-4 --set data.corpus=books`. Checked like a key written in the
+    /// spec (same types, ranges and messages, located on the argument) and recorded in the
+    /// plan like one; a value is spec syntax, unquoted text is a string.
+    #[arg(long = "set", value_name = "BLOCK.KEY=VALUE")]
+    pub set: Vec<String>,
+}
+
 /// Options of commands that execute a plan.
 #[derive(clap::Args, Clone, Debug)]
 pub struct RunFlags {
@@ -122,12 +133,16 @@ enum Command {
         output: Option<PathBuf>,
         #[command(flatten)]
         passes: PassFlags,
+        #[command(flatten)]
+        spec_flags: SpecFlags,
     },
     /// Show memory per class, the memory plan's arenas, memory per tier, and ops per step, of a
     /// compiled spec.
     Explain {
         /// The spec file.
         spec: PathBuf,
+        #[command(flatten)]
+        spec_flags: SpecFlags,
     },
     /// Verify and execute a compiled plan.
     Run {
@@ -144,6 +159,8 @@ enum Command {
         run: RunFlags,
         #[command(flatten)]
         passes: PassFlags,
+        #[command(flatten)]
+        spec_flags: SpecFlags,
     },
     /// Measure this host (eigensolve and QR times per size, GEMM rate) and write a target
     /// description for the `precond-scheduling` cost model (`target { calibration = "FILE" }`).
@@ -301,10 +318,16 @@ fn main() -> ExitCode {
             spec,
             output,
             passes,
-        } => commands::compile(&spec, output.as_deref(), &passes),
-        Command::Explain { spec } => commands::explain(&spec),
+            spec_flags,
+        } => commands::compile(&spec, output.as_deref(), &passes, &spec_flags.set),
+        Command::Explain { spec, spec_flags } => commands::explain(&spec, &spec_flags.set),
         Command::Run { plan, run } => commands::run(&plan, &run),
-        Command::Train { spec, run, passes } => commands::train(&spec, &run, &passes),
+        Command::Train {
+            spec,
+            run,
+            passes,
+            spec_flags,
+        } => commands::train(&spec, &run, &passes, &spec_flags.set),
         Command::Calibrate {
             output,
             sizes,

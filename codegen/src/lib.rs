@@ -405,6 +405,10 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 CorpusConfig::Files { paths } => Corpus::Files {
                     paths: paths.clone(),
                 },
+                CorpusConfig::Shards { train, val } => Corpus::Shards {
+                    train: train.clone(),
+                    val: val.clone(),
+                },
             },
             tokenizer: match c.data.tokenizer {
                 TokenizerKind::Gpt2 => Tokenizer::Gpt2,

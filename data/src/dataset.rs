@@ -7,16 +7,18 @@
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64;
 
-use crate::DataError;
+use crate::{DataError, TokenStream};
 
-/// A token stream split into a training head and a validation tail.
+/// A token stream split into a training part and a validation part.
 ///
-/// `train()` is `tokens[..n - v]` and `val()` is `tokens[n - v..]` with
-/// `v = round(n × val_fraction)`: contiguous, disjoint, together the whole corpus.
+/// From one stream ([`Dataset::new`], [`Dataset::split`]): `train()` is `tokens[..n - v]` and
+/// `val()` is `tokens[n - v..]` with `v = round(n × val_fraction)`: contiguous, disjoint,
+/// together the whole corpus. From two ([`Dataset::from_splits`]): llm.c's separate train and
+/// validation shards.
 #[derive(Debug, Clone)]
 pub struct Dataset {
-    tokens: Vec<u16>,
-    split: usize,
+    train: TokenStream,
+    val: TokenStream,
 }
 
 impl Dataset {
@@ -28,18 +30,45 @@ impl Dataset {
     /// [`DataError::SplitTooShort`] if either split has fewer than `seq_len + 1` tokens
     /// (one window); [`DataError::EmptyBatch`] if `seq_len == 0`.
     pub fn new(tokens: Vec<u16>, val_fraction: f64, seq_len: usize) -> Result<Self, DataError> {
+        Dataset::split(TokenStream::from(tokens), val_fraction, seq_len)
+    }
+
+    /// [`Dataset::new`] for any token stream (memory-mapped shards included): the last
+    /// `round(n × val_fraction)` tokens are the validation split.
+    ///
+    /// # Errors
+    /// As [`Dataset::new`].
+    pub fn split(
+        tokens: TokenStream,
+        val_fraction: f64,
+        seq_len: usize,
+    ) -> Result<Self, DataError> {
         if !(val_fraction > 0.0 && val_fraction < 1.0) {
             return Err(DataError::InvalidValFraction { val_fraction });
-        }
-        if seq_len == 0 {
-            return Err(DataError::EmptyBatch { batch: 1, seq_len });
         }
         let n = tokens.len();
         let val_len = ((n as f64) * val_fraction).round() as usize;
         let split = n.saturating_sub(val_len);
-        let dataset = Dataset { tokens, split };
-        dataset.check_split("train", dataset.train().len(), seq_len)?;
-        dataset.check_split("validation", dataset.val().len(), seq_len)?;
+        Dataset::from_splits(tokens.slice(0..split), tokens.slice(split..n), seq_len)
+    }
+
+    /// A dataset whose training and validation splits are given (llm.c's `*train*.bin` and
+    /// `*val*.bin` shards).
+    ///
+    /// # Errors
+    /// [`DataError::SplitTooShort`] if either split has fewer than `seq_len + 1` tokens;
+    /// [`DataError::EmptyBatch`] if `seq_len == 0`.
+    pub fn from_splits(
+        train: TokenStream,
+        val: TokenStream,
+        seq_len: usize,
+    ) -> Result<Self, DataError> {
+        if seq_len == 0 {
+            return Err(DataError::EmptyBatch { batch: 1, seq_len });
+        }
+        let dataset = Dataset { train, val };
+        dataset.check_split("train", dataset.train.len(), seq_len)?;
+        dataset.check_split("validation", dataset.val.len(), seq_len)?;
         Ok(dataset)
     }
 
@@ -55,7 +84,7 @@ impl Dataset {
                 split,
                 tokens,
                 needed,
-                corpus_tokens: self.tokens.len(),
+                corpus_tokens: self.len(),
             });
         }
         Ok(())
@@ -69,12 +98,8 @@ impl Dataset {
     pub fn check_batch(&self, batch: usize, seq_len: usize) -> Result<(), DataError> {
         let needed = batch.saturating_mul(seq_len).saturating_add(1);
         for (split, tokens, hint) in [
-            ("train", self.train().len(), ""),
-            (
-                "validation",
-                self.val().len(),
-                ", or a larger `val_fraction`",
-            ),
+            ("train", self.train.len(), ""),
+            ("validation", self.val.len(), ", or a larger `val_fraction`"),
         ] {
             if tokens < needed {
                 return Err(DataError::SmallerThanBatch {
@@ -82,7 +107,7 @@ impl Dataset {
                     tokens,
                     batch,
                     seq_len,
-                    corpus_tokens: self.tokens.len(),
+                    corpus_tokens: self.len(),
                     hint,
                 });
             }
@@ -90,24 +115,24 @@ impl Dataset {
         Ok(())
     }
 
-    /// The training split (head of the corpus), u16 token ids.
-    pub fn train(&self) -> &[u16] {
-        &self.tokens[..self.split]
+    /// The training split (head of the corpus, or the train shards), u16 token ids.
+    pub fn train(&self) -> &TokenStream {
+        &self.train
     }
 
-    /// The validation split (tail of the corpus), u16 token ids.
-    pub fn val(&self) -> &[u16] {
-        &self.tokens[self.split..]
+    /// The validation split (tail of the corpus, or the validation shards), u16 token ids.
+    pub fn val(&self) -> &TokenStream {
+        &self.val
     }
 
     /// Total number of tokens (train + validation).
     pub fn len(&self) -> usize {
-        self.tokens.len()
+        self.train.len() + self.val.len()
     }
 
     /// True if the dataset holds no tokens (never the case for a constructed `Dataset`).
     pub fn is_empty(&self) -> bool {
-        self.tokens.is_empty()
+        self.len() == 0
     }
 
     /// Number of non-overlapping `seq_len + 1`-token windows [`BatchSampler::val_batch`] cycles
@@ -117,7 +142,7 @@ impl Dataset {
         if seq_len == 0 {
             return 0;
         }
-        self.val().len().saturating_sub(1) / seq_len
+        self.val.len().saturating_sub(1) / seq_len
     }
 }
 
@@ -129,6 +154,9 @@ impl Dataset {
 pub struct BatchSampler {
     dataset: Dataset,
     rng: Pcg64,
+    /// A window that crosses a boundary between two parts of a stream (two shards) is copied
+    /// here.
+    scratch: Vec<u16>,
 }
 
 impl BatchSampler {
@@ -137,6 +165,7 @@ impl BatchSampler {
         BatchSampler {
             dataset,
             rng: Pcg64::seed_from_u64(seed),
+            scratch: Vec::new(),
         }
     }
 
@@ -149,7 +178,9 @@ impl BatchSampler {
     /// with `batch` windows drawn uniformly at random from the training split.
     ///
     /// Each window starts at a uniform offset in `0..=train().len() - seq_len - 1`, so it lies
-    /// entirely inside the training split; `targets[b, t] = inputs[b, t + 1]` for
+    /// entirely inside the training split (it may span two shards: shards are concatenated
+    /// like the documents of a text corpus); the draws depend only on the seed and the number
+    /// of windows drawn before, so replaying `n` batches restores the data position; `targets[b, t] = inputs[b, t + 1]` for
     /// `t < seq_len - 1`, and `targets[b, seq_len - 1]` is the token after the input window.
     ///
     /// # Errors
@@ -163,12 +194,15 @@ impl BatchSampler {
         targets: &mut [i32],
     ) -> Result<(), DataError> {
         check_buffers(batch, seq_len, inputs, targets)?;
-        let train_len = self.dataset.train().len();
+        let train_len = self.dataset.train.len();
         self.dataset.check_split("train", train_len, seq_len)?;
         let max_start = train_len - seq_len - 1;
         for b in 0..batch {
             let start = self.rng.random_range(0..=max_start);
-            let window = &self.dataset.train()[start..start + seq_len + 1];
+            let window = self
+                .dataset
+                .train
+                .window(start, seq_len + 1, &mut self.scratch);
             fill_row(window, seq_len, b, inputs, targets);
         }
         Ok(())
@@ -197,16 +231,11 @@ impl BatchSampler {
         let val = self.dataset.val();
         self.dataset.check_split("validation", val.len(), seq_len)?;
         let windows = self.dataset.val_windows(seq_len);
+        let mut scratch = Vec::new();
         for b in 0..batch {
             let w = index.wrapping_mul(batch).wrapping_add(b) % windows;
-            let start = w * seq_len;
-            fill_row(
-                &val[start..start + seq_len + 1],
-                seq_len,
-                b,
-                inputs,
-                targets,
-            );
+            let window = val.window(w * seq_len, seq_len + 1, &mut scratch);
+            fill_row(window, seq_len, b, inputs, targets);
         }
         Ok(())
     }

@@ -44,7 +44,11 @@ pub enum DataError {
     },
 
     /// A token file has a header version other than 1 (u16 tokens).
-    #[error("token file {} has version {found}, expected {expected}", path.display())]
+    #[error(
+        "token file {} has version {found}, expected {expected} (u16 GPT-2 tokens; llm.c's \
+         version 2 holds u32 LLaMA 3 tokens, which asteria does not read)",
+        path.display()
+    )]
     BadVersion {
         /// The token file.
         path: PathBuf,
@@ -71,6 +75,30 @@ pub enum DataError {
         actual_bytes: u64,
         /// "truncated", "trailing bytes" or "negative token count".
         reason: &'static str,
+    },
+
+    /// A token shard holds a token id the model cannot embed (`token >= vocab`).
+    #[error(
+        "token shard {} holds token id {token} at token {position}, but the model's vocab is \
+         {vocab} (ids must be < vocab): the shard's GPT-2 tokens need `vocab = 50257` or more",
+        path.display()
+    )]
+    ShardTokenOutOfRange {
+        /// The shard.
+        path: PathBuf,
+        /// The first offending token id (in file order).
+        token: u16,
+        /// Its position among the shard's tokens (0-based).
+        position: usize,
+        /// The model's vocabulary size (rows of the token embedding).
+        vocab: usize,
+    },
+
+    /// A shard pattern or list named no file.
+    #[error("no token shards given for the {split} split")]
+    NoShards {
+        /// "train" or "validation".
+        split: &'static str,
     },
 
     /// More tokens than the i32 header field can count were to be written.

@@ -5,6 +5,10 @@
 //! tail) → [`BatchSampler`] (seeded random training windows, sequential validation windows,
 //! `[batch, seq_len]` i32 inputs and targets).
 //!
+//! Token shards in llm.c's `.bin` layout (a corpus prepared by llm.c's or nanoGPT's scripts)
+//! skip the first two stages: [`load_shards`] memory-maps them ([`TokenShard`]), checks their
+//! headers and token ids, and gives a [`TokenStream`] that a [`Dataset`] samples in place.
+//!
 //! The medium corpus (Gutenberg books, State of the Union addresses, Shakespeare; ~6.8M GPT-2
 //! tokens) is fetched by `scripts/fetch-corpora OUT_DIR` and loaded with
 //! [`CorpusSource::Files`].
@@ -13,12 +17,14 @@
 mod corpus;
 mod dataset;
 mod error;
+mod stream;
 mod token_file;
 mod tokenizer;
 
 pub use corpus::{load_corpus_tokens, CorpusSource};
 pub use dataset::{BatchSampler, Dataset};
 pub use error::DataError;
+pub use stream::{load_shards, TokenShard, TokenStream};
 pub use token_file::{
     read_tokens, write_tokens, TOKEN_FILE_HEADER_BYTES, TOKEN_FILE_MAGIC, TOKEN_FILE_VERSION,
 };

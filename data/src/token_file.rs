@@ -72,15 +72,29 @@ pub fn read_tokens(path: &Path) -> Result<Vec<u16>, DataError> {
             action: "reading token file",
             source,
         })?;
-    let actual_bytes = bytes.len() as u64;
+    check_header(path, &bytes, bytes.len() as u64)?;
+    Ok(bytes[TOKEN_FILE_HEADER_BYTES..]
+        .chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect())
+}
+
+/// Checks the llm.c header at the start of `head` (the file's first bytes: all of them, or at
+/// least [`TOKEN_FILE_HEADER_BYTES`]) against the file's size `actual_bytes`; returns the token
+/// count. Errors as [`read_tokens`] (without I/O).
+pub(crate) fn check_header(
+    path: &Path,
+    head: &[u8],
+    actual_bytes: u64,
+) -> Result<usize, DataError> {
     let word = |i: usize| {
         let mut w = [0u8; 4];
-        w.copy_from_slice(&bytes[4 * i..4 * i + 4]);
+        w.copy_from_slice(&head[4 * i..4 * i + 4]);
         i32::from_le_bytes(w)
     };
-    if bytes.len() < TOKEN_FILE_HEADER_BYTES {
+    if actual_bytes < TOKEN_FILE_HEADER_BYTES as u64 || head.len() < TOKEN_FILE_HEADER_BYTES {
         // Too short for a header; report what the header claims if the first words exist.
-        let header_tokens = if bytes.len() >= 12 {
+        let header_tokens = if head.len() >= 12 {
             i64::from(word(2))
         } else {
             0
@@ -129,10 +143,7 @@ pub fn read_tokens(path: &Path) -> Result<Vec<u16>, DataError> {
             reason,
         });
     }
-    Ok(bytes[TOKEN_FILE_HEADER_BYTES..]
-        .chunks_exact(2)
-        .map(|c| u16::from_le_bytes([c[0], c[1]]))
-        .collect())
+    Ok(header_tokens as usize)
 }
 
 fn expected_bytes(header_tokens: i64) -> u64 {

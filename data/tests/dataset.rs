@@ -13,10 +13,10 @@ fn split_is_disjoint_and_sized() {
     assert_eq!(ds.len(), 10_000);
     assert_eq!(ds.val().len(), 1000);
     assert_eq!(ds.train().len(), 9000);
-    assert_eq!(ds.train().last(), Some(&8999));
+    assert_eq!(ds.train().get(8999), Some(8999));
     assert_eq!(
-        ds.val().first(),
-        Some(&9000),
+        ds.val().get(0),
+        Some(9000),
         "validation is the tail, right after train"
     );
 }

@@ -180,20 +180,53 @@ fn peak_lr(plan: &Plan) -> Option<f64> {
     })
 }
 
-/// Loads the plan's corpus through `asteria-data` and returns the batch sampler.
+/// Loads the plan's corpus through `asteria-data` and returns the batch sampler: text is
+/// tokenized (cached under `opts.cache_dir`); token shards are memory-mapped, their headers
+/// checked and every token id checked against the model's vocabulary (the rows of the plan's
+/// token embedding) before anything trains.
 fn load_data(plan: &Plan, opts: &TrainOptions) -> Result<BatchSampler, EngineError> {
+    let (b, t) = (plan.data.batch_size, plan.data.seq_len);
     let source = match &plan.data.corpus {
         Corpus::Builtin => CorpusSource::Builtin,
         Corpus::Files { paths } => CorpusSource::Files(paths.iter().map(PathBuf::from).collect()),
+        Corpus::Shards { train, val } => {
+            let vocab = plan_vocab(plan)?;
+            let paths = |v: &[String]| v.iter().map(PathBuf::from).collect::<Vec<_>>();
+            let train_stream = data::load_shards(&paths(train), vocab)?;
+            let dataset = if val.is_empty() {
+                Dataset::split(train_stream, plan.data.val_fraction, t)?
+            } else {
+                let val_stream = data::load_shards(&paths(val), vocab)?;
+                Dataset::from_splits(train_stream, val_stream, t)?
+            };
+            dataset.check_batch(b, t)?;
+            return Ok(BatchSampler::new(dataset, plan.train.seed));
+        }
     };
     let tokenizer = match plan.data.tokenizer {
         Tokenizer::Gpt2 => data::Tokenizer::Gpt2,
         Tokenizer::Bytes => data::Tokenizer::Bytes,
     };
     let tokens = data::load_corpus_tokens(&source, tokenizer, opts.cache_dir.as_deref())?;
-    let dataset = Dataset::new(tokens, plan.data.val_fraction, plan.data.seq_len)?;
-    dataset.check_batch(plan.data.batch_size, plan.data.seq_len)?;
+    let dataset = Dataset::new(tokens, plan.data.val_fraction, t)?;
+    dataset.check_batch(b, t)?;
     Ok(BatchSampler::new(dataset, plan.train.seed))
+}
+
+/// The model's vocabulary: rows of the table of the plan's first `embedding` op.
+fn plan_vocab(plan: &Plan) -> Result<usize, EngineError> {
+    plan.forward
+        .iter()
+        .find_map(|op| match op {
+            Op::Embedding { table, .. } => plan.buffer(*table).shape.first().copied(),
+            _ => None,
+        })
+        .ok_or_else(|| {
+            EngineError::Option(format!(
+                "plan `{}` reads token shards but has no token embedding to size their ids against",
+                plan.name
+            ))
+        })
 }
 
 /// A backend that executes the steps of a verified plan (the CPU engine; the CUDA engine in
@@ -525,7 +558,10 @@ pub fn train_with<E: StepExecutor>(
             let wall = started.elapsed().as_secs_f64();
             tracing::info!(wall_s = wall, "first step done");
             summary.first_step_s = wall;
-            say(&pb, format!("first step done {wall:.1} s after start ({ms:.0} ms)"));
+            say(
+                &pb,
+                format!("first step done {wall:.1} s after start ({ms:.0} ms)"),
+            );
         }
         if let Err(e) = written {
             // Lose nothing: the state after this step is saved before the run stops.

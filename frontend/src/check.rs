@@ -15,6 +15,8 @@ use crate::diagnostics::{did_you_mean, suggest, SpecError};
 pub struct Checker {
     /// Every error found so far.
     pub errors: Vec<SpecError>,
+    /// Notes for the user that are not errors (files a corpus directory skipped).
+    pub notes: Vec<String>,
 }
 
 /// The entries of one block, by key, after the unknown / duplicate key checks.

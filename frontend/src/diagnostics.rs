@@ -110,7 +110,27 @@ pub struct SpecErrors {
 impl SpecErrors {
     /// Wraps `errors` (in source order after sorting) found in `source`, named `name`; keeps
     /// the first [`MAX_SHOWN_ERRORS`] and a last entry counting the others.
-    pub fn new(name: &str, source: String, mut errors: Vec<SpecError>) -> Self {
+    pub fn new(name: &str, source: String, errors: Vec<SpecError>) -> Self {
+        let end = source.len();
+        SpecErrors::with_overrides(name, source, errors, end)
+    }
+
+    /// [`SpecErrors::new`] for `text` = a spec followed, from byte `overrides`, by lines
+    /// `--set ARG` (command-line overrides): an error whose span starts there is shown on its
+    /// argument, named `command line`, and its message starts with "`--set ARG`: ".
+    pub fn with_overrides(
+        name: &str,
+        source: String,
+        mut errors: Vec<SpecError>,
+        overrides: usize,
+    ) -> Self {
+        for e in &mut errors {
+            if e.span.start >= overrides {
+                if let Some(line) = override_line(&source, overrides, e.span.start) {
+                    e.message = format!("`{}`: {}", line.text, e.message);
+                }
+            }
+        }
         errors.sort_by_key(|e| (e.span.start, e.span.end));
         // The parser's "stopped after N syntax errors" goes last, wherever it points.
         let stop = errors
@@ -150,6 +170,7 @@ impl SpecErrors {
             src: SpecSource {
                 name: name.to_string(),
                 text: source,
+                overrides,
             },
             errors,
             total,
@@ -178,15 +199,28 @@ impl SpecErrors {
         &self.src.text
     }
 
-    /// `(line, column, message)` of each error, 1-based, column counted in characters.
+    /// `(line, column, message)` of each error, 1-based, column counted in characters; an
+    /// error in a `--set` argument has line 0 and its column in `--set ARG`.
     pub fn items(&self) -> Vec<(usize, usize, String)> {
         self.errors
             .iter()
             .map(|e| {
-                let (line, col) = line_col(self.source_text(), e.span.start);
+                let (line, col) =
+                    match override_line(self.source_text(), self.src.overrides, e.span.start) {
+                        Some(l) => {
+                            let upto = l.text.get(..e.span.start - l.start).unwrap_or(l.text);
+                            (0, upto.chars().count() + 1)
+                        }
+                        None => line_col(self.source_text(), e.span.start),
+                    };
                 (line, col, e.message.clone())
             })
             .collect()
+    }
+
+    /// Whether `e` (one of [`SpecErrors::errors`]) is about a `--set` argument.
+    pub fn is_override(&self, e: &SpecError) -> bool {
+        e.span.start >= self.src.overrides && self.src.overrides < self.src.text.len()
     }
 }
 
@@ -269,6 +303,35 @@ fn clip_span(span: Span, source: &str) -> Span {
 struct SpecSource {
     name: String,
     text: String,
+    /// Where the `--set` lines start (the text's length when there are none).
+    overrides: usize,
+}
+
+/// One `--set ARG` line of a spec's text (see [`SpecErrors::with_overrides`]).
+struct OverrideLine<'a> {
+    /// Its first byte.
+    start: usize,
+    /// Which override it is (0-based).
+    index: usize,
+    /// `--set ARG`, without the line break.
+    text: &'a str,
+}
+
+/// The `--set` line holding byte `at` of `text`, whose override lines start at `overrides`.
+fn override_line(text: &str, overrides: usize, at: usize) -> Option<OverrideLine<'_>> {
+    if at < overrides || overrides >= text.len() || !text.is_char_boundary(at.min(text.len())) {
+        return None;
+    }
+    let at = at.min(text.len() - 1);
+    let start = text[overrides..at]
+        .rfind('\n')
+        .map_or(overrides, |k| overrides + k + 1);
+    let end = text[start..].find('\n').map_or(text.len(), |k| start + k);
+    Some(OverrideLine {
+        start,
+        index: text[overrides..start].matches('\n').count(),
+        text: &text[start..end],
+    })
 }
 
 /// Context up to this many bytes is shown whole.
@@ -284,6 +347,18 @@ impl SourceCode for SpecSource {
         after: usize,
     ) -> Result<Box<dyn SpanContents<'a> + 'a>, MietteError> {
         let text = self.text.as_str();
+        if let Some(line) = override_line(text, self.overrides, span.offset()) {
+            // A `--set` argument: its own one-line snippet, numbered by its position among
+            // the arguments.
+            return Ok(Box::new(MietteSpanContents::new_named(
+                "command line".to_string(),
+                line.text.as_bytes(),
+                SourceSpan::new(line.start.into(), line.text.len()),
+                line.index,
+                0,
+                1,
+            )));
+        }
         let floor = |mut k: usize| {
             k = k.min(text.len());
             while !text.is_char_boundary(k) {

@@ -22,7 +22,9 @@
 //! [`parser::MAX_SYNTAX_ERRORS`], and at most [`diagnostics::MAX_SHOWN_ERRORS`] errors are shown.
 //!
 //! Entry points: [`parse_spec`] (text), [`parse_spec_bytes`] (bytes, UTF-8 checked),
-//! [`load_spec`] (a file). Render a [`SpecErrors`] with any miette report handler.
+//! [`load_spec`] (a file); [`check_spec`] and [`load_spec_with`] also apply command-line
+//! overrides (`--set block.key=value`) and return the compiler's notes. Render a
+//! [`SpecErrors`] with any miette report handler.
 #![deny(missing_docs)]
 
 pub mod ast;
@@ -31,6 +33,7 @@ pub mod diagnostics;
 mod files;
 mod lex;
 mod lower;
+mod overrides;
 pub mod parser;
 
 use std::path::Path;
@@ -45,6 +48,16 @@ pub const MAX_SPEC_BYTES: usize = 1 << 20;
 /// A file with more invalid UTF-8 sequences than this (or any NUL byte) is not a text spec.
 const MAX_INVALID_UTF8: usize = 8;
 
+/// A checked spec: the run configuration, and notes for the user that are not errors (the
+/// files a corpus directory or pattern skipped because they are not UTF-8 text).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Checked {
+    /// The validated run configuration.
+    pub config: Config,
+    /// One line each, to print before compiling.
+    pub notes: Vec<String>,
+}
+
 /// Parses and checks the spec text `source`, named `name` in diagnostics (usually the file
 /// name); relative corpus paths are resolved against `base_dir`. `Config::name` is the stem of
 /// `name` (`tiny.asteria` → `tiny`).
@@ -54,10 +67,32 @@ const MAX_INVALID_UTF8: usize = 8;
 /// [`diagnostics::MAX_SHOWN_ERRORS`] shown); a single error for text that is no spec at all
 /// (JSON, such as a plan; more than [`MAX_SPEC_BYTES`]).
 pub fn parse_spec(name: &str, source: &str, base_dir: &Path) -> Result<Config, SpecErrors> {
+    check_spec(name, source, base_dir, &[]).map(|c| c.config)
+}
+
+/// [`parse_spec`] with command-line `overrides`, each `block.key=value` (`train.seed=7`,
+/// `optimizer.lr=3e-4`, `data.corpus="books/*.md"`), applied in order (a later one wins) to
+/// the parsed spec before it is checked: an overridden key is checked like the spec's own
+/// (unknown keys, types, ranges, cross-block rules) and an error about it points at its
+/// `--set` argument (shown as `command line`, the message naming the argument). An override
+/// replaces the key's entry in its block or adds it; a missing `target` block is added as
+/// `target cpu { }`. The value is spec syntax; one that does not parse but cannot be a number,
+/// tuple or list is a string (a shell strips the quotes of `data.corpus="a b.txt"`). Relative
+/// paths are resolved against `base_dir`, as in the spec.
+///
+/// # Errors
+/// As [`parse_spec`], plus malformed arguments (no `=`, no `block.key`, an unknown block, a
+/// block the spec lacks).
+pub fn check_spec(
+    name: &str,
+    source: &str,
+    base_dir: &Path,
+    overrides: &[String],
+) -> Result<Checked, SpecErrors> {
     if let Some(e) = not_a_spec(name, source) {
         return Err(SpecErrors::new(name, source.to_string(), vec![e]));
     }
-    let (spec, mut errors) = parser::parse(source);
+    let (mut spec, mut errors) = parser::parse(source);
     if spec.blocks.is_empty() && errors.is_empty() {
         errors.push(
             SpecError::new(
@@ -76,11 +111,24 @@ pub fn parse_spec(name: &str, source: &str, base_dir: &Path) -> Result<Config, S
     if !errors.is_empty() && (spec.blocks.is_empty() || stopped) {
         return Err(SpecErrors::new(name, source.to_string(), errors));
     }
-    let mut checker = check::Checker { errors };
+    let (text, start) = overrides::with_overrides(source, overrides);
+    overrides::apply(&mut spec, &text, start, overrides, &mut errors);
+    let mut checker = check::Checker {
+        errors,
+        notes: Vec::new(),
+    };
     let config = lower::lower(&spec, &run_name(name), base_dir, &mut checker);
     match config {
-        Some(config) if checker.errors.is_empty() => Ok(config),
-        _ => Err(SpecErrors::new(name, source.to_string(), checker.errors)),
+        Some(config) if checker.errors.is_empty() => Ok(Checked {
+            config,
+            notes: checker.notes,
+        }),
+        _ => Err(SpecErrors::with_overrides(
+            name,
+            text,
+            checker.errors,
+            start,
+        )),
     }
 }
 
@@ -91,6 +139,16 @@ pub fn parse_spec(name: &str, source: &str, base_dir: &Path) -> Result<Config, S
 /// # Errors
 /// Binary data, invalid UTF-8, or every syntax and semantic error of the file.
 pub fn parse_spec_bytes(name: &str, bytes: &[u8], base_dir: &Path) -> Result<Config, SpecErrors> {
+    check_spec_bytes(name, bytes, base_dir, &[]).map(|c| c.config)
+}
+
+/// [`parse_spec_bytes`] with command-line overrides, as [`check_spec`].
+fn check_spec_bytes(
+    name: &str,
+    bytes: &[u8],
+    base_dir: &Path,
+    overrides: &[String],
+) -> Result<Checked, SpecErrors> {
     if let Some(e) = not_text(name, bytes) {
         return Err(SpecErrors::new(name, String::new(), vec![e]));
     }
@@ -98,7 +156,7 @@ pub fn parse_spec_bytes(name: &str, bytes: &[u8], base_dir: &Path) -> Result<Con
         return Err(SpecErrors::new(name, String::new(), vec![too_large(name)]));
     }
     match std::str::from_utf8(bytes) {
-        Ok(source) => parse_spec(name, source, base_dir),
+        Ok(source) => check_spec(name, source, base_dir, overrides),
         Err(_) => {
             let (text, errors) = decode_lossy(bytes);
             Err(SpecErrors::new(name, text, errors))
@@ -114,6 +172,15 @@ pub fn parse_spec_bytes(name: &str, bytes: &[u8], base_dir: &Path) -> Result<Con
 /// The file cannot be read, is empty, binary, too large or not UTF-8, or has syntax or semantic
 /// errors.
 pub fn load_spec(path: &Path) -> Result<Config, SpecErrors> {
+    load_spec_with(path, &[]).map(|c| c.config)
+}
+
+/// [`load_spec`] with command-line `overrides` (`block.key=value`, see [`check_spec`]); also
+/// returns the compiler's notes.
+///
+/// # Errors
+/// As [`load_spec`] and [`check_spec`].
+pub fn load_spec_with(path: &Path, overrides: &[String]) -> Result<Checked, SpecErrors> {
     use std::io::Read;
     let name = path.display().to_string();
     let base_dir = path.parent().unwrap_or_else(|| Path::new(""));
@@ -124,7 +191,7 @@ pub fn load_spec(path: &Path) -> Result<Config, SpecErrors> {
             .map(|_| ())
     });
     match read {
-        Ok(()) => parse_spec_bytes(&name, &bytes, base_dir),
+        Ok(()) => check_spec_bytes(&name, &bytes, base_dir, overrides),
         Err(e) => {
             let err = SpecError::new(
                 "spec::unreadable",

@@ -391,17 +391,36 @@ fn missing_corpus_file_points_at_path() {
 
 #[test]
 fn corpus_directory_without_text_files() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("blob.bin"), [7u8, 0, 1, 2]).expect("write");
+    std::fs::write(dir.path().join("latin1.txt"), b"caf\xe9\n").expect("write");
+    let p = dir.path().display().to_string();
     let src = edit(
         "  seq_len = 64\n",
-        "  seq_len = 64\n  corpus = \"common\"\n",
+        &format!("  seq_len = 64\n  corpus = \"{p}\"\n"),
     );
     assert_error(
         &src,
         14,
         12,
-        "corpus directory `common` holds no `.txt` file",
-        None,
+        &format!("corpus directory `{p}` holds no UTF-8 text file"),
+        Some("blob.bin (a NUL byte at offset 1)"),
     );
+    assert_error(
+        &src,
+        14,
+        12,
+        "holds no UTF-8 text file",
+        Some("latin1.txt (invalid UTF-8 at offset 3)"),
+    );
+    // An empty directory says so too.
+    let empty = tempfile::tempdir().expect("tempdir");
+    let p = empty.path().display().to_string();
+    let src = edit(
+        "  seq_len = 64\n",
+        &format!("  seq_len = 64\n  corpus = \"{p}\"\n"),
+    );
+    assert_error(&src, 14, 12, "holds no UTF-8 text file", None);
 }
 
 #[test]

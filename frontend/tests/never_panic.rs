@@ -91,6 +91,40 @@ proptest! {
         }
         check(&bytes);
     }
+
+    /// `--set` arguments made of tokens (and any characters) never panic, and their errors
+    /// lie inside the text and render.
+    #[test]
+    fn random_overrides(
+        args in proptest::collection::vec(
+            (
+                prop_oneof![
+                    Just("train".to_string()),
+                    Just("data".to_string()),
+                    Just("target".to_string()),
+                    "\\PC{0,8}",
+                ],
+                proptest::collection::vec(token(), 0..8),
+            ),
+            1..4,
+        ),
+    ) {
+        let sets: Vec<String> = args
+            .into_iter()
+            .map(|(block, tokens)| format!("{block}.{}", tokens.concat()))
+            .collect();
+        match frontend::check_spec("fuzz.asteria", TINY, &common::tests_dir(), &sets) {
+            Ok(c) => assert!(!c.config.name.is_empty()),
+            Err(e) => {
+                let text = e.source_text();
+                for err in e.errors() {
+                    assert!(err.span.start <= err.span.end && err.span.end <= text.len());
+                }
+                let _ = e.items();
+                assert!(!common::render(&e).is_empty());
+            }
+        }
+    }
 }
 
 #[test]

@@ -116,6 +116,15 @@ pub enum CorpusConfig {
         /// Paths.
         paths: Vec<String>,
     },
+    /// llm.c / nanoGPT token shards (`.bin`: a 256 × i32 header, then u16 GPT-2 token ids),
+    /// read in place; `data { train = "DIR/*train*.bin"  val = "DIR/*val*.bin" }`, patterns
+    /// expanded (sorted) by the frontend.
+    Shards {
+        /// Training shards, in order.
+        train: Vec<String>,
+        /// Validation shards, in order; empty = the tail `val_fraction` of the training shards.
+        val: Vec<String>,
+    },
 }
 
 /// Tokenizer choice.

@@ -204,6 +204,17 @@ pub enum Corpus {
         /// already resolved by the compiler).
         paths: Vec<String>,
     },
+    /// llm.c / nanoGPT token shards (magic 20240520, version 1: u16 GPT-2 token ids after a
+    /// 1024-byte header), memory-mapped and concatenated in order, not tokenized; the plan's
+    /// tokenizer is `gpt2`. The engine checks every header and every token id against the
+    /// model's vocabulary before training.
+    Shards {
+        /// Training shards, in order (glob patterns already expanded and sorted).
+        train: Vec<String>,
+        /// Validation shards, in order; empty = the tail `val_fraction` of the training
+        /// stream is held out instead.
+        val: Vec<String>,
+    },
 }
 
 /// Tokenizer that turns the corpus text into token ids.

@@ -1,7 +1,7 @@
 //! Plan verification: a plan is checked before the engine allocates or runs anything, so a
 //! truncated, malformed or tampered plan is rejected with an error that names the offending
 //! instruction and buffer.
-use crate::{BufferId, DType, HostTask, Op, Plan, PLAN_FORMAT, PLAN_VERSION};
+use crate::{BufferId, Corpus, DType, HostTask, Op, Plan, Tokenizer, PLAN_FORMAT, PLAN_VERSION};
 use thiserror::Error;
 
 /// Why a plan was rejected.
@@ -886,6 +886,18 @@ impl Plan {
             return Err(PlanError::Invalid(
                 "data: val_fraction must be in (0, 1)".into(),
             ));
+        }
+        if let Corpus::Shards { train, .. } = &self.data.corpus {
+            if train.is_empty() {
+                return Err(PlanError::Invalid(
+                    "data: the shard corpus lists no training shard".into(),
+                ));
+            }
+            if self.data.tokenizer != Tokenizer::Gpt2 {
+                return Err(PlanError::Invalid(
+                    "data: token shards hold GPT-2 token ids; the tokenizer must be `gpt2`".into(),
+                ));
+            }
         }
         for (what, id) in [("tokens", self.data.tokens), ("targets", self.data.targets)] {
             let b = self.buffer(id);

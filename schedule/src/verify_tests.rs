@@ -153,3 +153,28 @@ fn bf16_rounding_is_to_nearest_even() {
         assert_eq!(r, best, "{x:e}: got {r:e}, nearest {best:e}");
     }
 }
+
+#[test]
+fn a_shard_corpus_needs_a_training_shard_and_the_gpt2_tokenizer() {
+    use crate::{Corpus, Tokenizer};
+    let mut p = plan();
+    p.data.corpus = Corpus::Shards {
+        train: vec!["fineweb_train_000001.bin".into()],
+        val: vec![],
+    };
+    p.data.tokenizer = Tokenizer::Gpt2;
+    p.verify().expect("one training shard, gpt2 ids");
+    let mut bytes = p.clone();
+    bytes.data.tokenizer = Tokenizer::Bytes;
+    let err = bytes.verify().unwrap_err();
+    assert!(
+        err.to_string().contains("the tokenizer must be `gpt2`"),
+        "{err}"
+    );
+    p.data.corpus = Corpus::Shards {
+        train: vec![],
+        val: vec!["fineweb_val_000000.bin".into()],
+    };
+    let err = p.verify().unwrap_err();
+    assert!(err.to_string().contains("lists no training shard"), "{err}");
+}

@@ -18,7 +18,7 @@ use crate::check::{Checker, Fields};
 use crate::diagnostics::{did_you_mean, list, suggest, SpecError};
 
 /// The block keywords.
-const BLOCKS: &[&str] = &["model", "optimizer", "data", "train", "target"];
+pub(crate) const BLOCKS: &[&str] = &["model", "optimizer", "data", "train", "target"];
 const REQUIRED_BLOCKS: &[(&str, &str)] = &[
     ("model", "model gpt2 { vocab = 50257 ... }"),
     ("optimizer", "optimizer adamw { lr = 6e-4 }"),
@@ -113,7 +113,7 @@ pub fn lower(spec: &Spec, run_name: &str, base_dir: &Path, c: &mut Checker) -> O
     })
 }
 
-/// Checks across blocks: `seq_len ≤ context`, tokenizer vs `vocab`.
+/// Checks across blocks: `seq_len ≤ context`, tokenizer vs `vocab` (text corpora).
 fn cross_check(c: &mut Checker, m: &ModelConfig, mf: &Fields, d: &DataConfig, df: &Fields) {
     // Only keys that were read without error: the config holds defaults for the others.
     let valid = |e: &Entry, range: limits::IntRange| matches!(e.value.kind, ValueKind::Int(n) if range.contains(n));
@@ -136,6 +136,11 @@ fn cross_check(c: &mut Checker, m: &ModelConfig, mf: &Fields, d: &DataConfig, df
     let Some(v) = mf.get("vocab").filter(|v| valid(v, limits::VOCAB)) else {
         return;
     };
+    // Shards carry their own token ids: the engine checks each against `vocab` when it loads
+    // them (the largest id, not the tokenizer's size, is what must fit).
+    if matches!(d.corpus, ir::config::CorpusConfig::Shards { .. }) {
+        return;
+    }
     if let Some(t) = df.get("tokenizer") {
         if !matches!(&t.value.kind, ValueKind::Ident(n) if TOKENIZERS.contains(&n.as_str())) {
             return;

@@ -9,11 +9,13 @@ use super::{block_name, missing_name, no_name, TOKENIZERS};
 use crate::ast::{Block, Value, ValueKind};
 use crate::check::{unknown_name, Checker, Fields};
 use crate::diagnostics::SpecError;
-use crate::files::check_corpus_path;
+use crate::files::{check_corpus_path, check_shard_path};
 use ir::limits;
 
 const DATA_KEYS: &[&str] = &[
     "corpus",
+    "train",
+    "val",
     "tokenizer",
     "batch_size",
     "seq_len",
@@ -32,18 +34,34 @@ const TRAIN_KEYS: &[&str] = &[
 ];
 const TARGETS: &[&str] = &["cpu", "cuda"];
 
-/// `data { ... }`.
+/// `data { ... }`: a text corpus (`corpus`, `tokenizer`) or llm.c token shards (`train`,
+/// optionally `val`), and the batch shape.
 pub(crate) fn data<'a>(c: &mut Checker, b: &'a Block, base_dir: &Path) -> (DataConfig, Fields<'a>) {
     no_name(c, b);
     let f = c.fields(b, "data", DATA_KEYS, &[]);
-    let corpus = match f.get("corpus") {
-        None => CorpusConfig::Builtin,
-        Some(e) => corpus(c, &e.value, base_dir),
+    let shards = shards(c, &f, base_dir);
+    let corpus = match (&shards, f.get("corpus")) {
+        (Some(s), _) => s.clone(),
+        (None, None) => CorpusConfig::Builtin,
+        (None, Some(e)) => corpus(c, &e.value, base_dir),
     };
     let tokenizer = match f.get("tokenizer") {
         None => Some("gpt2"),
         Some(e) => c.name_value("tokenizer", &e.value, "tokenizer", TOKENIZERS),
     };
+    if let (Some(_), Some(t), Some("bytes")) = (&shards, f.get("tokenizer"), tokenizer) {
+        let mut e = SpecError::new(
+            "spec::tokenizer-mismatch",
+            t.value.span,
+            "token shards hold GPT-2 token ids; `tokenizer = bytes` cannot read them",
+            "not the shards' tokenizer",
+        )
+        .with_help("remove `tokenizer` (shards imply `gpt2`), or train on a text `corpus`");
+        if let Some(train) = f.get("train") {
+            e = e.with_note(train.key.span, "shards given here");
+        }
+        c.push(e);
+    }
     let config = DataConfig {
         corpus,
         tokenizer: if tokenizer == Some("bytes") {
@@ -60,13 +78,98 @@ pub(crate) fn data<'a>(c: &mut Checker, b: &'a Block, base_dir: &Path) -> (DataC
     (config, f)
 }
 
+/// `train = "DIR/*train*.bin"` and `val = "DIR/*val*.bin"` (each a path, a glob pattern, or a
+/// list of them): llm.c token shards, `None` when `train` is not set. `val` needs `train`;
+/// `corpus` and `train` exclude each other; `val_fraction` does not apply with `val`.
+fn shards(c: &mut Checker, f: &Fields, base_dir: &Path) -> Option<CorpusConfig> {
+    let Some(train) = f.get("train") else {
+        if let Some(v) = f.get("val") {
+            c.push(
+                SpecError::new(
+                    "spec::missing-key",
+                    v.key.span,
+                    "`val` shards need `train` shards",
+                    "no `train` in this block",
+                )
+                .with_help(
+                    "add `train = \"DIR/*train*.bin\"`, or remove `val` (a text corpus holds \
+                     out `val_fraction` of its tokens)",
+                ),
+            );
+        }
+        return None;
+    };
+    if let Some(corpus) = f.get("corpus") {
+        c.push(
+            SpecError::new(
+                "spec::conflicting-keys",
+                corpus.key.span,
+                "`corpus` and `train` cannot both be set",
+                "a text corpus",
+            )
+            .with_note(train.key.span, "token shards")
+            .with_help(
+                "`corpus` is text to tokenize; `train` / `val` are llm.c token shards: keep one",
+            ),
+        );
+    }
+    let val = f.get("val");
+    if let (Some(vf), Some(v)) = (f.get("val_fraction"), val) {
+        c.push(
+            SpecError::new(
+                "spec::conflicting-keys",
+                vf.key.span,
+                "`val_fraction` does not apply when `val` shards are given",
+                "not used",
+            )
+            .with_note(v.key.span, "validation shards")
+            .with_help("remove `val_fraction`: the validation split is the `val` shards"),
+        );
+    }
+    let train = shard_list(c, "train", &train.value, base_dir);
+    let val = val.map_or_else(Vec::new, |v| shard_list(c, "val", &v.value, base_dir));
+    Some(CorpusConfig::Shards { train, val })
+}
+
+/// The files of a `train` / `val` value: a path or pattern string, or a non-empty list of them.
+fn shard_list(c: &mut Checker, key: &str, v: &Value, base_dir: &Path) -> Vec<String> {
+    let mut paths = Vec::new();
+    let mut check = |c: &mut Checker, item: &Value| match &item.kind {
+        ValueKind::Str(p) => match check_shard_path(base_dir, p, item.span, key) {
+            Ok(found) => paths.extend(found),
+            Err(e) => c.push(*e),
+        },
+        _ => c.wrong_type(key, item, "a shard path or pattern string"),
+    };
+    match &v.kind {
+        ValueKind::Str(_) => check(c, v),
+        ValueKind::List(items) if items.is_empty() => c.push(SpecError::new(
+            "spec::empty-list",
+            v.span,
+            format!("`{key}` lists no shard"),
+            "empty list",
+        )),
+        ValueKind::List(items) => items.iter().for_each(|item| check(c, item)),
+        _ => c.wrong_type(
+            key,
+            v,
+            "a shard path or pattern string (`\"DIR/*train*.bin\"`) or a list of them",
+        ),
+    }
+    paths
+}
+
 /// `corpus = builtin | "path" | ["path", ...]`; files must exist and be readable, a directory
-/// stands for the `*.txt` files under it.
+/// or a glob pattern (`"DIR/*.md"`) stands for the UTF-8 text files it holds (sorted; the
+/// others are skipped with a note).
 fn corpus(c: &mut Checker, v: &Value, base_dir: &Path) -> CorpusConfig {
     let mut paths = Vec::new();
     let mut check = |c: &mut Checker, item: &Value| match &item.kind {
         ValueKind::Str(p) => match check_corpus_path(base_dir, p, item.span) {
-            Ok(found) => paths.extend(found),
+            Ok(found) => {
+                paths.extend(found.files);
+                c.notes.extend(found.note);
+            }
             Err(e) => c.push(*e),
         },
         _ => c.wrong_type("corpus", item, "a file path string"),
