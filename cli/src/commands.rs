@@ -504,6 +504,24 @@ pub fn train(spec: &Path, run: &RunFlags, flags: &PassFlags, overrides: &[String
     execute(&plan, run)
 }
 
+/// `asteria sample`: the prompt and its continuation on stdout.
+pub fn sample(checkpoint: &Path, prompt: &str, o: &engine::sample::SampleOptions) -> Result<()> {
+    let ckpt = engine::checkpoint::load(checkpoint).map_err(|e| miette!("{e}"))?;
+    let s = engine::sample::generate(&ckpt, prompt, o).map_err(|e| miette!("{e}"))?;
+    note!(
+        "{}: step {}, {} prompt tokens, {} generated (temperature {}, top-k {}, seed {})",
+        ckpt.dir.display(),
+        ckpt.meta.step,
+        s.prompt_ids.len(),
+        s.ids.len(),
+        o.temperature,
+        o.top_k,
+        o.seed
+    );
+    out!("{prompt}{}", s.text);
+    Ok(())
+}
+
 /// `asteria bench eigh`: median eigensolve times per backend, size and thread count.
 pub fn bench_eigh(sizes: &[usize], threads: &[usize], reps: usize) -> Result<()> {
     out!(

@@ -162,6 +162,27 @@ enum Command {
         #[command(flatten)]
         spec_flags: SpecFlags,
     },
+    /// Generate text with a checkpoint's weights (the plan it stores; CPU engine): the prompt,
+    /// then `--tokens` new tokens drawn from the model's softmax (`--temperature 0`: greedy).
+    Sample {
+        /// A checkpoint: a `step-N` directory, or a `--checkpoint-dir` (its newest).
+        checkpoint: PathBuf,
+        /// Text the generation continues.
+        #[arg(long)]
+        prompt: String,
+        /// New tokens to generate (1..=100000).
+        #[arg(long, default_value_t = 64)]
+        tokens: usize,
+        /// Softmax temperature (0..=100; 0 takes the most likely token).
+        #[arg(long, default_value_t = 1.0)]
+        temperature: f64,
+        /// Draw only among the k most likely tokens (0 = all).
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        /// Seed of the draws (the same seed, prompt and checkpoint give the same text).
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
     /// Measure this host (eigensolve and QR times per size, GEMM rate) and write a target
     /// description for the `precond-scheduling` cost model (`target { calibration = "FILE" }`).
     Calibrate {
@@ -328,6 +349,23 @@ fn main() -> ExitCode {
             passes,
             spec_flags,
         } => commands::train(&spec, &run, &passes, &spec_flags.set),
+        Command::Sample {
+            checkpoint,
+            prompt,
+            tokens,
+            temperature,
+            top_k,
+            seed,
+        } => commands::sample(
+            &checkpoint,
+            &prompt,
+            &engine::sample::SampleOptions {
+                tokens,
+                temperature,
+                top_k,
+                seed,
+            },
+        ),
         Command::Calibrate {
             output,
             sizes,

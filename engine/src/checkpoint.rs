@@ -6,6 +6,7 @@
 //! - `state.safetensors`: every state buffer of the plan — parameters (fp32 master weights),
 //!   Adam moments, Kronecker factors and eigenbases, whatever tier they live in — as F32
 //!   tensors under their plan names ([`state_buffers`]);
+//! - `plan.json`: the plan that wrote it (what `asteria sample` runs the weights with);
 //! - `meta.json` ([`CheckpointMeta`]): the format and version, the step, the number of
 //!   training batches drawn (the data position: the sampler is replayed that far on resume),
 //!   the seed, the hash of the plan's state layout ([`state_hash`]), per refresh task whether its
@@ -43,6 +44,7 @@ pub const FORMAT: &str = "asteria-checkpoint";
 pub const VERSION: u32 = 1;
 const TENSORS: &str = "state.safetensors";
 const META: &str = "meta.json";
+const PLAN: &str = "plan.json";
 
 /// One tensor's record in `meta.json`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -91,6 +93,8 @@ pub struct Checkpoint {
     pub meta: CheckpointMeta,
     /// Its tensors by name (f32 values).
     pub tensors: BTreeMap<String, Vec<f32>>,
+    /// The plan that wrote it (`plan.json`; what `asteria sample` runs), when present.
+    pub plan: Option<Plan>,
 }
 
 fn err(what: impl std::fmt::Display) -> EngineError {
@@ -229,6 +233,7 @@ pub fn save<E: StepExecutor + ?Sized>(
             META,
             serde_json::to_vec_pretty(&meta).map_err(|e| err(format!("meta.json: {e}")))?,
         ),
+        (PLAN, plan.to_json().into_bytes()),
     ] {
         let p = tmp.join(file);
         let mut f = std::fs::File::create(&p).map_err(|e| io(&p, e))?;
@@ -357,7 +362,23 @@ pub fn load(dir: &Path) -> Result<Checkpoint, EngineError> {
             .collect();
         tensors.insert(name.clone(), v);
     }
-    Ok(Checkpoint { dir, meta, tensors })
+    // The plan (checkpoints written before 2026-12-02 have none: then `None`); a corrupt one
+    // is refused like a corrupt tensor.
+    let pp = dir.join(PLAN);
+    let plan = match std::fs::read_to_string(&pp) {
+        Ok(text) => Some(
+            Plan::from_json(&text)
+                .map_err(|e| err(format!("{}: not a valid plan: {e}", pp.display())))?,
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(err(format!("{}: {e}", pp.display()))),
+    };
+    Ok(Checkpoint {
+        dir,
+        meta,
+        tensors,
+        plan,
+    })
 }
 
 /// Checks that `ckpt` fits `plan` (its state layout and refresh tasks) without changing
