@@ -1,6 +1,7 @@
 //! Checkpoints on the CPU engine (`engine::checkpoint`, `asteria train --checkpoint-dir /
 //! --resume`): a run stopped at step k and resumed from its checkpoint gives losses and
-//! parameters bit-identical to the uninterrupted run (AdamW, SOAP with S = 0); a stop request
+//! parameters bit-identical to the uninterrupted run (AdamW, SOAP with S = 0 and S = 5: the
+//! refreshes in flight are recorded and replayed); a stop request
 //! (what SIGINT / SIGTERM set) finishes the step, checkpoints and stops with a message; only the
 //! newest K checkpoints are kept; a half-written checkpoint (a crash mid-write) is ignored and
 //! the previous one loads; a byte-flipped, truncated or other-model checkpoint is refused with a
@@ -69,8 +70,13 @@ fn dirs(root: &Path) -> Vec<String> {
 
 #[test]
 fn an_interrupted_run_resumes_bit_identically() {
-    for (name, opt) in [("adamw", ADAMW), ("soap", SOAP)] {
-        let plan = compile(&spec(opt, 64));
+    for (name, opt, staleness) in [
+        ("adamw", ADAMW, 0),
+        ("soap S=0", SOAP, 0),
+        ("soap S=5", SOAP, 5),
+    ] {
+        let src = spec(opt, 64).replace("staleness = 0", &format!("staleness = {staleness}"));
+        let plan = compile(&src);
         let tmp = tempfile::tempdir().expect("tempdir");
         let cache = Some(tmp.path().join("cache"));
         let base = TrainOptions {
@@ -96,6 +102,17 @@ fn an_interrupted_run_resumes_bit_identically() {
             ..opts.clone()
         };
         let first = train_with(&mut e, &five).expect("first part");
+        if staleness > 0 {
+            // Refreshes every 3 steps with S = 5: those launched since step 2 are in flight at
+            // the checkpoint of step 5 and are recorded there, not drained.
+            let ckpt = engine::checkpoint::load(&ck).expect("checkpoint 5");
+            assert!(
+                !ckpt.in_flight.is_empty()
+                    && ckpt.in_flight.iter().all(|r| (2..=5).contains(&r.launched)),
+                "{name}: in flight at step 5: {:?}",
+                ckpt.meta.in_flight
+            );
+        }
         assert_eq!(
             first.train_losses,
             full.train_losses[..5],

@@ -13,9 +13,13 @@
 //!   first eigendecomposition succeeded, the failure counters and skipped steps, and a CRC32 of
 //!   every tensor's bytes.
 //!
-//! Refreshes in flight (staleness S > 0) are drained before a checkpoint is taken: each is
-//! installed at the checkpoint's step, which is within its staleness bound, so the checkpoint
-//! holds no half-finished refresh.
+//! Refreshes in flight (staleness S > 0): the CPU engine installs every refresh exactly S steps
+//! after its launch, so a checkpoint records each one in flight — its task, launch step and the
+//! factor and basis snapshots it computes from (`in_flight.safetensors`, CRC32s in
+//! `meta.json`) — and a resumed run recomputes it from them and installs it at the same step:
+//! the resumed run replays the uninterrupted one bit for bit. The CUDA engine swaps a result in
+//! when it is ready (timing-dependent); it drains its refreshes before a checkpoint instead,
+//! each installed at the checkpoint's step, within its staleness bound.
 //!
 //! # Atomicity
 //! Both files are written into `step-N.tmp-PID`, fsynced, the directory renamed to `step-N`
@@ -45,6 +49,7 @@ pub const VERSION: u32 = 1;
 const TENSORS: &str = "state.safetensors";
 const META: &str = "meta.json";
 const PLAN: &str = "plan.json";
+const IN_FLIGHT: &str = "in_flight.safetensors";
 
 /// One tensor's record in `meta.json`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -53,6 +58,35 @@ pub struct TensorMeta {
     pub shape: Vec<usize>,
     /// CRC32 of the tensor's little-endian f32 bytes.
     pub crc32: u32,
+}
+
+/// One refresh in flight in `meta.json`: its task, launch step and the CRC32 of its two
+/// snapshots (`task{N}.factor`, `task{N}.basis` in `in_flight.safetensors`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InFlightMeta {
+    /// Host task index in the plan.
+    pub task: usize,
+    /// The step at whose end it was launched.
+    pub launched: u64,
+    /// CRC32 of the factor snapshot's little-endian f32 bytes.
+    pub factor_crc32: u32,
+    /// CRC32 of the basis snapshot's bytes.
+    pub basis_crc32: u32,
+}
+
+/// A refresh in flight at a checkpoint: the snapshots it computes from (row-major `d × d`,
+/// f32 values as f64), so that a resumed run recomputes the same result and installs it at the
+/// same step (the refresh's launch step plus its staleness).
+#[derive(Clone, Debug, PartialEq)]
+pub struct InFlightRefresh {
+    /// Host task index in the plan.
+    pub task: usize,
+    /// The step at whose end it was launched.
+    pub launched: u64,
+    /// The Kronecker factor snapshot.
+    pub factor: Vec<f64>,
+    /// The eigenbasis snapshot.
+    pub basis: Vec<f64>,
 }
 
 /// `meta.json`.
@@ -80,6 +114,10 @@ pub struct CheckpointMeta {
     pub consecutive_refresh_failures: Vec<u32>,
     /// Optimizer steps skipped for a non-finite gradient so far.
     pub skipped_steps: u64,
+    /// Refreshes in flight at the checkpoint (engines that replay them, the CPU engine's):
+    /// their snapshots are in `in_flight.safetensors`.
+    #[serde(default)]
+    pub in_flight: Vec<InFlightMeta>,
     /// Every tensor of `state.safetensors`.
     pub tensors: BTreeMap<String, TensorMeta>,
 }
@@ -95,6 +133,8 @@ pub struct Checkpoint {
     pub tensors: BTreeMap<String, Vec<f32>>,
     /// The plan that wrote it (`plan.json`; what `asteria sample` runs), when present.
     pub plan: Option<Plan>,
+    /// Its refreshes in flight (empty when the engine drained them).
+    pub in_flight: Vec<InFlightRefresh>,
 }
 
 fn err(what: impl std::fmt::Display) -> EngineError {
@@ -171,7 +211,7 @@ pub fn save<E: StepExecutor + ?Sized>(
     seed: u64,
     keep: usize,
 ) -> Result<PathBuf, EngineError> {
-    engine.drain_refreshes(step)?;
+    let in_flight = engine.checkpoint_refreshes(step)?;
     let plan = engine.plan().clone();
     let mut tensors: BTreeMap<String, Vec<f32>> = BTreeMap::new();
     let mut metas = BTreeMap::new();
@@ -203,8 +243,23 @@ pub fn save<E: StepExecutor + ?Sized>(
         refresh_failures: stats.refresh_failures.clone(),
         consecutive_refresh_failures: stats.consecutive_refresh_failures.clone(),
         skipped_steps: stats.skipped_steps,
+        in_flight: Vec::new(),
         tensors: metas,
     };
+    let mut meta = meta;
+    let mut flight: BTreeMap<String, Vec<f32>> = BTreeMap::new();
+    for r in &in_flight {
+        let f: Vec<f32> = r.factor.iter().map(|&x| x as f32).collect();
+        let b: Vec<f32> = r.basis.iter().map(|&x| x as f32).collect();
+        meta.in_flight.push(InFlightMeta {
+            task: r.task,
+            launched: r.launched,
+            factor_crc32: crc32fast::hash(&f32_bytes(&f)),
+            basis_crc32: crc32fast::hash(&f32_bytes(&b)),
+        });
+        flight.insert(format!("task{}.factor", r.task), f);
+        flight.insert(format!("task{}.basis", r.task), b);
+    }
     std::fs::create_dir_all(root).map_err(|e| err(format!("{}: {e}", root.display())))?;
     let name = step_dir_name(step);
     let tmp = root.join(format!("{name}.tmp-{}", std::process::id()));
@@ -227,14 +282,34 @@ pub fn save<E: StepExecutor + ?Sized>(
         })
         .collect::<Result<Vec<_>, _>>()?;
     let st = safetensors::serialize(views, None).map_err(|e| err(format!("safetensors: {e}")))?;
-    for (file, data) in [
+    let flight_bytes: Vec<(String, Vec<u8>, usize)> = flight
+        .iter()
+        .map(|(n, v)| (n.clone(), f32_bytes(v), v.len()))
+        .collect();
+    let flight_views = flight_bytes
+        .iter()
+        .map(|(n, b, len)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![*len], b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| err(format!("tensor `{n}`: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut files = Vec::new();
+    if !flight_views.is_empty() {
+        files.push((
+            IN_FLIGHT,
+            safetensors::serialize(flight_views, None)
+                .map_err(|e| err(format!("safetensors: {e}")))?,
+        ));
+    }
+    for (file, data) in files.into_iter().chain([
         (TENSORS, st),
         (
             META,
             serde_json::to_vec_pretty(&meta).map_err(|e| err(format!("meta.json: {e}")))?,
         ),
         (PLAN, plan.to_json().into_bytes()),
-    ] {
+    ]) {
         let p = tmp.join(file);
         let mut f = std::fs::File::create(&p).map_err(|e| io(&p, e))?;
         f.write_all(&data)
@@ -373,11 +448,43 @@ pub fn load(dir: &Path) -> Result<Checkpoint, EngineError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(e) => return Err(err(format!("{}: {e}", pp.display()))),
     };
+    let mut in_flight = Vec::new();
+    if !meta.in_flight.is_empty() {
+        let fp = dir.join(IN_FLIGHT);
+        let raw = std::fs::read(&fp).map_err(|e| err(format!("{}: {e}", fp.display())))?;
+        let st = safetensors::SafeTensors::deserialize(&raw)
+            .map_err(|e| err(format!("{}: corrupt or truncated: {e}", fp.display())))?;
+        let read = |name: String, crc: u32| -> Result<Vec<f64>, EngineError> {
+            let view = st
+                .tensor(&name)
+                .map_err(|e| err(format!("{}: `{name}` is missing: {e}", fp.display())))?;
+            if view.dtype() != safetensors::Dtype::F32 || crc32fast::hash(view.data()) != crc {
+                return Err(err(format!(
+                    "{}: `{name}` fails its checksum (the file is corrupt)",
+                    fp.display()
+                )));
+            }
+            Ok(view
+                .data()
+                .chunks_exact(4)
+                .map(|c| f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                .collect())
+        };
+        for m in &meta.in_flight {
+            in_flight.push(InFlightRefresh {
+                task: m.task,
+                launched: m.launched,
+                factor: read(format!("task{}.factor", m.task), m.factor_crc32)?,
+                basis: read(format!("task{}.basis", m.task), m.basis_crc32)?,
+            });
+        }
+    }
     Ok(Checkpoint {
         dir,
         meta,
         tensors,
         plan,
+        in_flight,
     })
 }
 
@@ -439,5 +546,5 @@ pub fn restore<E: StepExecutor + ?Sized>(
         stats.consecutive_refresh_failures = ckpt.meta.consecutive_refresh_failures.clone();
     }
     stats.skipped_steps = ckpt.meta.skipped_steps;
-    Ok(())
+    engine.restore_refreshes(&ckpt.in_flight)
 }

@@ -284,6 +284,36 @@ pub trait StepExecutor {
         let _ = t;
         Err(self.no_checkpoints())
     }
+    /// The refreshes a checkpoint after step `t` records. Default: drains them (installs each
+    /// now, within its bound) and records none.
+    ///
+    /// # Errors
+    /// As [`StepExecutor::drain_refreshes`].
+    fn checkpoint_refreshes(
+        &mut self,
+        t: u64,
+    ) -> Result<Vec<crate::checkpoint::InFlightRefresh>, EngineError> {
+        self.drain_refreshes(t)?;
+        Ok(Vec::new())
+    }
+    /// Restarts a checkpoint's refreshes in flight. Default: accepts none.
+    ///
+    /// # Errors
+    /// [`EngineError::Checkpoint`] when there are some and this engine cannot replay them.
+    fn restore_refreshes(
+        &mut self,
+        refreshes: &[crate::checkpoint::InFlightRefresh],
+    ) -> Result<(), EngineError> {
+        if refreshes.is_empty() {
+            Ok(())
+        } else {
+            Err(EngineError::Checkpoint(format!(
+                "{} cannot resume refreshes in flight ({} recorded)",
+                self.describe(),
+                refreshes.len()
+            )))
+        }
+    }
     /// The error of a backend that does not checkpoint.
     fn no_checkpoints(&self) -> EngineError {
         EngineError::Checkpoint(format!("{} does not checkpoint", self.describe()))
@@ -332,6 +362,18 @@ impl<T: crate::cpu::Float + optim::Real> StepExecutor for CpuEngine<T> {
     }
     fn drain_refreshes(&mut self, t: u64) -> Result<(), EngineError> {
         CpuEngine::finish_refreshes(self, t).map(|_| ())
+    }
+    fn checkpoint_refreshes(
+        &mut self,
+        _t: u64,
+    ) -> Result<Vec<crate::checkpoint::InFlightRefresh>, EngineError> {
+        Ok(self.in_flight_refreshes())
+    }
+    fn restore_refreshes(
+        &mut self,
+        refreshes: &[crate::checkpoint::InFlightRefresh],
+    ) -> Result<(), EngineError> {
+        self.relaunch_refreshes(refreshes)
     }
 }
 

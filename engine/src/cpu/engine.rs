@@ -386,7 +386,10 @@ impl<T: Float + Real> CpuEngine<T> {
                 }
             }
         }
-        let refresh = Runtime::new(&plan, &opts);
+        let mut refresh = Runtime::new(&plan, &opts);
+        // Every background refresh is installed exactly S steps after its launch: CPU runs are
+        // reproducible, and a checkpoint's refreshes in flight replay on resume.
+        refresh.set_swap_at_deadline(true);
         Ok(CpuEngine {
             plan,
             store,

@@ -70,38 +70,11 @@ impl<T: Float + Real> RefreshBackend for HostRefresher<'_, T> {
     }
 
     fn launch(&mut self, task: &RefreshTask, t: u64) -> Result<Option<Job<T>>, EngineError> {
-        let (m, n) = self.store.dims2(task.exp_avg);
-        let factor = self.store.f(task.factor)?.to_vec();
-        let basis = self.store.f(task.basis)?.to_vec();
-        let solver = Arc::clone(self.solver);
-        let (t_optim, frequency, side) = (task.optim_step(t, false), task.frequency, task.side);
-        let (tx, rx) = mpsc::channel();
-        self.host_pool.spawn(move || {
-            // One refresh per pool thread, each single-threaded (throughput; see
-            // `optim::with_sequential`).
-            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                optim::with_sequential(|| {
-                    refresh_compute(
-                        solver.as_ref(),
-                        t_optim,
-                        frequency,
-                        side,
-                        &factor,
-                        &basis,
-                        m,
-                        n,
-                    )
-                })
-            }));
-            let out = match out {
-                Ok(r) => r.map_err(JobError::Refresh),
-                Err(_) => Err(JobError::Lost("refresh worker panicked".into())),
-            };
-            // The engine may be gone (dropped mid-run): then nobody wants the result.
-            let _ = tx.send(out);
-        });
-        Ok(Some(Job::new(rx)))
+        let factor = Arc::new(self.store.f(task.factor)?.to_vec());
+        let basis = Arc::new(self.store.f(task.basis)?.to_vec());
+        Ok(Some(self.spawn(task, t, factor, basis)))
     }
+
 
     fn poll(&mut self, job: &mut Job<T>) -> bool {
         job.poll()
@@ -204,6 +177,43 @@ impl<T: Float + Real> HostRefresher<'_, T> {
     }
 }
 
+impl<T: Float + Real> HostRefresher<'_, T> {
+    /// Starts the QR refresh of `task` launched at the end of step `t` on the host pool from
+    /// the snapshots `factor`, `basis` (kept in the job: a checkpoint records them).
+    fn spawn(&mut self, task: &RefreshTask, t: u64, factor: Arc<Vec<T>>, basis: Arc<Vec<T>>) -> Job<T> {
+        let (m, n) = self.store.dims2(task.exp_avg);
+        let solver = Arc::clone(self.solver);
+        let (keep_f, keep_b) = (Arc::clone(&factor), Arc::clone(&basis));
+        let (t_optim, frequency, side) = (task.optim_step(t, false), task.frequency, task.side);
+        let (tx, rx) = mpsc::channel();
+        self.host_pool.spawn(move || {
+            // One refresh per pool thread, each single-threaded (throughput; see
+            // `optim::with_sequential`).
+            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                optim::with_sequential(|| {
+                    refresh_compute(
+                        solver.as_ref(),
+                        t_optim,
+                        frequency,
+                        side,
+                        &factor,
+                        &basis,
+                        m,
+                        n,
+                    )
+                })
+            }));
+            let out = match out {
+                Ok(r) => r.map_err(JobError::Refresh),
+                Err(_) => Err(JobError::Lost("refresh worker panicked".into())),
+            };
+            // The engine may be gone (dropped mid-run): then nobody wants the result.
+            let _ = tx.send(out);
+        });
+        Job::with_inputs(rx, (keep_f, keep_b))
+    }
+}
+
 impl<T: Float + Real> CpuEngine<T> {
     /// The part of the engine the refresh runtime drives, and the runtime itself.
     fn refresher(&mut self) -> (&mut Runtime<T>, HostRefresher<'_, T>) {
@@ -273,5 +283,58 @@ impl<T: Float + Real> CpuEngine<T> {
     /// Counters, writable (a checkpoint restores the failure counters and skipped steps).
     pub fn stats_mut(&mut self) -> &mut EngineStats {
         &mut self.stats
+    }
+
+    /// The refreshes in flight with the snapshots they compute from, in task order (what a
+    /// checkpoint records instead of draining them).
+    pub fn in_flight_refreshes(&self) -> Vec<crate::checkpoint::InFlightRefresh> {
+        self.refresh
+            .in_flight_jobs()
+            .filter_map(|(task, launched, _, job)| {
+                job.inputs().map(|(f, b)| crate::checkpoint::InFlightRefresh {
+                    task,
+                    launched,
+                    factor: f.iter().map(|&x| Float::to_f64(x)).collect(),
+                    basis: b.iter().map(|&x| Float::to_f64(x)).collect(),
+                })
+            })
+            .collect()
+    }
+
+    /// Restarts a checkpoint's refreshes in flight from their snapshots (each recomputes the
+    /// result the interrupted run would have installed at its deadline).
+    ///
+    /// # Errors
+    /// [`EngineError::Checkpoint`] for a task not in the plan, one already in flight, or
+    /// snapshots of the wrong size.
+    pub fn relaunch_refreshes(
+        &mut self,
+        refreshes: &[crate::checkpoint::InFlightRefresh],
+    ) -> Result<(), EngineError> {
+        for r in refreshes {
+            let task = *self.refresh.tasks().get(r.task).ok_or_else(|| {
+                EngineError::Checkpoint(format!("refresh task {} is not in the plan", r.task))
+            })?;
+            let (want_f, want_b) = (
+                self.plan.buffer(task.factor).numel(),
+                self.plan.buffer(task.basis).numel(),
+            );
+            if r.factor.len() != want_f || r.basis.len() != want_b {
+                return Err(EngineError::Checkpoint(format!(
+                    "refresh task {}: snapshots of {} and {} values, the plan's factor and basis hold {want_f} and {want_b}",
+                    r.task,
+                    r.factor.len(),
+                    r.basis.len()
+                )));
+            }
+            let to_t = |v: &[f64]| Arc::new(v.iter().map(|&x| T::from_f64(x)).collect::<Vec<T>>());
+            let (f, b) = (to_t(&r.factor), to_t(&r.basis));
+            let (runtime, mut backend) = self.refresher();
+            let job = backend.spawn(&task, r.launched, f, b);
+            runtime
+                .relaunch(r.task, r.launched, job)
+                .map_err(EngineError::Checkpoint)?;
+        }
+        Ok(())
     }
 }

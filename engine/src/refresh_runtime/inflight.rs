@@ -22,12 +22,37 @@ pub enum JobError {
 pub struct Job<T> {
     rx: mpsc::Receiver<JobOutput<T>>,
     done: Option<JobOutput<T>>,
+    /// The factor and basis snapshots it computes from (shared with the worker), when the
+    /// launcher keeps them: a checkpoint records them so that a resumed run recomputes the same
+    /// refresh (`refresh_compute` is a function of them and the step).
+    inputs: Option<JobInputs<T>>,
 }
+
+/// The factor and basis snapshots of a [`Job`] (row-major, the task's side length squared).
+pub type JobInputs<T> = (std::sync::Arc<Vec<T>>, std::sync::Arc<Vec<T>>);
 
 impl<T> Job<T> {
     /// A job whose worker sends its output on the other end of `rx`.
     pub fn new(rx: mpsc::Receiver<JobOutput<T>>) -> Self {
-        Job { rx, done: None }
+        Job {
+            rx,
+            done: None,
+            inputs: None,
+        }
+    }
+
+    /// As [`Job::new`], keeping the snapshots the worker computes from.
+    pub fn with_inputs(rx: mpsc::Receiver<JobOutput<T>>, inputs: JobInputs<T>) -> Self {
+        Job {
+            rx,
+            done: None,
+            inputs: Some(inputs),
+        }
+    }
+
+    /// The snapshots the job computes from, if kept.
+    pub fn inputs(&self) -> Option<&JobInputs<T>> {
+        self.inputs.as_ref()
     }
 
     /// Whether the output is available (never blocks).
@@ -137,17 +162,32 @@ impl<J> InFlightSet<J> {
     /// The swaps at the boundary at the end of step `t`, in task order: every refresh whose
     /// job is finished (`finished` polls it, never blocking), and every refresh whose
     /// deadline is reached (`deadline ≤ t`; marked `wait` when not finished).
-    pub fn boundary(&mut self, t: u64, mut finished: impl FnMut(&mut J) -> bool) -> Vec<Swap> {
+    /// With `at_deadline` a finished refresh waits for its deadline too: every result is
+    /// swapped exactly at the end of step `launched + S`, whatever the timing (reproducible).
+    pub fn boundary(
+        &mut self,
+        t: u64,
+        at_deadline: bool,
+        mut finished: impl FnMut(&mut J) -> bool,
+    ) -> Vec<Swap> {
         let mut swaps = Vec::new();
         for (task, slot) in self.slots.iter_mut().enumerate() {
             if let Some(f) = slot {
                 let done = finished(&mut f.job);
-                if done || f.deadline() <= t {
+                if (done && !at_deadline) || f.deadline() <= t {
                     swaps.push(Swap { task, wait: !done });
                 }
             }
         }
         swaps
+    }
+
+    /// Every refresh in flight, in task order: `(task, launched, staleness, job)`.
+    pub fn iter(&self) -> impl Iterator<Item = (usize, u64, u32, &J)> {
+        self.slots.iter().enumerate().filter_map(|(i, s)| {
+            s.as_ref()
+                .map(|f| (i, f.launched, f.staleness, &f.job))
+        })
     }
 
     /// Every task with a refresh in flight, in task order (to drain them all).
@@ -192,10 +232,10 @@ mod tests {
         let mut set = InFlightSet::new(3);
         set.launch(1, 11, 3, Fake(false)).expect("free slot");
         for t in 11..14 {
-            assert!(set.boundary(t, |j| j.0).is_empty(), "t = {t}");
+            assert!(set.boundary(t, false, |j| j.0).is_empty(), "t = {t}");
         }
         assert_eq!(
-            set.boundary(14, |j| j.0),
+            set.boundary(14, false, |j| j.0),
             vec![Swap {
                 task: 1,
                 wait: true
@@ -213,8 +253,15 @@ mod tests {
         set.launch(0, 6, 5, Fake(false)).expect("free");
         set.launch(2, 2, 5, Fake(false)).expect("free");
         set.launch(1, 6, 5, Fake(true)).expect("free");
+        // Swapped at their deadlines only, finished or not: at t = 7 only 2 (deadline 7).
+        let at_deadline: Vec<(usize, bool)> = set
+            .boundary(7, true, |j| j.0)
+            .iter()
+            .map(|s| (s.task, s.wait))
+            .collect();
+        assert_eq!(at_deadline, vec![(2, true)]);
         // At t = 7: 1 and 3 are finished; 2 (deadline 7) must be waited for; 0 stays.
-        let swaps = set.boundary(7, |j| j.0);
+        let swaps = set.boundary(7, false, |j| j.0);
         let order: Vec<(usize, bool)> = swaps.iter().map(|s| (s.task, s.wait)).collect();
         assert_eq!(order, vec![(1, false), (2, true), (3, false)]);
         assert_eq!(set.tasks(), vec![0, 1, 2, 3]);

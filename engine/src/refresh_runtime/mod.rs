@@ -17,7 +17,9 @@
 //! - **Swap point**: the start of [`RefreshRuntime::step`] (the end of each step, after the
 //!   optimizer program, before new refreshes launch) is the one boundary where results are
 //!   installed ([`RefreshBackend::install`]), in task order. A finished result is swapped at the
-//!   first boundary after it finished; a result launched at the end of step L is swapped at
+//!   first boundary after it finished (the CUDA engine), or exactly at its bound
+//!   ([`RefreshRuntime::set_swap_at_deadline`]: the CPU engine, whose runs are then
+//!   reproducible and resumable bit for bit); a result launched at the end of step L is swapped at
 //!   the end of step L + S at the latest (so the optimizer program of step L + S + 1 uses it),
 //!   and only then does the step block on it ([`RefreshBackend::wait`]); a task due again while
 //!   its previous refresh is in flight swaps that one in first. Swap staleness
@@ -274,6 +276,10 @@ pub struct RefreshRuntime<J> {
     synchronous: bool,
     /// [`EngineOptions::max_consecutive_refresh_failures`].
     limit: u32,
+    /// Install every background result exactly at its deadline (launch step + S), finished
+    /// earlier or not: the CPU engine's choice, so that its runs are reproducible and a resumed
+    /// run replays the uninterrupted one ([`RefreshRuntime::set_swap_at_deadline`]).
+    at_deadline: bool,
 }
 
 impl<J> Default for RefreshRuntime<J> {
@@ -286,6 +292,7 @@ impl<J> Default for RefreshRuntime<J> {
             initialized: Vec::new(),
             synchronous: false,
             limit: 1,
+            at_deadline: false,
         }
     }
 }
@@ -330,8 +337,35 @@ impl<J> RefreshRuntime<J> {
             initialized: vec![false; tasks.len()],
             synchronous: opts.synchronous_refresh,
             limit: opts.max_consecutive_refresh_failures,
+            at_deadline: false,
             tasks,
         }
+    }
+
+    /// Whether background results are installed exactly at their deadline (see the field).
+    pub fn set_swap_at_deadline(&mut self, on: bool) {
+        self.at_deadline = on;
+    }
+
+    /// Every refresh in flight, in task order: `(task, launched, staleness, job)`.
+    pub fn in_flight_jobs(&self) -> impl Iterator<Item = (usize, u64, u32, &J)> {
+        self.pending.iter()
+    }
+
+    /// Puts back a refresh of `task` launched at the end of step `launched` (a checkpoint's,
+    /// recomputed from its snapshots) with the task's staleness bound.
+    ///
+    /// # Errors
+    /// No such task, or one already in flight.
+    pub fn relaunch(&mut self, task: usize, launched: u64, job: J) -> Result<(), String> {
+        let staleness = self
+            .tasks
+            .get(task)
+            .map(|t| t.staleness)
+            .ok_or_else(|| format!("refresh task {task} is not in the plan ({} tasks)", self.tasks.len()))?;
+        self.pending
+            .launch(task, launched, staleness, job)
+            .map_err(|_| format!("refresh task {task} already has a refresh in flight"))
     }
 
     /// The plan's refresh tasks, in plan order.
@@ -363,7 +397,7 @@ impl<J> RefreshRuntime<J> {
     ) -> Result<HostTaskReport, EngineError> {
         let start = Instant::now();
         let mut report = HostTaskReport::default();
-        for swap in self.pending.boundary(t, |job| backend.poll(job)) {
+        for swap in self.pending.boundary(t, self.at_deadline, |job| backend.poll(job)) {
             self.swap(backend, swap, t, &mut report)?;
         }
         for index in 0..self.tasks.len() {
