@@ -649,6 +649,7 @@ mod tests {
             initialized: vec![false],
             synchronous: false,
             limit,
+            at_deadline: false,
         }
     }
 
