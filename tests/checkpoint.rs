@@ -79,8 +79,13 @@ fn an_interrupted_run_resumes_bit_identically() {
         let plan = compile(&src);
         let tmp = tempfile::tempdir().expect("tempdir");
         let cache = Some(tmp.path().join("cache"));
+        // S > 0 replays bit for bit when every refresh is installed at its bound.
         let base = TrainOptions {
             cache_dir: cache.clone(),
+            engine: engine::EngineOptions {
+                swap_at_deadline: staleness > 0,
+                ..engine::EngineOptions::default()
+            },
             ..TrainOptions::default()
         };
         let (full, p_full) = run(&plan, 12, base.clone()).expect("uninterrupted");

@@ -13,13 +13,14 @@
 //!   first eigendecomposition succeeded, the failure counters and skipped steps, and a CRC32 of
 //!   every tensor's bytes.
 //!
-//! Refreshes in flight (staleness S > 0): the CPU engine installs every refresh exactly S steps
-//! after its launch, so a checkpoint records each one in flight — its task, launch step and the
-//! factor and basis snapshots it computes from (`in_flight.safetensors`, CRC32s in
-//! `meta.json`) — and a resumed run recomputes it from them and installs it at the same step:
-//! the resumed run replays the uninterrupted one bit for bit. The CUDA engine swaps a result in
-//! when it is ready (timing-dependent); it drains its refreshes before a checkpoint instead,
-//! each installed at the checkpoint's step, within its staleness bound.
+//! Refreshes in flight (staleness S > 0): the CPU engine records each one in flight — its
+//! task, launch step and the factor and basis snapshots it computes from
+//! (`in_flight.safetensors`, CRC32s in `meta.json`) — and a resumed run recomputes it from them
+//! and puts it back in flight. With `EngineOptions::swap_at_deadline` (every refresh installed
+//! exactly S steps after its launch) the resumed run replays the uninterrupted one bit for bit;
+//! by default a result is swapped in when it is finished, which depends on timing, and the
+//! resume continues the run within the same bounds. The CUDA engine drains its refreshes
+//! before a checkpoint instead, each installed at the checkpoint's step, within its bound.
 //!
 //! # Atomicity
 //! Both files are written into `step-N.tmp-PID`, fsynced, the directory renamed to `step-N`

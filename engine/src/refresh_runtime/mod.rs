@@ -17,9 +17,9 @@
 //! - **Swap point**: the start of [`RefreshRuntime::step`] (the end of each step, after the
 //!   optimizer program, before new refreshes launch) is the one boundary where results are
 //!   installed ([`RefreshBackend::install`]), in task order. A finished result is swapped at the
-//!   first boundary after it finished (the CUDA engine), or exactly at its bound
-//!   ([`RefreshRuntime::set_swap_at_deadline`]: the CPU engine, whose runs are then
-//!   reproducible and resumable bit for bit); a result launched at the end of step L is swapped at
+//!   first boundary after it finished, or — [`RefreshRuntime::set_swap_at_deadline`], the CPU
+//!   engine's `EngineOptions::swap_at_deadline` — exactly at its bound (reproducible runs,
+//!   resumable bit for bit, at some cost in quality); a result launched at the end of step L is swapped at
 //!   the end of step L + S at the latest (so the optimizer program of step L + S + 1 uses it),
 //!   and only then does the step block on it ([`RefreshBackend::wait`]); a task due again while
 //!   its previous refresh is in flight swaps that one in first. Swap staleness
