@@ -770,7 +770,9 @@ fn kill_9_during_a_checkpoint_write_keeps_the_previous_checkpoint() {
         let give_up = std::time::Instant::now() + std::time::Duration::from_secs(120);
         loop {
             let n = names(&ck);
-            let complete = n.iter().any(|x| x.starts_with("step-") && !x.contains(".tmp"));
+            let complete = n
+                .iter()
+                .any(|x| x.starts_with("step-") && !x.contains(".tmp"));
             if complete && n.iter().any(|x| x.contains(".tmp-")) {
                 break;
             }
@@ -801,7 +803,9 @@ fn kill_9_during_a_checkpoint_write_keeps_the_previous_checkpoint() {
         .meta
         .step;
     let (ck_s, more) = (ck.to_str().expect("utf8"), (step + 1).to_string());
-    let o = asteria(&["train", spec_s, "--quiet", "--resume", ck_s, "--steps", &more]);
+    let o = asteria(&[
+        "train", spec_s, "--quiet", "--resume", ck_s, "--steps", &more,
+    ]);
     assert!(o.status.success(), "resume after kill -9: {:?}", text(&o));
 }
 
@@ -834,13 +838,19 @@ fn sample_continues_a_prompt_from_a_checkpoint() {
     let g1 = sample(&["--temperature", "0", "--seed", "1"]);
     let g2 = sample(&["--temperature", "0", "--seed", "2"]);
     assert_eq!(g1, g2, "greedy decoding does not depend on the seed");
-    let generated = g1.trim_end_matches('\n').strip_prefix("The ").expect("prompt first");
+    let generated = g1
+        .trim_end_matches('\n')
+        .strip_prefix("The ")
+        .expect("prompt first");
     assert_eq!(generated.len(), 24, "24 byte tokens: {generated:?}");
     let plain = generated
         .chars()
         .filter(|c| c.is_ascii_alphabetic() || *c == ' ')
         .count();
-    assert!(plain >= 16, "a trained model writes mostly letters: {generated:?}");
+    assert!(
+        plain >= 16,
+        "a trained model writes mostly letters: {generated:?}"
+    );
     for (args, want) in [
         (vec!["--tokens", "0"], "outside the allowed range"),
         (vec!["--temperature", "500"], "outside the allowed range"),
@@ -852,11 +862,18 @@ fn sample_continues_a_prompt_from_a_checkpoint() {
         assert!(text(&o).1.contains(want), "{args:?}: {:?}", text(&o));
     }
     let o = asteria(&["sample", ck_s, "--prompt", ""]);
-    assert!(!o.status.success() && text(&o).1.contains("--prompt is empty"), "{:?}", text(&o));
+    assert!(
+        !o.status.success() && text(&o).1.contains("--prompt is empty"),
+        "{:?}",
+        text(&o)
+    );
     let missing = dir.path().join("nothing");
     let o = asteria(&["sample", missing.to_str().expect("utf8"), "--prompt", "x"]);
     let err = text(&o).1;
-    assert!(!o.status.success() && err.contains("checkpoint") && err.contains("nothing"), "{err}");
+    assert!(
+        !o.status.success() && err.contains("checkpoint") && err.contains("nothing"),
+        "{err}"
+    );
 }
 
 /// With stderr a pipe (a log file, CI) the run still says what it does: a line at start with

@@ -458,7 +458,12 @@ pub fn gemm_bf16_bias(
     check_operands(OP, a, a_dims, b, b_dims, Elem::BF16)?;
     let g = Geometry::new(OP, a_dims, b_dims, trans_a, trans_b)?;
     let d_bf16 = out.elem() == Elem::BF16;
-    out.expect(OP, "out", if d_bf16 { Elem::BF16 } else { Elem::F32 }, g.m * g.p)?;
+    out.expect(
+        OP,
+        "out",
+        if d_bf16 { Elem::BF16 } else { Elem::F32 },
+        g.m * g.p,
+    )?;
     bias.expect(OP, "bias", if d_bf16 { Elem::BF16 } else { Elem::F32 }, g.p)?;
     if g.m == 0 || g.p == 0 {
         return Ok(());

@@ -92,7 +92,10 @@ pub fn generate(ckpt: &Checkpoint, prompt: &str, o: &SampleOptions) -> Result<Sa
             _ => None,
         })
         .ok_or_else(|| {
-            EngineError::Unsupported(format!("plan `{}` has no cross_entropy: no logits to sample", plan.name))
+            EngineError::Unsupported(format!(
+                "plan `{}` has no cross_entropy: no logits to sample",
+                plan.name
+            ))
         })?;
     let logits_name = plan.buffer(logits).name.clone();
     let vocab = plan.buffer(logits).shape.last().copied().unwrap_or(0);

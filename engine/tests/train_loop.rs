@@ -56,7 +56,14 @@ fn trains_on_the_builtin_corpus_and_writes_metrics() {
         .iter()
         .find(|l| l["step"] == 1 && l.get("loss").is_some())
         .expect("step 1");
-    for key in ["loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "wall_s"] {
+    for key in [
+        "loss",
+        "lr",
+        "grad_norm",
+        "step_ms",
+        "tokens_per_s",
+        "wall_s",
+    ] {
         assert!(step1[key].is_number(), "{key} missing in {step1}");
     }
     // Wall time since the start grows step by step; the first step's is the summary's.

@@ -378,7 +378,11 @@ impl Fuse {
                     // qkv and dout in bf16 (they cast f32 ones per call otherwise).
                     let tc = |r: &ir::Inst| match r.op {
                         Op::Attention { n_heads, .. } | Op::AttentionBackward { n_heads, .. } => {
-                            let qkv = if matches!(r.op, Op::Attention { .. }) { 0 } else { 1 };
+                            let qkv = if matches!(r.op, Op::Attention { .. }) {
+                                0
+                            } else {
+                                1
+                            };
                             target.bf16_attention
                                 && r.args.get(qkv).and_then(|&q| rank2(m, q)).is_some_and(
                                     |(_, w)| {

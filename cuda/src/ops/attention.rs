@@ -332,7 +332,13 @@ fn bf16_copy(dev: &Device, scratch: &Buf, at: usize, x: &Buf, n: usize) -> Resul
 }
 
 /// `x` must hold `n` elements, f32 or — read by the tensor-core kernels — bf16.
-fn f32_or_bf16(op: &'static str, name: &'static str, x: &Buf, n: usize, math: Option<FlashMath>) -> Result<()> {
+fn f32_or_bf16(
+    op: &'static str,
+    name: &'static str,
+    x: &Buf,
+    n: usize,
+    math: Option<FlashMath>,
+) -> Result<()> {
     let elem = match (x.elem(), math) {
         (Elem::BF16, Some(FlashMath::Bf16)) => Elem::BF16,
         _ => Elem::F32,

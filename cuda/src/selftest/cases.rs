@@ -767,19 +767,24 @@ fn flash_attention(v: &mut Vec<Case>) {
                     let d_rerun = cx.out(3 * nc)?;
                     gattn::flash_attention_backward(cx.dev, &gb, &qb, &d_rerun, &gd, &bs, math)?;
                     // The bf16 inputs: qkv is its own saved copy, dout is read as it is.
-                    let (lse2, o16, d16) = (cx.out(rows)?, cx.raw(Elem::BF16, nc)?, cx.out(3 * nc)?);
+                    let (lse2, o16, d16) =
+                        (cx.out(rows)?, cx.raw(Elem::BF16, nc)?, cx.out(3 * nc)?);
                     let saved2 = gattn::FlashSaved {
                         lse: &lse2,
                         qkv16: &q16,
                     };
                     let ms = cx.timed(|| {
-                        gattn::flash_attention_forward_saving(cx.dev, &q16, &o16, &gd, &fs, &saved2)?;
+                        gattn::flash_attention_forward_saving(
+                            cx.dev, &q16, &o16, &gd, &fs, &saved2,
+                        )?;
                         gattn::flash_attention_backward_saved(
                             cx.dev, &g16, &d16, &gd, &bs, &saved2, &o16,
                         )
                     })?;
                     let d16_rerun = cx.out(3 * nc)?;
-                    gattn::flash_attention_backward(cx.dev, &g16, &q16, &d16_rerun, &gd, &bs, math)?;
+                    gattn::flash_attention_backward(
+                        cx.dev, &g16, &q16, &d16_rerun, &gd, &bs, math,
+                    )?;
                     let same = |a: Vec<f32>, b: Vec<f32>| -> f64 {
                         let eq = a.len() == b.len()
                             && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());

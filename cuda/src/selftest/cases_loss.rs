@@ -272,29 +272,35 @@ pub(super) fn matmul(v: &mut Vec<Case>) {
         // A bf16 output and bias (the `fuse` pass's for rows of a multiple of 8): one rounding
         // of the fp32 sum, against the float64 product plus the bf16-rounded bias.
         if p % 8 == 0 {
-            v.push(case("mat_mul_bf16_bias_bf16_out", size.clone(), TOL_BF16, big, move |cx| {
-                let (a, b) = (cx.normal(m * k, 0.0, 1.0), cx.normal(k * p, 0.0, 1.0));
-                let bias = cx.normal(p, 0.0, 1.0);
-                let ad = if ta { Dims::new(k, m) } else { Dims::new(m, k) };
-                let bd = if tb { Dims::new(p, k) } else { Dims::new(k, p) };
-                let (a32, b32, bias32) = (cx.up(&a)?, cx.up(&b)?, cx.up(&bias)?);
-                let (a16, b16) = (cx.raw(Elem::BF16, a.len())?, cx.raw(Elem::BF16, b.len())?);
-                let (bias16, ob) = (cx.raw(Elem::BF16, p)?, cx.raw(Elem::BF16, m * p)?);
-                gemm::cast_f32_to_bf16(cx.dev, &bias32, &bias16)?;
-                let ms = cx.timed(|| {
-                    gemm::cast_f32_to_bf16(cx.dev, &a32, &a16)?;
-                    gemm::cast_f32_to_bf16(cx.dev, &b32, &b16)?;
-                    gemm::gemm_bf16_bias(cx.dev, &a16, ad, &b16, bd, &bias16, &ob, ta, tb)
-                })?;
-                let mut r = vec![0.0; m * p];
-                let (cad, cbd) = (cpu_dims(ad), cpu_dims(bd));
-                c::matmul::matmul(&wide(&a), cad, &wide(&b), cbd, &mut r, ta, tb, false)
-                    .map_err(cpu)?;
-                for (i, x) in r.iter_mut().enumerate() {
-                    *x += f64::from(schedule::round_to_bf16(bias[i % p]));
-                }
-                Ok(one("out", rel_err(&down_bf16(cx, &ob)?, &r), ms))
-            }));
+            v.push(case(
+                "mat_mul_bf16_bias_bf16_out",
+                size.clone(),
+                TOL_BF16,
+                big,
+                move |cx| {
+                    let (a, b) = (cx.normal(m * k, 0.0, 1.0), cx.normal(k * p, 0.0, 1.0));
+                    let bias = cx.normal(p, 0.0, 1.0);
+                    let ad = if ta { Dims::new(k, m) } else { Dims::new(m, k) };
+                    let bd = if tb { Dims::new(p, k) } else { Dims::new(k, p) };
+                    let (a32, b32, bias32) = (cx.up(&a)?, cx.up(&b)?, cx.up(&bias)?);
+                    let (a16, b16) = (cx.raw(Elem::BF16, a.len())?, cx.raw(Elem::BF16, b.len())?);
+                    let (bias16, ob) = (cx.raw(Elem::BF16, p)?, cx.raw(Elem::BF16, m * p)?);
+                    gemm::cast_f32_to_bf16(cx.dev, &bias32, &bias16)?;
+                    let ms = cx.timed(|| {
+                        gemm::cast_f32_to_bf16(cx.dev, &a32, &a16)?;
+                        gemm::cast_f32_to_bf16(cx.dev, &b32, &b16)?;
+                        gemm::gemm_bf16_bias(cx.dev, &a16, ad, &b16, bd, &bias16, &ob, ta, tb)
+                    })?;
+                    let mut r = vec![0.0; m * p];
+                    let (cad, cbd) = (cpu_dims(ad), cpu_dims(bd));
+                    c::matmul::matmul(&wide(&a), cad, &wide(&b), cbd, &mut r, ta, tb, false)
+                        .map_err(cpu)?;
+                    for (i, x) in r.iter_mut().enumerate() {
+                        *x += f64::from(schedule::round_to_bf16(bias[i % p]));
+                    }
+                    Ok(one("out", rel_err(&down_bf16(cx, &ob)?, &r), ms))
+                },
+            ));
         }
         v.push(case("mat_mul_bf16_bias", size, TOL_BF16, big, move |cx| {
             let (a, b) = (cx.normal(m * k, 0.0, 1.0), cx.normal(k * p, 0.0, 1.0));

@@ -75,7 +75,6 @@ impl<T: Float + Real> RefreshBackend for HostRefresher<'_, T> {
         Ok(Some(self.spawn(task, t, factor, basis)))
     }
 
-
     fn poll(&mut self, job: &mut Job<T>) -> bool {
         job.poll()
     }
@@ -180,7 +179,13 @@ impl<T: Float + Real> HostRefresher<'_, T> {
 impl<T: Float + Real> HostRefresher<'_, T> {
     /// Starts the QR refresh of `task` launched at the end of step `t` on the host pool from
     /// the snapshots `factor`, `basis` (kept in the job: a checkpoint records them).
-    fn spawn(&mut self, task: &RefreshTask, t: u64, factor: Arc<Vec<T>>, basis: Arc<Vec<T>>) -> Job<T> {
+    fn spawn(
+        &mut self,
+        task: &RefreshTask,
+        t: u64,
+        factor: Arc<Vec<T>>,
+        basis: Arc<Vec<T>>,
+    ) -> Job<T> {
         let (m, n) = self.store.dims2(task.exp_avg);
         let solver = Arc::clone(self.solver);
         let (keep_f, keep_b) = (Arc::clone(&factor), Arc::clone(&basis));
@@ -291,12 +296,13 @@ impl<T: Float + Real> CpuEngine<T> {
         self.refresh
             .in_flight_jobs()
             .filter_map(|(task, launched, _, job)| {
-                job.inputs().map(|(f, b)| crate::checkpoint::InFlightRefresh {
-                    task,
-                    launched,
-                    factor: f.iter().map(|&x| Float::to_f64(x)).collect(),
-                    basis: b.iter().map(|&x| Float::to_f64(x)).collect(),
-                })
+                job.inputs()
+                    .map(|(f, b)| crate::checkpoint::InFlightRefresh {
+                        task,
+                        launched,
+                        factor: f.iter().map(|&x| Float::to_f64(x)).collect(),
+                        basis: b.iter().map(|&x| Float::to_f64(x)).collect(),
+                    })
             })
             .collect()
     }

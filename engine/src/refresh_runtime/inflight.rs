@@ -184,10 +184,10 @@ impl<J> InFlightSet<J> {
 
     /// Every refresh in flight, in task order: `(task, launched, staleness, job)`.
     pub fn iter(&self) -> impl Iterator<Item = (usize, u64, u32, &J)> {
-        self.slots.iter().enumerate().filter_map(|(i, s)| {
-            s.as_ref()
-                .map(|f| (i, f.launched, f.staleness, &f.job))
-        })
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_ref().map(|f| (i, f.launched, f.staleness, &f.job)))
     }
 
     /// Every task with a refresh in flight, in task order (to drain them all).

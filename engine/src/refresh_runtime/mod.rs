@@ -358,11 +358,12 @@ impl<J> RefreshRuntime<J> {
     /// # Errors
     /// No such task, or one already in flight.
     pub fn relaunch(&mut self, task: usize, launched: u64, job: J) -> Result<(), String> {
-        let staleness = self
-            .tasks
-            .get(task)
-            .map(|t| t.staleness)
-            .ok_or_else(|| format!("refresh task {task} is not in the plan ({} tasks)", self.tasks.len()))?;
+        let staleness = self.tasks.get(task).map(|t| t.staleness).ok_or_else(|| {
+            format!(
+                "refresh task {task} is not in the plan ({} tasks)",
+                self.tasks.len()
+            )
+        })?;
         self.pending
             .launch(task, launched, staleness, job)
             .map_err(|_| format!("refresh task {task} already has a refresh in flight"))
@@ -397,7 +398,10 @@ impl<J> RefreshRuntime<J> {
     ) -> Result<HostTaskReport, EngineError> {
         let start = Instant::now();
         let mut report = HostTaskReport::default();
-        for swap in self.pending.boundary(t, self.at_deadline, |job| backend.poll(job)) {
+        for swap in self
+            .pending
+            .boundary(t, self.at_deadline, |job| backend.poll(job))
+        {
             self.swap(backend, swap, t, &mut report)?;
         }
         for index in 0..self.tasks.len() {
