@@ -269,60 +269,56 @@ pub(super) fn matmul(v: &mut Vec<Case>) {
         (37, 200, 64, false, true, false),
     ] {
         let size = format!("M={m} K={k} P={p} ta={} tb={}", ta as u8, tb as u8);
-        // A bf16 output and bias (the `fuse` pass's for rows of a multiple of 8): one rounding
-        // of the fp32 sum, against the float64 product plus the bf16-rounded bias.
-        if p % 8 == 0 {
-            v.push(case(
-                "mat_mul_bf16_bias_bf16_out",
-                size.clone(),
-                TOL_BF16,
-                big,
-                move |cx| {
-                    let (a, b) = (cx.normal(m * k, 0.0, 1.0), cx.normal(k * p, 0.0, 1.0));
-                    let bias = cx.normal(p, 0.0, 1.0);
-                    let ad = if ta { Dims::new(k, m) } else { Dims::new(m, k) };
-                    let bd = if tb { Dims::new(p, k) } else { Dims::new(k, p) };
-                    let (a32, b32, bias32) = (cx.up(&a)?, cx.up(&b)?, cx.up(&bias)?);
-                    let (a16, b16) = (cx.raw(Elem::BF16, a.len())?, cx.raw(Elem::BF16, b.len())?);
-                    let (bias16, ob) = (cx.raw(Elem::BF16, p)?, cx.raw(Elem::BF16, m * p)?);
-                    gemm::cast_f32_to_bf16(cx.dev, &bias32, &bias16)?;
-                    let ms = cx.timed(|| {
-                        gemm::cast_f32_to_bf16(cx.dev, &a32, &a16)?;
-                        gemm::cast_f32_to_bf16(cx.dev, &b32, &b16)?;
-                        gemm::gemm_bf16_bias(cx.dev, &a16, ad, &b16, bd, &bias16, &ob, ta, tb)
-                    })?;
-                    let mut r = vec![0.0; m * p];
-                    let (cad, cbd) = (cpu_dims(ad), cpu_dims(bd));
-                    c::matmul::matmul(&wide(&a), cad, &wide(&b), cbd, &mut r, ta, tb, false)
-                        .map_err(cpu)?;
-                    for (i, x) in r.iter_mut().enumerate() {
-                        *x += f64::from(schedule::round_to_bf16(bias[i % p]));
-                    }
-                    Ok(one("out", rel_err(&down_bf16(cx, &ob)?, &r), ms))
-                },
-            ));
-        }
-        v.push(case("mat_mul_bf16_bias", size, TOL_BF16, big, move |cx| {
-            let (a, b) = (cx.normal(m * k, 0.0, 1.0), cx.normal(k * p, 0.0, 1.0));
-            let bias = cx.normal(p, 0.0, 1.0);
-            let ad = if ta { Dims::new(k, m) } else { Dims::new(m, k) };
-            let bd = if tb { Dims::new(p, k) } else { Dims::new(k, p) };
-            let (a32, b32, biasb) = (cx.up(&a)?, cx.up(&b)?, cx.up(&bias)?);
-            let (a16, b16) = (cx.raw(Elem::BF16, a.len())?, cx.raw(Elem::BF16, b.len())?);
-            let ob = cx.out(m * p)?;
-            let ms = cx.timed(|| {
-                gemm::cast_f32_to_bf16(cx.dev, &a32, &a16)?;
-                gemm::cast_f32_to_bf16(cx.dev, &b32, &b16)?;
-                gemm::gemm_bf16_bias(cx.dev, &a16, ad, &b16, bd, &biasb, &ob, ta, tb)
-            })?;
-            let mut r = vec![0.0; m * p];
-            let (cad, cbd) = (cpu_dims(ad), cpu_dims(bd));
-            c::matmul::matmul(&wide(&a), cad, &wide(&b), cbd, &mut r, ta, tb, false)
-                .map_err(cpu)?;
-            for (i, x) in r.iter_mut().enumerate() {
-                *x += bias[i % p] as f64;
+        // f32 output and bias, and — where the `fuse` pass makes them so, rows of a multiple of
+        // 8 — bf16 output and bias: one rounding of the fp32 sum, against the float64 product
+        // plus the bias the GEMM reads (bf16-rounded for a bf16 output).
+        for bf16_out in [false, true] {
+            if bf16_out && p % 8 != 0 {
+                continue;
             }
-            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
-        }));
+            let name = if bf16_out {
+                "mat_mul_bf16_bias_bf16_out"
+            } else {
+                "mat_mul_bf16_bias"
+            };
+            v.push(case(name, size.clone(), TOL_BF16, big, move |cx| {
+                let (a, b) = (cx.normal(m * k, 0.0, 1.0), cx.normal(k * p, 0.0, 1.0));
+                let bias = cx.normal(p, 0.0, 1.0);
+                let ad = if ta { Dims::new(k, m) } else { Dims::new(m, k) };
+                let bd = if tb { Dims::new(p, k) } else { Dims::new(k, p) };
+                let (a32, b32, bias32) = (cx.up(&a)?, cx.up(&b)?, cx.up(&bias)?);
+                let (a16, b16) = (cx.raw(Elem::BF16, a.len())?, cx.raw(Elem::BF16, b.len())?);
+                let (biasb, ob) = if bf16_out {
+                    let (b16, o) = (cx.raw(Elem::BF16, p)?, cx.raw(Elem::BF16, m * p)?);
+                    gemm::cast_f32_to_bf16(cx.dev, &bias32, &b16)?;
+                    (b16, o)
+                } else {
+                    (bias32, cx.out(m * p)?)
+                };
+                let ms = cx.timed(|| {
+                    gemm::cast_f32_to_bf16(cx.dev, &a32, &a16)?;
+                    gemm::cast_f32_to_bf16(cx.dev, &b32, &b16)?;
+                    gemm::gemm_bf16_bias(cx.dev, &a16, ad, &b16, bd, &biasb, &ob, ta, tb)
+                })?;
+                let mut r = vec![0.0; m * p];
+                let (cad, cbd) = (cpu_dims(ad), cpu_dims(bd));
+                c::matmul::matmul(&wide(&a), cad, &wide(&b), cbd, &mut r, ta, tb, false)
+                    .map_err(cpu)?;
+                for (i, x) in r.iter_mut().enumerate() {
+                    let bi = bias[i % p];
+                    *x += f64::from(if bf16_out {
+                        schedule::round_to_bf16(bi)
+                    } else {
+                        bi
+                    });
+                }
+                let got = if bf16_out {
+                    down_bf16(cx, &ob)?
+                } else {
+                    cx.down(&ob)?
+                };
+                Ok(one("out", rel_err(&got, &r), ms))
+            }));
+        }
     }
 }
