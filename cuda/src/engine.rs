@@ -59,6 +59,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+mod copies;
 mod exec;
 mod profile;
 mod setup;
@@ -156,6 +157,10 @@ pub struct CudaEngine {
     /// engine's or a self-test's; not counted against this plan's `gpu_memory`).
     reserved_before: usize,
     profile: Option<ProfileRows>,
+    /// Events and waits of the tier copies on the copy streams ([`copies::CopyOrder`]).
+    copy_order: copies::CopyOrder,
+    /// This step's events by step position (what [`copies::CopyOrder::record_after`] asks).
+    copy_events: Vec<Option<CudaEvent>>,
     /// The host eigensolver (the plan's, or one injected by `EngineOptions`).
     solver: Arc<dyn optim::HostEigensolver>,
     /// The attention kernels: the plan's option, `auto` resolved against the kernels that
@@ -192,7 +197,11 @@ impl CudaEngine {
                 (Instant::now(), ev)
             });
             let casts_before = self.shadow_casts;
-            let outcome = self.exec(op, t, lr_mult);
+            let pos = self.copy_order.position(section, index);
+            let outcome = self
+                .order_copies(op, pos, true)
+                .and_then(|()| self.exec(op, t, lr_mult))
+                .and_then(|r| self.order_copies(op, pos, false).map(|()| r));
             if let Some((t0, ev0)) = started {
                 let host_ms = t0.elapsed().as_secs_f64() * 1e3;
                 let casts = self.shadow_casts - casts_before;
@@ -248,6 +257,13 @@ impl CudaEngine {
                 }
             }
         }
+        if section == "optimizer" && self.copy_order.active {
+            // A refresh swap (compute stream, next) may re-project moments of the host tier:
+            // it must see what the copy-out stream writes there.
+            if let Err(e) = self.wait_last_copies() {
+                result = result.and(Err(cuda_err("optimizer copies", e)));
+            }
+        }
         self.dev.set_gemm_math(prev);
         if !timeline.is_empty() {
             self.profile_timeline(section, &timeline);
@@ -258,6 +274,43 @@ impl CudaEngine {
             _ => self.plan.optimizer = program,
         }
         result
+    }
+
+    /// The tier copies' stream ordering around the op at step position `pos`: before it
+    /// (`before`), its stream waits for the events [`copies::CopyOrder`] names; after it, an
+    /// event is recorded on its stream when a later op waits for it. Nothing when the plan has
+    /// no copies.
+    fn order_copies(&mut self, op: &Op, pos: usize, before: bool) -> Result<(), CudaError> {
+        if !self.copy_order.active {
+            return Ok(());
+        }
+        let stream = copies::stream_of(op);
+        if before {
+            for &q in &self.copy_order.waits[pos] {
+                let ev = self.copy_events[q]
+                    .as_ref()
+                    .ok_or_else(|| CudaError::Invalid {
+                        op: op.name(),
+                        what: format!(
+                            "step position {pos} waits for position {q}, which recorded no event"
+                        ),
+                    })?;
+                self.dev.wait(stream, ev)?;
+            }
+        } else if self.copy_order.record_after[pos] {
+            self.copy_events[pos] = Some(self.dev.record(stream, false)?);
+        }
+        Ok(())
+    }
+
+    /// Makes the compute stream wait for the step's last copy in and copy out.
+    fn wait_last_copies(&self) -> Result<(), CudaError> {
+        for &p in &self.copy_order.last_copies {
+            if let Some(ev) = &self.copy_events[p] {
+                self.dev.wait(StreamKind::Compute, ev)?;
+            }
+        }
+        Ok(())
     }
 
     /// A refresh swap wrote basis `id`: its bf16 shadow (SOAP's bf16 projections) is stale.

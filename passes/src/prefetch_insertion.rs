@@ -2,10 +2,12 @@
 //! or `nvme` arena), adds a staging buffer `<name>.staged` on the device and the copies that
 //! move the state through it each step:
 //! - every op that used the offloaded buffer uses its staging buffer instead;
-//! - a [`schedule::Op::CopyIn`] is issued [`PREFETCH_DEPTH`] ops before the first use, so that
-//!   the copy of the next tensor overlaps the update of the current one (an engine runs it on
-//!   a copy stream or an I/O thread and waits for it only where the staging buffer is first
-//!   touched);
+//! - a [`schedule::Op::CopyIn`] is issued [`PREFETCH_DEPTH`] offloaded updates before its first
+//!   use (before the update of the previous tensor whose state is offloaded), so that while one
+//!   tensor is updated the next comes in and the previous goes out (an engine runs copies on
+//!   its copy streams or I/O threads and waits for one only where its bytes are next
+//!   touched: the CUDA engine's host→device and device→host copies use separate copy
+//!   engines);
 //! - a [`schedule::Op::CopyOut`] follows the last op that writes it.
 //!
 //! The staging buffers are step-local (the first op touching each is its copy): the
@@ -18,7 +20,9 @@ use ir::Module;
 use schedule::{ArenaKind, Buffer, BufferId, BufferSlot, Init, Op, Plan};
 use std::collections::HashMap;
 
-/// How many optimizer ops ahead of its first use a copy in is issued.
+/// How many offloaded updates ahead of its first use a copy in is issued (1: double
+/// buffering; a copy cannot start before the staging bytes it reuses are copied out, so
+/// deeper prefetch only helps when the updates take longer than the copies).
 pub const PREFETCH_DEPTH: usize = 1;
 
 /// The `prefetch-insertion` pass.
@@ -44,7 +48,7 @@ impl Pass for PrefetchInsertion {
         } else {
             format!(
                 "{ins} copy_in / {outs} copy_out op(s), {ins} staging buffer(s), issued \
-                 {PREFETCH_DEPTH} op(s) ahead"
+                 {PREFETCH_DEPTH} offloaded update(s) ahead"
             )
         })
     }
@@ -131,12 +135,21 @@ pub fn insert_prefetches(plan: &mut Plan) -> Result<(usize, usize), PassError> {
             }
         }
     }
+    // The ops that first use offloaded state, in order: the copy in for the j-th is issued
+    // before the (j - PREFETCH_DEPTH)-th (at the start of the program for the first ones), so
+    // that while one tensor is updated the next comes in and the previous goes out.
+    let mut users: Vec<usize> = first.values().copied().collect();
+    users.sort_unstable();
+    users.dedup();
     let mut issue_at: HashMap<usize, Vec<BufferId>> = HashMap::new();
     for (&id, &f) in &first {
-        issue_at
-            .entry(f.saturating_sub(PREFETCH_DEPTH))
-            .or_default()
-            .push(id);
+        let j = users.partition_point(|&u| u < f);
+        let at = if j >= PREFETCH_DEPTH {
+            users[j - PREFETCH_DEPTH]
+        } else {
+            0
+        };
+        issue_at.entry(at).or_default().push(id);
     }
     let mut out_after: HashMap<usize, Vec<BufferId>> = HashMap::new();
     for (&id, &l) in &last_write {

@@ -558,11 +558,11 @@ impl CudaEngine {
                     CudaEngine::soap_projections(self.precision),
                 )?;
             }
-            // Host tier <-> staging buffer, stream-ordered on the compute stream (correct by
-            // construction; overlapping them on the copy streams is the next step).
+            // Host tier <-> staging buffer on the copy streams, ordered by the events of
+            // `copies::CopyOrder` (placed around this call by `run`).
             Op::CopyIn { src, dst } | Op::CopyOut { src, dst } => {
                 self.dev
-                    .copy(self.b(*dst), self.b(*src), crate::StreamKind::Compute)?
+                    .copy(self.b(*dst), self.b(*src), super::copies::stream_of(op))?
             }
         }
         Ok(None)

@@ -435,6 +435,8 @@ impl CudaEngine {
             refresh_bytes,
             reserved_before,
             profile,
+            copy_order: super::copies::CopyOrder::new(&plan),
+            copy_events: (0..plan.step_len()).map(|_| None).collect(),
             attention,
             solver,
             plan,
