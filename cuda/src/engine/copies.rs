@@ -19,6 +19,9 @@
 use crate::StreamKind;
 use schedule::{ArenaKind, BufferId, Op, Plan};
 
+/// Bytes of one arena, `(arena, start, end)`, with whether an op writes them.
+type Touch = ((ArenaKind, usize, usize), bool);
+
 /// Which stream runs an op: the copies on their copy streams, everything else on compute.
 pub(super) fn stream_of(op: &Op) -> StreamKind {
     match op {
@@ -78,7 +81,7 @@ impl CopyOrder {
             Some((slot.arena, slot.offset, slot.offset + bytes))
         };
         // Per op: its stream and the ranges it touches, with whether it writes them.
-        let touched: Vec<(usize, Vec<((ArenaKind, usize, usize), bool)>)> = plan
+        let touched: Vec<(usize, Vec<Touch>)> = plan
             .step_ops()
             .map(|(_, op)| {
                 let r = op
@@ -89,8 +92,7 @@ impl CopyOrder {
                 (lane(stream_of(op)), r)
             })
             .collect();
-        let conflicts = |a: &[((ArenaKind, usize, usize), bool)],
-                         b: &[((ArenaKind, usize, usize), bool)]| {
+        let conflicts = |a: &[Touch], b: &[Touch]| {
             a.iter().any(|&((ka, sa, ea), wa)| {
                 b.iter()
                     .any(|&((kb, sb, eb), wb)| ka == kb && sa < eb && sb < ea && (wa || wb))
@@ -227,7 +229,7 @@ mod tests {
             clock[s][s] = Some(p);
             at_event[p] = clock[s];
         }
-        let touched = |o: &Op| -> Vec<((ArenaKind, usize, usize), bool)> {
+        let touched = |o: &Op| -> Vec<Touch> {
             o.accesses()
                 .into_iter()
                 .map(|(_, id, a)| {
@@ -240,17 +242,17 @@ mod tests {
         for p in 0..n {
             let sp = lane(stream_of(ops[p]));
             let tp = touched(ops[p]);
-            for q in 0..p {
-                let sq = lane(stream_of(ops[q]));
+            for (q, op_q) in ops.iter().enumerate().take(p) {
+                let sq = lane(stream_of(op_q));
                 if sq == sp {
                     continue;
                 }
-                let tq = touched(ops[q]);
+                let tq = touched(op_q);
                 let conflict = tp.iter().any(|&((ka, sa, ea), wa)| {
                     tq.iter()
                         .any(|&((kb, sb, eb), wb)| ka == kb && sa < eb && sb < ea && (wa || wb))
                 });
-                if conflict && !known[p][sq].is_some_and(|k| k >= q) {
+                if conflict && known[p][sq].is_none_or(|k| k < q) {
                     return Some((q, p));
                 }
             }
