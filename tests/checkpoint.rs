@@ -75,17 +75,16 @@ fn an_interrupted_run_resumes_bit_identically() {
         ("soap S=0", SOAP, 0),
         ("soap S=5", SOAP, 5),
     ] {
-        let src = spec(opt, 64).replace("staleness = 0", &format!("staleness = {staleness}"));
+        let mut src = spec(opt, 64).replace("staleness = 0", &format!("staleness = {staleness}"));
+        if staleness > 0 {
+            // S > 0 replays bit for bit when every refresh is installed at its bound.
+            src = src.replace("train {", "train {\n  refresh_swap = deadline");
+        }
         let plan = compile(&src);
         let tmp = tempfile::tempdir().expect("tempdir");
         let cache = Some(tmp.path().join("cache"));
-        // S > 0 replays bit for bit when every refresh is installed at its bound.
         let base = TrainOptions {
             cache_dir: cache.clone(),
-            engine: engine::EngineOptions {
-                swap_at_deadline: staleness > 0,
-                ..engine::EngineOptions::default()
-            },
             ..TrainOptions::default()
         };
         let (full, p_full) = run(&plan, 12, base.clone()).expect("uninterrupted");

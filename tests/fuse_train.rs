@@ -64,6 +64,7 @@ fn config(target: TargetConfig, soap: bool) -> Config {
             seed: 5,
             rematerialize: Default::default(),
             max_skipped_steps: Some(10),
+            refresh_swap: Default::default(),
         },
         target,
     }

@@ -45,6 +45,7 @@ fn config(family: Family) -> Config {
             seed: 7,
             rematerialize: Default::default(),
             max_skipped_steps: Some(10),
+            refresh_swap: Default::default(),
         },
         target: TargetConfig::Cpu {
             threads: Some(1),

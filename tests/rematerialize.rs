@@ -69,6 +69,7 @@ fn config(family: Family, target: TargetConfig, soap: bool, remat: Rematerialize
             seed: 9,
             rematerialize: remat,
             max_skipped_steps: Some(10),
+            refresh_swap: Default::default(),
         },
         target,
     }

@@ -73,6 +73,7 @@ fn config(soap: bool, budgets: Budgets) -> Config {
             seed: 3,
             rematerialize: Default::default(),
             max_skipped_steps: Some(10),
+            refresh_swap: Default::default(),
         },
         target: TargetConfig::Cpu {
             threads: Some(2),

@@ -429,6 +429,7 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
             seed: c.train.seed,
             rematerialize: c.train.rematerialize,
             max_skipped_steps: c.train.max_skipped_steps,
+            refresh_swap: c.train.refresh_swap,
         },
         target: match &c.target {
             TargetConfig::Cpu {

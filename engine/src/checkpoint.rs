@@ -16,8 +16,8 @@
 //! Refreshes in flight (staleness S > 0): the CPU engine records each one in flight — its
 //! task, launch step and the factor and basis snapshots it computes from
 //! (`in_flight.safetensors`, CRC32s in `meta.json`) — and a resumed run recomputes it from them
-//! and puts it back in flight. With `EngineOptions::swap_at_deadline` (every refresh installed
-//! exactly S steps after its launch) the resumed run replays the uninterrupted one bit for bit;
+//! and puts it back in flight. With the plan's `refresh_swap = deadline` (every refresh
+//! installed exactly S steps after its launch) the resumed run replays the uninterrupted one bit for bit;
 //! by default a result is swapped in when it is finished, which depends on timing, and the
 //! resume continues the run within the same bounds. The CUDA engine drains its refreshes
 //! before a checkpoint instead, each installed at the checkpoint's step, within its bound.

@@ -177,17 +177,15 @@ fn staleness_3_swaps_results_within_the_bound() {
     assert_eq!(e.stats().refresh_swaps, e.stats().refreshes_launched);
 }
 
-/// With `swap_at_deadline` every refresh is installed exactly at its bound, so S > 0 runs are
-/// reproducible: two runs of the same plan end in bit-identical state whatever the host
-/// pool's timing.
+/// With `refresh_swap = deadline` every refresh is installed exactly at its bound, so S > 0
+/// runs are reproducible: two runs of the same plan end in bit-identical state whatever the
+/// host pool's timing.
 #[test]
 fn staleness_3_swapped_at_the_bound_is_reproducible() {
-    let opts = EngineOptions {
-        swap_at_deadline: true,
-        ..EngineOptions::default()
-    };
     let run = || {
-        let mut e = engine(soap_plan(5, 3, true), opts.clone());
+        let mut plan = soap_plan(5, 3, true);
+        plan.train.refresh_swap = schedule::RefreshSwap::Deadline;
+        let mut e = engine(plan, EngineOptions::default());
         let mut late = Vec::new();
         for t in 1..=17 {
             compute_step(&mut e, t);

@@ -532,3 +532,21 @@ fn max_skipped_steps_defaults_to_10_and_none_never_stops() {
         None
     );
 }
+
+#[test]
+fn refresh_swap_defaults_to_finished_and_a_typo_lists_the_allowed_ones() {
+    let parse = |src: &str| common::parse(src).expect("valid").train.refresh_swap;
+    assert_eq!(parse(VALID), ir::RefreshSwap::Finished);
+    assert_eq!(
+        parse(&edit("steps = 10", "steps = 10  refresh_swap = deadline")),
+        ir::RefreshSwap::Deadline
+    );
+    let src = edit("steps = 10", "steps = 10  refresh_swap = deadlien");
+    assert_error(
+        &src,
+        16,
+        30,
+        "unknown refresh_swap `deadlien`",
+        Some("did you mean `deadline`?"),
+    );
+}

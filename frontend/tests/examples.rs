@@ -73,6 +73,7 @@ fn tiny_train() -> TrainConfig {
         seed: 1337,
         rematerialize: Default::default(),
         max_skipped_steps: Some(10),
+        refresh_swap: Default::default(),
     }
 }
 

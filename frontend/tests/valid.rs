@@ -39,6 +39,7 @@ fn defaults() {
         seed: 1337,
         rematerialize: Default::default(),
         max_skipped_steps: Some(10),
+        refresh_swap: Default::default(),
     };
     assert_eq!(c.train, train);
     assert_eq!(

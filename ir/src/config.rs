@@ -177,6 +177,10 @@ pub struct TrainConfig {
     /// after N consecutive steps skipped for a non-finite gradient; `None` = never stop.
     #[serde(default = "default_max_skipped_steps")]
     pub max_skipped_steps: Option<u64>,
+    /// When asynchronous refreshes are installed (`refresh_swap = finished | deadline`,
+    /// default finished).
+    #[serde(default)]
+    pub refresh_swap: crate::RefreshSwap,
 }
 
 fn default_max_skipped_steps() -> Option<u64> {

@@ -18,7 +18,7 @@ pub use parser::{parse_module, ParseError};
 pub use schedule::{limits, PLAN_FORMAT};
 pub use schedule::{
     AttentionKernel, Budgets, BufferClass, DType, Eigensolver, Init, Placement, Precision,
-    RefreshPlacement, Rematerialize, SoapHyper,
+    RefreshPlacement, RefreshSwap, Rematerialize, SoapHyper,
 };
 pub use types::TensorType;
 pub use verifier::{verify, VerifierError};

@@ -33,7 +33,9 @@ pub use op::{
     operand_dtypes, HostTask, Op, Placement, SoapHyper, BF16_ATTENTION_MAX_HEAD_DIM,
     BF16_LAYERNORM_MAX_C,
 };
-pub use options::{AttentionKernel, Eigensolver, Profile, RefreshPlacement, Rematerialize};
+pub use options::{
+    AttentionKernel, Eigensolver, Profile, RefreshPlacement, RefreshSwap, Rematerialize,
+};
 pub use verify::PlanError;
 
 /// Whether an `EigenbasisRefresh` with `frequency` and stagger `offset` does work at the end of
@@ -272,6 +274,10 @@ pub struct TrainPlan {
     /// the key existed gets the default, [`limits::DEFAULT_MAX_SKIPPED_STEPS`].
     #[serde(default = "default_max_skipped_steps")]
     pub max_skipped_steps: Option<u64>,
+    /// When asynchronous refreshes are installed (spec key `refresh_swap`; a plan written
+    /// before the key existed gets the default, [`RefreshSwap::Finished`]).
+    #[serde(default)]
+    pub refresh_swap: RefreshSwap,
 }
 
 fn default_max_skipped_steps() -> Option<u64> {

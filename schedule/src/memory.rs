@@ -784,6 +784,7 @@ pub(crate) mod tests {
                 seed: 1,
                 rematerialize: Default::default(),
                 max_skipped_steps: Some(10),
+                refresh_swap: Default::default(),
             },
             target: TargetPlan::Cpu {
                 threads: Some(1),

@@ -111,6 +111,22 @@ named_option! {
 }
 
 named_option! {
+    /// When an asynchronous preconditioner refresh (staleness S > 0) is installed (spec key
+    /// `refresh_swap` of the `train` block). Both keep every basis at most S steps old; they
+    /// differ in which step a finished refresh's basis is first used.
+    RefreshSwap {
+        /// At the first step boundary after the refresh finished (waiting only at the bound
+        /// S): the freshest bases, but which step gets a new basis depends on how fast the
+        /// refresh ran, so two runs of the same plan can differ. The default.
+        Finished = "finished",
+        /// Exactly S steps after its launch, finished earlier or not: every run of the plan
+        /// uses the same bases at the same steps (reproducible on one engine, and a resumed
+        /// run replays the uninterrupted one); the bases are always S steps old.
+        Deadline = "deadline",
+    } default Finished
+}
+
+named_option! {
     /// A measurement switch of the CUDA engine (CLI `--profile`): per-op GPU times, printed at
     /// the end of the run. It changes the run's timing, never what it computes.
     Profile {

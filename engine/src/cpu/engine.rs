@@ -26,14 +26,6 @@ pub struct EngineOptions {
     /// Run every refresh as one synchronous `optim::eigenbasis_refresh` call at the end of its
     /// step, ignoring the plan's `staleness` (the reference path; default false).
     pub synchronous_refresh: bool,
-    /// Install every background refresh exactly at its staleness bound (launch step + S)
-    /// instead of as soon as it is finished (default false): the run no longer depends on the
-    /// host pool's timing, so it is reproducible, and a checkpoint's refreshes in flight replay
-    /// on resume bit for bit. Bases are then always S steps old, which costs quality: on Moby
-    /// Dick (tests/train_real_text.rs, 200 SOAP steps, S = 5) 0.047 nats of validation loss
-    /// against 0.005 when results are swapped in as they finish. A run option like
-    /// `synchronous_refresh`, not yet a spec key.
-    pub swap_at_deadline: bool,
     /// Memory-plan check (tests, CI; default false): the buffers of the plan's shared
     /// `activations` arena are overwritten with NaN (float) or `i32::MIN` (i32) at construction,
     /// after the last op of their live range, and after every op that writes another buffer
@@ -52,7 +44,6 @@ impl Default for EngineOptions {
             eigensolver: None,
             max_consecutive_refresh_failures: 3,
             synchronous_refresh: false,
-            swap_at_deadline: false,
             poison_transients: false,
         }
     }
@@ -86,7 +77,6 @@ impl std::fmt::Debug for EngineOptions {
                 &self.max_consecutive_refresh_failures,
             )
             .field("synchronous_refresh", &self.synchronous_refresh)
-            .field("swap_at_deadline", &self.swap_at_deadline)
             .field("poison_transients", &self.poison_transients)
             .finish()
     }
@@ -396,8 +386,7 @@ impl<T: Float + Real> CpuEngine<T> {
                 }
             }
         }
-        let mut refresh = Runtime::new(&plan, &opts);
-        refresh.set_swap_at_deadline(opts.swap_at_deadline);
+        let refresh = Runtime::new(&plan, &opts);
         Ok(CpuEngine {
             plan,
             store,

@@ -446,6 +446,7 @@ pub fn plan(g: &Gpt) -> Plan {
             seed: 1234,
             rematerialize: Default::default(),
             max_skipped_steps: Some(10),
+            refresh_swap: Default::default(),
         },
         target: TargetPlan::Cpu {
             threads: g.threads,

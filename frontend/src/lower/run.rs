@@ -31,6 +31,7 @@ const TRAIN_KEYS: &[&str] = &[
     "seed",
     "rematerialize",
     "max_skipped_steps",
+    "refresh_swap",
 ];
 const TARGETS: &[&str] = &["cpu", "cuda"];
 
@@ -247,6 +248,7 @@ pub(crate) fn train(c: &mut Checker, b: &Block) -> TrainConfig {
         seed: c.uint_or(&f, "seed", limits::SEED, 1337),
         rematerialize: named_option(c, &f, "rematerialize", ir::Rematerialize::NAMES),
         max_skipped_steps,
+        refresh_swap: named_option(c, &f, "refresh_swap", ir::RefreshSwap::NAMES),
     }
 }
 

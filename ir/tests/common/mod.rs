@@ -48,6 +48,7 @@ pub fn config() -> Config {
             seed: 1337,
             rematerialize: Default::default(),
             max_skipped_steps: Some(10),
+            refresh_swap: Default::default(),
         },
         target: TargetConfig::Cpu {
             threads: None,
