@@ -196,3 +196,81 @@ fn refresh_pools_hold_what_can_be_in_flight() {
         );
     }
 }
+
+/// `prefetch-insertion`'s pipeline on the LLaMA 1.44B SOAP plan under `gpu_memory = 24GiB`
+/// (`rematerialize = layers`, as bench/h200-tiers.sh runs it): the copies in for an update
+/// that reads offloaded state are issued before the previous such update (double buffering),
+/// and the staging buffers of two consecutive such updates never share bytes — else the copy
+/// in of the next would have to wait for the copy out of the previous one and the two copy
+/// streams could not overlap.
+#[test]
+fn copies_in_run_one_offloaded_update_ahead_into_bytes_of_their_own() {
+    use schedule::{ArenaKind, BufferId, Op};
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/specs/llama-1.4b-soap.asteria");
+    let src = std::fs::read_to_string(path)
+        .expect("spec")
+        .replace("corpus = \"../data/medium\"", "corpus = builtin")
+        .replace(
+            "target cuda {",
+            "target cuda {\n  gpu_memory = 24GiB\n  host_memory = 96GiB",
+        )
+        .replace("train {", "train {\n  rematerialize = layers");
+    let config = frontend::parse_spec("soap-24", &src, &std::env::temp_dir()).expect("spec");
+    let mut m = ir::Module::new(config);
+    let mut pm = PassManager::new(PassOptions::default()).expect("pm");
+    let (cx, _) = pm
+        .run(&mut m, None, &mut std::io::sink())
+        .expect("pipeline");
+    let plan = cx.plan.expect("plan");
+    let opt = &plan.optimizer;
+    // Staging buffer -> position of its copy in.
+    let mut copied_in: std::collections::HashMap<BufferId, usize> = Default::default();
+    for (i, op) in opt.iter().enumerate() {
+        if let Op::CopyIn { dst, .. } = op {
+            copied_in.insert(*dst, i);
+        }
+    }
+    // The updates that read staging buffers, in order, with those buffers.
+    let users: Vec<(usize, Vec<BufferId>)> = opt
+        .iter()
+        .enumerate()
+        .filter(|(_, op)| !matches!(op, Op::CopyIn { .. } | Op::CopyOut { .. }))
+        .filter_map(|(i, op)| {
+            let staged: Vec<BufferId> = op
+                .operands()
+                .into_iter()
+                .map(|(_, id)| id)
+                .filter(|id| copied_in.contains_key(id))
+                .collect();
+            (!staged.is_empty()).then_some((i, staged))
+        })
+        .collect();
+    assert!(users.len() > 50, "{} offloaded updates", users.len());
+    let range = |id: BufferId| {
+        let s = plan.memory.slot(id).expect("slot");
+        assert_eq!(s.arena, ArenaKind::Activations, "{}", plan.buffer(id).name);
+        (s.offset, s.offset + plan.buffer(id).size_bytes())
+    };
+    for w in users.windows(2) {
+        let ((prev, prev_bufs), (_, bufs)) = (&w[0], &w[1]);
+        for b in bufs {
+            assert!(
+                copied_in[b] < *prev,
+                "`{}` is copied in at optimizer[{}], not before the previous offloaded update \
+                 optimizer[{prev}]",
+                plan.buffer(*b).name,
+                copied_in[b]
+            );
+            for p in prev_bufs {
+                let ((s1, e1), (s2, e2)) = (range(*b), range(*p));
+                assert!(
+                    e1 <= s2 || e2 <= s1,
+                    "`{}` and `{}` share bytes",
+                    plan.buffer(*b).name,
+                    plan.buffer(*p).name
+                );
+            }
+        }
+    }
+}
