@@ -22,6 +22,7 @@ macro_rules! out {
 }
 
 mod commands;
+mod trace;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -83,6 +84,11 @@ pub struct RunFlags {
     /// No progress bar.
     #[arg(long, short)]
     pub quiet: bool,
+    /// Write the run's timeline as a Chrome / Perfetto trace (JSON; open it in
+    /// ui.perfetto.dev): steps and their phases, the CPU engine's ops, preconditioner
+    /// refreshes on their threads, their launches, waits and swaps.
+    #[arg(long, value_name = "FILE.json")]
+    pub trace: Option<PathBuf>,
     /// Host eigensolver for preconditioner refreshes (faer or lapack), overriding the spec's
     /// `eigensolver` (the plan records the value that runs).
     #[arg(long, value_name = "SOLVER", value_parser = option_value::<schedule::Eigensolver>)]
@@ -326,14 +332,19 @@ static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::n
 
 fn main() -> ExitCode {
     started();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    let trace_file = match &cli.command {
+        Command::Run { run, .. } | Command::Train { run, .. } => run.trace.clone(),
+        _ => None,
+    };
+    // Dropped at the end of `main`: writes the end of the trace file.
+    let _trace = match trace::init(trace_file.as_deref()) {
+        Ok(guard) => guard,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let result = match cli.command {
         Command::Compile {
             spec,

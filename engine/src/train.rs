@@ -472,7 +472,8 @@ pub fn train_with<E: StepExecutor>(
                     step: u64,
                     summary: &mut TrainSummary,
                     metrics: &mut Metrics| {
-        let v = evaluate(engine, sampler, &mut x, &mut y)?;
+        let v = tracing::info_span!("evaluate")
+            .in_scope(|| evaluate(engine, sampler, &mut x, &mut y))?;
         tracing::info!(step, val_loss = v, "validation");
         summary.val_losses.push((step, v));
         metrics.write(serde_json::json!({ "step": step, "val_loss": v }))
@@ -558,17 +559,20 @@ pub fn train_with<E: StepExecutor>(
     let mut last_finite_loss: Option<(u64, f64)> = None;
     pb.set_position(first - 1);
     for step in first..=steps {
+        // Spans of the run's trace (`asteria train --trace`): a step and its phases.
+        let _step_span = tracing::info_span!("step", step).entered();
         let start = Instant::now();
         sampler.next_train_batch(b, t, &mut bx, &mut by)?;
         engine.load_batch(&bx, &by)?;
-        let loss = engine.forward()?;
-        engine.backward()?;
+        let loss = tracing::info_span!("forward").in_scope(|| engine.forward())?;
+        tracing::info_span!("backward").in_scope(|| engine.backward())?;
         let mult = plan.train.lr_multiplier(step);
         let opt_start = Instant::now();
-        let stepped = engine.optimizer_step(step, mult)?;
-        let host = engine.run_host_tasks(step)?;
+        let stepped =
+            tracing::info_span!("optimizer").in_scope(|| engine.optimizer_step(step, mult))?;
+        let host = tracing::info_span!("host tasks").in_scope(|| engine.run_host_tasks(step))?;
         let opt_ms = opt_start.elapsed().as_secs_f64() * 1e3;
-        engine.synchronize()?;
+        tracing::info_span!("synchronize").in_scope(|| engine.synchronize())?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
         step_ms.push(ms);
         optimizer_ms.push(opt_ms);

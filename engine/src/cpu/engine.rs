@@ -560,6 +560,7 @@ impl<T: Float + Real> CpuEngine<T> {
         pool.install(|| {
             for (index, op) in program.iter().enumerate() {
                 let loc = Loc { section, index, op: op.name() };
+                let _op_span = tracing::debug_span!("op", name = op.name(), section, index).entered();
                 let outcome = match op {
                     Op::CopyIn { src, dst } => {
                         tiers.copy_in(store, *src, *dst, loc)?;

@@ -191,7 +191,11 @@ impl<T: Float + Real> HostRefresher<'_, T> {
         let (keep_f, keep_b) = (Arc::clone(&factor), Arc::clone(&basis));
         let (t_optim, frequency, side) = (task.optim_step(t, false), task.frequency, task.side);
         let (tx, rx) = mpsc::channel();
+        let name = self.store.names[task.factor.index()].clone();
         self.host_pool.spawn(move || {
+            // The trace's slice of this refresh, on its pool thread (`asteria train --trace`).
+            let _span =
+                tracing::info_span!("refresh", name = name.as_str(), launched = t).entered();
             // One refresh per pool thread, each single-threaded (throughput; see
             // `optim::with_sequential`).
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

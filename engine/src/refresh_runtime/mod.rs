@@ -421,10 +421,14 @@ impl<J> RefreshRuntime<J> {
             report.launched += 1;
             backend.stats().refreshes_launched += 1;
             let init = t == 1 || !self.initialized[index];
+            let name = self.names[index].as_str();
             if self.synchronous || init || task.staleness == 0 {
-                let outcome = backend.run_now(&task, t, init, self.synchronous)?;
+                let outcome = tracing::info_span!("refresh (synchronous)", name, step = t)
+                    .in_scope(|| backend.run_now(&task, t, init, self.synchronous))?;
                 self.count(backend.stats(), &mut report, index, t, t, outcome)?;
-            } else if let Some(job) = backend.launch(&task, t)? {
+            } else if let Some(job) = tracing::info_span!("refresh launch", name, step = t)
+                .in_scope(|| backend.launch(&task, t))?
+            {
                 self.pending
                     .launch(index, t, task.staleness, job)
                     .map_err(|_| {
@@ -467,8 +471,10 @@ impl<J> RefreshRuntime<J> {
             return Ok(());
         };
         let task = self.tasks[swap.task];
+        let name = self.names[swap.task].as_str();
         let start = Instant::now();
-        let (done, blocked) = backend.wait(&task, flight.job)?;
+        let (done, blocked) = tracing::info_span!("refresh wait", name, step = t)
+            .in_scope(|| backend.wait(&task, flight.job))?;
         if blocked {
             let ms = start.elapsed().as_secs_f64() * 1e3;
             report.waits += 1;
@@ -484,7 +490,9 @@ impl<J> RefreshRuntime<J> {
                 "waited for an eigenbasis refresh at its staleness bound"
             );
         }
-        let outcome = backend.install(&task, done)?;
+        let outcome =
+            tracing::info_span!("refresh swap", name, step = t, launched = flight.launched)
+                .in_scope(|| backend.install(&task, done))?;
         self.count(
             backend.stats(),
             report,
