@@ -233,7 +233,7 @@ mod tests {
             o.accesses()
                 .into_iter()
                 .map(|(_, id, a)| {
-                    let slot = plan.memory.slot(id).unwrap();
+                    let slot = plan.memory.slot(id).expect("every buffer has a slot");
                     let b = plan.buffer(id).size_bytes();
                     ((slot.arena, slot.offset, slot.offset + b), a.writes())
                 })
