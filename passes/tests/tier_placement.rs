@@ -52,6 +52,24 @@ fn compile(name: &str, src: &str) -> (Plan, String, Placement) {
     (plan, report, placement)
 }
 
+/// The plan of `bench/specs/llama-1.4b-soap.asteria` (built-in corpus) after `edit` of its
+/// source, through the whole pipeline.
+fn soap_plan(edit: impl FnOnce(String) -> String) -> Plan {
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/specs/llama-1.4b-soap.asteria");
+    let src = std::fs::read_to_string(path)
+        .expect("spec")
+        .replace("corpus = \"../data/medium\"", "corpus = builtin");
+    let config =
+        frontend::parse_spec("soap", &edit(src), &std::env::temp_dir()).expect("valid spec");
+    let mut m = ir::Module::new(config);
+    let mut pm = PassManager::new(PassOptions::default()).expect("pm");
+    let (cx, _) = pm
+        .run(&mut m, None, &mut std::io::sink())
+        .expect("pipeline");
+    cx.plan.expect("plan")
+}
+
 fn check_expected(name: &str, actual: &str) {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/placement")
@@ -120,19 +138,8 @@ fn three_targets_place_the_same_model_differently() {
 #[test]
 fn refresh_pools_hold_what_can_be_in_flight() {
     use schedule::{HostTask, Placement as P};
-    let path =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/specs/llama-1.4b-soap.asteria");
-    let src = std::fs::read_to_string(path).expect("spec");
-    let src = src.replace("corpus = \"../data/medium\"", "corpus = builtin");
     for s in [5u32, 2] {
-        let src = src.replace("staleness = 5", &format!("staleness = {s}"));
-        let config = frontend::parse_spec("soap", &src, &std::env::temp_dir()).expect("spec");
-        let mut m = ir::Module::new(config);
-        let mut pm = PassManager::new(PassOptions::default()).expect("pm");
-        let (cx, _) = pm
-            .run(&mut m, None, &mut std::io::sink())
-            .expect("pipeline");
-        let plan = cx.plan.expect("plan");
+        let plan = soap_plan(|src| src.replace("staleness = 5", &format!("staleness = {s}")));
         let pools = schedule::reserve::refresh_pools(&plan);
         assert!(!pools.is_empty(), "S = {s}: no pools");
         let tasks: Vec<(bool, usize, u64, u64, u64)> = plan
@@ -206,23 +213,13 @@ fn refresh_pools_hold_what_can_be_in_flight() {
 #[test]
 fn copies_in_run_one_offloaded_update_ahead_into_bytes_of_their_own() {
     use schedule::{ArenaKind, BufferId, Op};
-    let path =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/specs/llama-1.4b-soap.asteria");
-    let src = std::fs::read_to_string(path)
-        .expect("spec")
-        .replace("corpus = \"../data/medium\"", "corpus = builtin")
-        .replace(
+    let plan = soap_plan(|src| {
+        src.replace(
             "target cuda {",
             "target cuda {\n  gpu_memory = 24GiB\n  host_memory = 96GiB",
         )
-        .replace("train {", "train {\n  rematerialize = layers");
-    let config = frontend::parse_spec("soap-24", &src, &std::env::temp_dir()).expect("spec");
-    let mut m = ir::Module::new(config);
-    let mut pm = PassManager::new(PassOptions::default()).expect("pm");
-    let (cx, _) = pm
-        .run(&mut m, None, &mut std::io::sink())
-        .expect("pipeline");
-    let plan = cx.plan.expect("plan");
+        .replace("train {", "train {\n  rematerialize = layers")
+    });
     let opt = &plan.optimizer;
     // Staging buffer -> position of its copy in.
     let mut copied_in: std::collections::HashMap<BufferId, usize> = Default::default();
