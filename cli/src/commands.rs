@@ -506,11 +506,43 @@ pub fn train(spec: &Path, run: &RunFlags, flags: &PassFlags, overrides: &[String
 }
 
 /// `asteria sample`: the prompt and its continuation on stdout.
-pub fn sample(checkpoint: &Path, prompt: &str, o: &engine::sample::SampleOptions) -> Result<()> {
+pub fn sample(
+    checkpoint: &Path,
+    prompt: &str,
+    o: &engine::sample::SampleOptions,
+    device: &str,
+) -> Result<()> {
     let ckpt = engine::checkpoint::load(checkpoint).map_err(|e| miette!("{e}"))?;
-    let s = engine::sample::generate(&ckpt, prompt, o).map_err(|e| miette!("{e}"))?;
+    let s = match device {
+        "cpu" => engine::sample::generate(&ckpt, prompt, o).map_err(|e| miette!("{e}"))?,
+        "cuda" => {
+            let plan = engine::sample::stored_plan(&ckpt).map_err(|e| miette!("{e}"))?;
+            if !matches!(plan.target, schedule::TargetPlan::Cuda { .. }) {
+                return Err(miette!(
+                    "{}: its plan `{}` targets the CPU; `--device cuda` samples checkpoints of \
+                     CUDA plans (`--device cpu` runs any)",
+                    ckpt.dir.display(),
+                    plan.name
+                ));
+            }
+            if !cuda::driver_present() {
+                return Err(miette!(
+                    "`--device cuda`: no CUDA driver (libcuda.so) can be loaded on this machine"
+                ));
+            }
+            let mut eng = cuda::CudaEngine::new(plan.clone(), cuda::CudaOptions::default())
+                .map_err(|e| miette!("{e}"))?;
+            engine::checkpoint::restore(&mut eng, &ckpt).map_err(|e| miette!("{e}"))?;
+            engine::sample::generate_with(&mut eng, prompt, o).map_err(|e| miette!("{e}"))?
+        }
+        other => {
+            return Err(miette!(
+                "`--device {other}`: sample runs on `cpu` or `cuda`"
+            ))
+        }
+    };
     note!(
-        "{}: step {}, {} prompt tokens, {} generated (temperature {}, top-k {}, seed {})",
+        "{}: step {}, {} prompt tokens, {} generated on {device} (temperature {}, top-k {}, seed {})",
         ckpt.dir.display(),
         ckpt.meta.step,
         s.prompt_ids.len(),
@@ -520,6 +552,32 @@ pub fn sample(checkpoint: &Path, prompt: &str, o: &engine::sample::SampleOptions
         o.seed
     );
     out!("{prompt}{}", s.text);
+    Ok(())
+}
+
+/// `asteria export CKPT --format hf -o DIR`: the checkpoint's weights as a Hugging Face
+/// `transformers` model ([`engine::export::export_hf`]).
+///
+/// # Errors
+/// Another format, a checkpoint that is corrupt or has no architecture recorded, I/O errors.
+pub fn export(checkpoint: &Path, format: &str, output: &Path) -> Result<()> {
+    if format != "hf" {
+        return Err(miette!(
+            "`--format {format}`: export writes `hf` (Hugging Face transformers)"
+        ));
+    }
+    let ckpt = engine::checkpoint::load(checkpoint).map_err(|e| miette!("{e}"))?;
+    let e = engine::export::export_hf(&ckpt, output).map_err(|e| miette!("{e}"))?;
+    note!(
+        "{}: step {} exported as {} ({} tensors, {} parameters): {} and {}",
+        ckpt.dir.display(),
+        ckpt.meta.step,
+        e.architecture,
+        e.tensors,
+        e.parameters,
+        e.config.display(),
+        e.weights.display()
+    );
     Ok(())
 }
 

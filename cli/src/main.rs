@@ -188,6 +188,24 @@ enum Command {
         /// Seed of the draws (the same seed, prompt and checkpoint give the same text).
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Engine: `cpu` (runs the checkpoint's plan whatever its target) or `cuda` (a
+        /// checkpoint of a CUDA plan, on the GPU).
+        #[arg(long, default_value = "cpu")]
+        device: String,
+    },
+    /// Write a checkpoint's weights for other tools: `--format hf` writes a Hugging Face
+    /// `transformers` model (config.json + model.safetensors; GPT2LMHeadModel or
+    /// LlamaForCausalLM).
+    Export {
+        /// A checkpoint: a `step-N` directory, or a `--checkpoint-dir` (its newest).
+        checkpoint: PathBuf,
+        /// Output format (hf).
+        #[arg(long, default_value = "hf")]
+        format: String,
+        /// Output directory (created if missing; its config.json and model.safetensors are
+        /// replaced).
+        #[arg(short, long, value_name = "DIR")]
+        output: PathBuf,
     },
     /// Measure this host (eigensolve and QR times per size, GEMM rate) and write a target
     /// description for the `precond-scheduling` cost model (`target { calibration = "FILE" }`).
@@ -367,6 +385,7 @@ fn main() -> ExitCode {
             temperature,
             top_k,
             seed,
+            device,
         } => commands::sample(
             &checkpoint,
             &prompt,
@@ -376,7 +395,13 @@ fn main() -> ExitCode {
                 top_k,
                 seed,
             },
+            &device,
         ),
+        Command::Export {
+            checkpoint,
+            format,
+            output,
+        } => commands::export(&checkpoint, &format, &output),
         Command::Calibrate {
             output,
             sizes,

@@ -7,11 +7,11 @@
 //! before it is returned, so a compiler bug cannot produce a plan the engine would reject.
 #![deny(missing_docs)]
 
-use ir::config::{CorpusConfig, TargetConfig, TokenizerKind};
+use ir::config::{CorpusConfig, Family, TargetConfig, TokenizerKind};
 use ir::{BufferClass, Init, InputRole, Module, Op, Section, ValueId};
 use schedule::{
-    Buffer, BufferId, Corpus, DataPlan, HostTask, MemoryPlan, Op as P, ParamRef, Plan, PlanError,
-    TargetPlan, Tokenizer, TrainPlan, PLAN_FORMAT, PLAN_VERSION,
+    Buffer, BufferId, Corpus, DataPlan, HostTask, MemoryPlan, ModelFamily, ModelPlan, Op as P,
+    ParamRef, Plan, PlanError, TargetPlan, Tokenizer, TrainPlan, PLAN_FORMAT, PLAN_VERSION,
 };
 use thiserror::Error;
 
@@ -460,6 +460,20 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
             },
         },
         memory,
+        model: Some(ModelPlan {
+            family: match c.model.family {
+                Family::Gpt2 => ModelFamily::Gpt2,
+                Family::Llama => ModelFamily::Llama,
+            },
+            vocab_size: c.model.vocab_size,
+            context: c.model.context,
+            d_model: c.model.d_model,
+            n_layers: c.model.n_layers,
+            n_heads: c.model.n_heads,
+            mlp_hidden: c.model.mlp_hidden,
+            norm_eps: c.model.norm_eps,
+            rope_theta: c.model.rope_theta,
+        }),
     };
     plan.verify()?;
     Ok(plan)

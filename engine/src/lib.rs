@@ -18,6 +18,7 @@ pub mod fits;
 pub mod nvme;
 pub mod refresh_runtime;
 mod rng;
+pub mod export;
 pub mod sample;
 mod train;
 

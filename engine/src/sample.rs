@@ -1,5 +1,7 @@
 //! Text generation from a checkpoint (`asteria sample`): the plan stored in the checkpoint runs
-//! its forward program on the CPU engine with the checkpoint's weights, one new token per pass.
+//! its forward program with the checkpoint's weights, one new token per pass, on the CPU
+//! engine ([`generate`]; it runs CPU and CUDA plans) or any [`StepExecutor`] ([`generate_with`],
+//! the CUDA engine for `asteria sample --device cuda`).
 //!
 //! The plan's batch is `B × T` tokens; generation uses row 0: the last `T` tokens of the
 //! prompt and what was generated so far, left-aligned, the rest of the batch zeros (causal
@@ -12,7 +14,8 @@ use crate::checkpoint::Checkpoint;
 use crate::cpu::{CpuEngine, EngineOptions};
 use crate::rng::Rng;
 use crate::EngineError;
-use schedule::{Op, Plan, TargetPlan, Tokenizer};
+use crate::StepExecutor;
+use schedule::{Op, Plan, Tokenizer};
 
 /// Options of [`generate`].
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -38,52 +41,34 @@ pub struct Sample {
     pub text: String,
 }
 
-/// Generates `o.tokens` tokens after `prompt` with the weights of `ckpt` (its stored plan).
+/// The CPU engine with `ckpt`'s weights: its stored plan (CPU or CUDA target: the CPU engine
+/// runs both), restored.
 ///
 /// # Errors
-/// [`EngineError::Option`] for an empty prompt or options out of range;
 /// [`EngineError::Checkpoint`] when the checkpoint has no plan (written before plans were
-/// stored) or its plan targets CUDA (sampling runs on the CPU engine for now); a prompt the
-/// tokenizer cannot encode; the engine's errors.
-pub fn generate(ckpt: &Checkpoint, prompt: &str, o: &SampleOptions) -> Result<Sample, EngineError> {
-    if !(1..=100_000).contains(&o.tokens) {
-        return Err(EngineError::Option(format!(
-            "--tokens {} is outside the allowed range 1..=100_000",
-            o.tokens
-        )));
-    }
-    if !(0.0..=100.0).contains(&o.temperature) {
-        return Err(EngineError::Option(format!(
-            "--temperature {} is outside the allowed range 0..=100",
-            o.temperature
-        )));
-    }
-    let plan: Plan = ckpt.plan.clone().ok_or_else(|| {
+/// stored); the engine's errors.
+pub fn cpu_engine(ckpt: &Checkpoint) -> Result<CpuEngine<f32>, EngineError> {
+    let plan = stored_plan(ckpt)?;
+    let mut engine = CpuEngine::<f32>::new(plan.clone(), EngineOptions::default())?;
+    crate::checkpoint::restore(&mut engine, ckpt)?;
+    Ok(engine)
+}
+
+/// The plan stored in `ckpt`.
+///
+/// # Errors
+/// [`EngineError::Checkpoint`] when it has none (written before plans were stored).
+pub fn stored_plan(ckpt: &Checkpoint) -> Result<&Plan, EngineError> {
+    ckpt.plan.as_ref().ok_or_else(|| {
         EngineError::Checkpoint(format!(
             "{} has no plan.json (written before checkpoints stored their plan): it cannot be sampled",
             ckpt.dir.display()
         ))
-    })?;
-    if let TargetPlan::Cuda { .. } = plan.target {
-        return Err(EngineError::Checkpoint(format!(
-            "{}: plan `{}` targets CUDA; `asteria sample` runs on the CPU engine and takes \
-             checkpoints of CPU plans for now",
-            ckpt.dir.display(),
-            plan.name
-        )));
-    }
-    let tokenizer = match plan.data.tokenizer {
-        Tokenizer::Gpt2 => data::Tokenizer::Gpt2,
-        Tokenizer::Bytes => data::Tokenizer::Bytes,
-    };
-    let prompt_ids = tokenizer
-        .encode(prompt)
-        .map_err(|e| EngineError::Option(format!("--prompt: {e}")))?;
-    if prompt_ids.is_empty() {
-        return Err(EngineError::Option(
-            "--prompt is empty: give at least one token of text".into(),
-        ));
-    }
+    })
+}
+
+/// The plan's logits buffer (the `cross_entropy` input, `[B·T, V]`): its name and `V`.
+fn logits_buffer(plan: &Plan) -> Result<(String, usize), EngineError> {
     let logits = plan
         .forward
         .iter()
@@ -97,25 +82,102 @@ pub fn generate(ckpt: &Checkpoint, prompt: &str, o: &SampleOptions) -> Result<Sa
                 plan.name
             ))
         })?;
-    let logits_name = plan.buffer(logits).name.clone();
-    let vocab = plan.buffer(logits).shape.last().copied().unwrap_or(0);
+    let b = plan.buffer(logits);
+    Ok((b.name.clone(), b.shape.last().copied().unwrap_or(0)))
+}
+
+/// The logits of a forward pass over `tokens` (`B·T` token ids, the plan's batch, row-major):
+/// `[B·T, V]` values, row `i` predicting the token after position `i`.
+///
+/// # Errors
+/// [`EngineError::Option`] when `tokens` is not `B·T` long; the engine's errors.
+pub fn forward_logits<E: StepExecutor + ?Sized>(
+    engine: &mut E,
+    tokens: &[i32],
+) -> Result<Vec<f64>, EngineError> {
+    let plan = engine.plan();
+    let (b, t) = (plan.data.batch_size, plan.data.seq_len);
+    if tokens.len() != b * t {
+        return Err(EngineError::Option(format!(
+            "{} tokens given; plan `{}` takes a batch of {b} x {t} = {}",
+            tokens.len(),
+            plan.name,
+            b * t
+        )));
+    }
+    let (name, _) = logits_buffer(plan)?;
+    engine.load_batch(tokens, &vec![0i32; b * t])?;
+    engine.forward()?;
+    engine.synchronize()?;
+    engine.read_state(&name)
+}
+
+/// Generates `o.tokens` tokens after `prompt` with the weights of `ckpt` (its stored plan) on
+/// the CPU engine.
+///
+/// # Errors
+/// As [`cpu_engine`] and [`generate_with`].
+pub fn generate(ckpt: &Checkpoint, prompt: &str, o: &SampleOptions) -> Result<Sample, EngineError> {
+    check_options(o)?;
+    let mut engine = cpu_engine(ckpt)?;
+    generate_with(&mut engine, prompt, o)
+}
+
+fn check_options(o: &SampleOptions) -> Result<(), EngineError> {
+    if !(1..=100_000).contains(&o.tokens) {
+        return Err(EngineError::Option(format!(
+            "--tokens {} is outside the allowed range 1..=100_000",
+            o.tokens
+        )));
+    }
+    if !(0.0..=100.0).contains(&o.temperature) {
+        return Err(EngineError::Option(format!(
+            "--temperature {} is outside the allowed range 0..=100",
+            o.temperature
+        )));
+    }
+    Ok(())
+}
+
+/// Generates `o.tokens` tokens after `prompt` on `engine` (any engine, its weights already
+/// restored from a checkpoint).
+///
+/// # Errors
+/// [`EngineError::Option`] for an empty prompt or options out of range; a prompt the
+/// tokenizer cannot encode; the engine's errors.
+pub fn generate_with<E: StepExecutor + ?Sized>(
+    engine: &mut E,
+    prompt: &str,
+    o: &SampleOptions,
+) -> Result<Sample, EngineError> {
+    check_options(o)?;
+    let plan = engine.plan().clone();
+    let tokenizer = match plan.data.tokenizer {
+        Tokenizer::Gpt2 => data::Tokenizer::Gpt2,
+        Tokenizer::Bytes => data::Tokenizer::Bytes,
+    };
+    let prompt_ids = tokenizer
+        .encode(prompt)
+        .map_err(|e| EngineError::Option(format!("--prompt: {e}")))?;
+    if prompt_ids.is_empty() {
+        return Err(EngineError::Option(
+            "--prompt is empty: give at least one token of text".into(),
+        ));
+    }
+    let (_, vocab) = logits_buffer(&plan)?;
     let drawable = vocab.min(tokenizer.vocab_size());
     let (b, t) = (plan.data.batch_size, plan.data.seq_len);
-    let mut engine = CpuEngine::<f32>::new(plan.clone(), EngineOptions::default())?;
-    crate::checkpoint::restore(&mut engine, ckpt)?;
     let mut rng = Rng::new(o.seed);
     let mut ctx: Vec<u32> = prompt_ids.clone();
     let mut ids = Vec::with_capacity(o.tokens);
-    let (mut x, y) = (vec![0i32; b * t], vec![0i32; b * t]);
+    let mut x = vec![0i32; b * t];
     for _ in 0..o.tokens {
         let window = &ctx[ctx.len().saturating_sub(t)..];
         x.iter_mut().for_each(|v| *v = 0);
         for (slot, &id) in x.iter_mut().zip(window) {
             *slot = id as i32;
         }
-        engine.load_batch(&x, &y)?;
-        engine.forward()?;
-        let all = engine.buffer(&logits_name)?;
+        let all = forward_logits(engine, &x)?;
         let row = window.len() - 1;
         let l = &all[row * vocab..row * vocab + drawable];
         let next = draw(l, o, &mut rng);

@@ -90,6 +90,7 @@ fn plan(m: usize, bufs: Vec<(&str, Vec<usize>, DType, BufferClass)>, forward: Ve
             eigensolver: Eigensolver::Faer,
         },
         memory,
+        model: None,
     }
 }
 

@@ -403,6 +403,40 @@ pub enum Precision {
     Fp32,
 }
 
+/// Transformer family of [`ModelPlan`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelFamily {
+    /// GPT-2: LayerNorm (with bias), GELU (tanh), learned positions, tied embeddings, biases.
+    Gpt2,
+    /// LLaMA / OLMo: RMSNorm, SwiGLU, RoPE (rotate-half), no biases, untied embeddings.
+    Llama,
+}
+
+/// The architecture a plan was compiled from: what a checkpoint's weights mean outside asteria
+/// (`asteria export`). The engines do not read it; the programs are the plan's ops.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelPlan {
+    /// Family.
+    pub family: ModelFamily,
+    /// Vocabulary size (rows of the token embedding).
+    pub vocab_size: usize,
+    /// Maximum context length in tokens.
+    pub context: usize,
+    /// Residual width.
+    pub d_model: usize,
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// Attention heads.
+    pub n_heads: usize,
+    /// MLP hidden size (per SwiGLU branch for LLaMA).
+    pub mlp_hidden: usize,
+    /// Epsilon of LayerNorm / RMSNorm.
+    pub norm_eps: f64,
+    /// RoPE base θ (LLaMA only).
+    pub rope_theta: f64,
+}
+
 /// A complete, self-contained execution plan.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
@@ -434,6 +468,10 @@ pub struct Plan {
     pub target: TargetPlan,
     /// Where every buffer lives: arenas and per-buffer byte offsets (see [`memory`]).
     pub memory: MemoryPlan,
+    /// The architecture the plan was compiled from (absent in plans written before it was
+    /// recorded, and in hand-built plans).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<ModelPlan>,
 }
 
 impl Plan {

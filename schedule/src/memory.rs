@@ -792,6 +792,7 @@ pub(crate) mod tests {
                 eigensolver: crate::Eigensolver::Faer,
             },
             memory,
+            model: None,
         }
     }
 

@@ -454,6 +454,7 @@ pub fn plan(g: &Gpt) -> Plan {
             eigensolver: schedule::Eigensolver::Faer,
         },
         memory,
+        model: None,
     }
 }
 
