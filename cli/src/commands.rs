@@ -893,7 +893,7 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
 /// One series of a metrics file: `(step, loss)` and `(step, val_loss)`.
 type Series = (String, Vec<(f64, f64)>, Vec<(f64, f64)>);
 
-fn read_series(arg: &str, metric: &str) -> Result<Series> {
+fn read_series(arg: &str, metric: &str, x_key: &str) -> Result<Series> {
     let (name, path) = match arg.split_once('=') {
         Some((n, p)) => (n.to_string(), std::path::PathBuf::from(p)),
         None => {
@@ -918,7 +918,7 @@ fn read_series(arg: &str, metric: &str) -> Result<Series> {
         let v: serde_json::Value = serde_json::from_str(line)
             .into_diagnostic()
             .wrap_err_with(|| format!("{}:{}: not JSON", path.display(), i + 1))?;
-        let step = v.get("step").and_then(serde_json::Value::as_f64);
+        let step = v.get(x_key).and_then(serde_json::Value::as_f64);
         match (
             step,
             v.get(metric).and_then(serde_json::Value::as_f64),
@@ -935,16 +935,37 @@ fn read_series(arg: &str, metric: &str) -> Result<Series> {
 }
 
 /// `asteria plot`: training (lines) and validation (markers) loss of metrics files as an SVG;
-/// with `metric` other than `loss`, that per-step key instead (e.g. `step_ms`, ms per step).
+/// with `metric` other than `loss`, that per-step key instead (e.g. `step_ms`, ms per step);
+/// against `x_key` (`step`, `wall_s`, `energy_j`).
 ///
 /// # Errors
-/// Unreadable or non-JSON files, no finite values, SVG write failures.
-pub fn plot(metrics: &[String], output: &Path, title: &str, metric: &str) -> Result<()> {
+/// Another x key, unreadable or non-JSON files, no finite values, SVG write failures.
+pub fn plot(metrics: &[String], output: &Path, title: &str, metric: &str, x_key: &str) -> Result<()> {
     use plotters::prelude::*;
+    let x_desc = match x_key {
+        "step" => "step",
+        "wall_s" => "wall time (s)",
+        "energy_j" => "GPU energy (J)",
+        other => {
+            return Err(miette!(
+                "`--x {other}`: the x axis is `step`, `wall_s` or `energy_j`"
+            ))
+        }
+    };
     let series = metrics
         .iter()
-        .map(|m| read_series(m, metric))
+        .map(|m| read_series(m, metric, x_key))
         .collect::<Result<Vec<_>>>()?;
+    if series.iter().all(|(_, t, v)| t.is_empty() && v.is_empty()) {
+        return Err(miette!(
+            "no record of the metrics files has both `{x_key}` and `{metric}`{}",
+            if x_key == "energy_j" {
+                " (energy is measured on NVIDIA GPUs through NVML)"
+            } else {
+                ""
+            }
+        ));
+    }
     let all = || series.iter().flat_map(|(_, t, v)| t.iter().chain(v));
     let x_max = all().map(|p| p.0).fold(1.0f64, f64::max);
     let y_min = all().map(|p| p.1).fold(f64::INFINITY, f64::min);
@@ -964,7 +985,7 @@ pub fn plot(metrics: &[String], output: &Path, title: &str, metric: &str) -> Res
             .build_cartesian_2d(0f64..x_max, (y_min - pad)..(y_max + pad))?;
         chart
             .configure_mesh()
-            .x_desc("step")
+            .x_desc(x_desc)
             .y_desc(if metric == "loss" {
                 "loss (nats)".to_string()
             } else {

@@ -318,6 +318,10 @@ enum Command {
         /// The per-step key to plot (`loss`, `step_ms`, `optimizer_ms`, `refresh_wait_ms`, ...).
         #[arg(long, default_value = "loss")]
         metric: String,
+        /// The key on the x axis: `step`, `wall_s` (seconds since the run started) or
+        /// `energy_j` (the training steps' GPU joules so far; GPU runs).
+        #[arg(long, default_value = "step")]
+        x: String,
     },
     /// Micro-benchmarks of the runtime's building blocks.
     Bench {
@@ -471,7 +475,8 @@ fn main() -> ExitCode {
             output,
             title,
             metric,
-        } => commands::plot(&metrics, &output, &title, &metric),
+            x,
+        } => commands::plot(&metrics, &output, &title, &metric, &x),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

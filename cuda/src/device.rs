@@ -59,6 +59,9 @@ pub struct DeviceInfo {
     pub nvrtc_version: (i32, i32),
     /// cuBLAS version (`cublasGetVersion`, e.g. 130001).
     pub cublas_version: i32,
+    /// PCI bus id as NVML names it (`00000000:19:00.0`): the GPU's identity across CUDA and
+    /// NVML, whose device numbers may differ.
+    pub pci_bus_id: String,
 }
 
 impl std::fmt::Display for DeviceInfo {
@@ -309,6 +312,12 @@ impl Device {
             driver_version: (dv / 1000, (dv % 1000) / 10),
             nvrtc_version: nvrtc::nvrtc_version()?,
             cublas_version,
+            pci_bus_id: format!(
+                "{:08x}:{:02x}:{:02x}.0",
+                ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+                ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+                ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
+            ),
         };
         let include = nvrtc::include_dir();
         if include.is_none() {

@@ -166,6 +166,8 @@ pub struct CudaEngine {
     /// The attention kernels: the plan's option, `auto` resolved against the kernels that
     /// loaded.
     attention: AttentionKernel,
+    /// The GPU's energy through NVML (`None` where NVML or its readings are missing).
+    energy: Option<crate::energy::EnergyMeter>,
 }
 
 impl CudaEngine {
@@ -447,6 +449,14 @@ impl StepExecutor for CudaEngine {
 
     fn read_state(&self, name: &str) -> Result<Vec<f64>, EngineError> {
         self.buffer(name)
+    }
+
+    fn energy_j(&self) -> Option<f64> {
+        self.energy.as_ref().and_then(|m| m.joules())
+    }
+
+    fn energy_source(&self) -> Option<String> {
+        self.energy.as_ref().map(|m| m.describe())
     }
 
     fn write_state(&mut self, name: &str, values: &[f64]) -> Result<(), EngineError> {

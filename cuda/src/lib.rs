@@ -25,6 +25,7 @@
 
 pub mod calibrate;
 mod device;
+pub mod energy;
 mod engine;
 mod error;
 pub mod gemm;

@@ -25,7 +25,10 @@ pub struct TrainOptions {
     /// optimizer overhead); `refresh_wait_ms` the part of it blocked on background refreshes;
     /// `max_swap_staleness` (steps between launch and swap, max over this step's swaps) is null
     /// when nothing was swapped in; `wall_s` is the seconds since [`TrainOptions::started`]
-    /// at the end of the step.
+    /// at the end of the step (of the evaluation in evaluation records); `step_j` the device's
+    /// joules in the step and `energy_j` the training steps' joules so far (evaluations
+    /// excluded; also in evaluation records), both null where energy is not measured
+    /// ([`StepExecutor::energy_j`]: NVML on NVIDIA GPUs).
     pub metrics_path: Option<PathBuf>,
     /// No progress bar and no summary line on stderr (the bar is also hidden when stderr is
     /// not a terminal).
@@ -87,6 +90,11 @@ pub struct TrainSummary {
     /// Eigenbasis refreshes skipped because their Kronecker factor was exactly zero (a
     /// parameter whose gradients all vanished); the previous basis was kept. Not failures.
     pub zero_factor_refreshes: u64,
+    /// Joules the device used in the training steps (evaluations excluded; NVML on NVIDIA
+    /// GPUs), `None` where energy is not measured.
+    pub energy_j: Option<f64>,
+    /// [`TrainSummary::energy_j`] over the training tokens of the steps run, J/token.
+    pub joules_per_token: Option<f64>,
     /// Tokens in the training / validation splits.
     pub train_tokens: usize,
     /// Tokens in the validation split.
@@ -127,7 +135,11 @@ impl std::fmt::Display for TrainSummary {
             self.refresh_failures,
             self.zero_factor_refreshes,
             self.skipped_steps
-        )
+        )?;
+        if let (Some(j), Some(jt)) = (self.energy_j, self.joules_per_token) {
+            write!(f, " | energy {j:.0} J ({:.2} mJ/token)", jt * 1e3)?;
+        }
+        Ok(())
     }
 }
 
@@ -254,6 +266,15 @@ pub trait StepExecutor {
     /// Blocks until the step's device work is done (for honest step timings). CPU: no-op.
     fn synchronize(&mut self) -> Result<(), EngineError> {
         Ok(())
+    }
+    /// Joules the device has used since the engine was set up (NVML on NVIDIA GPUs); `None`
+    /// where it cannot be measured (the CPU engine). Read after [`StepExecutor::synchronize`].
+    fn energy_j(&self) -> Option<f64> {
+        None
+    }
+    /// What measures [`StepExecutor::energy_j`] (`"NVIDIA H200, NVML energy counter"`).
+    fn energy_source(&self) -> Option<String> {
+        None
     }
     /// The contents of state buffer `name` as f64 (checkpoints; [`crate::checkpoint`]).
     fn read_state(&self, name: &str) -> Result<Vec<f64>, EngineError> {
@@ -467,16 +488,24 @@ pub fn train_with<E: StepExecutor>(
         val_tokens: sampler.dataset().val().len(),
         ..TrainSummary::default()
     };
+    // Training-step joules so far (evaluations excluded), when the engine measures energy.
+    let mut train_j: Option<f64> = None;
     let mut eval = |engine: &mut E,
                     sampler: &BatchSampler,
                     step: u64,
                     summary: &mut TrainSummary,
-                    metrics: &mut Metrics| {
+                    metrics: &mut Metrics,
+                    train_j: Option<f64>| {
         let v = tracing::info_span!("evaluate")
             .in_scope(|| evaluate(engine, sampler, &mut x, &mut y))?;
         tracing::info!(step, val_loss = v, "validation");
         summary.val_losses.push((step, v));
-        metrics.write(serde_json::json!({ "step": step, "val_loss": v }))
+        metrics.write(serde_json::json!({
+            "step": step,
+            "val_loss": v,
+            "wall_s": started.elapsed().as_secs_f64(),
+            "energy_j": train_j,
+        }))
     };
     // Resume: the checkpoint's state, and the sampler replayed to its data position.
     let mut first = 1u64;
@@ -506,7 +535,7 @@ pub fn train_with<E: StepExecutor>(
         tracing::info!(dir = %ckpt.dir.display(), step = ckpt.meta.step, "resumed");
     }
     if evals && first == 1 {
-        eval(engine, &sampler, 0, &mut summary, &mut metrics)?;
+        eval(engine, &sampler, 0, &mut summary, &mut metrics, None)?;
     }
     let pb = progress_bar(steps, opts.quiet);
     // What a run says on stderr besides the bar: a line at start, one per evaluation, and
@@ -532,6 +561,9 @@ pub fn train_with<E: StepExecutor>(
             summary.val_tokens
         ),
     );
+    if let Some(src) = engine.energy_source() {
+        say(&pb, format!("energy: {src} (joules per step in the metrics)"));
+    }
     if let Some(&(_, v)) = summary.val_losses.last() {
         say(&pb, format!("step 0/{steps} | val loss {v:.4}"));
     }
@@ -562,6 +594,7 @@ pub fn train_with<E: StepExecutor>(
         // Spans of the run's trace (`asteria train --trace`): a step and its phases.
         let _step_span = tracing::info_span!("step", step).entered();
         let start = Instant::now();
+        let joules_before = engine.energy_j();
         sampler.next_train_batch(b, t, &mut bx, &mut by)?;
         engine.load_batch(&bx, &by)?;
         let loss = tracing::info_span!("forward").in_scope(|| engine.forward())?;
@@ -574,6 +607,13 @@ pub fn train_with<E: StepExecutor>(
         let opt_ms = opt_start.elapsed().as_secs_f64() * 1e3;
         tracing::info_span!("synchronize").in_scope(|| engine.synchronize())?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
+        let step_j = match (joules_before, engine.energy_j()) {
+            (Some(a), Some(b)) => Some((b - a).max(0.0)),
+            _ => None,
+        };
+        if let Some(j) = step_j {
+            train_j = Some(train_j.unwrap_or(0.0) + j);
+        }
         step_ms.push(ms);
         optimizer_ms.push(opt_ms);
         summary.train_losses.push(loss);
@@ -596,6 +636,8 @@ pub fn train_with<E: StepExecutor>(
             "refreshes_swapped": host.swapped,
             "max_swap_staleness": host.max_swap_staleness,
             "wall_s": started.elapsed().as_secs_f64(),
+            "step_j": step_j,
+            "energy_j": train_j,
         }));
         if step == first {
             // Time to first step: process start (or the caller's) to the end of this step:
@@ -636,7 +678,7 @@ pub fn train_with<E: StepExecutor>(
         pb.set_position(step);
         pb.set_message(format!("loss {loss:.4} | {tps:.0} tok/s"));
         if evals && (step % plan.train.eval_interval == 0 || step == steps) {
-            eval(engine, &sampler, step, &mut summary, &mut metrics)?;
+            eval(engine, &sampler, step, &mut summary, &mut metrics, train_j)?;
             let v = summary.val_losses.last().map_or(f64::NAN, |x| x.1);
             say(
                 &pb,
@@ -701,6 +743,9 @@ pub fn train_with<E: StepExecutor>(
     summary.refresh_wait_ms = stats.refresh_wait_ms;
     summary.skipped_steps = engine.stats().skipped_steps;
     summary.zero_factor_refreshes = engine.stats().zero_factor_refreshes;
+    summary.energy_j = train_j;
+    let run_tokens = tokens_per_step * (steps + 1 - first) as f64;
+    summary.joules_per_token = train_j.filter(|_| run_tokens > 0.0).map(|j| j / run_tokens);
     tracing::info!(%summary, "training done");
     if !opts.quiet {
         // A closed stderr (its reader exited) is not an error of the run.

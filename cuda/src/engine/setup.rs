@@ -439,10 +439,22 @@ impl CudaEngine {
             copy_events: (0..plan.step_len()).map(|_| None).collect(),
             attention,
             solver,
+            energy: None,
             plan,
         };
         eng.check_budget()?;
         eng.init_buffers()?;
+        // Opened last: the counter starts with the run, not with the set-up.
+        eng.energy = match crate::energy::EnergyMeter::open(&eng.dev.info().pci_bus_id) {
+            Ok(m) => {
+                tracing::info!(meter = %m.describe(), "GPU energy");
+                Some(m)
+            }
+            Err(e) => {
+                tracing::info!(reason = %e, "no GPU energy reading");
+                None
+            }
+        };
         Ok(eng)
     }
 
