@@ -393,7 +393,7 @@ fn execute(plan: &Plan, run: &RunFlags) -> Result<()> {
     );
     let plan = &plan;
     if let TargetPlan::Cuda { .. } = plan.target {
-        return execute_cuda(plan, &opts, run.profile);
+        return execute_cuda(plan, &opts, run.profile, run.trace.is_some());
     } else if run.profile != schedule::Profile::Off {
         return Err(miette!(
             "`--profile {}` times CUDA kernels; plan `{}` targets the CPU engine",
@@ -411,6 +411,7 @@ fn execute_cuda(
     plan: &Plan,
     opts: &engine::TrainOptions,
     profile: schedule::Profile,
+    trace: bool,
 ) -> Result<()> {
     if !cuda::driver_present() {
         return Err(miette!(
@@ -423,6 +424,7 @@ fn execute_cuda(
         engine: opts.engine.clone(),
         device: None,
         profile,
+        trace,
     };
     let mut eng = cuda::CudaEngine::new(plan.clone(), copts)
         .map_err(|e| miette!("plan `{}` targets CUDA: {e}", plan.name))?;
@@ -433,7 +435,13 @@ fn execute_cuda(
             eng.arena_line()
         );
     }
-    let summary = engine::train_with(&mut eng, opts).map_err(|e| miette!("{e}"))?;
+    let summary = engine::train_with(&mut eng, opts);
+    if trace {
+        let (slices, dropped) = eng.take_gpu_trace();
+        let i = eng.device().info();
+        crate::trace::add_gpu(format!("cuda:{} {}", i.ordinal, i.name), slices, dropped);
+    }
+    let summary = summary.map_err(|e| miette!("{e}"))?;
     // MFU: the plan's model FLOPs per step over the median step time, against the GPU's
     // dense bf16 peak.
     let flops = plan.model_flops_per_step();

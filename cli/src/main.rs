@@ -359,8 +359,8 @@ fn main() -> ExitCode {
         Command::Run { run, .. } | Command::Train { run, .. } => run.trace.clone(),
         _ => None,
     };
-    // Dropped at the end of `main`: writes the end of the trace file.
-    let _trace = match trace::init(trace_file.as_deref()) {
+    // Finished at the end of `main`: writes the end of the trace file, then the GPU's slices.
+    let trace_guard = match trace::init(trace_file.as_deref()) {
         Ok(guard) => guard,
         Err(e) => {
             eprintln!("error: {e}");
@@ -477,6 +477,13 @@ fn main() -> ExitCode {
             metric,
             x,
         } => commands::plot(&metrics, &output, &title, &metric, &x),
+    };
+    let result = match (trace_guard, &trace_file) {
+        (Some(guard), Some(path)) => {
+            let merged = trace::finish(guard, path).map_err(|e| miette::miette!("{e}"));
+            result.and(merged)
+        }
+        _ => result,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -5,9 +5,13 @@
 //! on the kernel pool's thread; preconditioner refreshes (`refresh <factor>`) on the host
 //! pool's threads, and their launches, waits at the staleness bound and swaps
 //! (`refresh launch|wait|swap <factor>`) on the main thread. Open it in ui.perfetto.dev or
-//! chrome://tracing. The CUDA engine's streams (GPU time) are not in it yet: its run shows
-//! the host side only.
+//! chrome://tracing. A CUDA run adds a `GPU` process with one track per stream (`compute`,
+//! `copy-in`, `copy-out`, `side`): every op of the programs on the stream it ran on and every
+//! side-stream refresh, timed by CUDA events (`cuda::CudaEngine::take_gpu_trace`) and placed
+//! on the same clock as the host slices; they are appended when the run ends ([`finish`]).
 use std::path::Path;
+use std::sync::{Mutex, OnceLock};
+use std::time::Instant;
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id};
 use tracing::Subscriber;
@@ -67,6 +71,8 @@ pub fn init(trace: Option<&Path>) -> Result<Option<FlushGuard>, String> {
     };
     let file = std::fs::File::create(path)
         .map_err(|e| format!("cannot create the trace file {}: {e}", path.display()))?;
+    // The layer's clock starts when it is built: the GPU slices are placed against this.
+    let _ = START.set(Instant::now());
     let (chrome, guard) = ChromeLayerBuilder::new()
         .writer(file)
         .include_args(true)
@@ -80,4 +86,67 @@ pub fn init(trace: Option<&Path>) -> Result<Option<FlushGuard>, String> {
         .build();
     registry.with(chrome.with_filter(LevelFilter::DEBUG)).init();
     Ok(Some(guard))
+}
+
+/// When the trace's clock started (`ts` 0).
+static START: OnceLock<Instant> = OnceLock::new();
+
+/// GPU slices to append at the end: `(device label, slices, dropped)`.
+static GPU: Mutex<Vec<(String, Vec<cuda::engine_trace::GpuSlice>, u64)>> = Mutex::new(Vec::new());
+
+/// Hands the GPU slices of a run (`device`: `cuda:0 NVIDIA H200`) to [`finish`].
+pub fn add_gpu(device: String, slices: Vec<cuda::engine_trace::GpuSlice>, dropped: u64) {
+    if let Ok(mut g) = GPU.lock() {
+        g.push((device, slices, dropped));
+    }
+}
+
+/// Ends the trace: drops the `tracing-chrome` guard (which writes the file's end) and, when a
+/// CUDA run handed its GPU slices over, appends them as a `GPU` process (pid 2 + device
+/// index), one thread per stream, with `process_name` / `thread_name` metadata. The file is
+/// rewritten through a temporary file and renamed.
+///
+/// # Errors
+/// The trace file cannot be read back, parsed or rewritten (the message names it).
+pub fn finish(guard: FlushGuard, path: &Path) -> Result<(), String> {
+    drop(guard);
+    let gpu = GPU.lock().map(|mut g| std::mem::take(&mut *g)).unwrap_or_default();
+    if gpu.is_empty() {
+        return Ok(());
+    }
+    let Some(&start) = START.get() else {
+        return Ok(());
+    };
+    let io = |e: &dyn std::fmt::Display| format!("trace file {}: {e}", path.display());
+    let text = std::fs::read_to_string(path).map_err(|e| io(&e))?;
+    let mut events: Vec<serde_json::Value> = serde_json::from_str(&text).map_err(|e| io(&e))?;
+    const STREAMS: [&str; 4] = ["compute", "copy-in", "copy-out", "side"];
+    for (d, (device, slices, dropped)) in gpu.into_iter().enumerate() {
+        let pid = 2 + d;
+        events.push(serde_json::json!({
+            "ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+            "args": { "name": format!("GPU {device}") },
+        }));
+        for (i, s) in STREAMS.iter().enumerate() {
+            events.push(serde_json::json!({
+                "ph": "M", "name": "thread_name", "pid": pid, "tid": i + 1,
+                "args": { "name": format!("{s} stream") },
+            }));
+        }
+        for s in slices {
+            let ts = s.start.saturating_duration_since(start).as_secs_f64() * 1e6;
+            let tid = STREAMS.iter().position(|&x| x == s.stream).unwrap_or(0) + 1;
+            events.push(serde_json::json!({
+                "ph": "X", "name": s.name, "cat": s.stream, "pid": pid, "tid": tid,
+                "ts": ts, "dur": s.dur_us,
+            }));
+        }
+        if dropped > 0 {
+            tracing::warn!(dropped, "GPU trace slices over the limit were not kept");
+        }
+    }
+    let tmp = path.with_extension("json.tmp");
+    let bytes = serde_json::to_vec(&events).map_err(|e| io(&e))?;
+    std::fs::write(&tmp, bytes).map_err(|e| io(&e))?;
+    std::fs::rename(&tmp, path).map_err(|e| io(&e))
 }

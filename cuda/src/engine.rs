@@ -61,6 +61,7 @@ use std::time::Instant;
 
 mod copies;
 mod exec;
+pub mod gpu_trace;
 mod profile;
 mod setup;
 mod tasks;
@@ -103,6 +104,9 @@ pub struct CudaOptions {
     pub device: Option<usize>,
     /// Per-op GPU timing (`--profile`), printed by [`CudaEngine::profile_table`].
     pub profile: Profile,
+    /// Record every op's and side-stream refresh's GPU time span for `--trace`
+    /// ([`CudaEngine::take_gpu_trace`]).
+    pub trace: bool,
 }
 
 fn cuda_err(where_: &str, e: CudaError) -> EngineError {
@@ -168,6 +172,8 @@ pub struct CudaEngine {
     attention: AttentionKernel,
     /// The GPU's energy through NVML (`None` where NVML or its readings are missing).
     energy: Option<crate::energy::EnergyMeter>,
+    /// The streams' timeline for `--trace` (`None` without it).
+    gpu_trace: Option<gpu_trace::GpuTrace>,
 }
 
 impl CudaEngine {
@@ -202,7 +208,7 @@ impl CudaEngine {
             let pos = self.copy_order.position(section, index);
             let outcome = self
                 .order_copies(op, pos, true)
-                .and_then(|()| self.exec(op, t, lr_mult))
+                .and_then(|()| self.exec_traced(section, op, t, lr_mult))
                 .and_then(|r| self.order_copies(op, pos, false).map(|()| r));
             if let Some((t0, ev0)) = started {
                 let host_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -276,6 +282,40 @@ impl CudaEngine {
             _ => self.plan.optimizer = program,
         }
         result
+    }
+
+    /// [`CudaEngine::exec`], between two timing events on the op's stream under `--trace`.
+    fn exec_traced(
+        &mut self,
+        section: &str,
+        op: &Op,
+        t: u64,
+        lr_mult: f64,
+    ) -> Result<Option<f64>, CudaError> {
+        let Some(tr) = self.gpu_trace.clone() else {
+            return self.exec(op, t, lr_mult);
+        };
+        let stream = copies::stream_of(op);
+        let start = gpu_trace::GpuTrace::mark(&self.dev, stream);
+        let r = self.exec(op, t, lr_mult);
+        if let (Some(start), Some(end)) = (start, gpu_trace::GpuTrace::mark(&self.dev, stream)) {
+            let name = format!("{section}/{}{}", op.name(), self.profile_shape(op));
+            tr.push(gpu_trace::stream_label(stream), name, start, end);
+        }
+        r
+    }
+
+    /// The GPU slices `--trace` recorded so far (every op on its stream, side-stream
+    /// refreshes) and how many were dropped over [`gpu_trace::MAX_SLICES`]; empty without
+    /// [`CudaOptions::trace`]. Drains them.
+    pub fn take_gpu_trace(&mut self) -> (Vec<gpu_trace::GpuSlice>, u64) {
+        match &self.gpu_trace {
+            Some(tr) => {
+                tr.flush(&self.dev);
+                tr.take()
+            }
+            None => (Vec::new(), 0),
+        }
     }
 
     /// The tier copies' stream ordering around the op at step position `pos`: before it
@@ -444,7 +484,11 @@ impl StepExecutor for CudaEngine {
     fn synchronize(&mut self) -> Result<(), EngineError> {
         self.dev
             .synchronize_step()
-            .map_err(|e| cuda_err("synchronize", e))
+            .map_err(|e| cuda_err("synchronize", e))?;
+        if let Some(tr) = &self.gpu_trace {
+            tr.flush(&self.dev);
+        }
+        Ok(())
     }
 
     fn read_state(&self, name: &str) -> Result<Vec<f64>, EngineError> {

@@ -43,6 +43,6 @@ pub use device::{
     driver_present, peak_bf16_tflops, Device, DeviceInfo, GemmMath, HostElem, MemoryReport,
     StreamKind,
 };
-pub use engine::{CudaEngine, CudaOptions};
+pub use engine::{gpu_trace as engine_trace, CudaEngine, CudaOptions};
 pub use error::{CudaError, Result, Tier};
 pub use memory::{Arena, Buf, Carver, Elem, BUF_ALIGN};

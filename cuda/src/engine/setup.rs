@@ -396,7 +396,8 @@ impl CudaEngine {
         }
 
         // Refresh machinery: refreshers, swap buffers, shadows of asynchronous tasks.
-        let refreshes = tasks::Refreshes::new(&dev, &plan, &opts.engine)?;
+        let gpu_trace = opts.trace.then(super::gpu_trace::GpuTrace::default);
+        let refreshes = tasks::Refreshes::new(&dev, &plan, &opts.engine, gpu_trace.clone())?;
         let solver = opts.engine.solver(&plan)?;
         let profile = (opts.profile != Profile::Off).then(|| ProfileRows {
             events: opts.profile == Profile::Events,
@@ -440,6 +441,7 @@ impl CudaEngine {
             attention,
             solver,
             energy: None,
+            gpu_trace,
             plan,
         };
         eng.check_budget()?;

@@ -31,6 +31,7 @@
 //!   host results: `optim`'s own checks), a host result is uploaded into the back buffer from
 //!   pinned memory, and [`refresh::apply`] runs on the compute stream: basis replaced,
 //!   `exp_avg` re-projected, `exp_avg_sq` permuted.
+use super::gpu_trace::GpuTrace;
 use super::{cuda_err, dims2, CudaEngine};
 use crate::error::{CudaError, Tier};
 use crate::memory::{Arena, Buf, Elem};
@@ -127,6 +128,8 @@ struct SideRequest {
     slot: RefreshSlot,
     status_host: Buf,
     reply: mpsc::Sender<Result<CudaEvent, String>>,
+    /// The task's location (`--trace` slice names).
+    name: String,
 }
 
 /// The thread that owns the side-stream refresher and enqueues its work, one request at a
@@ -138,7 +141,11 @@ struct SideLauncher {
 }
 
 impl SideLauncher {
-    fn spawn(dev: Arc<Device>, refresher: GpuRefresher) -> Result<SideLauncher, EngineError> {
+    fn spawn(
+        dev: Arc<Device>,
+        refresher: GpuRefresher,
+        trace: Option<GpuTrace>,
+    ) -> Result<SideLauncher, EngineError> {
         let (tx, rx) = mpsc::channel::<SideRequest>();
         let phases = Arc::new(std::sync::Mutex::new(String::new()));
         let shared = Arc::clone(&phases);
@@ -148,6 +155,9 @@ impl SideLauncher {
                 for req in rx {
                     let r = (|| -> crate::error::Result<CudaEvent> {
                         dev.wait(StreamKind::Side, &req.taken)?;
+                        let start = trace
+                            .as_ref()
+                            .and_then(|_| GpuTrace::mark(&dev, StreamKind::Side));
                         refresher.compute(
                             &dev,
                             false,
@@ -157,6 +167,11 @@ impl SideLauncher {
                             &req.slot,
                         )?;
                         dev.copy(&req.status_host, &req.slot.status, StreamKind::Side)?;
+                        if let (Some(tr), Some(start)) = (&trace, start) {
+                            if let Some(end) = GpuTrace::mark(&dev, StreamKind::Side) {
+                                tr.push("side", format!("refresh {}", req.name), start, end);
+                            }
+                        }
                         dev.record(StreamKind::Side, false)
                     })();
                     if let Ok(mut p) = shared.lock() {
@@ -284,6 +299,7 @@ impl Refreshes {
         dev: &Arc<Device>,
         plan: &Plan,
         opts: &EngineOptions,
+        trace: Option<GpuTrace>,
     ) -> Result<Refreshes, EngineError> {
         let e = |w: &'static str| move |err: CudaError| cuda_err(w, err);
         let runtime = RefreshRuntime::new(plan, opts);
@@ -322,7 +338,7 @@ impl Refreshes {
                 let (r, b) = GpuRefresher::new(dev, StreamKind::Side, d)
                     .map_err(e("setting up side-stream cuSOLVER refreshes"))?;
                 bytes += b;
-                Some(SideLauncher::spawn(Arc::clone(dev), r)?)
+                Some(SideLauncher::spawn(Arc::clone(dev), r, trace)?)
             }
             None => None,
         };
@@ -677,6 +693,7 @@ impl CudaEngine {
             slot: sh.slot.clone(),
             status_host: sh.status_host.clone(),
             reply,
+            name: task.location(),
         };
         tx.send(req).map_err(|_| EngineError::Optim {
             location: task.location(),
