@@ -525,6 +525,24 @@ impl StepExecutor for CudaEngine {
     fn drain_refreshes(&mut self, t: u64) -> Result<(), EngineError> {
         self.finish_refreshes(t).map(|_| ())
     }
+
+    /// The CUDA engine drains its own refreshes at a checkpoint; refreshes in flight come only
+    /// from CPU-engine checkpoints with staleness > 0, which it cannot replay (yet).
+    fn restore_refreshes(
+        &mut self,
+        refreshes: &[engine::checkpoint::InFlightRefresh],
+    ) -> Result<(), EngineError> {
+        if refreshes.is_empty() {
+            return Ok(());
+        }
+        Err(EngineError::Checkpoint(format!(
+            "the checkpoint records {} preconditioner refreshes in flight (written by the CPU \
+             engine with staleness > 0); the CUDA engine installs its refreshes before it \
+             checkpoints and cannot replay the CPU engine's: resume this checkpoint on the CPU \
+             engine, or take it from a run with staleness = 0",
+            refreshes.len()
+        )))
+    }
 }
 
 impl Drop for CudaEngine {
