@@ -8,7 +8,8 @@
 # Needs: the repository root as working directory, .gpu/ from bench/prepare-gpu, an H200, CUDA 13
 # under $CUDA_HOME. Takes ~4 minutes.
 # Writes into OUT_DIR: {adamw,soap-s0,soap-s5}.{jsonl,txt}, trace-s5.json(.gz),
-# trace-summary.md, energy.md (the table), loss-energy.svg, and OUT_DIR.tgz.
+# trace-summary.md, energy.md (the table), loss-energy.svg, the AdamW run's final checkpoint
+# ck-adamw/ (left out of OUT_DIR.tgz), and OUT_DIR.tgz.
 # Usage: bench/h200-energy.sh OUT_DIR [STEPS]   (default 300)
 set -uo pipefail
 [[ $# -ge 1 ]] || { echo "usage: bench/h200-energy.sh OUT_DIR [STEPS]" >&2; exit 2; }
@@ -26,7 +27,7 @@ run() {  # name spec extra-args...
     --cache-dir "$TC" --metrics "$out/$name.jsonl" "$@" > "$out/$name.txt" 2>&1
   echo "$name rc=$?"; grep -E "energy|MFU|val loss|rror" "$out/$name.txt" | tail -n 4
 }
-run adamw gpt2-124m-adamw.asteria
+run adamw gpt2-124m-adamw.asteria --checkpoint-dir "$out/ck-adamw"
 run soap-s0 gpt2-124m-soap.asteria
 run soap-s5 gpt2-124m-soap.asteria --set target.staleness=5
 stamp trace
@@ -48,18 +49,22 @@ for name in ["adamw", "soap-s0", "soap-s5"]:
     runs[name] = (steps, evals)
 target = runs["adamw"][1][-1]["val_loss"]
 print(f"GPT-2 124M, {len(runs['adamw'][0])} steps of 16x1024 tokens; target = AdamW's final validation loss {target:.4f}\n")
-print("| run | final val loss | GPU J | J per token | median step ms | W (mean) | J to AdamW's final val loss (step) |")
-print("|---|---|---|---|---|---|---|")
+print("| run | final val loss | GPU J | mJ per token | step ms median / mean | W (mean) | J to AdamW's final val loss (step) | vs AdamW |")
+print("|---|---|---|---|---|---|---|---|")
+base = None
 for name, (steps, evals) in runs.items():
     j = steps[-1].get("energy_j")
     tok = 16 * 1024 * len(steps)
     ms = sorted(s["step_ms"] for s in steps)[len(steps) // 2]
+    mean = sum(s["step_ms"] for s in steps) / len(steps)
     watts = j / (sum(s["step_ms"] for s in steps) / 1e3) if j else float("nan")
     hit = next((e for e in evals if e["val_loss"] <= target and e.get("energy_j") is not None), None)
     reach = f"{hit['energy_j']:.0f} (step {hit['step']})" if hit else "not reached"
-    print(f"| {name} | {evals[-1]['val_loss']:.4f} | {j:.0f} | {j / tok:.4f} | {ms:.1f} | {watts:.0f} | {reach} |")
+    base = base or (hit["energy_j"] if hit else None)
+    ratio = f"{hit['energy_j'] / base:.2f}x" if hit and base else "-"
+    print(f"| {name} | {evals[-1]['val_loss']:.4f} | {j:.0f} | {1e3 * j / tok:.2f} | {ms:.1f} / {mean:.1f} | {watts:.0f} | {reach} | {ratio} |")
 PY
-$B plot "AdamW=$out/adamw.jsonl" "SOAP S=0=$out/soap-s0.jsonl" "SOAP S=5=$out/soap-s5.jsonl" \
+$B plot "AdamW=$out/adamw.jsonl" "SOAP-S0=$out/soap-s0.jsonl" "SOAP-S5=$out/soap-s5.jsonl" \
   --x energy_j -o "$out/loss-energy.svg" --title "GPT-2 124M: loss against GPU energy"
 stamp done
-tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")"
+tar czf "$out.tgz" --exclude=ck-adamw -C "$(dirname "$out")" "$(basename "$out")"

@@ -526,22 +526,18 @@ impl StepExecutor for CudaEngine {
         self.finish_refreshes(t).map(|_| ())
     }
 
-    /// The CUDA engine drains its own refreshes at a checkpoint; refreshes in flight come only
-    /// from CPU-engine checkpoints with staleness > 0, which it cannot replay (yet).
+    /// Refreshes in flight come only from CPU-engine checkpoints with staleness > 0 (the CUDA
+    /// engine drains its own before it checkpoints). Each is computed now on the host from the
+    /// checkpoint's factor and basis snapshots (`optim::refresh_compute`, as the CPU engine's
+    /// job would) and installed at once (`optim::refresh_apply` on the downloaded basis and
+    /// moments): the CUDA engine's own checkpoint semantics, every refresh installed at the
+    /// checkpoint's step, within its bound. A refresh that fails keeps the previous basis and
+    /// counts as a failure of its factor, as it would have in the CPU run.
     fn restore_refreshes(
         &mut self,
         refreshes: &[engine::checkpoint::InFlightRefresh],
     ) -> Result<(), EngineError> {
-        if refreshes.is_empty() {
-            return Ok(());
-        }
-        Err(EngineError::Checkpoint(format!(
-            "the checkpoint records {} preconditioner refreshes in flight (written by the CPU \
-             engine with staleness > 0); the CUDA engine installs its refreshes before it \
-             checkpoints and cannot replay the CPU engine's: resume this checkpoint on the CPU \
-             engine, or take it from a run with staleness = 0",
-            refreshes.len()
-        )))
+        self.install_recorded_refreshes(refreshes)
     }
 }
 

@@ -592,6 +592,86 @@ impl CudaEngine {
         }
     }
 
+    /// [`engine::StepExecutor::restore_refreshes`] of the CUDA engine (see there).
+    pub(super) fn install_recorded_refreshes(
+        &mut self,
+        refreshes: &[engine::checkpoint::InFlightRefresh],
+    ) -> Result<(), EngineError> {
+        let e = |err| cuda_err("installing a checkpoint's refresh", err);
+        for r in refreshes {
+            let task = *self.refreshes.runtime.tasks().get(r.task).ok_or_else(|| {
+                EngineError::Checkpoint(format!("refresh task {} is not in the plan", r.task))
+            })?;
+            let d = dim(&self.plan, &task);
+            if r.factor.len() != d * d || r.basis.len() != d * d {
+                return Err(EngineError::Checkpoint(format!(
+                    "refresh task {}: snapshots of {} and {} values, the plan's factor is {d} x {d}",
+                    r.task,
+                    r.factor.len(),
+                    r.basis.len()
+                )));
+            }
+            let (m, n) = self.dims(task.exp_avg);
+            let f: Vec<f32> = r.factor.iter().map(|&x| x as f32).collect();
+            let q0: Vec<f32> = r.basis.iter().map(|&x| x as f32).collect();
+            let solver = Arc::clone(&self.solver);
+            let t_optim = task.optim_step(r.launched, false);
+            let computed = optim::refresh_compute(
+                solver.as_ref(),
+                t_optim,
+                task.frequency,
+                task.side,
+                &f,
+                &q0,
+                m,
+                n,
+            );
+            let installed = match computed {
+                Ok(None) => Ok(RefreshOutcome::Skipped),
+                Ok(Some(result)) => {
+                    let mut q = self.dev.download::<f32>(self.b(task.basis)).map_err(e)?;
+                    let mut ea = self.dev.download::<f32>(self.b(task.exp_avg)).map_err(e)?;
+                    let mut eas = self
+                        .dev
+                        .download::<f32>(self.b(task.exp_avg_sq))
+                        .map_err(e)?;
+                    let out = optim::refresh_apply(&result, &mut q, &mut ea, &mut eas, m, n);
+                    if let Ok(RefreshOutcome::Refreshed | RefreshOutcome::Initialized) = out {
+                        self.dev.upload(self.b(task.basis), &q).map_err(e)?;
+                        self.dev.upload(self.b(task.exp_avg), &ea).map_err(e)?;
+                        self.dev.upload(self.b(task.exp_avg_sq), &eas).map_err(e)?;
+                        self.basis_changed(task.basis);
+                        self.stats.refresh_swaps += 1;
+                    }
+                    out
+                }
+                Err(err) => Err(err),
+            };
+            match installed {
+                Ok(kind) => tracing::info!(
+                    task = r.task,
+                    launched = r.launched,
+                    ?kind,
+                    "checkpoint's refresh in flight installed"
+                ),
+                Err(err) => {
+                    tracing::warn!(
+                        task = r.task,
+                        error = %err,
+                        "a checkpoint's refresh in flight failed: the previous basis is kept"
+                    );
+                    if let Some(c) = self.stats.refresh_failures.get_mut(r.task) {
+                        *c += 1;
+                    }
+                    if let Some(c) = self.stats.consecutive_refresh_failures.get_mut(r.task) {
+                        *c += 1;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn host_pool(&self) -> Result<Arc<rayon::ThreadPool>, EngineError> {
         self.refreshes
             .host_pool
@@ -693,7 +773,7 @@ impl CudaEngine {
             slot: sh.slot.clone(),
             status_host: sh.status_host.clone(),
             reply,
-            name: task.location(),
+            name: self.plan.buffer(task.factor).name.clone(),
         };
         tx.send(req).map_err(|_| EngineError::Optim {
             location: task.location(),
