@@ -92,6 +92,9 @@ pub enum CudaJob {
     },
     /// On the host pool.
     Host { job: Job<f32> },
+    /// Computed already: a CPU checkpoint's refresh in flight, recomputed from its snapshots
+    /// at the resume (taken once, at the swap).
+    Ready(Option<JobOutput<f32>>),
 }
 
 impl CudaJob {
@@ -115,6 +118,7 @@ impl CudaJob {
                 }
             }
             CudaJob::Host { job } => job.poll(),
+            CudaJob::Ready(_) => true,
         }
     }
 }
@@ -450,6 +454,8 @@ pub enum Done {
     Gpu(CudaEvent),
     /// A host-pool result, staged in the task's pinned shadows.
     Host(JobOutput<f32>),
+    /// A result computed at a resume ([`CudaJob::Ready`]).
+    Ready(JobOutput<f32>),
 }
 
 impl CudaEngine {
@@ -597,7 +603,6 @@ impl CudaEngine {
         &mut self,
         refreshes: &[engine::checkpoint::InFlightRefresh],
     ) -> Result<(), EngineError> {
-        let e = |err| cuda_err("installing a checkpoint's refresh", err);
         for r in refreshes {
             let task = *self.refreshes.runtime.tasks().get(r.task).ok_or_else(|| {
                 EngineError::Checkpoint(format!("refresh task {} is not in the plan", r.task))
@@ -614,62 +619,51 @@ impl CudaEngine {
             let (m, n) = self.dims(task.exp_avg);
             let f: Vec<f32> = r.factor.iter().map(|&x| x as f32).collect();
             let q0: Vec<f32> = r.basis.iter().map(|&x| x as f32).collect();
-            let solver = Arc::clone(&self.solver);
-            let t_optim = task.optim_step(r.launched, false);
-            let computed = optim::refresh_compute(
-                solver.as_ref(),
-                t_optim,
+            let out = optim::refresh_compute(
+                self.solver.as_ref(),
+                task.optim_step(r.launched, false),
                 task.frequency,
                 task.side,
                 &f,
                 &q0,
                 m,
                 n,
-            );
-            let installed = match computed {
-                Ok(None) => Ok(RefreshOutcome::Skipped),
-                Ok(Some(result)) => {
-                    let mut q = self.dev.download::<f32>(self.b(task.basis)).map_err(e)?;
-                    let mut ea = self.dev.download::<f32>(self.b(task.exp_avg)).map_err(e)?;
-                    let mut eas = self
-                        .dev
-                        .download::<f32>(self.b(task.exp_avg_sq))
-                        .map_err(e)?;
-                    let out = optim::refresh_apply(&result, &mut q, &mut ea, &mut eas, m, n);
-                    if let Ok(RefreshOutcome::Refreshed | RefreshOutcome::Initialized) = out {
-                        self.dev.upload(self.b(task.basis), &q).map_err(e)?;
-                        self.dev.upload(self.b(task.exp_avg), &ea).map_err(e)?;
-                        self.dev.upload(self.b(task.exp_avg_sq), &eas).map_err(e)?;
-                        self.basis_changed(task.basis);
-                        self.stats.refresh_swaps += 1;
-                    }
-                    out
-                }
-                Err(err) => Err(err),
-            };
-            match installed {
-                Ok(kind) => tracing::info!(
-                    task = r.task,
-                    launched = r.launched,
-                    ?kind,
-                    "checkpoint's refresh in flight installed"
-                ),
-                Err(err) => {
-                    tracing::warn!(
-                        task = r.task,
-                        error = %err,
-                        "a checkpoint's refresh in flight failed: the previous basis is kept"
-                    );
-                    if let Some(c) = self.stats.refresh_failures.get_mut(r.task) {
-                        *c += 1;
-                    }
-                    if let Some(c) = self.stats.consecutive_refresh_failures.get_mut(r.task) {
-                        *c += 1;
-                    }
-                }
-            }
+            )
+            .map_err(JobError::Refresh);
+            self.refreshes
+                .runtime
+                .relaunch(r.task, r.launched, CudaJob::Ready(Some(out)))
+                .map_err(EngineError::Checkpoint)?;
         }
         Ok(())
+    }
+
+    /// Installs a result computed on the host from a checkpoint's snapshots: the CPU engine's
+    /// install (`optim::refresh_apply`) on the downloaded basis and moments, uploaded back.
+    fn swap_ready(&mut self, task: &RefreshTask, out: JobOutput<f32>) -> Result<Outcome, EngineError> {
+        let e = |err| cuda_err("installing a checkpoint's refresh", err);
+        let result = match task.computed(out)? {
+            Ok(result) => result,
+            Err(outcome) => return Ok(outcome),
+        };
+        let (m, n) = self.dims(task.exp_avg);
+        let mut q = self.dev.download::<f32>(self.b(task.basis)).map_err(e)?;
+        let mut ea = self.dev.download::<f32>(self.b(task.exp_avg)).map_err(e)?;
+        let mut eas = self
+            .dev
+            .download::<f32>(self.b(task.exp_avg_sq))
+            .map_err(e)?;
+        match optim::refresh_apply(&result, &mut q, &mut ea, &mut eas, m, n) {
+            Ok(kind @ (RefreshOutcome::Refreshed | RefreshOutcome::Initialized)) => {
+                self.dev.upload(self.b(task.basis), &q).map_err(e)?;
+                self.dev.upload(self.b(task.exp_avg), &ea).map_err(e)?;
+                self.dev.upload(self.b(task.exp_avg_sq), &eas).map_err(e)?;
+                self.basis_changed(task.basis);
+                Ok(Ok(kind))
+            }
+            Ok(kind) => Ok(Ok(kind)),
+            Err(err) => task.outcome(Err(err)),
+        }
     }
 
     fn host_pool(&self) -> Result<Arc<rayon::ThreadPool>, EngineError> {
@@ -1016,6 +1010,12 @@ impl RefreshBackend for CudaEngine {
                 let (out, blocked) = job.wait();
                 Ok((Done::Host(out), blocked))
             }
+            CudaJob::Ready(out) => Ok((
+                Done::Ready(out.unwrap_or_else(|| {
+                    Err(JobError::Lost("a resumed refresh was installed twice".into()))
+                })),
+                false,
+            )),
         }
     }
 
@@ -1024,6 +1024,7 @@ impl RefreshBackend for CudaEngine {
         let (outcome, slot) = match done {
             Done::Gpu(event) => (self.swap_gpu(task, &event), 2),
             Done::Host(out) => (self.swap_host(task, out), 3),
+            Done::Ready(out) => (self.swap_ready(task, out), 3),
         };
         // Installed (or refused): the shadow is free for the next launch.
         self.release_shadow(task);
