@@ -495,6 +495,10 @@ impl StepExecutor for CudaEngine {
         self.buffer(name)
     }
 
+    fn read_range(&self, name: &str, start: usize, len: usize) -> Result<Vec<f64>, EngineError> {
+        self.buffer_range(name, start, len)
+    }
+
     fn energy_j(&self) -> Option<f64> {
         self.energy.as_ref().and_then(|m| m.joules())
     }

@@ -164,23 +164,26 @@ pub fn generate_with<E: StepExecutor + ?Sized>(
             "--prompt is empty: give at least one token of text".into(),
         ));
     }
-    let (_, vocab) = logits_buffer(&plan)?;
+    let (logits_name, vocab) = logits_buffer(&plan)?;
     let drawable = vocab.min(tokenizer.vocab_size());
     let (b, t) = (plan.data.batch_size, plan.data.seq_len);
     let mut rng = Rng::new(o.seed);
     let mut ctx: Vec<u32> = prompt_ids.clone();
     let mut ids = Vec::with_capacity(o.tokens);
-    let mut x = vec![0i32; b * t];
+    let (mut x, y) = (vec![0i32; b * t], vec![0i32; b * t]);
     for _ in 0..o.tokens {
         let window = &ctx[ctx.len().saturating_sub(t)..];
         x.iter_mut().for_each(|v| *v = 0);
         for (slot, &id) in x.iter_mut().zip(window) {
             *slot = id as i32;
         }
-        let all = forward_logits(engine, &x)?;
+        engine.load_batch(&x, &y)?;
+        engine.forward()?;
+        engine.synchronize()?;
+        // Only the row that predicts the next token (a GPU engine downloads just it).
         let row = window.len() - 1;
-        let l = &all[row * vocab..row * vocab + drawable];
-        let next = draw(l, o, &mut rng);
+        let l = engine.read_range(&logits_name, row * vocab, drawable)?;
+        let next = draw(&l, o, &mut rng);
         ids.push(next);
         ctx.push(next);
     }

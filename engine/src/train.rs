@@ -281,6 +281,22 @@ pub trait StepExecutor {
         let _ = name;
         Err(self.no_checkpoints())
     }
+    /// Elements `start..start + len` of buffer `name` (a sampled row of logits). Default: the
+    /// whole buffer read and cut.
+    ///
+    /// # Errors
+    /// [`EngineError::Length`] when the range leaves the buffer; as [`StepExecutor::read_state`].
+    fn read_range(&self, name: &str, start: usize, len: usize) -> Result<Vec<f64>, EngineError> {
+        let all = self.read_state(name)?;
+        match start.checked_add(len) {
+            Some(end) if end <= all.len() => Ok(all[start..end].to_vec()),
+            _ => Err(EngineError::Length {
+                buffer: name.to_string(),
+                expected: all.len(),
+                got: start.saturating_add(len),
+            }),
+        }
+    }
     /// Overwrites state buffer `name` (resuming from a checkpoint).
     fn write_state(&mut self, name: &str, values: &[f64]) -> Result<(), EngineError> {
         let _ = (name, values);

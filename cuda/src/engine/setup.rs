@@ -616,8 +616,26 @@ impl CudaEngine {
     /// [`EngineError::UnknownBuffer`] or a CUDA error.
     pub fn buffer(&self, name: &str) -> Result<Vec<f64>, EngineError> {
         let id = self.id(name)?;
-        let b = &self.bufs[id.index()];
+        self.buffer_range(name, 0, self.plan.buffer(id).numel())
+    }
+
+    /// Elements `start..start + len` of buffer `name` as f64 (only they are downloaded).
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownBuffer`], [`EngineError::Length`] when the range leaves the
+    /// buffer, or a CUDA error.
+    pub fn buffer_range(&self, name: &str, start: usize, len: usize) -> Result<Vec<f64>, EngineError> {
+        let id = self.id(name)?;
+        let numel = self.plan.buffer(id).numel();
+        if start.checked_add(len).is_none_or(|end| end > numel) {
+            return Err(EngineError::Length {
+                buffer: name.to_string(),
+                expected: numel,
+                got: start.saturating_add(len),
+            });
+        }
         let e = |err| cuda_err("download", err);
+        let b = &self.bufs[id.index()].slice(start, len).map_err(e)?;
         Ok(match b.elem() {
             Elem::I32 => self
                 .dev
