@@ -151,18 +151,26 @@ fn rel(c: f64, g: f64) -> f64 {
 /// Either engine's error, as text (no device, bad plan, data).
 pub fn train_match(plan: &Plan, opts: &MatchOptions) -> Result<MatchReport, String> {
     let mut plan = plan.clone();
-    let (device, eigensolver, attention) = match plan.target {
+    let (device, eigensolver, attention, staleness) = match plan.target {
         TargetPlan::Cuda {
             device,
             eigensolver,
             attention,
+            staleness,
             ..
-        } => (device, eigensolver, attention),
-        TargetPlan::Cpu { eigensolver, .. } => (0, eigensolver, AttentionKernel::Auto),
+        } => (device, eigensolver, attention, staleness),
+        TargetPlan::Cpu {
+            eigensolver,
+            staleness,
+            ..
+        } => (0, eigensolver, AttentionKernel::Auto, staleness),
     };
+    // The plan's staleness bound stays: with `refresh_swap = deadline` both engines install
+    // every refresh at the same step, so an S > 0 plan can be matched step by step too (with
+    // `finished` the steps at which results arrive depend on timing).
     plan.target = TargetPlan::Cuda {
         device,
-        staleness: 0,
+        staleness,
         precision: opts.precision,
         eigensolver,
         attention,

@@ -69,9 +69,15 @@ fn trains_on_the_builtin_corpus_and_writes_metrics() {
     // Wall time since the start grows step by step; the first step's is the summary's.
     let walls: Vec<f64> = lines
         .iter()
+        .filter(|l| l.get("loss").is_some())
         .filter_map(|l| l.get("wall_s").and_then(|w| w.as_f64()))
         .collect();
     assert_eq!(walls.len(), 12);
+    // Evaluation records carry their wall time too; no energy on the CPU engine.
+    assert!(lines
+        .iter()
+        .filter(|l| l.get("val_loss").is_some())
+        .all(|l| l["wall_s"].is_number() && l["energy_j"].is_null()));
     assert!(walls.windows(2).all(|w| w[1] > w[0]), "{walls:?}");
     assert!(s.first_step_s > 0.0 && (s.first_step_s - walls[0]).abs() < 0.05);
     assert!(lines
