@@ -115,7 +115,11 @@ fn export_matches_transformers(name: &str, spec: &str, architecture: &str) {
         worst <= 1e-4 * scale.max(1.0),
         "{name}: logits differ by {worst} (scale {scale})"
     );
-    assert!(agree * 100 >= b * t * 99, "{name}: argmax agrees at {agree}/{}", b * t);
+    assert!(
+        agree * 100 >= b * t * 99,
+        "{name}: argmax agrees at {agree}/{}",
+        b * t
+    );
 }
 
 #[test]

@@ -49,7 +49,9 @@ target cpu { threads = 2 }
         .collect();
     // 6 steps and 3 evaluations (steps 0, 3, 6), each with its wall time; no energy on the CPU.
     assert_eq!(records.len(), 9);
-    assert!(records.iter().all(|r| r["wall_s"].as_f64().is_some_and(|w| w > 0.0)));
+    assert!(records
+        .iter()
+        .all(|r| r["wall_s"].as_f64().is_some_and(|w| w > 0.0)));
     assert!(records.iter().all(|r| r["energy_j"].is_null()));
 
     for (x, label) in [("step", ">\nstep\n<"), ("wall_s", ">\nwall time (s)\n<")] {
@@ -57,14 +59,23 @@ target cpu { threads = 2 }
         ok(&asteria(&["plot", &m, "-o", &svg, "--x", x]));
         let text = std::fs::read_to_string(&svg).expect("svg");
         assert!(text.contains(label), "{x}: no axis label {label}");
-        assert!(text.contains("cpu val"), "{x}: the validation markers' legend");
+        assert!(
+            text.contains("cpu val"),
+            "{x}: the validation markers' legend"
+        );
     }
     let o = asteria(&["plot", &m, "-o", &p("e.svg"), "--x", "energy_j"]);
     let err = err_text(&o);
-    assert!(!o.status.success() && err.contains("energy is measured on NVIDIA GPUs"), "{err}");
+    assert!(
+        !o.status.success() && err.contains("energy is measured on NVIDIA GPUs"),
+        "{err}"
+    );
     let o = asteria(&["plot", &m, "-o", &p("e.svg"), "--x", "tokens"]);
     let err = err_text(&o);
-    assert!(!o.status.success() && err.contains("`step`, `wall_s` or `energy_j`"), "{err}");
+    assert!(
+        !o.status.success() && err.contains("`step`, `wall_s` or `energy_j`"),
+        "{err}"
+    );
 
     // Two GPU-shaped runs against energy: the same loss for fewer joules is further left.
     let gpu = |name: &str, j_per_step: f64| {
@@ -83,7 +94,19 @@ target cpu { threads = 2 }
     };
     let (a, b) = (gpu("soap.jsonl", 30.0), gpu("adamw.jsonl", 20.0));
     let svg = p("energy.svg");
-    ok(&asteria(&["plot", &format!("SOAP={a}"), &format!("AdamW={b}"), "-o", &svg, "--x", "energy_j"]));
+    ok(&asteria(&[
+        "plot",
+        &format!("SOAP={a}"),
+        &format!("AdamW={b}"),
+        "-o",
+        &svg,
+        "--x",
+        "energy_j",
+    ]));
     let text = std::fs::read_to_string(&svg).expect("svg");
-    assert!(text.contains(">\nGPU energy (J)\n<") && text.contains("SOAP train") && text.contains("AdamW val"));
+    assert!(
+        text.contains(">\nGPU energy (J)\n<")
+            && text.contains("SOAP train")
+            && text.contains("AdamW val")
+    );
 }

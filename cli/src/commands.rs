@@ -948,7 +948,13 @@ fn read_series(arg: &str, metric: &str, x_key: &str) -> Result<Series> {
 ///
 /// # Errors
 /// Another x key, unreadable or non-JSON files, no finite values, SVG write failures.
-pub fn plot(metrics: &[String], output: &Path, title: &str, metric: &str, x_key: &str) -> Result<()> {
+pub fn plot(
+    metrics: &[String],
+    output: &Path,
+    title: &str,
+    metric: &str,
+    x_key: &str,
+) -> Result<()> {
     use plotters::prelude::*;
     let x_desc = match x_key {
         "step" => "step",

@@ -110,13 +110,23 @@ pub fn add_gpu(device: String, slices: Vec<cuda::engine_trace::GpuSlice>, droppe
 /// The trace file cannot be read back, parsed or rewritten (the message names it).
 pub fn finish(guard: FlushGuard, path: &Path) -> Result<(), String> {
     drop(guard);
-    let gpu = GPU.lock().map(|mut g| std::mem::take(&mut *g)).unwrap_or_default();
-    if gpu.is_empty() {
-        return Ok(());
+    let gpu = GPU
+        .lock()
+        .map(|mut g| std::mem::take(&mut *g))
+        .unwrap_or_default();
+    match START.get() {
+        Some(&start) if !gpu.is_empty() => merge_gpu(path, start, gpu),
+        _ => Ok(()),
     }
-    let Some(&start) = START.get() else {
-        return Ok(());
-    };
+}
+
+/// Appends `gpu`'s slices to the trace-event array in `path` (see [`finish`]); `start` is the
+/// instant of the trace's `ts` 0.
+fn merge_gpu(
+    path: &Path,
+    start: Instant,
+    gpu: Vec<(String, Vec<cuda::engine_trace::GpuSlice>, u64)>,
+) -> Result<(), String> {
     let io = |e: &dyn std::fmt::Display| format!("trace file {}: {e}", path.display());
     let text = std::fs::read_to_string(path).map_err(|e| io(&e))?;
     let mut events: Vec<serde_json::Value> = serde_json::from_str(&text).map_err(|e| io(&e))?;
@@ -149,4 +159,86 @@ pub fn finish(guard: FlushGuard, path: &Path) -> Result<(), String> {
     let bytes = serde_json::to_vec(&events).map_err(|e| io(&e))?;
     std::fs::write(&tmp, bytes).map_err(|e| io(&e))?;
     std::fs::rename(&tmp, path).map_err(|e| io(&e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cuda::engine_trace::GpuSlice;
+    use std::time::Duration;
+
+    #[test]
+    fn gpu_slices_join_the_host_trace_as_a_gpu_process_with_a_track_per_stream() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("t.json");
+        // What tracing-chrome writes: a JSON array of B/E events of pid 1.
+        std::fs::write(
+            &path,
+            r#"[
+{"ph":"B","pid":1,"tid":0,"ts":10.0,"name":"step"},
+{"ph":"E","pid":1,"tid":0,"ts":900.0,"name":"step"}
+]"#,
+        )
+        .expect("write");
+        let start = Instant::now();
+        let at = |us: u64| start + Duration::from_micros(us);
+        let slices = vec![
+            GpuSlice {
+                stream: "compute",
+                name: "forward/mat_mul".into(),
+                start: at(100),
+                dur_us: 50.0,
+            },
+            GpuSlice {
+                stream: "side",
+                name: "refresh wte.L".into(),
+                start: at(120),
+                dur_us: 400.0,
+            },
+            GpuSlice {
+                stream: "copy-in",
+                name: "optimizer/copy_in".into(),
+                start: at(130),
+                dur_us: 5.0,
+            },
+        ];
+        merge_gpu(&path, start, vec![("cuda:0 NVIDIA H200".into(), slices, 0)]).expect("merge");
+        let ev: Vec<serde_json::Value> =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+        assert_eq!(
+            ev.len(),
+            2 + 1 + 4 + 3,
+            "host events, process name, 4 thread names, 3 slices"
+        );
+        assert!(ev.iter().any(|e| e["ph"] == "M"
+            && e["name"] == "process_name"
+            && e["pid"] == 2
+            && e["args"]["name"] == "GPU cuda:0 NVIDIA H200"));
+        let track = |stream: &str| {
+            ev.iter()
+                .find(|e| {
+                    e["ph"] == "M"
+                        && e["name"] == "thread_name"
+                        && e["args"]["name"] == format!("{stream} stream")
+                })
+                .map(|e| e["tid"].clone())
+                .expect("thread name")
+        };
+        for (name, stream, ts, dur) in [
+            ("forward/mat_mul", "compute", 100.0, 50.0),
+            ("refresh wte.L", "side", 120.0, 400.0),
+            ("optimizer/copy_in", "copy-in", 130.0, 5.0),
+        ] {
+            let e = ev.iter().find(|e| e["name"] == name).expect("slice");
+            assert_eq!(e["ph"], "X");
+            assert_eq!(e["pid"], 2);
+            assert_eq!(e["tid"], track(stream), "{name} on the {stream} track");
+            assert!((e["ts"].as_f64().expect("ts") - ts).abs() < 1.0, "{e}");
+            assert_eq!(e["dur"].as_f64(), Some(dur));
+        }
+        // A trace file that is not a JSON array is an error naming it.
+        std::fs::write(&path, "not json").expect("write");
+        let err = merge_gpu(&path, start, vec![("x".into(), Vec::new(), 0)]).expect_err("bad file");
+        assert!(err.contains("t.json"), "{err}");
+    }
 }

@@ -356,7 +356,8 @@ pub fn export_hf(ckpt: &Checkpoint, dir: &Path) -> Result<Exported, EngineError>
         "format".to_string(),
         "pt".to_string(),
     )]));
-    let st = safetensors::serialize(views, metadata).map_err(|e| err(format!("safetensors: {e}")))?;
+    let st =
+        safetensors::serialize(views, metadata).map_err(|e| err(format!("safetensors: {e}")))?;
     std::fs::create_dir_all(dir).map_err(|e| err(format!("{}: {e}", dir.display())))?;
     let weights = dir.join("model.safetensors");
     let config_path = dir.join("config.json");

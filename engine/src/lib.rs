@@ -14,11 +14,11 @@
 pub mod checkpoint;
 pub mod cpu;
 mod error;
+pub mod export;
 pub mod fits;
 pub mod nvme;
 pub mod refresh_runtime;
 mod rng;
-pub mod export;
 pub mod sample;
 mod train;
 

@@ -578,7 +578,10 @@ pub fn train_with<E: StepExecutor>(
         ),
     );
     if let Some(src) = engine.energy_source() {
-        say(&pb, format!("energy: {src} (joules per step in the metrics)"));
+        say(
+            &pb,
+            format!("energy: {src} (joules per step in the metrics)"),
+        );
     }
     if let Some(&(_, v)) = summary.val_losses.last() {
         say(&pb, format!("step 0/{steps} | val loss {v:.4}"));

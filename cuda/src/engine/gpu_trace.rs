@@ -60,7 +60,13 @@ impl GpuTrace {
     }
 
     /// Queues the slice between two recorded events.
-    pub(crate) fn push(&self, stream: &'static str, name: String, start: CudaEvent, end: CudaEvent) {
+    pub(crate) fn push(
+        &self,
+        stream: &'static str,
+        name: String,
+        start: CudaEvent,
+        end: CudaEvent,
+    ) {
         if let Ok(mut p) = self.pending.lock() {
             p.push(Pending {
                 stream,
@@ -97,7 +103,8 @@ impl GpuTrace {
             else {
                 continue;
             };
-            let Some(start) = now.checked_sub(Duration::from_secs_f64(before.max(0.0) as f64 / 1e3))
+            let Some(start) =
+                now.checked_sub(Duration::from_secs_f64(before.max(0.0) as f64 / 1e3))
             else {
                 continue;
             };

@@ -624,7 +624,12 @@ impl CudaEngine {
     /// # Errors
     /// [`EngineError::UnknownBuffer`], [`EngineError::Length`] when the range leaves the
     /// buffer, or a CUDA error.
-    pub fn buffer_range(&self, name: &str, start: usize, len: usize) -> Result<Vec<f64>, EngineError> {
+    pub fn buffer_range(
+        &self,
+        name: &str,
+        start: usize,
+        len: usize,
+    ) -> Result<Vec<f64>, EngineError> {
         let id = self.id(name)?;
         let numel = self.plan.buffer(id).numel();
         if start.checked_add(len).is_none_or(|end| end > numel) {

@@ -640,7 +640,11 @@ impl CudaEngine {
 
     /// Installs a result computed on the host from a checkpoint's snapshots: the CPU engine's
     /// install (`optim::refresh_apply`) on the downloaded basis and moments, uploaded back.
-    fn swap_ready(&mut self, task: &RefreshTask, out: JobOutput<f32>) -> Result<Outcome, EngineError> {
+    fn swap_ready(
+        &mut self,
+        task: &RefreshTask,
+        out: JobOutput<f32>,
+    ) -> Result<Outcome, EngineError> {
         let e = |err| cuda_err("installing a checkpoint's refresh", err);
         let result = match task.computed(out)? {
             Ok(result) => result,
@@ -1012,7 +1016,9 @@ impl RefreshBackend for CudaEngine {
             }
             CudaJob::Ready(out) => Ok((
                 Done::Ready(out.unwrap_or_else(|| {
-                    Err(JobError::Lost("a resumed refresh was installed twice".into()))
+                    Err(JobError::Lost(
+                        "a resumed refresh was installed twice".into(),
+                    ))
                 })),
                 false,
             )),
