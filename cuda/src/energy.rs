@@ -53,16 +53,22 @@ impl EnergyMeter {
     /// the energy counter nor the power reading is supported.
     pub fn open(pci_bus_id: &str) -> Result<Self, String> {
         let nvml = Nvml::init().map_err(|e| format!("NVML: {e}"))?;
-        let dev = nvml
-            .device_by_pci_bus_id(pci_bus_id)
-            .map_err(|e| format!("NVML: no device at PCI bus {pci_bus_id}: {e}"))?;
-        let index = dev
-            .index()
-            .map_err(|e| format!("NVML: device index: {e}"))?;
-        let name = dev.name().unwrap_or_else(|_| "GPU".into());
-        let counter = dev.total_energy_consumption();
-        let power = dev.power_usage();
-        drop(dev);
+        // The device handle borrows `nvml`: read what is needed, then let it go.
+        let (index, name, counter, power) = {
+            let dev = nvml
+                .device_by_pci_bus_id(pci_bus_id)
+                .map_err(|e| format!("NVML: no device at PCI bus {pci_bus_id}: {e}"))?;
+            let index = dev
+                .index()
+                .map_err(|e| format!("NVML: device index: {e}"))?;
+            let name = dev.name().unwrap_or_else(|_| "GPU".into());
+            (
+                index,
+                name,
+                dev.total_energy_consumption(),
+                dev.power_usage(),
+            )
+        };
         let nvml = Arc::new(nvml);
         let source = match (counter, power) {
             (Ok(start_mj), _) => Source::Counter { start_mj },
