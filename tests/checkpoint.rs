@@ -100,9 +100,11 @@ fn an_interrupted_run_resumes_bit_identically() {
         };
         let mut e = CpuEngine::<f32>::new(plan.clone(), opts.engine.clone()).expect("engine");
         // The first part ends after step 5 with its final checkpoint.
+        let metrics = tmp.path().join("m.jsonl");
         let five = TrainOptions {
             steps: Some(5),
             quiet: true,
+            metrics_path: Some(metrics.clone()),
             ..opts.clone()
         };
         let first = train_with(&mut e, &five).expect("first part");
@@ -135,10 +137,24 @@ fn an_interrupted_run_resumes_bit_identically() {
                 resume: Some(ck.clone()),
                 checkpoint_dir: None,
                 interrupt: None,
+                metrics_path: Some(metrics.clone()),
                 ..opts.clone()
             },
         )
         .expect("resumed");
+        // The resumed run appended its steps to the first part's metrics: 1..=12 in order.
+        let steps: Vec<u64> = std::fs::read_to_string(&metrics)
+            .expect("metrics")
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json"))
+            .filter(|v| v.get("loss").is_some())
+            .filter_map(|v| v["step"].as_u64())
+            .collect();
+        assert_eq!(
+            steps,
+            (1..=12).collect::<Vec<_>>(),
+            "{name}: metrics appended on resume"
+        );
         assert_eq!(
             rest.train_losses,
             full.train_losses[5..],
@@ -253,6 +269,12 @@ fn damaged_or_foreign_checkpoints_are_refused_and_half_written_ones_ignored() {
         &good,
         &compile(&spec(SOAP, 64)),
         "another model or optimizer",
+    );
+    // Another batch shape (batch_size 4 -> 2): the data position would differ.
+    expect_refused(
+        &good,
+        &compile(&spec(ADAMW, 64).replace("batch_size = 4", "batch_size = 2")),
+        "drawing batches of 4 x 32 tokens, this plan draws 2 x 32",
     );
     // A checkpoint at or past the run's last step.
     let e = run(

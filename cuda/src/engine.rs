@@ -311,6 +311,9 @@ impl CudaEngine {
     pub fn take_gpu_trace(&mut self) -> (Vec<gpu_trace::GpuSlice>, u64) {
         match &self.gpu_trace {
             Some(tr) => {
+                // The end of the run: let refreshes still running on the side stream finish,
+                // so that their slices are complete.
+                let _ = self.dev.synchronize();
                 tr.flush(&self.dev);
                 tr.take()
             }
@@ -533,10 +536,11 @@ impl StepExecutor for CudaEngine {
     /// Refreshes in flight come only from CPU-engine checkpoints with staleness > 0 (the CUDA
     /// engine drains its own before it checkpoints). Each is computed now on the host from the
     /// checkpoint's factor and basis snapshots (`optim::refresh_compute`, as the CPU engine's
-    /// job would) and installed at once (`optim::refresh_apply` on the downloaded basis and
-    /// moments): the CUDA engine's own checkpoint semantics, every refresh installed at the
-    /// checkpoint's step, within its bound. A refresh that fails keeps the previous basis and
-    /// counts as a failure of its factor, as it would have in the CPU run.
+    /// job would) and put back in flight as a finished job: the refresh runtime installs it
+    /// at its step (its launch plus the staleness under `refresh_swap = deadline`, the next
+    /// boundary under `finished`) with the CPU engine's install (`optim::refresh_apply` on the
+    /// downloaded basis and moments). A refresh that failed keeps the previous basis and counts
+    /// as a failure of its factor, as it would have in the CPU run.
     fn restore_refreshes(
         &mut self,
         refreshes: &[engine::checkpoint::InFlightRefresh],

@@ -105,6 +105,10 @@ pub struct CheckpointMeta {
     pub step: u64,
     /// Training batches drawn so far (the data position).
     pub batches: u64,
+    /// The batch those were drawn in, `(batch_size, seq_len)`: a resume that draws another
+    /// shape would land elsewhere in the data and is refused (absent in older checkpoints).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_shape: Option<(usize, usize)>,
     /// The data sampler's seed.
     pub seed: u64,
     /// Per refresh task: whether its first eigendecomposition succeeded.
@@ -239,6 +243,7 @@ pub fn save<E: StepExecutor + ?Sized>(
         state_hash: state_hash(&plan),
         step,
         batches,
+        batch_shape: Some((plan.data.batch_size, plan.data.seq_len)),
         seed,
         refreshes_initialized: engine.refreshes_initialized(),
         refresh_failures: stats.refresh_failures.clone(),

@@ -149,7 +149,8 @@ struct Metrics {
 }
 
 impl Metrics {
-    fn open(path: Option<&Path>) -> Result<Self, EngineError> {
+    /// Creates (or, with `append`, a resumed run's, appends to) the metrics file.
+    fn open(path: Option<&Path>, append: bool) -> Result<Self, EngineError> {
         let out = match path {
             None => None,
             Some(p) => {
@@ -161,10 +162,14 @@ impl Metrics {
                 if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
                     std::fs::create_dir_all(dir).map_err(io)?;
                 }
-                Some((
-                    p.to_path_buf(),
-                    BufWriter::new(std::fs::File::create(p).map_err(io)?),
-                ))
+                let file = std::fs::OpenOptions::new()
+                    .create(true)
+                    .write(true)
+                    .append(append)
+                    .truncate(!append)
+                    .open(p)
+                    .map_err(io)?;
+                Some((p.to_path_buf(), BufWriter::new(file)))
             }
         };
         Ok(Metrics { out })
@@ -493,7 +498,13 @@ pub fn train_with<E: StepExecutor>(
         "data ready"
     );
     tracing::info!(backend = %engine.describe(), steps, "training");
-    let mut metrics = Metrics::open(opts.metrics_path.as_deref())?;
+    // A resumed run appends to its metrics file (the earlier run's records stay; a resume
+    // refused below writes nothing to it).
+    let resumed_ckpt = match &opts.resume {
+        Some(dir) => Some(crate::checkpoint::load(dir)?),
+        None => None,
+    };
+    let mut metrics = Metrics::open(opts.metrics_path.as_deref(), resumed_ckpt.is_some())?;
     let (b, t) = (plan.data.batch_size, plan.data.seq_len);
     let tokens_per_step = (b * t) as f64;
     let (mut x, mut y) = (vec![0i32; b * t], vec![0i32; b * t]);
@@ -526,8 +537,7 @@ pub fn train_with<E: StepExecutor>(
     // Resume: the checkpoint's state, and the sampler replayed to its data position.
     let mut first = 1u64;
     let (mut bx, mut by) = (vec![0i32; b * t], vec![0i32; b * t]);
-    if let Some(dir) = &opts.resume {
-        let ckpt = crate::checkpoint::load(dir)?;
+    if let Some(ckpt) = &resumed_ckpt {
         if ckpt.meta.step >= steps {
             return Err(EngineError::Checkpoint(format!(
                 "{} is at step {}, and this run ends at step {steps}: raise --steps",
@@ -543,7 +553,15 @@ pub fn train_with<E: StepExecutor>(
                 plan.train.seed
             )));
         }
-        crate::checkpoint::restore(engine, &ckpt)?;
+        if let Some((cb, ct)) = ckpt.meta.batch_shape.filter(|&s| s != (b, t)) {
+            return Err(EngineError::Checkpoint(format!(
+                "{} was written by a run drawing batches of {cb} x {ct} tokens, this plan draws \
+                 {b} x {t}: its data position would not be the same; resume with the \
+                 checkpoint's batch_size and seq_len",
+                ckpt.dir.display()
+            )));
+        }
+        crate::checkpoint::restore(engine, ckpt)?;
         for _ in 0..ckpt.meta.batches {
             sampler.next_train_batch(b, t, &mut bx, &mut by)?;
         }
