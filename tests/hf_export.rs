@@ -2,9 +2,9 @@
 //! and loaded by Hugging Face `transformers` (PyTorch, CPU, float32; `tests/hf/logits.py`),
 //! give asteria's logits on a batch of real text (Moby-Dick through the GPT-2 tokenizer).
 //!
-//! Needs a Python with `torch` and `transformers`: `ASTERIA_PYTHON` names it (`bash
-//! scripts/test` installs them into `target/pyenv` and sets it), else `python3`. Without them
-//! the test fails and says how to install them.
+//! Needs a Python with `torch` and `transformers`: `ASTERIA_PYTHON` names it, else
+//! `target/pyenv` (where `bash scripts/test` installs them), else `python3`. Without them the
+//! test fails and says how to install them.
 use std::path::Path;
 use std::process::Command;
 
@@ -20,8 +20,17 @@ fn asteria(args: &[&str]) {
     );
 }
 
+/// `ASTERIA_PYTHON`, else the environment `bash scripts/test` installs (`target/pyenv`), else
+/// `python3`.
 fn python() -> String {
-    std::env::var("ASTERIA_PYTHON").unwrap_or_else(|_| "python3".into())
+    if let Ok(p) = std::env::var("ASTERIA_PYTHON") {
+        return p;
+    }
+    let pyenv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/pyenv/bin/python");
+    if pyenv.exists() {
+        return pyenv.to_string_lossy().into_owned();
+    }
+    "python3".into()
 }
 
 /// Trains `spec` for a few steps with a checkpoint, exports it, runs both asteria's CPU engine
