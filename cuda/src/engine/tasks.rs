@@ -561,12 +561,7 @@ impl CudaEngine {
         }
         // Host: the CPU engine's call, on downloaded state.
         let f = self.dev.download::<f32>(self.b(task.factor)).map_err(e)?;
-        let mut q = self.dev.download::<f32>(self.b(task.basis)).map_err(e)?;
-        let mut ea = self.dev.download::<f32>(self.b(task.exp_avg)).map_err(e)?;
-        let mut eas = self
-            .dev
-            .download::<f32>(self.b(task.exp_avg_sq))
-            .map_err(e)?;
+        let [mut q, mut ea, mut eas] = self.download_refresh_state(task).map_err(e)?;
         let solver = Arc::clone(&self.solver);
         let pool = self.host_pool()?;
         let t_optim = task.optim_step(t, init);
@@ -587,11 +582,8 @@ impl CudaEngine {
         match out {
             Ok(k @ (RefreshOutcome::Skipped | RefreshOutcome::ZeroFactor)) => Ok(Ok(k)),
             Ok(kind) => {
-                self.dev.upload(self.b(task.basis), &q).map_err(e)?;
-                self.dev.upload(self.b(task.exp_avg), &ea).map_err(e)?;
-                self.dev.upload(self.b(task.exp_avg_sq), &eas).map_err(e)?;
-                // The basis's cached bf16 copy (SOAP's bf16 projections) is stale now.
-                self.basis_changed(task.basis);
+                self.upload_refresh_state(task, [&q, &ea, &eas])
+                    .map_err(e)?;
                 Ok(Ok(kind))
             }
             Err(err) => task.outcome(Err(err)),
@@ -651,23 +643,40 @@ impl CudaEngine {
             Err(outcome) => return Ok(outcome),
         };
         let (m, n) = self.dims(task.exp_avg);
-        let mut q = self.dev.download::<f32>(self.b(task.basis)).map_err(e)?;
-        let mut ea = self.dev.download::<f32>(self.b(task.exp_avg)).map_err(e)?;
-        let mut eas = self
-            .dev
-            .download::<f32>(self.b(task.exp_avg_sq))
-            .map_err(e)?;
+        let [mut q, mut ea, mut eas] = self.download_refresh_state(task).map_err(e)?;
         match optim::refresh_apply(&result, &mut q, &mut ea, &mut eas, m, n) {
             Ok(kind @ (RefreshOutcome::Refreshed | RefreshOutcome::Initialized)) => {
-                self.dev.upload(self.b(task.basis), &q).map_err(e)?;
-                self.dev.upload(self.b(task.exp_avg), &ea).map_err(e)?;
-                self.dev.upload(self.b(task.exp_avg_sq), &eas).map_err(e)?;
-                self.basis_changed(task.basis);
+                self.upload_refresh_state(task, [&q, &ea, &eas])
+                    .map_err(e)?;
                 Ok(Ok(kind))
             }
             Ok(kind) => Ok(Ok(kind)),
             Err(err) => task.outcome(Err(err)),
         }
+    }
+
+    /// The task's eigenbasis, `exp_avg` and `exp_avg_sq`, downloaded for an install on the
+    /// host.
+    fn download_refresh_state(&self, task: &RefreshTask) -> Result<[Vec<f32>; 3], CudaError> {
+        Ok([
+            self.dev.download::<f32>(self.b(task.basis))?,
+            self.dev.download::<f32>(self.b(task.exp_avg))?,
+            self.dev.download::<f32>(self.b(task.exp_avg_sq))?,
+        ])
+    }
+
+    /// Uploads what [`CudaEngine::download_refresh_state`] downloaded, after a host install;
+    /// the basis's cached bf16 copy (SOAP's bf16 projections) is stale then.
+    fn upload_refresh_state(
+        &mut self,
+        task: &RefreshTask,
+        [q, ea, eas]: [&[f32]; 3],
+    ) -> Result<(), CudaError> {
+        self.dev.upload(self.b(task.basis), q)?;
+        self.dev.upload(self.b(task.exp_avg), ea)?;
+        self.dev.upload(self.b(task.exp_avg_sq), eas)?;
+        self.basis_changed(task.basis);
+        Ok(())
     }
 
     fn host_pool(&self) -> Result<Arc<rayon::ThreadPool>, EngineError> {
