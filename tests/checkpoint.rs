@@ -255,6 +255,13 @@ fn damaged_or_foreign_checkpoints_are_refused_and_half_written_ones_ignored() {
     let bytes = std::fs::read(&f).expect("read");
     std::fs::write(&f, &bytes[..bytes.len() / 2]).expect("write");
     expect_refused(&cut, &plan, "corrupt or truncated");
+    // A changed data position in meta.json (still valid JSON).
+    let edited = copy("edited");
+    let m = edited.join("meta.json");
+    let text = std::fs::read_to_string(&m).expect("read");
+    assert!(text.contains("\"batches\": 4"), "{text}");
+    std::fs::write(&m, text.replace("\"batches\": 4", "\"batches\": 3")).expect("write");
+    expect_refused(&edited, &plan, "meta.json: fails its checksum");
     // Not a checkpoint's metadata.
     let junk = copy("junk");
     std::fs::write(junk.join("meta.json"), b"{\"hello\": 1}").expect("write");

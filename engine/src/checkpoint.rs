@@ -125,6 +125,22 @@ pub struct CheckpointMeta {
     pub in_flight: Vec<InFlightMeta>,
     /// Every tensor of `state.safetensors`.
     pub tensors: BTreeMap<String, TensorMeta>,
+    /// CRC32 of this metadata's pretty JSON without this field ([`meta_crc32`]): a changed
+    /// step, data position or counter is refused on load (absent in older checkpoints).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub meta_crc32: Option<u32>,
+}
+
+/// The CRC32 [`CheckpointMeta::meta_crc32`] holds: of `meta`'s pretty JSON with that field
+/// left out (so the JSON's formatting does not matter, only its values).
+pub fn meta_crc32(meta: &CheckpointMeta) -> Result<u32, EngineError> {
+    let bare = CheckpointMeta {
+        meta_crc32: None,
+        ..meta.clone()
+    };
+    serde_json::to_vec_pretty(&bare)
+        .map(|b| crc32fast::hash(&b))
+        .map_err(|e| err(format!("meta.json: {e}")))
 }
 
 /// A checkpoint read back and verified.
@@ -251,6 +267,7 @@ pub fn save<E: StepExecutor + ?Sized>(
         skipped_steps: stats.skipped_steps,
         in_flight: Vec::new(),
         tensors: metas,
+        meta_crc32: None,
     };
     let mut meta = meta;
     let mut flight: BTreeMap<String, Vec<f32>> = BTreeMap::new();
@@ -310,10 +327,10 @@ pub fn save<E: StepExecutor + ?Sized>(
     }
     for (file, data) in files.into_iter().chain([
         (TENSORS, st),
-        (
-            META,
-            serde_json::to_vec_pretty(&meta).map_err(|e| err(format!("meta.json: {e}")))?,
-        ),
+        (META, {
+            meta.meta_crc32 = Some(meta_crc32(&meta)?);
+            serde_json::to_vec_pretty(&meta).map_err(|e| err(format!("meta.json: {e}")))?
+        }),
         (PLAN, plan.to_json().into_bytes()),
     ]) {
         let p = tmp.join(file);
@@ -407,6 +424,15 @@ pub fn load(dir: &Path) -> Result<Checkpoint, EngineError> {
             meta.format,
             meta.version
         )));
+    }
+    if let Some(want) = meta.meta_crc32 {
+        if meta_crc32(&meta)? != want {
+            return Err(err(format!(
+                "{}: fails its checksum (its step, data position or counters were changed \
+                 or damaged)",
+                mp.display()
+            )));
+        }
     }
     let tp = dir.join(TENSORS);
     let raw = std::fs::read(&tp).map_err(|e| err(format!("{}: {e}", tp.display())))?;
