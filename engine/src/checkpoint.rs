@@ -205,6 +205,30 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
+/// A safetensors file of F32 tensors `(name, shape, values)` with optional header metadata
+/// (checkpoints, `asteria export`).
+///
+/// # Errors
+/// [`EngineError::Checkpoint`] when a tensor's values do not fill its shape.
+pub(crate) fn f32_safetensors<'a>(
+    tensors: impl IntoIterator<Item = (String, Vec<usize>, &'a [f32])>,
+    metadata: Option<std::collections::HashMap<String, String>>,
+) -> Result<Vec<u8>, EngineError> {
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .into_iter()
+        .map(|(n, s, v)| (n, s, f32_bytes(v)))
+        .collect();
+    let views = bytes
+        .iter()
+        .map(|(n, s, b)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| err(format!("tensor `{n}`: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    safetensors::serialize(views, metadata).map_err(|e| err(format!("safetensors: {e}")))
+}
+
 fn fsync_dir(dir: &Path) -> Result<(), EngineError> {
     std::fs::File::open(dir)
         .and_then(|f| f.sync_all())
@@ -292,37 +316,22 @@ pub fn save<E: StepExecutor + ?Sized>(
         std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
     }
     std::fs::create_dir(&tmp).map_err(|e| io(&tmp, e))?;
-    let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
-        .iter()
-        .map(|(n, v)| (n.clone(), f32_bytes(v), metas_shape(&meta, n)))
-        .collect();
-    let views = bytes
-        .iter()
-        .map(|(n, b, s)| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
-                .map(|v| (n.clone(), v))
-                .map_err(|e| err(format!("tensor `{n}`: {e}")))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let st = safetensors::serialize(views, None).map_err(|e| err(format!("safetensors: {e}")))?;
-    let flight_bytes: Vec<(String, Vec<u8>, usize)> = flight
-        .iter()
-        .map(|(n, v)| (n.clone(), f32_bytes(v), v.len()))
-        .collect();
-    let flight_views = flight_bytes
-        .iter()
-        .map(|(n, b, len)| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![*len], b)
-                .map(|v| (n.clone(), v))
-                .map_err(|e| err(format!("tensor `{n}`: {e}")))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let st = f32_safetensors(
+        tensors
+            .iter()
+            .map(|(n, v)| (n.clone(), metas_shape(&meta, n), v.as_slice())),
+        None,
+    )?;
     let mut files = Vec::new();
-    if !flight_views.is_empty() {
+    if !flight.is_empty() {
         files.push((
             IN_FLIGHT,
-            safetensors::serialize(flight_views, None)
-                .map_err(|e| err(format!("safetensors: {e}")))?,
+            f32_safetensors(
+                flight
+                    .iter()
+                    .map(|(n, v)| (n.clone(), vec![v.len()], v.as_slice())),
+                None,
+            )?,
         ));
     }
     for (file, data) in files.into_iter().chain([

@@ -333,31 +333,17 @@ pub fn export_hf(ckpt: &Checkpoint, dir: &Path) -> Result<Exported, EngineError>
         ModelFamily::Gpt2 => "GPT2LMHeadModel",
         ModelFamily::Llama => "LlamaForCausalLM",
     };
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
-        .iter()
-        .map(|(n, s, v)| {
-            (
-                n.clone(),
-                s.clone(),
-                v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            )
-        })
-        .collect();
-    let views = bytes
-        .iter()
-        .map(|(n, s, b)| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
-                .map(|v| (n.clone(), v))
-                .map_err(|e| err(format!("tensor `{n}`: {e}")))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
     // transformers refuses a safetensors file without `format` in its metadata.
     let metadata = Some(std::collections::HashMap::from([(
         "format".to_string(),
         "pt".to_string(),
     )]));
-    let st =
-        safetensors::serialize(views, metadata).map_err(|e| err(format!("safetensors: {e}")))?;
+    let st = crate::checkpoint::f32_safetensors(
+        tensors
+            .iter()
+            .map(|(n, sh, v)| (n.clone(), sh.clone(), v.as_slice())),
+        metadata,
+    )?;
     std::fs::create_dir_all(dir).map_err(|e| err(format!("{}: {e}", dir.display())))?;
     let weights = dir.join("model.safetensors");
     let config_path = dir.join("config.json");
