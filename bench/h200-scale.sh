@@ -13,19 +13,24 @@
 # OUT_DIR.tgz holding all of it.
 # Takes: ~8 minutes with the defaults.
 #
-# Usage: bench/h200-scale.sh OUT_DIR [STEPS [TORCH_STEPS]] [--models m1,m2] [--no-torch-soap]
+# Usage: bench/h200-scale.sh OUT_DIR [STEPS [TORCH_STEPS]] [--models m1,m2] [--no-torch-soap] [--profile]
 #   STEPS: asteria steps per run at 0.9B/1.4B (default 60; 6.9B runs a third of it);
 #   TORCH_STEPS: PyTorch steps per row (default 40; 6.9B: a third). Statistics skip 10 steps
 #   (3 at 6.9B). --models: a subset of gpt2-124m,gpt-0.9b,llama-1.4b,llama-6.9b (GPT-2 124M:
 #   batch 16x1024; its SOAP row is max_precond_dim 10000).
+#   --profile: instead of the timed rows, where each model's AdamW step goes: `asteria train
+#   --profile events` (STEPS steps, per-op GPU time) as profile-MODEL.txt and
+#   bench/torch_profile.py (PyTorch eager's kernels, and its linear GEMM shapes on cuBLAS alone)
+#   as profile-torch-MODEL.txt; ~1 minute per model.
 set -uo pipefail
-usage="usage: bench/h200-scale.sh OUT_DIR [STEPS [TORCH_STEPS]] [--models m1,m2] [--no-torch-soap]"
-pos=(); models="gpt2-124m,gpt-0.9b,llama-1.4b,llama-6.9b"; torch_soap=1; want_models=0
+usage="usage: bench/h200-scale.sh OUT_DIR [STEPS [TORCH_STEPS]] [--models m1,m2] [--no-torch-soap] [--profile]"
+pos=(); models="gpt2-124m,gpt-0.9b,llama-1.4b,llama-6.9b"; torch_soap=1; want_models=0; profile=0
 for a in "$@"; do
   if [[ $want_models == 1 ]]; then models="$a"; want_models=0; continue; fi
   case "$a" in
     --models) want_models=1 ;;
     --no-torch-soap) torch_soap=0 ;;
+    --profile) profile=1 ;;
     -*) echo "$usage" >&2; exit 2 ;;
     *) pos+=("$a") ;;
   esac
@@ -52,6 +57,18 @@ trun() { # name timeout torch_steps.py-args...
   tail -n 3 "$out/$n.txt"
 }
 IFS=, read -ra ms <<< "$models"
+if [[ $profile == 1 ]]; then
+  for m in "${ms[@]}"; do
+    stamp "profile $m"
+    timeout 300 $B train "$S/$m-adamw.asteria" --steps "$steps" --profile events --quiet --cache-dir "$TC" \
+      > "$out/profile-$m.txt" 2>&1; echo "rc=$?"
+    stamp "profile torch $m"
+    timeout 300 python3 "$here/torch_profile.py" 5 --model "$m" > "$out/profile-torch-$m.txt" 2>&1; echo "rc=$?"
+  done
+  stamp done
+  tar czf "$out.tgz" -C "$out" .
+  exit 0
+fi
 for m in "${ms[@]}"; do
   s=$steps; ts=$torch_steps; skip=10
   if [[ $m == llama-6.9b ]]; then s=$(( steps / 3 )); ts=$(( torch_steps / 3 )); skip=3; fi

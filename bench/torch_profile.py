@@ -1,27 +1,32 @@
-"""Where the PyTorch reference's GPT-2 124M AdamW step spends its GPU time, and how fast cuBLAS
+"""Where the PyTorch reference's AdamW step spends its GPU time, and how fast cuBLAS
 runs the model's GEMM shapes on their own: the yardstick for asteria's per-op profile
 (`asteria train SPEC --profile events`; bench/h200-async.sh --profile runs both).
 
-Usage (GPU host, PyTorch with CUDA): python3 torch_profile.py [STEPS]   (~1 minute; prints two
-markdown tables)
-  1. torch.profiler over STEPS (default 5) eager AdamW steps of bench/torch_baseline.py's
-     GPT (bf16 autocast, batch 16x1024, fused AdamW, grad clip 1.0): the CUDA kernels by total
-     time, and the share of GEMM kernels.
-  2. Each GEMM shape of one training step (forward y = x Wᵀ, backward dx = dy W and
-     dW = dyᵀ x, M = 16384 tokens) timed alone with bf16 operands, bf16 and fp32 output
-     (torch.mm(..., out_dtype=torch.float32) where this PyTorch has it): median of 20, TFLOP/s.
+Usage (GPU host, PyTorch with CUDA): python3 torch_profile.py [STEPS] [--model M]   (~1 minute;
+prints two markdown tables)
+  --model: one of bench/torch_models.py (gpt2-124m, the default, batch 16x1024; gpt-0.9b,
+     llama-1.4b, llama-6.9b).
+  1. torch.profiler over STEPS (default 5) eager AdamW steps of the model (bf16 autocast, fused
+     AdamW, grad clip 1.0): the CUDA kernels by total time, and the share of GEMM kernels.
+  2. Each linear layer's GEMM shapes of one training step (forward y = x Wᵀ, backward dx = dy W
+     and dW = dyᵀ x, M = batch x 1024 tokens) timed alone with bf16 operands, bf16 and fp32
+     output (torch.mm(..., out_dtype=torch.float32) where this PyTorch has it): median of 20,
+     TFLOP/s.
 """
 import os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_baseline as tb
 torch = tb.torch
 
-steps = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+import torch_models
+argv = sys.argv[1:]
+model_name, make_model, batch = torch_models.pop_model(argv)
+steps = int(argv[0]) if argv else 5
 dev = tb.dev
 torch.manual_seed(0)
-model = tb.GPT().to(dev)
+model = make_model().to(dev)
 opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-B, T = 16, 1024
+B, T = batch, 1024
 x = torch.randint(0, 50257, (B, T), device=dev); y = torch.randint(0, 50257, (B, T), device=dev)
 
 
@@ -44,7 +49,7 @@ with profile(activities=[ProfilerActivity.CUDA]) as prof:
 ev = [e for e in prof.key_averages() if e.device_time_total > 0]
 total = sum(e.device_time_total for e in ev)
 gemm = sum(e.device_time_total for e in ev if any(k in e.key.lower() for k in ("gemm", "sm90_xmma", "cutlass", "nvjet")))
-print(f"torch eager AdamW step: GPU kernel time {total / 1e3 / steps:.2f} ms per step, GEMM kernels {gemm / 1e3 / steps:.2f} ms ({100 * gemm / total:.0f}%)")
+print(f"torch eager AdamW step, {model_name} batch {B}x{T}: GPU kernel time {total / 1e3 / steps:.2f} ms per step, GEMM kernels {gemm / 1e3 / steps:.2f} ms ({100 * gemm / total:.0f}%)")
 print("| kernel | calls/step | ms/step |")
 print("|---|---|---|")
 for e in sorted(ev, key=lambda e: -e.device_time_total)[:30]:
@@ -67,7 +72,13 @@ bf = torch.bfloat16
 print("\n| GEMM (m x k . k x n) | role | bf16 out ms | TFLOP/s | fp32 out ms | TFLOP/s |")
 print("|---|---|---|---|---|---|")
 tot16 = tot32 = 0.0
-for (cin, cout, name) in [(768, 2304, "qkv"), (768, 768, "attn proj"), (768, 3072, "fc"), (3072, 768, "mlp proj"), (768, 50304, "lm head")]:
+# Each distinct linear shape of the model (nn.Linear weights [out, in]) and how many layers use it.
+shapes = {}
+for name, mod in model.named_modules():
+    if isinstance(mod, torch.nn.Linear):
+        key = (mod.in_features, mod.out_features)
+        shapes.setdefault(key, [name.split(".")[-1], 0])[1] += 1
+for (cin, cout), (name, n) in shapes.items():
     X = torch.randn(M, cin, device=dev, dtype=bf); W = torch.randn(cout, cin, device=dev, dtype=bf)
     dY = torch.randn(M, cout, device=dev, dtype=bf)
     for role, a, b in [("fwd x Wt", X, W.t()), ("bwd dy W", dY, W), ("bwd dyt x", dY.t(), X)]:
@@ -77,7 +88,6 @@ for (cin, cout, name) in [(768, 2304, "qkv"), (768, 768, "attn proj"), (768, 307
             t32 = timed(lambda: torch.mm(a, b, out_dtype=torch.float32))
         except Exception:
             t32 = float("nan")
-        n = 12 if name != "lm head" else 1
         tot16 += n * t16; tot32 += n * t32
-        print(f"| {a.shape[0]}x{a.shape[1]} . {b.shape[0]}x{b.shape[1]} | {name} {role} | {t16:.3f} | {flop / t16 / 1e9:.0f} | {t32:.3f} | {flop / t32 / 1e9:.0f} |")
-print(f"one training step's GEMMs (12 layers + head): bf16 out {tot16:.2f} ms, fp32 out {tot32:.2f} ms")
+        print(f"| {a.shape[0]}x{a.shape[1]} . {b.shape[0]}x{b.shape[1]} | {name} x{n} {role} | {t16:.3f} | {flop / t16 / 1e9:.0f} | {t32:.3f} | {flop / t32 / 1e9:.0f} |")
+print(f"one training step's linear GEMMs: bf16 out {tot16:.2f} ms, fp32 out {tot32:.2f} ms")

@@ -30,23 +30,14 @@ argv = sys.argv[1:]
 mpd = 10000
 if "--mpd" in argv:
     k = argv.index("--mpd"); mpd = int(argv[k + 1]); del argv[k:k + 2]
-model_name = "gpt2-124m"
-if "--model" in argv:
-    k = argv.index("--model"); model_name = argv[k + 1]; del argv[k:k + 2]
-MODELS = {  # name: (constructor, batch)
-    "gpt2-124m": (lambda: tb.GPT(), 16),
-    "gpt-0.9b": (lambda: tb.GPT(L=16, d=2048, h=16), 4),
-    "llama-1.4b": (lambda: tb.Llama(L=24, d=2048, h=16, m=5632), 4),
-    "llama-6.9b": (lambda: tb.Llama(L=32, d=4096, h=32, m=11008), 1),
-}
-if model_name not in MODELS:
-    sys.exit("torch_steps: unknown --model %s (one of %s)" % (model_name, ", ".join(MODELS)))
+import torch_models
+model_name, make_model, batch = torch_models.pop_model(argv)
 pos = [a for a in argv if not a.startswith("--")]
 opt_name, steps, out = pos[0], int(pos[1]), pos[2]
 torch.backends.cuda.matmul.allow_tf32 = "--tf32" in sys.argv
 dev = tb.dev
 torch.manual_seed(0)
-model = MODELS[model_name][0]().to(dev)
+model = make_model().to(dev)
 if opt_name == "adamw":
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 else:
@@ -54,7 +45,7 @@ else:
     opt = SOAP(model.parameters(), lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01,
                precondition_frequency=10, max_precond_dim=mpd)
 fwd = torch.compile(model) if "--compile" in sys.argv else model
-B, T = MODELS[model_name][1], 1024
+B, T = batch, 1024
 x = torch.randint(0, 50257, (B, T), device=dev); y = torch.randint(0, 50257, (B, T), device=dev)
 torch.cuda.reset_peak_memory_stats()
 with open(out, "w") as f:
