@@ -4,11 +4,8 @@
 //! batch 16×1024, the separate bias adds cost 3.5 ms per forward on the H200).
 //!
 //! One handle and one 32 MiB workspace (NVIDIA's recommendation for Hopper; 4 MiB before) per
-//! device. Descriptors, layouts and the heuristic's algorithm are made once per GEMM geometry and
-//! bias pointer and kept: a plan's bias buffers sit at fixed addresses, so a step sets no
-//! descriptor attribute. (Setting the bias pointer on a shared descriptor before every call
-//! cost 0.2–0.35 ms of host time per call for GPT-2's qkv and attention-projection shapes on
-//! the H200, cuBLAS 13, during which the GPU drained: 3× the GEMM's own time.)
+//! device. The heuristic's algorithm is cached per GEMM geometry; descriptors and layouts are
+//! created per call (host-only, microseconds).
 use crate::error::{CudaError, Result};
 use crate::memory::{Arena, Buf, Elem, MemCounters};
 use crate::Tier;
@@ -50,12 +47,8 @@ pub(crate) struct BlasLt {
     handle: ltsys::cublasLtHandle_t,
     workspace: Buf,
     _arena: Arena,
-    plans: Mutex<HashMap<(LtGeometry, u64), LtPlan>>,
+    plans: Mutex<HashMap<LtGeometry, LtPlan>>,
 }
-
-/// Cached plans beyond which the cache starts over (a plan holds a few hundred bytes of host
-/// descriptors; a training plan needs one per bias buffer, tens to hundreds).
-const MAX_PLANS: usize = 4096;
 
 // SAFETY: the handle is used only by the engine thread that owns the compute stream (the same
 // rule as the compute stream's cuBLAS handle, `device.rs`); cuBLASLt handles may move between
@@ -165,19 +158,25 @@ impl BlasLt {
             op: OP,
             what: "the cuBLASLt plan cache was poisoned by an earlier panic".into(),
         })?;
-        if !plans.contains_key(&(g, bias)) {
-            if plans.len() >= MAX_PLANS {
-                plans.clear();
-            }
-            let plan = self.plan(g, bias)?;
-            plans.insert((g, bias), plan);
+        if !plans.contains_key(&g) {
+            let plan = self.plan(g)?;
+            plans.insert(g, plan);
         }
-        let Some(plan) = plans.get(&(g, bias)) else {
+        let Some(plan) = plans.get(&g) else {
             return Err(CudaError::Invalid {
                 op: OP,
                 what: "cuBLASLt plan missing after insertion".into(),
             });
         };
+        // Only the bias pointer changes between calls of one geometry.
+        let bias_ptr = bias;
+        lt::set_matmul_desc_attribute(
+            plan.desc,
+            ltsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+            (&bias_ptr as *const u64).cast(),
+            std::mem::size_of_val(&bias_ptr),
+        )
+        .map_err(&e)?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let [la, lb, ld] = plan.layouts;
         lt::matmul(
@@ -201,9 +200,9 @@ impl BlasLt {
         .map_err(&e)
     }
 
-    /// The descriptor (with its bias pointer), layouts and heuristic algorithm of one geometry
-    /// and bias, made once and kept (creating them takes ~0.1 ms of host time).
-    fn plan(&self, g: LtGeometry, bias: u64) -> Result<LtPlan> {
+    /// The descriptor, layouts and heuristic algorithm of one geometry, made once and kept
+    /// (creating them took ~0.1 ms of host time per call, during which the GPU could drain).
+    fn plan(&self, g: LtGeometry) -> Result<LtPlan> {
         const OP: &str = "gemm_bf16_bias";
         let e = lt_err(OP);
         let mut guard = Descs {
@@ -240,11 +239,6 @@ impl BlasLt {
             A::CUBLASLT_MATMUL_DESC_EPILOGUE,
             (&epilogue as *const ltsys::cublasLtEpilogue_t).cast(),
             std::mem::size_of_val(&epilogue),
-        )?;
-        set(
-            A::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-            (&bias as *const u64).cast(),
-            std::mem::size_of_val(&bias),
         )?;
         let bf = ltsys::cudaDataType_t::CUDA_R_16BF;
         let f32t = ltsys::cudaDataType_t::CUDA_R_32F;
@@ -284,8 +278,8 @@ impl BlasLt {
     }
 }
 
-/// A cached cuBLASLt call of one [`LtGeometry`] and bias pointer: its matmul descriptor
-/// (epilogue, transposes, bias), the A, B and C/D layouts and the chosen algorithm.
+/// A cached cuBLASLt call of one [`LtGeometry`]: its matmul descriptor (epilogue, transposes;
+/// the bias pointer is set per call), the A, B and C/D layouts and the chosen algorithm.
 struct LtPlan {
     desc: ltsys::cublasLtMatmulDesc_t,
     layouts: [ltsys::cublasLtMatrixLayout_t; 3],
