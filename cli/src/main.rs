@@ -94,7 +94,8 @@ pub struct RunFlags {
     #[arg(long, value_name = "SOLVER", value_parser = option_value::<schedule::Eigensolver>)]
     pub eigensolver: Option<schedule::Eigensolver>,
     /// CUDA engine: per-op GPU times, printed at the end (`ops`: a host sync around every op;
-    /// `events`: CUDA events, steps keep their overlap). Changes timing only.
+    /// `events`: CUDA events, steps keep their overlap), from the second training step on (the
+    /// first is warm-up: module loads, GEMM planning). Changes timing only.
     #[arg(long, value_name = "MODE", default_value = "off", value_parser = option_value::<schedule::Profile>)]
     pub profile: schedule::Profile,
     /// Folder for the token cache (default: the system temp dir).

@@ -220,6 +220,11 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 x: arg(0)?,
                 out: res(0)?,
             },
+            Op::SumRowsCast => P::SumRowsCast {
+                x: arg(0)?,
+                out: res(0)?,
+                out_bf16: res(1)?,
+            },
             Op::Add => P::Add {
                 a: arg(0)?,
                 b: arg(1)?,

@@ -46,6 +46,66 @@ extern "C" __global__ void sum_rows(const float* __restrict__ x, float* __restri
     }
 }
 
+// Stage 1 of plan op `SumRowsCast`: sum_rows's slab partials (the same rows per slab, the same
+// 16 row lanes, each lane's rows added in the same order and the lanes combined in the same
+// order, so every column sum is bit-identical to sum_rows's) and, for every element read,
+// out_bf16[r, j] = bf16(x[r, j]) (round to nearest even, as cast_f32_bf16). Block (32, 16);
+// grid (ceil(c / (32 * V)), slabs): each thread owns V consecutive columns, read as one float4
+// when V = 4 (c a multiple of 4, x 16- and out_bf16 8-byte aligned: the launcher checks).
+template <int V>
+__device__ __forceinline__ void sum_rows_cast_impl(const float* __restrict__ x, float* __restrict__ out,
+                                                   __nv_bfloat16* __restrict__ out_bf16, int n, int c,
+                                                   int rows_per_slab) {
+    __shared__ float s[16][32 * V + 1];
+    const int j0 = (blockIdx.x * 32 + threadIdx.x) * V;
+    const long long r0 = (long long)blockIdx.y * rows_per_slab;
+    const long long r1 = min((long long)n, r0 + rows_per_slab);
+    float acc[V];
+#pragma unroll
+    for (int v = 0; v < V; ++v) acc[v] = 0.0f;
+    if (j0 < c) {
+#pragma unroll 4
+        for (long long r = r0 + threadIdx.y; r < r1; r += blockDim.y) {
+            if (V == 4) {
+                const float4 q = *reinterpret_cast<const float4*>(x + r * c + j0);
+                acc[0] += q.x;
+                acc[1 % V] += q.y;
+                acc[2 % V] += q.z;
+                acc[3 % V] += q.w;
+                __nv_bfloat162 lo = __floats2bfloat162_rn(q.x, q.y), hi = __floats2bfloat162_rn(q.z, q.w);
+                uint2 u;
+                u.x = *reinterpret_cast<unsigned*>(&lo);
+                u.y = *reinterpret_cast<unsigned*>(&hi);
+                *reinterpret_cast<uint2*>(out_bf16 + r * c + j0) = u;
+            } else {
+                const float q = x[r * c + j0];
+                acc[0] += q;
+                out_bf16[r * c + j0] = __float2bfloat16_rn(q);
+            }
+        }
+    }
+#pragma unroll
+    for (int v = 0; v < V; ++v) s[threadIdx.y][threadIdx.x * V + v] = acc[v];
+    __syncthreads();
+    if (threadIdx.y == 0) {
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            if (j0 + v >= c) break;
+            float t = 0.0f;
+            for (int y = 0; y < (int)blockDim.y; ++y) t += s[y][threadIdx.x * V + v];
+            out[(long long)blockIdx.y * c + j0 + v] = t;
+        }
+    }
+}
+extern "C" __global__ void sum_rows_cast(const float* __restrict__ x, float* __restrict__ out,
+                                         __nv_bfloat16* __restrict__ out_bf16, int n, int c, int rows_per_slab) {
+    sum_rows_cast_impl<1>(x, out, out_bf16, n, c, rows_per_slab);
+}
+extern "C" __global__ void sum_rows_cast4(const float* __restrict__ x, float* __restrict__ out,
+                                          __nv_bfloat16* __restrict__ out_bf16, int n, int c, int rows_per_slab) {
+    sum_rows_cast_impl<4>(x, out, out_bf16, n, c, rows_per_slab);
+}
+
 // x *= *scale (a device scalar, e.g. the clip factor written by grad_norm_finalize).
 extern "C" __global__ void scale_by_device_scalar(float* __restrict__ x, const float* __restrict__ scale, long long n) {
     const float s = *scale;

@@ -87,6 +87,8 @@ pub const FAMILIES: &[Family] = &[
             "add_f32",
             "bias_add",
             "sum_rows",
+            "sum_rows_cast",
+            "sum_rows_cast4",
             "scale_by_device_scalar",
             "cast_f32_bf16"
         ]

@@ -2,7 +2,8 @@
 //! random inputs of awkward sizes, through whole plans (op dispatch and the buffer store):
 //! - `bias-epilogue`: `MatMulBias` is bit-identical to `MatMul` + `BiasAdd`, all transposes;
 //! - `bf16-output`: a bf16 buffer holds its producer's f32 values rounded to nearest-even bf16
-//!   (also through `set_buffer`), and a GEMM reading it computes on exactly those values.
+//!   (also through `set_buffer`), and a GEMM reading it computes on exactly those values;
+//! - `sum-rows-cast`: `SumRowsCast` is bit-identical to `SumRows` + `Cast`.
 mod common;
 
 use common::randn;
@@ -306,6 +307,56 @@ fn a_saving_attention_writes_the_base_2_log_sum_exp_of_its_scaled_scores() {
                     z.log2()
                 );
             }
+        }
+    }
+}
+
+/// `sum-rows-cast`: `SumRowsCast` gives the column sums of `SumRows` and the bf16 copy of
+/// `Cast` bit for bit (awkward sizes: one row, odd widths).
+#[test]
+fn sum_rows_cast_is_sum_rows_and_cast() {
+    use BufferClass::*;
+    for (m, k, p) in [(1, 5, 3), (9, 13, 6), (37, 31, 7)] {
+        let bufs = vec![
+            ("a", vec![m, k], DType::F32, Parameter),
+            ("b", vec![p, k], DType::F32, Parameter),
+            ("g", vec![m, k], DType::F32, Activation),
+            ("sums", vec![k], DType::F32, Activation),
+            ("g.bf16", vec![m, k], DType::Bf16, Activation),
+            ("b.bf16", vec![p, k], DType::Bf16, Activation),
+            ("out", vec![m, p], DType::F32, Activation),
+        ];
+        let prog = |fused: bool| {
+            let mut ops = vec![Op::Gelu { x: B(0), out: B(2) }];
+            if fused {
+                ops.push(Op::SumRowsCast {
+                    x: B(2),
+                    out: B(3),
+                    out_bf16: B(4),
+                });
+            } else {
+                ops.push(Op::SumRows { x: B(2), out: B(3) });
+                ops.push(Op::Cast { x: B(2), out: B(4) });
+            }
+            ops.push(Op::Cast { x: B(1), out: B(5) });
+            ops.push(Op::MatMul {
+                a: B(4),
+                b: B(5),
+                out: B(6),
+                trans_a: false,
+                trans_b: true,
+                accumulate: false,
+            });
+            ops
+        };
+        let (e1, e2) = (
+            run(plan(m, bufs.clone(), prog(false))),
+            run(plan(m, bufs, prog(true))),
+        );
+        for name in ["sums", "g.bf16", "out", "loss"] {
+            let (x, y) = (e1.buffer(name).expect(name), e2.buffer(name).expect(name));
+            assert!(x.iter().any(|&v| v != 0.0), "{name} m {m} k {k}");
+            assert_eq!(x, y, "{name} m {m} k {k}");
         }
     }
 }

@@ -268,6 +268,19 @@ impl Module {
         true
     }
 
+    /// Exchanges the names of values `a` and `b` (a rewrite that replaces a value by a new one
+    /// gives the new one the old name: `fuse`'s `sum-rows-cast`).
+    pub fn swap_names(&mut self, a: ValueId, b: ValueId) {
+        if a == b || !self.contains_value(a) || !self.contains_value(b) {
+            return;
+        }
+        let na = std::mem::take(&mut self.values[a.index()].name);
+        let nb = std::mem::replace(&mut self.values[b.index()].name, na.clone());
+        self.values[a.index()].name = nb.clone();
+        self.names.insert(na, b);
+        self.names.insert(nb, a);
+    }
+
     /// Sets the element type of value `id` (its shape stays), e.g. to `bf16` for an output
     /// the `fuse` pass has its producer write in bf16.
     pub fn set_dtype(&mut self, id: ValueId, dtype: schedule::DType) {

@@ -124,6 +124,10 @@ pub enum Op {
     BiasAdd,
     /// args `[x [N,C]]` → `[C]`.
     SumRows,
+    /// args `[x [N,C]]` (f32) → `[out [C]` f32 = the column sums of `sum_rows`, `out_bf16
+    /// [N,C]` bf16 = `cast x`]: one pass over x. Made by `fuse` (`sum-rows-cast`) where an
+    /// activation gradient is both summed (a bias gradient) and cast for its GEMMs.
+    SumRowsCast,
     /// args `[a, b]` (same type) → same type.
     Add,
     /// args `[x]` (f32) → the same shape in the result's dtype (bf16): `x` rounded to nearest,
@@ -256,6 +260,7 @@ impl Op {
             Op::MatMulBias { .. } => "mat_mul_bias",
             Op::BiasAdd => "bias_add",
             Op::SumRows => "sum_rows",
+            Op::SumRowsCast => "sum_rows_cast",
             Op::Add => "add",
             Op::Cast => "cast",
             Op::Gelu => "gelu",

@@ -194,6 +194,7 @@ pub(crate) fn attrs(op: &Op) -> Vec<(&'static str, Attr)> {
         | Op::EmbeddingBackward
         | Op::BiasAdd
         | Op::SumRows
+        | Op::SumRowsCast
         | Op::Add
         | Op::Cast
         | Op::Gelu

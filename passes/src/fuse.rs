@@ -1,7 +1,7 @@
 //! `fuse`: rewrites the IR into the fused ops the engines execute, so that an engine runs what
 //! the plan says and plans no fusion of its own (everything is visible with
 //! `--print-after fuse`). Runs after `expand-optimizer`, before `liveness` (memory is planned
-//! for the fused program). Four rules:
+//! for the fused program). Five rules:
 //!
 //! - **`bias-epilogue`** (an egg rewrite, every target):
 //!   `(bias_add (mat_mul ?ta ?tb ?a ?b) ?bias) → (mat_mul_bias ?ta ?tb ?a ?b ?bias)`.
@@ -50,6 +50,12 @@
 //!   own, and the plan shows every rounding. A weight is cast twice per step (forward and
 //!   backward): a read of its f32 bytes and a write of half as many, against keeping a copy
 //!   alive from the forward to the backward (what PyTorch's autocast does).
+//! - **`sum-rows-cast`** (after `bf16-cast`, so where casts exist: CUDA with `precision =
+//!   bf16`): a `sum_rows x` (a bias gradient) and a `cast x` of the same value in one
+//!   section become one `sum_rows_cast x` that defines both (the column sums and the bf16
+//!   copy, which keeps its name) at the `sum_rows`'s place, when that is before every reader
+//!   of the copy: one read of the activation gradient instead of two. The GPU kernel adds the
+//!   columns in `sum_rows`'s order (bit-identical sums) and rounds as `cast` does.
 //!
 //! The e-graph language [`Dataflow`] holds only the ops the rewrite rules mention; every
 //! other value is an opaque leaf `%name`. The runner has explicit iteration, node and time
@@ -114,6 +120,8 @@ pub struct FuseReport {
     pub bf16_outputs: Vec<(String, &'static str)>,
     /// `bf16-cast`: `(f32 value, its bf16 cast, section)`.
     pub bf16_casts: Vec<(String, String, &'static str)>,
+    /// `sum-rows-cast`: `(x, column sums, bf16 copy)` names.
+    pub sum_rows_casts: Vec<(String, String, String)>,
     /// Why the e-graph runner stopped (`Saturated` normally).
     pub stop_reason: Option<String>,
 }
@@ -493,6 +501,63 @@ impl Fuse {
     }
 }
 
+impl Fuse {
+    /// `sum-rows-cast`: a `sum_rows x` (a bias gradient) and a `cast x` (x's bf16 copy for
+    /// its GEMMs) of the same f32 value in one section become one `sum_rows_cast x` at the
+    /// `sum_rows`'s place, defining both values (the copy keeps its name) — one read of x
+    /// instead of two. Only where the `sum_rows` comes before every reader of the copy.
+    fn sum_rows_casts(&mut self, m: &mut Module) {
+        for section in [Section::Forward, Section::Backward] {
+            let order: Vec<ir::InstId> = m.section(section).collect();
+            let pos = |i: ir::InstId| order.iter().position(|&o| o == i);
+            let mut sums: HashMap<ValueId, ir::InstId> = HashMap::new();
+            let mut pairs = Vec::new();
+            for &i in &order {
+                let inst = m.inst(i);
+                match inst.op {
+                    Op::SumRows => {
+                        sums.entry(inst.args[0]).or_insert(i);
+                    }
+                    Op::Cast => {
+                        if let Some(&s) = sums.get(&inst.args[0]) {
+                            pairs.push((s, i));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            for (s, c) in pairs {
+                let (x, copy) = (m.inst(c).args[0], m.inst(c).results[0]);
+                let users = m.uses(copy);
+                let Some(at) = pos(s) else { continue };
+                if users.iter().any(|&u| pos(u).is_none_or(|p| p <= at)) {
+                    continue;
+                }
+                let ty = m.value(copy).ty.clone();
+                m.replace_inst(s, Op::SumRowsCast, &[x]);
+                let fused = m.add_result(s, &m.value(copy).name.clone(), ty);
+                for u in users {
+                    let args: Vec<ValueId> = m
+                        .inst(u)
+                        .args
+                        .iter()
+                        .map(|&a| if a == copy { fused } else { a })
+                        .collect();
+                    let op = m.inst(u).op.clone();
+                    m.replace_inst(u, op, &args);
+                }
+                m.swap_names(fused, copy);
+                self.report.sum_rows_casts.push((
+                    m.display_value(x),
+                    m.display_value(m.inst(s).results[0]),
+                    m.display_value(fused),
+                ));
+            }
+        }
+        m.remove_dead();
+    }
+}
+
 impl Pass for Fuse {
     fn name(&self) -> &'static str {
         "fuse"
@@ -510,14 +575,16 @@ impl Pass for Fuse {
         self.rewrite(module, target)?;
         self.bf16_outputs(module, target);
         self.bf16_casts(module, target);
+        self.sum_rows_casts(module);
         let r = &self.report;
         Ok(format!(
-            "{} bias epilogues ({} blocked), {} saved attention statistics, {} bf16 outputs, {} bf16 casts",
+            "{} bias epilogues ({} blocked), {} saved attention statistics, {} bf16 outputs, {} bf16 casts, {} sum-rows casts",
             r.bias_epilogues.len(),
             r.blocked.len(),
             r.attention_saved.len(),
             r.bf16_outputs.len(),
-            r.bf16_casts.len()
+            r.bf16_casts.len(),
+            r.sum_rows_casts.len()
         ))
     }
 
@@ -551,6 +618,11 @@ impl Pass for Fuse {
         }
         for (value, cast, section) in &r.bf16_casts {
             s.push_str(&format!("; bf16-cast: {cast} = cast {value} ({section})\n"));
+        }
+        for (x, sums, copy) in &r.sum_rows_casts {
+            s.push_str(&format!(
+                "; sum-rows-cast: {sums}, {copy} = sum_rows_cast {x} (one pass over {x})\n"
+            ));
         }
         Some(s)
     }

@@ -311,8 +311,8 @@ impl Op {
             (Op::CopyIn { .. } | Op::CopyOut { .. }, "dst") => Access::Write,
             (
                 _,
-                "out" | "dtable" | "dpos" | "dx" | "dweight" | "dbias" | "dqkv" | "loss"
-                | "dlogits" | "norm",
+                "out" | "out_bf16" | "dtable" | "dpos" | "dx" | "dweight" | "dbias" | "dqkv"
+                | "loss" | "dlogits" | "norm",
             ) => Access::Write,
             _ => Access::Read,
         }

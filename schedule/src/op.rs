@@ -44,7 +44,7 @@ pub fn operand_dtypes(op: &str, operand: &str) -> &'static [DType] {
         ("layer_norm" | "rms_norm" | "gelu" | "swi_glu" | "attention", "out") => EITHER,
         ("attention_backward", "fwd_out") => EITHER,
         ("cross_entropy_backward", "dlogits") => EITHER,
-        ("cast", "out") => &[DType::Bf16],
+        ("cast", "out") | ("sum_rows_cast", "out_bf16") => &[DType::Bf16],
         _ => F32,
     }
 }
@@ -166,6 +166,14 @@ pub enum Op {
     },
     /// `out[c] = Σ_n x[n, c]` (bias gradient). x `[N, C]`, out `[C]`.
     SumRows { x: BufferId, out: BufferId },
+    /// `SumRows` and `Cast` of the same x in one pass: `out[c] = Σ_n x[n, c]` (f32 `[C]`,
+    /// the same values as `SumRows`) and `out_bf16 = bf16(x)` (`[N, C]`, as `Cast`). x f32
+    /// `[N, C]`. The `fuse` pass's `sum-rows-cast` makes it.
+    SumRowsCast {
+        x: BufferId,
+        out: BufferId,
+        out_bf16: BufferId,
+    },
     /// Elementwise `out = a + b`, same shapes.
     Add {
         a: BufferId,

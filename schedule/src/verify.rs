@@ -92,6 +92,7 @@ impl Op {
             Op::MatMulBias { .. } => "mat_mul_bias",
             Op::BiasAdd { .. } => "bias_add",
             Op::SumRows { .. } => "sum_rows",
+            Op::SumRowsCast { .. } => "sum_rows_cast",
             Op::Add { .. } => "add",
             Op::Cast { .. } => "cast",
             Op::Gelu { .. } => "gelu",
@@ -185,6 +186,9 @@ impl Op {
             } => v.extend([("a", *a), ("b", *b), ("bias", *bias), ("out", *out)]),
             Op::BiasAdd { x, bias, out } => v.extend([("x", *x), ("bias", *bias), ("out", *out)]),
             Op::SumRows { x, out } => v.extend([("x", *x), ("out", *out)]),
+            Op::SumRowsCast { x, out, out_bf16 } => {
+                v.extend([("x", *x), ("out", *out), ("out_bf16", *out_bf16)])
+            }
             Op::Add { a, b, out } => v.extend([("a", *a), ("b", *b), ("out", *out)]),
             Op::Cast { x, out } | Op::Gelu { x, out } | Op::SwiGlu { x, out } => {
                 v.extend([("x", *x), ("out", *out)])
@@ -547,6 +551,11 @@ impl Checker<'_> {
             Op::SumRows { x, out } => {
                 let (_, c) = self.rank2("x", *x)?;
                 self.dims("out", *out, &[c])?;
+            }
+            Op::SumRowsCast { x, out, out_bf16 } => {
+                let (_, c) = self.rank2("x", *x)?;
+                self.dims("out", *out, &[c])?;
+                self.same(("x", *x), ("out_bf16", *out_bf16))?;
             }
             Op::Add { a, b, out } => {
                 self.same(("a", *a), ("b", *b))?;

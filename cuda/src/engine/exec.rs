@@ -275,6 +275,10 @@ impl CudaEngine {
                 let c = self.dims(*x).1;
                 nn::sum_rows(dev, self.b(*x), self.b(*out), c, s)?;
             }
+            Op::SumRowsCast { x, out, out_bf16 } => {
+                let c = self.dims(*x).1;
+                nn::sum_rows_cast(dev, self.b(*x), self.b(*out), self.b(*out_bf16), c, s)?;
+            }
             Op::Add { a, b, out } => nn::add(dev, self.b(*a), self.b(*b), self.b(*out))?,
             Op::Cast { x, out } => gemm::cast_f32_to_bf16(dev, self.b(*x), self.b(*out))?,
             Op::Gelu { x, out } if self.b(*out).elem() == Elem::BF16 => {

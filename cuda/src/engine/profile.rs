@@ -8,11 +8,15 @@ use schedule::Op;
 pub(super) struct ProfileRows {
     /// CUDA events around each op instead of host syncs (`--profile events`).
     pub(super) events: bool,
+    /// Whether the first optimizer step has run: ops are timed from the second training
+    /// step on (the first, and the evaluation before it, load modules and plan GEMMs).
+    pub(super) warm: bool,
     pub(super) rows: std::collections::BTreeMap<String, (u64, f64, f64)>,
 }
 
 impl CudaEngine {
-    /// The per-op table of `--profile`, largest GPU time first; empty without it.
+    /// The per-op table of `--profile` (training steps from the second on, and the
+    /// evaluations after the first step), largest GPU time first; empty without it.
     /// `--profile ops`: every op is synchronized before and after, so "GPU ms" is
     /// its wall time including launch overhead (slower steps). `--profile events`:
     /// no host syncs inside a program; CUDA events on the compute stream around each op give

@@ -96,7 +96,9 @@ fn scratch_need(
         | Op::RopeBackward {
             seq_len, head_dim, ..
         } => nn::rope_scratch_len(*seq_len, *head_dim),
-        Op::SumRows { x, .. } => nn::sum_rows_scratch_len(rows(*x), cols(*x)),
+        Op::SumRows { x, .. } | Op::SumRowsCast { x, .. } => {
+            nn::sum_rows_scratch_len(rows(*x), cols(*x))
+        }
         Op::Attention {
             qkv,
             batch,
@@ -401,6 +403,7 @@ impl CudaEngine {
         let solver = opts.engine.solver(&plan)?;
         let profile = (opts.profile != Profile::Off).then(|| ProfileRows {
             events: opts.profile == Profile::Events,
+            warm: false,
             rows: Default::default(),
         });
         let refresh_bytes = refreshes.bytes;

@@ -730,6 +730,52 @@ pub fn sum_rows(dev: &Device, x: &Buf, out: &Buf, c: usize, scratch: &Buf) -> Re
     add_slab_partials(dev, OP, &scratch, None, out, None, c, slabs)
 }
 
+/// Plan op `SumRowsCast`: [`sum_rows`]'s column sums (bit-identical: the same slabs, row lanes
+/// and order) into `out` f32 `[c]` and `out_bf16 = bf16(x)` `[N, c]` (round to nearest even,
+/// as [`crate::gemm::cast_f32_to_bf16`]) in one pass over x f32 `[N, c]`; `scratch` as
+/// [`sum_rows`]'s. Four columns per thread (kernel `sum_rows_cast4`) where `c` is a multiple of
+/// 4 and x / out_bf16 are 16- / 8-byte aligned, else one (`sum_rows_cast`).
+/// Errors: those of [`sum_rows`].
+pub fn sum_rows_cast(
+    dev: &Device,
+    x: &Buf,
+    out: &Buf,
+    out_bf16: &Buf,
+    c: usize,
+    scratch: &Buf,
+) -> Result<()> {
+    const OP: &str = "sum_rows_cast";
+    let n = rows_of(OP, "x", x.len(), c)?;
+    x.expect(OP, "x", Elem::F32, n * c)?;
+    out.expect(OP, "out", Elem::F32, c)?;
+    out_bf16.expect(OP, "out_bf16", Elem::BF16, n * c)?;
+    let len = sum_rows_scratch_len(n, c);
+    let scratch = scratch.slice(0, len)?;
+    scratch.expect(OP, "scratch", Elem::F32, len)?;
+    let (slabs, rows) = sum_rows_slabs(n);
+    let vec = c % 4 == 0 && x.ptr() % 16 == 0 && out_bf16.ptr() % 8 == 0;
+    let (kernel, per_thread) = if vec {
+        ("sum_rows_cast4", 4)
+    } else {
+        ("sum_rows_cast", 1)
+    };
+    let grid = slab_grid(c.div_ceil(per_thread), slabs);
+    let args = |dst: &Buf| -> Result<Args> {
+        Ok(Args::new()
+            .buf(x)
+            .buf(dst)
+            .buf(out_bf16)
+            .i32(int(OP, "N", n)?)
+            .i32(int(OP, "C", c)?)
+            .i32(int(OP, "rows per slab", rows)?))
+    };
+    if slabs == 1 {
+        return dev.launch(kernel, grid, COL_BLOCK, args(out)?);
+    }
+    dev.launch(kernel, grid, COL_BLOCK, args(&scratch)?)?;
+    add_slab_partials(dev, OP, &scratch, None, out, None, c, slabs)
+}
+
 /// Geometry of a RoPE call (plan op `Rope`): x `[N, width]`, the first `rotated_cols` columns
 /// rotated in chunks of `head_dim`, row n at position `n mod seq_len`.
 #[derive(Clone, Copy, Debug, PartialEq)]

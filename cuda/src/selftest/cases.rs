@@ -496,6 +496,36 @@ fn sum_rows_case(v: &mut Vec<Case>, n: usize, ch: usize, big: bool) {
         c::elementwise::sum_rows(&wide(&x), &mut r, ch).map_err(cpu)?;
         Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
     }));
+    // Plan op `SumRowsCast`: the column sums bit-identical to `sum_rows`'s on the GPU (and near
+    // the CPU's), the copy bit-identical to the CPU engine's bf16 rounding; both paths (four
+    // columns a thread where C is a multiple of 4, one otherwise).
+    let size = format!("N={n} C={ch}");
+    v.push(case("sum_rows_cast", size, TOL_F32, big, move |cx| {
+        let x = cx.normal(n * ch, 0.3, 1.0);
+        let (xb, ob, ob2) = (cx.up(&x)?, cx.out(ch)?, cx.out(ch)?);
+        let cb = cx.raw(Elem::BF16, n * ch)?;
+        let sb = cx.out(g::sum_rows_scratch_len(n, ch))?;
+        let ms = cx.timed(|| g::sum_rows_cast(cx.dev, &xb, &ob, &cb, ch, &sb))?;
+        g::sum_rows(cx.dev, &xb, &ob2, ch, &sb)?;
+        let mut r = vec![0.0; ch];
+        c::elementwise::sum_rows(&wide(&x), &mut r, ch).map_err(cpu)?;
+        let (fused, plain) = (cx.down(&ob)?, cx.down(&ob2)?);
+        let same = fused.iter().zip(&plain).all(|(a, b)| a.to_bits() == b.to_bits());
+        let rounded: Vec<f64> = x
+            .iter()
+            .map(|&v| f64::from(schedule::round_to_bf16(v)))
+            .collect();
+        let copy = down_bf16(cx, &cb)?;
+        let exact = copy.iter().zip(&rounded).all(|(a, b)| f64::from(*a) == *b);
+        Ok(Outcome {
+            errs: vec![
+                ("out", rel_err(&fused, &r)),
+                ("out bits == sum_rows", if same { 0.0 } else { 1.0 }),
+                ("out_bf16 bits == cpu", if exact { 0.0 } else { 1.0 }),
+            ],
+            gpu_ms: ms,
+        })
+    }));
 }
 
 fn rope(v: &mut Vec<Case>) {

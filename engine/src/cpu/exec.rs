@@ -225,6 +225,21 @@ pub(crate) fn exec_op<T: Float + Real>(
                 ew::sum_rows(s.f(*x)?, &mut o[0], c)
             })?;
         }
+        // The column sums of `SumRows` and the copy of `Cast` (the store rounds it to bf16).
+        Op::SumRowsCast { x, out, out_bf16 } => {
+            let c = cols(st, *x);
+            st.with_outs(
+                loc,
+                &[("out", *out), ("out_bf16", *out_bf16)],
+                &[*x],
+                |s, o| {
+                    let x = s.f(*x)?;
+                    let (sums, copy) = o.split_at_mut(1);
+                    copy[0].copy_from_slice(x);
+                    ew::sum_rows(x, &mut sums[0], c)
+                },
+            )?;
+        }
         Op::Add { a, b, out } => {
             st.with_outs(loc, &[("out", *out)], &[*a, *b], |s, o| {
                 ew::add(s.f(*a)?, s.f(*b)?, &mut o[0])

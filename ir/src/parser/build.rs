@@ -278,6 +278,7 @@ pub(super) fn build_op<'a>(
         },
         "bias_add" => Op::BiasAdd,
         "sum_rows" => Op::SumRows,
+        "sum_rows_cast" => Op::SumRowsCast,
         "add" => Op::Add,
         "cast" => Op::Cast,
         "gelu" => Op::Gelu,

@@ -48,7 +48,9 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
         Op::MatMul { .. } | Op::Add => vec!["a", "b"],
         Op::MatMulBias { .. } => vec!["a", "b", "bias"],
         Op::BiasAdd => vec!["x", "bias"],
-        Op::SumRows | Op::Cast | Op::Gelu | Op::SwiGlu | Op::Rope { .. } => vec!["x"],
+        Op::SumRows | Op::SumRowsCast | Op::Cast | Op::Gelu | Op::SwiGlu | Op::Rope { .. } => {
+            vec!["x"]
+        }
         Op::GeluBackward | Op::SwiGluBackward => vec!["dout", "x"],
         Op::RopeBackward { .. } => vec!["dout"],
         Op::Attention { .. } => vec!["qkv"],
@@ -90,6 +92,7 @@ fn result_roles(op: &Op, found: usize) -> Vec<&'static str> {
         Op::CrossEntropy => vec!["loss"],
         Op::CrossEntropyBackward => vec!["dlogits"],
         Op::ClipGradNorm { .. } => vec!["norm"],
+        Op::SumRowsCast => vec!["out", "out_bf16"],
         Op::Loss
         | Op::GradOf
         | Op::AdamW { .. }
@@ -273,6 +276,11 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
         Op::SumRows => {
             let (_, ch) = c.rank2("x")?;
             c.dims("out", &[ch])?;
+        }
+        Op::SumRowsCast => {
+            let (_, ch) = c.rank2("x")?;
+            c.dims("out", &[ch])?;
+            c.same("x", "out_bf16")?;
         }
         Op::Add => {
             c.same("a", "b")?;
