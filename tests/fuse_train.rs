@@ -2,6 +2,8 @@
 //! few steps on the CPU engine on one fixed batch, AdamW and SOAP:
 //! - CPU target: only bias epilogues apply; `mat_mul_bias` is computed bit-identically to the
 //!   pair, so every loss is identical, bit for bit.
+//! - CUDA target with `precision = fp32`: bias epilogues and `clip-into-update` (a clip
+//!   factor the updates read) are bit-identical too.
 //! - CUDA target with `precision = bf16`: the bf16 outputs (layer norms, GELU, attention,
 //!   dlogits) hold bf16-rounded values on the CPU engine too; the losses stay within bf16
 //!   tolerance of the unfused plan's.
@@ -147,6 +149,61 @@ fn bias_epilogues_train_bit_identically_on_the_cpu() {
     }
 }
 
+fn cuda_fp32() -> TargetConfig {
+    match cuda_bf16() {
+        TargetConfig::Cuda {
+            device,
+            staleness,
+            calibration,
+            eigensolver,
+            attention,
+            refresh_placement,
+            budgets,
+            ..
+        } => TargetConfig::Cuda {
+            device,
+            staleness,
+            precision: schedule::Precision::Fp32,
+            calibration,
+            eigensolver,
+            attention,
+            refresh_placement,
+            budgets,
+        },
+        other => other,
+    }
+}
+
+/// CUDA fp32: the bias epilogues and `clip-into-update` (the clip writes its factor, AdamW
+/// reads `grad · factor`) train bit-identically to the unfused plan on the CPU engine, with a
+/// clip threshold low enough that every step clips.
+#[test]
+fn clip_into_update_trains_bit_identically_on_the_cpu() {
+    let mut cfg = config(cuda_fp32(), false);
+    cfg.train.grad_clip = Some(0.05);
+    let fused = compile(cfg.clone(), true);
+    let unfused = compile(cfg, false);
+    let scaled = |p: &schedule::Plan| {
+        p.optimizer
+            .iter()
+            .filter(|o| {
+                matches!(
+                    o,
+                    schedule::Op::AdamW {
+                        grad_scale: Some(_),
+                        ..
+                    }
+                )
+            })
+            .count()
+    };
+    assert!(scaled(&fused) > 0 && scaled(&unfused) == 0);
+    let (a, b) = (train(fused, 6), train(unfused, 6));
+    assert!(a[5] < a[0], "the loss falls: {a:?}");
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&a), bits(&b), "{a:?} vs {b:?}");
+}
+
 #[test]
 fn bf16_outputs_train_within_bf16_tolerance() {
     for soap in [false, true] {
@@ -158,6 +215,7 @@ fn bf16_outputs_train_within_bf16_tolerance() {
             .chain(&fused.backward)
             .filter_map(|o| match o {
                 schedule::Op::Cast { out, .. } => Some(*out),
+                schedule::Op::SumRowsCast { out_bf16, .. } => Some(*out_bf16),
                 _ => None,
             })
             .collect();

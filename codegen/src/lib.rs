@@ -46,7 +46,11 @@ pub fn classify_values(module: &Module) -> Vec<BufferClass> {
             Op::Input { .. } => classes[inst.results[0].index()] = BufferClass::Input,
             Op::GradOf => classes[inst.args[1].index()] = BufferClass::Gradient,
             Op::Loss => classes[inst.args[0].index()] = BufferClass::Scalar,
-            Op::ClipGradNorm { .. } => classes[inst.results[0].index()] = BufferClass::Scalar,
+            Op::ClipGradNorm { .. } => {
+                for r in &inst.results {
+                    classes[r.index()] = BufferClass::Scalar;
+                }
+            }
             _ => {}
         }
     }
@@ -317,6 +321,11 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
             Op::ClipGradNorm { max_norm } => P::ClipGradNorm {
                 grads: a.iter().map(|&v| b(v)).collect::<Result<_, _>>()?,
                 norm: res(0)?,
+                scale: if inst.results.len() > 1 {
+                    Some(res(1)?)
+                } else {
+                    None
+                },
                 max_norm: *max_norm,
             },
             Op::AdamW {
@@ -330,6 +339,7 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 grad: arg(1)?,
                 exp_avg: arg(2)?,
                 exp_avg_sq: arg(3)?,
+                grad_scale: if a.len() > 4 { Some(arg(4)?) } else { None },
                 lr: *lr,
                 beta1: *beta1,
                 beta2: *beta2,

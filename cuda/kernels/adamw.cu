@@ -15,15 +15,25 @@ __device__ __forceinline__ void adamw_one(float g, float& p, float& m, float& v,
 }
 
 // float4 steps where all four operands are 16-byte aligned; the same per-element arithmetic.
+// grad_scale (nullable): a clip factor on the device (grad_norm_finalize's); the update reads
+// grad * factor, the value an in-place clip (scale_by_device_scalar) would have stored.
 extern "C" __global__ void adamw_step(float* __restrict__ param, const float* __restrict__ grad,
                                       float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq, long long n,
                                       float decay, int apply_decay, float w1, float beta2, float w2,
-                                      float step_size, float bc2_sqrt, float eps) {
+                                      float step_size, float bc2_sqrt, float eps,
+                                      const float* __restrict__ grad_scale) {
+    const float gs = grad_scale != nullptr ? *grad_scale : 1.0f;
     const bool vec = asteria_aligned(param, 16) && asteria_aligned(grad, 16) && asteria_aligned(exp_avg, 16) &&
                      asteria_aligned(exp_avg_sq, 16);
     const long long n4 = vec ? n / 4 : 0;
     for (long long i = gtid(); i < n4; i += gstride()) {
-        const float4 g = reinterpret_cast<const float4*>(grad)[i];
+        float4 g = reinterpret_cast<const float4*>(grad)[i];
+        if (gs != 1.0f) {
+            g.x *= gs;
+            g.y *= gs;
+            g.z *= gs;
+            g.w *= gs;
+        }
         float4 p = reinterpret_cast<float4*>(param)[i];
         float4 m = reinterpret_cast<float4*>(exp_avg)[i];
         float4 v = reinterpret_cast<float4*>(exp_avg_sq)[i];
@@ -37,7 +47,8 @@ extern "C" __global__ void adamw_step(float* __restrict__ param, const float* __
     }
     for (long long i = 4 * n4 + gtid(); i < n; i += gstride()) {
         float p = param[i], m = exp_avg[i], v = exp_avg_sq[i];
-        adamw_one(grad[i], p, m, v, decay, apply_decay, w1, beta2, w2, step_size, bc2_sqrt, eps);
+        const float g = gs != 1.0f ? grad[i] * gs : grad[i];
+        adamw_one(g, p, m, v, decay, apply_decay, w1, beta2, w2, step_size, bc2_sqrt, eps);
         exp_avg[i] = m;
         exp_avg_sq[i] = v;
         param[i] = p;

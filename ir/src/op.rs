@@ -187,12 +187,15 @@ pub enum Op {
     CrossEntropy,
     /// args `[logits, targets]` → dlogits `[N, V]`.
     CrossEntropyBackward,
-    /// args: every gradient; results: `[norm f32[1]]`; scales grads in place when clipping.
+    /// args: every gradient; results: `[norm f32[1]]`, scaling the grads in place when
+    /// clipping, or `[norm, scale f32[1]]` (`fuse`'s `clip-into-update`): the grads stay and
+    /// the clip factor (1 when not clipping) goes to `scale`, which the updates read.
     ClipGradNorm {
         /// Clip threshold (`None` = only measure).
         max_norm: Option<f64>,
     },
-    /// args `[param, grad, exp_avg, exp_avg_sq]`; updates in place; no results.
+    /// args `[param, grad, exp_avg, exp_avg_sq]` and optionally `grad_scale f32[1]` (a clip's
+    /// `scale`: the update reads `grad · grad_scale`); updates in place; no results.
     AdamW {
         /// Peak lr.
         lr: f64,

@@ -122,6 +122,8 @@ pub struct FuseReport {
     pub bf16_casts: Vec<(String, String, &'static str)>,
     /// `sum-rows-cast`: `(x, column sums, bf16 copy)` names.
     pub sum_rows_casts: Vec<(String, String, String)>,
+    /// `clip-into-update`: the clip's `scale` and how many updates read it, or why not.
+    pub clip_into_update: Option<Result<(String, usize), String>>,
     /// Why the e-graph runner stopped (`Saturated` normally).
     pub stop_reason: Option<String>,
 }
@@ -558,6 +560,64 @@ impl Fuse {
     }
 }
 
+impl Fuse {
+    /// `clip-into-update` (CUDA targets): when every gradient a `clip_grad_norm` clips is read
+    /// after it only by `adam_w` updates (as their `grad`), the clip gets a second result
+    /// `scale` (f32 `[1]`: its factor, 1 when not clipping) instead of scaling the gradients in
+    /// place, and each update reads `grad · scale` — one pass over the gradients fewer. All or
+    /// nothing: with any other reader (SOAP's updates and factor accumulation) the clip stays.
+    fn clip_into_update(&mut self, m: &mut Module) {
+        let order: Vec<ir::InstId> = m.insts().collect();
+        let pos = |i: ir::InstId| order.iter().position(|&o| o == i);
+        let Some(clip) = order
+            .iter()
+            .copied()
+            .find(|&i| matches!(m.inst(i).op, Op::ClipGradNorm { .. }))
+        else {
+            return;
+        };
+        if m.inst(clip).results.len() != 1 {
+            return;
+        }
+        let at = pos(clip);
+        let mut updates = Vec::new();
+        for &g in &m.inst(clip).args {
+            for u in m.uses(g) {
+                let inst = m.inst(u);
+                match inst.op {
+                    _ if u == clip => {}
+                    Op::GradOf => {}
+                    Op::AdamW { .. }
+                        if inst.args.len() == 4 && inst.args[1] == g && pos(u) > at =>
+                    {
+                        updates.push(u)
+                    }
+                    _ => {
+                        self.report.clip_into_update = Some(Err(format!(
+                            "{} is also read by {}",
+                            m.display_value(g),
+                            inst.op.name()
+                        )));
+                        return;
+                    }
+                }
+            }
+        }
+        let ty = ir::TensorType {
+            dtype: DType::F32,
+            shape: vec![1],
+        };
+        let scale = m.add_result(clip, "clip_scale", ty);
+        for &u in &updates {
+            let mut args = m.inst(u).args.clone();
+            args.push(scale);
+            let op = m.inst(u).op.clone();
+            m.replace_inst(u, op, &args);
+        }
+        self.report.clip_into_update = Some(Ok((m.display_value(scale), updates.len())));
+    }
+}
+
 impl Pass for Fuse {
     fn name(&self) -> &'static str {
         "fuse"
@@ -576,15 +636,22 @@ impl Pass for Fuse {
         self.bf16_outputs(module, target);
         self.bf16_casts(module, target);
         self.sum_rows_casts(module);
+        if matches!(module.config.target, TargetConfig::Cuda { .. }) {
+            self.clip_into_update(module);
+        }
         let r = &self.report;
         Ok(format!(
-            "{} bias epilogues ({} blocked), {} saved attention statistics, {} bf16 outputs, {} bf16 casts, {} sum-rows casts",
+            "{} bias epilogues ({} blocked), {} saved attention statistics, {} bf16 outputs, {} bf16 casts, {} sum-rows casts, {} updates read the clip factor",
             r.bias_epilogues.len(),
             r.blocked.len(),
             r.attention_saved.len(),
             r.bf16_outputs.len(),
             r.bf16_casts.len(),
-            r.sum_rows_casts.len()
+            r.sum_rows_casts.len(),
+            match &r.clip_into_update {
+                Some(Ok((_, n))) => *n,
+                _ => 0,
+            }
         ))
     }
 
@@ -618,6 +685,13 @@ impl Pass for Fuse {
         }
         for (value, cast, section) in &r.bf16_casts {
             s.push_str(&format!("; bf16-cast: {cast} = cast {value} ({section})\n"));
+        }
+        match &r.clip_into_update {
+            Some(Ok((scale, n))) => s.push_str(&format!(
+                "; clip-into-update: clip_grad_norm writes {scale}; {n} adam_w read grad · {scale}\n"
+            )),
+            Some(Err(why)) => s.push_str(&format!("; clip-into-update blocked: {why}\n")),
+            None => {}
         }
         for (x, sums, copy) in &r.sum_rows_casts {
             s.push_str(&format!(

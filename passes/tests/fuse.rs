@@ -154,15 +154,41 @@ fn gpt2_124m_lowers_to_fused_ops_and_bf16_buffers() {
     assert_eq!(count(&plan, "bias_add"), 0);
     assert_eq!(count(&unfused, "bias_add"), 48);
     assert_eq!(count(&unfused, "mat_mul_bias"), 0);
-    // 48 products fewer, 12 attention statistics more, one buffer per bf16 cast more.
+    // sum-rows-cast: each block's four bias gradients come with their activation gradient's
+    // bf16 copy, in one op.
+    let sum_rows_casts = count(&plan, "sum_rows_cast");
+    assert_eq!(sum_rows_casts, 48);
+    assert_eq!(count(&plan, "sum_rows"), 0);
+    // 48 products fewer, 12 attention statistics more, one buffer per bf16 copy (cast or
+    // sum_rows_cast) more, and the clip factor.
     let casts = count(&plan, "cast");
-    assert_eq!(plan.buffers.len() + 48 - 12 - casts, unfused.buffers.len());
+    assert_eq!(
+        plan.buffers.len() + 48 - 12 - casts - sum_rows_casts - 1,
+        unfused.buffers.len()
+    );
+    // clip-into-update: the clip writes its factor and every AdamW reads it.
+    let scale = plan.optimizer.iter().find_map(|o| match o {
+        schedule::Op::ClipGradNorm { scale, .. } => Some(*scale),
+        _ => None,
+    });
+    let scale = scale.flatten().expect("the clip has a scale output");
+    let updates: Vec<_> = plan
+        .optimizer
+        .iter()
+        .filter_map(|o| match o {
+            schedule::Op::AdamW { grad_scale, .. } => Some(*grad_scale),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(updates.len(), 4 + 12 * 12);
+    assert!(updates.iter().all(|g| *g == Some(scale)));
     let cast_outs: Vec<schedule::BufferId> = plan
         .forward
         .iter()
         .chain(&plan.backward)
         .filter_map(|o| match o {
             schedule::Op::Cast { out, .. } => Some(*out),
+            schedule::Op::SumRowsCast { out_bf16, .. } => Some(*out_bf16),
             _ => None,
         })
         .collect();
@@ -224,7 +250,9 @@ fn gpt2_124m_lowers_to_fused_ops_and_bf16_buffers() {
     assert_eq!(param_casts(&plan.backward, 2), 49);
     assert_eq!(param_casts(&plan.forward, 1), 12);
     assert_eq!(param_casts(&plan.backward, 1), 0);
-    assert!(casts > 98 + 12, "{casts} casts");
+    // The four activation gradients per block that GEMMs read are also summed for a bias
+    // gradient: all 48 come from sum_rows_cast, none from a cast of their own.
+    assert_eq!(casts, 98 + 12, "{casts} casts");
     assert!(
         plan.memory.total_bytes() < unfused.memory.total_bytes(),
         "fused {} vs unfused {} bytes",
@@ -313,6 +341,15 @@ fn cpu_specs_fuse_bias_epilogues_only() {
         .iter()
         .all(|b| b.dtype != schedule::DType::Bf16));
     assert!(!m.to_string().contains("bias_add"));
+    // No clip-into-update off the GPU: the clip scales in place, the updates read the grads.
+    assert!(plan.optimizer.iter().all(|o| !matches!(
+        o,
+        schedule::Op::ClipGradNorm { scale: Some(_), .. }
+            | schedule::Op::AdamW {
+                grad_scale: Some(_),
+                ..
+            }
+    )));
     // LLaMA has no biases: nothing to fuse, and the CPU target makes nothing bf16.
     let (_, llama) = compile("../examples/tiny-llama-soap.asteria", false);
     let (_, llama_unfused) = compile("../examples/tiny-llama-soap.asteria", true);

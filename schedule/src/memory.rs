@@ -283,7 +283,7 @@ impl Op {
     /// Every buffer operand with its field name and how the op uses it (optional operands
     /// only when present). Outputs that the op overwrites completely are [`Access::Write`];
     /// `MatMul { accumulate: true }`'s `out`, the gradients scaled in place by
-    /// `ClipGradNorm` and the in-place state of the optimizer updates are
+    /// `ClipGradNorm` (without a `scale` output) and the in-place state of the optimizer updates are
     /// [`Access::ReadWrite`]. This is the semantics every engine implements and that the
     /// memory planner relies on.
     pub fn accesses(&self) -> Vec<(&'static str, BufferId, Access)> {
@@ -302,7 +302,8 @@ impl Op {
                     Access::Write
                 }
             }
-            (Op::ClipGradNorm { .. }, "grads") => Access::ReadWrite,
+            (Op::ClipGradNorm { scale: None, .. }, "grads") => Access::ReadWrite,
+            (Op::ClipGradNorm { .. }, "scale") => Access::Write,
             (Op::Attention { .. }, "lse") => Access::Write,
             (Op::AdamW { .. } | Op::SoapUpdate { .. }, "param" | "exp_avg" | "exp_avg_sq") => {
                 Access::ReadWrite
@@ -759,6 +760,7 @@ pub(crate) mod tests {
                 grad: b(3),
                 exp_avg: b(8),
                 exp_avg_sq: b(9),
+                grad_scale: None,
                 lr: 1e-3,
                 beta1: 0.9,
                 beta2: 0.95,
@@ -860,11 +862,27 @@ pub(crate) mod tests {
         let clip = Op::ClipGradNorm {
             grads: vec![BufferId(3)],
             norm: BufferId(6),
+            scale: None,
             max_norm: Some(1.0),
         };
         assert_eq!(
             acc(&clip),
             vec![("grads", Access::ReadWrite), ("norm", Access::Write)]
+        );
+        // With a `scale` output (`fuse`'s clip-into-update) the gradients are only read.
+        let clip = Op::ClipGradNorm {
+            grads: vec![BufferId(3)],
+            norm: BufferId(6),
+            scale: Some(BufferId(7)),
+            max_norm: Some(1.0),
+        };
+        assert_eq!(
+            acc(&clip),
+            vec![
+                ("grads", Access::Read),
+                ("norm", Access::Write),
+                ("scale", Access::Write)
+            ]
         );
         assert_eq!(acc(&p.forward[2])[2], ("loss", Access::Write));
     }

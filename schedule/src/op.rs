@@ -265,19 +265,29 @@ pub enum Op {
     },
     /// Global L2 norm of `grads` written to `norm` `[1]`; if `max_norm` is set and the norm
     /// exceeds it, every gradient is scaled by `max_norm / norm` (PyTorch `clip_grad_norm_`).
-    /// A non-finite norm makes the engine skip the rest of the optimizer program this step.
+    /// With `scale` (f32 `[1]`; the `fuse` pass's `clip-into-update`) the gradients stay as they
+    /// are and the factor (`max_norm / norm`, else 1) is written there instead, for the updates
+    /// that read it as their `grad_scale`. A non-finite norm makes the engine skip the rest of
+    /// the optimizer program this step.
     ClipGradNorm {
         grads: Vec<BufferId>,
         norm: BufferId,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        scale: Option<BufferId>,
         max_norm: Option<f64>,
     },
     /// AdamW (Loshchilov & Hutter; PyTorch `torch.optim.AdamW`) on one parameter, in place,
     /// with bias correction at the engine's 1-based step t and lr = `lr ·` schedule multiplier.
+    /// With `grad_scale` (f32 `[1]`, a `ClipGradNorm`'s `scale`) the update reads
+    /// `grad · grad_scale` (the product rounded to the gradient's type, as an in-place clip
+    /// would store it) instead of `grad`.
     AdamW {
         param: BufferId,
         grad: BufferId,
         exp_avg: BufferId,
         exp_avg_sq: BufferId,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        grad_scale: Option<BufferId>,
         lr: f64,
         beta1: f64,
         beta2: f64,

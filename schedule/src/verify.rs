@@ -228,22 +228,29 @@ impl Op {
                 ("targets", *targets),
                 ("dlogits", *dlogits),
             ]),
-            Op::ClipGradNorm { grads, norm, .. } => {
+            Op::ClipGradNorm {
+                grads, norm, scale, ..
+            } => {
                 v.extend(grads.iter().map(|g| ("grads", *g)));
                 v.push(("norm", *norm));
+                v.extend(scale.map(|s| ("scale", s)));
             }
             Op::AdamW {
                 param,
                 grad,
                 exp_avg,
                 exp_avg_sq,
+                grad_scale,
                 ..
-            } => v.extend([
-                ("param", *param),
-                ("grad", *grad),
-                ("exp_avg", *exp_avg),
-                ("exp_avg_sq", *exp_avg_sq),
-            ]),
+            } => {
+                v.extend([
+                    ("param", *param),
+                    ("grad", *grad),
+                    ("exp_avg", *exp_avg),
+                    ("exp_avg_sq", *exp_avg_sq),
+                ]);
+                v.extend(grad_scale.map(|s| ("grad_scale", s)));
+            }
             Op::SoapUpdate {
                 param,
                 grad,
@@ -708,8 +715,16 @@ impl Checker<'_> {
                     return Err(self.fail("dlogits", *dlogits, "must be bf16 when the logits are"));
                 }
             }
-            Op::ClipGradNorm { norm, max_norm, .. } => {
+            Op::ClipGradNorm {
+                norm,
+                scale,
+                max_norm,
+                ..
+            } => {
                 self.dims("norm", *norm, &[1])?;
+                if let Some(s) = scale {
+                    self.dims("scale", *s, &[1])?;
+                }
                 if let Some(m) = max_norm {
                     if !(m.is_finite() && *m > 0.0) {
                         return Err(PlanError::Invalid(format!(
@@ -724,11 +739,15 @@ impl Checker<'_> {
                 grad,
                 exp_avg,
                 exp_avg_sq,
+                grad_scale,
                 ..
             } => {
                 self.same(("param", *param), ("grad", *grad))?;
                 self.same(("param", *param), ("exp_avg", *exp_avg))?;
                 self.same(("param", *param), ("exp_avg_sq", *exp_avg_sq))?;
+                if let Some(s) = grad_scale {
+                    self.dims("grad_scale", *s, &[1])?;
+                }
             }
             Op::SoapUpdate {
                 param,

@@ -470,10 +470,12 @@ impl CudaEngine {
             Op::ClipGradNorm {
                 grads,
                 norm,
+                scale,
                 max_norm,
             } => {
                 let gs: Vec<&Buf> = grads.iter().map(|g| self.b(*g)).collect();
-                loss::clip_grad_norm(dev, &gs, self.b(*norm), *max_norm, s)?;
+                let scale = scale.map(|b| self.b(b));
+                loss::clip_grad_norm(dev, &gs, self.b(*norm), scale, *max_norm, s)?;
                 let v = dev.download::<f32>(self.b(*norm))?;
                 return Ok(Some(v.first().map_or(f64::NAN, |&x| f64::from(x))));
             }
@@ -482,6 +484,7 @@ impl CudaEngine {
                 grad,
                 exp_avg,
                 exp_avg_sq,
+                grad_scale,
                 lr,
                 beta1,
                 beta2,
@@ -503,6 +506,7 @@ impl CudaEngine {
                     self.b(*grad),
                     self.b(*exp_avg),
                     self.b(*exp_avg_sq),
+                    grad_scale.map(|b| self.b(b)),
                 )?;
             }
             Op::SoapUpdate {

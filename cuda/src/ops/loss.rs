@@ -202,12 +202,15 @@ pub(crate) fn sumsq_partials(dev: &Device, x: &Buf, partials: &Buf, slot: usize)
 
 /// Plan op `ClipGradNorm`: `norm[0] = √(Σ_g Σ_i g_i²)` (f64 accumulation); when `max_norm` is
 /// set and the norm is finite and above it, every gradient is scaled by `max_norm / norm` on
-/// the GPU (no host round trip). The caller reads `norm` back to skip the optimizer program
-/// on a non-finite norm. `scratch` f32 of at least [`clip_grad_norm_scratch_len`].
+/// the GPU (no host round trip) — or, with `scale_out` (f32 `[1]`), that factor (1 when not
+/// clipping) is written there and the gradients stay as they are (the updates read it). The
+/// caller reads `norm` back to skip the optimizer program on a non-finite norm. `scratch` f32
+/// of at least [`clip_grad_norm_scratch_len`].
 pub fn clip_grad_norm(
     dev: &Device,
     grads: &[&Buf],
     norm: &Buf,
+    scale_out: Option<&Buf>,
     max_norm: Option<f64>,
     scratch: &Buf,
 ) -> Result<()> {
@@ -224,7 +227,13 @@ pub fn clip_grad_norm(
         });
     }
     let partials = scratch.reinterpret(Elem::F64, SUMSQ_BLOCKS * k.max(1))?;
-    let scale = scratch.slice(need - 2, 1)?;
+    if let Some(s) = scale_out {
+        s.expect(OP, "scale", Elem::F32, 1)?;
+    }
+    let scale = match scale_out {
+        Some(s) => s.clone(),
+        None => scratch.slice(need - 2, 1)?,
+    };
     for (i, g) in grads.iter().enumerate() {
         sumsq_partials(dev, g, &partials, i)?;
     }
@@ -236,7 +245,7 @@ pub fn clip_grad_norm(
         .buf(&scale)
         .f64(max_norm.unwrap_or(-1.0));
     dev.launch("grad_norm_finalize", (1, 1, 1), (1024, 1, 1), args)?;
-    if max_norm.is_some() {
+    if max_norm.is_some() && scale_out.is_none() {
         for g in grads {
             let n = g.len();
             let args = Args::new().buf(g).buf(&scale).i64(n as i64);

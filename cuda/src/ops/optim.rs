@@ -29,7 +29,9 @@ pub struct AdamWStep {
 }
 
 /// Plan op `AdamW` (PyTorch `torch.optim.AdamW` semantics, torch.lerp for the first moment),
-/// in place on param/exp_avg/exp_avg_sq; all four buffers the same length.
+/// in place on param/exp_avg/exp_avg_sq; all four buffers the same length. `grad_scale`
+/// (f32 `[1]`, a `ClipGradNorm`'s `scale`): the update reads `grad · grad_scale`.
+#[allow(clippy::too_many_arguments)]
 pub fn adamw(
     dev: &Device,
     s: &AdamWStep,
@@ -37,6 +39,7 @@ pub fn adamw(
     grad: &Buf,
     exp_avg: &Buf,
     exp_avg_sq: &Buf,
+    grad_scale: Option<&Buf>,
 ) -> Result<()> {
     const OP: &str = "adamw";
     let n = grad.len();
@@ -47,6 +50,9 @@ pub fn adamw(
         ("exp_avg_sq", exp_avg_sq),
     ] {
         b.expect(OP, name, Elem::F32, n)?;
+    }
+    if let Some(g) = grad_scale {
+        g.expect(OP, "grad_scale", Elem::F32, 1)?;
     }
     let t = s.t.max(1).min(i32::MAX as u64) as i32;
     let bc1 = 1.0 - s.beta1.powi(t);
@@ -64,7 +70,8 @@ pub fn adamw(
         .f32((1.0 - s.beta2) as f32)
         .f32((s.lr / bc1) as f32)
         .f32(bc2_sqrt as f32)
-        .f32(s.eps as f32);
+        .f32(s.eps as f32)
+        .opt(grad_scale);
     dev.launch("adamw_step", (dev.grid_for(n), 1, 1), (256, 1, 1), args)
 }
 

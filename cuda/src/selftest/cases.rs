@@ -510,7 +510,10 @@ fn sum_rows_case(v: &mut Vec<Case>, n: usize, ch: usize, big: bool) {
         let mut r = vec![0.0; ch];
         c::elementwise::sum_rows(&wide(&x), &mut r, ch).map_err(cpu)?;
         let (fused, plain) = (cx.down(&ob)?, cx.down(&ob2)?);
-        let same = fused.iter().zip(&plain).all(|(a, b)| a.to_bits() == b.to_bits());
+        let same = fused
+            .iter()
+            .zip(&plain)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
         let rounded: Vec<f64> = x
             .iter()
             .map(|&v| f64::from(schedule::round_to_bf16(v)))

@@ -11,6 +11,7 @@ use schedule::SoapHyper;
 pub(crate) fn cases() -> Vec<Case> {
     let mut v = Vec::new();
     clip(&mut v);
+    clip_into_adamw(&mut v);
     adamw(&mut v);
     soap(&mut v);
     v
@@ -47,7 +48,8 @@ fn clip(v: &mut Vec<Case>) {
             );
             let max = max_norm.map(|f| f * ref_norm);
             let refs: Vec<&Buf> = bufs.iter().collect();
-            let ms = cx.timed(|| gloss::clip_grad_norm(cx.dev, &refs, &norm, max, &scratch))?;
+            let ms =
+                cx.timed(|| gloss::clip_grad_norm(cx.dev, &refs, &norm, None, max, &scratch))?;
             let mut clipped = wides.clone();
             if let Some(m) = max {
                 let mut views: Vec<&mut [f64]> =
@@ -62,6 +64,80 @@ fn clip(v: &mut Vec<Case>) {
                 ));
             }
             Ok(Outcome { errs, gpu_ms: ms })
+        }));
+    }
+}
+
+/// `fuse`'s `clip-into-update`: the clip writes its factor (`scale`) and AdamW reads
+/// `grad · scale`, against the clip scaling the gradients in place and AdamW reading them —
+/// bit-identical parameters and moments (clipping and not; lengths with a scalar tail).
+fn clip_into_adamw(v: &mut Vec<Case>) {
+    for (clip_to, label) in [(Some(0.5), "clip to 0.5·norm"), (None, "no clipping")] {
+        let sizes = [3usize, 783 * 50 + 1, 4096 * 783];
+        let size = format!("{sizes:?} {label}");
+        v.push(case("clip_into_adam_w", size, 0.0, false, move |cx| {
+            let s = gopt::AdamWStep {
+                t: 3,
+                lr: 0.05,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+            };
+            let grads: Vec<Vec<f32>> = sizes.iter().map(|&n| cx.normal(n, 0.0, 1.0)).collect();
+            let params: Vec<Vec<f32>> = sizes.iter().map(|&n| cx.normal(n, 0.0, 1.0)).collect();
+            let wides: Vec<Vec<f64>> = grads.iter().map(|g| wide(g)).collect();
+            let ref_norm = engine::cpu::clip::global_norm(
+                &wides.iter().map(Vec::as_slice).collect::<Vec<_>>(),
+            );
+            let max = clip_to.map(|f| f * ref_norm);
+            let scratch = cx.out(gloss::clip_grad_norm_scratch_len(sizes.len()))?;
+            // [unfused, fused]: each its own gradients, parameters and moments.
+            let mut finals = Vec::new();
+            let mut ms = 0.0;
+            for fused in [false, true] {
+                let gb = grads
+                    .iter()
+                    .map(|g| cx.up(g))
+                    .collect::<Result<Vec<Buf>>>()?;
+                let pb = params
+                    .iter()
+                    .map(|p| cx.up(p))
+                    .collect::<Result<Vec<Buf>>>()?;
+                let mut mb = Vec::new();
+                let mut vb = Vec::new();
+                for &n in &sizes {
+                    mb.push(cx.up(&vec![0.0f32; n])?);
+                    vb.push(cx.up(&vec![0.0f32; n])?);
+                }
+                let (norm, scale) = (cx.out(1)?, cx.out(1)?);
+                let refs: Vec<&Buf> = gb.iter().collect();
+                let sc = fused.then_some(&scale);
+                let t = cx.timed(|| {
+                    gloss::clip_grad_norm(cx.dev, &refs, &norm, sc, max, &scratch)?;
+                    for i in 0..sizes.len() {
+                        gopt::adamw(cx.dev, &s, &pb[i], &gb[i], &mb[i], &vb[i], sc)?;
+                    }
+                    Ok(())
+                })?;
+                if fused {
+                    ms = t;
+                }
+                let mut out = Vec::new();
+                for b in pb.iter().chain(&mb).chain(&vb) {
+                    out.push(cx.down(b)?);
+                }
+                finals.push(out);
+            }
+            let same = finals[0]
+                .iter()
+                .zip(&finals[1])
+                .all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
+            Ok(super::cases::one(
+                "param, moments bits",
+                if same { 0.0 } else { 1.0 },
+                ms,
+            ))
         }));
     }
 }
@@ -87,7 +163,7 @@ fn adamw(v: &mut Vec<Case>) {
             let m = cx.normal(n, 0.0, 0.05);
             let vv = cx.uniform(n, 0.005, 0.015);
             let (pb, gb, mb, vb) = (cx.up(&p)?, cx.up(&g)?, cx.up(&m)?, cx.up(&vv)?);
-            let ms = cx.timed(|| gopt::adamw(cx.dev, &s, &pb, &gb, &mb, &vb))?;
+            let ms = cx.timed(|| gopt::adamw(cx.dev, &s, &pb, &gb, &mb, &vb, None))?;
             let (mut rp, mut rm, mut rv) = (wide(&p), wide(&m), wide(&vv));
             let hp = optim::AdamWParams {
                 lr: s.lr,

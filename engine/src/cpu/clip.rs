@@ -17,6 +17,24 @@ pub fn global_norm<T: Float>(grads: &[&[T]]) -> f64 {
     grads.iter().map(|g| sum_sq(g)).sum::<f64>().sqrt()
 }
 
+/// The factor [`clip_to`] scales by: `max_norm / norm` when `norm > max_norm` and `norm` is
+/// finite, else 1.
+pub fn clip_factor(norm: f64, max_norm: f64) -> f64 {
+    if norm.is_finite() && norm > max_norm {
+        max_norm / norm
+    } else {
+        1.0
+    }
+}
+
+/// `g · f` elementwise, the values [`clip_to`] stores in place for the factor `f` (as `T`).
+pub fn scaled<T: Float>(g: &[T], f: T) -> Vec<T> {
+    if f == T::one() {
+        return g.to_vec();
+    }
+    g.par_iter().with_min_len(1 << 14).map(|&v| v * f).collect()
+}
+
 /// Scales every gradient by `max_norm / norm` when `norm > max_norm` (and `norm` is finite);
 /// returns the factor applied (1 when nothing was scaled).
 pub fn clip_to<T: Float>(grads: &mut [&mut [T]], norm: f64, max_norm: f64) -> f64 {

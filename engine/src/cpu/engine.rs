@@ -575,6 +575,7 @@ impl<T: Float + Real> CpuEngine<T> {
                         grad,
                         exp_avg,
                         exp_avg_sq,
+                        grad_scale: None,
                         lr,
                         beta1,
                         beta2,

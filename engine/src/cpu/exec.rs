@@ -378,9 +378,33 @@ pub(crate) fn exec_op<T: Float + Real>(
                 ce::cross_entropy_backward(s.f(*logits)?, s.i(*targets)?, &mut o[0], v)
             })?;
         }
+        // With `scale`: the factor `clip_to` would apply, written instead of applied.
         Op::ClipGradNorm {
             grads,
             norm,
+            scale: Some(scale),
+            max_norm,
+        } => {
+            let outs = [("norm", *norm), ("scale", *scale)];
+            let total = st.with_outs(loc, &outs, grads, |s, o| {
+                let gs = grads
+                    .iter()
+                    .map(|&g| s.f(g))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let total = clip::global_norm(&gs);
+                let factor = max_norm.map_or(1.0, |m| clip::clip_factor(total, m));
+                o[0].iter_mut()
+                    .for_each(|x| *x = <T as Float>::from_f64(total));
+                o[1].iter_mut()
+                    .for_each(|x| *x = <T as Float>::from_f64(factor));
+                Ok(total)
+            })?;
+            return Ok(OpOutcome::GradNorm(total));
+        }
+        Op::ClipGradNorm {
+            grads,
+            norm,
+            scale: None,
             max_norm,
         } => {
             let mut outs: Vec<(&'static str, BufferId)> =
@@ -408,6 +432,7 @@ pub(crate) fn exec_op<T: Float + Real>(
             grad,
             exp_avg,
             exp_avg_sq,
+            grad_scale,
             lr,
             beta1,
             beta2,
@@ -426,11 +451,22 @@ pub(crate) fn exec_op<T: Float + Real>(
                 ("exp_avg", *exp_avg),
                 ("exp_avg_sq", *exp_avg_sq),
             ];
-            st.with_outs(loc, &outs, &[*grad], |s, o| {
+            let reads: Vec<BufferId> = std::iter::once(*grad).chain(*grad_scale).collect();
+            st.with_outs(loc, &outs, &reads, |s, o| {
                 let [p, m, v] = o else {
                     return Err(optim_err(loc, "internal: operand count"));
                 };
-                optim::adamw_update(t, &hp, p, s.f(*grad)?, m, v).map_err(|e| optim_err(loc, e))
+                let g = s.f(*grad)?;
+                match grad_scale {
+                    // `grad · scale` as an in-place clip (`clip::clip_to`) would store it.
+                    Some(sc) => {
+                        let f = s.f(*sc)?.first().copied().unwrap_or_else(T::one);
+                        let scaled = clip::scaled(g, f);
+                        optim::adamw_update(t, &hp, p, &scaled, m, v)
+                    }
+                    None => optim::adamw_update(t, &hp, p, g, m, v),
+                }
+                .map_err(|e| optim_err(loc, e))
             })?;
         }
         Op::SoapUpdate {

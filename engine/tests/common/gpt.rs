@@ -484,6 +484,7 @@ fn optimizer(g: &Gpt, bufs: &mut Vec<Buffer>, params: &[ParamRef]) -> (Vec<Op>, 
     let mut ops = vec![Op::ClipGradNorm {
         grads: params.iter().map(|p| p.grad).collect(),
         norm,
+        scale: None,
         max_norm: Some(1.0),
     }];
     let mut tasks = vec![];
@@ -503,6 +504,7 @@ fn optimizer(g: &Gpt, bufs: &mut Vec<Buffer>, params: &[ParamRef]) -> (Vec<Op>, 
             grad: p.grad,
             exp_avg,
             exp_avg_sq,
+            grad_scale: None,
             lr: g.lr,
             beta1: 0.9,
             beta2: 0.95,

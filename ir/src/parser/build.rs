@@ -8,7 +8,7 @@ use schedule::{Init, SoapHyper};
 use std::str::FromStr;
 
 /// Every op name of the text format.
-const OP_NAMES: [&str; 33] = [
+const OP_NAMES: [&str; 34] = [
     "state",
     "input",
     "loss",
@@ -25,6 +25,7 @@ const OP_NAMES: [&str; 33] = [
     "mat_mul_bias",
     "bias_add",
     "sum_rows",
+    "sum_rows_cast",
     "add",
     "cast",
     "gelu",

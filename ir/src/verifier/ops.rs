@@ -62,7 +62,13 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
             }
         }
         Op::CrossEntropy | Op::CrossEntropyBackward => vec!["logits", "targets"],
-        Op::AdamW { .. } => vec!["param", "grad", "exp_avg", "exp_avg_sq"],
+        Op::AdamW { .. } => {
+            return match found {
+                4 => Ok(vec!["param", "grad", "exp_avg", "exp_avg_sq"]),
+                5 => Ok(vec!["param", "grad", "exp_avg", "exp_avg_sq", "grad_scale"]),
+                _ => Err("4 (param, grad, exp_avg, exp_avg_sq) or 5 (and grad_scale)".into()),
+            }
+        }
         Op::EigenbasisRefresh { .. } => vec!["factor", "basis", "exp_avg", "exp_avg_sq"],
     };
     match found == exact.len() {
@@ -91,6 +97,7 @@ fn result_roles(op: &Op, found: usize) -> Vec<&'static str> {
         Op::AttentionBackward { .. } => vec!["dqkv"],
         Op::CrossEntropy => vec!["loss"],
         Op::CrossEntropyBackward => vec!["dlogits"],
+        Op::ClipGradNorm { .. } if found == 2 => vec!["norm", "scale"],
         Op::ClipGradNorm { .. } => vec!["norm"],
         Op::SumRowsCast => vec!["out", "out_bf16"],
         Op::Loss
@@ -395,6 +402,9 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
         }
         Op::ClipGradNorm { max_norm } => {
             c.dims("norm", &[1])?;
+            if c.operands.iter().any(|o| o.0 == "scale") {
+                c.dims("scale", &[1])?;
+            }
             if let Some(x) = max_norm.filter(|x| !(x.is_finite() && *x > 0.0)) {
                 return Err(c.attr(format!("max_norm must be positive, got {x:?}")));
             }
@@ -415,6 +425,9 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 c.class(role, class)?;
             }
             c.same("param", "grad")?;
+            if c.operands.iter().any(|o| o.0 == "grad_scale") {
+                c.dims("grad_scale", &[1])?;
+            }
             if let Op::SoapUpdate { left, right, .. } = *op {
                 let (l, r) = (left.then_some("basis_left"), right.then_some("basis_right"));
                 c.sides("param", l, r)?;
