@@ -1005,10 +1005,10 @@ mod tests {
         let qkv: Vec<f64> = (0..n * 3 * d.channels).map(|_| rnd()).collect();
         let dout: Vec<f64> = (0..n * d.channels).map(|_| rnd()).collect();
         let mut o = vec![0.0; n * d.channels];
-        c::attention::attention_forward(&qkv, &mut o, &d).unwrap();
+        c::attention::attention_forward(&qkv, &mut o, &d).expect("cpu attention forward");
         let o_used: Vec<f64> = o.iter().map(|v| v + 0.01 * rnd()).collect();
         let mut r = vec![0.0; qkv.len()];
-        c::attention::attention_backward(&dout, &qkv, &mut r, &d).unwrap();
+        c::attention::attention_backward(&dout, &qkv, &mut r, &d).expect("cpu attention backward");
         // Exact O: the first-principles backward is the reference itself.
         let exact = brute_backward(&qkv, &dout, &o, &d);
         assert!(r.iter().zip(&exact).all(|(a, b)| (a - b).abs() < 1e-12));
