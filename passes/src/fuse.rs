@@ -1,7 +1,7 @@
 //! `fuse`: rewrites the IR into the fused ops the engines execute, so that an engine runs what
 //! the plan says and plans no fusion of its own (everything is visible with
 //! `--print-after fuse`). Runs after `expand-optimizer`, before `liveness` (memory is planned
-//! for the fused program). Five rules:
+//! for the fused program). Six rules:
 //!
 //! - **`bias-epilogue`** (an egg rewrite, every target):
 //!   `(bias_add (mat_mul ?ta ?tb ?a ?b) ?bias) → (mat_mul_bias ?ta ?tb ?a ?b ?bias)`.
@@ -56,6 +56,12 @@
 //!   copy, which keeps its name) at the `sum_rows`'s place, when that is before every reader
 //!   of the copy: one read of the activation gradient instead of two. The GPU kernel adds the
 //!   columns in `sum_rows`'s order (bit-identical sums) and rounds as `cast` does.
+//! - **`clip-into-update`** (CUDA targets): when every gradient a `clip_grad_norm` clips is
+//!   read after it only by `adam_w` updates, the clip gets a second result `clip_scale` (its
+//!   factor, 1 when not clipping) instead of scaling the gradients in place, and each update
+//!   reads `grad · clip_scale`: one pass over every gradient fewer, the same values (the
+//!   product an in-place clip would store). SOAP plans keep the in-place clip (their factor
+//!   accumulation and updates read the gradients too); the report says why.
 //!
 //! The e-graph language [`Dataflow`] holds only the ops the rewrite rules mention; every
 //! other value is an opaque leaf `%name`. The runner has explicit iteration, node and time
