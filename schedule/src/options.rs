@@ -157,7 +157,7 @@ mod tests {
         let e = "flash".parse::<AttentionKernel>().unwrap_err();
         assert!(e.contains("auto, fused, gemm"), "{e}");
         assert_eq!(
-            serde_json::to_string(&RefreshPlacement::Gpu).unwrap(),
+            serde_json::to_string(&RefreshPlacement::Gpu).expect("serialises"),
             "\"gpu\""
         );
     }

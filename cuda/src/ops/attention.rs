@@ -709,7 +709,10 @@ mod tests {
     fn every_head_dim_up_to_the_limit_has_a_registered_variant() {
         for hd in 1..=FLASH_TC_MAX_HEAD_DIM {
             let v = flash_variant(hd, FlashMath::Bf16);
-            let width = [32, 64, 128].into_iter().find(|&w| hd <= w).unwrap();
+            let width = [32, 64, 128]
+                .into_iter()
+                .find(|&w| hd <= w)
+                .expect("a variant width");
             for k in [v.fwd, v.fwd_bf16out, v.dkdv, v.dq] {
                 assert!(k.ends_with(&format!("_d{width}")), "hd {hd}: {k}");
                 assert_eq!(
