@@ -9,30 +9,10 @@
 //! The divergence is real: AdamW with `lr = 10` and `weight_decay = 10` multiplies the 2-D
 //! weights by 1 − lr·wd = −99 every step, so activations overflow to a NaN gradient norm within
 //! a few steps (measured: step 8 of a 1-layer, d 32 byte-level GPT-2).
+mod cli_common;
+
+use cli_common::{asteria, flat as stderr};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn asteria(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_asteria"))
-        .args(args)
-        .current_dir(root())
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("asteria runs")
-}
-
-/// stderr with miette's margins and line wrapping collapsed to single spaces.
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr)
-        .replace('│', " ")
-        .split_whitespace()
-        .collect::<Vec<_>>()
-        .join(" ")
-}
 
 /// A tiny byte-level GPT-2 spec (runs in well under a second) with `optimizer` and `train`
 /// entries, written into `dir`.

@@ -1,4 +1,5 @@
-//! Helpers of the `asteria` binary's end-to-end tests (`tests/cli.rs`, `tests/cli_data.rs`).
+//! Helpers of the `asteria` binary's end-to-end tests (`tests/cli.rs`, `tests/cli_data.rs`,
+//! `tests/runs_fail.rs`).
 #![allow(dead_code)] // each test file uses its own subset
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
