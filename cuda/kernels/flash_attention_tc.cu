@@ -56,16 +56,11 @@
 // so d128 needs a device whose opt-in shared memory per block holds 137 KB (sm_80: 163 KB,
 // sm_90: 227 KB; not sm_86 / sm_89: 99 KB). Every region starts at a multiple of 272 bytes, so
 // the 16-byte alignment of cp.async and ldmatrix holds as in the static arrays.
-
-#include <cuda_bf16.h>
+// The shared helpers (bf16 packing, cp.async, row reductions, stores) are flash_common.cuh.
 
 #define TC_WARPS 8
 #define TC_ROWS (16 * TC_WARPS)  // rows (queries, or keys for dK/dV) per block
 #define TC_TILE 64               // keys (or queries) per shared-memory tile
-#define TC_LOG2E 1.4426950408889634f
-#define TC_NEG_INF __int_as_float(0xff800000)
-
-typedef __nv_bfloat16 bf16;
 
 // The d128 kernels' tile space (bytes passed at launch; see the header).
 extern __shared__ __align__(16) unsigned char tc_dyn_smem[];
@@ -82,11 +77,6 @@ __host__ __device__ constexpr bool tc_dyn() {
 template <int HD>
 __host__ __device__ constexpr bool tc_a_smem() {
     return HD > 64;
-}
-
-__device__ __forceinline__ unsigned tc_pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
-    return *reinterpret_cast<unsigned*>(&v);
 }
 
 // Two consecutive bf16 of shared memory (even element index) as one 32-bit fragment register.
@@ -199,11 +189,6 @@ __device__ __forceinline__ void tc_mma_p(float (&acc)[ND][4], const float (&p)[T
     }
 }
 
-// Whether a head slice's rows can be copied 16 bytes at a time.
-__device__ __forceinline__ bool tc_vec(const bf16* src, long long ld, int hd) {
-    return (hd & 7) == 0 && (ld & 7) == 0 && (reinterpret_cast<unsigned long long>(src) & 15) == 0;
-}
-
 // Rows row0 .. row0+nrows-1 (zeros past n_valid) of a bf16 head slice `src` (row stride ld, hd
 // valid columns, zeros up to HD) into shared memory dst[r * (HD + 8) + d].
 template <int HD>
@@ -226,19 +211,6 @@ __device__ __forceinline__ void tc_load(bf16* dst, const bf16* __restrict__ src,
     }
 }
 
-// cp.async of 16 bytes global -> shared; `valid` false zero-fills the destination (source size
-// 0: nothing is read).
-__device__ __forceinline__ void tc_cp16(bf16* dst, const bf16* src, bool valid) {
-    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void tc_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-// Waits until at most N committed groups of this thread are still in flight.
-template <int N>
-__device__ __forceinline__ void tc_cp_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 // As tc_load, but the 16-byte path is asynchronous (cp.async, one group committed by the
 // caller), so that the next tile streams in while the block computes on the current one. The
 // caller waits (tc_cp_wait) and __syncthreads before reading dst. The element path (odd head
@@ -256,33 +228,6 @@ __device__ __forceinline__ void tc_load_async(bf16* dst, const bf16* __restrict_
     } else {
         tc_load<HD>(dst, src, ld, row0, nrows, n_valid, hd, false);
     }
-}
-
-// Max, then sum, over the 4 lanes that hold one row of an accumulator.
-__device__ __forceinline__ float tc_row_max(float v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-__device__ __forceinline__ float tc_row_sum(float v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-
-// Stores accumulator tiles acc (16 rows from row0 of this warp, columns n*8 + 2t + {0,1}) times
-// mul into dst (row stride ld, hd columns), rows below n_valid only.
-__device__ __forceinline__ void tc_put(float* d, long long i, float v) { d[i] = v; }
-__device__ __forceinline__ void tc_put(bf16* d, long long i, float v) { d[i] = __float2bfloat16_rn(v); }
-
-template <int ND, typename OutT>
-__device__ __forceinline__ void tc_store(const float (&acc)[ND][4], OutT* __restrict__ dst, long long ld, int row0,
-                                         int n_valid, int hd, int g, int t, float mul) {
-#pragma unroll
-    for (int n = 0; n < ND; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int row = row0 + g + (e >= 2 ? 8 : 0), col = n * 8 + 2 * t + (e & 1);
-            if (row < n_valid && col < hd) tc_put(dst, (long long)row * ld + col, acc[n][e] * mul);
-        }
 }
 
 // Forward (and backward pass 1). grid (ceil(T/128), B*NH), block 256.

@@ -183,6 +183,20 @@ pub struct Device {
     status: Buf,
     _internal: Arena,
     gemm_math: AtomicU8,
+    flash_kernels: AtomicU8,
+}
+
+/// Which fused attention kernels run `precision = bf16` attention
+/// ([`crate::ops::attention`]): both compute the same math (bf16 operands into the tensor cores,
+/// fp32 accumulation and softmax, the same tiles and causal masks; results differ only by the
+/// order of fp32 additions inside an MMA).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FlashKernels {
+    /// `mma.sync m16n8k16` (`flash_attention_tc.cu`): every device from compute capability 8.0.
+    Mma,
+    /// Hopper's warpgroup MMA (`wgmma`, `flash_attention_wgmma.cu`): compute capability 9.0,
+    /// head dims 33..=128 (narrower heads keep the `mma.sync` kernels). The default there.
+    Wgmma,
 }
 
 /// How the fp32-storage GEMMs ([`crate::gemm::gemm_f32`] and the attention GEMMs) compute.
@@ -346,6 +360,7 @@ impl Device {
             status,
             _internal: internal,
             gemm_math: AtomicU8::new(GemmMath::Fp32.code()),
+            flash_kernels: AtomicU8::new(u8::from(cc == (9, 0))),
         };
         dev.upload(&dev.status, &[i32::MAX])?;
         Ok(dev)
@@ -359,6 +374,37 @@ impl Device {
     /// The current [`GemmMath`].
     pub fn gemm_math(&self) -> GemmMath {
         GemmMath::from_code(self.gemm_math.load(Ordering::Relaxed))
+    }
+
+    /// The fused attention kernels this device runs: [`FlashKernels::Wgmma`] on compute
+    /// capability 9.0, else [`FlashKernels::Mma`] (unless [`Device::set_flash_kernels`] chose).
+    pub fn flash_kernels(&self) -> FlashKernels {
+        if self.flash_kernels.load(Ordering::Relaxed) == 1 {
+            FlashKernels::Wgmma
+        } else {
+            FlashKernels::Mma
+        }
+    }
+
+    /// Chooses the fused attention kernels (the self-test checks both families on an H200);
+    /// returns the previous choice.
+    ///
+    /// # Errors
+    /// [`FlashKernels::Wgmma`] on a device other than compute capability 9.0.
+    pub fn set_flash_kernels(&self, k: FlashKernels) -> Result<FlashKernels> {
+        if k == FlashKernels::Wgmma && self.info.compute_capability != (9, 0) {
+            return Err(CudaError::Invalid {
+                op: "set_flash_kernels",
+                what: format!(
+                    "the wgmma attention kernels need compute capability 9.0; {} is {}.{}",
+                    self.info.name, self.info.compute_capability.0, self.info.compute_capability.1
+                ),
+            });
+        }
+        let prev = self.flash_kernels();
+        self.flash_kernels
+            .store(u8::from(k == FlashKernels::Wgmma), Ordering::Relaxed);
+        Ok(prev)
     }
 
     /// What the driver says about the device.

@@ -30,7 +30,9 @@
 //! - Precision (`TargetPlan::Cuda::precision`): `fp32` runs every GEMM in plain fp32 (no TF32)
 //!   and attention through the GEMM path; `bf16` runs the model GEMMs (plan `MatMul`s) with bf16
 //!   inputs and fp32 accumulation and output, attention on the fused bf16 tensor-core kernels
-//!   (head dim ≤ 64, else the GEMM path in bf16; the plan's `attention` option, [`flash_math`]), SOAP's per-step GEMMs
+//!   (head dim ≤ 128, `wgmma` kernels on compute capability 9.0 and `mma.sync` elsewhere, see
+//!   [`crate::FlashKernels`]; wider heads the GEMM path in bf16; the plan's `attention` option,
+//!   [`flash_math`]), SOAP's per-step GEMMs
 //!   (factor accumulation, projections) on bf16 operands ([`op::SoapProjections`]) and the
 //!   moment re-projection of a refresh swap on TF32 tensor cores. Master weights, moments,
 //!   elementwise optimizer math and the eigensolves and QRs of refreshes stay fp32.
@@ -483,8 +485,13 @@ impl StepExecutor for CudaEngine {
 
     fn describe(&self) -> String {
         let i = self.dev.info();
+        // Which fused kernels `auto` / `fused` attention runs on this device.
+        let fused = match self.dev.flash_kernels() {
+            crate::FlashKernels::Wgmma => "wgmma",
+            crate::FlashKernels::Mma => "mma.sync",
+        };
         format!(
-            "cuda:{} {} ({}), attention kernels {}, profile {}",
+            "cuda:{} {} ({}), attention kernels {} (fused: {fused}), profile {}",
             i.ordinal, i.name, i.arch, self.attention, self.opts.profile
         )
     }

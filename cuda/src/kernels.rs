@@ -28,6 +28,18 @@ macro_rules! family {
     ($name:literal, [$($k:literal),* $(,)?]) => {
         Family { name: $name, source: include_str!(concat!("../kernels/", $name, ".cu")), kernels: &[$($k),*] }
     };
+    // A family whose source starts with a shared header of `cuda/kernels/` (the fused attention
+    // families' flash_common.cuh).
+    ($name:literal, prelude $pre:literal, [$($k:literal),* $(,)?]) => {
+        Family {
+            name: $name,
+            source: concat!(
+                include_str!(concat!("../kernels/", $pre)),
+                include_str!(concat!("../kernels/", $name, ".cu"))
+            ),
+            kernels: &[$($k),*],
+        }
+    };
 }
 
 /// Every family, in load order.
@@ -106,6 +118,7 @@ pub const FAMILIES: &[Family] = &[
     ),
     family!(
         "flash_attention_tc",
+        prelude "flash_common.cuh",
         [
             "flash_attn_tc_fwd_d32",
             "flash_attn_tc_bwd_dkdv_d32",
@@ -120,6 +133,20 @@ pub const FAMILIES: &[Family] = &[
             "flash_attn_tc_bwd_dq_d128",
             "flash_attn_tc_fwd_bf16out_d128",
             "flash_attn_tc_delta",
+        ]
+    ),
+    family!(
+        "flash_attention_wgmma",
+        prelude "flash_common.cuh",
+        [
+            "flash_attn_wg_fwd_d64",
+            "flash_attn_wg_fwd_bf16out_d64",
+            "flash_attn_wg_bwd_dkdv_d64",
+            "flash_attn_wg_bwd_dq_d64",
+            "flash_attn_wg_fwd_d128",
+            "flash_attn_wg_fwd_bf16out_d128",
+            "flash_attn_wg_bwd_dkdv_d128",
+            "flash_attn_wg_bwd_dq_d128",
         ]
     ),
     family!(

@@ -40,8 +40,8 @@ pub mod selftest;
 pub mod train_match;
 
 pub use device::{
-    driver_present, peak_bf16_tflops, Device, DeviceInfo, GemmMath, HostElem, MemoryReport,
-    StreamKind,
+    driver_present, peak_bf16_tflops, Device, DeviceInfo, FlashKernels, GemmMath, HostElem,
+    MemoryReport, StreamKind,
 };
 pub use engine::{gpu_trace as engine_trace, CudaEngine, CudaOptions};
 pub use error::{CudaError, Result, Tier};

@@ -9,9 +9,13 @@ use cudarc::nvrtc::{result as nv, sys as nvsys};
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
 
-/// NVRTC target for compute capability `(major, minor)`: `sm_90` for (9, 0).
+/// NVRTC target for compute capability `(major, minor)`: `sm_86` for (8, 6); for (9, 0)
+/// `sm_90a`, Hopper's arch-specific target, whose warpgroup MMA (`wgmma`) the fused attention
+/// kernels of `flash_attention_wgmma.cu` use (an `sm_90a` CUBIN runs on compute capability 9.0
+/// only, which is the device it is compiled for).
 pub fn arch_for(cc: (i32, i32)) -> String {
-    format!("sm_{}{}", cc.0, cc.1)
+    let suffix = if cc == (9, 0) { "a" } else { "" };
+    format!("sm_{}{}{suffix}", cc.0, cc.1)
 }
 
 /// The CUDA include folder for `cuda_bf16.h` / `cuda_fp16.h`: `$CUDA_HOME/include`,

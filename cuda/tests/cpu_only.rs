@@ -123,7 +123,9 @@ fn carver_places_at_given_offsets() {
 
 #[test]
 fn nvrtc_arch_options_and_cache_keys() {
-    assert_eq!(nvrtc::arch_for((9, 0)), "sm_90");
+    // Hopper gets its arch-specific target (wgmma); every other device its plain one.
+    assert_eq!(nvrtc::arch_for((9, 0)), "sm_90a");
+    assert_eq!(nvrtc::arch_for((8, 0)), "sm_80");
     assert_eq!(nvrtc::arch_for((12, 1)), "sm_121");
     let o = nvrtc::options("sm_90", Some(std::path::Path::new("/opt/cuda/include")));
     assert!(o.contains(&"--gpu-architecture=sm_90".to_string()));

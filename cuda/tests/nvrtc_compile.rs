@@ -1,4 +1,5 @@
-//! Compiles every kernel family with NVRTC for sm_90 (the H200/H100) and sm_80, when NVRTC is
+//! Compiles every kernel family with NVRTC for sm_90a (the H200/H100, with the wgmma kernels
+//! of flash_attention_wgmma.cu), sm_90 and sm_80, when NVRTC is
 //! present; skips (passing) on machines without it, such as CI. NVRTC needs no GPU, so a
 //! development machine with the `nvidia-cuda-nvrtc` and `nvidia-cuda-runtime` wheels unpacked
 //! (LD_LIBRARY_PATH=…/nvidia/cu13/lib, CUDA_HOME=…/nvidia/cu13) checks the CUDA C here.
@@ -6,7 +7,7 @@ use cuda::kernels::{COMMON, FAMILIES};
 use cuda::nvrtc;
 
 #[test]
-fn every_family_compiles_for_sm90_and_sm80() {
+fn every_family_compiles_for_sm90a_sm90_and_sm80() {
     // SAFETY: only tries to dlopen libnvrtc.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         eprintln!("libnvrtc not found: skipping the NVRTC compile check");
@@ -14,7 +15,7 @@ fn every_family_compiles_for_sm90_and_sm80() {
     }
     let include = nvrtc::include_dir();
     let mut failures = Vec::new();
-    for arch in ["sm_90", "sm_80"] {
+    for arch in ["sm_90a", "sm_90", "sm_80"] {
         let options = nvrtc::options(arch, include.as_deref());
         for fam in FAMILIES {
             let source = format!("{COMMON}\n#line 1 \"{}.cu\"\n{}", fam.name, fam.source);

@@ -67,10 +67,12 @@ named_option! {
     /// `attention` of `target cuda`).
     AttentionKernel {
         /// Under `precision = bf16` the fused tensor-core kernels where the head dim allows
-        /// (≤ 64), else the GEMM path; under `precision = fp32` the GEMM path. The default.
+        /// (≤ 128), else the GEMM path; under `precision = fp32` the GEMM path. The default.
         Auto = "auto",
         /// The fused bf16 tensor-core kernels (FlashAttention-2 tiling) whatever the precision;
-        /// heads wider than 64 fall back to the GEMM path.
+        /// heads wider than 128 fall back to the GEMM path. Both kinds compute the same math:
+        /// Hopper's `wgmma` kernels on compute capability 9.0 (head dims 33..=128), `mma.sync`
+        /// elsewhere; the run's first line names the one in use.
         Fused = "fused",
         /// cuBLAS GEMMs around a materialised `T × T` score matrix, in the plan's precision.
         Gemm = "gemm",

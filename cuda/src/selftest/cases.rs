@@ -1,5 +1,6 @@
 //! Self-test cases of the model, attention, loss, GEMM and elementwise launchers.
 use super::{cpu, rel_err, wide, Case, Ctx, Outcome, TOL_BF16, TOL_F32};
+use crate::device::FlashKernels;
 use crate::error::Result;
 use crate::gemm::Dims;
 use crate::memory::Elem;
@@ -643,9 +644,11 @@ fn attention(v: &mut Vec<Case>) {
 /// The fused (flash-style) attention kernels against the CPU reference at awkward sizes: every
 /// head-dim variant (d32, d64, d128, each also padded: head dims 16, 24, 48, 50, 100), T not
 /// a multiple of the 128-row block or the 64-row tile, T = 1, several batches. Outputs and
-/// scratch NaN-poisoned. The bf16 tensor-core kernels (`flash_attention_tc*`, bf16 tolerance:
-/// operands rounded to bf16, fp32 accumulation) take every geometry with head dims ≤ 128:
-/// forward, backward (statistics from a forward rerun) and the saved-statistics backward.
+/// scratch NaN-poisoned. The bf16 tensor-core kernels (bf16 tolerance: operands rounded to
+/// bf16, fp32 accumulation) take every geometry with head dims ≤ 128: forward, backward
+/// (statistics from a forward rerun) and the saved-statistics backward; both families, the
+/// `mma.sync` kernels (`flash_attention_tc*`) and, on compute capability 9.0, the `wgmma` ones
+/// (`flash_attention_wg*`, head dims above 32).
 fn flash_attention(v: &mut Vec<Case>) {
     // (batch, seq_len, n_heads, channels)
     for (b, t, nh, ch, big) in [
@@ -687,52 +690,86 @@ fn flash_attention(v: &mut Vec<Case>) {
             channels: ch,
         };
         let nc = b * t * ch;
-        for (math, fwd_name, bwd_name, tol) in [(
-            gattn::FlashMath::Bf16,
-            "flash_attention_tc",
-            "flash_attention_tc_backward",
-            TOL_BF16,
-        )] {
-            if !gattn::flash_supported(&gd, math) {
+        let math = gattn::FlashMath::Bf16;
+        let tol = TOL_BF16;
+        for (kernels, [fwd_name, bwd_name, saved_name, bf16_name]) in [
+            (
+                FlashKernels::Mma,
+                [
+                    "flash_attention_tc",
+                    "flash_attention_tc_backward",
+                    "flash_attention_tc_backward_saved",
+                    "flash_attention_tc_bf16_inputs",
+                ],
+            ),
+            (
+                FlashKernels::Wgmma,
+                [
+                    "flash_attention_wg",
+                    "flash_attention_wg_backward",
+                    "flash_attention_wg_backward_saved",
+                    "flash_attention_wg_bf16_inputs",
+                ],
+            ),
+        ] {
+            // Heads of at most 32 run the mma.sync kernels in either family.
+            if !gattn::flash_supported(&gd, math)
+                || (kernels == FlashKernels::Wgmma && ch / nh <= 32)
+            {
                 continue;
             }
-            v.push(case(fwd_name, size.clone(), tol, big, move |cx| {
-                let qkv = cx.normal(3 * nc, 0.0, 1.0);
-                let (qb, ob) = (cx.up(&qkv)?, cx.out(nc)?);
-                let sb = cx.out(gattn::flash_forward_scratch_len(&gd, math))?;
-                let ms =
-                    cx.timed(|| gattn::flash_attention_forward(cx.dev, &qb, &ob, &gd, &sb, math))?;
-                let mut r = vec![0.0; nc];
-                c::attention::attention_forward(&operands(&qkv, math), &mut r, &cd).map_err(cpu)?;
-                Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
-            }));
-            v.push(case(bwd_name, size.clone(), tol, big, move |cx| {
-                let qkv = cx.normal(3 * nc, 0.0, 1.0);
-                let dout = cx.normal(nc, 0.0, 1.0);
-                let (qb, gb, db) = (cx.up(&qkv)?, cx.up(&dout)?, cx.out(3 * nc)?);
-                let sb = cx.out(gattn::flash_backward_scratch_len(&gd, math))?;
-                let ms = cx.timed(|| {
-                    gattn::flash_attention_backward(cx.dev, &gb, &qb, &db, &gd, &sb, math)
-                })?;
-                let mut r = vec![0.0; 3 * nc];
-                c::attention::attention_backward(
-                    &operands(&dout, math),
-                    &operands(&qkv, math),
-                    &mut r,
-                    &cd,
-                )
-                .map_err(cpu)?;
-                let errs = dqkv_errs(&cx.down(&db)?, &r, ch);
-                Ok(Outcome { errs, gpu_ms: ms })
-            }));
-            // The engine's path: the forward keeps lse and bf16 qkv, the backward takes them
-            // and the bf16 copy of the output (delta from O instead of a forward rerun).
+
             v.push(case(
-                "flash_attention_tc_backward_saved",
+                fwd_name,
                 size.clone(),
                 tol,
                 big,
-                move |cx| {
+                with_kernels(kernels, move |cx| {
+                    let qkv = cx.normal(3 * nc, 0.0, 1.0);
+                    let (qb, ob) = (cx.up(&qkv)?, cx.out(nc)?);
+                    let sb = cx.out(gattn::flash_forward_scratch_len(&gd, math))?;
+                    let ms = cx.timed(|| {
+                        gattn::flash_attention_forward(cx.dev, &qb, &ob, &gd, &sb, math)
+                    })?;
+                    let mut r = vec![0.0; nc];
+                    c::attention::attention_forward(&operands(&qkv, math), &mut r, &cd)
+                        .map_err(cpu)?;
+                    Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+                }),
+            ));
+            v.push(case(
+                bwd_name,
+                size.clone(),
+                tol,
+                big,
+                with_kernels(kernels, move |cx| {
+                    let qkv = cx.normal(3 * nc, 0.0, 1.0);
+                    let dout = cx.normal(nc, 0.0, 1.0);
+                    let (qb, gb, db) = (cx.up(&qkv)?, cx.up(&dout)?, cx.out(3 * nc)?);
+                    let sb = cx.out(gattn::flash_backward_scratch_len(&gd, math))?;
+                    let ms = cx.timed(|| {
+                        gattn::flash_attention_backward(cx.dev, &gb, &qb, &db, &gd, &sb, math)
+                    })?;
+                    let mut r = vec![0.0; 3 * nc];
+                    c::attention::attention_backward(
+                        &operands(&dout, math),
+                        &operands(&qkv, math),
+                        &mut r,
+                        &cd,
+                    )
+                    .map_err(cpu)?;
+                    let errs = dqkv_errs(&cx.down(&db)?, &r, ch);
+                    Ok(Outcome { errs, gpu_ms: ms })
+                }),
+            ));
+            // The engine's path: the forward keeps lse and bf16 qkv, the backward takes them
+            // and the bf16 copy of the output (delta from O instead of a forward rerun).
+            v.push(case(
+                saved_name,
+                size.clone(),
+                tol,
+                big,
+                with_kernels(kernels, move |cx| {
                     let qkv = cx.normal(3 * nc, 0.0, 1.0);
                     let dout = cx.normal(nc, 0.0, 1.0);
                     let (qb, gb, db) = (cx.up(&qkv)?, cx.up(&dout)?, cx.out(3 * nc)?);
@@ -766,17 +803,17 @@ fn flash_attention(v: &mut Vec<Case>) {
                     let mut errs = dqkv_errs(&cx.down(&db)?, &r, ch);
                     errs.push(("out", out_err));
                     Ok(Outcome { errs, gpu_ms: ms })
-                },
+                }),
             ));
             // qkv and dout as bf16 plan buffers (the `fuse` pass's for GPT's qkv): the kernels
             // read them as they are, and every output is bit-identical to the f32-input path
             // above, which casts them per call (an error of 1 where any bit differs).
             v.push(case(
-                "flash_attention_tc_bf16_inputs",
+                bf16_name,
                 size.clone(),
                 tol,
                 big,
-                move |cx| {
+                with_kernels(kernels, move |cx| {
                     let qkv = cx.normal(3 * nc, 0.0, 1.0);
                     let dout = cx.normal(nc, 0.0, 1.0);
                     let (qb, gb) = (cx.up(&qkv)?, cx.up(&dout)?);
@@ -834,9 +871,23 @@ fn flash_attention(v: &mut Vec<Case>) {
                         ("dqkv rerun", same(cx.down(&d16_rerun)?, cx.down(&d_rerun)?)),
                     ];
                     Ok(Outcome { errs, gpu_ms: ms })
-                },
+                }),
             ));
         }
+    }
+}
+
+/// `f` with the device's fused attention kernels set to `kernels`, the previous choice restored
+/// after it.
+fn with_kernels(
+    kernels: FlashKernels,
+    f: impl Fn(&mut Ctx<'_>) -> Result<Outcome> + 'static,
+) -> impl Fn(&mut Ctx<'_>) -> Result<Outcome> + 'static {
+    move |cx| {
+        let prev = cx.dev.set_flash_kernels(kernels)?;
+        let r = f(cx);
+        cx.dev.set_flash_kernels(prev)?;
+        r
     }
 }
 

@@ -292,6 +292,8 @@ pub fn run(dev: &Device, opts: &Options) -> Report {
             .as_deref()
             .is_some_and(|f| !case.kernel.contains(f))
             || (opts.quick && case.big)
+            || (case.kernel.starts_with("flash_attention_wg")
+                && dev.info().compute_capability != (9, 0))
         {
             continue;
         }
