@@ -3,12 +3,13 @@
 //! arenas per tier, the status word that kernels report bad indices through, and memory
 //! accounting.
 use crate::error::{catch, cublas, CudaError, Result, Tier};
-use crate::kernels::{Args, FamilyLoad, Kernels};
+use crate::kernels::{ArgKind, Args, FamilyLoad, Kernels, COMMON};
 use crate::memory::{Arena, Buf, Elem, MemCounters};
 use crate::nvrtc;
 use cudarc::cublas::{result as cb, sys as cbsys};
 use cudarc::driver::{
-    result as drv, sys, CudaContext, CudaEvent, CudaStream, LaunchConfig, PushKernelArg,
+    result as drv, sys, CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig,
+    PushKernelArg,
 };
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
@@ -227,6 +228,21 @@ impl GemmMath {
             2 => GemmMath::Tf32,
             _ => GemmMath::Fp32,
         }
+    }
+}
+
+/// A kernel compiled from source generated at run time ([`Device::compile_runtime`]), with
+/// the parameter kinds its launches are checked against.
+pub struct RuntimeKernel {
+    name: String,
+    func: CudaFunction,
+    kinds: Vec<ArgKind>,
+}
+
+impl RuntimeKernel {
+    /// The kernel's name.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 }
 
@@ -679,6 +695,80 @@ impl Device {
         args: Args,
     ) -> Result<()> {
         self.launch_with(StreamKind::Compute, kernel, grid, block, smem, args)
+    }
+
+    /// Compiles `source` (one `extern "C"` kernel named `name`, generated at run time: an
+    /// optimizer's update rule) with NVRTC for this device, through the kernel cache, and
+    /// loads it.
+    ///
+    /// # Errors
+    /// A source without that kernel or with parameters other than pointers, `int`, `long long`,
+    /// `float` and `double`; NVRTC's compile log; driver errors.
+    pub fn compile_runtime(&self, name: &str, source: &str) -> Result<RuntimeKernel> {
+        let invalid = |what: String| CudaError::Invalid {
+            op: "compile_runtime",
+            what,
+        };
+        let sigs = crate::kernels::kernel_signatures(source).map_err(invalid)?;
+        let kinds = sigs
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, k)| k)
+            .ok_or_else(|| invalid(format!("the source defines no kernel `{name}`")))?;
+        let options = nvrtc::options(&self.info.arch, nvrtc::include_dir().as_deref());
+        let full = format!("{COMMON}\n#line 1 \"generated.cu\"\n{source}");
+        let (cubin, _) = nvrtc::load_or_compile(
+            "generated",
+            &full,
+            &self.info.arch,
+            &options,
+            nvrtc::cache_dir().as_deref(),
+        )?;
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
+        let func = module.load_function(name)?;
+        Ok(RuntimeKernel {
+            name: name.to_string(),
+            func,
+            kinds,
+        })
+    }
+
+    /// Launches a [`RuntimeKernel`] on the compute stream after checking `args` against its
+    /// parameter list.
+    ///
+    /// # Errors
+    /// Arguments that do not match its parameters; launch failures.
+    pub(crate) fn launch_runtime(
+        &self,
+        k: &RuntimeKernel,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        args: Args,
+    ) -> Result<()> {
+        if args.kinds != k.kinds {
+            return Err(CudaError::Invalid {
+                op: "launch_runtime",
+                what: format!(
+                    "kernel `{}`: arguments {:?} do not match its parameters {:?}",
+                    k.name, args.kinds, k.kinds
+                ),
+            });
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: block,
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream(StreamKind::Compute).launch_builder(&k.func);
+        for s in &args.slots {
+            b.arg(s);
+        }
+        // SAFETY: the arguments match the kernel's parameter list (checked above); the caller
+        // passes pointers to live buffers whose sizes it checked.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
     }
 
     fn launch_with(

@@ -41,7 +41,7 @@ pub mod train_match;
 
 pub use device::{
     driver_present, peak_bf16_tflops, Device, DeviceInfo, FlashKernels, GemmMath, HostElem,
-    MemoryReport, StreamKind,
+    MemoryReport, RuntimeKernel, StreamKind,
 };
 pub use engine::{gpu_trace as engine_trace, CudaEngine, CudaOptions};
 pub use error::{CudaError, Result, Tier};

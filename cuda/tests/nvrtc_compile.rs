@@ -31,3 +31,26 @@ fn every_family_compiles_for_sm90a_sm90_and_sm80() {
         failures.join("\n")
     );
 }
+
+/// The kernels generated from the optimizer update rules (`optim::update`) compile too.
+#[test]
+fn generated_update_kernels_compile_for_sm90a_and_sm80() {
+    // SAFETY: only tries to dlopen libnvrtc.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        eprintln!("libnvrtc not found: skipping the NVRTC compile check");
+        return;
+    }
+    use optim::update::{adamw_rule, cuda_kernel, lion_rule, simplify, UpdateRule};
+    let include = nvrtc::include_dir();
+    for rule in [adamw_rule(0.9, 0.95, 1e-8, 0.1), lion_rule(0.9, 0.99)] {
+        let (expr, _) = simplify(&rule.expr);
+        let src = cuda_kernel(&UpdateRule { expr, ..rule }).expect("generated source");
+        for arch in ["sm_90a", "sm_80"] {
+            let options = nvrtc::options(arch, include.as_deref());
+            let source = format!("{COMMON}\n{src}");
+            let cubin = nvrtc::compile_cubin("generated", &source, arch, &options)
+                .unwrap_or_else(|e| panic!("{arch}: {e}\n{src}"));
+            assert!(!cubin.is_empty());
+        }
+    }
+}

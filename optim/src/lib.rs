@@ -29,6 +29,7 @@ mod linalg;
 mod real;
 mod refresh;
 mod soap;
+pub mod update;
 
 pub use adamw::{adamw_update, AdamWParams};
 pub use eigh::{solver_by_name, solver_names, EigenError, Eigh, FaerEigensolver, HostEigensolver};

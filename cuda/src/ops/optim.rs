@@ -415,3 +415,63 @@ pub fn soap_factor_update(
     }
     Ok(())
 }
+
+/// An element-wise update rule ([`optim::update::UpdateRule`]) compiled for this device: the
+/// CUDA C that [`optim::update::cuda_kernel`] generates from the rule's expression.
+pub struct UpdateKernel {
+    kernel: crate::RuntimeKernel,
+    tensors: usize,
+    scalars: usize,
+}
+
+impl UpdateKernel {
+    /// Generates and compiles `rule`'s kernel (`asteria_update_<name>`).
+    ///
+    /// # Errors
+    /// A rule the generator refuses ([`optim::update::RuleError`]); NVRTC or driver errors.
+    pub fn new(dev: &Device, rule: &optim::update::UpdateRule) -> Result<UpdateKernel> {
+        let src = optim::update::cuda_kernel(rule).map_err(|e| CudaError::Invalid {
+            op: "update_rule",
+            what: e.to_string(),
+        })?;
+        let kernel = dev.compile_runtime(&format!("asteria_update_{}", rule.name), &src)?;
+        Ok(UpdateKernel {
+            kernel,
+            tensors: rule.tensors.len(),
+            scalars: rule.scalars.len(),
+        })
+    }
+
+    /// Runs the update in place over `tensors` (f32, one length, in the rule's order) with
+    /// this step's `scalars`.
+    ///
+    /// # Errors
+    /// Counts, lengths or element types that do not match the rule; launch failures.
+    pub fn run(&self, dev: &Device, tensors: &[&Buf], scalars: &[f32]) -> Result<()> {
+        const OP: &str = "update_rule";
+        if tensors.len() != self.tensors || scalars.len() != self.scalars {
+            return Err(CudaError::Invalid {
+                op: OP,
+                what: format!(
+                    "{} tensors and {} scalars for a rule of {} and {}",
+                    tensors.len(),
+                    scalars.len(),
+                    self.tensors,
+                    self.scalars
+                ),
+            });
+        }
+        let n = tensors.first().map_or(0, |b| b.len());
+        let mut args = Args::new();
+        for (i, b) in tensors.iter().enumerate() {
+            const NAMES: [&str; 5] = ["tensor 0", "tensor 1", "tensor 2", "tensor 3", "tensor"];
+            b.expect(OP, NAMES[i.min(4)], Elem::F32, n)?;
+            args = args.buf(b);
+        }
+        args = args.i64(n as i64);
+        for &x in scalars {
+            args = args.f32(x);
+        }
+        dev.launch_runtime(&self.kernel, (dev.grid_for(n), 1, 1), (256, 1, 1), args)
+    }
+}
