@@ -338,40 +338,7 @@ __device__ __forceinline__ void tc_forward(const bf16* __restrict__ qkv, OutT* _
         }
         __syncthreads();  // this stage is refilled next iteration
     }
-    l[0] = tc_row_sum(l[0]);
-    l[1] = tc_row_sum(l[1]);
-    const float inv[2] = {1.0f / l[0], 1.0f / l[1]};
-    if (t == 0)
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-            if (rows[i] < seq_len) lse2[(long long)bh * seq_len + rows[i]] = m[i] + log2f(l[i]);
-    if (dout != nullptr) {
-        // delta from the same bf16 dout the backward's dP = dO V^T uses, so that
-        // sum_k P dP - delta stays consistent and dS = P (dP - delta) sums to ~0 over keys.
-        const bf16* gb = dout + (long long)b * seq_len * c + (long long)h * hd;
-        float acc[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int n = 0; n < ND; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = rows[e >> 1], col = n * 8 + 2 * t + (e & 1);
-                if (row < seq_len && col < hd) acc[e >> 1] += __bfloat162float(gb[(long long)row * c + col]) * o[n][e];
-            }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            acc[i] = tc_row_sum(acc[i]) * inv[i];
-            if (t == 0 && rows[i] < seq_len) delta[(long long)bh * seq_len + rows[i]] = acc[i];
-        }
-    } else if (out != nullptr) {
-#pragma unroll
-        for (int n = 0; n < ND; ++n) {
-            o[n][0] *= inv[0];
-            o[n][1] *= inv[0];
-            o[n][2] *= inv[1];
-            o[n][3] *= inv[1];
-        }
-        tc_store<ND>(o, out + (long long)b * seq_len * c + (long long)h * hd, c, w0, seq_len, hd, g, t, 1.0f);
-    }
+    tc_forward_finish<ND>(o, m, l, rows, w0, bh, b, h, seq_len, c, hd, g, t, lse2, dout, delta, out);
 }
 
 // Backward pass 2: dK, dV of 128 keys per block (16 per warp), looping over query tiles from the

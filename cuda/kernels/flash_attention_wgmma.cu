@@ -227,6 +227,28 @@ __device__ __forceinline__ void wg_zero(float (&d)[N][4]) {
     for (int j = 0; j < N; ++j) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.0f;
 }
 
+// The K/V streaming of the forward and dQ kernels (two stages of (K tile, V tile) at stg, each
+// tile WG_TILE rows): before iteration `it` computes on stage it & 1, starts the copy of tile it+1
+// into the other stage (released by the previous iteration's closing barrier), waits for tile
+// it, and publishes it to wgmma's async proxy and to the block.
+template <int HD>
+__device__ __forceinline__ void wg_next_kv(unsigned char* stg, const bf16* __restrict__ base, long long ld, int c,
+                                           int it, int ntiles, int seq_len, int hd, bool vec) {
+    constexpr int TB = WG_TILE * HD * 2;
+    if (it + 1 < ntiles) {
+        unsigned char* nx = stg + ((it + 1) & 1) * 2 * TB;
+        const int k1 = (it + 1) * WG_TILE;
+        wg_load<HD, WG_TILE>(nx, base + c, ld, k1, seq_len, hd, vec);
+        wg_load<HD, WG_TILE>(nx + TB, base + 2 * c, ld, k1, seq_len, hd, vec);
+        tc_cp_commit();
+        tc_cp_wait<1>();
+    } else {
+        tc_cp_wait<0>();
+    }
+    wg_proxy_fence();
+    __syncthreads();
+}
+
 // Shared-memory bytes of each kernel (attention.rs's flash_variant passes the same).
 template <int HD>
 __host__ __device__ constexpr int wg_fwd_smem() {
@@ -275,17 +297,7 @@ __device__ __forceinline__ void wg_forward(const bf16* __restrict__ qkv, OutT* _
         const int k0 = it * WG_TILE;
         const unsigned char* ks = stg + (it & 1) * 2 * TB;
         const unsigned char* vs = ks + TB;
-        if (it + 1 < ntiles) {  // the other stage was released by the last iteration's barrier
-            unsigned char* nx = stg + ((it + 1) & 1) * 2 * TB;
-            wg_load<HD, WG_TILE>(nx, base + c, ld, k0 + WG_TILE, seq_len, hd, vec);
-            wg_load<HD, WG_TILE>(nx + TB, base + 2 * c, ld, k0 + WG_TILE, seq_len, hd, vec);
-            tc_cp_commit();
-            tc_cp_wait<1>();
-        } else {
-            tc_cp_wait<0>();
-        }
-        wg_proxy_fence();
-        __syncthreads();
+        wg_next_kv<HD>(stg, base, ld, c, it, ntiles, seq_len, hd, vec);
         if (k0 <= r0 + 63) {  // warpgroup-uniform: else every key is above its rows
             float s[NT][4];
             wg_zero(s);
@@ -358,38 +370,7 @@ __device__ __forceinline__ void wg_forward(const bf16* __restrict__ qkv, OutT* _
         }
         __syncthreads();  // this stage is refilled next iteration
     }
-    l[0] = tc_row_sum(l[0]);
-    l[1] = tc_row_sum(l[1]);
-    const float inv[2] = {1.0f / l[0], 1.0f / l[1]};
-    if (t == 0)
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-            if (rows[i] < seq_len) lse2[(long long)bh * seq_len + rows[i]] = m[i] + log2f(l[i]);
-    if (dout != nullptr) {
-        const bf16* gb = dout + (long long)b * seq_len * c + (long long)h * hd;
-        float acc[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int n = 0; n < ND; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = rows[e >> 1], col = n * 8 + 2 * t + (e & 1);
-                if (row < seq_len && col < hd) acc[e >> 1] += __bfloat162float(gb[(long long)row * c + col]) * o[n][e];
-            }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            acc[i] = tc_row_sum(acc[i]) * inv[i];
-            if (t == 0 && rows[i] < seq_len) delta[(long long)bh * seq_len + rows[i]] = acc[i];
-        }
-    } else if (out != nullptr) {
-#pragma unroll
-        for (int n = 0; n < ND; ++n) {
-            o[n][0] *= inv[0];
-            o[n][1] *= inv[0];
-            o[n][2] *= inv[1];
-            o[n][3] *= inv[1];
-        }
-        tc_store<ND>(o, out + (long long)b * seq_len * c + (long long)h * hd, c, w0, seq_len, hd, g, t, 1.0f);
-    }
+    tc_forward_finish<ND>(o, m, l, rows, w0, bh, b, h, seq_len, c, hd, g, t, lse2, dout, delta, out);
 }
 
 // Backward pass 2: dK, dV of 128 keys per block (64 per warpgroup), looping over query tiles
@@ -545,17 +526,7 @@ __device__ __forceinline__ void wg_backward_dq(const bf16* __restrict__ dout, co
         const int k0 = it * WG_TILE;
         const unsigned char* ks = stg + (it & 1) * 2 * TB;
         const unsigned char* vs = ks + TB;
-        if (it + 1 < ntiles) {
-            unsigned char* nx = stg + ((it + 1) & 1) * 2 * TB;
-            wg_load<HD, WG_TILE>(nx, base + c, ld, k0 + WG_TILE, seq_len, hd, vec);
-            wg_load<HD, WG_TILE>(nx + TB, base + 2 * c, ld, k0 + WG_TILE, seq_len, hd, vec);
-            tc_cp_commit();
-            tc_cp_wait<1>();
-        } else {
-            tc_cp_wait<0>();
-        }
-        wg_proxy_fence();
-        __syncthreads();
+        wg_next_kv<HD>(stg, base, ld, c, it, ntiles, seq_len, hd, vec);
         if (k0 <= r0 + 63) {  // warpgroup-uniform: else every key is above its rows
             float s[NT][4], dp[NT][4];
             wg_zero(s);

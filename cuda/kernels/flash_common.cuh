@@ -61,3 +61,49 @@ __device__ __forceinline__ void tc_store(const float (&acc)[ND][4], OutT* __rest
             if (row < n_valid && col < hd) tc_put(dst, (long long)row * ld + col, acc[n][e] * mul);
         }
 }
+
+// The forward's end, both families: each row's sums over its 4 lanes, lse2 = m + log2(l)
+// (base 2), then either (dout non-null: backward pass 1) delta = rowsum(dout . o) / l, or out =
+// o / l. This warp's 16 rows start at w0; the lane holds rows[0] = w0 + g and rows[1] = w0 + g + 8
+// of (batch b, head h) = bh, with the row state m, l and the unnormalised output o.
+template <int ND, typename OutT>
+__device__ __forceinline__ void tc_forward_finish(float (&o)[ND][4], const float (&m)[2], float (&l)[2],
+                                                  const int (&rows)[2], int w0, int bh, int b, int h,
+                                                  int seq_len, int c, int hd, int g, int t,
+                                                  float* __restrict__ lse2, const bf16* __restrict__ dout,
+                                                  float* __restrict__ delta, OutT* __restrict__ out) {
+    l[0] = tc_row_sum(l[0]);
+    l[1] = tc_row_sum(l[1]);
+    const float inv[2] = {1.0f / l[0], 1.0f / l[1]};
+    if (t == 0)
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+            if (rows[i] < seq_len) lse2[(long long)bh * seq_len + rows[i]] = m[i] + log2f(l[i]);
+    if (dout != nullptr) {
+        // delta from the same bf16 dout the backward's dP = dO V^T uses, so that
+        // sum_k P dP - delta stays consistent and dS = P (dP - delta) sums to ~0 over keys.
+        const bf16* gb = dout + (long long)b * seq_len * c + (long long)h * hd;
+        float acc[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int n = 0; n < ND; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = rows[e >> 1], col = n * 8 + 2 * t + (e & 1);
+                if (row < seq_len && col < hd) acc[e >> 1] += __bfloat162float(gb[(long long)row * c + col]) * o[n][e];
+            }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            acc[i] = tc_row_sum(acc[i]) * inv[i];
+            if (t == 0 && rows[i] < seq_len) delta[(long long)bh * seq_len + rows[i]] = acc[i];
+        }
+    } else if (out != nullptr) {
+#pragma unroll
+        for (int n = 0; n < ND; ++n) {
+            o[n][0] *= inv[0];
+            o[n][1] *= inv[0];
+            o[n][2] *= inv[1];
+            o[n][3] *= inv[1];
+        }
+        tc_store<ND>(o, out + (long long)b * seq_len * c + (long long)h * hd, c, w0, seq_len, hd, g, t, 1.0f);
+    }
+}
