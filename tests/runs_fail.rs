@@ -182,3 +182,51 @@ fn soap_with_vanishing_gradients_skips_zero_factor_refreshes_without_failing() {
     assert!(skips >= 9, "{summary}");
     assert!(err.contains("skipped steps 0"), "{summary}");
 }
+
+/// A plan whose element-wise update rule is broken (an unknown name, text that does not parse)
+/// is refused when the engine is set up, before any step, with the op and the reason; the same
+/// plan with its rule intact runs.
+#[test]
+fn a_plan_with_a_broken_update_rule_is_refused_before_anything_runs() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = spec(
+        dir.path(),
+        "lion.asteria",
+        "optimizer lion {\n  lr = 1e-3\n}",
+        "steps = 2",
+    );
+    let plan = dir.path().join("lion.plan.json");
+    let o = asteria(&[
+        "compile",
+        path.to_str().expect("utf8"),
+        "-o",
+        plan.to_str().expect("utf8"),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(&plan).expect("plan");
+    assert!(
+        text.contains("\"elementwise_update\""),
+        "no rule op in the plan"
+    );
+    let o = asteria(&["run", plan.to_str().expect("utf8")]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for (broken, why) in [
+        (
+            "(sign (+ (* m 0.9) (* g 0.100000024)))",
+            "(sign (+ (* m 0.9) (* q 0.100000024)))",
+        ),
+        ("(list ", "(list (( "),
+    ] {
+        assert!(text.contains(broken), "the plan's rule changed: {broken}");
+        let bad = dir.path().join("bad.plan.json");
+        std::fs::write(&bad, text.replacen(broken, why, 1)).expect("write");
+        let o = asteria(&["run", bad.to_str().expect("utf8")]);
+        let err = stderr(&o);
+        assert!(!o.status.success(), "a broken rule ran: {err}");
+        assert!(
+            err.contains("elementwise_update") && err.contains("lion"),
+            "{err}"
+        );
+        assert!(!err.contains("step 1/"), "it ran a step first: {err}");
+    }
+}

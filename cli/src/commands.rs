@@ -611,6 +611,42 @@ pub fn bench_eigh(sizes: &[usize], threads: &[usize], reps: usize) -> Result<()>
     Ok(())
 }
 
+/// `asteria bench update-kernels`: see [`cuda::update_bench`].
+pub fn bench_update_kernels(ordinal: usize, sizes: &[usize], reps: usize) -> Result<()> {
+    let rows =
+        cuda::update_bench::update_kernels(ordinal, sizes, reps).map_err(|e| miette!("{e}"))?;
+    out!(
+        "{:<20} {:>11} {:>10} {:>8}",
+        "kernel",
+        "elements",
+        "median ms",
+        "GB/s"
+    );
+    for r in &rows {
+        out!(
+            "{:<20} {:>11} {:>10.4} {:>8.0}",
+            r.kernel,
+            r.n,
+            r.median_ms,
+            r.gb_per_s
+        );
+    }
+    for &n in sizes {
+        let ms = |k: &str| {
+            rows.iter()
+                .find(|r| r.n == n && r.kernel == k)
+                .map(|r| r.median_ms)
+        };
+        if let (Some(h), Some(g)) = (ms("adamw hand-written"), ms("adamw generated")) {
+            out!(
+                "n = {n}: generated / hand-written AdamW time = {:.3}",
+                g / h
+            );
+        }
+    }
+    Ok(())
+}
+
 fn median_ms(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     f()?; // warm-up
     let mut t = Vec::with_capacity(reps);

@@ -333,6 +333,24 @@ enum Command {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Element-wise optimizer update kernels on a CUDA device: AdamW generated from its rule
+    /// beside the hand-written kernel, and every rule-defined optimizer; median GPU ms and
+    /// effective GB/s per update.
+    UpdateKernels {
+        /// CUDA device ordinal.
+        #[arg(long, default_value_t = 0)]
+        ordinal: usize,
+        /// Elements per tensor.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "1000000,16000000,124000000"
+        )]
+        sizes: Vec<usize>,
+        /// Timed repetitions per kernel and size (the median is reported).
+        #[arg(long, default_value_t = 20)]
+        reps: usize,
+    },
     /// Host eigensolvers (faer, lapack) on random symmetric matrices: median ms per eigh.
     Eigh {
         /// Matrix sizes.
@@ -434,6 +452,14 @@ fn main() -> ExitCode {
                     reps,
                 },
         } => commands::bench_eigh(&sizes, &threads, reps),
+        Command::Bench {
+            what:
+                BenchCommand::UpdateKernels {
+                    ordinal,
+                    sizes,
+                    reps,
+                },
+        } => commands::bench_update_kernels(ordinal, &sizes, reps),
         Command::Selftest {
             device,
             ordinal,

@@ -391,6 +391,12 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                     shampoo_beta: *shampoo_beta,
                 }
             }
+            Op::ElementwiseUpdate { rule } => P::ElementwiseUpdate {
+                param: arg(0)?,
+                grad: arg(1)?,
+                state: a[2..].iter().map(|&v| b(v)).collect::<Result<_, _>>()?,
+                rule: rule.clone(),
+            },
         };
         match inst.section {
             Section::Forward => forward.push(op),

@@ -176,6 +176,22 @@ pub struct CudaEngine {
     energy: Option<crate::energy::EnergyMeter>,
     /// The streams' timeline for `--trace` (`None` without it).
     gpu_trace: Option<gpu_trace::GpuTrace>,
+    /// The plan's element-wise update rules, compiled, by [`rule_key`].
+    update_kernels: HashMap<String, Arc<crate::ops::optim::UpdateKernel>>,
+}
+
+/// What identifies a compiled element-wise update rule: its name, tensors, scalars and
+/// expression (the hyperparameters of the step scalars are arguments, not compiled in).
+fn rule_key(rule: &schedule::ElementwiseRule) -> String {
+    let scalars: Vec<&str> = rule.scalars.iter().map(|s| s.name()).collect();
+    format!(
+        "{}|{}|{}|{}|{}",
+        rule.optimizer,
+        rule.state.join(","),
+        rule.outputs.join(","),
+        scalars.join(","),
+        rule.expr
+    )
 }
 
 impl CudaEngine {

@@ -38,6 +38,7 @@ pub mod ops;
 pub mod refresh;
 pub mod selftest;
 pub mod train_match;
+pub mod update_bench;
 
 pub use device::{
     driver_present, peak_bf16_tflops, Device, DeviceInfo, FlashKernels, GemmMath, HostElem,

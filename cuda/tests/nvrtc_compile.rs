@@ -40,9 +40,15 @@ fn generated_update_kernels_compile_for_sm90a_and_sm80() {
         eprintln!("libnvrtc not found: skipping the NVRTC compile check");
         return;
     }
-    use optim::update::{adamw_rule, cuda_kernel, lion_rule, simplify, UpdateRule};
+    use optim::optimizers::{update_rule, DEFINITIONS};
+    use optim::update::{adamw_rule, cuda_kernel, simplify, UpdateRule};
     let include = nvrtc::include_dir();
-    for rule in [adamw_rule(0.9, 0.95, 1e-8, 0.1), lion_rule(0.9, 0.99)] {
+    let mut rules = vec![adamw_rule(0.9, 0.95, 1e-8, 0.1)];
+    for d in DEFINITIONS {
+        let rule = d.plan_rule(&[]).expect("rule");
+        rules.push(update_rule(&rule).expect("update rule"));
+    }
+    for rule in rules {
         let (expr, _) = simplify(&rule.expr);
         let src = cuda_kernel(&UpdateRule { expr, ..rule }).expect("generated source");
         for arch in ["sm_90a", "sm_80"] {

@@ -259,7 +259,59 @@ fn unknown_optimizer() {
         8,
         11,
         "unknown optimizer `shampoo`",
-        Some("supported: `adamw`, `soap`"),
+        Some("supported: `adamw`, `soap`, `lion`"),
+    );
+    let src = edit("optimizer adamw", "optimizer loin");
+    assert_error(
+        &src,
+        8,
+        11,
+        "unknown optimizer `loin`",
+        Some("did you mean `lion`?"),
+    );
+}
+
+/// A rule-defined optimizer's block is checked against its definition: unknown keys with
+/// suggestions, ranges, and its pair keys.
+#[test]
+fn rule_defined_optimizer_keys_are_checked() {
+    let src = edit(
+        "optimizer adamw {\n  lr = 1e-3",
+        "optimizer lion {\n  lr = 1e-3\n  weight_decy = 1",
+    );
+    assert_error(
+        &src,
+        10,
+        3,
+        "unknown key `weight_decy` in `optimizer lion`",
+        Some("did you mean `weight_decay`?"),
+    );
+    let src = edit(
+        "optimizer adamw {\n  lr = 1e-3",
+        "optimizer lion {\n  lr = 20",
+    );
+    let (line, col, msg, _) = common::one_error(&src);
+    assert_eq!((line, col), (9, 8), "{msg}");
+    assert!(msg.contains("lr") && msg.contains("(0, 10]"), "{msg}");
+    let src = edit(
+        "optimizer adamw {\n  lr = 1e-3",
+        "optimizer lion {\n  betas = (0.9, 1.5)",
+    );
+    let (line, _, msg, _) = common::one_error(&src);
+    assert_eq!(line, 9, "{msg}");
+    assert!(msg.contains("beta2 (the second of `betas`)"), "{msg}");
+    let src = edit(
+        "optimizer adamw {\n  lr = 1e-3",
+        "optimizer lion {\n  betas = [0.9, 0.99]",
+    );
+    let (_, _, msg, help) = common::one_error(&src);
+    assert!(
+        msg.contains("`betas` must be a pair `(beta1, beta2)`"),
+        "{msg}"
+    );
+    assert_eq!(
+        help.as_deref(),
+        Some("use parentheses: `betas = (0.9, 0.99)`")
     );
 }
 

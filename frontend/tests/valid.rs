@@ -18,6 +18,43 @@ fn spec(optimizer: &str, extra: &str) -> String {
     format!("{MODEL}{optimizer}\n{REST}{extra}")
 }
 
+/// Every optimizer defined by its update rule takes an empty block: each hyperparameter at its
+/// definition's default, pairs expanded.
+#[test]
+fn rule_defined_optimizers_take_their_defaults() {
+    for d in optim::optimizers::DEFINITIONS {
+        let c = parse(&spec(&format!("optimizer {} {{ }}", d.name), "")).expect("valid");
+        let want = ir::config::ElementwiseConfig {
+            name: d.name.to_string(),
+            hyper: d.defaults(),
+        };
+        assert_eq!(
+            c.optimizer,
+            OptimizerConfig::Elementwise(want),
+            "{}",
+            d.name
+        );
+    }
+    let c = parse(&spec(
+        "optimizer lion { lr = 3e-4 betas = (0.95, 0.98) weight_decay = 1 }",
+        "",
+    ))
+    .expect("valid");
+    let OptimizerConfig::Elementwise(e) = c.optimizer else {
+        panic!("not lion: {:?}", c.optimizer)
+    };
+    let want: Vec<(String, f64)> = [
+        ("lr", 3e-4),
+        ("beta1", 0.95),
+        ("beta2", 0.98),
+        ("weight_decay", 1.0),
+    ]
+    .iter()
+    .map(|(k, x)| (k.to_string(), *x))
+    .collect();
+    assert_eq!(e.hyper, want);
+}
+
 #[test]
 fn defaults() {
     let c = parse(&spec("optimizer adamw { }", "")).expect("valid");

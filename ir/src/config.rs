@@ -63,6 +63,17 @@ pub enum OptimizerConfig {
     Adamw(AdamWConfig),
     /// SOAP.
     Soap(SoapConfig),
+    /// An optimizer defined by its element-wise update rule (`optim::optimizers`: Lion, ...).
+    Elementwise(ElementwiseConfig),
+}
+
+/// An optimizer of `optim::optimizers` and its hyperparameters.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ElementwiseConfig {
+    /// The definition's name (`lion`).
+    pub name: String,
+    /// Every hyperparameter by name (pairs expanded: `beta1`, `beta2`), defaults filled in.
+    pub hyper: Vec<(String, f64)>,
 }
 
 /// AdamW hyperparameters (PyTorch `torch.optim.AdamW` semantics).

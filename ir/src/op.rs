@@ -2,7 +2,7 @@
 //! fields of the variant. Each op documents its arguments and results; the verifier checks them.
 //! Math and layouts are those of the plan instruction with the same name
 //! (`schedule::Op`), which `lower` emits one-for-one.
-use schedule::{BufferClass, Init, Placement, SoapHyper};
+use schedule::{BufferClass, ElementwiseRule, Init, Placement, SoapHyper};
 
 /// Role of a per-step input.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -227,6 +227,13 @@ pub enum Op {
         /// Right factor present.
         right: bool,
     },
+    /// args `[param, grad, state...]` (the rule's state order, each of the param's shape);
+    /// in place (writes what the rule's `outputs` name); no results. See
+    /// `schedule::ElementwiseRule`.
+    ElementwiseUpdate {
+        /// The update rule.
+        rule: ElementwiseRule,
+    },
     /// args `[factor, basis, exp_avg, exp_avg_sq]`; host task; in place. The scheduling
     /// attributes are set by `precond-scheduling` (see `schedule::HostTask`).
     EigenbasisRefresh {
@@ -280,6 +287,7 @@ impl Op {
             Op::AdamW { .. } => "adam_w",
             Op::SoapUpdate { .. } => "soap_update",
             Op::SoapFactorUpdate { .. } => "soap_factor_update",
+            Op::ElementwiseUpdate { .. } => "elementwise_update",
             Op::EigenbasisRefresh { .. } => "eigenbasis_refresh",
         }
     }
@@ -292,6 +300,7 @@ impl Op {
                 | Op::AdamW { .. }
                 | Op::SoapUpdate { .. }
                 | Op::SoapFactorUpdate { .. }
+                | Op::ElementwiseUpdate { .. }
                 | Op::EigenbasisRefresh { .. }
         )
     }

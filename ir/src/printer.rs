@@ -72,6 +72,8 @@ pub(crate) enum Attr {
     OptF(Option<f64>),
     /// A bare word (`host`).
     W(String),
+    /// A quoted string (`"(list m p)"`; never holds a `"`).
+    S(String),
 }
 
 impl fmt::Display for Attr {
@@ -82,6 +84,7 @@ impl fmt::Display for Attr {
             Attr::U(x) => write!(f, "{x}"),
             Attr::B(x) => write!(f, "{x}"),
             Attr::W(x) => f.write_str(x),
+            Attr::S(x) => write!(f, "\"{x}\""),
         }
     }
 }
@@ -184,6 +187,17 @@ pub(crate) fn attrs(op: &Op) -> Vec<(&'static str, Attr)> {
                 ("offset", U(offset)),
                 ("staleness", U(staleness as u64)),
                 ("placement", W(placement.to_string())),
+            ]
+        }
+        Op::ElementwiseUpdate { ref rule } => {
+            let scalars: Vec<String> = rule.scalars.iter().map(|s| s.to_string()).collect();
+            vec![
+                ("optimizer", W(rule.optimizer.clone())),
+                ("lr", F(rule.lr)),
+                ("state", S(rule.state.join(" "))),
+                ("outputs", S(rule.outputs.join(" "))),
+                ("scalars", S(scalars.join(" "))),
+                ("expr", S(rule.expr.clone())),
             ]
         }
         Op::State { .. }

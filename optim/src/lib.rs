@@ -26,6 +26,7 @@ mod eigh;
 #[cfg(feature = "lapack")]
 mod lapack_solver;
 mod linalg;
+pub mod optimizers;
 mod real;
 mod refresh;
 mod soap;

@@ -9,9 +9,15 @@
 //! 1-D parameters get no factors (Adam in the identity basis, as the reference with
 //! `precondition_1d = False`). AdamW applies weight decay to 2-D parameters only (nanoGPT);
 //! SOAP applies it to all parameters, as the reference does.
+//!
+//! An optimizer defined by its element-wise rule (`optim::optimizers`: Lion, ...) gets the
+//! state its definition lists and one `elementwise_update` per parameter carrying the rule, its
+//! hyperparameters folded in as constants (weight decay 0 for parameters of fewer than two
+//! dimensions, as AdamW).
 use crate::{Pass, PassContext, PassError};
-use ir::config::OptimizerConfig;
+use ir::config::{ElementwiseConfig, OptimizerConfig};
 use ir::{BufferClass, Init, Module, Op, Section, SoapHyper, TensorType, ValueId};
+use optim::optimizers;
 
 /// The `expand-optimizer` pass.
 pub struct ExpandOptimizer;
@@ -27,6 +33,43 @@ fn state(m: &mut Module, class: BufferClass, name: String, ty: TensorType) -> Va
         &name,
         ty,
     )
+}
+
+/// The state and `elementwise_update` of parameter `p` (gradient `g`) under an optimizer
+/// defined by its rule: one zero-initialised state tensor per entry of the definition, named
+/// `{param}.{suffix}`; weight decay only for parameters of two or more dimensions.
+fn elementwise(
+    m: &mut Module,
+    c: &ElementwiseConfig,
+    p: ValueId,
+    g: ValueId,
+    pname: &str,
+    ty: &TensorType,
+) -> Result<(), PassError> {
+    let invalid = |message: String| PassError::Invalid {
+        pass: "expand-optimizer",
+        message,
+    };
+    let def = optimizers::find(&c.name)
+        .ok_or_else(|| invalid(format!("no optimizer named `{}`", c.name)))?;
+    let mut hyper = c.hyper.clone();
+    if ty.shape.len() < 2 {
+        for (k, x) in hyper.iter_mut() {
+            if k == "weight_decay" {
+                *x = 0.0;
+            }
+        }
+    }
+    let rule = def
+        .plan_rule(&hyper)
+        .map_err(|e| invalid(format!("the `{}` rule: {e}", c.name)))?;
+    let mut args = vec![p, g];
+    for s in def.state {
+        let name = format!("{pname}.{}", s.suffix);
+        args.push(state(m, s.class, name, ty.clone()));
+    }
+    m.push0(Section::Optimizer, Op::ElementwiseUpdate { rule }, &args);
+    Ok(())
 }
 
 impl Pass for ExpandOptimizer {
@@ -66,6 +109,10 @@ impl Pass for ExpandOptimizer {
         for (p, g) in pairs {
             let pname = module.value(p).name.clone();
             let ty = module.value(p).ty.clone();
+            if let OptimizerConfig::Elementwise(c) = &opt {
+                elementwise(module, c, p, g, &pname, &ty)?;
+                continue;
+            }
             let exp_avg = state(
                 module,
                 BufferClass::ExpAvg,
@@ -94,6 +141,7 @@ impl Pass for ExpandOptimizer {
                     };
                     module.push0(Section::Optimizer, op, &[p, g, exp_avg, exp_avg_sq]);
                 }
+                OptimizerConfig::Elementwise(_) => unreachable!("expanded above"),
                 OptimizerConfig::Soap(c) => {
                     let hyper = SoapHyper {
                         lr: c.lr,
@@ -170,6 +218,9 @@ impl Pass for ExpandOptimizer {
         }
         Ok(match opt {
             OptimizerConfig::Adamw(_) => format!("adamw on {} parameters", grads.len()),
+            OptimizerConfig::Elementwise(c) => {
+                format!("{} on {} parameters (an element-wise rule)", c.name, grads.len())
+            }
             OptimizerConfig::Soap(_) => format!(
                 "soap on {} parameters: {n_factors} Kronecker factors, {n_unrotated} unrotated sides",
                 grads.len()

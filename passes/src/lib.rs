@@ -19,6 +19,7 @@ pub mod memory_planning;
 pub mod precond_scheduling;
 pub mod prefetch_insertion;
 pub mod rematerialize;
+pub mod simplify;
 pub mod tier_placement;
 
 pub use manager::{PassManager, PassOptions, PassTiming};

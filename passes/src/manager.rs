@@ -55,6 +55,7 @@ impl PassManager {
             Box::new(crate::expand_model::ExpandModel),
             Box::new(crate::autodiff::Autodiff),
             Box::new(crate::expand_optimizer::ExpandOptimizer),
+            Box::new(crate::simplify::Simplify::default()),
             Box::new(crate::fuse::Fuse::default()),
             Box::new(crate::rematerialize::Rematerialize::default()),
             Box::new(crate::liveness::LivenessPass),

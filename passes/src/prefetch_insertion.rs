@@ -184,7 +184,7 @@ pub fn insert_prefetches(plan: &mut Plan) -> Result<(usize, usize), PassError> {
 }
 
 /// `op` with every operand found in `map` replaced by its image (through the op's JSON form:
-/// the fields named by [`Op::operands`] hold plain integers).
+/// the fields named by [`Op::operands`] hold plain integers, or lists of them).
 fn replace_operands(op: &Op, map: &HashMap<BufferId, BufferId>) -> Result<Op, PassError> {
     let hits: Vec<(&'static str, BufferId)> = op
         .operands()
@@ -200,8 +200,19 @@ fn replace_operands(op: &Op, map: &HashMap<BufferId, BufferId>) -> Result<Op, Pa
     };
     let mut v = serde_json::to_value(op).map_err(bug)?;
     for (field, id) in hits {
-        if let Some(slot) = v.get_mut(field) {
-            *slot = serde_json::Value::from(map[&id].0);
+        let (from, to) = (
+            serde_json::Value::from(id.0),
+            serde_json::Value::from(map[&id].0),
+        );
+        match v.get_mut(field) {
+            // A list operand (`state` of an element-wise update): the matching entries.
+            Some(serde_json::Value::Array(items)) => {
+                for item in items.iter_mut().filter(|x| **x == from) {
+                    *item = to.clone();
+                }
+            }
+            Some(slot) => *slot = to,
+            None => {}
         }
     }
     serde_json::from_value(v).map_err(bug)

@@ -309,6 +309,7 @@ impl Op {
                 Access::ReadWrite
             }
             (Op::SoapFactorUpdate { .. }, "factor_left" | "factor_right") => Access::ReadWrite,
+            (Op::ElementwiseUpdate { .. }, "param" | "state") => Access::ReadWrite,
             (Op::CopyIn { .. } | Op::CopyOut { .. }, "dst") => Access::Write,
             (
                 _,

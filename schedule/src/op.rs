@@ -68,6 +68,206 @@ pub struct SoapHyper {
     pub normalize_grads: bool,
 }
 
+/// A per-step scalar an element-wise update reads, from a closed vocabulary: each is computed
+/// by the engine on the host in f64 from the step's scheduled learning rate `lr_t` (the peak
+/// `lr` times the schedule's multiplier) and the 1-based step `t`, then rounded to the update's
+/// precision. In an update expression each is the variable of its [`StepScalar::name`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum StepScalar {
+    /// `lr`: the scheduled learning rate `lr_t`.
+    Lr,
+    /// `decay`: `1 − lr_t · weight_decay` (decoupled weight decay as one product).
+    Decay {
+        /// Decoupled weight decay coefficient.
+        weight_decay: f64,
+    },
+    /// `step_size`: `lr_t / (1 − β₁ᵗ)` (the first moment's bias correction folded into lr).
+    StepSize {
+        /// β₁ of the first moment.
+        beta1: f64,
+    },
+    /// `bc2_sqrt`: `√(1 − β₂ᵗ)` (the second moment's bias correction).
+    Bc2Sqrt {
+        /// β₂ of the second moment.
+        beta2: f64,
+    },
+}
+
+impl StepScalar {
+    /// Every variable name of the vocabulary.
+    pub const NAMES: [&'static str; 4] = ["lr", "decay", "step_size", "bc2_sqrt"];
+
+    /// The variable name of this scalar in an update expression.
+    pub fn name(&self) -> &'static str {
+        match self {
+            StepScalar::Lr => "lr",
+            StepScalar::Decay { .. } => "decay",
+            StepScalar::StepSize { .. } => "step_size",
+            StepScalar::Bc2Sqrt { .. } => "bc2_sqrt",
+        }
+    }
+
+    /// The scalar's value at 1-based step `t` (a `t` of 0 counts as 1) with scheduled
+    /// learning rate `lr_t`, in f64 (engines round it to the update's precision).
+    pub fn value(&self, lr_t: f64, t: u64) -> f64 {
+        let t = t.max(1).min(i32::MAX as u64) as i32;
+        match *self {
+            StepScalar::Lr => lr_t,
+            StepScalar::Decay { weight_decay } => 1.0 - lr_t * weight_decay,
+            StepScalar::StepSize { beta1 } => lr_t / (1.0 - beta1.powi(t)),
+            StepScalar::Bc2Sqrt { beta2 } => (1.0 - beta2.powi(t)).sqrt(),
+        }
+    }
+
+    /// The hyperparameter this scalar carries, by its spec key name.
+    pub fn hyperparameter(&self) -> Option<(&'static str, f64)> {
+        match *self {
+            StepScalar::Lr => None,
+            StepScalar::Decay { weight_decay } => Some(("weight_decay", weight_decay)),
+            StepScalar::StepSize { beta1 } => Some(("beta1", beta1)),
+            StepScalar::Bc2Sqrt { beta2 } => Some(("beta2", beta2)),
+        }
+    }
+
+    /// The scalar named `name` with its hyperparameter from `hyper` (by spec key name:
+    /// `weight_decay`, `beta1`, `beta2`); `None` for a name outside the vocabulary or a missing
+    /// hyperparameter.
+    pub fn from_name(name: &str, hyper: impl Fn(&str) -> Option<f64>) -> Option<StepScalar> {
+        Some(match name {
+            "lr" => StepScalar::Lr,
+            "decay" => StepScalar::Decay {
+                weight_decay: hyper("weight_decay")?,
+            },
+            "step_size" => StepScalar::StepSize {
+                beta1: hyper("beta1")?,
+            },
+            "bc2_sqrt" => StepScalar::Bc2Sqrt {
+                beta2: hyper("beta2")?,
+            },
+            _ => return None,
+        })
+    }
+}
+
+impl std::fmt::Display for StepScalar {
+    /// `lr`, `decay(0.1)`, `step_size(0.9)`, `bc2_sqrt(0.95)`: the text format's spelling.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.hyperparameter() {
+            None => f.write_str(self.name()),
+            Some((_, x)) => write!(f, "{}({x:?})", self.name()),
+        }
+    }
+}
+
+impl std::str::FromStr for StepScalar {
+    type Err = String;
+    /// The [`Display`](std::fmt::Display) spelling back.
+    fn from_str(s: &str) -> Result<StepScalar, String> {
+        let (name, arg) = match s.split_once('(') {
+            None => (s, None),
+            Some((n, rest)) => {
+                let a = rest
+                    .strip_suffix(')')
+                    .ok_or_else(|| format!("`{s}`: missing `)`"))?;
+                let x: f64 = a
+                    .parse()
+                    .map_err(|_| format!("`{s}`: `{a}` is not a number"))?;
+                (n, Some(x))
+            }
+        };
+        let sc = StepScalar::from_name(name, |_| arg).ok_or_else(|| {
+            if StepScalar::NAMES.contains(&name) {
+                format!("`{s}`: `{name}` takes its hyperparameter in parentheses")
+            } else {
+                format!(
+                    "`{name}` is not a step scalar (one of {})",
+                    StepScalar::NAMES.join(", ")
+                )
+            }
+        })?;
+        if sc.hyperparameter().is_none() && arg.is_some() {
+            return Err(format!("`{s}`: `{name}` takes no argument"));
+        }
+        Ok(sc)
+    }
+}
+
+/// An element-wise optimizer update as a plan carries it: the expression of
+/// `optim::update` (text, `(list out0 out1 ...)`) over the tensors `p` (the parameter), `g`
+/// (its gradient) and the state tensors named in `state`, and the step scalars in `scalars`.
+/// Each item of the `list` is the new value of the tensor named at the same index of `outputs`.
+/// Written by `expand-optimizer` from an optimizer's definition (`optim::optimizers`),
+/// rewritten by `simplify`; the engines interpret it (CPU) or compile it (CUDA) at set-up and
+/// refuse a plan whose expression does not parse or names an unknown tensor.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ElementwiseRule {
+    /// The optimizer's name (`lion`); letters, digits and `_` (a kernel name suffix).
+    pub optimizer: String,
+    /// Peak learning rate; the engine multiplies by the schedule's multiplier each step.
+    pub lr: f64,
+    /// Names of the state tensors in the expression, in operand order (`["m"]`).
+    pub state: Vec<String>,
+    /// The tensor each item of the expression's `list` overwrites (`p` or a state name).
+    pub outputs: Vec<String>,
+    /// The step scalars the expression reads.
+    pub scalars: Vec<StepScalar>,
+    /// The expression (`(list (+ (* 0.99 m) ...) ...)`).
+    pub expr: String,
+}
+
+impl ElementwiseRule {
+    /// Tensor names in operand order: `p`, `g`, then the state.
+    pub fn tensors(&self) -> Vec<String> {
+        let mut v = vec!["p".to_string(), "g".to_string()];
+        v.extend(self.state.iter().cloned());
+        v
+    }
+
+    /// Structural checks (the expression itself is checked by the engine that runs it): a
+    /// kernel-name-safe optimizer name, distinct tensor names, at least one output and each
+    /// naming `p` or a state tensor once, distinct step scalars.
+    pub fn check(&self) -> Result<(), String> {
+        let ident = |s: &str| {
+            !s.is_empty()
+                && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                && !s.starts_with(|c: char| c.is_ascii_digit())
+        };
+        if !ident(&self.optimizer) {
+            return Err(format!(
+                "optimizer name `{}` is not an identifier",
+                self.optimizer
+            ));
+        }
+        let tensors = self.tensors();
+        for (i, t) in tensors.iter().enumerate() {
+            if !ident(t) || StepScalar::NAMES.contains(&t.as_str()) {
+                return Err(format!("`{t}` cannot name a tensor"));
+            }
+            if tensors[..i].contains(t) {
+                return Err(format!("tensor `{t}` is named twice"));
+            }
+        }
+        if self.outputs.is_empty() {
+            return Err("the update writes nothing".into());
+        }
+        for (i, o) in self.outputs.iter().enumerate() {
+            if o == "g" || !tensors.contains(o) {
+                return Err(format!("output `{o}` is not `p` or a state tensor"));
+            }
+            if self.outputs[..i].contains(o) {
+                return Err(format!("output `{o}` is written twice"));
+            }
+        }
+        for (i, s) in self.scalars.iter().enumerate() {
+            if self.scalars[..i].iter().any(|x| x.name() == s.name()) {
+                return Err(format!("step scalar `{}` is listed twice", s.name()));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// One instruction of a plan program. `N` = tokens in the batch (`batch * seq_len`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
@@ -315,6 +515,15 @@ pub enum Op {
         factor_left: Option<BufferId>,
         factor_right: Option<BufferId>,
         shampoo_beta: f64,
+    },
+    /// An element-wise optimizer update ([`ElementwiseRule`]) on one parameter, in place:
+    /// `param`, `grad` and every `state` tensor f32 of one shape (`state` in the rule's order);
+    /// writes the tensors the rule's `outputs` name.
+    ElementwiseUpdate {
+        param: BufferId,
+        grad: BufferId,
+        state: Vec<BufferId>,
+        rule: ElementwiseRule,
     },
     /// Brings an offloaded buffer `src` (placed in the `host` or `nvme` arena by the
     /// `tier-placement` pass) into its staging buffer `dst` on the engine's device (same dtype

@@ -110,6 +110,18 @@ impl Plan {
                     Op::SoapUpdate { hyper: h, .. } => {
                         optimizer_hyper(&at, h.lr, (h.beta1, h.beta2), h.eps, h.weight_decay)?
                     }
+                    Op::ElementwiseUpdate { rule, .. } => {
+                        float(format!("{at}: lr"), rule.lr, limits::LR)?;
+                        for s in &rule.scalars {
+                            match s.hyperparameter() {
+                                Some((k @ "weight_decay", x)) => {
+                                    float(format!("{at}: {k}"), x, limits::WEIGHT_DECAY)?
+                                }
+                                Some((k, x)) => float(format!("{at}: {k}"), x, limits::BETA)?,
+                                None => {}
+                            }
+                        }
+                    }
                     Op::SoapFactorUpdate { shampoo_beta, .. } => {
                         float(format!("{at}: shampoo_beta"), *shampoo_beta, limits::BETA)?
                     }

@@ -109,6 +109,7 @@ impl Op {
             Op::AdamW { .. } => "adam_w",
             Op::SoapUpdate { .. } => "soap_update",
             Op::SoapFactorUpdate { .. } => "soap_factor_update",
+            Op::ElementwiseUpdate { .. } => "elementwise_update",
             Op::CopyIn { .. } => "copy_in",
             Op::CopyOut { .. } => "copy_out",
         }
@@ -278,6 +279,12 @@ impl Op {
                 v.push(("grad", *grad));
                 opt(&mut v, "factor_left", factor_left);
                 opt(&mut v, "factor_right", factor_right);
+            }
+            Op::ElementwiseUpdate {
+                param, grad, state, ..
+            } => {
+                v.extend([("param", *param), ("grad", *grad)]);
+                v.extend(state.iter().map(|s| ("state", *s)));
             }
             Op::CopyIn { src, dst } | Op::CopyOut { src, dst } => {
                 v.extend([("src", *src), ("dst", *dst)])
@@ -786,6 +793,28 @@ impl Checker<'_> {
                     *factor_right,
                     ("factor_left", "factor_right"),
                 )?;
+            }
+            Op::ElementwiseUpdate {
+                param,
+                grad,
+                state,
+                rule,
+            } => {
+                rule.check().map_err(|e| {
+                    PlanError::Invalid(format!("{}: update rule: {e}", self.location))
+                })?;
+                if state.len() != rule.state.len() {
+                    return Err(PlanError::Invalid(format!(
+                        "{}: {} state operands for a rule of {} state tensors",
+                        self.location,
+                        state.len(),
+                        rule.state.len()
+                    )));
+                }
+                self.same(("param", *param), ("grad", *grad))?;
+                for s in state {
+                    self.same(("param", *param), ("state", *s))?;
+                }
             }
             Op::CopyIn { src, dst } | Op::CopyOut { src, dst } => {
                 self.same(("src", *src), ("dst", *dst))?;

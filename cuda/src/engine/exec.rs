@@ -509,6 +509,27 @@ impl CudaEngine {
                     grad_scale.map(|b| self.b(b)),
                 )?;
             }
+            Op::ElementwiseUpdate {
+                param,
+                grad,
+                state,
+                rule,
+            } => {
+                let k = self
+                    .update_kernels
+                    .get(&super::rule_key(rule))
+                    .ok_or_else(|| CudaError::Invalid {
+                        op: "elementwise_update",
+                        what: format!("the `{}` rule was not compiled at set-up", rule.optimizer),
+                    })?;
+                let scalars: Vec<f32> = optim::optimizers::step_scalars(rule, rule.lr * lr_mult, t);
+                let tensors: Vec<&Buf> = [*param, *grad]
+                    .iter()
+                    .chain(state)
+                    .map(|&b| self.b(b))
+                    .collect();
+                k.run(dev, &tensors, &scalars)?;
+            }
             Op::SoapUpdate {
                 param,
                 grad,

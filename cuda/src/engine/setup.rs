@@ -408,9 +408,28 @@ impl CudaEngine {
         });
         let refresh_bytes = refreshes.bytes;
 
+        // Element-wise update rules: each distinct rule compiled once, before anything runs
+        // (a rule that does not parse or compile refuses the plan here).
+        let mut update_kernels = HashMap::new();
+        for op in &plan.optimizer {
+            if let Op::ElementwiseUpdate { rule, .. } = op {
+                let key = super::rule_key(rule);
+                if update_kernels.contains_key(&key) {
+                    continue;
+                }
+                let r = optim::optimizers::update_rule(rule).map_err(|err| {
+                    EngineError::Unsupported(format!("the plan's `{}` rule: {err}", rule.optimizer))
+                })?;
+                let k = op::UpdateKernel::new(&dev, &r)
+                    .map_err(e("compiling an element-wise update rule"))?;
+                update_kernels.insert(key, Arc::new(k));
+            }
+        }
+
         let tasks = plan.host_tasks.len();
         let n_bufs = plan.buffers.len();
         let mut eng = CudaEngine {
+            update_kernels,
             dev,
             opts,
             precision,

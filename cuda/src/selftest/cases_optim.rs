@@ -18,62 +18,95 @@ pub(crate) fn cases() -> Vec<Case> {
     v
 }
 
-/// The kernels generated from `optim::update`'s rules (AdamW, Lion; simplified with its egg
-/// rules) against the same rules interpreted on the host in f32: bit for bit (an error of 1
-/// where any bit of any output differs), on warm random states of awkward lengths.
+/// The kernels generated from element-wise update rules (AdamW as a rule, and every optimizer
+/// of `optim::optimizers`, simplified with `optim::update`'s egg rules) against the same rules
+/// interpreted on the host in f32: bit for bit (an error of 1 where any bit of any output
+/// differs), on warm random states of awkward lengths (second moments positive).
 fn update_rules(v: &mut Vec<Case>) {
-    use optim::update::{adamw_rule, lion_rule, simplify, Program, UpdateRule};
+    use optim::optimizers::{self, step_scalars, update_rule, DEFINITIONS};
+    use optim::update::{adamw_rule, simplify, Program, UpdateRule};
+    use schedule::BufferClass;
+    // The rule of `which`, whether each state tensor is a second moment, and step 3's scalars.
+    fn build(which: &str) -> std::result::Result<(UpdateRule, Vec<bool>, Vec<f32>), String> {
+        if which == "adamw" {
+            let t = 3;
+            let scalars = vec![
+                (1.0 - 3e-4 * 0.1) as f32,
+                (3e-4 / (1.0 - 0.9f64.powi(t))) as f32,
+                (1.0 - 0.95f64.powi(t)).sqrt() as f32,
+            ];
+            return Ok((adamw_rule(0.9, 0.95, 1e-8, 0.1), vec![false, true], scalars));
+        }
+        let d = optimizers::find(which).ok_or("no such definition")?;
+        let rule = d
+            .plan_rule(&[("weight_decay".into(), 0.1)])
+            .map_err(|e| e.to_string())?;
+        let second = d
+            .state
+            .iter()
+            .map(|s| s.class == BufferClass::ExpAvgSq)
+            .collect();
+        let scalars = step_scalars(&rule, 3e-4, 3);
+        Ok((
+            update_rule(&rule).map_err(|e| e.to_string())?,
+            second,
+            scalars,
+        ))
+    }
+    let names: Vec<&'static str> = std::iter::once("adamw")
+        .chain(DEFINITIONS.iter().map(|d| d.name))
+        .collect();
     for (n, big) in [(1usize, false), (1037, false), (4096 * 783 + 5, true)] {
-        for which in ["adamw", "lion"] {
-            let name = if which == "adamw" {
-                "update_rule_adamw"
-            } else {
-                "update_rule_lion"
-            };
-            v.push(case(name, format!("n={n}"), 0.0, big, move |cx| {
-                let rule = match which {
-                    "adamw" => adamw_rule(0.9, 0.95, 1e-8, 0.1),
-                    _ => lion_rule(0.9, 0.99),
-                };
-                let (expr, _) = simplify(&rule.expr);
-                let rule = UpdateRule { expr, ..rule };
-                let kernel = gopt::UpdateKernel::new(cx.dev, &rule)?;
-                let prog = Program::new(&rule).map_err(cpu)?;
-                // p, g, then the moments (v > 0: a warm second moment).
-                let mut host: Vec<Vec<f32>> = vec![cx.normal(n, 0.0, 1.0), cx.normal(n, 0.0, 1.0)];
-                host.push(cx.normal(n, 0.0, 0.1));
-                if which == "adamw" {
-                    host.push(cx.uniform(n, 1e-4, 1e-2));
-                }
-                let scalars: Vec<f32> = match which {
-                    "adamw" => vec![
-                        1.0 - 3e-4 * 0.1,
-                        3e-4 / (1.0 - 0.9f32.powi(3)),
-                        (1.0 - 0.95f32.powi(3)).sqrt(),
-                    ],
-                    _ => vec![1.0 - 1e-4 * 0.1, 1e-4],
-                };
-                let bufs = host
-                    .iter()
-                    .map(|h| cx.up(h))
-                    .collect::<Result<Vec<Buf>>>()?;
-                let refs: Vec<&Buf> = bufs.iter().collect();
-                let ms = cx.timed(|| kernel.run(cx.dev, &refs, &scalars))?;
-                let mut slices: Vec<&mut [f32]> =
-                    host.iter_mut().map(|h| h.as_mut_slice()).collect();
-                prog.run(&mut slices, &scalars).map_err(cpu)?;
-                let mut errs = Vec::new();
-                for (i, b) in bufs.iter().enumerate() {
-                    let got = cx.down(b)?;
-                    let same = got.len() == host[i].len()
-                        && got
-                            .iter()
-                            .zip(&host[i])
-                            .all(|(a, b)| a.to_bits() == b.to_bits());
-                    errs.push((["p", "g", "m", "v"][i], if same { 0.0 } else { 1.0 }));
-                }
-                Ok(Outcome { errs, gpu_ms: ms })
-            }));
+        for &which in &names {
+            v.push(case(
+                "update_rule",
+                format!("{which} n={n}"),
+                0.0,
+                big,
+                move |cx| {
+                    let (rule, second, scalars) = build(which).map_err(cpu)?;
+                    let (expr, _) = simplify(&rule.expr);
+                    let rule = UpdateRule { expr, ..rule };
+                    let kernel = gopt::UpdateKernel::new(cx.dev, &rule)?;
+                    let prog = Program::new(&rule).map_err(cpu)?;
+                    // p, g, then the state (second moments > 0: a warm state).
+                    let mut host: Vec<Vec<f32>> =
+                        vec![cx.normal(n, 0.0, 1.0), cx.normal(n, 0.0, 1.0)];
+                    for &sq in &second {
+                        host.push(if sq {
+                            cx.uniform(n, 1e-4, 1e-2)
+                        } else {
+                            cx.normal(n, 0.0, 0.1)
+                        });
+                    }
+                    let bufs = host
+                        .iter()
+                        .map(|h| cx.up(h))
+                        .collect::<Result<Vec<Buf>>>()?;
+                    let refs: Vec<&Buf> = bufs.iter().collect();
+                    let ms = cx.timed(|| kernel.run(cx.dev, &refs, &scalars))?;
+                    let mut slices: Vec<&mut [f32]> =
+                        host.iter_mut().map(|h| h.as_mut_slice()).collect();
+                    prog.run(&mut slices, &scalars).map_err(cpu)?;
+                    let mut errs = Vec::new();
+                    for (i, b) in bufs.iter().enumerate() {
+                        let got = cx.down(b)?;
+                        let same = got.len() == host[i].len()
+                            && got
+                                .iter()
+                                .zip(&host[i])
+                                .all(|(a, b)| a.to_bits() == b.to_bits());
+                        let name: &'static str = match rule.tensors[i].as_str() {
+                            "p" => "p",
+                            "g" => "g",
+                            _ if second.get(i - 2) == Some(&true) => "second moment",
+                            _ => "state",
+                        };
+                        errs.push((name, if same { 0.0 } else { 1.0 }));
+                    }
+                    Ok(Outcome { errs, gpu_ms: ms })
+                },
+            ));
         }
     }
 }

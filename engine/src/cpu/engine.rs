@@ -358,6 +358,15 @@ impl<T: Float + Real> CpuEngine<T> {
                 crate::normal_fill(seed, i as u64, v, |z| <T as Float>::from_f64(std * z))
             }
         })?;
+        // Element-wise update rules are checked here, before anything runs.
+        for (index, op) in plan.optimizer.iter().enumerate() {
+            if let Op::ElementwiseUpdate { rule, .. } = op {
+                super::exec::rule_program(rule).map_err(|e| EngineError::Optim {
+                    location: format!("optimizer[{index}] (elementwise_update)"),
+                    message: format!("the plan's `{}` rule: {e}", rule.optimizer),
+                })?;
+            }
+        }
         let mut adamw_kernels = HashMap::new();
         if T::BYTES == 4 {
             for op in &plan.optimizer {

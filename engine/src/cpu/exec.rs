@@ -531,6 +531,66 @@ pub(crate) fn exec_op<T: Float + Real>(
                     .map_err(|e| optim_err(loc, e))
             })?;
         }
+        Op::ElementwiseUpdate {
+            param,
+            grad,
+            state,
+            rule,
+        } => {
+            let prog = rule_program(rule).map_err(|e| optim_err(loc, e))?;
+            let scalars: Vec<T> = optim::optimizers::step_scalars(rule, rule.lr * lr_multiplier, t);
+            let outs: Vec<(&'static str, BufferId)> = std::iter::once(("param", *param))
+                .chain(state.iter().map(|s| ("state", *s)))
+                .collect();
+            st.with_outs(loc, &outs, &[*grad], |s, o| {
+                // The program reads every tensor through one list (p, g, state...): `g` is the
+                // one it never writes, so a copy of it joins the written ones.
+                let mut g = s.f(*grad)?.to_vec();
+                let (p, rest) = o
+                    .split_first_mut()
+                    .ok_or_else(|| optim_err(loc, "no param"))?;
+                let mut all: Vec<&mut [T]> = vec![p.as_mut_slice(), g.as_mut_slice()];
+                all.extend(rest.iter_mut().map(|v| v.as_mut_slice()));
+                run_chunked(&prog, all, &scalars).map_err(|e| optim_err(loc, e))
+            })?;
+        }
     }
     Ok(Done)
+}
+
+/// The host program of a plan's element-wise update rule.
+///
+/// # Errors
+/// The rule's expression does not parse, names an unknown tensor or scalar, or its outputs do
+/// not match it.
+pub(crate) fn rule_program(
+    rule: &schedule::ElementwiseRule,
+) -> Result<optim::update::Program, optim::update::RuleError> {
+    optim::update::Program::new(&optim::optimizers::update_rule(rule)?)
+}
+
+/// Runs `prog` over `tensors` (one length) in chunks of 16 Ki elements on the rayon pool; each
+/// element's result does not depend on the others, so this is the sequential run's bits.
+fn run_chunked<T: Real>(
+    prog: &optim::update::Program,
+    tensors: Vec<&mut [T]>,
+    scalars: &[T],
+) -> Result<(), optim::update::RuleError> {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 14;
+    let n = tensors.first().map_or(0, |t| t.len());
+    if tensors.iter().any(|t| t.len() != n) {
+        return Err(optim::update::RuleError::Length(
+            "tensors of different lengths".into(),
+        ));
+    }
+    let mut chunks: Vec<Vec<&mut [T]>> = (0..n.div_ceil(CHUNK)).map(|_| Vec::new()).collect();
+    for t in tensors {
+        for (c, part) in chunks.iter_mut().zip(t.chunks_mut(CHUNK)) {
+            c.push(part);
+        }
+    }
+    chunks
+        .into_par_iter()
+        .try_for_each(|mut c| prog.run(&mut c, scalars))
 }

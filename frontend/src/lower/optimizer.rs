@@ -1,7 +1,9 @@
-//! `optimizer <adamw|soap> { ... }`: AdamW (nanoGPT defaults) and SOAP (reference `soap.py`
-//! defaults, `shampoo_beta` defaulting to beta2).
+//! `optimizer <name> { ... }`: AdamW (nanoGPT defaults), SOAP (reference `soap.py` defaults,
+//! `shampoo_beta` defaulting to beta2), and every optimizer defined by an element-wise rule in
+//! `optim::optimizers` (its keys, defaults and ranges come from its definition).
 
-use ir::config::{AdamWConfig, OptimizerConfig, SoapConfig};
+use ir::config::{AdamWConfig, ElementwiseConfig, OptimizerConfig, SoapConfig};
+use optim::optimizers::{self, KeyKind};
 
 use super::{block_name, missing_name};
 use crate::ast::{Block, Value, ValueKind};
@@ -9,7 +11,17 @@ use crate::check::{unknown_name, Checker, Fields};
 use crate::diagnostics::SpecError;
 use ir::limits;
 
-const OPTIMIZERS: &[&str] = &["adamw", "soap"];
+/// The built-in optimizers (their own plan ops); the rule-defined ones follow.
+const BUILT_IN: &[&str] = &["adamw", "soap"];
+
+/// Every optimizer name a spec may use.
+fn optimizer_names() -> Vec<&'static str> {
+    BUILT_IN
+        .iter()
+        .copied()
+        .chain(optimizers::DEFINITIONS.iter().map(|d| d.name))
+        .collect()
+}
 const ADAMW_KEYS: &[&str] = &["lr", "betas", "eps", "weight_decay"];
 const SOAP_KEYS: &[&str] = &[
     "lr",
@@ -23,8 +35,9 @@ const SOAP_KEYS: &[&str] = &[
     "normalize_grads",
 ];
 
-/// `optimizer <adamw|soap> { ... }`.
+/// `optimizer <name> { ... }`.
 pub(crate) fn optimizer(c: &mut Checker, b: &Block) -> Option<OptimizerConfig> {
+    let names = optimizer_names();
     let kind = match &b.name {
         None => {
             c.push(missing_name(
@@ -34,12 +47,15 @@ pub(crate) fn optimizer(c: &mut Checker, b: &Block) -> Option<OptimizerConfig> {
             ));
             None
         }
-        Some(n) if OPTIMIZERS.contains(&n.name.as_str()) => Some(n.name.as_str()),
+        Some(n) if names.contains(&n.name.as_str()) => Some(n.name.as_str()),
         Some(n) => {
-            c.push(unknown_name("optimizer", &n.name, n.span, OPTIMIZERS));
+            c.push(unknown_name("optimizer", &n.name, n.span, &names));
             None
         }
     };
+    if let Some(def) = kind.and_then(optimizers::find) {
+        return Some(elementwise(c, b, def));
+    }
     let soap_only: Vec<(&str, &str)> = SOAP_KEYS
         .iter()
         .filter(|k| !ADAMW_KEYS.contains(k))
@@ -88,40 +104,85 @@ pub(crate) fn optimizer(c: &mut Checker, b: &Block) -> Option<OptimizerConfig> {
     kind.map(|_| OptimizerConfig::Soap(config))
 }
 
+/// The block of an optimizer defined by its update rule: the definition's keys, each with its
+/// default and range.
+fn elementwise(c: &mut Checker, b: &Block, def: &optimizers::Definition) -> OptimizerConfig {
+    let keys: Vec<&str> = def.keys.iter().map(|k| k.name).collect();
+    let f = c.fields(b, &block_name(b), &keys, &[]);
+    let mut hyper = Vec::new();
+    for k in def.keys {
+        match k.kind {
+            KeyKind::Float(d) => {
+                hyper.push((k.name.to_string(), c.float_or(&f, k.name, k.range, d)));
+            }
+            KeyKind::Pair(names, d) => {
+                let (a, b) = pair(c, &f, k.name, names, k.range, d);
+                hyper.push((names[0].to_string(), a));
+                hyper.push((names[1].to_string(), b));
+            }
+        }
+    }
+    OptimizerConfig::Elementwise(ElementwiseConfig {
+        name: def.name.to_string(),
+        hyper,
+    })
+}
+
 /// `betas = (β₁, β₂)`, each in [`limits::BETA`].
 fn betas(c: &mut Checker, f: &Fields, default: (f64, f64)) -> (f64, f64) {
-    let Some(e) = f.get("betas") else {
+    pair(c, f, "betas", ["beta1", "beta2"], limits::BETA, default)
+}
+
+/// `key = (a, b)`, each in `range`; `names` name the halves in errors.
+fn pair(
+    c: &mut Checker,
+    f: &Fields,
+    key: &str,
+    names: [&str; 2],
+    range: ir::limits::FloatRange,
+    default: (f64, f64),
+) -> (f64, f64) {
+    let Some(e) = f.get(key) else {
         return default;
     };
     match &e.value.kind {
         ValueKind::Tuple(items) if items.len() == 2 => {
-            let b1 = c.float_in("beta1 (the first of `betas`)", &items[0], limits::BETA);
-            let b2 = c.float_in("beta2 (the second of `betas`)", &items[1], limits::BETA);
+            let first = format!("{} (the first of `{key}`)", names[0]);
+            let second = format!("{} (the second of `{key}`)", names[1]);
+            let b1 = c.float_in(&first, &items[0], range);
+            let b2 = c.float_in(&second, &items[1], range);
             (b1.unwrap_or(default.0), b2.unwrap_or(default.1))
         }
         ValueKind::Tuple(items) => {
-            c.push(pair_error(&e.value, format!("a tuple of {}", items.len())));
+            let found = format!("a tuple of {}", items.len());
+            c.push(pair_error(&e.value, key, names, found));
             default
         }
         ValueKind::List(_) => {
             c.push(
-                pair_error(&e.value, "a list".into())
-                    .with_help("use parentheses: `betas = (0.9, 0.95)`"),
+                pair_error(&e.value, key, names, "a list".into()).with_help(format!(
+                    "use parentheses: `{key} = ({}, {})`",
+                    default.0, default.1
+                )),
             );
             default
         }
         _ => {
-            c.wrong_type("betas", &e.value, "a pair `(beta1, beta2)`");
+            let want = format!("a pair `({}, {})`", names[0], names[1]);
+            c.wrong_type(key, &e.value, &want);
             default
         }
     }
 }
 
-fn pair_error(v: &Value, found: String) -> SpecError {
+fn pair_error(v: &Value, key: &str, names: [&str; 2], found: String) -> SpecError {
     SpecError::new(
         "spec::wrong-type",
         v.span,
-        format!("`betas` must be a pair `(beta1, beta2)`, found {found}"),
+        format!(
+            "`{key}` must be a pair `({}, {})`, found {found}",
+            names[0], names[1]
+        ),
         "expected two numbers",
     )
 }

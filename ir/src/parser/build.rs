@@ -4,11 +4,11 @@
 use super::{Cursor, ParseError};
 use crate::op::{InputRole, Op};
 use crate::printer::{class_keyword, role_keyword, CLASSES};
-use schedule::{Init, SoapHyper};
+use schedule::{ElementwiseRule, Init, SoapHyper, StepScalar};
 use std::str::FromStr;
 
 /// Every op name of the text format.
-const OP_NAMES: [&str; 34] = [
+const OP_NAMES: [&str; 35] = [
     "state",
     "input",
     "loss",
@@ -42,6 +42,7 @@ const OP_NAMES: [&str; 34] = [
     "adam_w",
     "soap_update",
     "soap_factor_update",
+    "elementwise_update",
     "eigenbasis_refresh",
 ];
 
@@ -353,6 +354,31 @@ pub(super) fn build_op<'a>(
             left: a.b("left")?,
             right: a.b("right")?,
         },
+        "elementwise_update" => {
+            let words = |s: &str| s.split_whitespace().map(str::to_string).collect::<Vec<_>>();
+            let optimizer = a.raw("optimizer")?.0.to_string();
+            let lr = a.f("lr")?;
+            let state = words(a.raw("state")?.0);
+            let outputs = words(a.raw("outputs")?.0);
+            let (raw, at) = a.raw("scalars")?;
+            let scalars = raw
+                .split_whitespace()
+                .map(|w| w.parse::<StepScalar>())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| a.c.err_at(at, format!("attribute `scalars`: {e}")))?;
+            let expr = a.raw("expr")?.0.to_string();
+            let rule = ElementwiseRule {
+                optimizer,
+                lr,
+                state,
+                outputs,
+                scalars,
+                expr,
+            };
+            rule.check()
+                .map_err(|e| a.c.err_at(a.op_at, format!("`elementwise_update`: {e}")))?;
+            Op::ElementwiseUpdate { rule }
+        }
         "eigenbasis_refresh" => Op::EigenbasisRefresh {
             side: a.num("side", "0 or 1")?,
             frequency: a.num("frequency", "a positive integer")?,

@@ -171,6 +171,25 @@ impl<'a> Cursor<'a> {
             self.expect('=', &format!("after attribute `{name}`"))?;
             self.ws();
             let vat = self.rest;
+            if self.eat('"') {
+                // A quoted string: everything up to the next `"` (no escapes).
+                let Some(end) = self.rest.find('"') else {
+                    return Err(self.err_at(vat, format!("unterminated string for `{name}`")));
+                };
+                let value = &self.rest[..end];
+                self.rest = &self.rest[end + 1..];
+                out.push(RawAttr {
+                    name,
+                    value,
+                    name_at: at,
+                    value_at: vat,
+                });
+                if self.eat('}') {
+                    return Ok(out);
+                }
+                self.expect(',', "or `}` between attributes")?;
+                continue;
+            }
             let value = self
                 .token(|i| {
                     take_while1(|c: char| {

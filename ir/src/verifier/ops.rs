@@ -70,12 +70,20 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
             }
         }
         Op::EigenbasisRefresh { .. } => vec!["factor", "basis", "exp_avg", "exp_avg_sq"],
+        Op::ElementwiseUpdate { rule } => {
+            let mut v = vec!["param", "grad"];
+            v.extend(std::iter::repeat("state").take(rule.state.len()));
+            v
+        }
     };
     match found == exact.len() {
         true => Ok(exact),
         false => Err(match op {
             Op::SoapUpdate { .. } | Op::SoapFactorUpdate { .. } => {
                 format!("{} (given `left` / `right`)", exact.len())
+            }
+            Op::ElementwiseUpdate { .. } => {
+                format!("{} (param, grad and the rule's `state`)", exact.len())
             }
             _ => exact.len().to_string(),
         }),
@@ -105,6 +113,7 @@ fn result_roles(op: &Op, found: usize) -> Vec<&'static str> {
         | Op::AdamW { .. }
         | Op::SoapUpdate { .. }
         | Op::SoapFactorUpdate { .. }
+        | Op::ElementwiseUpdate { .. }
         | Op::EigenbasisRefresh { .. } => vec![],
         _ => vec!["out"],
     }
@@ -433,6 +442,33 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 c.sides("param", l, r)?;
                 for role in [l, r].into_iter().flatten() {
                     c.class(role, BufferClass::Eigenbasis)?;
+                }
+            }
+        }
+        Op::ElementwiseUpdate { ref rule } => {
+            rule.check()
+                .map_err(|e| c.attr(format!("update rule: {e}")))?;
+            c.class("param", BufferClass::Parameter)?;
+            c.gradient("grad", Some(c.get("param")?.0))?;
+            c.same("param", "grad")?;
+            let want = c.shape("param")?;
+            for &(_, s) in c.operands.iter().filter(|o| o.0 == "state") {
+                if m.value(s).ty.shape != want {
+                    return Err(c.fail_value(
+                        "state",
+                        s,
+                        format!("must have the shape {want:?} of `param`"),
+                    ));
+                }
+                if !matches!(
+                    c.v.state_class(s),
+                    Some(BufferClass::ExpAvg | BufferClass::ExpAvgSq)
+                ) {
+                    return Err(c.fail_value(
+                        "state",
+                        s,
+                        "must be a `state exp_avg` or `state exp_avg_sq` buffer",
+                    ));
                 }
             }
         }
