@@ -69,10 +69,12 @@
 #![deny(missing_docs)]
 
 mod adamw;
+mod rule;
 
 pub use adamw::{
     adamw_reference, AdamWConstants, AdamWKernel, CHUNK_ELEMENTS, PARALLEL_MIN_ELEMENTS,
 };
+pub use rule::{Operand, RuleKernel};
 
 /// Why a kernel could not be compiled or run. Run-time errors ([`KernelError::ZeroStep`],
 /// [`KernelError::StepTooLarge`], [`KernelError::LengthMismatch`]) are reported before
@@ -91,6 +93,10 @@ pub enum KernelError {
     /// The bias corrections use `powi` with an `i32` exponent, as the reference does.
     #[error("step t = {0} exceeds i32::MAX")]
     StepTooLarge(u64),
+    /// An update rule the generator (and the interpreter) refuses, or operands that do not
+    /// match it.
+    #[error("update rule: {0}")]
+    Rule(String),
     /// A slice's length differs from `grad`'s.
     #[error("{operand} has {got} elements, expected {expected} (the length of grad)")]
     LengthMismatch {

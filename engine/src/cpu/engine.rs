@@ -159,6 +159,21 @@ pub struct CpuEngine<T> {
     /// The Cranelift-compiled AdamW updates of an f32 engine, one per distinct set of the
     /// plan's constants (bit-identical to `optim::adamw_update`, which an f64 engine runs).
     adamw_kernels: HashMap<[u64; 4], Arc<hostkernels::AdamWKernel>>,
+    /// The Cranelift kernels of the plan's element-wise update rules (f32 engines), by rule
+    /// text; bit-identical to the rule interpreter, which an f64 engine runs.
+    rule_kernels: HashMap<String, Arc<hostkernels::RuleKernel>>,
+}
+
+/// The key of a compiled element-wise update rule: everything the generated code depends on.
+fn rule_key(rule: &schedule::ElementwiseRule) -> String {
+    let scalars: Vec<&str> = rule.scalars.iter().map(|s| s.name()).collect();
+    format!(
+        "{}|{}|{}|{}",
+        rule.state.join(","),
+        rule.outputs.join(","),
+        scalars.join(","),
+        rule.expr
+    )
 }
 
 /// The key of an AdamW op's compiled kernel: its constants' bits.
@@ -358,13 +373,23 @@ impl<T: Float + Real> CpuEngine<T> {
                 crate::normal_fill(seed, i as u64, v, |z| <T as Float>::from_f64(std * z))
             }
         })?;
-        // Element-wise update rules are checked here, before anything runs.
+        // Element-wise update rules are checked here, before anything runs, and compiled for
+        // the host when the engine is f32.
+        let mut rule_kernels = HashMap::new();
         for (index, op) in plan.optimizer.iter().enumerate() {
             if let Op::ElementwiseUpdate { rule, .. } = op {
-                super::exec::rule_program(rule).map_err(|e| EngineError::Optim {
-                    location: format!("optimizer[{index}] (elementwise_update)"),
+                let location = format!("optimizer[{index}] (elementwise_update)");
+                let refused = |e: &dyn std::fmt::Display| EngineError::Optim {
+                    location: location.clone(),
                     message: format!("the plan's `{}` rule: {e}", rule.optimizer),
-                })?;
+                };
+                super::exec::rule_program(rule).map_err(|e| refused(&e))?;
+                let key = rule_key(rule);
+                if T::BYTES == 4 && !rule_kernels.contains_key(&key) {
+                    let r = optim::optimizers::update_rule(rule).map_err(|e| refused(&e))?;
+                    let k = hostkernels::RuleKernel::compile(&r).map_err(|e| refused(&e))?;
+                    rule_kernels.insert(key, Arc::new(k));
+                }
             }
         }
         let mut adamw_kernels = HashMap::new();
@@ -412,6 +437,7 @@ impl<T: Float + Real> CpuEngine<T> {
             poison,
             tiers,
             adamw_kernels,
+            rule_kernels,
         })
     }
 
@@ -566,6 +592,7 @@ impl<T: Float + Real> CpuEngine<T> {
         let poison = self.poison.as_ref();
         let tiers = &mut self.tiers;
         let kernels = &self.adamw_kernels;
+        let rule_kernels = &self.rule_kernels;
         pool.install(|| {
             for (index, op) in program.iter().enumerate() {
                 let loc = Loc { section, index, op: op.name() };
@@ -616,6 +643,40 @@ impl<T: Float + Real> CpuEngine<T> {
                                 location: loc.to_string(),
                                 message: e.to_string(),
                             })
+                        })?;
+                        OpOutcome::Done
+                    }
+                    Op::ElementwiseUpdate {
+                        param,
+                        grad,
+                        state,
+                        rule,
+                    } if rule_kernels.contains_key(&rule_key(rule)) => {
+                        let k = &rule_kernels[&rule_key(rule)];
+                        let scalars: Vec<f32> =
+                            optim::optimizers::step_scalars(rule, rule.lr * lr_multiplier, t);
+                        let outs: Vec<(&'static str, BufferId)> = std::iter::once(("param", *param))
+                            .chain(state.iter().map(|s| ("state", *s)))
+                            .collect();
+                        store.with_outs(loc, &outs, &[*grad], |s, o| {
+                            let bad = |m: String| EngineError::Optim {
+                                location: loc.to_string(),
+                                message: m,
+                            };
+                            let need_f32 = || bad("internal: the host rule kernel needs f32".into());
+                            let g = T::as_f32(s.f(*grad)?).ok_or_else(need_f32)?;
+                            let (p, rest) =
+                                o.split_first_mut().ok_or_else(|| bad("no param".into()))?;
+                            let mut tensors = vec![
+                                hostkernels::Operand::Write(T::as_f32_mut(p).ok_or_else(need_f32)?),
+                                hostkernels::Operand::Read(g),
+                            ];
+                            for v in rest.iter_mut() {
+                                tensors.push(hostkernels::Operand::Write(
+                                    T::as_f32_mut(v).ok_or_else(need_f32)?,
+                                ));
+                            }
+                            k.run(&mut tensors, &scalars).map_err(|e| bad(e.to_string()))
                         })?;
                         OpOutcome::Done
                     }

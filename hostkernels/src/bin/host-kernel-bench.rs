@@ -1,5 +1,7 @@
-//! `host-kernel-bench`: times the Cranelift AdamW kernel ([`AdamWKernel::update`]) against
-//! the rustc-compiled reference loop ([`adamw_reference`]) on the same number of threads.
+//! `host-kernel-bench`: times the hand-written Cranelift AdamW kernel ([`AdamWKernel::update`])
+//! and the one generated from the AdamW update rule ([`RuleKernel`] of
+//! `optim::update::adamw_rule`) against the rustc-compiled reference loop ([`adamw_reference`])
+//! on the same number of threads.
 //!
 //! ```text
 //! host-kernel-bench [--elements N]... [--reps R] [--threads T] [--print]
@@ -21,7 +23,8 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use hostkernels::{adamw_reference, AdamWConstants, AdamWKernel};
+use hostkernels::{adamw_reference, AdamWConstants, AdamWKernel, Operand, RuleKernel};
+use optim::update::{adamw_rule, simplify, UpdateRule};
 
 struct Args {
     elements: Vec<usize>,
@@ -87,7 +90,24 @@ fn median_ms(xs: &mut [f64]) -> f64 {
     xs[xs.len() / 2]
 }
 
-fn run(n: usize, args: &Args, kernel: &AdamWKernel, c: &AdamWConstants) -> Result<bool, String> {
+/// The three variants of one AdamW step.
+#[derive(Clone, Copy)]
+enum Variant {
+    /// The hand-written Cranelift kernel.
+    Jit,
+    /// The kernel generated from the AdamW update rule.
+    Rule,
+    /// The rustc-compiled loop.
+    Reference,
+}
+
+fn run(
+    n: usize,
+    args: &Args,
+    kernel: &AdamWKernel,
+    rule: &RuleKernel,
+    c: &AdamWConstants,
+) -> Result<bool, String> {
     let mut grad = vec![0f32; n];
     fill(&mut grad, 0x9e37_79b9_7f4a_7c15 ^ n as u64, 1e-2, false);
     let mut a = State {
@@ -98,58 +118,78 @@ fn run(n: usize, args: &Args, kernel: &AdamWKernel, c: &AdamWConstants) -> Resul
     fill(&mut a.p, 1, 0.1, false);
     fill(&mut a.m, 2, 1e-3, false);
     fill(&mut a.v, 3, 1e-3, true);
-    let mut b = State {
-        p: a.p.clone(),
-        m: a.m.clone(),
-        v: a.v.clone(),
+    let copy = |s: &State| State {
+        p: s.p.clone(),
+        m: s.m.clone(),
+        v: s.v.clone(),
     };
+    let mut states = [copy(&a), copy(&a), a];
     let lr = 3e-4;
-    let (mut jit, mut reference) = (Vec::new(), Vec::new());
+    let variants = [Variant::Jit, Variant::Rule, Variant::Reference];
+    let mut times: [Vec<f64>; 3] = Default::default();
     for t in 1..=(args.reps as u64 + 1) {
-        // After every step the two copies are bit-identical again (both variants compute
-        // the same step), so the variants can trade copies: where an array sits in memory
+        // After every step the copies are bit-identical again (all variants compute the same
+        // step), so the variants rotate over the copies: where an array sits in memory
         // (pages, huge pages) changes streaming bandwidth by ~10% at 64M elements, and
-        // trading copies every step spreads that over both. The order alternates too.
-        let (x, y) = if t % 2 == 1 {
-            (&mut a, &mut b)
-        } else {
-            (&mut b, &mut a)
-        };
-        let jit_first = (t / 2) % 2 == 0;
-        let mut time_ref = || -> Result<f64, String> {
+        // rotating spreads that over all. The order rotates too.
+        for k in 0..3 {
+            let which = (k + t as usize) % 3;
+            let variant = variants[which];
+            let s = &mut states[(which + t as usize / 3) % 3];
             let t0 = Instant::now();
-            adamw_reference(c, t, lr, &mut y.p, &grad, &mut y.m, &mut y.v)
-                .map_err(|e| e.to_string())?;
-            Ok(t0.elapsed().as_secs_f64() * 1e3)
-        };
-        let mut r_ms = if jit_first { None } else { Some(time_ref()?) };
-        let t0 = Instant::now();
-        kernel
-            .update(t, lr, &mut x.p, &grad, &mut x.m, &mut x.v)
-            .map_err(|e| e.to_string())?;
-        let j_ms = t0.elapsed().as_secs_f64() * 1e3;
-        if r_ms.is_none() {
-            r_ms = Some(time_ref()?);
-        }
-        if t > 1 {
-            jit.push(j_ms);
-            reference.push(r_ms.unwrap_or_default());
+            match variant {
+                Variant::Jit => kernel
+                    .update(t, lr, &mut s.p, &grad, &mut s.m, &mut s.v)
+                    .map_err(|e| e.to_string())?,
+                Variant::Reference => {
+                    adamw_reference(c, t, lr, &mut s.p, &grad, &mut s.m, &mut s.v)
+                        .map_err(|e| e.to_string())?
+                }
+                Variant::Rule => {
+                    let ti = t as i32;
+                    let scalars = [
+                        (1.0 - lr * c.weight_decay) as f32,
+                        (lr / (1.0 - c.beta1.powi(ti))) as f32,
+                        (1.0 - c.beta2.powi(ti)).sqrt() as f32,
+                    ];
+                    let mut tensors = [
+                        Operand::Write(&mut s.p),
+                        Operand::Read(&grad),
+                        Operand::Write(&mut s.m),
+                        Operand::Write(&mut s.v),
+                    ];
+                    rule.run(&mut tensors, &scalars)
+                        .map_err(|e| e.to_string())?;
+                }
+            }
+            if t > 1 {
+                times[which].push(t0.elapsed().as_secs_f64() * 1e3);
+            }
         }
     }
     let same = |x: &[f32], y: &[f32]| x.iter().zip(y).all(|(x, y)| x.to_bits() == y.to_bits());
-    let identical = same(&a.p, &b.p) && same(&a.m, &b.m) && same(&a.v, &b.v);
-    let (jm, rm) = (median_ms(&mut jit), median_ms(&mut reference));
+    let eq = |x: &State, y: &State| same(&x.p, &y.p) && same(&x.m, &y.m) && same(&x.v, &y.v);
+    let identical = eq(&states[0], &states[1]) && eq(&states[1], &states[2]);
+    let [mut jit, mut gen, mut reference] = times;
+    let (jm, gm, rm) = (
+        median_ms(&mut jit),
+        median_ms(&mut gen),
+        median_ms(&mut reference),
+    );
     let bytes = 28.0 * n as f64;
     let gbs = |ms: f64| bytes / (ms * 1e-3) / 1e9;
     println!(
-        "{:>11} {:>7} {:>10.3} {:>9.2} {:>10.3} {:>9.2} {:>9.3} {:>10}",
+        "{:>11} {:>7} {:>9.3} {:>8.2} {:>9.3} {:>8.2} {:>9.3} {:>8.2} {:>8.3} {:>9.3} {:>10}",
         n,
         args.threads,
         jm,
         gbs(jm),
+        gm,
+        gbs(gm),
         rm,
         gbs(rm),
         rm / jm,
+        rm / gm,
         if identical { "yes" } else { "NO" }
     );
     Ok(identical)
@@ -178,6 +218,19 @@ fn main() -> ExitCode {
         }
     };
     let compile_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let t0 = Instant::now();
+    let rule = {
+        let r = adamw_rule(c.beta1, c.beta2, c.eps, c.weight_decay);
+        let (expr, _) = simplify(&r.expr);
+        match RuleKernel::compile(&UpdateRule { expr, ..r }) {
+            Ok(k) => k,
+            Err(e) => {
+                eprintln!("compile the AdamW rule: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    };
+    let rule_ms = t0.elapsed().as_secs_f64() * 1e3;
     if args.print {
         println!(
             "; generated CLIF\n{}\n; optimized CLIF\n{}\n; machine code\n{}",
@@ -187,12 +240,22 @@ fn main() -> ExitCode {
         );
     }
     println!(
-        "AdamW f32 {c:?}; kernel compiled in {compile_ms:.2} ms; {} timed reps (median), 28 B/element; jit/ref = JIT throughput / reference throughput",
+        "AdamW f32 {c:?}; hand-written kernel compiled in {compile_ms:.2} ms, rule kernel in {rule_ms:.2} ms; {} timed reps (median), 28 B/element; jit/ref and rule/ref = throughput over the rustc loop's",
         args.reps
     );
     println!(
-        "{:>11} {:>7} {:>10} {:>9} {:>10} {:>9} {:>9} {:>10}",
-        "elements", "threads", "jit_ms", "jit_GB/s", "ref_ms", "ref_GB/s", "jit/ref", "bit-equal"
+        "{:>11} {:>7} {:>9} {:>8} {:>9} {:>8} {:>9} {:>8} {:>8} {:>9} {:>10}",
+        "elements",
+        "threads",
+        "jit_ms",
+        "jit_GB/s",
+        "rule_ms",
+        "rule_GB/s",
+        "ref_ms",
+        "ref_GB/s",
+        "jit/ref",
+        "rule/ref",
+        "bit-equal"
     );
     let pool = match rayon::ThreadPoolBuilder::new()
         .num_threads(args.threads)
@@ -206,7 +269,7 @@ fn main() -> ExitCode {
     };
     let mut ok = true;
     for &n in &args.elements {
-        match pool.install(|| run(n, &args, &kernel, &c)) {
+        match pool.install(|| run(n, &args, &kernel, &rule, &c)) {
             Ok(identical) => ok &= identical,
             Err(e) => {
                 eprintln!("{e}");
@@ -217,7 +280,7 @@ fn main() -> ExitCode {
     if ok {
         ExitCode::SUCCESS
     } else {
-        eprintln!("JIT and reference results differ");
+        eprintln!("the kernels' and the reference's results differ");
         ExitCode::FAILURE
     }
 }
