@@ -333,9 +333,9 @@ enum Command {
 
 #[derive(Subcommand)]
 enum BenchCommand {
-    /// Element-wise optimizer update kernels on a CUDA device: AdamW generated from its rule
-    /// beside the hand-written kernel, and every rule-defined optimizer; median GPU ms and
-    /// effective GB/s per update.
+    /// Element-wise optimizer update kernels on a CUDA device (all generated from update
+    /// rules): the AdamW op's and every rule-defined optimizer's; median GPU ms and effective
+    /// GB/s per update.
     UpdateKernels {
         /// CUDA device ordinal.
         #[arg(long, default_value_t = 0)]

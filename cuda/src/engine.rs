@@ -178,6 +178,18 @@ pub struct CudaEngine {
     gpu_trace: Option<gpu_trace::GpuTrace>,
     /// The plan's element-wise update rules, compiled, by [`rule_key`].
     update_kernels: HashMap<String, Arc<crate::ops::optim::UpdateKernel>>,
+    /// The AdamW kernels of the plan's `AdamW` ops, one per set of constants ([`adamw_key`]).
+    adamw_kernels: HashMap<[u64; 4], Arc<crate::ops::optim::AdamWKernel>>,
+}
+
+/// The key of an AdamW op's compiled kernel: its constants' bits.
+fn adamw_key(beta1: f64, beta2: f64, eps: f64, weight_decay: f64) -> [u64; 4] {
+    [
+        beta1.to_bits(),
+        beta2.to_bits(),
+        eps.to_bits(),
+        weight_decay.to_bits(),
+    ]
 }
 
 /// What identifies a compiled element-wise update rule: its name, tensors, scalars and

@@ -164,7 +164,6 @@ pub const FAMILIES: &[Family] = &[
         "reduce",
         ["sumsq_partials", "grad_norm_finalize", "rms_finalize"]
     ),
-    family!("adamw", ["adamw_step"]),
     family!("soap", ["soap_adam_eigen", "soap_apply"]),
     family!(
         "refresh",

@@ -1,8 +1,8 @@
-//! `asteria bench update-kernels --device cuda`: the AdamW update kernel generated from its
-//! rule (`optim::update::adamw_rule`, simplified, through NVRTC) beside the hand-written one
-//! (`ops::optim::adamw`), on the same buffers, alternating, GPU time by CUDA events; and every
-//! optimizer of `optim::optimizers` on the same sizes. Decides whether the generated kernel may
-//! replace the hand-written one (issue 19: only if at least as fast).
+//! `asteria bench update-kernels`: the element-wise optimizer update kernels on a CUDA device,
+//! all generated from update rules through NVRTC: the engine's AdamW (`ops::optim::AdamWKernel`,
+//! from `optim::update::adamw_rule`) and every optimizer of `optim::optimizers`, on the same
+//! buffers, alternating, GPU time by CUDA events. (This benchmark decided that the generated
+//! AdamW replaces the hand-written kernel: same time on the H200, BENCHMARKS.md.)
 use crate::device::{Device, StreamKind};
 use crate::error::{CudaError, Result, Tier};
 use crate::memory::{Buf, Elem};
@@ -11,7 +11,7 @@ use crate::ops::optim as op;
 /// One size's medians.
 #[derive(Clone, Debug)]
 pub struct UpdateBenchRow {
-    /// The kernel (`adamw hand-written`, `adamw generated`, `lion generated`, ...).
+    /// The kernel (`adamw`, `lion`, ...).
     pub kernel: String,
     /// Elements per tensor.
     pub n: usize,
@@ -34,19 +34,19 @@ fn invalid(what: String) -> CudaError {
 /// # Errors
 /// Device, NVRTC or launch errors; a definition whose rule does not build.
 pub fn update_kernels(ordinal: usize, sizes: &[usize], reps: usize) -> Result<Vec<UpdateBenchRow>> {
-    use optim::update::{adamw_rule, simplify, UpdateRule};
+    use optim::update::{simplify, UpdateRule};
     let dev = Device::new(ordinal)?;
     let (lr, beta1, beta2, eps, wd) = (3e-4, 0.9, 0.95, 1e-8, 0.1);
     // Kernels: (name, rule, tensors, bytes per element).
-    let mut rules: Vec<(String, UpdateRule)> =
-        vec![("adamw generated".into(), adamw_rule(beta1, beta2, eps, wd))];
+    let mut rules: Vec<(String, UpdateRule)> = Vec::new();
     for d in optim::optimizers::DEFINITIONS {
         let r = d
             .plan_rule(&[("weight_decay".into(), wd)])
             .map_err(|e| invalid(e.to_string()))?;
         let r = optim::optimizers::update_rule(&r).map_err(|e| invalid(e.to_string()))?;
-        rules.push((format!("{} generated", d.name), r));
+        rules.push((d.name.to_string(), r));
     }
+    let adamw = op::AdamWKernel::new(&dev, beta1, beta2, eps, wd)?;
     let mut compiled = Vec::new();
     for (name, r) in rules {
         let (expr, _) = simplify(&r.expr);
@@ -92,25 +92,22 @@ pub fn update_kernels(ordinal: usize, sizes: &[usize], reps: usize) -> Result<Ve
         let mut samples: Vec<Vec<f64>> = vec![Vec::new(); 1 + compiled.len()];
         for rep in 0..=reps {
             let hand =
-                time(&|| op::adamw(&dev, &step, &bufs[0], &bufs[1], &bufs[2], &bufs[3], None))?;
+                time(&|| adamw.run(&dev, &step, &bufs[0], &bufs[1], &bufs[2], &bufs[3], None))?;
             let mut gen = Vec::new();
             for (name, k, r) in &compiled {
                 let tensors: Vec<&Buf> = bufs[..r.tensors.len()].iter().collect();
-                let scalars: Vec<f32> = if name.starts_with("adamw") {
-                    scalars_adamw.to_vec()
-                } else {
-                    r.scalars
-                        .iter()
-                        .map(|s| {
-                            if s == "lr" {
-                                lr as f32
-                            } else {
-                                (1.0 - lr * wd) as f32
-                            }
-                        })
-                        .collect()
-                };
-                gen.push(time(&|| k.run(&dev, &tensors, &scalars))?);
+                let _ = name;
+                let scalars: Vec<f32> = r
+                    .scalars
+                    .iter()
+                    .map(|s| match s.as_str() {
+                        "lr" => lr as f32,
+                        "decay" => (1.0 - lr * wd) as f32,
+                        "step_size" => scalars_adamw[1],
+                        _ => scalars_adamw[2],
+                    })
+                    .collect();
+                gen.push(time(&|| k.run(&dev, &tensors, &scalars, None))?);
             }
             if rep == 0 {
                 continue; // warm-up
@@ -120,7 +117,7 @@ pub fn update_kernels(ordinal: usize, sizes: &[usize], reps: usize) -> Result<Ve
                 samples[i + 1].push(g);
             }
         }
-        let names: Vec<String> = std::iter::once("adamw hand-written".to_string())
+        let names: Vec<String> = std::iter::once("adamw".to_string())
             .chain(compiled.iter().map(|c| c.0.clone()))
             .collect();
         let tensors: Vec<usize> = std::iter::once(4)

@@ -48,7 +48,7 @@ fn sources_are_embedded_and_names_match() {
     all.sort();
     all.dedup();
     assert_eq!(all.len(), n, "kernel names are unique across families");
-    assert_eq!(family_of("adamw_step").map(|f| f.name), Some("adamw"));
+    assert_eq!(family_of("soap_adam_eigen").map(|f| f.name), Some("soap"));
     assert!(cuda::kernels::COMMON.contains("block_sum"));
 }
 

@@ -422,8 +422,10 @@ fn cuda_const(c: f32) -> String {
 }
 
 /// CUDA C source of a grid-stride kernel `asteria_update_<name>` running `rule`: parameters
-/// `float*` per tensor (in the rule's order; `const` when not an output), `long long n`, then one
-/// `float` per scalar. Arithmetic through the round-to-nearest intrinsics (`__fadd_rn`,
+/// `float*` per tensor (in the rule's order; `const` when not an output), `long long n`, one
+/// `float` per scalar, and, when the rule reads a gradient `g`, a nullable `const float*
+/// g_scale` (the update then reads `g · *g_scale`, rounded to f32). `float4` accesses where every
+/// tensor is 16-byte aligned, scalar ones for the rest. Arithmetic through the round-to-nearest intrinsics (`__fadd_rn`,
 /// `__fmul_rn`, `__fdiv_rn`, `__fsqrt_rn`), so the compiler cannot contract a multiply-add: the
 /// results are the interpreter's bit for bit.
 ///
@@ -444,19 +446,40 @@ pub fn cuda_kernel(rule: &UpdateRule) -> Result<String, RuleError> {
             return Err(RuleError::Unbound(format!("`{s}` is not a C identifier")));
         }
     }
+    let written: Vec<bool> = (0..rule.tensors.len())
+        .map(|i| prog.targets.contains(&i))
+        .collect();
     let mut params = Vec::new();
+    let mut one_params = Vec::new();
     for (i, t) in rule.tensors.iter().enumerate() {
-        let written = prog.targets.contains(&i);
-        let q = if written { "" } else { "const " };
+        let q = if written[i] { "" } else { "const " };
         params.push(format!("{q}float* __restrict__ t_{t}"));
+        one_params.push(if written[i] {
+            format!("float& e_{t}")
+        } else {
+            format!("const float e_{t}")
+        });
     }
     params.push("long long n".to_string());
-    params.extend(rule.scalars.iter().map(|s| format!("float s_{s}")));
+    let scalar_params: Vec<String> = rule
+        .scalars
+        .iter()
+        .map(|s| format!("float s_{s}"))
+        .collect();
+    params.extend(scalar_params.iter().cloned());
+    // A rule over a gradient `g` reads it times a factor on the device when `g_scale` is not
+    // null (a gradient clip's factor, `fuse`'s clip-into-update): the value an in-place clip
+    // would have stored. Multiplying by 1 is exact, so the product is always formed.
+    let scaled = rule.tensors.iter().any(|t| t == "g");
+    if scaled {
+        params.push("const float* __restrict__ g_scale".to_string());
+    }
+    one_params.extend(scalar_params);
     let mut body = String::new();
     let v = |id: Id| format!("x{}", usize::from(id));
     for (k, node) in prog.nodes.iter().enumerate() {
         let e = match (node, prog.leaves[k]) {
-            (_, Some(Leaf::Tensor(t))) => format!("t_{}[i]", rule.tensors[t]),
+            (_, Some(Leaf::Tensor(t))) => format!("e_{}", rule.tensors[t]),
             (_, Some(Leaf::Scalar(s))) => format!("s_{}", rule.scalars[s]),
             (_, Some(Leaf::Const(c))) => cuda_const(c),
             (Update::Add([a, b]), None) => format!("__fadd_rn({}, {})", v(*a), v(*b)),
@@ -475,18 +498,91 @@ pub fn cuda_kernel(rule: &UpdateRule) -> Result<String, RuleError> {
             (Update::List(_), None) => continue,
             _ => unreachable!("leaves are resolved by Program::new"),
         };
-        body.push_str(&format!("        const float x{k} = {e};\n"));
+        body.push_str(&format!("    const float x{k} = {e};\n"));
     }
+    // Every output is computed from the old values before any is written.
     for (&node, &t) in prog.outputs.iter().zip(&prog.targets) {
-        body.push_str(&format!("        t_{}[i] = x{node};\n", rule.tensors[t]));
+        body.push_str(&format!("    e_{} = x{node};\n", rule.tensors[t]));
+    }
+    let name = &rule.name;
+    let t = &rule.tensors;
+    let aligned: Vec<String> = t
+        .iter()
+        .map(|t| format!("(((unsigned long long)t_{t} & 15ull) == 0ull)"))
+        .collect();
+    let scalars: Vec<String> = rule.scalars.iter().map(|s| format!("s_{s}")).collect();
+    let mut vec_loop = String::new();
+    for (i, t) in t.iter().enumerate() {
+        let (c, q) = match (written[i], scaled && t == "g") {
+            (true, _) => ("", ""),
+            (false, true) => ("const ", ""),
+            (false, false) => ("const ", "const "),
+        };
+        vec_loop.push_str(&format!(
+            "        {q}float4 a_{t} = reinterpret_cast<{c}float4*>(t_{t})[i];\n"
+        ));
+    }
+    if scaled {
+        vec_loop.push_str(
+            "        a_g.x = __fmul_rn(a_g.x, gs); a_g.y = __fmul_rn(a_g.y, gs);\n        \
+             a_g.z = __fmul_rn(a_g.z, gs); a_g.w = __fmul_rn(a_g.w, gs);\n",
+        );
+    }
+    for lane in ["x", "y", "z", "w"] {
+        let mut args: Vec<String> = t.iter().map(|t| format!("a_{t}.{lane}")).collect();
+        args.extend(scalars.iter().cloned());
+        vec_loop.push_str(&format!(
+            "        asteria_rule_{name}_one({});\n",
+            args.join(", ")
+        ));
+    }
+    for (i, t) in t.iter().enumerate() {
+        if written[i] {
+            vec_loop.push_str(&format!(
+                "        reinterpret_cast<float4*>(t_{t})[i] = a_{t};\n"
+            ));
+        }
+    }
+    let mut tail = String::new();
+    for (i, t) in t.iter().enumerate() {
+        let c = if written[i] { "" } else { "const " };
+        if scaled && t == "g" {
+            tail.push_str("        const float e_g = __fmul_rn(t_g[i], gs);\n");
+        } else {
+            tail.push_str(&format!("        {c}float e_{t} = t_{t}[i];\n"));
+        }
+    }
+    let mut args: Vec<String> = t.iter().map(|t| format!("e_{t}")).collect();
+    args.extend(scalars.iter().cloned());
+    tail.push_str(&format!(
+        "        asteria_rule_{name}_one({});\n",
+        args.join(", ")
+    ));
+    for (i, t) in t.iter().enumerate() {
+        if written[i] {
+            tail.push_str(&format!("        t_{t}[i] = e_{t};\n"));
+        }
     }
     Ok(format!(
         "// Generated from the `{name}` update rule (optim::update).\n\
+         __device__ __forceinline__ void asteria_rule_{name}_one({one}) {{\n{body}}}\n\
+         // float4 steps where every operand is 16-byte aligned, then the scalar rest; the same\n\
+         // per-element arithmetic.\n\
          extern \"C\" __global__ void asteria_update_{name}({params}) {{\n    \
-         for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;\n         \
-         i += (long long)gridDim.x * blockDim.x) {{\n{body}    }}\n}}\n",
-        name = rule.name,
+         const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n    \
+         const long long stride = (long long)gridDim.x * blockDim.x;\n    \
+         {gs}\
+         const long long n4 = ({aligned}) ? n / 4 : 0;\n    \
+         for (long long i = tid; i < n4; i += stride) {{\n{vec_loop}    }}\n    \
+         for (long long i = 4 * n4 + tid; i < n; i += stride) {{\n{tail}    }}\n}}\n",
+        one = one_params.join(", "),
         params = params.join(", "),
+        gs = if scaled {
+            "const float gs = g_scale != nullptr ? *g_scale : 1.0f;\n    "
+        } else {
+            ""
+        },
+        aligned = aligned.join(" && "),
     ))
 }
 
@@ -808,8 +904,12 @@ mod tests {
                 "plain operator: {l}"
             );
         }
-        for out in ["t_m[i] = ", "t_v[i] = ", "t_p[i] = "] {
+        for out in ["e_m = ", "e_v = ", "e_p = ", "t_p[i] = e_p", "= a_p;"] {
             assert!(src.contains(out), "{out}: {src}");
         }
+        assert!(
+            !src.contains("t_g[i] = ") && !src.contains("(t_g)[i] ="),
+            "{src}"
+        );
     }
 }

@@ -491,6 +491,15 @@ impl CudaEngine {
                 eps,
                 weight_decay,
             } => {
+                let key = super::adamw_key(*beta1, *beta2, *eps, *weight_decay);
+                let k = self
+                    .adamw_kernels
+                    .get(&key)
+                    .ok_or_else(|| CudaError::Invalid {
+                        op: "adam_w",
+                        what: "the AdamW kernel of these constants was not compiled at set-up"
+                            .into(),
+                    })?;
                 let st = op::AdamWStep {
                     t,
                     lr: lr * lr_mult,
@@ -499,7 +508,7 @@ impl CudaEngine {
                     eps: *eps,
                     weight_decay: *weight_decay,
                 };
-                op::adamw(
+                k.run(
                     dev,
                     &st,
                     self.b(*param),
@@ -528,7 +537,7 @@ impl CudaEngine {
                     .chain(state)
                     .map(|&b| self.b(b))
                     .collect();
-                k.run(dev, &tensors, &scalars)?;
+                k.run(dev, &tensors, &scalars, None)?;
             }
             Op::SoapUpdate {
                 param,

@@ -411,7 +411,23 @@ impl CudaEngine {
         // Element-wise update rules: each distinct rule compiled once, before anything runs
         // (a rule that does not parse or compile refuses the plan here).
         let mut update_kernels = HashMap::new();
+        let mut adamw_kernels = HashMap::new();
         for op in &plan.optimizer {
+            if let Op::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                ..
+            } = *op
+            {
+                let key = super::adamw_key(beta1, beta2, eps, weight_decay);
+                if !adamw_kernels.contains_key(&key) {
+                    let k = op::AdamWKernel::new(&dev, beta1, beta2, eps, weight_decay)
+                        .map_err(e("compiling the AdamW kernel"))?;
+                    adamw_kernels.insert(key, Arc::new(k));
+                }
+            }
             if let Op::ElementwiseUpdate { rule, .. } = op {
                 let key = super::rule_key(rule);
                 if update_kernels.contains_key(&key) {
@@ -430,6 +446,7 @@ impl CudaEngine {
         let n_bufs = plan.buffers.len();
         let mut eng = CudaEngine {
             update_kernels,
+            adamw_kernels,
             dev,
             opts,
             precision,

@@ -1,4 +1,4 @@
-//! Optimizer launchers: fused AdamW (plan op `AdamW`, family `adamw`), the SOAP parameter
+//! Optimizer launchers: fused AdamW (plan op `AdamW`, generated from its update rule), the SOAP parameter
 //! update (plan op `SoapUpdate`: cuBLAS projections around the fused eigenbasis-Adam kernel,
 //! family `soap`) and the Kronecker-factor accumulation (plan op `SoapFactorUpdate`, GEMMs).
 //! Semantics match `optim::adamw_update`, `optim::soap_update`, `optim::soap_factor_update`.
@@ -31,6 +31,64 @@ pub struct AdamWStep {
 /// Plan op `AdamW` (PyTorch `torch.optim.AdamW` semantics, torch.lerp for the first moment),
 /// in place on param/exp_avg/exp_avg_sq; all four buffers the same length. `grad_scale`
 /// (f32 `[1]`, a `ClipGradNorm`'s `scale`): the update reads `grad · grad_scale`.
+///
+/// The kernel is generated from AdamW's update rule (`optim::update::adamw_rule`, simplified)
+/// for one set of constants: bit-identical to `optim::adamw_update` at f32 (the CPU engine's
+/// AdamW), and as fast as the hand-written kernel it replaced (H200, BENCHMARKS.md).
+pub struct AdamWKernel {
+    kernel: UpdateKernel,
+}
+
+impl AdamWKernel {
+    /// Generates and compiles the kernel for these constants (NVRTC, cached on disk).
+    ///
+    /// # Errors
+    /// NVRTC or driver errors.
+    pub fn new(dev: &Device, beta1: f64, beta2: f64, eps: f64, weight_decay: f64) -> Result<Self> {
+        let rule = optim::update::adamw_rule(beta1, beta2, eps, weight_decay);
+        let (expr, _) = optim::update::simplify(&rule.expr);
+        let rule = optim::update::UpdateRule { expr, ..rule };
+        Ok(AdamWKernel {
+            kernel: UpdateKernel::new(dev, &rule)?,
+        })
+    }
+
+    /// One step `s` (its constants must be the kernel's; `t` and `lr` are this step's).
+    ///
+    /// # Errors
+    /// Operands of the wrong length or dtype; launch failures.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &self,
+        dev: &Device,
+        s: &AdamWStep,
+        param: &Buf,
+        grad: &Buf,
+        exp_avg: &Buf,
+        exp_avg_sq: &Buf,
+        grad_scale: Option<&Buf>,
+    ) -> Result<()> {
+        let t = s.t.max(1).min(i32::MAX as u64) as i32;
+        // The rule's scalars, in f64 then rounded once, as `optim::adamw_update` computes them.
+        let scalars = [
+            (1.0 - s.lr * s.weight_decay) as f32,
+            (s.lr / (1.0 - s.beta1.powi(t))) as f32,
+            (1.0 - s.beta2.powi(t)).sqrt() as f32,
+        ];
+        self.kernel.run(
+            dev,
+            &[param, grad, exp_avg, exp_avg_sq],
+            &scalars,
+            grad_scale,
+        )
+    }
+}
+
+/// [`AdamWKernel`] for `s`'s constants, compiled for this call (NVRTC's disk cache makes a
+/// repeat cheap; the engine keeps one kernel per set of constants instead).
+///
+/// # Errors
+/// As [`AdamWKernel::new`] and [`AdamWKernel::run`].
 #[allow(clippy::too_many_arguments)]
 pub fn adamw(
     dev: &Device,
@@ -41,38 +99,8 @@ pub fn adamw(
     exp_avg_sq: &Buf,
     grad_scale: Option<&Buf>,
 ) -> Result<()> {
-    const OP: &str = "adamw";
-    let n = grad.len();
-    for (name, b) in [
-        ("param", param),
-        ("grad", grad),
-        ("exp_avg", exp_avg),
-        ("exp_avg_sq", exp_avg_sq),
-    ] {
-        b.expect(OP, name, Elem::F32, n)?;
-    }
-    if let Some(g) = grad_scale {
-        g.expect(OP, "grad_scale", Elem::F32, 1)?;
-    }
-    let t = s.t.max(1).min(i32::MAX as u64) as i32;
-    let bc1 = 1.0 - s.beta1.powi(t);
-    let bc2_sqrt = (1.0 - s.beta2.powi(t)).sqrt();
-    let args = Args::new()
-        .buf(param)
-        .buf(grad)
-        .buf(exp_avg)
-        .buf(exp_avg_sq)
-        .i64(n as i64)
-        .f32((1.0 - s.lr * s.weight_decay) as f32)
-        .i32((s.weight_decay != 0.0) as i32)
-        .f32((1.0 - s.beta1) as f32)
-        .f32(s.beta2 as f32)
-        .f32((1.0 - s.beta2) as f32)
-        .f32((s.lr / bc1) as f32)
-        .f32(bc2_sqrt as f32)
-        .f32(s.eps as f32)
-        .opt(grad_scale);
-    dev.launch("adamw_step", (dev.grid_for(n), 1, 1), (256, 1, 1), args)
+    AdamWKernel::new(dev, s.beta1, s.beta2, s.eps, s.weight_decay)?
+        .run(dev, s, param, grad, exp_avg, exp_avg_sq, grad_scale)
 }
 
 /// How SOAP's per-step GEMMs ([`soap_update`]'s eigenbasis projections and
@@ -422,6 +450,8 @@ pub struct UpdateKernel {
     kernel: crate::RuntimeKernel,
     tensors: usize,
     scalars: usize,
+    /// The rule reads a gradient `g`: the kernel takes the nullable `g_scale`.
+    scaled: bool,
 }
 
 impl UpdateKernel {
@@ -439,15 +469,24 @@ impl UpdateKernel {
             kernel,
             tensors: rule.tensors.len(),
             scalars: rule.scalars.len(),
+            scaled: rule.tensors.iter().any(|t| t == "g"),
         })
     }
 
     /// Runs the update in place over `tensors` (f32, one length, in the rule's order) with
-    /// this step's `scalars`.
+    /// this step's `scalars`; `g_scale` (f32 `[1]`, a rule over a gradient `g` only): the
+    /// update reads `g · g_scale`.
     ///
     /// # Errors
-    /// Counts, lengths or element types that do not match the rule; launch failures.
-    pub fn run(&self, dev: &Device, tensors: &[&Buf], scalars: &[f32]) -> Result<()> {
+    /// Counts, lengths or element types that do not match the rule; a `g_scale` for a rule
+    /// without `g`; launch failures.
+    pub fn run(
+        &self,
+        dev: &Device,
+        tensors: &[&Buf],
+        scalars: &[f32],
+        g_scale: Option<&Buf>,
+    ) -> Result<()> {
         const OP: &str = "update_rule";
         if tensors.len() != self.tensors || scalars.len() != self.scalars {
             return Err(CudaError::Invalid {
@@ -471,6 +510,21 @@ impl UpdateKernel {
         args = args.i64(n as i64);
         for &x in scalars {
             args = args.f32(x);
+        }
+        match (self.scaled, g_scale) {
+            (true, s) => {
+                if let Some(b) = s {
+                    b.expect(OP, "g_scale", Elem::F32, 1)?;
+                }
+                args = args.opt(s);
+            }
+            (false, None) => {}
+            (false, Some(_)) => {
+                return Err(CudaError::Invalid {
+                    op: OP,
+                    what: "a g_scale for a rule that reads no gradient `g`".into(),
+                })
+            }
         }
         dev.launch_runtime(&self.kernel, (dev.grid_for(n), 1, 1), (256, 1, 1), args)
     }

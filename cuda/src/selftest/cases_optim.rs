@@ -84,7 +84,7 @@ fn update_rules(v: &mut Vec<Case>) {
                         .map(|h| cx.up(h))
                         .collect::<Result<Vec<Buf>>>()?;
                     let refs: Vec<&Buf> = bufs.iter().collect();
-                    let ms = cx.timed(|| kernel.run(cx.dev, &refs, &scalars))?;
+                    let ms = cx.timed(|| kernel.run(cx.dev, &refs, &scalars, None))?;
                     let mut slices: Vec<&mut [f32]> =
                         host.iter_mut().map(|h| h.as_mut_slice()).collect();
                     prog.run(&mut slices, &scalars).map_err(cpu)?;
