@@ -23,6 +23,7 @@
 mod adamw;
 pub mod bench;
 mod eigh;
+mod kl_shampoo;
 #[cfg(feature = "lapack")]
 mod lapack_solver;
 mod linalg;
@@ -34,6 +35,7 @@ pub mod update;
 
 pub use adamw::{adamw_update, AdamWParams};
 pub use eigh::{solver_by_name, solver_names, EigenError, Eigh, FaerEigensolver, HostEigensolver};
+pub use kl_shampoo::{kl_shampoo_step, KlShampooError, KlShampooParams, KlShampooState};
 #[cfg(feature = "lapack")]
 pub use lapack_solver::LapackEigensolver;
 pub use linalg::{matmul, thin_qr_q, with_sequential};
