@@ -2,8 +2,8 @@
 //! nvme_memory = … }`): the `tier-placement` pass moves optimizer moments off the device when
 //! the `memory` budget cannot hold them, `prefetch-insertion` adds the copies, and the CPU
 //! engine keeps the moved state in its host store or its checksummed NVMe file:
-//! - a tiered run is bit-identical to the untiered run of the same spec (AdamW and SOAP, host
-//!   tier and NVMe tier), and its planned device arenas fit the budget;
+//! - a tiered run is bit-identical to the untiered run of the same spec (AdamW, SOAP and Lion,
+//!   host tier and NVMe tier), and its planned device arenas fit the budget;
 //! - a truncated or byte-flipped NVMe file is detected on the next read and the step stops
 //!   with a clear error;
 //! - a budget no placement can meet is a compile error naming the largest consumers;
@@ -16,16 +16,34 @@ use schedule::{ArenaKind, Budgets, Op, Plan};
 const VOCAB: usize = 256;
 const MIB: u64 = 1 << 20;
 
-fn config(soap: bool, budgets: Budgets) -> Config {
-    let optimizer = match soap {
-        false => OptimizerConfig::Adamw(AdamWConfig {
+/// The optimizers whose moments the tiers move: AdamW, SOAP, and Lion (an optimizer defined by
+/// its update rule, whose `elementwise_update` reads its state as a list operand).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Opt {
+    AdamW,
+    Soap,
+    Lion,
+}
+
+fn config(opt: Opt, budgets: Budgets) -> Config {
+    let optimizer = match opt {
+        Opt::Lion => OptimizerConfig::Elementwise(ElementwiseConfig {
+            name: "lion".into(),
+            hyper: vec![
+                ("lr".into(), 3e-4),
+                ("beta1".into(), 0.9),
+                ("beta2".into(), 0.99),
+                ("weight_decay".into(), 0.3),
+            ],
+        }),
+        Opt::AdamW => OptimizerConfig::Adamw(AdamWConfig {
             lr: 3e-3,
             beta1: 0.9,
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.1,
         }),
-        true => OptimizerConfig::Soap(SoapConfig {
+        Opt::Soap => OptimizerConfig::Soap(SoapConfig {
             lr: 3e-3,
             beta1: 0.95,
             beta2: 0.95,
@@ -167,8 +185,8 @@ fn train(plan: Plan, steps: u64) -> (Vec<f64>, Named, Named) {
 }
 
 /// A device budget `short` bytes below what the untiered plan needs, rounded up to MiB.
-fn budget_below(soap: bool, short: u64) -> u64 {
-    let need = compile(config(soap, Budgets::default()))
+fn budget_below(opt: Opt, short: u64) -> u64 {
+    let need = compile(config(opt, Budgets::default()))
         .expect("untiered")
         .memory
         .device_bytes() as u64;
@@ -183,10 +201,11 @@ fn copies(plan: &Plan) -> (usize, usize) {
 #[test]
 fn a_tiered_run_is_bit_identical_to_the_untiered_run() {
     let dir = tempfile::tempdir_in(std::env::temp_dir()).expect("tempdir");
-    for soap in [false, true] {
-        let plain = compile(config(soap, Budgets::default())).expect("untiered");
+    for opt in [Opt::AdamW, Opt::Soap, Opt::Lion] {
+        let soap = opt == Opt::Soap;
+        let plain = compile(config(opt, Budgets::default())).expect("untiered");
         assert_eq!(copies(&plain), (0, 0));
-        let device = budget_below(soap, 2 * MIB);
+        let device = budget_below(opt, 2 * MIB);
         let host_only = Budgets {
             device: Some(device),
             ..Default::default()
@@ -198,22 +217,19 @@ fn a_tiered_run_is_bit_identical_to_the_untiered_run() {
             nvme: Some(64 * MIB),
         };
         let (l0, p0, m0) = train(plain, 5);
-        assert!(l0[4] < l0[0], "soap {soap}: the loss falls: {l0:?}");
+        assert!(l0[4] < l0[0], "{opt:?}: the loss falls: {l0:?}");
         for (budgets, nvme) in [(host_only, false), (with_nvme, true)] {
-            let plan = compile(config(soap, budgets)).expect("tiered plan");
+            let plan = compile(config(opt, budgets)).expect("tiered plan");
             plan.verify().expect("verifies");
             let m = &plan.memory;
-            assert!(
-                m.device_bytes() as u64 <= device,
-                "soap {soap}: device fits"
-            );
+            assert!(m.device_bytes() as u64 <= device, "{opt:?}: device fits");
             assert!(
                 m.arena_bytes(ArenaKind::Host) > 0,
-                "soap {soap}: host tier used"
+                "{opt:?}: host tier used"
             );
-            assert_eq!(m.arena_bytes(ArenaKind::Nvme) > 0, nvme, "soap {soap}");
+            assert_eq!(m.arena_bytes(ArenaKind::Nvme) > 0, nvme, "{opt:?}");
             let (ins, outs) = copies(&plan);
-            assert!(ins > 0 && ins == outs, "soap {soap}: {ins} in, {outs} out");
+            assert!(ins > 0 && ins == outs, "{opt:?}: {ins} in, {outs} out");
             if soap {
                 // Some moved moment is re-projected by a refresh swap.
                 let swapped = plan.host_tasks.iter().any(|t| {
@@ -224,9 +240,9 @@ fn a_tiered_run_is_bit_identical_to_the_untiered_run() {
                 assert!(swapped, "nvme {nvme}: a refresh's moments are offloaded");
             }
             let (l, p, mo) = train(plan, 5);
-            assert_eq!(l, l0, "soap {soap}, nvme {nvme}: losses");
-            assert_eq!(p, p0, "soap {soap}, nvme {nvme}: parameters");
-            assert_eq!(mo, m0, "soap {soap}, nvme {nvme}: moments");
+            assert_eq!(l, l0, "{opt:?}, nvme {nvme}: losses");
+            assert_eq!(p, p0, "{opt:?}, nvme {nvme}: parameters");
+            assert_eq!(mo, m0, "{opt:?}, nvme {nvme}: moments");
         }
     }
     // The NVMe file is removed with its engine.
@@ -248,12 +264,12 @@ fn a_corrupt_or_truncated_nvme_file_stops_the_step_with_a_clear_error() {
     for damage in ["flip", "truncate"] {
         let dir = tempfile::tempdir_in(std::env::temp_dir()).expect("tempdir");
         let budgets = Budgets {
-            device: Some(budget_below(false, 2 * MIB)),
+            device: Some(budget_below(Opt::AdamW, 2 * MIB)),
             host: Some(MIB),
             nvme_dir: Some(dir.path().display().to_string()),
             nvme: None,
         };
-        let plan = compile(config(false, budgets)).expect("plan");
+        let plan = compile(config(Opt::AdamW, budgets)).expect("plan");
         assert!(plan.memory.arena_bytes(ArenaKind::Nvme) > 0);
         let (x, y) = batch(&plan);
         let mut e = engine(plan);
@@ -294,7 +310,7 @@ fn a_budget_no_placement_meets_is_a_compile_error_naming_the_largest_consumers()
         device: Some(MIB),
         ..Default::default()
     };
-    let err = compile(config(true, budgets)).expect_err("1 MiB cannot hold the parameters");
+    let err = compile(config(Opt::Soap, budgets)).expect_err("1 MiB cannot hold the parameters");
     let text = err.to_string();
     assert!(text.contains("cannot be met"), "{text}");
     assert!(text.contains("1.00 MiB"), "names the budget: {text}");
@@ -304,11 +320,11 @@ fn a_budget_no_placement_meets_is_a_compile_error_naming_the_largest_consumers()
     );
     // No NVMe directory and a full host tier: the error says so.
     let budgets = Budgets {
-        device: Some(budget_below(false, 2 * MIB)),
+        device: Some(budget_below(Opt::AdamW, 2 * MIB)),
         host: Some(MIB),
         ..Default::default()
     };
-    let text = compile(config(false, budgets))
+    let text = compile(config(Opt::AdamW, budgets))
         .expect_err("nowhere to put the moments")
         .to_string();
     assert!(text.contains("no `nvme` directory"), "{text}");
@@ -317,10 +333,10 @@ fn a_budget_no_placement_meets_is_a_compile_error_naming_the_largest_consumers()
 #[test]
 fn the_verifier_refuses_tampered_copies() {
     let budgets = Budgets {
-        device: Some(budget_below(false, 2 * MIB)),
+        device: Some(budget_below(Opt::AdamW, 2 * MIB)),
         ..Default::default()
     };
-    let plan = compile(config(false, budgets)).expect("plan");
+    let plan = compile(config(Opt::AdamW, budgets)).expect("plan");
     // Drop a copy out: the update of that moment would be lost.
     let mut p = plan.clone();
     let at = p
