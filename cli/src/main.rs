@@ -40,8 +40,9 @@ struct Cli {
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct PassFlags {
     /// Print the IR after this pass (repeatable): expand-model, autodiff, expand-optimizer,
-    /// fuse, liveness, precond-scheduling, lower (the plan JSON), memory-planning (the memory plan's
-    /// arenas, peak live bytes and largest buffers).
+    /// simplify (element-wise update rules), fuse, rematerialize, liveness, precond-scheduling,
+    /// lower (the plan JSON), tier-placement, prefetch-insertion, memory-planning (the memory
+    /// plan's arenas, peak live bytes and largest buffers).
     #[arg(long = "print-after", value_name = "PASS")]
     pub print_after: Vec<String>,
     /// Print the IR after every pass.

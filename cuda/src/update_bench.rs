@@ -38,37 +38,50 @@ pub fn update_kernels(ordinal: usize, sizes: &[usize], reps: usize) -> Result<Ve
     let dev = Device::new(ordinal)?;
     let (lr, beta1, beta2, eps, wd) = (3e-4, 0.9, 0.95, 1e-8, 0.1);
     // Kernels: (name, rule, tensors, bytes per element).
-    let mut rules: Vec<(String, UpdateRule)> = Vec::new();
+    // (name, rule, this step's scalars)
+    let mut rules: Vec<(String, UpdateRule, Vec<f32>)> = Vec::new();
     for d in optim::optimizers::DEFINITIONS {
-        let r = d
-            .plan_rule(&[("weight_decay".into(), wd)])
-            .map_err(|e| invalid(e.to_string()))?;
-        let r = optim::optimizers::update_rule(&r).map_err(|e| invalid(e.to_string()))?;
-        rules.push((d.name.to_string(), r));
+        let hyper: Vec<(String, f64)> = d
+            .defaults()
+            .into_iter()
+            .filter(|(k, _)| k == "weight_decay")
+            .map(|(k, _)| (k, wd))
+            .collect();
+        let plan_rule = d.plan_rule(&hyper).map_err(|e| invalid(e.to_string()))?;
+        let scalars: Vec<f32> = optim::optimizers::step_scalars(&plan_rule, lr, 3);
+        let r = optim::optimizers::update_rule(&plan_rule).map_err(|e| invalid(e.to_string()))?;
+        rules.push((d.name.to_string(), r, scalars));
     }
     let adamw = op::AdamWKernel::new(&dev, beta1, beta2, eps, wd)?;
     let mut compiled = Vec::new();
-    for (name, r) in rules {
+    for (name, r, scalars) in rules {
         let (expr, _) = simplify(&r.expr);
         let r = UpdateRule { expr, ..r };
         let k = op::UpdateKernel::new(&dev, &r)?;
-        compiled.push((name, k, r));
+        compiled.push((name, k, r, scalars));
     }
+    // Enough buffers for the widest rule (AdamW's four at least).
+    let width = compiled
+        .iter()
+        .map(|c| c.2.tensors.len())
+        .max()
+        .unwrap_or(0)
+        .max(4);
     let mut rows = Vec::new();
     for &n in sizes {
-        let bytes = 4 * n.next_multiple_of(64) * 4 + 4096;
+        let bytes = width * n.next_multiple_of(64) * 4 + 4096;
         let mut arena = dev.arena("bench-update", Tier::Device, bytes)?;
-        let bufs: Vec<Buf> = (0..4)
+        let bufs: Vec<Buf> = (0..width)
             .map(|_| arena.buf(Elem::F32, n))
             .collect::<Result<_>>()?;
         let host: Vec<f32> = (0..n)
             .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-4)
             .collect();
         let sq: Vec<f32> = (0..n).map(|i| 1e-4 + (i % 97) as f32 * 1e-5).collect();
-        dev.upload(&bufs[0], &host)?;
-        dev.upload(&bufs[1], &host)?;
-        dev.upload(&bufs[2], &host)?;
-        dev.upload(&bufs[3], &sq)?;
+        // p, g, m: signed values; every further tensor positive (a second moment's range).
+        for (i, b) in bufs.iter().enumerate() {
+            dev.upload(b, if i < 3 { &host } else { &sq })?;
+        }
         let step = op::AdamWStep {
             t: 3,
             lr,
@@ -77,11 +90,6 @@ pub fn update_kernels(ordinal: usize, sizes: &[usize], reps: usize) -> Result<Ve
             eps,
             weight_decay: wd,
         };
-        let scalars_adamw = [
-            (1.0 - lr * wd) as f32,
-            (lr / (1.0 - beta1.powi(3))) as f32,
-            (1.0 - beta2.powi(3)).sqrt() as f32,
-        ];
         let time = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
             let a = dev.record(StreamKind::Compute, true)?;
             f()?;
@@ -94,20 +102,9 @@ pub fn update_kernels(ordinal: usize, sizes: &[usize], reps: usize) -> Result<Ve
             let hand =
                 time(&|| adamw.run(&dev, &step, &bufs[0], &bufs[1], &bufs[2], &bufs[3], None))?;
             let mut gen = Vec::new();
-            for (name, k, r) in &compiled {
+            for (_, k, r, scalars) in &compiled {
                 let tensors: Vec<&Buf> = bufs[..r.tensors.len()].iter().collect();
-                let _ = name;
-                let scalars: Vec<f32> = r
-                    .scalars
-                    .iter()
-                    .map(|s| match s.as_str() {
-                        "lr" => lr as f32,
-                        "decay" => (1.0 - lr * wd) as f32,
-                        "step_size" => scalars_adamw[1],
-                        _ => scalars_adamw[2],
-                    })
-                    .collect();
-                gen.push(time(&|| k.run(&dev, &tensors, &scalars, None))?);
+                gen.push(time(&|| k.run(&dev, &tensors, scalars, None))?);
             }
             if rep == 0 {
                 continue; // warm-up

@@ -345,6 +345,12 @@ impl Program {
         let mut leaves = Vec::with_capacity(nodes.len());
         for n in &nodes {
             leaves.push(match n {
+                Update::Num(c) if !c.get().is_finite() => {
+                    return Err(RuleError::Syntax(format!(
+                        "non-finite constant `{}`",
+                        c.get()
+                    )));
+                }
                 Update::Num(c) => Some(Leaf::Const(c.get())),
                 Update::Var(s) => {
                     let s = s.as_str();

@@ -74,10 +74,19 @@ impl Pass for Simplify {
         if self.report.is_empty() {
             return None;
         }
-        let mut s = String::from("; simplify (egg, exact f32 rules + constant folding):\n");
-        for (optimizer, before, after, n, stop) in self.report.values() {
+        let mut s = String::from(
+            "; simplify (egg: exact f32 rules + constant folding), per distinct rule:\n",
+        );
+        for (expr, (optimizer, before, after, n, stop)) in &self.report {
+            let decay = if expr.contains("decay") {
+                "with weight decay"
+            } else {
+                "without weight decay"
+            };
+            let stop = stop.to_lowercase();
             s.push_str(&format!(
-                ";   {optimizer}: {before} -> {after} nodes, {n} updates ({stop})\n"
+                ";   {optimizer} ({decay}): {before} -> {after} expression nodes, {n} parameters \
+                 (egg: {stop})\n"
             ));
         }
         Some(s)

@@ -38,9 +38,14 @@ fn update_rules(v: &mut Vec<Case>) {
             return Ok((adamw_rule(0.9, 0.95, 1e-8, 0.1), vec![false, true], scalars));
         }
         let d = optimizers::find(which).ok_or("no such definition")?;
-        let rule = d
-            .plan_rule(&[("weight_decay".into(), 0.1)])
-            .map_err(|e| e.to_string())?;
+        // Weight decay where the optimizer has it (so `decay` is a step scalar, not 1).
+        let hyper: Vec<(String, f64)> = d
+            .defaults()
+            .into_iter()
+            .filter(|(k, _)| k == "weight_decay")
+            .map(|(k, _)| (k, 0.1))
+            .collect();
+        let rule = d.plan_rule(&hyper).map_err(|e| e.to_string())?;
         let second = d
             .state
             .iter()

@@ -40,11 +40,11 @@ pub(crate) fn optimizer(c: &mut Checker, b: &Block) -> Option<OptimizerConfig> {
     let names = optimizer_names();
     let kind = match &b.name {
         None => {
-            c.push(missing_name(
-                b,
-                "optimizer",
-                "optimizer adamw { ... }` or `optimizer soap { ... }",
-            ));
+            let names: Vec<String> = names
+                .iter()
+                .map(|n| format!("optimizer {n} {{ ... }}"))
+                .collect();
+            c.push(missing_name(b, "optimizer", &names.join("`, `")));
             None
         }
         Some(n) if names.contains(&n.name.as_str()) => Some(n.name.as_str()),

@@ -213,7 +213,21 @@ mod tests {
                 assert!(d.state[..i]
                     .iter()
                     .all(|o| o.var != s.var && o.suffix != s.suffix));
+                // The plan verifier and the checkpoints know optimizer state by these classes.
+                assert!(
+                    matches!(s.class, BufferClass::ExpAvg | BufferClass::ExpAvgSq),
+                    "{}.{}: state class {:?}",
+                    d.name,
+                    s.var,
+                    s.class
+                );
             }
+            // The spec's built-in optimizers keep their names.
+            assert!(
+                !["adamw", "soap"].contains(&d.name),
+                "{} shadows a built-in",
+                d.name
+            );
             assert_eq!(find(d.name).map(|f| f.name), Some(d.name));
         }
     }
