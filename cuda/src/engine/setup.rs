@@ -434,7 +434,10 @@ impl CudaEngine {
                     continue;
                 }
                 let r = optim::optimizers::update_rule(rule).map_err(|err| {
-                    EngineError::Unsupported(format!("the plan's `{}` rule: {err}", rule.optimizer))
+                    EngineError::Plan(schedule::PlanError::Invalid(format!(
+                        "elementwise_update: the `{}` update rule: {err}",
+                        rule.optimizer
+                    )))
                 })?;
                 let k = op::UpdateKernel::new(&dev, &r)
                     .map_err(e("compiling an element-wise update rule"))?;

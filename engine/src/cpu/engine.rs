@@ -378,10 +378,11 @@ impl<T: Float + Real> CpuEngine<T> {
         let mut rule_kernels = HashMap::new();
         for (index, op) in plan.optimizer.iter().enumerate() {
             if let Op::ElementwiseUpdate { rule, .. } = op {
-                let location = format!("optimizer[{index}] (elementwise_update)");
-                let refused = |e: &dyn std::fmt::Display| EngineError::Optim {
-                    location: location.clone(),
-                    message: format!("the plan's `{}` rule: {e}", rule.optimizer),
+                let refused = |e: &dyn std::fmt::Display| {
+                    EngineError::Plan(schedule::PlanError::Invalid(format!(
+                        "optimizer[{index}] (elementwise_update): the `{}` update rule: {e}",
+                        rule.optimizer
+                    )))
                 };
                 super::exec::rule_program(rule).map_err(|e| refused(&e))?;
                 let key = rule_key(rule);
