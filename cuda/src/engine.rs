@@ -176,34 +176,11 @@ pub struct CudaEngine {
     energy: Option<crate::energy::EnergyMeter>,
     /// The streams' timeline for `--trace` (`None` without it).
     gpu_trace: Option<gpu_trace::GpuTrace>,
-    /// The plan's element-wise update rules, compiled, by [`rule_key`].
+    /// The plan's element-wise update rules, compiled, by `ElementwiseRule::kernel_key`.
     update_kernels: HashMap<String, Arc<crate::ops::optim::UpdateKernel>>,
-    /// The AdamW kernels of the plan's `AdamW` ops, one per set of constants ([`adamw_key`]).
+    /// The AdamW kernels of the plan's `AdamW` ops, one per set of constants
+    /// (`schedule::adamw_kernel_key`).
     adamw_kernels: HashMap<[u64; 4], Arc<crate::ops::optim::AdamWKernel>>,
-}
-
-/// The key of an AdamW op's compiled kernel: its constants' bits.
-fn adamw_key(beta1: f64, beta2: f64, eps: f64, weight_decay: f64) -> [u64; 4] {
-    [
-        beta1.to_bits(),
-        beta2.to_bits(),
-        eps.to_bits(),
-        weight_decay.to_bits(),
-    ]
-}
-
-/// What identifies a compiled element-wise update rule: its name, tensors, scalars and
-/// expression (the hyperparameters of the step scalars are arguments, not compiled in).
-fn rule_key(rule: &schedule::ElementwiseRule) -> String {
-    let scalars: Vec<&str> = rule.scalars.iter().map(|s| s.name()).collect();
-    format!(
-        "{}|{}|{}|{}|{}",
-        rule.optimizer,
-        rule.state.join(","),
-        rule.outputs.join(","),
-        scalars.join(","),
-        rule.expr
-    )
 }
 
 impl CudaEngine {

@@ -15,17 +15,15 @@
 //!   v ← v·β₂ + (w₂·g)·g           w₂ = f32(1 − β₂)
 //!   p ← p − step_size·(m / (√v / bc2_sqrt + ε))
 //! ```
-use std::sync::Mutex;
+use crate::JitCode;
 
 use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::types::{F32, F32X4, F64, I64};
 use cranelift_codegen::ir::{AbiParam, BlockArg, InstBuilder, MemFlagsData, Type, Value};
 use cranelift_codegen::isa::TargetFrontendConfig;
-use cranelift_codegen::settings::{self, Configurable};
 use cranelift_codegen::Context;
 use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext};
-use cranelift_jit::{JITBuilder, JITModule};
-use cranelift_module::{default_libcall_names, Linkage, Module};
+use cranelift_module::{Linkage, Module};
 use rayon::prelude::*;
 
 use crate::KernelError;
@@ -104,9 +102,8 @@ pub struct AdamWKernel {
     ir: String,
     optimized_ir: String,
     disasm: String,
-    /// `Some` until drop. Behind a mutex only so that the kernel is `Sync` without `unsafe`
-    /// (`JITModule` is `Send` but not `Sync`); it is never locked outside `drop`.
-    module: Mutex<Option<JITModule>>,
+    /// The code `func` points into, freed with the kernel.
+    _code: JitCode,
 }
 
 impl std::fmt::Debug for AdamWKernel {
@@ -114,21 +111,6 @@ impl std::fmt::Debug for AdamWKernel {
         f.debug_struct("AdamWKernel")
             .field("consts", &self.consts)
             .finish_non_exhaustive()
-    }
-}
-
-impl Drop for AdamWKernel {
-    fn drop(&mut self) {
-        let module = self
-            .module
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        if let Some(module) = module {
-            // SAFETY: `drop` has exclusive access, so no `update` (the only caller of
-            // `func`) is running, and `func` is never called after this.
-            unsafe { module.free_memory() };
-        }
     }
 }
 
@@ -148,16 +130,7 @@ impl AdamWKernel {
     /// [`KernelError::Codegen`] when a setting, the IR verifier or finalization fails
     /// (a bug).
     pub fn compile(c: &AdamWConstants) -> Result<AdamWKernel, KernelError> {
-        let mut flags = settings::builder();
-        flags.set("opt_level", "speed").map_err(codegen_err)?;
-        flags.set("is_pic", "false").map_err(codegen_err)?;
-        let isa_builder =
-            cranelift_native::builder().map_err(|e| KernelError::UnsupportedHost(e.into()))?;
-        let isa = isa_builder
-            .finish(settings::Flags::new(flags))
-            .map_err(codegen_err)?;
-        let call_conv = isa.default_call_conv();
-        let mut module = JITModule::new(JITBuilder::with_isa(isa, default_libcall_names()));
+        let (mut module, call_conv) = crate::host_module()?;
 
         let mut ctx = module.make_context();
         let sig = &mut ctx.func.signature;
@@ -195,7 +168,7 @@ impl AdamWKernel {
             ir,
             optimized_ir,
             disasm,
-            module: Mutex::new(Some(module)),
+            _code: JitCode::new(module),
         })
     }
 

@@ -76,6 +76,47 @@ pub use adamw::{
 };
 pub use rule::{Operand, RuleKernel};
 
+/// A JIT module for the host ISA (`cranelift_native`, `opt_level = "speed"`, not PIC) and the
+/// ISA's default calling convention: what every kernel of this crate is compiled into.
+pub(crate) fn host_module(
+) -> Result<(cranelift_jit::JITModule, cranelift_codegen::isa::CallConv), KernelError> {
+    use cranelift_codegen::settings::{self, Configurable};
+    let codegen = |e: &dyn std::fmt::Display| KernelError::Codegen(e.to_string());
+    let mut flags = settings::builder();
+    flags.set("opt_level", "speed").map_err(|e| codegen(&e))?;
+    flags.set("is_pic", "false").map_err(|e| codegen(&e))?;
+    let isa = cranelift_native::builder()
+        .map_err(|e| KernelError::UnsupportedHost(e.into()))?
+        .finish(settings::Flags::new(flags))
+        .map_err(|e| codegen(&e))?;
+    let call_conv = isa.default_call_conv();
+    let builder =
+        cranelift_jit::JITBuilder::with_isa(isa, cranelift_module::default_libcall_names());
+    Ok((cranelift_jit::JITModule::new(builder), call_conv))
+}
+
+/// Owns a finalized JIT module and frees its code on drop. Behind a mutex only so that the
+/// kernels holding it are `Sync` without `unsafe` (`JITModule` is `Send` but not `Sync`); it is
+/// never locked outside `drop`.
+pub(crate) struct JitCode(std::sync::Mutex<Option<cranelift_jit::JITModule>>);
+
+impl JitCode {
+    pub(crate) fn new(module: cranelift_jit::JITModule) -> JitCode {
+        JitCode(std::sync::Mutex::new(Some(module)))
+    }
+}
+
+impl Drop for JitCode {
+    fn drop(&mut self) {
+        let module = self.0.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(module) = module {
+            // SAFETY: `drop` has exclusive access to the kernel that owns this code (it is
+            // dropped with it), so nothing calls into the code now or later.
+            unsafe { module.free_memory() };
+        }
+    }
+}
+
 /// Why a kernel could not be compiled or run. Run-time errors ([`KernelError::ZeroStep`],
 /// [`KernelError::StepTooLarge`], [`KernelError::LengthMismatch`]) are reported before
 /// any slice is modified.

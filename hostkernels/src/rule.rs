@@ -9,21 +9,17 @@
 //!
 //! The function takes a pointer to the tensors' base pointers (the rule's order), the element
 //! count and a pointer to the step scalars (f32, the rule's order); all are read once at entry.
-use std::sync::Mutex;
-
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::types::{F32, F32X4, I64};
 use cranelift_codegen::ir::{
     AbiParam, BlockArg, Endianness, InstBuilder, MemFlagsData, Type, Value,
 };
-use cranelift_codegen::settings::{self, Configurable};
 use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext};
-use cranelift_jit::{JITBuilder, JITModule};
-use cranelift_module::{default_libcall_names, Linkage, Module};
+use cranelift_module::{Linkage, Module};
 use optim::update::{RuleError, Update, UpdateRule};
 use rayon::prelude::*;
 
-use crate::{KernelError, CHUNK_ELEMENTS, PARALLEL_MIN_ELEMENTS};
+use crate::{JitCode, KernelError, CHUNK_ELEMENTS, PARALLEL_MIN_ELEMENTS};
 
 /// `(tensors, n, scalars)`: `tensors` points at the rule's tensor base pointers, `scalars` at
 /// its step scalars.
@@ -85,8 +81,8 @@ pub struct RuleKernel {
     /// Which tensors the rule writes.
     written: Vec<bool>,
     ir: String,
-    /// `Some` until drop (behind a mutex only to make the kernel `Sync`; see `AdamWKernel`).
-    module: Mutex<Option<JITModule>>,
+    /// The code `func` points into, freed with the kernel.
+    _code: JitCode,
 }
 
 impl std::fmt::Debug for RuleKernel {
@@ -95,20 +91,6 @@ impl std::fmt::Debug for RuleKernel {
             .field("tensors", &self.tensors)
             .field("scalars", &self.scalars)
             .finish_non_exhaustive()
-    }
-}
-
-impl Drop for RuleKernel {
-    fn drop(&mut self) {
-        let module = self
-            .module
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        if let Some(module) = module {
-            // SAFETY: `drop` has exclusive access; `func` is never called after this.
-            unsafe { module.free_memory() };
-        }
     }
 }
 
@@ -125,15 +107,7 @@ impl RuleKernel {
     /// [`KernelError::UnsupportedHost`]; [`KernelError::Codegen`] (a bug).
     pub fn compile(rule: &UpdateRule) -> Result<RuleKernel, KernelError> {
         let r = resolve(rule).map_err(|e| KernelError::Rule(e.to_string()))?;
-        let mut flags = settings::builder();
-        flags.set("opt_level", "speed").map_err(codegen_err)?;
-        flags.set("is_pic", "false").map_err(codegen_err)?;
-        let isa = cranelift_native::builder()
-            .map_err(|e| KernelError::UnsupportedHost(e.into()))?
-            .finish(settings::Flags::new(flags))
-            .map_err(codegen_err)?;
-        let call_conv = isa.default_call_conv();
-        let mut module = JITModule::new(JITBuilder::with_isa(isa, default_libcall_names()));
+        let (mut module, call_conv) = crate::host_module()?;
         let mut ctx = module.make_context();
         ctx.func.signature.call_conv = call_conv;
         for _ in 0..3 {
@@ -167,7 +141,7 @@ impl RuleKernel {
             scalars: rule.scalars.len(),
             written,
             ir,
-            module: Mutex::new(Some(module)),
+            _code: JitCode::new(module),
         })
     }
 

@@ -30,8 +30,8 @@ pub use memory::{
     PersistReason, Residency, ARENA_ALIGN,
 };
 pub use op::{
-    operand_dtypes, ElementwiseRule, HostTask, Op, Placement, SoapHyper, StepScalar,
-    BF16_ATTENTION_MAX_HEAD_DIM, BF16_LAYERNORM_MAX_C,
+    adamw_kernel_key, operand_dtypes, ElementwiseRule, HostTask, Op, Placement, SoapHyper,
+    StepScalar, BF16_ATTENTION_MAX_HEAD_DIM, BF16_LAYERNORM_MAX_C,
 };
 pub use options::{
     AttentionKernel, Eigensolver, Profile, RefreshPlacement, RefreshSwap, Rematerialize,

@@ -193,6 +193,17 @@ impl std::str::FromStr for StepScalar {
     }
 }
 
+/// What identifies an `AdamW` op's compiled kernel: the bits of the constants baked into it
+/// (β₁, β₂, ε, weight decay). Engines compile each distinct key once.
+pub fn adamw_kernel_key(beta1: f64, beta2: f64, eps: f64, weight_decay: f64) -> [u64; 4] {
+    [
+        beta1.to_bits(),
+        beta2.to_bits(),
+        eps.to_bits(),
+        weight_decay.to_bits(),
+    ]
+}
+
 /// An element-wise optimizer update as a plan carries it: the expression of
 /// `optim::update` (text, `(list out0 out1 ...)`) over the tensors `p` (the parameter), `g`
 /// (its gradient) and the state tensors named in `state`, and the step scalars in `scalars`.
@@ -217,6 +228,21 @@ pub struct ElementwiseRule {
 }
 
 impl ElementwiseRule {
+    /// What identifies the rule's compiled kernel: its name, state, outputs, step scalars (by
+    /// name: their hyperparameters are arguments, not compiled in) and expression. Engines
+    /// compile each distinct key once.
+    pub fn kernel_key(&self) -> String {
+        let scalars: Vec<&str> = self.scalars.iter().map(|s| s.name()).collect();
+        format!(
+            "{}|{}|{}|{}|{}",
+            self.optimizer,
+            self.state.join(","),
+            self.outputs.join(","),
+            scalars.join(","),
+            self.expr
+        )
+    }
+
     /// Tensor names in operand order: `p`, `g`, then the state.
     pub fn tensors(&self) -> Vec<String> {
         let mut v = vec!["p".to_string(), "g".to_string()];

@@ -491,7 +491,7 @@ impl CudaEngine {
                 eps,
                 weight_decay,
             } => {
-                let key = super::adamw_key(*beta1, *beta2, *eps, *weight_decay);
+                let key = schedule::adamw_kernel_key(*beta1, *beta2, *eps, *weight_decay);
                 let k = self
                     .adamw_kernels
                     .get(&key)
@@ -524,13 +524,12 @@ impl CudaEngine {
                 state,
                 rule,
             } => {
-                let k = self
-                    .update_kernels
-                    .get(&super::rule_key(rule))
-                    .ok_or_else(|| CudaError::Invalid {
+                let k = self.update_kernels.get(&rule.kernel_key()).ok_or_else(|| {
+                    CudaError::Invalid {
                         op: "elementwise_update",
                         what: format!("the `{}` rule was not compiled at set-up", rule.optimizer),
-                    })?;
+                    }
+                })?;
                 let scalars: Vec<f32> = optim::optimizers::step_scalars(rule, rule.lr * lr_mult, t);
                 let tensors: Vec<&Buf> = [*param, *grad]
                     .iter()

@@ -421,7 +421,7 @@ impl CudaEngine {
                 ..
             } = *op
             {
-                let key = super::adamw_key(beta1, beta2, eps, weight_decay);
+                let key = schedule::adamw_kernel_key(beta1, beta2, eps, weight_decay);
                 if !adamw_kernels.contains_key(&key) {
                     let k = op::AdamWKernel::new(&dev, beta1, beta2, eps, weight_decay)
                         .map_err(e("compiling the AdamW kernel"))?;
@@ -429,7 +429,7 @@ impl CudaEngine {
                 }
             }
             if let Op::ElementwiseUpdate { rule, .. } = op {
-                let key = super::rule_key(rule);
+                let key = rule.kernel_key();
                 if update_kernels.contains_key(&key) {
                     continue;
                 }

@@ -164,28 +164,6 @@ pub struct CpuEngine<T> {
     rule_kernels: HashMap<String, Arc<hostkernels::RuleKernel>>,
 }
 
-/// The key of a compiled element-wise update rule: everything the generated code depends on.
-fn rule_key(rule: &schedule::ElementwiseRule) -> String {
-    let scalars: Vec<&str> = rule.scalars.iter().map(|s| s.name()).collect();
-    format!(
-        "{}|{}|{}|{}",
-        rule.state.join(","),
-        rule.outputs.join(","),
-        scalars.join(","),
-        rule.expr
-    )
-}
-
-/// The key of an AdamW op's compiled kernel: its constants' bits.
-fn adamw_key(beta1: f64, beta2: f64, eps: f64, weight_decay: f64) -> [u64; 4] {
-    [
-        beta1.to_bits(),
-        beta2.to_bits(),
-        eps.to_bits(),
-        weight_decay.to_bits(),
-    ]
-}
-
 /// The poisoning schedule of [`EngineOptions::poison_transients`].
 struct Poison {
     /// Step positions of the first op of the forward, backward and optimizer programs.
@@ -385,7 +363,7 @@ impl<T: Float + Real> CpuEngine<T> {
                     )))
                 };
                 super::exec::rule_program(rule).map_err(|e| refused(&e))?;
-                let key = rule_key(rule);
+                let key = rule.kernel_key();
                 if T::BYTES == 4 && !rule_kernels.contains_key(&key) {
                     let r = optim::optimizers::update_rule(rule).map_err(|e| refused(&e))?;
                     let k = hostkernels::RuleKernel::compile(&r).map_err(|e| refused(&e))?;
@@ -404,7 +382,7 @@ impl<T: Float + Real> CpuEngine<T> {
                     ..
                 } = *op
                 {
-                    let key = adamw_key(beta1, beta2, eps, weight_decay);
+                    let key = schedule::adamw_kernel_key(beta1, beta2, eps, weight_decay);
                     if adamw_kernels.contains_key(&key) {
                         continue;
                     }
@@ -618,8 +596,8 @@ impl<T: Float + Real> CpuEngine<T> {
                         beta2,
                         eps,
                         weight_decay,
-                    } if kernels.contains_key(&adamw_key(*beta1, *beta2, *eps, *weight_decay)) => {
-                        let k = &kernels[&adamw_key(*beta1, *beta2, *eps, *weight_decay)];
+                    } if kernels.contains_key(&schedule::adamw_kernel_key(*beta1, *beta2, *eps, *weight_decay)) => {
+                        let k = &kernels[&schedule::adamw_kernel_key(*beta1, *beta2, *eps, *weight_decay)];
                         let outs = [
                             ("param", *param),
                             ("exp_avg", *exp_avg),
@@ -652,8 +630,8 @@ impl<T: Float + Real> CpuEngine<T> {
                         grad,
                         state,
                         rule,
-                    } if rule_kernels.contains_key(&rule_key(rule)) => {
-                        let k = &rule_kernels[&rule_key(rule)];
+                    } if rule_kernels.contains_key(&rule.kernel_key()) => {
+                        let k = &rule_kernels[&rule.kernel_key()];
                         let scalars: Vec<f32> =
                             optim::optimizers::step_scalars(rule, rule.lr * lr_multiplier, t);
                         let outs: Vec<(&'static str, BufferId)> = std::iter::once(("param", *param))
