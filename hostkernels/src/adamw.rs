@@ -17,9 +17,8 @@
 //! ```
 use crate::JitCode;
 
-use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::types::{F32, F32X4, F64, I64};
-use cranelift_codegen::ir::{AbiParam, BlockArg, InstBuilder, MemFlagsData, Type, Value};
+use cranelift_codegen::ir::{AbiParam, InstBuilder, MemFlagsData, Type, Value};
 use cranelift_codegen::isa::TargetFrontendConfig;
 use cranelift_codegen::Context;
 use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext};
@@ -440,13 +439,6 @@ fn build_body(
     let d = Derived::of(c);
     let mut b = FunctionBuilder::new(&mut ctx.func, fctx);
     let entry = b.create_block();
-    let vec_body = b.create_block();
-    let tail_head = b.create_block();
-    let tail_body = b.create_block();
-    let exit = b.create_block();
-    for blk in [vec_body, tail_head, tail_body] {
-        b.append_block_param(blk, I64);
-    }
     b.append_block_params_for_function_params(entry);
 
     b.switch_to_block(entry);
@@ -487,18 +479,6 @@ fn build_body(
         w2: splat(&mut b, scalars.w2),
         eps: splat(&mut b, scalars.eps),
     };
-    let nvec = b.ins().band_imm_s(n, -4i64);
-    let end_vec = b.ins().ishl_imm_u(nvec, 2);
-    let end = b.ins().ishl_imm_u(n, 2);
-    let zero = b.ins().iconst(I64, 0);
-    b.ins().brif(
-        end_vec,
-        vec_body,
-        &[BlockArg::Value(zero)],
-        tail_head,
-        &[BlockArg::Value(zero)],
-    );
-
     // Unaligned (no `aligned` flag), non-trapping: the caller guarantees valid slices.
     let mem = MemFlagsData::new().with_notrap();
 
@@ -518,37 +498,10 @@ fn build_body(
         b.ins().store(mem, p, pa, 0);
     };
 
-    // Vector loop (entered only when there is at least one vector).
-    b.switch_to_block(vec_body);
-    let off = b.block_params(vec_body)[0];
-    body(&mut b, F32X4, &vectors, off);
-    let next = b.ins().iadd_imm_u(off, 16);
-    let more = b.ins().icmp(IntCC::UnsignedLessThan, next, end_vec);
-    b.ins().brif(
-        more,
-        vec_body,
-        &[BlockArg::Value(next)],
-        tail_head,
-        &[BlockArg::Value(next)],
-    );
-
-    // Scalar tail: 0–3 elements.
-    b.switch_to_block(tail_head);
-    let off = b.block_params(tail_head)[0];
-    let more = b.ins().icmp(IntCC::UnsignedLessThan, off, end);
-    b.ins()
-        .brif(more, tail_body, &[BlockArg::Value(off)], exit, &[]);
-    b.switch_to_block(tail_body);
-    let off = b.block_params(tail_body)[0];
-    body(&mut b, F32, &scalars, off);
-    let next = b.ins().iadd_imm_u(off, 4);
-    let more = b.ins().icmp(IntCC::UnsignedLessThan, next, end);
-    b.ins()
-        .brif(more, tail_body, &[BlockArg::Value(next)], exit, &[]);
-
-    b.switch_to_block(exit);
-    b.ins().return_(&[]);
-    b.seal_all_blocks();
+    crate::element_loops(&mut b, n, &mut |b, ty, off| {
+        let k = if ty == F32X4 { &vectors } else { &scalars };
+        body(b, ty, k, off)
+    });
     b.finalize(frontend);
 }
 

@@ -117,6 +117,65 @@ impl Drop for JitCode {
     }
 }
 
+/// Emits the element loops every host kernel of this crate shares, continuing the current
+/// block (the entry, where the per-call values were computed): a bottom-tested `f32x4` loop
+/// over the first `n & !3` elements, then a bottom-tested scalar tail; `body(b, ty, off)` emits
+/// one iteration of type `ty` (`F32X4` or `F32`) at byte offset `off`. Ends the function
+/// (`return`) and seals its blocks. Each loop is a single block whose immediate dominator lies
+/// outside every loop, so Cranelift's loop-invariant code motion hoists the entry's values
+/// (see `AdamWKernel`'s `build_body` for why top-tested loops lost that).
+pub(crate) fn element_loops(
+    b: &mut cranelift_frontend::FunctionBuilder<'_>,
+    n: cranelift_codegen::ir::Value,
+    body: &mut dyn FnMut(
+        &mut cranelift_frontend::FunctionBuilder<'_>,
+        cranelift_codegen::ir::Type,
+        cranelift_codegen::ir::Value,
+    ),
+) {
+    use cranelift_codegen::ir::condcodes::IntCC;
+    use cranelift_codegen::ir::types::{F32, F32X4, I64};
+    use cranelift_codegen::ir::{BlockArg, InstBuilder};
+    let (vec_body, tail_head, tail_body, exit) = (
+        b.create_block(),
+        b.create_block(),
+        b.create_block(),
+        b.create_block(),
+    );
+    for blk in [vec_body, tail_head, tail_body] {
+        b.append_block_param(blk, I64);
+    }
+    let nvec = b.ins().band_imm_s(n, -4i64);
+    let end_vec = b.ins().ishl_imm_u(nvec, 2);
+    let end = b.ins().ishl_imm_u(n, 2);
+    let zero = b.ins().iconst(I64, 0);
+    let at = |v| [BlockArg::Value(v)];
+    b.ins()
+        .brif(end_vec, vec_body, &at(zero), tail_head, &at(zero));
+    // Vector loop (entered only when there is at least one vector).
+    b.switch_to_block(vec_body);
+    let off = b.block_params(vec_body)[0];
+    body(b, F32X4, off);
+    let next = b.ins().iadd_imm_u(off, 16);
+    let more = b.ins().icmp(IntCC::UnsignedLessThan, next, end_vec);
+    b.ins()
+        .brif(more, vec_body, &at(next), tail_head, &at(next));
+    // Scalar tail: 0–3 elements.
+    b.switch_to_block(tail_head);
+    let off = b.block_params(tail_head)[0];
+    let more = b.ins().icmp(IntCC::UnsignedLessThan, off, end);
+    b.ins().brif(more, tail_body, &at(off), exit, &[]);
+    b.switch_to_block(tail_body);
+    let off = b.block_params(tail_body)[0];
+    body(b, F32, off);
+    let next = b.ins().iadd_imm_u(off, 4);
+    let more = b.ins().icmp(IntCC::UnsignedLessThan, next, end);
+    b.ins().brif(more, tail_body, &at(next), exit, &[]);
+    b.switch_to_block(exit);
+    b.ins().return_(&[]);
+    b.seal_all_blocks();
+}
+
 /// Why a kernel could not be compiled or run. Run-time errors ([`KernelError::ZeroStep`],
 /// [`KernelError::StepTooLarge`], [`KernelError::LengthMismatch`]) are reported before
 /// any slice is modified.

@@ -9,11 +9,9 @@
 //!
 //! The function takes a pointer to the tensors' base pointers (the rule's order), the element
 //! count and a pointer to the step scalars (f32, the rule's order); all are read once at entry.
-use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
+use cranelift_codegen::ir::condcodes::FloatCC;
 use cranelift_codegen::ir::types::{F32, F32X4, I64};
-use cranelift_codegen::ir::{
-    AbiParam, BlockArg, Endianness, InstBuilder, MemFlagsData, Type, Value,
-};
+use cranelift_codegen::ir::{AbiParam, Endianness, InstBuilder, MemFlagsData, Type, Value};
 use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext};
 use cranelift_module::{Linkage, Module};
 use optim::update::{RuleError, Update, UpdateRule};
@@ -305,13 +303,6 @@ fn emit(
 /// a scalar tail (the loop shape of `AdamWKernel`, whose docs say why).
 fn build(b: &mut FunctionBuilder<'_>, r: &Resolved, n_tensors: usize, n_scalars: usize) {
     let entry = b.create_block();
-    let vec_body = b.create_block();
-    let tail_head = b.create_block();
-    let tail_body = b.create_block();
-    let exit = b.create_block();
-    for blk in [vec_body, tail_head, tail_body] {
-        b.append_block_param(blk, I64);
-    }
     b.append_block_params_for_function_params(entry);
     b.switch_to_block(entry);
     let a = b.block_params(entry).to_vec();
@@ -331,17 +322,6 @@ fn build(b: &mut FunctionBuilder<'_>, r: &Resolved, n_tensors: usize, n_scalars:
                 .any(|l| matches!(l, Some(Leaf::Tensor(x)) if *x == t))
         })
         .collect();
-    let nvec = b.ins().band_imm_s(n, -4i64);
-    let end_vec = b.ins().ishl_imm_u(nvec, 2);
-    let end = b.ins().ishl_imm_u(n, 2);
-    let zero = b.ins().iconst(I64, 0);
-    b.ins().brif(
-        end_vec,
-        vec_body,
-        &[BlockArg::Value(zero)],
-        tail_head,
-        &[BlockArg::Value(zero)],
-    );
     let mem = MemFlagsData::new().with_notrap();
     let body = |b: &mut FunctionBuilder<'_>, ty: Type, sc: &[Value], off: Value| {
         let addrs: Vec<Value> = bases.iter().map(|&p| b.ins().iadd(p, off)).collect();
@@ -354,31 +334,8 @@ fn build(b: &mut FunctionBuilder<'_>, r: &Resolved, n_tensors: usize, n_scalars:
             b.ins().store(mem, vals[node], addrs[t], 0);
         }
     };
-    b.switch_to_block(vec_body);
-    let off = b.block_params(vec_body)[0];
-    body(b, F32X4, &splats, off);
-    let next = b.ins().iadd_imm_u(off, 16);
-    let more = b.ins().icmp(IntCC::UnsignedLessThan, next, end_vec);
-    b.ins().brif(
-        more,
-        vec_body,
-        &[BlockArg::Value(next)],
-        tail_head,
-        &[BlockArg::Value(next)],
-    );
-    b.switch_to_block(tail_head);
-    let off = b.block_params(tail_head)[0];
-    let more = b.ins().icmp(IntCC::UnsignedLessThan, off, end);
-    b.ins()
-        .brif(more, tail_body, &[BlockArg::Value(off)], exit, &[]);
-    b.switch_to_block(tail_body);
-    let off = b.block_params(tail_body)[0];
-    body(b, F32, &scalars, off);
-    let next = b.ins().iadd_imm_u(off, 4);
-    let more = b.ins().icmp(IntCC::UnsignedLessThan, next, end);
-    b.ins()
-        .brif(more, tail_body, &[BlockArg::Value(next)], exit, &[]);
-    b.switch_to_block(exit);
-    b.ins().return_(&[]);
-    b.seal_all_blocks();
+    crate::element_loops(b, n, &mut |b, ty, off| {
+        let sc = if ty == F32X4 { &splats } else { &scalars };
+        body(b, ty, sc, off)
+    });
 }

@@ -171,27 +171,16 @@ impl<'a> Cursor<'a> {
             self.expect('=', &format!("after attribute `{name}`"))?;
             self.ws();
             let vat = self.rest;
-            if self.eat('"') {
+            let value = if self.eat('"') {
                 // A quoted string: everything up to the next `"` (no escapes).
                 let Some(end) = self.rest.find('"') else {
                     return Err(self.err_at(vat, format!("unterminated string for `{name}`")));
                 };
                 let value = &self.rest[..end];
                 self.rest = &self.rest[end + 1..];
-                out.push(RawAttr {
-                    name,
-                    value,
-                    name_at: at,
-                    value_at: vat,
-                });
-                if self.eat('}') {
-                    return Ok(out);
-                }
-                self.expect(',', "or `}` between attributes")?;
-                continue;
-            }
-            let value = self
-                .token(|i| {
+                value
+            } else {
+                self.token(|i| {
                     take_while1(|c: char| {
                         c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '+' | '-')
                     })(i)
@@ -201,7 +190,8 @@ impl<'a> Cursor<'a> {
                         "expected a value for attribute `{name}`, found {}",
                         self.found()
                     ))
-                })?;
+                })?
+            };
             out.push(RawAttr {
                 name,
                 value,
