@@ -6,7 +6,12 @@ torch_baseline.train_steps; the reference SOAP is nikhilvyas/SOAP soap.py (not c
 bench/prepare-gpu puts it in .gpu/.ext, found from bench/ and from .gpu/bench/), frequency 10,
 max_precond_dim 10000 (soap.py's default) unless --mpd N. Random token ids: step time does not
 depend on the text, and the losses are not comparable with asteria's.
-Usage (GPU host, PyTorch with CUDA): python3 torch_steps.py {adamw|soap} STEPS OUT.jsonl [--tf32] [--compile] [--mpd N] [--model M]
+`kl` is the reference KL-Shampoo (KLOpt of yorkerlin/KL-Methods, optim/kl_opt.py, bf16
+computation, found as kl_opt where soap.py is; never commit it): KLOpt takes every 2-D weight
+but the embedding and LM head (it has no dimension cap: their 50304-wide side would need a
+50304^2 factor), fused AdamW the rest (and the 1-D parameters, which KLOpt does not support),
+lr 3e-3, betas (0.9, 0.98), frequency 10.
+Usage (GPU host, PyTorch with CUDA): python3 torch_steps.py {adamw|soap|kl} STEPS OUT.jsonl [--tf32] [--compile] [--mpd N] [--model M]
   Writes OUT.jsonl, one line per step; prints the peak GPU memory. ~15 s plus STEPS steps
   (soap at 10000 in fp32: ~0.2 s a step).
   --tf32: torch.backends.cuda.matmul.allow_tf32 = True (fp32 matmuls on TF32 tensor cores, as
@@ -40,6 +45,20 @@ torch.manual_seed(0)
 model = make_model().to(dev)
 if opt_name == "adamw":
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+elif opt_name == "kl":
+    from kl_opt import KLOpt
+    mats = [p for p in model.parameters() if p.dim() == 2 and max(p.shape) <= 10000]
+    ids = {id(p) for p in mats}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    kl = KLOpt(mats, lr=3e-3, betas=(0.9, 0.98), weight_decay=0.01, precondition_frequency=10)
+    aux = torch.optim.AdamW(rest, lr=3e-3, betas=(0.9, 0.98), weight_decay=0.0, fused=True)
+    class Both:
+        """KLOpt on the matrices and AdamW on the rest, stepped together."""
+        def step(self):
+            kl.step(); aux.step()
+        def zero_grad(self, set_to_none=True):
+            kl.zero_grad(set_to_none=set_to_none); aux.zero_grad(set_to_none=set_to_none)
+    opt = Both()
 else:
     from soap import SOAP
     opt = SOAP(model.parameters(), lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01,

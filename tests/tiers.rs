@@ -16,13 +16,15 @@ use schedule::{ArenaKind, Budgets, Op, Plan};
 const VOCAB: usize = 256;
 const MIB: u64 = 1 << 20;
 
-/// The optimizers whose moments the tiers move: AdamW, SOAP, and Lion (an optimizer defined by
-/// its update rule, whose `elementwise_update` reads its state as a list operand).
+/// The optimizers whose moments the tiers move: AdamW, SOAP, Lion (an optimizer defined by
+/// its update rule, whose `elementwise_update` reads its state as a list operand) and
+/// KL-Shampoo (whose momentum moves; its QR refreshes never touch it).
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Opt {
     AdamW,
     Soap,
     Lion,
+    KlShampoo,
 }
 
 fn config(opt: Opt, budgets: Budgets) -> Config {
@@ -35,6 +37,20 @@ fn config(opt: Opt, budgets: Budgets) -> Config {
                 ("beta2".into(), 0.99),
                 ("weight_decay".into(), 0.3),
             ],
+        }),
+        Opt::KlShampoo => OptimizerConfig::KlShampoo(ir::config::KlShampooConfig {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.98,
+            shampoo_beta: 0.98,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            precondition_frequency: 2,
+            init_factor: 1e-4,
+            max_clamp_value: 4000.0,
+            // As SOAP's: QR refreshes run on the 128-wide sides while the momentum is offloaded.
+            max_precond_dim: 256,
+            normalize_grads: false,
         }),
         Opt::AdamW => OptimizerConfig::Adamw(AdamWConfig {
             lr: 3e-3,
@@ -201,7 +217,7 @@ fn copies(plan: &Plan) -> (usize, usize) {
 #[test]
 fn a_tiered_run_is_bit_identical_to_the_untiered_run() {
     let dir = tempfile::tempdir_in(std::env::temp_dir()).expect("tempdir");
-    for opt in [Opt::AdamW, Opt::Soap, Opt::Lion] {
+    for opt in [Opt::AdamW, Opt::Soap, Opt::Lion, Opt::KlShampoo] {
         let soap = opt == Opt::Soap;
         let plain = compile(config(opt, Budgets::default())).expect("untiered");
         assert_eq!(copies(&plain), (0, 0));

@@ -131,20 +131,28 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 offset,
                 staleness,
                 placement,
+                method,
             } => {
                 if inst.section != Section::Refresh {
                     return Err(misplaced());
                 }
+                // A `qr` refresh names only the momentum (its shape); the plan's task carries
+                // it in both moment fields and the method says neither is an operand.
+                let exp_avg_sq = match method {
+                    schedule::RefreshMethod::Soap => arg(3)?,
+                    schedule::RefreshMethod::Qr => arg(2)?,
+                };
                 host_tasks.push(HostTask::EigenbasisRefresh {
                     factor: arg(0)?,
                     basis: arg(1)?,
                     side: *side,
                     exp_avg: arg(2)?,
-                    exp_avg_sq: arg(3)?,
+                    exp_avg_sq,
                     frequency: *frequency,
                     offset: *offset,
                     staleness: *staleness,
                     placement: *placement,
+                    method: *method,
                 });
                 continue;
             }
@@ -365,6 +373,32 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                     exp_avg_sq: arg(3)?,
                     basis_left,
                     basis_right,
+                    hyper: *hyper,
+                }
+            }
+            Op::KlShampooUpdate { hyper, left, right } => {
+                let mut rest = a[5..].iter();
+                let mut side =
+                    |present: bool| -> Result<(Option<BufferId>, Option<BufferId>), LowerError> {
+                        if !present {
+                            return Ok((None, None));
+                        }
+                        let f = rest.next().map(|&v| b(v)).transpose()?;
+                        let q = rest.next().map(|&v| b(v)).transpose()?;
+                        Ok((f, q))
+                    };
+                let (factor_left, basis_left) = side(*left)?;
+                let (factor_right, basis_right) = side(*right)?;
+                P::KlShampooUpdate {
+                    param: arg(0)?,
+                    grad: arg(1)?,
+                    exp_avg: arg(2)?,
+                    factor_left,
+                    factor_right,
+                    basis_left,
+                    basis_right,
+                    eig_left: arg(3)?,
+                    eig_right: arg(4)?,
                     hyper: *hyper,
                 }
             }

@@ -8,6 +8,7 @@ use crate::error::{CudaError, Result, Tier};
 use crate::memory::Elem;
 use crate::refresh::{self, GpuRefresher, RefreshSlot};
 use crate::{gemm, StreamKind};
+use schedule::RefreshMethod;
 use std::time::Instant;
 
 /// What [`measure`] found.
@@ -89,7 +90,7 @@ pub fn measure(
         let qb = arena.buf(Elem::F32, n * n)?;
         dev.upload(&fb, &f)?;
         let run = |r: &GpuRefresher, init: bool| -> Result<()> {
-            r.compute(&dev, init, n, &fb, &qb, &slot)?;
+            r.compute(&dev, init, RefreshMethod::Soap, n, &fb, &qb, &slot)?;
             let status = dev.download::<i32>(&slot.status)?;
             refresh::verdict(init, n, &status).map_err(|e| CudaError::Invalid {
                 op: "calibrate",

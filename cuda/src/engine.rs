@@ -34,7 +34,8 @@
 //!   [`crate::FlashKernels`]; wider heads the GEMM path in bf16; the plan's `attention` option,
 //!   [`flash_math`]), SOAP's per-step GEMMs
 //!   (factor accumulation, projections) on bf16 operands ([`op::SoapProjections`]) and the
-//!   moment re-projection of a refresh swap on TF32 tensor cores. Master weights, moments,
+//!   moment re-projection of a refresh swap and KL-Shampoo's update GEMMs
+//!   ([`crate::ops::kl_shampoo`], fp32 operands) on TF32 tensor cores. Master weights, moments,
 //!   elementwise optimizer math and the eigensolves and QRs of refreshes stay fp32.
 //! - `ClipGradNorm` reads the norm back; a non-finite norm skips the rest of the optimizer
 //!   program (counted in `EngineStats::skipped_steps`), as on the CPU.
@@ -48,7 +49,8 @@
 //!
 //! Layout: this file holds the engine, the program runner and the [`engine::StepExecutor`]
 //! glue; construction, buffer initialisation and the buffer accessors are in `setup`, the op
-//! dispatch in `exec`, `--profile` in `profile`, host tasks in `tasks`.
+//! dispatch in `exec`, `--profile` in `profile`, host tasks in `tasks` (their host-side
+//! computations and installs in `host_refresh`).
 use crate::device::{Device, GemmMath};
 use crate::error::CudaError;
 use crate::memory::{Arena, Buf};
@@ -64,6 +66,7 @@ use std::time::Instant;
 mod copies;
 mod exec;
 pub mod gpu_trace;
+mod host_refresh;
 mod profile;
 mod setup;
 mod tasks;

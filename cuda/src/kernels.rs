@@ -166,6 +166,18 @@ pub const FAMILIES: &[Family] = &[
     ),
     family!("soap", ["soap_adam_eigen", "soap_apply"]),
     family!(
+        "kl_shampoo",
+        [
+            "kl_momentum",
+            "kl_inv_sqrt",
+            "kl_scale",
+            "kl_precondition",
+            "kl_eig_rows",
+            "kl_eig_cols",
+            "kl_apply"
+        ]
+    ),
+    family!(
         "refresh",
         [
             "add_diag",

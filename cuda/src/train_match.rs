@@ -10,7 +10,7 @@ use engine::{
     train_with, CpuEngine, EngineError, EngineOptions, EngineStats, HostTaskReport, StepExecutor,
     TrainOptions,
 };
-use schedule::{AttentionKernel, Plan, Precision, RefreshPlacement, TargetPlan};
+use schedule::{AttentionKernel, Op, Plan, Precision, RefreshMethod, RefreshPlacement, TargetPlan};
 use schedule::{BufferClass, BufferId, DType};
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -304,7 +304,8 @@ fn column_signs(a: &[f64], b: &[f64]) -> Vec<f64> {
 
 impl Lockstep<'_> {
     /// Copies the CPU engine's basis and moments of every factor whose refresh was due at the
-    /// end of step `t` into the GPU engine (see [`MatchOptions::inject_cpu_refreshes`]).
+    /// end of step `t` into the GPU engine (see [`MatchOptions::inject_cpu_refreshes`]); the
+    /// basis alone for a [`RefreshMethod::Qr`] refresh (KL-Shampoo), which changes nothing else.
     fn inject_refreshes(&mut self, t: u64) -> Result<(), EngineError> {
         let plan = self.cpu.plan().clone();
         for task in &plan.host_tasks {
@@ -314,12 +315,17 @@ impl Lockstep<'_> {
                 exp_avg_sq,
                 frequency,
                 offset,
+                method,
                 ..
             } = *task;
             if !engine::refresh_runtime::refresh_due(t, frequency, offset) {
                 continue;
             }
-            for id in [basis, exp_avg, exp_avg_sq] {
+            let state = match method {
+                RefreshMethod::Soap => &[basis, exp_avg, exp_avg_sq][..],
+                RefreshMethod::Qr => &[basis][..],
+            };
+            for &id in state {
                 let name = &plan.buffer(id).name;
                 let c = self.cpu.buffer(name)?;
                 self.gpu.set_buffer(name, &c)?;
@@ -331,7 +337,16 @@ impl Lockstep<'_> {
 
     fn compare(&mut self, t: u64) -> Result<(), EngineError> {
         let plan = self.cpu.plan().clone();
-        // Bases first: their column signs align the eigenbasis moments.
+        // Bases first: their column signs align the eigenbasis moments (SOAP's `exp_avg`;
+        // KL-Shampoo's momentum is unrotated and compared as it is).
+        let rotated: Vec<BufferId> = plan
+            .optimizer
+            .iter()
+            .filter_map(|o| match o {
+                Op::SoapUpdate { exp_avg, .. } => Some(*exp_avg),
+                _ => None,
+            })
+            .collect();
         let mut order: Vec<usize> = (0..plan.buffers.len()).collect();
         order.sort_by_key(|&i| plan.buffers[i].class != BufferClass::Eigenbasis);
         let mut signs: HashMap<String, Vec<f64>> = HashMap::new();
@@ -368,7 +383,7 @@ impl Lockstep<'_> {
                     }
                     signs.insert(name.clone(), s);
                 }
-                BufferClass::ExpAvg => {
+                BufferClass::ExpAvg if rotated.contains(&BufferId(i as u32)) => {
                     let p = name.strip_suffix(".exp_avg").unwrap_or(&name).to_string();
                     let (m, n) = match b.shape[..] {
                         [m, n] => (m, n),

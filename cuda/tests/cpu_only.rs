@@ -49,6 +49,10 @@ fn sources_are_embedded_and_names_match() {
     all.dedup();
     assert_eq!(all.len(), n, "kernel names are unique across families");
     assert_eq!(family_of("soap_adam_eigen").map(|f| f.name), Some("soap"));
+    assert_eq!(
+        family_of("kl_precondition").map(|f| f.name),
+        Some("kl_shampoo")
+    );
     assert!(cuda::kernels::COMMON.contains("block_sum"));
 }
 
@@ -172,6 +176,7 @@ const PLAN_OPS: &[&str] = &[
     "adam_w",
     "soap_update",
     "soap_factor_update",
+    "kl_shampoo_update",
 ];
 
 #[test]

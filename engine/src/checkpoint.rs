@@ -179,6 +179,7 @@ pub fn state_buffers(plan: &Plan) -> Vec<&schedule::Buffer> {
                         | BufferClass::ExpAvgSq
                         | BufferClass::KroneckerFactor
                         | BufferClass::Eigenbasis
+                        | BufferClass::EigenvalueEstimate
                 )
         })
         .map(|(_, b)| b)

@@ -193,6 +193,7 @@ fn peak_lr(plan: &Plan) -> Option<f64> {
     plan.optimizer.iter().find_map(|op| match op {
         Op::AdamW { lr, .. } => Some(*lr),
         Op::SoapUpdate { hyper, .. } => Some(hyper.lr),
+        Op::KlShampooUpdate { hyper, .. } => Some(hyper.lr),
         Op::ElementwiseUpdate { rule, .. } => Some(rule.lr),
         _ => None,
     })

@@ -253,13 +253,13 @@ fn unknown_optimizer() {
         "unknown optimizer `adam`",
         Some("did you mean `adamw`?"),
     );
-    let src = edit("optimizer adamw", "optimizer shampoo");
+    let src = edit("optimizer adamw", "optimizer adafactor");
     assert_error(
         &src,
         8,
         11,
-        "unknown optimizer `shampoo`",
-        Some("supported: `adamw`, `soap`, `lion`"),
+        "unknown optimizer `adafactor`",
+        Some("supported: `adamw`, `soap`, `kl_shampoo`, `lion`"),
     );
     let src = edit("optimizer adamw", "optimizer loin");
     assert_error(

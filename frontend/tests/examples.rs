@@ -130,6 +130,20 @@ fn tiny_soap() {
 }
 
 #[test]
+fn tiny_kl_shampoo() {
+    let c = load("tiny-kl-shampoo.asteria");
+    assert_eq!(c.model, tiny_model(Family::Gpt2, 256));
+    let OptimizerConfig::KlShampoo(k) = &c.optimizer else {
+        panic!("not kl_shampoo: {:?}", c.optimizer)
+    };
+    assert_eq!((k.lr, k.beta1, k.shampoo_beta), (1e-2, 0.9, 0.98));
+    assert_eq!(k.init_factor, 1e-4);
+    assert_eq!((k.max_clamp_value, k.max_precond_dim), (4000.0, 10000));
+    assert_eq!(c.data, tiny_data());
+    assert_eq!(c.train, tiny_train());
+}
+
+#[test]
 fn tiny_llama_soap() {
     let c = load("tiny-llama-soap.asteria");
     assert_eq!(c.model, tiny_model(Family::Llama, 192));

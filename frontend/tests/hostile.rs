@@ -9,7 +9,7 @@ use frontend::{parse_spec, parse_spec_bytes, SpecErrors, MAX_SPEC_BYTES};
 use ir::limits::{Limit, SPEC_KEYS};
 
 /// A valid spec in which every numeric key is allowed (llama for `rope_theta`, soap for the
-/// SOAP keys, a cpu target for `threads`).
+/// SOAP keys, a cpu target for `threads`; `with_entry` switches to kl_shampoo for its own keys).
 const BASE: &str = "\
 model llama {
   vocab = 50257
@@ -38,6 +38,9 @@ fn with_entry(block: &str, key: &str, value: &str) -> (String, usize, usize) {
     let mut base = BASE.to_string();
     if key == "device" || key == "gpu_memory" {
         base = base.replace("target cpu {", "target cuda {");
+    }
+    if key == "init_factor" || key == "max_clamp_value" {
+        base = base.replace("optimizer soap {", "optimizer kl_shampoo {");
     }
     let mut lines: Vec<String> = base
         .lines()

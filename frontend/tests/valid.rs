@@ -114,6 +114,39 @@ fn soap_shampoo_beta_defaults_to_beta2() {
     );
 }
 
+/// An empty `optimizer kl_shampoo { }` takes every default of the reference `KLOpt`
+/// (`docs/kl-shampoo.md` §5), `shampoo_beta` following `betas`' second; a typo is located and
+/// an out-of-range value names its range.
+#[test]
+fn kl_shampoo_takes_the_reference_defaults() {
+    let c = parse(&spec("optimizer kl_shampoo { }", "")).expect("valid");
+    let want = ir::config::KlShampooConfig {
+        lr: 1e-4,
+        beta1: 0.9,
+        beta2: 0.98,
+        shampoo_beta: 0.98,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        precondition_frequency: 10,
+        init_factor: 0.1,
+        max_clamp_value: 4000.0,
+        max_precond_dim: 10000,
+        normalize_grads: false,
+    };
+    assert_eq!(c.optimizer, OptimizerConfig::KlShampoo(want));
+    let c = parse(&spec("optimizer kl_shampoo { betas = (0.95, 0.99) }", "")).expect("valid");
+    let OptimizerConfig::KlShampoo(k) = c.optimizer else {
+        panic!("not kl_shampoo")
+    };
+    assert_eq!((k.beta2, k.shampoo_beta), (0.99, 0.99));
+    let e = parse(&spec("optimizer kl_shampoo { init_factr = 0.2 }", "")).expect_err("typo");
+    let text = common::render(&e);
+    assert!(text.contains("init_factor"), "{text}");
+    let e = parse(&spec("optimizer kl_shampoo { max_clamp_value = 0.5 }", "")).expect_err("range");
+    let text = common::render(&e);
+    assert!(text.contains("[1, 1e9]"), "{text}");
+}
+
 #[test]
 fn llama_default_mlp_hidden() {
     let src = spec("optimizer soap { }", "").replace("model gpt2", "model llama");

@@ -63,6 +63,8 @@ pub enum OptimizerConfig {
     Adamw(AdamWConfig),
     /// SOAP.
     Soap(SoapConfig),
+    /// KL-Shampoo.
+    KlShampoo(KlShampooConfig),
     /// An optimizer defined by its element-wise update rule (`optim::optimizers`: Lion, ...).
     Elementwise(ElementwiseConfig),
 }
@@ -112,6 +114,38 @@ pub struct SoapConfig {
     pub max_precond_dim: usize,
     /// Adam bias correction (default true).
     pub correct_bias: bool,
+    /// Normalize the update by its RMS (default false).
+    pub normalize_grads: bool,
+}
+
+/// KL-Shampoo hyperparameters (Lin et al. 2025); names and defaults of the reference `KLOpt`
+/// (`yorkerlin/KL-Methods`, `docs/kl-shampoo.md` §5), plus `max_precond_dim`, which the
+/// reference does not have (it gives every dimension a dense factor).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KlShampooConfig {
+    /// Peak learning rate (default 1e-4).
+    pub lr: f64,
+    /// β₁ of the momentum (default 0.9).
+    pub beta1: f64,
+    /// β₂ (default 0.98): the default of `shampoo_beta`, and the second-moment β of the AdamW
+    /// that updates 1-D parameters.
+    pub beta2: f64,
+    /// EMA factor of the Kronecker factors and the eigenvalue estimates (default: β₂).
+    pub shampoo_beta: f64,
+    /// ε of the denominator (default 1e-8).
+    pub eps: f64,
+    /// Decoupled weight decay, 2-D parameters (default 0.01).
+    pub weight_decay: f64,
+    /// Basis refresh period in steps (default 10).
+    pub precondition_frequency: u64,
+    /// Initial eigenvalue estimate (default 0.1).
+    pub init_factor: f64,
+    /// Clamp of the estimates, `D ≥ 1/c²`, `c = max(10, min(d, max_clamp_value))` (default
+    /// 4000).
+    pub max_clamp_value: f64,
+    /// Sides longer than this have no factor: identity basis, eigenvalue estimate only
+    /// (default 10000, as SOAP's).
+    pub max_precond_dim: usize,
     /// Normalize the update by its RMS (default false).
     pub normalize_grads: bool,
 }

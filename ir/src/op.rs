@@ -2,7 +2,9 @@
 //! fields of the variant. Each op documents its arguments and results; the verifier checks them.
 //! Math and layouts are those of the plan instruction with the same name
 //! (`schedule::Op`), which `lower` emits one-for-one.
-use schedule::{BufferClass, ElementwiseRule, Init, Placement, SoapHyper};
+use schedule::{
+    BufferClass, ElementwiseRule, Init, KlShampooHyper, Placement, RefreshMethod, SoapHyper,
+};
 
 /// Role of a per-step input.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -218,6 +220,17 @@ pub enum Op {
         /// Right (column) side is rotated.
         right: bool,
     },
+    /// KL-Shampoo (see `schedule::Op::KlShampooUpdate`): args `[param, grad, exp_avg,
+    /// eig_left, eig_right]` + `factor_left, basis_left` if `left` + `factor_right,
+    /// basis_right` if `right`; in place; no results.
+    KlShampooUpdate {
+        /// Hyperparameters.
+        hyper: KlShampooHyper,
+        /// The left (row) side has a Kronecker factor and a basis.
+        left: bool,
+        /// The right (column) side has a Kronecker factor and a basis.
+        right: bool,
+    },
     /// args `[grad]` + `factor_left` if `left` + `factor_right` if `right`; in place.
     SoapFactorUpdate {
         /// EMA factor β_s.
@@ -234,8 +247,10 @@ pub enum Op {
         /// The update rule.
         rule: ElementwiseRule,
     },
-    /// args `[factor, basis, exp_avg, exp_avg_sq]`; host task; in place. The scheduling
-    /// attributes are set by `precond-scheduling` (see `schedule::HostTask`).
+    /// args `[factor, basis, exp_avg, exp_avg_sq]` (method `soap`) or `[factor, basis,
+    /// exp_avg]` (method `qr`: the momentum only names the parameter's shape; it is not an
+    /// operand); host task; in place. The scheduling attributes are set by
+    /// `precond-scheduling` (see `schedule::HostTask`).
     EigenbasisRefresh {
         /// 0 = left factor, 1 = right.
         side: u8,
@@ -247,6 +262,8 @@ pub enum Op {
         staleness: u32,
         /// Where the refresh runs.
         placement: Placement,
+        /// What a refresh computes after the first eigendecomposition.
+        method: RefreshMethod,
     },
 }
 
@@ -287,6 +304,7 @@ impl Op {
             Op::AdamW { .. } => "adam_w",
             Op::SoapUpdate { .. } => "soap_update",
             Op::SoapFactorUpdate { .. } => "soap_factor_update",
+            Op::KlShampooUpdate { .. } => "kl_shampoo_update",
             Op::ElementwiseUpdate { .. } => "elementwise_update",
             Op::EigenbasisRefresh { .. } => "eigenbasis_refresh",
         }
@@ -300,6 +318,7 @@ impl Op {
                 | Op::AdamW { .. }
                 | Op::SoapUpdate { .. }
                 | Op::SoapFactorUpdate { .. }
+                | Op::KlShampooUpdate { .. }
                 | Op::ElementwiseUpdate { .. }
                 | Op::EigenbasisRefresh { .. }
         )

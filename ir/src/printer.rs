@@ -35,12 +35,13 @@ pub(crate) fn class_keyword(class: BufferClass) -> &'static str {
         BufferClass::ExpAvgSq => "exp_avg_sq",
         BufferClass::KroneckerFactor => "kronecker_factor",
         BufferClass::Eigenbasis => "eigenbasis",
+        BufferClass::EigenvalueEstimate => "eigenvalue_estimate",
         BufferClass::Scalar => "scalar",
     }
 }
 
 /// Every buffer class, for the parser.
-pub(crate) const CLASSES: [BufferClass; 9] = [
+pub(crate) const CLASSES: [BufferClass; 10] = [
     BufferClass::Parameter,
     BufferClass::Gradient,
     BufferClass::Activation,
@@ -49,6 +50,7 @@ pub(crate) const CLASSES: [BufferClass; 9] = [
     BufferClass::ExpAvgSq,
     BufferClass::KroneckerFactor,
     BufferClass::Eigenbasis,
+    BufferClass::EigenvalueEstimate,
     BufferClass::Scalar,
 ];
 
@@ -163,6 +165,18 @@ pub(crate) fn attrs(op: &Op) -> Vec<(&'static str, Attr)> {
             ("left", B(left)),
             ("right", B(right)),
         ],
+        Op::KlShampooUpdate { hyper, left, right } => vec![
+            ("lr", F(hyper.lr)),
+            ("beta1", F(hyper.beta1)),
+            ("shampoo_beta", F(hyper.shampoo_beta)),
+            ("eps", F(hyper.eps)),
+            ("weight_decay", F(hyper.weight_decay)),
+            ("init_factor", F(hyper.init_factor)),
+            ("max_clamp_value", F(hyper.max_clamp_value)),
+            ("normalize_grads", B(hyper.normalize_grads)),
+            ("left", B(left)),
+            ("right", B(right)),
+        ],
         Op::SoapFactorUpdate {
             shampoo_beta,
             left,
@@ -180,6 +194,7 @@ pub(crate) fn attrs(op: &Op) -> Vec<(&'static str, Attr)> {
             offset,
             staleness,
             placement,
+            method,
         } => {
             vec![
                 ("side", U(side as u64)),
@@ -187,6 +202,7 @@ pub(crate) fn attrs(op: &Op) -> Vec<(&'static str, Attr)> {
                 ("offset", U(offset)),
                 ("staleness", U(staleness as u64)),
                 ("placement", W(placement.to_string())),
+                ("method", W(method.to_string())),
             ]
         }
         Op::ElementwiseUpdate { ref rule } => {

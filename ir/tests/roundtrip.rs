@@ -115,7 +115,7 @@ fn printed_form() {
         "  soap_update %wte, %grad.wte, %wte.exp_avg, %wte.exp_avg_sq, %wte.QL {lr = 0.003, beta1 = 0.95, beta2 = 0.95, eps = 1e-8, weight_decay = 0.01, correct_bias = true, normalize_grads = false, left = true, right = false}",
         "  soap_factor_update %grad.ln.w {shampoo_beta = 0.95, left = false, right = false}",
         "refresh:",
-        "  eigenbasis_refresh %qkv.w.R, %qkv.w.QR, %qkv.w.exp_avg, %qkv.w.exp_avg_sq {side = 1, frequency = 10, offset = 1, staleness = 2, placement = gpu_side}",
+        "  eigenbasis_refresh %qkv.w.R, %qkv.w.QR, %qkv.w.exp_avg, %qkv.w.exp_avg_sq {side = 1, frequency = 10, offset = 1, staleness = 2, placement = gpu_side, method = soap}",
     ] {
         assert!(text.lines().any(|l| l == expected), "missing line {expected:?} in\n{text}");
     }

@@ -21,8 +21,19 @@
 //! eigenvectors in descending eigenvalue order, `D = init_factor`; the parameter is unchanged.
 //! There is no grafting, no Adam state, no bias correction. The reference computes in bf16 with
 //! f32 decompositions; here everything is in `T` (f32 in training, f64 in tests).
+//!
+//! The engine runs it as the plan runs SOAP: [`kl_shampoo_update`] every step (plan op
+//! `KlShampooUpdate`: the first step's initialisation, then the update, the factors and the
+//! eigenvalue estimates), and the factors' bases through the refresh runtime (host task
+//! `EigenbasisRefresh` with method `qr`: [`crate::refresh_compute_method`] is the first
+//! eigendecomposition at the end of step 1, then `qr(S·Q)` without sorting, and
+//! [`crate::refresh_apply`] installs the basis and nothing else). A side longer than the
+//! plan's `max_precond_dim` has no factor and no basis: its basis is the identity and only its
+//! eigenvalue estimate `D` is kept (a diagonal preconditioner on that side).
+//! [`kl_shampoo_step`] composes both for one parameter (the reference's `step`).
 use crate::linalg::{gemm, view, view_mut};
-use crate::{check_len, EigenError, HostEigensolver, Real, ShapeError};
+use crate::{check_len, HostEigensolver, Real, ShapeError};
+use schedule::RefreshMethod;
 
 /// KL-Shampoo hyperparameters except the (scheduled) learning rate; defaults are the
 /// reference's.
@@ -108,17 +119,6 @@ impl<T: Real> KlShampooState<T> {
     }
 }
 
-/// Why a KL-Shampoo step failed (nothing of the parameter changed).
-#[derive(Debug, thiserror::Error)]
-pub enum KlShampooError {
-    /// Operand lengths.
-    #[error(transparent)]
-    Shape(#[from] ShapeError),
-    /// The initial eigendecomposition.
-    #[error(transparent)]
-    Eigen(#[from] EigenError),
-}
-
 fn mm<T: Real>(a: &[T], ta: bool, b: &[T], tb: bool, m: usize, k: usize, n: usize) -> Vec<T> {
     let mut out = vec![T::zero(); m * n];
     let av = if ta {
@@ -135,147 +135,193 @@ fn mm<T: Real>(a: &[T], ta: bool, b: &[T], tb: bool, m: usize, k: usize, n: usiz
     out
 }
 
-/// Eigenvectors of the symmetric `[d, d]` `a`, columns in descending eigenvalue order.
-fn eigvecs_desc<T: Real>(
-    a: &[T],
-    d: usize,
-    solver: &dyn HostEigensolver,
-) -> Result<Vec<T>, EigenError> {
-    let e = T::eigh_with(solver, a, d)?;
-    let mut q = vec![T::zero(); d * d];
-    for i in 0..d {
-        for j in 0..d {
-            q[i * d + j] = e.vectors[i * d + (d - 1 - j)];
-        }
-    }
-    Ok(q)
+/// One side (rows = left, columns = right) of a KL-Shampoo parameter in the plan: the
+/// Kronecker factor `S` and its basis `Q` (`[d, d]`, absent for a side over
+/// `max_precond_dim`: identity basis, no factor) and the eigenvalue estimate `D` `[d]`.
+#[derive(Debug)]
+pub struct KlSide<'a, T> {
+    /// `S` `[d, d]`, updated in place; `None` for an unpreconditioned side.
+    pub factor: Option<&'a mut [T]>,
+    /// `Q` `[d, d]` (columns are the basis), read only; `None` = identity (and then `factor`
+    /// must be `None` too).
+    pub basis: Option<&'a [T]>,
+    /// `D` `[d]`, updated in place.
+    pub eig: &'a mut [T],
 }
 
-/// One `KLOpt.step` for a 2-D parameter at the scheduled learning rate `lr`: the first call
-/// initialises the state and returns `false` (the parameter is unchanged); later calls update
-/// `param` in place and return `true`.
+/// `Qᵀ X` for `X` `[d, k]` (identity when `q` is `None`).
+fn qt_x<T: Real>(q: Option<&[T]>, x: &[T], d: usize, k: usize) -> Vec<T> {
+    match q {
+        Some(q) => mm(q, true, x, false, d, d, k),
+        None => x.to_vec(),
+    }
+}
+
+/// `X Q` for `X` `[k, d]` (identity when `q` is `None`).
+fn x_q<T: Real>(x: &[T], q: Option<&[T]>, k: usize, d: usize) -> Vec<T> {
+    match q {
+        Some(q) => mm(x, false, q, false, k, d, d),
+        None => x.to_vec(),
+    }
+}
+
+/// The clamp floor `1/c²` of an eigenvalue estimate of a side of length `d`,
+/// `c = max(10, min(d, max_clamp_value))`.
+pub fn kl_eig_floor(d: usize, max_clamp_value: f64) -> f64 {
+    let c = (d as f64).min(max_clamp_value).max(10.0);
+    1.0 / (c * c)
+}
+
+/// Plan op `KlShampooUpdate` for a 2-D parameter `[m, n]` at 1-based engine step `t` with
+/// scheduled learning rate `lr` (`hp.precondition_frequency` is not read: refreshes are host
+/// tasks).
+///
+/// - `t == 1` (the reference's first call): `S_L = (1 − β)/n·GGᵀ`, `S_R = (1 − β)/m·GᵀG` for
+///   the sides with a factor, `D = init_factor`; the parameter and the momentum are unchanged.
+///   (The first eigendecomposition of the factors runs at the end of the step, as a refresh.)
+/// - `t > 1`: momentum, the update `U = Q_L[(Q_Lᵀ M Q_R) ⊘ (√(D_L D_Rᵀ) + ε)]Q_Rᵀ`, the factors
+///   `S_L ← β S_L + (1 − β)/n · G Q_R D_R⁻¹ Q_Rᵀ Gᵀ` (and twin), the eigenvalue estimates
+///   `D_L ← max(β D_L + (1 − β)·rowmean((Q_Lᵀ G Q_R)² ⊘ D_Rᵀ), 1/c_L²)` (and twin), all from
+///   the bases and estimates the step started with; optional RMS normalisation of `U`; then
+///   `W ← (W − lr·U)(1 − lr·wd)`.
+///
+/// Row-major slices of `T`: `param`, `grad`, `exp_avg` `[m, n]`; `left` has `d = m`, `right`
+/// `d = n`.
 ///
 /// # Errors
-/// [`KlShampooError::Shape`] for operands that do not match the state's `[m, n]`;
-/// [`KlShampooError::Eigen`] when the first call's eigendecomposition fails (the state stays
-/// uninitialised).
-pub fn kl_shampoo_step<T: Real>(
-    st: &mut KlShampooState<T>,
+/// [`ShapeError`] when an operand's length does not match `[m, n]` (nothing was modified).
+#[allow(clippy::too_many_arguments)]
+pub fn kl_shampoo_update<T: Real>(
+    t: u64,
     hp: &KlShampooParams,
     lr: f64,
     param: &mut [T],
     grad: &[T],
-    solver: &dyn HostEigensolver,
-) -> Result<bool, KlShampooError> {
-    let (m, n) = (st.m, st.n);
-    check_len("kl_shampoo_step", "param", param.len(), m * n)?;
-    check_len("kl_shampoo_step", "grad", grad.len(), m * n)?;
+    exp_avg: &mut [T],
+    left: KlSide<'_, T>,
+    right: KlSide<'_, T>,
+    m: usize,
+    n: usize,
+) -> Result<(), ShapeError> {
+    const OP: &str = "kl_shampoo_update";
+    check_len(OP, "param", param.len(), m * n)?;
+    check_len(OP, "grad", grad.len(), m * n)?;
+    check_len(OP, "exp_avg", exp_avg.len(), m * n)?;
+    for (side, d, name_f, name_q, name_d) in [
+        (&left, m, "factor_left", "basis_left", "eig_left"),
+        (&right, n, "factor_right", "basis_right", "eig_right"),
+    ] {
+        if let Some(f) = &side.factor {
+            check_len(OP, name_f, f.len(), d * d)?;
+        }
+        if let Some(q) = side.basis {
+            check_len(OP, name_q, q.len(), d * d)?;
+        }
+        check_len(OP, name_d, side.eig.len(), d)?;
+    }
+    let KlSide {
+        factor: fl,
+        basis: ql,
+        eig: el,
+    } = left;
+    let KlSide {
+        factor: fr,
+        basis: qr,
+        eig: er,
+    } = right;
     let b = T::of(hp.shampoo_beta);
     let w = T::of(1.0 - hp.shampoo_beta);
     let (mf, nf) = (T::of(m as f64), T::of(n as f64));
-    if !st.initialized {
-        let ggt = mm(grad, false, grad, true, m, n, m);
-        let gtg = mm(grad, true, grad, false, n, m, n);
-        st.factor_left = ggt.iter().map(|&x| w / nf * x).collect();
-        st.factor_right = gtg.iter().map(|&x| w / mf * x).collect();
-        st.basis_left = eigvecs_desc(&st.factor_left, m, solver)?;
-        st.basis_right = eigvecs_desc(&st.factor_right, n, solver)?;
-        st.eig_left = vec![T::of(hp.init_factor); m];
-        st.eig_right = vec![T::of(hp.init_factor); n];
-        st.initialized = true;
-        return Ok(false);
+    if t <= 1 {
+        if let Some(fl) = fl {
+            let ggt = mm(grad, false, grad, true, m, n, m);
+            for (s, x) in fl.iter_mut().zip(ggt) {
+                *s = w / nf * x;
+            }
+        }
+        if let Some(fr) = fr {
+            let gtg = mm(grad, true, grad, false, n, m, n);
+            for (s, x) in fr.iter_mut().zip(gtg) {
+                *s = w / mf * x;
+            }
+        }
+        el.fill(T::of(hp.init_factor));
+        er.fill(T::of(hp.init_factor));
+        return Ok(());
     }
-    st.step += 1;
     let b1 = T::of(hp.beta1);
     let w1 = T::of(1.0 - hp.beta1);
-    for (x, &g) in st.exp_avg.iter_mut().zip(grad) {
+    for (x, &g) in exp_avg.iter_mut().zip(grad) {
         *x = b1 * *x + w1 * g;
     }
-    let (ql, qr) = (&st.basis_left, &st.basis_right);
-    let (dl, dr) = (st.eig_left.clone(), st.eig_right.clone());
     let inv_sqrt = |d: &[T]| -> Vec<T> { d.iter().map(|&x| T::one() / x.sqrt()).collect() };
+    let (dl, dr) = (el.to_vec(), er.to_vec());
     let (sl, sr) = (inv_sqrt(&dl), inv_sqrt(&dr));
     // U = Q_L [(Q_Lᵀ M Q_R) ⊘ (√(D_L D_Rᵀ) + ε)] Q_Rᵀ, with r = s_L s_R: r / (1 + r·ε).
     let eps = T::of(hp.eps);
-    let mut mt = mm(
-        &mm(ql, true, &st.exp_avg, false, m, m, n),
-        false,
-        qr,
-        false,
-        m,
-        n,
-        n,
-    );
+    let mut mt = x_q(&qt_x(ql, exp_avg, m, n), qr, m, n);
     for i in 0..m {
         for j in 0..n {
             let r = sl[i] * sr[j];
             mt[i * n + j] = mt[i * n + j] * (r / (T::one() + r * eps));
         }
     }
-    let mut u = mm(
-        &mm(ql, false, &mt, false, m, m, n),
-        false,
-        qr,
-        true,
-        m,
-        n,
-        n,
-    );
-    // Factors, from the old bases and eigenvalues: X_R = G Q_R diag(s_R), S_L += X_R X_Rᵀ.
-    let mut xr = mm(grad, false, qr, false, m, n, n);
-    for i in 0..m {
-        for j in 0..n {
-            xr[i * n + j] *= sr[j];
-        }
-    }
-    let mut xl = mm(grad, true, ql, false, n, m, m);
-    for i in 0..n {
-        for j in 0..m {
-            xl[i * m + j] *= sl[j];
-        }
-    }
-    let add_l = mm(&xr, false, &xr, true, m, n, m);
-    let add_r = mm(&xl, false, &xl, true, n, m, n);
-    for (s, a) in st.factor_left.iter_mut().zip(&add_l) {
-        *s = b * *s + w / nf * *a;
-    }
-    for (s, a) in st.factor_right.iter_mut().zip(&add_r) {
-        *s = b * *s + w / mf * *a;
-    }
-    // Eigenvalue estimates, from the old bases and eigenvalues.
-    let gt = mm(
-        &mm(ql, true, grad, false, m, m, n),
-        false,
-        qr,
-        false,
-        m,
-        n,
-        n,
-    );
-    let floor = |d: usize| {
-        let c = (d as f64).min(hp.max_clamp_value).max(10.0);
-        T::of(1.0 / (c * c))
+    // Q_L X Q_Rᵀ = ((X Q_Rᵀ)ᵀ... written as two products with the transposes explicit.
+    let mut u = match ql {
+        Some(q) => mm(q, false, &mt, false, m, m, n),
+        None => mt,
     };
-    let (fl, fr) = (floor(m), floor(n));
+    if let Some(q) = qr {
+        u = mm(&u, false, q, true, m, n, n);
+    }
+    // Factors, from the old bases and estimates: X_R = G Q_R diag(s_R), S_L += X_R X_Rᵀ.
+    if let Some(fl) = fl {
+        let mut xr = x_q(grad, qr, m, n);
+        for row in xr.chunks_exact_mut(n.max(1)) {
+            for (x, s) in row.iter_mut().zip(&sr) {
+                *x *= *s;
+            }
+        }
+        let add = mm(&xr, false, &xr, true, m, n, m);
+        for (s, a) in fl.iter_mut().zip(&add) {
+            *s = b * *s + w / nf * *a;
+        }
+    }
+    if let Some(fr) = fr {
+        // X_L = Gᵀ Q_L diag(s_L) [n, m], S_R += X_L X_Lᵀ.
+        let mut xl = match ql {
+            Some(q) => mm(grad, true, q, false, n, m, m),
+            None => mm_transpose(grad, m, n),
+        };
+        for row in xl.chunks_exact_mut(m.max(1)) {
+            for (x, s) in row.iter_mut().zip(&sl) {
+                *x *= *s;
+            }
+        }
+        let add = mm(&xl, false, &xl, true, n, m, n);
+        for (s, a) in fr.iter_mut().zip(&add) {
+            *s = b * *s + w / mf * *a;
+        }
+    }
+    // Eigenvalue estimates, from the old bases and estimates.
+    let gt = x_q(&qt_x(ql, grad, m, n), qr, m, n);
+    let (fl_, fr_) = (
+        T::of(kl_eig_floor(m, hp.max_clamp_value)),
+        T::of(kl_eig_floor(n, hp.max_clamp_value)),
+    );
     for i in 0..m {
         let mut acc = T::zero();
         for j in 0..n {
             acc += gt[i * n + j] * gt[i * n + j] / dr[j];
         }
-        st.eig_left[i] = (b * dl[i] + w * (acc / nf)).max(fl);
+        el[i] = (b * dl[i] + w * (acc / nf)).max(fl_);
     }
     for j in 0..n {
         let mut acc = T::zero();
         for i in 0..m {
             acc += gt[i * n + j] * gt[i * n + j] / dl[i];
         }
-        st.eig_right[j] = (b * dr[j] + w * (acc / mf)).max(fr);
-    }
-    if hp.precondition_frequency > 0 && st.step % hp.precondition_frequency == 0 {
-        let zl = mm(&st.factor_left, false, &st.basis_left, false, m, m, m);
-        let zr = mm(&st.factor_right, false, &st.basis_right, false, n, n, n);
-        st.basis_left = crate::thin_qr_q(&zl, m, m)?;
-        st.basis_right = crate::thin_qr_q(&zr, n, n)?;
+        er[j] = (b * dr[j] + w * (acc / mf)).max(fr_);
     }
     if hp.normalize_grads {
         let ms = u.iter().fold(T::zero(), |a, &x| a + x * x) / T::of((m * n) as f64);
@@ -286,5 +332,89 @@ pub fn kl_shampoo_step<T: Real>(
     for (p, &x) in param.iter_mut().zip(&u) {
         *p = (*p - lr_t * x) * decay;
     }
-    Ok(true)
+    Ok(())
+}
+
+/// `Xᵀ` of a row-major `[r, c]` matrix, as `[c, r]`.
+fn mm_transpose<T: Real>(x: &[T], r: usize, c: usize) -> Vec<T> {
+    let mut o = vec![T::zero(); r * c];
+    for i in 0..r {
+        for j in 0..c {
+            o[j * r + i] = x[i * c + j];
+        }
+    }
+    o
+}
+
+/// Why a KL-Shampoo step failed (the parameter did not change).
+#[derive(Debug, thiserror::Error)]
+pub enum KlShampooError {
+    /// Operand lengths.
+    #[error(transparent)]
+    Shape(#[from] ShapeError),
+    /// A basis refresh (the first eigendecomposition or a QR).
+    #[error(transparent)]
+    Refresh(#[from] crate::RefreshError),
+}
+
+/// One `KLOpt.step` for a 2-D parameter at the scheduled learning rate `lr`, composed from what
+/// the engine runs: [`kl_shampoo_update`] at engine step `st.step + 1`, then each side's basis
+/// refresh ([`crate::refresh_compute_method`] with [`RefreshMethod::Qr`] and
+/// `hp.precondition_frequency`, installed by [`crate::refresh_apply`]), synchronously. The
+/// first call initialises the state and returns `false` (the parameter is unchanged); later
+/// calls update `param` in place and return `true`.
+///
+/// # Errors
+/// [`KlShampooError::Shape`] for operands that do not match the state's `[m, n]`;
+/// [`KlShampooError::Refresh`] when a refresh fails (the update of that call has happened; the
+/// basis of that side is unchanged).
+pub fn kl_shampoo_step<T: Real>(
+    st: &mut KlShampooState<T>,
+    hp: &KlShampooParams,
+    lr: f64,
+    param: &mut [T],
+    grad: &[T],
+    solver: &dyn HostEigensolver,
+) -> Result<bool, KlShampooError> {
+    let (m, n) = (st.m, st.n);
+    let t = if st.initialized { st.step + 2 } else { 1 };
+    kl_shampoo_update(
+        t,
+        hp,
+        lr,
+        param,
+        grad,
+        &mut st.exp_avg,
+        KlSide {
+            factor: Some(&mut st.factor_left),
+            basis: Some(&st.basis_left),
+            eig: &mut st.eig_left,
+        },
+        KlSide {
+            factor: Some(&mut st.factor_right),
+            basis: Some(&st.basis_right),
+            eig: &mut st.eig_right,
+        },
+        m,
+        n,
+    )?;
+    for side in 0..2u8 {
+        let (f, q) = if side == 0 {
+            (&st.factor_left, &mut st.basis_left)
+        } else {
+            (&st.factor_right, &mut st.basis_right)
+        };
+        let method = RefreshMethod::Qr;
+        let freq = hp.precondition_frequency;
+        if let Some(r) = crate::refresh_compute_method(solver, t, freq, method, side, f, q, m, n)? {
+            crate::refresh_apply(&r, q, &mut [], &mut [], m, n)?;
+        }
+    }
+    if t == 1 {
+        st.initialized = true;
+        Ok(false)
+    } else {
+        st.step += 1;
+        Ok(true)
+    }
 }

@@ -35,13 +35,17 @@ pub mod update;
 
 pub use adamw::{adamw_update, AdamWParams};
 pub use eigh::{solver_by_name, solver_names, EigenError, Eigh, FaerEigensolver, HostEigensolver};
-pub use kl_shampoo::{kl_shampoo_step, KlShampooError, KlShampooParams, KlShampooState};
+pub use kl_shampoo::{
+    kl_eig_floor, kl_shampoo_step, kl_shampoo_update, KlShampooError, KlShampooParams,
+    KlShampooState, KlSide,
+};
 #[cfg(feature = "lapack")]
 pub use lapack_solver::LapackEigensolver;
 pub use linalg::{matmul, thin_qr_q, with_sequential};
 pub use real::Real;
 pub use refresh::{
-    eigenbasis_refresh, refresh_apply, refresh_compute, RefreshError, RefreshOutcome, RefreshResult,
+    eigenbasis_refresh, refresh_apply, refresh_compute, refresh_compute_method, RefreshError,
+    RefreshOutcome, RefreshResult,
 };
 pub use soap::{precond_dims, soap_factor_update, soap_update, SoapParams};
 

@@ -3,6 +3,7 @@
 //! re-projection in `update_preconditioner`).
 use crate::linalg::{gemm, thin_qr_q, view, view_mut};
 use crate::{check_len, EigenError, HostEigensolver, Real, ShapeError};
+use schedule::RefreshMethod;
 
 /// What [`eigenbasis_refresh`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -179,6 +180,38 @@ pub fn refresh_compute<T: Real>(
     m: usize,
     n: usize,
 ) -> Result<Option<RefreshResult<T>>, RefreshError> {
+    refresh_compute_method(
+        solver,
+        t,
+        frequency,
+        RefreshMethod::Soap,
+        side,
+        factor,
+        basis,
+        m,
+        n,
+    )
+}
+
+/// [`refresh_compute`] for either [`RefreshMethod`]: `Soap` as documented there; `Qr`
+/// (KL-Shampoo, `docs/kl-shampoo.md` §3) the same first eigendecomposition at `t == 1`, then
+/// `Q_new = qr(F · Q).Q` with the columns in their current order (no estimate, no sort) and an
+/// empty permutation, so that [`refresh_apply`] installs the basis and touches no moment.
+///
+/// # Errors
+/// As [`refresh_compute`].
+#[allow(clippy::too_many_arguments)]
+pub fn refresh_compute_method<T: Real>(
+    solver: &dyn HostEigensolver,
+    t: u64,
+    frequency: u64,
+    method: RefreshMethod,
+    side: u8,
+    factor: &[T],
+    basis: &[T],
+    m: usize,
+    n: usize,
+) -> Result<Option<RefreshResult<T>>, RefreshError> {
     const OP: &str = "refresh_compute";
     let d = side_dim(side, m, n)?;
     check_len(OP, "factor", factor.len(), d * d)?;
@@ -282,6 +315,23 @@ pub fn refresh_compute<T: Real>(
         view(q_old, d, d),
         T::one(),
     );
+    if method == RefreshMethod::Qr {
+        let q_new = thin_qr_q(&fq, d, d)?;
+        if !columns_unit(&q_new, d, tol) {
+            return Err(RefreshError::BadBasis {
+                side,
+                what: "QR produced a non-finite or non-orthonormal basis",
+            });
+        }
+        if numerical_rank(&q_new, &fq, d, T::epsilon().f64()) == 0 {
+            return Err(RefreshError::RankDeficient {
+                side,
+                dim: d,
+                rank: 0,
+            });
+        }
+        return result(q_new, Vec::new());
+    }
     let mut est = vec![0.0f64; d];
     for (qrow, frow) in q_old.chunks_exact(d).zip(fq.chunks_exact(d)) {
         for ((acc, q), f) in est.iter_mut().zip(qrow).zip(frow) {
@@ -337,13 +387,14 @@ fn numerical_rank<T: Real>(q: &[T], a: &[T], d: usize, eps: f64) -> usize {
     r.iter().filter(|x| x.abs() > cut).count()
 }
 
-/// Installs a computed refresh: for a QR refresh, `exp_avg_sq` is permuted along `side` by
+/// Installs a computed refresh: for a SOAP QR refresh, `exp_avg_sq` is permuted along `side` by
 /// [`RefreshResult::permutation`] and `exp_avg` (stored in the eigenbasis) is re-projected
 /// from the current basis to the new one with `C = Q_oldᵀ Q_new`: side 0 `E ← Cᵀ E`
 /// (= `Q_newᵀ Q_old E`), side 1 `E ← E C`. Applying both sides equals `soap.py`'s
 /// `project(project_back(E, Q_old), Q_new)`. Then `basis ← Q_new`. An initialization only
-/// installs the basis (moments untouched); a [`RefreshOutcome::ZeroFactor`] result installs
-/// nothing.
+/// installs the basis (moments untouched), as does a [`RefreshMethod::Qr`] refresh (the
+/// moments of both are neither read nor length-checked); a [`RefreshOutcome::ZeroFactor`] result
+/// installs nothing.
 ///
 /// `basis` must be the basis the result was computed from (the engine guarantees this: a
 /// factor has at most one refresh in flight, and only its own refreshes write the basis).
@@ -370,13 +421,18 @@ pub fn refresh_apply<T: Real>(
     }
     check_len(OP, "result basis", result.basis.len(), d * d)?;
     check_len(OP, "basis", basis.len(), d * d)?;
+    if result.kind == RefreshOutcome::Refreshed && result.permutation.is_empty() && d > 0 {
+        // A `RefreshMethod::Qr` result: the basis only (KL-Shampoo's moments are unrotated).
+        basis.copy_from_slice(&result.basis);
+        return Ok(result.kind);
+    }
+    if d > 0 && result.kind == RefreshOutcome::Initialized {
+        basis.copy_from_slice(&result.basis);
+        return Ok(result.kind);
+    }
     check_len(OP, "exp_avg", exp_avg.len(), m * n)?;
     check_len(OP, "exp_avg_sq", exp_avg_sq.len(), m * n)?;
     if d == 0 {
-        return Ok(result.kind);
-    }
-    if result.kind == RefreshOutcome::Initialized {
-        basis.copy_from_slice(&result.basis);
         return Ok(result.kind);
     }
     check_len(OP, "permutation", result.permutation.len(), d)?;

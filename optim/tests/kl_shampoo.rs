@@ -7,7 +7,11 @@
 //! (The reference starts from the implementation's initial eigenbases, after checking that the
 //! first factors agree: for m ≠ n the null space of a first factor has no preferred basis, so
 //! rounding picks it, and it steers the run, as the specification notes.)
-use optim::{kl_shampoo_step, FaerEigensolver, HostEigensolver, KlShampooParams, KlShampooState};
+use optim::{
+    kl_shampoo_step, kl_shampoo_update, refresh_apply, refresh_compute_method, FaerEigensolver,
+    HostEigensolver, KlShampooParams, KlShampooState, KlSide,
+};
+use schedule::RefreshMethod;
 
 type M = Vec<Vec<f64>>;
 
@@ -61,6 +65,8 @@ fn mgs(a: &M) -> M {
 }
 
 struct Ref {
+    /// The left side has no factor: `Q_L` stays the identity (a side over `max_precond_dim`).
+    left_identity: bool,
     mom: M,
     sl: M,
     sr: M,
@@ -101,6 +107,7 @@ fn ref_step(st: &mut Option<Ref>, hp: &KlShampooParams, lr: f64, w: &mut M, g: &
             dl: vec![hp.init_factor; m],
             dr: vec![hp.init_factor; n],
             t: 0,
+            left_identity: false,
         });
         return;
     };
@@ -149,7 +156,9 @@ fn ref_step(st: &mut Option<Ref>, hp: &KlShampooParams, lr: f64, w: &mut M, g: &
     s.dl = dl;
     s.dr = dr;
     if s.t % hp.precondition_frequency == 0 {
-        s.ql = mgs(&mul(&s.sl, &s.ql));
+        if !s.left_identity {
+            s.ql = mgs(&mul(&s.sl, &s.ql));
+        }
         s.qr = mgs(&mul(&s.sr, &s.qr));
     }
     for i in 0..m {
@@ -291,4 +300,86 @@ fn mismatched_operands_are_errors() {
     );
     assert!(r.is_err());
     assert!(!st.initialized);
+}
+
+/// A side over `max_precond_dim` (the plan gives it no factor and no basis): the engine's
+/// `kl_shampoo_update` with the left basis absent, the right one refreshed by the `qr` method
+/// through `refresh_compute_method` / `refresh_apply` as the refresh runtime calls them, against
+/// the float64 reference with `Q_L` fixed to the identity. 25 steps, ≤ 1e-6.
+#[test]
+fn a_side_without_a_factor_keeps_the_identity_basis_and_its_estimate() {
+    let mut seed = 0x9e37_79b9_u64;
+    let mut normal = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        ((seed >> 11) as f64 / (1u64 << 53) as f64) - 0.5
+    };
+    let (m, n) = (11usize, 5usize);
+    let hp = KlShampooParams {
+        weight_decay: 0.05,
+        precondition_frequency: 4,
+        ..KlShampooParams::default()
+    };
+    let mut p: Vec<f64> = (0..m * n).map(|_| normal()).collect();
+    let mut w = from(&p, m, n);
+    let (mut mom, mut fr, mut qr) = (vec![0.0; m * n], vec![0.0; n * n], vec![0.0; n * n]);
+    let (mut dl, mut dr) = (vec![0.0; m], vec![0.0; n]);
+    let mut r: Option<Ref> = None;
+    for t in 1..=26u64 {
+        let lr = 1e-2;
+        let g: Vec<f64> = (0..m * n).map(|_| normal()).collect();
+        let left = KlSide {
+            factor: None,
+            basis: None,
+            eig: &mut dl,
+        };
+        let right = KlSide {
+            factor: Some(&mut fr),
+            basis: Some(&qr),
+            eig: &mut dr,
+        };
+        kl_shampoo_update(t, &hp, lr, &mut p, &g, &mut mom, left, right, m, n).expect("update");
+        let freq = hp.precondition_frequency;
+        if let Some(res) = refresh_compute_method(
+            &FaerEigensolver,
+            t,
+            freq,
+            RefreshMethod::Qr,
+            1,
+            &fr,
+            &qr,
+            m,
+            n,
+        )
+        .expect("refresh")
+        {
+            refresh_apply(&res, &mut qr, &mut [], &mut [], m, n).expect("install");
+        }
+        ref_step(&mut r, &hp, lr, &mut w, &from(&g, m, n));
+        if t == 1 {
+            let s = r.as_mut().expect("initialised");
+            s.left_identity = true;
+            s.ql = (0..m)
+                .map(|i| (0..m).map(|j| f64::from(u8::from(i == j))).collect())
+                .collect();
+            s.qr = from(&qr, n, n);
+        }
+    }
+    let r = r.expect("state");
+    let checks = [
+        ("param", rel(&p, &flat(&w))),
+        ("momentum", rel(&mom, &flat(&r.mom))),
+        ("S_R", rel(&fr, &flat(&r.sr))),
+        ("D_L", rel(&dl, &r.dl)),
+        ("D_R", rel(&dr, &r.dr)),
+        (
+            "Q_R D_R Q_Rᵀ",
+            rel(&shat(&from(&qr, n, n), &dr), &shat(&r.qr, &r.dr)),
+        ),
+    ];
+    for (what, e) in checks {
+        assert!(e <= 1e-6, "{what}: relative error {e:e}");
+    }
+    assert!(p.iter().zip(flat(&w)).all(|(a, _)| a.is_finite()));
 }

@@ -10,6 +10,13 @@
 //! `precondition_1d = False`). AdamW applies weight decay to 2-D parameters only (nanoGPT);
 //! SOAP applies it to all parameters, as the reference does.
 //!
+//! KL-Shampoo (Lin et al. 2025, reference `KLOpt`) for a 2-D parameter `[m, n]`: the momentum
+//! `[m, n]` (unrotated), the eigenvalue estimates `D_L [m]`, `D_R [n]`, and for each side ≤
+//! `max_precond_dim` a Kronecker factor and its basis; one `kl_shampoo_update` per step and one
+//! `eigenbasis_refresh` host task with `method = qr` per factor. The reference does not support
+//! 1-D parameters (they go to an auxiliary Adam in its users' code): here they get AdamW with
+//! the block's lr, `betas`, ε and no weight decay.
+//!
 //! An optimizer defined by its element-wise rule (`optim::optimizers`: Lion, ...) gets the
 //! state its definition lists and one `elementwise_update` per parameter carrying the rule, its
 //! hyperparameters folded in as constants (weight decay 0 for parameters of fewer than two
@@ -113,6 +120,78 @@ impl Pass for ExpandOptimizer {
                 elementwise(module, c, p, g, &pname, &ty)?;
                 continue;
             }
+            if let (OptimizerConfig::KlShampoo(c), [rows, cols]) = (&opt, &ty.shape[..]) {
+                let (rows, cols) = (*rows, *cols);
+                let exp_avg = state(
+                    module,
+                    BufferClass::ExpAvg,
+                    format!("{pname}.exp_avg"),
+                    ty.clone(),
+                );
+                let mut args = vec![p, g, exp_avg];
+                for (which, d) in [("L", rows), ("R", cols)] {
+                    args.push(state(
+                        module,
+                        BufferClass::EigenvalueEstimate,
+                        format!("{pname}.D{which}"),
+                        TensorType::f32([d]),
+                    ));
+                }
+                let mut sides: [Option<(ValueId, ValueId)>; 2] = [None, None];
+                for (side, d) in [rows, cols].into_iter().enumerate() {
+                    if d > c.max_precond_dim {
+                        n_unrotated += 1;
+                        continue;
+                    }
+                    let which = if side == 0 { "L" } else { "R" };
+                    let sq = TensorType::f32([d, d]);
+                    let f = state(
+                        module,
+                        BufferClass::KroneckerFactor,
+                        format!("{pname}.{which}"),
+                        sq.clone(),
+                    );
+                    let q = state(
+                        module,
+                        BufferClass::Eigenbasis,
+                        format!("{pname}.Q{which}"),
+                        sq,
+                    );
+                    args.extend([f, q]);
+                    sides[side] = Some((f, q));
+                    n_factors += 1;
+                }
+                let hyper = ir::KlShampooHyper {
+                    lr: c.lr,
+                    beta1: c.beta1,
+                    shampoo_beta: c.shampoo_beta,
+                    eps: c.eps,
+                    weight_decay: c.weight_decay,
+                    init_factor: c.init_factor,
+                    max_clamp_value: c.max_clamp_value,
+                    normalize_grads: c.normalize_grads,
+                };
+                let (left, right) = (sides[0].is_some(), sides[1].is_some());
+                module.push0(
+                    Section::Optimizer,
+                    Op::KlShampooUpdate { hyper, left, right },
+                    &args,
+                );
+                for (side, s) in sides.iter().enumerate() {
+                    if let Some((f, q)) = s {
+                        let op = Op::EigenbasisRefresh {
+                            side: side as u8,
+                            frequency: c.precondition_frequency,
+                            offset: 0,
+                            staleness: 0,
+                            placement: ir::Placement::Host,
+                            method: ir::RefreshMethod::Qr,
+                        };
+                        module.push0(Section::Refresh, op, &[*f, *q, exp_avg]);
+                    }
+                }
+                continue;
+            }
             let exp_avg = state(
                 module,
                 BufferClass::ExpAvg,
@@ -142,6 +221,17 @@ impl Pass for ExpandOptimizer {
                     module.push0(Section::Optimizer, op, &[p, g, exp_avg, exp_avg_sq]);
                 }
                 OptimizerConfig::Elementwise(_) => unreachable!("expanded above"),
+                OptimizerConfig::KlShampoo(c) => {
+                    // A 1-D parameter: AdamW (see the module docs).
+                    let op = Op::AdamW {
+                        lr: c.lr,
+                        beta1: c.beta1,
+                        beta2: c.beta2,
+                        eps: c.eps,
+                        weight_decay: 0.0,
+                    };
+                    module.push0(Section::Optimizer, op, &[p, g, exp_avg, exp_avg_sq]);
+                }
                 OptimizerConfig::Soap(c) => {
                     let hyper = SoapHyper {
                         lr: c.lr,
@@ -209,6 +299,7 @@ impl Pass for ExpandOptimizer {
                                 offset: 0,
                                 staleness: 0,
                                 placement: ir::Placement::Host,
+                                method: ir::RefreshMethod::Soap,
                             };
                             module.push0(Section::Refresh, op, &[*f, *q, exp_avg, exp_avg_sq]);
                         }
@@ -221,6 +312,11 @@ impl Pass for ExpandOptimizer {
             OptimizerConfig::Elementwise(c) => {
                 format!("{} on {} parameters (an element-wise rule)", c.name, grads.len())
             }
+            OptimizerConfig::KlShampoo(_) => format!(
+                "kl_shampoo on {} parameters: {n_factors} Kronecker factors, {n_unrotated} sides \
+                 with an eigenvalue estimate only, 1-D parameters by AdamW",
+                grads.len()
+            ),
             OptimizerConfig::Soap(_) => format!(
                 "soap on {} parameters: {n_factors} Kronecker factors, {n_unrotated} unrotated sides",
                 grads.len()

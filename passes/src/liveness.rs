@@ -48,6 +48,7 @@ pub fn class_name(c: BufferClass) -> &'static str {
         BufferClass::ExpAvgSq => "exp_avg_sq",
         BufferClass::KroneckerFactor => "kronecker_factor",
         BufferClass::Eigenbasis => "eigenbasis",
+        BufferClass::EigenvalueEstimate => "eigenvalue_estimate",
         BufferClass::Scalar => "scalar",
     }
 }
@@ -61,6 +62,7 @@ pub fn is_persistent(c: BufferClass) -> bool {
             | BufferClass::ExpAvgSq
             | BufferClass::KroneckerFactor
             | BufferClass::Eigenbasis
+            | BufferClass::EigenvalueEstimate
     )
 }
 

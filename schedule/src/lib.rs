@@ -30,8 +30,8 @@ pub use memory::{
     PersistReason, Residency, ARENA_ALIGN,
 };
 pub use op::{
-    adamw_kernel_key, operand_dtypes, ElementwiseRule, HostTask, Op, Placement, SoapHyper,
-    StepScalar, BF16_ATTENTION_MAX_HEAD_DIM, BF16_LAYERNORM_MAX_C,
+    adamw_kernel_key, operand_dtypes, ElementwiseRule, HostTask, KlShampooHyper, Op, Placement,
+    RefreshMethod, SoapHyper, StepScalar, BF16_ATTENTION_MAX_HEAD_DIM, BF16_LAYERNORM_MAX_C,
 };
 pub use options::{
     AttentionKernel, Eigensolver, Profile, RefreshPlacement, RefreshSwap, Rematerialize,
@@ -140,6 +140,9 @@ pub enum BufferClass {
     KroneckerFactor,
     /// An eigenbasis `Q` of a Kronecker factor.
     Eigenbasis,
+    /// KL-Shampoo's eigenvalue estimates `D` of one side `[d]` (a running estimate in the
+    /// current basis, not the factor's eigenvalues).
+    EigenvalueEstimate,
     /// A small scalar (loss, grad norm).
     Scalar,
 }

@@ -222,6 +222,11 @@ pub const WEIGHT_DECAY: FloatRange = FloatRange::closed(0.0, 10.0);
 pub const PRECONDITION_FREQUENCY: IntRange = IntRange::new(1, 100_000);
 /// `max_precond_dim`: dimensions above this stay unrotated (up to the largest `vocab`).
 pub const MAX_PRECOND_DIM: IntRange = IntRange::new(1, 1 << 20);
+/// KL-Shampoo's `init_factor`: the initial eigenvalue estimate.
+pub const INIT_FACTOR: FloatRange = FloatRange::above(0.0, 1e6);
+/// KL-Shampoo's `max_clamp_value`: the estimates are clamped at `1/c²`,
+/// `c = max(10, min(d, max_clamp_value))`.
+pub const MAX_CLAMP_VALUE: FloatRange = FloatRange::closed(1.0, 1e9);
 
 // --- data ----------------------------------------------------------------------------------
 /// `batch_size`: sequences per step (2^16).
@@ -302,6 +307,12 @@ pub const SPEC_KEYS: &[(&str, &str, Limit)] = &[
         Limit::Int(PRECONDITION_FREQUENCY),
     ),
     ("optimizer", "max_precond_dim", Limit::Int(MAX_PRECOND_DIM)),
+    ("optimizer", "init_factor", Limit::Float(INIT_FACTOR)),
+    (
+        "optimizer",
+        "max_clamp_value",
+        Limit::Float(MAX_CLAMP_VALUE),
+    ),
     ("data", "batch_size", Limit::Int(BATCH_SIZE)),
     ("data", "seq_len", Limit::Int(SEQ_LEN)),
     ("data", "val_fraction", Limit::Float(VAL_FRACTION)),

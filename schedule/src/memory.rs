@@ -309,6 +309,10 @@ impl Op {
                 Access::ReadWrite
             }
             (Op::SoapFactorUpdate { .. }, "factor_left" | "factor_right") => Access::ReadWrite,
+            (
+                Op::KlShampooUpdate { .. },
+                "param" | "exp_avg" | "factor_left" | "factor_right" | "eig_left" | "eig_right",
+            ) => Access::ReadWrite,
             (Op::ElementwiseUpdate { .. }, "param" | "state") => Access::ReadWrite,
             (Op::CopyIn { .. } | Op::CopyOut { .. }, "dst") => Access::Write,
             (

@@ -68,6 +68,28 @@ pub struct SoapHyper {
     pub normalize_grads: bool,
 }
 
+/// Hyperparameters of one KL-Shampoo parameter update (Lin et al. 2025, reference
+/// `yorkerlin/KL-Methods` `KLOpt` with `using_klsoap = False`; `docs/kl-shampoo.md`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KlShampooHyper {
+    /// Peak learning rate; the engine multiplies by the schedule's multiplier each step.
+    pub lr: f64,
+    /// β₁ of the (unrotated) momentum.
+    pub beta1: f64,
+    /// β of the Kronecker factors' and the eigenvalue estimates' EMAs.
+    pub shampoo_beta: f64,
+    /// ε added to `√(D_L D_Rᵀ)`.
+    pub eps: f64,
+    /// Decoupled weight decay (multiplied by the scheduled lr), applied after the step.
+    pub weight_decay: f64,
+    /// Initial eigenvalue estimate.
+    pub init_factor: f64,
+    /// Clamp: `D ≥ 1/c²`, `c = max(10, min(d, max_clamp_value))`.
+    pub max_clamp_value: f64,
+    /// Divide the update by its RMS before applying it.
+    pub normalize_grads: bool,
+}
+
 /// A per-step scalar an element-wise update reads, from a closed vocabulary: each is computed
 /// by the engine on the host in f64 from the step's scheduled learning rate `lr_t` (the peak
 /// `lr` times the schedule's multiplier) and the 1-based step `t`, then rounded to the update's
@@ -534,6 +556,27 @@ pub enum Op {
         basis_right: Option<BufferId>,
         hyper: SoapHyper,
     },
+    /// KL-Shampoo parameter update ([`KlShampooHyper`]; `optim::kl_shampoo_update`) on a 2-D
+    /// parameter `[m, n]`: `exp_avg` `[m, n]` is the unrotated momentum, `eig_left` `[m]` and
+    /// `eig_right` `[n]` the eigenvalue estimates, and each side of length ≤
+    /// `max_precond_dim` has a Kronecker factor and its basis (`[m, m]` / `[n, n]`; a side
+    /// without them uses the identity basis). At step t = 1 it initialises the factors from the
+    /// gradient and the estimates to `init_factor` (the parameter is unchanged); otherwise the
+    /// update, the factors and the estimates (from the step's starting bases and estimates),
+    /// then decoupled weight decay. The bases are set by `EigenbasisRefresh` host tasks with
+    /// method `qr`.
+    KlShampooUpdate {
+        param: BufferId,
+        grad: BufferId,
+        exp_avg: BufferId,
+        factor_left: Option<BufferId>,
+        factor_right: Option<BufferId>,
+        basis_left: Option<BufferId>,
+        basis_right: Option<BufferId>,
+        eig_left: BufferId,
+        eig_right: BufferId,
+        hyper: KlShampooHyper,
+    },
     /// Kronecker-factor accumulation, every step after the update:
     /// `L ← lerp(L, G Gᵀ, 1−β_s)` `[m, m]`, `R ← lerp(R, Gᵀ G, 1−β_s)` `[n, n]`.
     SoapFactorUpdate {
@@ -596,6 +639,43 @@ impl std::str::FromStr for Placement {
     }
 }
 
+/// What an [`HostTask::EigenbasisRefresh`] computes after the first eigendecomposition.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RefreshMethod {
+    /// SOAP (`soap.py` `get_orthogonal_matrix_QR`): columns sorted by the estimated
+    /// eigenvalues `diag(Qᵀ F Q)`, `exp_avg_sq` permuted to match, one power iteration + QR,
+    /// `exp_avg` re-projected into the new basis.
+    #[default]
+    Soap,
+    /// KL-Shampoo (`KLOpt`, `docs/kl-shampoo.md` §3): `Q ← qr(F · Q).Q` with the columns in
+    /// their order; no moment is read or written (the task's `exp_avg` and `exp_avg_sq` name
+    /// the parameter's unrotated momentum and are not operands).
+    Qr,
+}
+
+impl std::fmt::Display for RefreshMethod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RefreshMethod::Soap => "soap",
+            RefreshMethod::Qr => "qr",
+        })
+    }
+}
+
+impl std::str::FromStr for RefreshMethod {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "soap" => Ok(RefreshMethod::Soap),
+            "qr" => Ok(RefreshMethod::Qr),
+            _ => Err(format!(
+                "unknown refresh method `{s}` (expected `soap` or `qr`)"
+            )),
+        }
+    }
+}
+
 /// A task the engine runs outside the step's kernel programs (on the host worker pool), at the
 /// end of the steps its schedule selects.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -612,6 +692,9 @@ pub enum HostTask {
     ///   the same way, then one power iteration + QR: `Q_new = qr(F Q_sorted).Q`; `exp_avg`
     ///   (stored in the eigenbasis) is re-projected: `E ← Q_newᵀ Q_old E` (side 0) or
     ///   `E ← E Q_oldᵀ Q_new` (side 1).
+    ///
+    /// With `method` [`RefreshMethod::Qr`] (KL-Shampoo) a QR refresh is `Q_new = qr(F Q).Q`
+    /// with no sort and no moment touched.
     ///
     /// A non-finite factor or a failed eigensolve keeps the previous basis (counted, logged).
     ///
@@ -635,6 +718,8 @@ pub enum HostTask {
         staleness: u32,
         #[serde(default = "default_placement")]
         placement: Placement,
+        #[serde(default)]
+        method: RefreshMethod,
     },
 }
 

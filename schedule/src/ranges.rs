@@ -110,6 +110,25 @@ impl Plan {
                     Op::SoapUpdate { hyper: h, .. } => {
                         optimizer_hyper(&at, h.lr, (h.beta1, h.beta2), h.eps, h.weight_decay)?
                     }
+                    Op::KlShampooUpdate { hyper: h, .. } => {
+                        optimizer_hyper(
+                            &at,
+                            h.lr,
+                            (h.beta1, h.shampoo_beta),
+                            h.eps,
+                            h.weight_decay,
+                        )?;
+                        float(
+                            format!("{at}: init_factor"),
+                            h.init_factor,
+                            limits::INIT_FACTOR,
+                        )?;
+                        float(
+                            format!("{at}: max_clamp_value"),
+                            h.max_clamp_value,
+                            limits::MAX_CLAMP_VALUE,
+                        )?;
+                    }
                     Op::ElementwiseUpdate { rule, .. } => {
                         float(format!("{at}: lr"), rule.lr, limits::LR)?;
                         for s in &rule.scalars {

@@ -12,7 +12,7 @@
 //! once everything is allocated and before anything runs, so an estimate that falls short is
 //! a clear error at start, never an out-of-memory mid-run. The CPU engine allocates nothing
 //! beyond its plan: its reserve is zero.
-use crate::{BufferId, DType, HostTask, Op, Placement, Plan, Precision, TargetPlan};
+use crate::{BufferId, DType, HostTask, Op, Placement, Plan, Precision, RefreshMethod, TargetPlan};
 
 /// Alignment of every engine allocation (bytes): the CUDA engine's `BUF_ALIGN`.
 const ALIGN: usize = 256;
@@ -36,9 +36,9 @@ pub struct EngineReserve {
     pub refresh: usize,
     /// bf16 shadows of SOAP eigenbases (`precision = bf16`).
     pub basis_shadows: usize,
-    /// Op scratch: SOAP's update scratch for its largest parameter (exact), plus an allowance
-    /// for the other ops and solver workspace (a fraction of the plan's device arenas up to
-    /// [`SCRATCH_ALLOWANCE`]).
+    /// Op scratch: the scratch of the largest second-order update (SOAP, KL-Shampoo; exact),
+    /// plus an allowance for the other ops and solver workspace (a fraction of the plan's
+    /// device arenas up to [`SCRATCH_ALLOWANCE`]).
     pub scratch: usize,
 }
 
@@ -112,6 +112,17 @@ pub fn soap_update_scratch_len(m: usize, n: usize, left: bool, right: bool, bf16
     }
 }
 
+/// Scratch elements (f32) of the CUDA engine's `kl_shampoo_update` for an `[m, n]` parameter
+/// with the given bases (`left`: `Q_L` present, `right`: `Q_R`), each region rounded up to 64
+/// elements (256 bytes): the f64 partials and the RMS divisor (`2·256 + 2`), four vectors
+/// (`1/√D` and the new `D` of each side: `m`, `n`, `m`, `n`) and `k` `[m, n]` work matrices,
+/// `k = 1 + (left ∨ right) + (left ∧ right)`.
+pub fn kl_shampoo_update_scratch_len(m: usize, n: usize, left: bool, right: bool) -> usize {
+    let r = |x: usize| x.next_multiple_of(64);
+    let k = 1 + usize::from(left || right) + usize::from(left && right);
+    r(2 * SUMSQ_BLOCKS + 2) + 2 * r(m) + 2 * r(n) + k * r(m * n)
+}
+
 /// The estimate for `plan` on its target (zero for the CPU engine), given the bytes of its
 /// device arenas (`device_bytes`, from memory planning).
 pub fn engine_reserve(plan: &Plan, device_bytes: usize) -> EngineReserve {
@@ -141,9 +152,17 @@ pub fn engine_reserve(plan: &Plan, device_bytes: usize) -> EngineReserve {
             }
         }
     }
-    // Op scratch is one buffer sized for the largest need; SOAP's update needs the most.
+    // Op scratch is one buffer sized for the largest need; the second-order updates (SOAP's,
+    // KL-Shampoo's) need the most.
     let bf16 = precision == Precision::Bf16;
-    let soap_scratch = plan
+    let dims = |param: BufferId| {
+        let s = &plan.buffer(param).shape;
+        match s.as_slice() {
+            [m, n] => (*m, *n),
+            _ => (1, s.iter().product()),
+        }
+    };
+    let update_scratch = plan
         .optimizer
         .iter()
         .filter_map(|o| match o {
@@ -153,13 +172,19 @@ pub fn engine_reserve(plan: &Plan, device_bytes: usize) -> EngineReserve {
                 basis_right,
                 ..
             } => {
-                let s = &plan.buffer(*param).shape;
-                let (m, n) = match s.as_slice() {
-                    [m, n] => (*m, *n),
-                    _ => (1, s.iter().product()),
-                };
+                let (m, n) = dims(*param);
                 let (l, r) = (basis_left.is_some(), basis_right.is_some());
                 Some(soap_update_scratch_len(m, n, l, r, bf16) * 4)
+            }
+            Op::KlShampooUpdate {
+                param,
+                basis_left,
+                basis_right,
+                ..
+            } => {
+                let (m, n) = dims(*param);
+                let (l, r) = (basis_left.is_some(), basis_right.is_some());
+                Some(kl_shampoo_update_scratch_len(m, n, l, r) * 4)
             }
             _ => None,
         })
@@ -169,7 +194,7 @@ pub fn engine_reserve(plan: &Plan, device_bytes: usize) -> EngineReserve {
         attention_saved,
         refresh: refresh_bytes(plan),
         basis_shadows,
-        scratch: aligned(soap_scratch) + (device_bytes / 64).clamp(1 << 20, SCRATCH_ALLOWANCE),
+        scratch: aligned(update_scratch) + (device_bytes / 64).clamp(1 << 20, SCRATCH_ALLOWANCE),
     }
 }
 
@@ -295,7 +320,8 @@ pub const STATUS_WORDS: usize = 8;
 
 /// The CUDA engine's refresh allocations (`cuda/src/engine/tasks.rs` `Refreshes::new`): per
 /// GPU refresher 8 `d×d` f32 work matrices and cuSOLVER's workspace, the output slot, the swap
-/// buffers (`d²` + two moments, plus a third when moments live off the device), and the
+/// buffers (`d²` + two moments, plus a third when moments live off the device; the moments of
+/// SOAP refreshes only: a [`RefreshMethod::Qr`] refresh installs its basis alone), and the
 /// shadow pools of the asynchronous refreshes ([`refresh_pools`]).
 fn refresh_bytes(plan: &Plan) -> usize {
     let f32s = |n: usize| aligned(n * 4);
@@ -308,16 +334,19 @@ fn refresh_bytes(plan: &Plan) -> usize {
             exp_avg_sq,
             staleness,
             placement,
+            method,
             ..
         } = t;
         let d = plan.buffer(*factor).shape.first().copied().unwrap_or(0);
         max_dim = max_dim.max(d);
-        max_mn = max_mn.max(plan.buffer(*exp_avg).numel());
+        if *method == RefreshMethod::Soap {
+            max_mn = max_mn.max(plan.buffer(*exp_avg).numel());
+            offloaded |= [exp_avg, exp_avg_sq]
+                .iter()
+                .any(|&&b| plan.memory.tier(b).is_some_and(|k| !k.on_device()));
+        }
         let gpu = *placement == Placement::GpuSide;
         any_gpu |= gpu;
-        offloaded |= [exp_avg, exp_avg_sq]
-            .iter()
-            .any(|&&b| plan.memory.tier(b).is_some_and(|k| !k.on_device()));
         if *staleness > 0 {
             any_async = true;
             if gpu {

@@ -109,6 +109,7 @@ impl Op {
             Op::AdamW { .. } => "adam_w",
             Op::SoapUpdate { .. } => "soap_update",
             Op::SoapFactorUpdate { .. } => "soap_factor_update",
+            Op::KlShampooUpdate { .. } => "kl_shampoo_update",
             Op::ElementwiseUpdate { .. } => "elementwise_update",
             Op::CopyIn { .. } => "copy_in",
             Op::CopyOut { .. } => "copy_out",
@@ -279,6 +280,25 @@ impl Op {
                 v.push(("grad", *grad));
                 opt(&mut v, "factor_left", factor_left);
                 opt(&mut v, "factor_right", factor_right);
+            }
+            Op::KlShampooUpdate {
+                param,
+                grad,
+                exp_avg,
+                factor_left,
+                factor_right,
+                basis_left,
+                basis_right,
+                eig_left,
+                eig_right,
+                ..
+            } => {
+                v.extend([("param", *param), ("grad", *grad), ("exp_avg", *exp_avg)]);
+                opt(&mut v, "factor_left", factor_left);
+                opt(&mut v, "factor_right", factor_right);
+                opt(&mut v, "basis_left", basis_left);
+                opt(&mut v, "basis_right", basis_right);
+                v.extend([("eig_left", *eig_left), ("eig_right", *eig_right)]);
             }
             Op::ElementwiseUpdate {
                 param, grad, state, ..
@@ -775,6 +795,44 @@ impl Checker<'_> {
                     ("basis_left", "basis_right"),
                 )?;
             }
+            Op::KlShampooUpdate {
+                param,
+                grad,
+                exp_avg,
+                factor_left,
+                factor_right,
+                basis_left,
+                basis_right,
+                eig_left,
+                eig_right,
+                ..
+            } => {
+                self.same(("param", *param), ("grad", *grad))?;
+                self.same(("param", *param), ("exp_avg", *exp_avg))?;
+                let (m, n) = self.rank2("param", *param)?;
+                self.dims("eig_left", *eig_left, &[m])?;
+                self.dims("eig_right", *eig_right, &[n])?;
+                if factor_left.is_some() != basis_left.is_some()
+                    || factor_right.is_some() != basis_right.is_some()
+                {
+                    return Err(PlanError::Invalid(format!(
+                        "{}: a side has a Kronecker factor without its basis or the reverse",
+                        self.location
+                    )));
+                }
+                self.side_factors(
+                    *param,
+                    *factor_left,
+                    *factor_right,
+                    ("factor_left", "factor_right"),
+                )?;
+                self.side_factors(
+                    *param,
+                    *basis_left,
+                    *basis_right,
+                    ("basis_left", "basis_right"),
+                )?;
+            }
             Op::SoapFactorUpdate {
                 grad,
                 factor_left,
@@ -1000,6 +1058,7 @@ impl Plan {
                 offset,
                 staleness,
                 placement,
+                ..
             } = task;
             let bound = self.target.staleness();
             if *staleness > bound {

@@ -5,7 +5,7 @@ use super::{attn_dims, flash_math, CudaEngine};
 use crate::error::CudaError;
 use crate::gemm::{self, Dims};
 use crate::memory::{Buf, Elem};
-use crate::ops::{attention as at, loss, nn, optim as op};
+use crate::ops::{attention as at, kl_shampoo as kl, loss, nn, optim as op};
 use schedule::{BufferId, Op};
 
 impl CudaEngine {
@@ -574,6 +574,41 @@ impl CudaEngine {
                     s,
                     proj,
                     [cached[0].as_ref(), cached[1].as_ref()],
+                )?;
+            }
+            Op::KlShampooUpdate {
+                param,
+                grad,
+                exp_avg,
+                factor_left,
+                factor_right,
+                basis_left,
+                basis_right,
+                eig_left,
+                eig_right,
+                hyper,
+            } => {
+                let (m, n) = self.dims(*param);
+                let side = |factor: &Option<BufferId>, basis: &Option<BufferId>, eig: BufferId| {
+                    kl::KlSide {
+                        factor: factor.map(|f| self.b(f)),
+                        basis: basis.map(|q| self.b(q)),
+                        eig: self.b(eig),
+                    }
+                };
+                kl::kl_shampoo_update(
+                    dev,
+                    t,
+                    hyper.lr * lr_mult,
+                    hyper,
+                    self.b(*param),
+                    self.b(*grad),
+                    self.b(*exp_avg),
+                    side(factor_left, basis_left, *eig_left),
+                    side(factor_right, basis_right, *eig_right),
+                    m,
+                    n,
+                    s,
                 )?;
             }
             Op::SoapFactorUpdate {

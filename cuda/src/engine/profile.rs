@@ -71,7 +71,9 @@ impl CudaEngine {
                 let t = |x: bool| if x { "ᵀ" } else { "" };
                 format!(" {ar}x{ac}{}·{br}x{bc}{} +bias", t(*trans_a), t(*trans_b))
             }
-            Op::SoapUpdate { grad, .. } | Op::SoapFactorUpdate { grad, .. } => {
+            Op::SoapUpdate { grad, .. }
+            | Op::SoapFactorUpdate { grad, .. }
+            | Op::KlShampooUpdate { grad, .. } => {
                 let shape: Vec<String> = self
                     .plan
                     .buffer(*grad)

@@ -6,7 +6,7 @@ use super::{attn_dims, cuda_err, dims2, flash_math, tasks, CudaEngine, CudaOptio
 use crate::device::Device;
 use crate::error::{CudaError, Tier};
 use crate::memory::{Arena, Buf, Elem, BUF_ALIGN};
-use crate::ops::{attention as at, loss, nn, optim as op};
+use crate::ops::{attention as at, kl_shampoo as kl, loss, nn, optim as op};
 use engine::{EngineError, EngineStats};
 use schedule::{
     ArenaKind, AttentionKernel, BufferId, DType, Init, Op, Plan, Precision, Profile, TargetPlan,
@@ -139,6 +139,16 @@ fn scratch_need(
         } => {
             let (m, n) = dims2(shape(*param));
             op::soap_update_scratch_len(m, n, basis_left.is_some(), basis_right.is_some(), soap)
+        }
+        Op::KlShampooUpdate {
+            param,
+            basis_left,
+            basis_right,
+            ..
+        } => {
+            let (m, n) = dims2(shape(*param));
+            let (l, r) = (basis_left.is_some(), basis_right.is_some());
+            kl::kl_shampoo_update_scratch_len(m, n, l, r)
         }
         Op::SoapFactorUpdate {
             grad,

@@ -1,4 +1,4 @@
-//! The CUDA engine's refresh backend: the GPU mechanics of SOAP eigenbasis refreshes. The
+//! The CUDA engine's refresh backend: the GPU mechanics of eigenbasis refreshes. The
 //! scheduling — when a refresh is due, synchronous or in the background, the swap point, the
 //! wait at the staleness bound, failure counting and counters — is
 //! [`engine::refresh_runtime`]'s, shared with the CPU engine; this module supplies the
@@ -7,9 +7,10 @@
 //! **Synchronous** (first basis, S = 0, `EngineOptions::synchronous_refresh`):
 //! `placement = gpu_side` runs [`GpuRefresher::compute`] and [`refresh::apply`] back to back on
 //! the compute stream with one status read in between; `placement = host` downloads factor,
-//! basis and moments, runs `optim::eigenbasis_refresh` on the host pool and uploads the result.
-//! The end of a boundary that ran one waits for the compute stream (only: side-stream and host
-//! work in flight is not waited for).
+//! basis and moments, runs `optim::eigenbasis_refresh` on the host pool and uploads the result
+//! (module `host_refresh`, which also installs a checkpoint's refreshes at a resume). The end
+//! of a boundary that ran one waits for the compute stream (only: side-stream and host work in
+//! flight is not waited for).
 //!
 //! **In the background** (S > 0), the shadow state and the double buffer:
 //! - at launch the factor (and, for `gpu_side`, the basis) is copied on the compute stream into
@@ -31,6 +32,13 @@
 //!   host results: `optim`'s own checks), a host result is uploaded into the back buffer from
 //!   pinned memory, and [`refresh::apply`] runs on the compute stream: basis replaced,
 //!   `exp_avg` re-projected, `exp_avg_sq` permuted.
+//!
+//! **Methods**: a task's `method` is the plan's. [`RefreshMethod::Soap`] is described above.
+//! [`RefreshMethod::Qr`] (KL-Shampoo) computes `qr(F·Q).Q` with the columns in their order
+//! (`optim::refresh_compute_method`; on the GPU the same QR without the sort) and installs the
+//! basis alone ([`refresh::install_basis`], or `optim::refresh_apply` on the host): the task's
+//! `exp_avg` / `exp_avg_sq` name KL-Shampoo's unrotated momentum, which a refresh never reads,
+//! stages or writes (only its shape, `[m, n]`, is used).
 use super::gpu_trace::GpuTrace;
 use super::{cuda_err, dims2, CudaEngine};
 use crate::error::{CudaError, Tier};
@@ -42,12 +50,12 @@ use engine::refresh_runtime::inflight::{Job, JobError, JobOutput};
 use engine::refresh_runtime::{Outcome, RefreshBackend, RefreshRuntime, RefreshTask};
 use engine::{EngineError, EngineOptions, EngineStats, HostTaskReport};
 use optim::RefreshOutcome;
-use schedule::{Placement, Plan};
+use schedule::{Placement, Plan, RefreshMethod};
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
 /// Side length of the task's factor.
-fn dim(plan: &Plan, task: &RefreshTask) -> usize {
+pub(super) fn dim(plan: &Plan, task: &RefreshTask) -> usize {
     dims2(&plan.buffer(task.factor).shape).0
 }
 
@@ -126,6 +134,7 @@ impl CudaJob {
 /// One side-stream refresh for the launcher thread.
 struct SideRequest {
     taken: CudaEvent,
+    method: RefreshMethod,
     d: usize,
     snapshot: Buf,
     basis: Buf,
@@ -165,6 +174,7 @@ impl SideLauncher {
                         refresher.compute(
                             &dev,
                             false,
+                            req.method,
                             req.d,
                             &req.snapshot,
                             &req.basis,
@@ -259,7 +269,7 @@ fn pinned_write<T: Copy>(b: &Buf, src: &[T]) {
     unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), b.ptr() as *mut T, src.len()) }
 }
 
-/// Writes a host refresh's new basis (f32 `[d, d]`) and, for a QR refresh, its permutation
+/// Writes a host refresh's new basis (f32 `[d, d]`) and, for a SOAP QR refresh, its permutation
 /// (i32 `[d]`) into the task's pinned shadows `hq` / `hi`, on the pool thread that computed it,
 /// so that the swap on the engine thread only enqueues the uploads (two pinned copies per swap
 /// on the engine thread, ~0.25 ms each at d = 768, would lengthen the step).
@@ -270,22 +280,29 @@ fn pinned_write<T: Copy>(b: &Buf, src: &[T]) {
 /// A result of the wrong size ([`JobError::Lost`]).
 fn stage_host_result(
     r: &optim::RefreshResult<f32>,
+    method: RefreshMethod,
     d: usize,
     hq: &Buf,
     hi: &Buf,
 ) -> Result<(), JobError> {
-    let init = r.kind() == RefreshOutcome::Initialized;
-    if r.basis().len() != d * d || (!init && r.permutation().len() != d) {
+    let basis_only = basis_only(r.kind() == RefreshOutcome::Initialized, method);
+    if r.basis().len() != d * d || (!basis_only && r.permutation().len() != d) {
         return Err(JobError::Lost(
             "internal: refresh result of the wrong size".into(),
         ));
     }
     pinned_write(hq, r.basis());
-    if !init {
+    if !basis_only {
         let idx: Vec<i32> = r.permutation().iter().map(|&i| i as i32).collect();
         pinned_write(hi, &idx);
     }
     Ok(())
+}
+
+/// Whether a refresh installs its basis alone: a first basis (either method) or any
+/// [`RefreshMethod::Qr`] refresh (no permutation, no moment).
+fn basis_only(init: bool, method: RefreshMethod) -> bool {
+    init || method == RefreshMethod::Qr
 }
 
 /// Threads of the CUDA engine's host refresh pool: every core but two (the engine thread that
@@ -308,9 +325,14 @@ impl Refreshes {
         let e = |w: &'static str| move |err: CudaError| cuda_err(w, err);
         let runtime = RefreshRuntime::new(plan, opts);
         let tasks = runtime.tasks().to_vec();
+        // Moments go through the swap for SOAP refreshes only (`schedule::reserve` counts the
+        // same).
+        let soap = |t: &&RefreshTask| t.method == RefreshMethod::Soap;
         let (mut max_dim, mut max_mn) = (0usize, 0usize);
         for t in &tasks {
             max_dim = max_dim.max(dim(plan, t));
+        }
+        for t in tasks.iter().filter(soap) {
             max_mn = max_mn.max(plan.buffer(t.exp_avg).numel());
         }
         let any_gpu = tasks.iter().any(on_gpu);
@@ -347,7 +369,7 @@ impl Refreshes {
             None => None,
         };
         // Moments in the plan's host tier go through a staging buffer at the swap.
-        let staged = tasks.iter().any(|t| {
+        let staged = tasks.iter().filter(soap).any(|t| {
             [t.exp_avg, t.exp_avg_sq]
                 .iter()
                 .any(|&b| plan.memory.tier(b).is_some_and(|k| !k.on_device()))
@@ -528,13 +550,23 @@ impl CudaEngine {
             };
             let d = dim(&self.plan, task);
             let (f, q) = (self.b(task.factor), self.b(task.basis));
-            r.compute(&self.dev, init, d, f, q, slot).map_err(e)?;
+            r.compute(&self.dev, init, task.method, d, f, q, slot)
+                .map_err(e)?;
             let status = self.dev.download::<i32>(&slot.status).map_err(e)?;
             if refresh::zero_factor(init, &status) {
                 return Ok(Ok(RefreshOutcome::ZeroFactor));
             }
             if let Err(fail) = refresh::verdict(init, d, &status) {
                 return Ok(Err(fail.to_string()));
+            }
+            if task.method == RefreshMethod::Qr {
+                refresh::install_basis(&self.dev, &slot.q, q, d).map_err(e)?;
+                self.basis_changed(task.basis);
+                return Ok(Ok(if init {
+                    RefreshOutcome::Initialized
+                } else {
+                    RefreshOutcome::Refreshed
+                }));
             }
             let (ea, eas) = (self.b(task.exp_avg), self.b(task.exp_avg_sq));
             refresh::apply(
@@ -559,127 +591,10 @@ impl CudaEngine {
                 RefreshOutcome::Refreshed
             }));
         }
-        // Host: the CPU engine's call, on downloaded state.
-        let f = self.dev.download::<f32>(self.b(task.factor)).map_err(e)?;
-        let [mut q, mut ea, mut eas] = self.download_refresh_state(task).map_err(e)?;
-        let solver = Arc::clone(&self.solver);
-        let pool = self.host_pool()?;
-        let t_optim = task.optim_step(t, init);
-        let out = pool.install(|| {
-            optim::eigenbasis_refresh(
-                solver.as_ref(),
-                t_optim,
-                task.frequency,
-                task.side,
-                &f,
-                &mut q,
-                &mut ea,
-                &mut eas,
-                m,
-                n,
-            )
-        });
-        match out {
-            Ok(k @ (RefreshOutcome::Skipped | RefreshOutcome::ZeroFactor)) => Ok(Ok(k)),
-            Ok(kind) => {
-                self.upload_refresh_state(task, [&q, &ea, &eas])
-                    .map_err(e)?;
-                Ok(Ok(kind))
-            }
-            Err(err) => task.outcome(Err(err)),
-        }
+        self.refresh_now_host(task, t, init)
     }
 
-    /// [`engine::StepExecutor::restore_refreshes`] of the CUDA engine (see there).
-    pub(super) fn install_recorded_refreshes(
-        &mut self,
-        refreshes: &[engine::checkpoint::InFlightRefresh],
-    ) -> Result<(), EngineError> {
-        for r in refreshes {
-            let task = *self.refreshes.runtime.tasks().get(r.task).ok_or_else(|| {
-                EngineError::Checkpoint(format!("refresh task {} is not in the plan", r.task))
-            })?;
-            let d = dim(&self.plan, &task);
-            if r.factor.len() != d * d || r.basis.len() != d * d {
-                return Err(EngineError::Checkpoint(format!(
-                    "refresh task {}: snapshots of {} and {} values, the plan's factor is {d} x {d}",
-                    r.task,
-                    r.factor.len(),
-                    r.basis.len()
-                )));
-            }
-            let (m, n) = self.dims(task.exp_avg);
-            let f: Vec<f32> = r.factor.iter().map(|&x| x as f32).collect();
-            let q0: Vec<f32> = r.basis.iter().map(|&x| x as f32).collect();
-            let out = optim::refresh_compute(
-                self.solver.as_ref(),
-                task.optim_step(r.launched, false),
-                task.frequency,
-                task.side,
-                &f,
-                &q0,
-                m,
-                n,
-            )
-            .map_err(JobError::Refresh);
-            self.refreshes
-                .runtime
-                .relaunch(r.task, r.launched, CudaJob::Ready(Some(out)))
-                .map_err(EngineError::Checkpoint)?;
-        }
-        Ok(())
-    }
-
-    /// Installs a result computed on the host from a checkpoint's snapshots: the CPU engine's
-    /// install (`optim::refresh_apply`) on the downloaded basis and moments, uploaded back.
-    fn swap_ready(
-        &mut self,
-        task: &RefreshTask,
-        out: JobOutput<f32>,
-    ) -> Result<Outcome, EngineError> {
-        let e = |err| cuda_err("installing a checkpoint's refresh", err);
-        let result = match task.computed(out)? {
-            Ok(result) => result,
-            Err(outcome) => return Ok(outcome),
-        };
-        let (m, n) = self.dims(task.exp_avg);
-        let [mut q, mut ea, mut eas] = self.download_refresh_state(task).map_err(e)?;
-        match optim::refresh_apply(&result, &mut q, &mut ea, &mut eas, m, n) {
-            Ok(kind @ (RefreshOutcome::Refreshed | RefreshOutcome::Initialized)) => {
-                self.upload_refresh_state(task, [&q, &ea, &eas])
-                    .map_err(e)?;
-                Ok(Ok(kind))
-            }
-            Ok(kind) => Ok(Ok(kind)),
-            Err(err) => task.outcome(Err(err)),
-        }
-    }
-
-    /// The task's eigenbasis, `exp_avg` and `exp_avg_sq`, downloaded for an install on the
-    /// host.
-    fn download_refresh_state(&self, task: &RefreshTask) -> Result<[Vec<f32>; 3], CudaError> {
-        Ok([
-            self.dev.download::<f32>(self.b(task.basis))?,
-            self.dev.download::<f32>(self.b(task.exp_avg))?,
-            self.dev.download::<f32>(self.b(task.exp_avg_sq))?,
-        ])
-    }
-
-    /// Uploads what [`CudaEngine::download_refresh_state`] downloaded, after a host install;
-    /// the basis's cached bf16 copy (SOAP's bf16 projections) is stale then.
-    fn upload_refresh_state(
-        &mut self,
-        task: &RefreshTask,
-        [q, ea, eas]: [&[f32]; 3],
-    ) -> Result<(), CudaError> {
-        self.dev.upload(self.b(task.basis), q)?;
-        self.dev.upload(self.b(task.exp_avg), ea)?;
-        self.dev.upload(self.b(task.exp_avg_sq), eas)?;
-        self.basis_changed(task.basis);
-        Ok(())
-    }
-
-    fn host_pool(&self) -> Result<Arc<rayon::ThreadPool>, EngineError> {
+    pub(super) fn host_pool(&self) -> Result<Arc<rayon::ThreadPool>, EngineError> {
         self.refreshes
             .host_pool
             .clone()
@@ -774,6 +689,7 @@ impl CudaEngine {
         let (reply, rx) = mpsc::channel();
         let req = SideRequest {
             taken,
+            method: task.method,
             d,
             snapshot: sh.snapshot.clone(),
             basis,
@@ -819,6 +735,7 @@ impl CudaEngine {
         let copied = dev.record(StreamKind::CopyOut, false).map_err(e)?;
         let solver = Arc::clone(&self.solver);
         let (t_optim, frequency, side) = (task.optim_step(t, false), task.frequency, task.side);
+        let method = task.method;
         let (tx, rx) = mpsc::channel::<JobOutput<f32>>();
         self.host_pool()?.spawn(move || {
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -830,11 +747,24 @@ impl CudaEngine {
                 // One refresh per pool thread, each single-threaded: the throughput setting
                 // `asteria calibrate` measures for the cost model.
                 let result = optim::with_sequential(|| {
-                    optim::refresh_compute(solver.as_ref(), t_optim, frequency, side, &f, &q, m, n)
+                    optim::refresh_compute_method(
+                        solver.as_ref(),
+                        t_optim,
+                        frequency,
+                        method,
+                        side,
+                        &f,
+                        &q,
+                        m,
+                        n,
+                    )
                 })
                 .map_err(JobError::Refresh)?;
-                if let Some(r) = &result {
-                    stage_host_result(r, d, &hq, &hi)?;
+                // A zero factor installs nothing (an empty result): nothing to stage.
+                let installs =
+                    |r: &&optim::RefreshResult<f32>| r.kind() != RefreshOutcome::ZeroFactor;
+                if let Some(r) = result.as_ref().filter(installs) {
+                    stage_host_result(r, method, d, &hq, &hi)?;
                 }
                 Ok(result)
             }));
@@ -858,6 +788,12 @@ impl CudaEngine {
         }
         if let Err(fail) = refresh::verdict(false, d, status) {
             return Ok(Err(fail.to_string()));
+        }
+        if task.method == RefreshMethod::Qr {
+            self.dev.wait(StreamKind::Compute, done).map_err(e)?;
+            refresh::install_basis(&self.dev, &sh.slot.q, self.b(task.basis), d).map_err(e)?;
+            self.basis_changed(task.basis);
+            return Ok(Ok(RefreshOutcome::Refreshed));
         }
         let work = self
             .refreshes
@@ -910,6 +846,12 @@ impl CudaEngine {
         let init = result.kind() == RefreshOutcome::Initialized;
         // The worker staged the new basis and permutation in the pinned shadows
         // (`stage_host_result`), off the engine thread.
+        if task.method == RefreshMethod::Qr {
+            // The basis alone, straight from the pinned shadow.
+            refresh::install_basis(&self.dev, hq, self.b(task.basis), d).map_err(e)?;
+            self.basis_changed(task.basis);
+            return Ok(Ok(result.kind()));
+        }
         let (q_dev, idx_dev) = (
             sh.slot.q.slice(0, d * d).map_err(e)?,
             sh.slot.idx.slice(0, d).map_err(e)?,
@@ -1077,6 +1019,7 @@ mod tests {
             offset: 4,
             staleness: 5,
             placement,
+            method: RefreshMethod::Soap,
         }
     }
 

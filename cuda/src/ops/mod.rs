@@ -6,6 +6,7 @@
 //! Launchers that need temporary memory take a `scratch` buffer whose minimum length is given
 //! by a matching `*_scratch_len` function; the caller carves it from an arena.
 pub mod attention;
+pub mod kl_shampoo;
 pub mod loss;
 pub mod nn;
 pub mod optim;

@@ -1,6 +1,7 @@
 //! Householder QR of the power image through cuSOLVER (`Sgeqrf` + `Sorgqr`; soap.py's
 //! `torch.linalg.qr`): the fallback of the Rayleigh–Cholesky QR ([`super::rayleigh`]), taken
-//! when one of its Cholesky factorisations fails or its orthonormality gate trips.
+//! when one of its Cholesky factorisations fails or its orthonormality gate trips. The same for
+//! either refresh method (with or without SOAP's column permutation).
 use super::{check, GpuRefresher};
 use crate::device::Device;
 use crate::error::Result;
@@ -10,15 +11,16 @@ use cudarc::cusolver::sys as cs;
 
 impl GpuRefresher {
     /// `q = qr(A).Q` for `A = (F Q_old)[:, idx]` (`fq` = `F Q_old`, `[d, d]` f32 row-major;
-    /// `q` row-major `[d, d]`), by cuSOLVER's `Sgeqrf` + `Sorgqr` in the refresher's `b`
-    /// (column-major) with their infos in status words 1 and 2. Both calls block the calling
-    /// thread until their GPU work is done (cuSOLVER's own synchronisation).
+    /// `idx` `None`: the columns in their order; `q` row-major `[d, d]`), by cuSOLVER's
+    /// `Sgeqrf` + `Sorgqr` in the refresher's `b` (column-major) with their infos in status
+    /// words 1 and 2. Both calls block the calling thread until their GPU work is done
+    /// (cuSOLVER's own synchronisation).
     pub(super) fn householder_qr(
         &self,
         dev: &Device,
         d: usize,
         fq: &Buf,
-        idx: &Buf,
+        idx: Option<&Buf>,
         q: &Buf,
         st: &Buf,
     ) -> Result<()> {
@@ -31,7 +33,7 @@ impl GpuRefresher {
             dev,
             "gather_cols_transpose",
             dd,
-            Args::new().buf(fq).buf(idx).buf(&b).i32(n).i32(n),
+            Args::new().buf(fq).opt(idx).buf(&b).i32(n).i32(n),
         )?;
         dev.context().bind_to_thread()?;
         // SAFETY: b [d, d], tau [d], work of the queried size and the info words are live

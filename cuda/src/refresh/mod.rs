@@ -1,14 +1,19 @@
-//! SOAP eigenbasis refreshes on the GPU (plan host task `EigenbasisRefresh`, reference
-//! `soap.py` `get_orthogonal_matrix` / `get_orthogonal_matrix_QR`), through cuSOLVER, cuBLAS
-//! and the helper kernels of family `refresh` (`cuda/kernels/refresh.cu`). The semantics are
-//! those of `optim::eigenbasis_refresh`, step for step:
+//! Eigenbasis refreshes on the GPU (plan host task `EigenbasisRefresh`; SOAP's reference
+//! `soap.py` `get_orthogonal_matrix` / `get_orthogonal_matrix_QR`, KL-Shampoo's `KLOpt`),
+//! through cuSOLVER, cuBLAS and the helper kernels of family `refresh`
+//! (`cuda/kernels/refresh.cu`). The semantics are those of `optim::refresh_compute_method` and
+//! `optim::refresh_apply`, step for step:
 //!
-//! - init (end of step 1): `Q ← eigvecs(F + 1e-30·I)` (cuSOLVER `Ssyevd`), columns in
-//!   descending eigenvalue order;
-//! - QR refresh: `est = diag(Qᵀ F Q)` (f64), `idx = argsort(est)` descending (stable, IEEE
-//!   total order, on the device: kernel `argsort_desc`), `exp_avg_sq` permuted along the side
-//!   by `idx`, `Q_new = qr(F Q[:, idx]).Q`, `exp_avg` re-projected with `C = Q_oldᵀ Q_new`
-//!   (side 0: `E ← Cᵀ E`, side 1: `E ← E C`).
+//! - init (end of step 1, either method): `Q ← eigvecs(F + 1e-30·I)` (cuSOLVER `Ssyevd`),
+//!   columns in descending eigenvalue order;
+//! - QR refresh, [`RefreshMethod::Soap`]: `est = diag(Qᵀ F Q)` (f64), `idx = argsort(est)`
+//!   descending (stable, IEEE total order, on the device: kernel `argsort_desc`), `exp_avg_sq`
+//!   permuted along the side by `idx`, `Q_new = qr(F Q[:, idx]).Q`, `exp_avg` re-projected with
+//!   `C = Q_oldᵀ Q_new` (side 0: `E ← Cᵀ E`, side 1: `E ← E C`);
+//! - QR refresh, [`RefreshMethod::Qr`] (KL-Shampoo, `docs/kl-shampoo.md` §3):
+//!   `Q_new = qr(F Q).Q` with the columns in their current order (no estimate, no sort, no
+//!   permutation), installed alone ([`install_basis`]): KL-Shampoo's momentum is unrotated and
+//!   it has no second moment.
 //!
 //! The QR is the Rayleigh–Cholesky QR on the tensor cores (`rayleigh.rs`: 3xTF32 GEMMs, lower
 //! Cholesky factorisations, a Newton–Schulz second step), with cuSOLVER's Householder QR
@@ -34,6 +39,7 @@ use crate::kernels::Args;
 use crate::memory::{Arena, Buf, Elem};
 use crate::StreamKind;
 use cudarc::cusolver::sys as cs;
+use schedule::RefreshMethod;
 
 mod householder;
 mod rayleigh;
@@ -41,7 +47,7 @@ mod swap;
 
 pub(crate) use rayleigh::gemm_3xtf32;
 pub use rayleigh::{RC_NS_TOL, RC_ORTHO_TOL, RC_SHIFT};
-pub(crate) use swap::{apply, SwapWork};
+pub(crate) use swap::{apply, install_basis, SwapWork};
 
 /// Why a GPU refresh kept the previous basis (the numerical failures of
 /// `optim::RefreshError`; the engine counts them).
@@ -447,8 +453,12 @@ impl GpuRefresher {
     /// Enqueues one refresh computation of a factor of side length `d` on this refresher's
     /// stream, reading `factor` and `basis` (`[d, d]` f32; `basis` unused when `init`) and
     /// writing `slot` (see [`RefreshSlot`], [`STATUS_WORDS`]); the state is not touched.
-    /// `init` = the first basis (`eigvecs(F + 1e-30·I)`, descending), else `est = diag(QᵀFQ)`,
-    /// `idx = argsort(est)` descending (stable, on the device), `Q_new = qr(F·Q[:, idx]).Q`.
+    /// `init` = the first basis (`eigvecs(F + 1e-30·I)`, descending, either method), else for
+    /// [`RefreshMethod::Soap`] `est = diag(QᵀFQ)`, `idx = argsort(est)` descending (stable, on
+    /// the device), `Q_new = qr(F·Q[:, idx]).Q`, and for [`RefreshMethod::Qr`]
+    /// `Q_new = qr(F·Q).Q` (columns in their order; `slot.idx` is not written). Both QRs take
+    /// the same path (the Rayleigh–Cholesky QR, or Householder as set by
+    /// [`GpuRefresher::set_qr_method`], with the same fallback and status words).
     /// GEMMs run at fp32 accuracy (3xTF32) whatever the device's [`crate::GemmMath`]; nothing
     /// here reads or sets device-wide state, so a side-stream refresher may enqueue from its
     /// own host thread.
@@ -456,10 +466,12 @@ impl GpuRefresher {
     /// # Errors
     /// Shape errors (caller bugs) and CUDA / cuBLAS / cuSOLVER call failures. Numerical
     /// failures are not errors: they land in the status words ([`verdict`]).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn compute(
         &self,
         dev: &Device,
         init: bool,
+        method: RefreshMethod,
         d: usize,
         factor: &Buf,
         basis: &Buf,
@@ -478,13 +490,15 @@ impl GpuRefresher {
         factor.expect(OP, "factor", Elem::F32, d * d)?;
         basis.expect(OP, "basis", Elem::F32, d * d)?;
         slot.status.expect(OP, "status", Elem::I32, STATUS_WORDS)?;
-        self.enqueue(dev, init, d, factor, basis, slot)
+        self.enqueue(dev, init, method, d, factor, basis, slot)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn enqueue(
         &self,
         dev: &Device,
         init: bool,
+        method: RefreshMethod,
         d: usize,
         factor: &Buf,
         basis: &Buf,
@@ -510,26 +524,33 @@ impl GpuRefresher {
             return self.count_nonfinite(dev, &[&q], st, 3);
         }
         self.count_nonfinite(dev, &[factor, basis], st, 0)?;
-        // a = F · Q_old; est_j = Σ_i Q[i, j] · a[i, j]; idx = argsort(est) descending.
+        // a = F · Q_old; SOAP: est_j = Σ_i Q[i, j] · a[i, j]; idx = argsort(est) descending.
+        // KL-Shampoo's QR keeps the columns in their order (no permutation).
         self.gemm_sq(dev, d, factor, false, basis, false, &a)?;
-        let est = self.est.slice(0, d)?;
-        self.timed(0, || {
-            dev.launch_on(
-                self.stream,
-                "column_dots",
-                (d.div_ceil(32) as u32, 1, 1),
-                (32, 32, 1),
-                Args::new().buf(basis).buf(&a).buf(&est).i32(n),
-            )
-        })?;
-        self.launch(
-            dev,
-            "argsort_desc",
-            d,
-            Args::new().buf(&est).buf(&idx).i32(n),
-        )?;
+        let perm = match method {
+            RefreshMethod::Soap => {
+                let est = self.est.slice(0, d)?;
+                self.timed(0, || {
+                    dev.launch_on(
+                        self.stream,
+                        "column_dots",
+                        (d.div_ceil(32) as u32, 1, 1),
+                        (32, 32, 1),
+                        Args::new().buf(basis).buf(&a).buf(&est).i32(n),
+                    )
+                })?;
+                self.launch(
+                    dev,
+                    "argsort_desc",
+                    d,
+                    Args::new().buf(&est).buf(&idx).i32(n),
+                )?;
+                Some(&idx)
+            }
+            RefreshMethod::Qr => None,
+        };
         if self.qr == QrMethod::RayleighCholeskyTc {
-            let ok = self.rayleigh_cholesky_qr(dev, d, basis, &a, &idx, &q, st)?;
+            let ok = self.rayleigh_cholesky_qr(dev, d, basis, &a, perm, &q, st)?;
             let (c, f) = self.cholesky_counts.get();
             self.cholesky_counts
                 .set(if ok { (c + 1, f) } else { (c, f + 1) });
@@ -537,7 +558,7 @@ impl GpuRefresher {
                 return self.count_nonfinite(dev, &[&q], st, 3);
             }
         }
-        self.householder_qr(dev, d, &a, &idx, &q, st)?;
+        self.householder_qr(dev, d, &a, perm, &q, st)?;
         self.count_nonfinite(dev, &[&q], st, 3)
     }
 

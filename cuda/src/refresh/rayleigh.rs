@@ -196,12 +196,15 @@ impl GpuRefresher {
     }
 
     /// The Rayleigh–Cholesky QR (see the module docs) of `A = (F Q_old)[:, idx]` (`fq` =
-    /// `F Q_old`, f32 row-major) into `q` (f32 row-major `[d, d]`); `Ok(false)` when it must be
-    /// redone by Householder. Uses the refresher's `b` (`Q_p`) and its [`RcWork`], and `q` as
-    /// scratch; `fq` is left as it is for that fallback. Status word 5 collects the `Spotrf`
-    /// infos (the first non-zero), word 6 the bits of first `‖MᵀM − I‖_F²`, then of the second
-    /// pass's `max|R₂ − I|`; word 7 is scratch. Blocks the calling thread to read them: once,
-    /// and once more when the second CholeskyQR pass runs.
+    /// `F Q_old`, f32 row-major; `idx` `None`: the columns in their order, `RefreshMethod::Qr`)
+    /// into `q` (f32 row-major `[d, d]`); `Ok(false)` when it must be redone by Householder.
+    /// Uses the refresher's `b` (`Q_p`, when permuted) and its [`RcWork`], and `q` as scratch;
+    /// `fq` is left as it is for that fallback. Unsorted columns can make `L` ill-conditioned
+    /// (a later column with a larger eigenvalue than an earlier one); the same gates then hand
+    /// the refresh to Householder. Status word 5 collects the `Spotrf` infos (the first
+    /// non-zero), word 6 the bits of first `‖MᵀM − I‖_F²`, then of the second pass's
+    /// `max|R₂ − I|`; word 7 is scratch. Blocks the calling thread to read them: once, and once
+    /// more when the second CholeskyQR pass runs.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn rayleigh_cholesky_qr(
         &self,
@@ -209,30 +212,37 @@ impl GpuRefresher {
         d: usize,
         basis: &Buf,
         fq: &Buf,
-        idx: &Buf,
+        idx: Option<&Buf>,
         q: &Buf,
         st: &Buf,
     ) -> Result<bool> {
         let dd = d * d;
         let n = d as i32;
         let (x, g) = (self.rc.x.slice(0, dd)?, self.rc.g.slice(0, dd)?);
-        let qp = self.b.slice(0, dd)?;
-        // Q_p = Q_old[:, idx] into b; A_p = (F Q_old)[:, idx] into q (overwritten last).
-        self.launch(
-            dev,
-            "permute_cols",
-            dd,
-            Args::new().buf(basis).buf(idx).buf(&qp).i32(n).i32(n),
-        )?;
-        self.launch(
-            dev,
-            "permute_cols",
-            dd,
-            Args::new().buf(fq).buf(idx).buf(q).i32(n).i32(n),
-        )?;
+        let (qp, ap) = match idx {
+            Some(idx) => {
+                // Q_p = Q_old[:, idx] into b; A_p = (F Q_old)[:, idx] into q (overwritten last).
+                let qp = self.b.slice(0, dd)?;
+                self.launch(
+                    dev,
+                    "permute_cols",
+                    dd,
+                    Args::new().buf(basis).buf(idx).buf(&qp).i32(n).i32(n),
+                )?;
+                self.launch(
+                    dev,
+                    "permute_cols",
+                    dd,
+                    Args::new().buf(fq).buf(idx).buf(q).i32(n).i32(n),
+                )?;
+                (qp, q.clone())
+            }
+            // The columns in their order: Q_p = Q_old and A_p = F Q_old themselves (only read).
+            None => (basis.slice(0, dd)?, fq.slice(0, dd)?),
+        };
         // g = B = Q_pᵀ A_p (row-major; symmetric up to rounding, so also its column-major
         // view), shifted.
-        self.gemm_sq(dev, d, &qp, true, q, false, &g)?;
+        self.gemm_sq(dev, d, &qp, true, &ap, false, &g)?;
         dev.context().bind_to_thread()?;
         self.timed(0, || {
             dev.launch_on(

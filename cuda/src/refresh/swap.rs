@@ -1,5 +1,6 @@
-//! The swap of a computed refresh into the optimizer state ([`apply`]), on the compute stream,
-//! and its work buffers ([`SwapWork`]).
+//! The swap of a computed refresh into the optimizer state, on the compute stream: SOAP's
+//! ([`apply`]: basis, re-projected `exp_avg`, permuted `exp_avg_sq`) with its work buffers
+//! ([`SwapWork`]), or the basis alone ([`install_basis`]: first bases, KL-Shampoo's QR).
 use crate::device::{Device, GemmMath};
 use crate::error::{CudaError, Result};
 use crate::gemm::{gemm_f32, Dims};
@@ -65,8 +66,32 @@ impl SwapWork {
     }
 }
 
-/// Installs a computed refresh (the swap of the double buffer), on the compute stream: for an
-/// init, `basis ← q`; else `exp_avg` re-projected into the new eigenbasis (side 0:
+/// Installs a computed basis alone (`basis ← q_new[..d²]`, `[d, d]` f32), on the compute
+/// stream: the install of a first eigendecomposition (what [`apply`] does for an init) and of
+/// every [`schedule::RefreshMethod::Qr`] refresh, whose optimizer (KL-Shampoo) keeps its
+/// momentum unrotated and has no second moment: nothing else is read or written
+/// (`optim::refresh_apply` of such a result). The caller has made the compute stream wait for
+/// the refresh and checked its [`verdict`](super::verdict).
+///
+/// # Errors
+/// A basis that is not `[d, d]` f32 or a `q_new` shorter than `d²` (caller bugs), and copy
+/// failures.
+pub(crate) fn install_basis(dev: &Device, q_new: &Buf, basis: &Buf, d: usize) -> Result<()> {
+    const OP: &str = "refresh_install_basis";
+    basis.expect(OP, "basis", Elem::F32, d * d)?;
+    if q_new.len() < d * d {
+        return Err(CudaError::Shape {
+            op: OP,
+            operand: "q_new",
+            expected: d * d,
+            got: q_new.len(),
+        });
+    }
+    dev.copy(basis, &q_new.slice(0, d * d)?, StreamKind::Compute)
+}
+
+/// Installs a computed SOAP refresh (the swap of the double buffer), on the compute stream:
+/// for an init, `basis ← q`; else `exp_avg` re-projected into the new eigenbasis (side 0:
 /// `E ← Q_newᵀ Q_old E`, side 1: `E ← E Q_oldᵀ Q_new`), `exp_avg_sq` permuted along the side by
 /// `idx`, then basis and moments overwritten (`optim::refresh_apply`, up to rounding). For a
 /// side `d` no longer than the other dimension `o` the basis change `C = Q_oldᵀ Q_new` is formed

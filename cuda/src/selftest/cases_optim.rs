@@ -117,14 +117,15 @@ fn update_rules(v: &mut Vec<Case>) {
 }
 
 /// Parameter change `new − old` of the GPU (f64) and the reference.
-fn delta(new: &[f32], old: &[f32]) -> Vec<f32> {
+pub(super) fn delta(new: &[f32], old: &[f32]) -> Vec<f32> {
     new.iter()
         .zip(old)
         .map(|(&a, &b)| ((a as f64) - (b as f64)) as f32)
         .collect()
 }
 
-fn delta64(new: &[f64], old: &[f32]) -> Vec<f64> {
+/// The reference's parameter change `new − old` (f64).
+pub(super) fn delta64(new: &[f64], old: &[f32]) -> Vec<f64> {
     new.iter().zip(old).map(|(&a, &b)| a - b as f64).collect()
 }
 
@@ -286,7 +287,7 @@ fn adamw(v: &mut Vec<Case>) {
 }
 
 /// A random `[d, d]` orthogonal matrix (QR of a Gaussian matrix), rounded to f32.
-fn orthogonal(cx: &mut Ctx<'_>, d: usize) -> Result<Vec<f32>> {
+pub(super) fn orthogonal(cx: &mut Ctx<'_>, d: usize) -> Result<Vec<f32>> {
     let a: Vec<f64> = (0..d * d).map(|_| cx.rng.normal()).collect();
     let q = optim::thin_qr_q(&a, d, d).map_err(cpu)?;
     Ok(q.iter().map(|&x| x as f32).collect())

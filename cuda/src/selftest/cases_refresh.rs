@@ -28,6 +28,13 @@
 //!   through either method: the range columns against float64, the whole basis orthonormal.
 //! - `gemm_3xtf32`: the Rayleigh–Cholesky QR's GEMM against float64 (tolerance 2e-6, which
 //!   TF32 alone misses).
+//! - `eigenbasis_refresh_qr_*`: KL-Shampoo's refresh (`RefreshMethod::Qr`: `qr(F·Q).Q` with the
+//!   columns in their order, no sort, no moment) on a side-stream refresher (the engine's
+//!   asynchronous `gpu_side` placement), installed with [`refresh::install_basis`], against
+//!   float64 `optim::refresh_compute_method(.., Qr, ..)` + `refresh_apply`: the basis (columns
+//!   sign-aligned), its orthonormality, and the permutation slot left unwritten; through either
+//!   method, on [`factor`]'s factors (columns of the stored basis unsorted: its eigenvalues are
+//!   shuffled) and [`rotated_factor`]'s.
 //!
 //! Tolerance [`TOL_REFRESH`]: fp32 Householder QR / eigh have a backward error of order
 //! `d · 2⁻²⁴`, i.e. up to ~5e-5 at d = 783.
@@ -40,6 +47,7 @@ use crate::memory::Elem;
 use crate::refresh::{self, GpuRefresher, QrMethod, RefreshSlot, SwapWork};
 use crate::StreamKind;
 use optim::HostEigensolver;
+use schedule::RefreshMethod::{Qr, Soap};
 
 /// Tolerance of the refresh cases (norm-wise relative error).
 pub const TOL_REFRESH: f64 = 1e-4;
@@ -192,6 +200,26 @@ pub(crate) fn cases() -> Vec<Case> {
             ));
         }
     }
+    // KL-Shampoo's QR refresh on the side stream, through either method.
+    for (d, big) in [(50usize, false), (257, false), (783, true)] {
+        for (kernel, qr) in [
+            (
+                "eigenbasis_refresh_qr_rayleigh_tc",
+                QrMethod::RayleighCholeskyTc,
+            ),
+            ("eigenbasis_refresh_qr_householder", QrMethod::Householder),
+        ] {
+            for (kind, label) in [(Factor::Plain, "plain"), (Factor::Rotated, "rotated")] {
+                v.push(case(
+                    kernel,
+                    format!("d={d} {label}"),
+                    TOL_REFRESH,
+                    big,
+                    move |cx| qr_method(cx, d, qr, kind),
+                ));
+            }
+        }
+    }
     // A rank-deficient factor (zero outside a leading block), through either method.
     for (d, r) in [(50usize, 30usize), (257, 100)] {
         for (kernel, qr) in [
@@ -323,8 +351,18 @@ fn refresher(
     d: usize,
     qr: QrMethod,
 ) -> Result<(GpuRefresher, crate::memory::Arena, RefreshSlot)> {
+    refresher_on(cx, d, qr, StreamKind::Compute)
+}
+
+/// [`refresher`] bound to stream `stream`.
+fn refresher_on(
+    cx: &Ctx<'_>,
+    d: usize,
+    qr: QrMethod,
+    stream: StreamKind,
+) -> Result<(GpuRefresher, crate::memory::Arena, RefreshSlot)> {
     let dev = cx.dev;
-    let (mut r, _) = GpuRefresher::new(dev, StreamKind::Compute, d)?;
+    let (mut r, _) = GpuRefresher::new(dev, stream, d)?;
     r.set_qr_method(qr);
     let mut arena = dev.arena(
         "selftest-refresh",
@@ -342,7 +380,7 @@ fn init(cx: &mut Ctx<'_>, d: usize) -> Result<Outcome> {
     dev.poison(&slot.q)?;
     let fb = cx.up(&narrow(&f))?;
     let basis = cx.out(d * d)?;
-    let ms = cx.timed(|| r.compute(dev, true, d, &fb, &basis, &slot))?;
+    let ms = cx.timed(|| r.compute(dev, true, Soap, d, &fb, &basis, &slot))?;
     let status = dev.download::<i32>(&slot.status)?;
     if let Err(e) = refresh::verdict(true, d, &status) {
         return Err(crate::CudaError::Invalid {
@@ -428,7 +466,7 @@ fn qr_refresh(
     };
     dev.poison(&slot.q)?;
     let ms = cx.timed(|| {
-        r.compute(dev, false, d, &fb, &qb, &slot)?;
+        r.compute(dev, false, Soap, d, &fb, &qb, &slot)?;
         let status = dev.download::<i32>(&slot.status)?;
         refresh::verdict(false, d, &status).map_err(|e| crate::CudaError::Invalid {
             op: "eigenbasis_refresh",
@@ -505,7 +543,7 @@ fn repeated(cx: &mut Ctx<'_>, d: usize, reps: usize, decades: f64) -> Result<Out
     let (fb, qb) = (cx.up(&narrow(&f))?, cx.up(&narrow(&v))?);
     let ms = cx.timed(|| {
         for _ in 0..reps {
-            r.compute(dev, false, d, &fb, &qb, &slot)?;
+            r.compute(dev, false, Soap, d, &fb, &qb, &slot)?;
             let status = dev.download::<i32>(&slot.status)?;
             refresh::verdict(false, d, &status).map_err(|e| crate::CudaError::Invalid {
                 op: "eigenbasis_refresh_rayleigh_tc_repeated",
@@ -599,6 +637,75 @@ fn gemm_3xtf32_case(
     })
 }
 
+/// KL-Shampoo's QR refresh (`RefreshMethod::Qr`) of a side-`d` factor built as `kind` says,
+/// on a side-stream refresher using `qr`, installed on the compute stream after it (as the
+/// engine swaps a `gpu_side` result in); see the module docs for what is compared.
+fn qr_method(cx: &mut Ctx<'_>, d: usize, qr: QrMethod, kind: Factor) -> Result<Outcome> {
+    let (u, _, f) = match kind {
+        Factor::Rotated => rotated_factor(cx, d, 2.0)?,
+        _ => factor(cx, d)?,
+    };
+    let dev = cx.dev;
+    let (r, _arena, slot) = refresher_on(cx, d, qr, StreamKind::Side)?;
+    let (fb, qb) = (cx.up(&narrow(&f))?, cx.up(&narrow(&u))?);
+    dev.poison(&slot.q)?;
+    // -1 everywhere: a Qr refresh writes no permutation.
+    dev.fill_bits32(&slot.idx, u32::MAX)?;
+    let ms = cx.timed(|| {
+        r.compute(dev, false, Qr, d, &fb, &qb, &slot)?;
+        let status = dev.download_on::<i32>(&slot.status, StreamKind::Side)?;
+        refresh::verdict(false, d, &status).map_err(|e| crate::CudaError::Invalid {
+            op: "eigenbasis_refresh_qr",
+            what: e.to_string(),
+        })?;
+        let done = dev.record(StreamKind::Side, false)?;
+        dev.wait(StreamKind::Compute, &done)?;
+        refresh::install_basis(dev, &slot.q, &qb, d)
+    })?;
+    let q = wide(&dev.download::<f32>(&qb)?);
+    let idx = dev.download::<i32>(&slot.idx)?;
+    let solver = optim::FaerEigensolver;
+    let res = optim::refresh_compute_method(&solver, 11, 10, Qr, 0, &f, &u, d, 1)
+        .map_err(cpu)?
+        .ok_or_else(|| cpu("reference refresh skipped"))?;
+    let mut q_ref = u.clone();
+    optim::refresh_apply(&res, &mut q_ref, &mut [], &mut [], d, 1).map_err(cpu)?;
+    // Column signs aligned to the reference (QR columns are defined up to sign).
+    let mut q_al = q.clone();
+    for j in 0..d {
+        let dot: f64 = (0..d).map(|i| q[i * d + j] * q_ref[i * d + j]).sum();
+        if dot < 0.0 {
+            for i in 0..d {
+                q_al[i * d + j] = -q_al[i * d + j];
+            }
+        }
+    }
+    let qtq = mm(&q, true, &q, d);
+    let mut orth = 0.0f64;
+    for i in 0..d {
+        for j in 0..d {
+            orth = orth.max((qtq[i * d + j] - if i == j { 1.0 } else { 0.0 }).abs());
+        }
+    }
+    let untouched = idx.iter().all(|&i| i == -1);
+    let mut errs = vec![
+        ("basis", super::rel_err(&narrow(&q_al), &q_ref)),
+        ("orthonormality", orth),
+        (
+            "no permutation",
+            if untouched { 0.0 } else { f64::INFINITY },
+        ),
+    ];
+    // On [`factor`]'s factors `L` of the Rayleigh–Cholesky QR stays near the identity even
+    // with the columns unsorted: no fallback. A rotated basis with unsorted columns may make
+    // `L` ill-conditioned, and the fallback may be taken there.
+    if qr == QrMethod::RayleighCholeskyTc && kind == Factor::Plain {
+        let ok = r.cholesky_counts() == (1, 0);
+        errs.push(("no fallback", if ok { 0.0 } else { f64::INFINITY }));
+    }
+    Ok(Outcome { errs, gpu_ms: ms })
+}
+
 /// The factor a [`qr_refresh`] case builds (see [`factor`], [`rotated_factor`]).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Factor {
@@ -630,7 +737,7 @@ fn zero_block(cx: &mut Ctx<'_>, d: usize, r: usize, qr: QrMethod) -> Result<Outc
     let (r_gpu, _arena, slot) = refresher(cx, d, qr)?;
     let (fb, qb) = (cx.up(&narrow(&f))?, cx.up(&narrow(&eye))?);
     dev.poison(&slot.q)?;
-    let ms = cx.timed(|| r_gpu.compute(dev, false, d, &fb, &qb, &slot))?;
+    let ms = cx.timed(|| r_gpu.compute(dev, false, Soap, d, &fb, &qb, &slot))?;
     let status = dev.download::<i32>(&slot.status)?;
     refresh::verdict(false, d, &status).map_err(|e| crate::CudaError::Invalid {
         op: "eigenbasis_refresh_rank_deficient",

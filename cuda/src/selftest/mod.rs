@@ -9,6 +9,7 @@
 //! GEMM. Optimizer cases compare the parameter *change* (so rounding of the parameter itself
 //! does not hide a wrong update) and the new moments.
 mod cases;
+mod cases_kl_shampoo;
 mod cases_loss;
 mod cases_optim;
 mod cases_refresh;
@@ -233,6 +234,7 @@ pub(crate) fn cpu<E: std::fmt::Display>(e: E) -> CudaError {
 fn registry() -> Vec<Case> {
     let mut v = cases::cases();
     v.extend(cases_optim::cases());
+    v.extend(cases_kl_shampoo::cases());
     v.extend(cases_refresh::cases());
     v
 }

@@ -507,6 +507,68 @@ pub(crate) fn exec_op<T: Float + Real>(
                     .map_err(|e| optim_err(loc, e))
             })?;
         }
+        Op::KlShampooUpdate {
+            param,
+            grad,
+            exp_avg,
+            factor_left,
+            factor_right,
+            basis_left,
+            basis_right,
+            eig_left,
+            eig_right,
+            hyper,
+        } => {
+            let (m, n) = st.dims2(*param);
+            let hp = optim::KlShampooParams {
+                beta1: hyper.beta1,
+                shampoo_beta: hyper.shampoo_beta,
+                eps: hyper.eps,
+                weight_decay: hyper.weight_decay,
+                precondition_frequency: 0,
+                init_factor: hyper.init_factor,
+                max_clamp_value: hyper.max_clamp_value,
+                normalize_grads: hyper.normalize_grads,
+            };
+            let lr = hyper.lr * lr_multiplier;
+            let mut outs = vec![
+                ("param", *param),
+                ("exp_avg", *exp_avg),
+                ("eig_left", *eig_left),
+                ("eig_right", *eig_right),
+            ];
+            outs.extend(factor_left.map(|f| ("factor_left", f)));
+            outs.extend(factor_right.map(|f| ("factor_right", f)));
+            let reads: Vec<BufferId> = [*grad]
+                .into_iter()
+                .chain(*basis_left)
+                .chain(*basis_right)
+                .collect();
+            st.with_outs(loc, &outs, &reads, |s, o| {
+                let [p, ea, dl, dr, rest @ ..] = o else {
+                    return Err(optim_err(loc, "internal: operand count"));
+                };
+                let mut rest = rest.iter_mut();
+                let fl = factor_left
+                    .and_then(|_| rest.next())
+                    .map(|v| v.as_mut_slice());
+                let fr = factor_right
+                    .and_then(|_| rest.next())
+                    .map(|v| v.as_mut_slice());
+                let left = optim::KlSide {
+                    factor: fl,
+                    basis: s.opt_f(*basis_left)?,
+                    eig: dl,
+                };
+                let right = optim::KlSide {
+                    factor: fr,
+                    basis: s.opt_f(*basis_right)?,
+                    eig: dr,
+                };
+                optim::kl_shampoo_update(t, &hp, lr, p, s.f(*grad)?, ea, left, right, m, n)
+                    .map_err(|e| optim_err(loc, e))
+            })?;
+        }
         Op::SoapFactorUpdate {
             grad,
             factor_left,

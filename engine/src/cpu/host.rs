@@ -18,9 +18,10 @@ use crate::refresh_runtime::inflight::{Job, JobError, JobOutput};
 use crate::refresh_runtime::{HostTaskReport, Outcome, RefreshBackend, RefreshTask};
 use crate::EngineError;
 use optim::{
-    eigenbasis_refresh, refresh_apply, refresh_compute, HostEigensolver, Real, RefreshOutcome,
-    RefreshResult,
+    eigenbasis_refresh, refresh_apply, refresh_compute_method, HostEigensolver, Real,
+    RefreshOutcome, RefreshResult,
 };
+use schedule::RefreshMethod;
 use std::sync::{mpsc, Arc};
 
 /// The refresh runtime of a CPU engine over `T`.
@@ -94,12 +95,27 @@ impl<T: Float + Real> RefreshBackend for HostRefresher<'_, T> {
             Err(outcome) => return Ok(outcome),
         };
         let (m, n) = self.store.dims2(task.exp_avg);
+        let pool = Arc::clone(self.pool);
+        if task.method == RefreshMethod::Qr {
+            // The basis only: KL-Shampoo's momentum is not an operand.
+            let applied = self.store.with_outs(
+                loc(task),
+                &[("basis", task.basis)],
+                &[task.factor],
+                |_, o| {
+                    let [q] = o else {
+                        return Err(task.error("internal: operand count"));
+                    };
+                    Ok(refresh_apply(&result, q, &mut [], &mut [], m, n))
+                },
+            );
+            return task.outcome(applied?);
+        }
         let outs = [
             ("basis", task.basis),
             ("exp_avg", task.exp_avg),
             ("exp_avg_sq", task.exp_avg_sq),
         ];
-        let pool = Arc::clone(self.pool);
         let moments = [task.exp_avg, task.exp_avg_sq];
         let paged = self.tiers.page_in(self.store, &moments, loc(task))?;
         let applied = self
@@ -125,8 +141,9 @@ impl<T: Float + Real> HostRefresher<'_, T> {
         };
         let solver = self.solver.as_ref();
         let t_optim = task.optim_step(t, init);
+        let (freq, method, side) = (task.frequency, task.method, task.side);
         self.host_pool
-            .install(|| refresh_compute(solver, t_optim, task.frequency, task.side, f, q, m, n))
+            .install(|| refresh_compute_method(solver, t_optim, freq, method, side, f, q, m, n))
             .map_err(JobError::Refresh)
     }
 
@@ -138,6 +155,10 @@ impl<T: Float + Real> HostRefresher<'_, T> {
         t: u64,
         init: bool,
     ) -> Result<Outcome, EngineError> {
+        if task.method == RefreshMethod::Qr {
+            let out = self.compute_inline(task, t, init);
+            return self.install(task, out);
+        }
         let solver = Arc::clone(self.solver);
         let pool = Arc::clone(self.host_pool);
         let (m, n) = self.store.dims2(task.exp_avg);
@@ -190,6 +211,7 @@ impl<T: Float + Real> HostRefresher<'_, T> {
         let solver = Arc::clone(self.solver);
         let (keep_f, keep_b) = (Arc::clone(&factor), Arc::clone(&basis));
         let (t_optim, frequency, side) = (task.optim_step(t, false), task.frequency, task.side);
+        let method = task.method;
         let (tx, rx) = mpsc::channel();
         let name = self.store.names[task.factor.index()].clone();
         self.host_pool.spawn(move || {
@@ -200,10 +222,11 @@ impl<T: Float + Real> HostRefresher<'_, T> {
             // `optim::with_sequential`).
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 optim::with_sequential(|| {
-                    refresh_compute(
+                    refresh_compute_method(
                         solver.as_ref(),
                         t_optim,
                         frequency,
+                        method,
                         side,
                         &factor,
                         &basis,

@@ -42,7 +42,7 @@ use crate::cpu::{EngineOptions, EngineStats};
 use crate::EngineError;
 use inflight::{InFlightSet, JobError, JobOutput, Swap};
 use optim::{RefreshError, RefreshOutcome, RefreshResult};
-use schedule::{BufferId, HostTask, Placement, Plan};
+use schedule::{BufferId, HostTask, Placement, Plan, RefreshMethod};
 use std::time::Instant;
 
 /// What [`RefreshRuntime::step`] did in one call (the end of one step).
@@ -97,6 +97,9 @@ pub struct RefreshTask {
     pub staleness: u32,
     /// Where the plan runs it.
     pub placement: Placement,
+    /// What a refresh computes (SOAP's sort and re-projection, or KL-Shampoo's QR of the
+    /// basis alone: then `exp_avg` and `exp_avg_sq` are not operands).
+    pub method: RefreshMethod,
 }
 
 impl RefreshTask {
@@ -112,8 +115,10 @@ impl RefreshTask {
             offset,
             staleness,
             placement,
+            method,
         } = *task;
         RefreshTask {
+            method,
             index,
             factor,
             basis,
@@ -654,6 +659,7 @@ mod tests {
                 offset: 0,
                 staleness,
                 placement: Placement::Host,
+                method: RefreshMethod::Soap,
             },
         );
         RefreshRuntime {

@@ -538,6 +538,7 @@ fn optimizer(g: &Gpt, bufs: &mut Vec<Buffer>, params: &[ParamRef]) -> (Vec<Op>, 
                         offset: (tasks.len() % 3) as u64,
                         staleness: 0,
                         placement: Placement::Host,
+                        method: schedule::RefreshMethod::Soap,
                     });
                     (Some(f), Some(q))
                 };

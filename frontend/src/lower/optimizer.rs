@@ -1,8 +1,9 @@
 //! `optimizer <name> { ... }`: AdamW (nanoGPT defaults), SOAP (reference `soap.py` defaults,
-//! `shampoo_beta` defaulting to beta2), and every optimizer defined by an element-wise rule in
+//! `shampoo_beta` defaulting to beta2), KL-Shampoo (reference `KLOpt` defaults, `shampoo_beta`
+//! defaulting to beta2), and every optimizer defined by an element-wise rule in
 //! `optim::optimizers` (its keys, defaults and ranges come from its definition).
 
-use ir::config::{AdamWConfig, ElementwiseConfig, OptimizerConfig, SoapConfig};
+use ir::config::{AdamWConfig, ElementwiseConfig, KlShampooConfig, OptimizerConfig, SoapConfig};
 use optim::optimizers::{self, KeyKind};
 
 use super::{block_name, missing_name};
@@ -12,7 +13,7 @@ use crate::diagnostics::SpecError;
 use ir::limits;
 
 /// The built-in optimizers (their own plan ops); the rule-defined ones follow.
-const BUILT_IN: &[&str] = &["adamw", "soap"];
+const BUILT_IN: &[&str] = &["adamw", "soap", "kl_shampoo"];
 
 /// Every optimizer name a spec may use.
 fn optimizer_names() -> Vec<&'static str> {
@@ -35,6 +36,44 @@ const SOAP_KEYS: &[&str] = &[
     "normalize_grads",
 ];
 
+const KL_SHAMPOO_KEYS: &[&str] = &[
+    "lr",
+    "betas",
+    "shampoo_beta",
+    "eps",
+    "weight_decay",
+    "precondition_frequency",
+    "init_factor",
+    "max_clamp_value",
+    "max_precond_dim",
+    "normalize_grads",
+];
+
+/// `optimizer kl_shampoo { ... }`: every key has the reference's default.
+fn kl_shampoo(c: &mut Checker, b: &Block) -> OptimizerConfig {
+    let f = c.fields(b, &block_name(b), KL_SHAMPOO_KEYS, &[]);
+    let lr = c.float_or(&f, "lr", limits::LR, 1e-4);
+    let (beta1, beta2) = betas(c, &f, (0.9, 0.98));
+    OptimizerConfig::KlShampoo(KlShampooConfig {
+        lr,
+        beta1,
+        beta2,
+        shampoo_beta: c.float_or(&f, "shampoo_beta", limits::BETA, beta2),
+        eps: c.float_or(&f, "eps", limits::EPS, 1e-8),
+        weight_decay: c.float_or(&f, "weight_decay", limits::WEIGHT_DECAY, 0.01),
+        precondition_frequency: c.uint_or(
+            &f,
+            "precondition_frequency",
+            limits::PRECONDITION_FREQUENCY,
+            10,
+        ),
+        init_factor: c.float_or(&f, "init_factor", limits::INIT_FACTOR, 0.1),
+        max_clamp_value: c.float_or(&f, "max_clamp_value", limits::MAX_CLAMP_VALUE, 4000.0),
+        max_precond_dim: c.uint_or(&f, "max_precond_dim", limits::MAX_PRECOND_DIM, 10000),
+        normalize_grads: c.bool_or(&f, "normalize_grads", false),
+    })
+}
+
 /// `optimizer <name> { ... }`.
 pub(crate) fn optimizer(c: &mut Checker, b: &Block) -> Option<OptimizerConfig> {
     let names = optimizer_names();
@@ -55,6 +94,9 @@ pub(crate) fn optimizer(c: &mut Checker, b: &Block) -> Option<OptimizerConfig> {
     };
     if let Some(def) = kind.and_then(optimizers::find) {
         return Some(elementwise(c, b, def));
+    }
+    if kind == Some("kl_shampoo") {
+        return Some(kl_shampoo(c, b));
     }
     let soap_only: Vec<(&str, &str)> = SOAP_KEYS
         .iter()

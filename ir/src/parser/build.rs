@@ -4,11 +4,11 @@
 use super::{Cursor, ParseError};
 use crate::op::{InputRole, Op};
 use crate::printer::{class_keyword, role_keyword, CLASSES};
-use schedule::{ElementwiseRule, Init, SoapHyper, StepScalar};
+use schedule::{ElementwiseRule, Init, KlShampooHyper, SoapHyper, StepScalar};
 use std::str::FromStr;
 
 /// Every op name of the text format.
-const OP_NAMES: [&str; 35] = [
+const OP_NAMES: [&str; 36] = [
     "state",
     "input",
     "loss",
@@ -42,6 +42,7 @@ const OP_NAMES: [&str; 35] = [
     "adam_w",
     "soap_update",
     "soap_factor_update",
+    "kl_shampoo_update",
     "elementwise_update",
     "eigenbasis_refresh",
 ];
@@ -349,6 +350,23 @@ pub(super) fn build_op<'a>(
                 right: a.b("right")?,
             }
         }
+        "kl_shampoo_update" => {
+            let hyper = KlShampooHyper {
+                lr: a.f("lr")?,
+                beta1: a.f("beta1")?,
+                shampoo_beta: a.f("shampoo_beta")?,
+                eps: a.f("eps")?,
+                weight_decay: a.f("weight_decay")?,
+                init_factor: a.f("init_factor")?,
+                max_clamp_value: a.f("max_clamp_value")?,
+                normalize_grads: a.b("normalize_grads")?,
+            };
+            Op::KlShampooUpdate {
+                hyper,
+                left: a.b("left")?,
+                right: a.b("right")?,
+            }
+        }
         "soap_factor_update" => Op::SoapFactorUpdate {
             shampoo_beta: a.f("shampoo_beta")?,
             left: a.b("left")?,
@@ -385,6 +403,7 @@ pub(super) fn build_op<'a>(
             offset: a.num("offset", "a non-negative integer")?,
             staleness: a.num("staleness", "a non-negative integer")?,
             placement: a.num("placement", "`host` or `gpu_side`")?,
+            method: a.num("method", "`soap` or `qr`")?,
         },
         _ => return Err(unknown(c, op_at, "op", name, &OP_NAMES)),
     };

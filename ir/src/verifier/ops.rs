@@ -5,7 +5,7 @@ use super::ctx::{Ctx, R};
 use super::{describe, Verifier, VerifierError};
 use crate::module::InstId;
 use crate::op::{Op, Section};
-use schedule::{BufferClass, DType};
+use schedule::{BufferClass, DType, RefreshMethod};
 
 /// Argument roles of `op` given `found` arguments, or the allowed count(s) as text.
 fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
@@ -28,6 +28,16 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
             let mut v = vec!["param", "grad", "exp_avg", "exp_avg_sq"];
             v.extend(left.then_some("basis_left"));
             v.extend(right.then_some("basis_right"));
+            v
+        }
+        Op::KlShampooUpdate { left, right, .. } => {
+            let mut v = vec!["param", "grad", "exp_avg", "eig_left", "eig_right"];
+            if *left {
+                v.extend(["factor_left", "basis_left"]);
+            }
+            if *right {
+                v.extend(["factor_right", "basis_right"]);
+            }
             v
         }
         Op::SoapFactorUpdate { left, right, .. } => {
@@ -69,7 +79,14 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
                 _ => Err("4 (param, grad, exp_avg, exp_avg_sq) or 5 (and grad_scale)".into()),
             }
         }
-        Op::EigenbasisRefresh { .. } => vec!["factor", "basis", "exp_avg", "exp_avg_sq"],
+        Op::EigenbasisRefresh {
+            method: RefreshMethod::Soap,
+            ..
+        } => vec!["factor", "basis", "exp_avg", "exp_avg_sq"],
+        Op::EigenbasisRefresh {
+            method: RefreshMethod::Qr,
+            ..
+        } => vec!["factor", "basis", "exp_avg"],
         Op::ElementwiseUpdate { rule } => {
             let mut v = vec!["param", "grad"];
             v.extend(std::iter::repeat("state").take(rule.state.len()));
@@ -79,8 +96,11 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
     match found == exact.len() {
         true => Ok(exact),
         false => Err(match op {
-            Op::SoapUpdate { .. } | Op::SoapFactorUpdate { .. } => {
+            Op::SoapUpdate { .. } | Op::SoapFactorUpdate { .. } | Op::KlShampooUpdate { .. } => {
                 format!("{} (given `left` / `right`)", exact.len())
+            }
+            Op::EigenbasisRefresh { method, .. } => {
+                format!("{} (given `method = {method}`)", exact.len())
             }
             Op::ElementwiseUpdate { .. } => {
                 format!("{} (param, grad and the rule's `state`)", exact.len())
@@ -113,6 +133,7 @@ fn result_roles(op: &Op, found: usize) -> Vec<&'static str> {
         | Op::AdamW { .. }
         | Op::SoapUpdate { .. }
         | Op::SoapFactorUpdate { .. }
+        | Op::KlShampooUpdate { .. }
         | Op::ElementwiseUpdate { .. }
         | Op::EigenbasisRefresh { .. } => vec![],
         _ => vec!["out"],
@@ -472,6 +493,37 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 }
             }
         }
+        Op::KlShampooUpdate { hyper, left, right } => {
+            if !(0.0..1.0).contains(&hyper.shampoo_beta) || !(0.0..1.0).contains(&hyper.beta1) {
+                return Err(c.attr(format!(
+                    "beta1 and shampoo_beta must be in [0, 1), got {:?} and {:?}",
+                    hyper.beta1, hyper.shampoo_beta
+                )));
+            }
+            c.class("param", BufferClass::Parameter)?;
+            c.gradient("grad", Some(c.get("param")?.0))?;
+            c.same("param", "grad")?;
+            c.same("param", "exp_avg")?;
+            c.class("exp_avg", BufferClass::ExpAvg)?;
+            let (rows, cols) = c.rank2("param")?;
+            c.dims("eig_left", &[rows])?;
+            c.dims("eig_right", &[cols])?;
+            c.class("eig_left", BufferClass::EigenvalueEstimate)?;
+            c.class("eig_right", BufferClass::EigenvalueEstimate)?;
+            let (fl, fr) = (
+                left.then_some("factor_left"),
+                right.then_some("factor_right"),
+            );
+            let (ql, qr) = (left.then_some("basis_left"), right.then_some("basis_right"));
+            c.sides("param", fl, fr)?;
+            c.sides("param", ql, qr)?;
+            for role in [fl, fr].into_iter().flatten() {
+                c.class(role, BufferClass::KroneckerFactor)?;
+            }
+            for role in [ql, qr].into_iter().flatten() {
+                c.class(role, BufferClass::Eigenbasis)?;
+            }
+        }
         Op::SoapFactorUpdate {
             shampoo_beta,
             left,
@@ -496,6 +548,7 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
             side,
             frequency,
             offset,
+            method,
             ..
         } => {
             if side > 1 || frequency == 0 || offset >= frequency {
@@ -509,7 +562,10 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 return Err(c.fail("factor", "must be square"));
             }
             c.dims("basis", &[d, d])?;
-            c.same("exp_avg", "exp_avg_sq")?;
+            if method == RefreshMethod::Soap {
+                c.same("exp_avg", "exp_avg_sq")?;
+                c.class("exp_avg_sq", BufferClass::ExpAvgSq)?;
+            }
             let (rows, cols) = c.rank2("exp_avg")?;
             if [rows, cols][side as usize] != d {
                 return Err(c.fail("exp_avg", format!("side {side} does not have length {d}")));
@@ -517,7 +573,6 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
             c.class("factor", BufferClass::KroneckerFactor)?;
             c.class("basis", BufferClass::Eigenbasis)?;
             c.class("exp_avg", BufferClass::ExpAvg)?;
-            c.class("exp_avg_sq", BufferClass::ExpAvgSq)?;
         }
     }
     Ok(())

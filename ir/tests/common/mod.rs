@@ -489,6 +489,7 @@ pub fn tiny() -> Module {
                 } else {
                     ir::Placement::GpuSide
                 },
+                method: ir::RefreshMethod::Soap,
             },
             &[f, q, m, v],
         );
