@@ -30,6 +30,7 @@ mod linalg;
 pub mod optimizers;
 mod real;
 mod refresh;
+mod shampoo;
 mod soap;
 pub mod update;
 
@@ -46,6 +47,10 @@ pub use real::Real;
 pub use refresh::{
     eigenbasis_refresh, refresh_apply, refresh_compute, refresh_compute_method, RefreshError,
     RefreshOutcome, RefreshResult,
+};
+pub use shampoo::{
+    blocks as shampoo_blocks, merge_small_dims, shampoo_step, AdamGrafting, Block, BlockState,
+    ShampooError, ShampooParams, ShampooState,
 };
 pub use soap::{precond_dims, soap_factor_update, soap_update, SoapParams};
 

@@ -1,0 +1,433 @@
+//! Shampoo as Distributed Shampoo implements it (facebookresearch/optimizers at `f6066066`;
+//! Gupta et al. 2018, Shi et al. 2023), for one parameter of one or two dimensions, as
+//! specified in `docs/shampoo.md`: the parameter is blocked (`merge_small_dims`, then
+//! `multi_dim_split` with `B = max_preconditioner_dim`), and every block keeps its own
+//! Kronecker factors, inverse roots, first moment and grafting state.
+//!
+//! Per block, at step `t` (1-based), with `G` the block's gradient:
+//!
+//! ```text
+//! F_k ← β₂·F_k + (1 − β₂)·C_k   (β₂ < 1)   or   F_k ← F_k + C_k   (β₂ = 1, the default)
+//!        C_1 = G Gᵀ, C_2 = Gᵀ G for a 2-D block; C_1 = g gᵀ for a 1-D block
+//! V   ← γ₂·V + (1 − γ₂)·G²                                       (Adam grafting only)
+//! on a refresh step: Finv_k = Q diag(λ^(−1/r)) Qᵀ of eigh(F_k / bc₂ + ε·I), λ shifted so that
+//!        min λ = ε when it is below; r = 2·order (4 for a matrix, 2 for a vector)
+//! M   ← β₁·M + (1 − β₁)·G;   Ḡ = M / (1 − β₁ᵗ)
+//! P   = Finv_1 Ḡ Finv_2  (Finv_1 ḡ for a vector); with grafting P ← P·‖Pg‖/(‖P‖ + 1e-16),
+//!        Pg = Ḡ / (√(V / (1 − γ₂ᵗ)) + γ_ε)  (before the first refresh: P = Pg)
+//! W   ← W − lr·(P + wd·W)                                       (decoupled weight decay)
+//! ```
+//!
+//! Refresh steps: `t % frequency == 0 && t > start`, or `t == start` (`start` defaults to the
+//! frequency). Before the first refresh the inverse roots are the identity. Everything is in
+//! `T` (the reference keeps factors and roots in f32 with f64 retries).
+use crate::linalg::{gemm, view, view_mut};
+use crate::{check_len, EigenError, HostEigensolver, Real, ShapeError};
+
+/// Adam grafting (`AdamPreconditionerConfig`): the block's step takes the Frobenius norm of the
+/// Adam step `Ḡ / (√(V̂) + ε)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamGrafting {
+    /// β₂ of the grafting second moment (reference default 0.999).
+    pub beta2: f64,
+    /// ε of the grafting denominator (reference default 1e-10).
+    pub epsilon: f64,
+}
+
+/// Shampoo hyperparameters except the (scheduled) learning rate; defaults are the reference's
+/// (`DistributedShampoo.__init__` at HEAD `f6066066`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ShampooParams {
+    /// β₁ of the first moment (default 0.9; 0 disables it).
+    pub beta1: f64,
+    /// β₂ of the factors (default 1.0: a running sum, AdaGrad-style).
+    pub beta2: f64,
+    /// ε added to the factor before its eigendecomposition (default 1e-12).
+    pub epsilon: f64,
+    /// Decoupled weight decay (default 0).
+    pub weight_decay: f64,
+    /// Block size `B` of `merge_small_dims` and `multi_dim_split` (default 1024).
+    pub max_preconditioner_dim: usize,
+    /// Steps between inverse-root refreshes (default 1).
+    pub precondition_frequency: u64,
+    /// First refresh step (default: `precondition_frequency`); must be at least the frequency.
+    pub start_preconditioning_step: Option<u64>,
+    /// Bias correction of the first moment and of the factors when β₂ < 1 (default true).
+    pub use_bias_correction: bool,
+    /// Grafting (default none).
+    pub grafting: Option<AdamGrafting>,
+}
+
+impl Default for ShampooParams {
+    fn default() -> Self {
+        ShampooParams {
+            beta1: 0.9,
+            beta2: 1.0,
+            epsilon: 1e-12,
+            weight_decay: 0.0,
+            max_preconditioner_dim: 1024,
+            precondition_frequency: 1,
+            start_preconditioning_step: None,
+            use_bias_correction: true,
+            grafting: None,
+        }
+    }
+}
+
+/// `merge_small_dims(shape, B)` of the reference with its default target dimensionality 1:
+/// drops unit dimensions and merges neighbours (from the last one) while their product is at
+/// most `b`. A shape with a zero dimension is `[0]`; an all-unit shape is `[1]`.
+pub fn merge_small_dims(shape: &[usize], b: usize) -> Vec<usize> {
+    if shape.contains(&0) {
+        return vec![0];
+    }
+    let sq: Vec<usize> = shape.iter().rev().copied().filter(|&d| d != 1).collect();
+    if sq.is_empty() {
+        return vec![1];
+    }
+    let mut merged = vec![sq[0]];
+    for (i, &d) in sq.iter().enumerate().skip(1) {
+        let last = *merged.last().expect("non-empty");
+        if merged.len() + (sq.len() - i) > 1 && last.saturating_mul(d) <= b {
+            *merged.last_mut().expect("non-empty") = last * d;
+        } else {
+            merged.push(d);
+        }
+    }
+    merged.reverse();
+    merged
+}
+
+/// One block of a parameter: rows `r0..r0 + rows` and columns `c0..c0 + cols` of the merged
+/// shape viewed as a matrix (a merged vector of length `N` is the `[1, N]` matrix and its
+/// blocks have `rows == 1`, `vector == true`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Block {
+    /// First row.
+    pub r0: usize,
+    /// Rows.
+    pub rows: usize,
+    /// First column.
+    pub c0: usize,
+    /// Columns.
+    pub cols: usize,
+    /// A 1-D block (one factor, exponent 1/2).
+    pub vector: bool,
+}
+
+impl Block {
+    /// The block's factor sides: `[rows, cols]` for a matrix, `[cols]` for a vector.
+    pub fn sides(&self) -> Vec<usize> {
+        if self.vector {
+            vec![self.cols]
+        } else {
+            vec![self.rows, self.cols]
+        }
+    }
+}
+
+fn chunks(n: usize, b: usize) -> Vec<(usize, usize)> {
+    (0..n.div_ceil(b))
+        .map(|i| (i * b, b.min(n - i * b)))
+        .collect()
+}
+
+/// The blocks of a parameter of `shape` (one or two dimensions) under block size `b`:
+/// `merge_small_dims` then `multi_dim_split`, in the reference's order (row chunks slowest).
+/// Returns the merged shape's matrix view `[rows, cols]` and the blocks.
+pub fn blocks(shape: &[usize], b: usize) -> ((usize, usize), Vec<Block>) {
+    let merged = merge_small_dims(shape, b.max(1));
+    let b = b.max(1);
+    match merged[..] {
+        [m, n] => {
+            let mut out = Vec::new();
+            for (r0, rows) in chunks(m, b) {
+                for (c0, cols) in chunks(n, b) {
+                    out.push(Block {
+                        r0,
+                        rows,
+                        c0,
+                        cols,
+                        vector: false,
+                    });
+                }
+            }
+            ((m, n), out)
+        }
+        _ => {
+            let n: usize = merged.iter().product();
+            let out = chunks(n, b)
+                .into_iter()
+                .map(|(c0, cols)| Block {
+                    r0: 0,
+                    rows: 1,
+                    c0,
+                    cols,
+                    vector: true,
+                })
+                .collect();
+            ((1, n), out)
+        }
+    }
+}
+
+/// The state of one block.
+#[derive(Clone, Debug)]
+pub struct BlockState<T> {
+    /// Where the block is.
+    pub block: Block,
+    /// Factors `F_k` `[d_k, d_k]`, one per side.
+    pub factors: Vec<Vec<T>>,
+    /// Inverse roots `Finv_k` `[d_k, d_k]` (identity until the first refresh).
+    pub roots: Vec<Vec<T>>,
+    /// First moment `M` `[rows, cols]` (unused when β₁ = 0).
+    pub exp_avg: Vec<T>,
+    /// Grafting second moment `V` `[rows, cols]` (unused without grafting).
+    pub graft_sq: Vec<T>,
+}
+
+/// The Shampoo state of one parameter.
+#[derive(Clone, Debug)]
+pub struct ShampooState<T> {
+    /// The merged shape's matrix view `[rows, cols]`.
+    pub view: (usize, usize),
+    /// Steps taken.
+    pub step: u64,
+    /// One entry per block.
+    pub blocks: Vec<BlockState<T>>,
+}
+
+fn identity<T: Real>(d: usize) -> Vec<T> {
+    let mut q = vec![T::zero(); d * d];
+    for i in 0..d {
+        q[i * d + i] = T::one();
+    }
+    q
+}
+
+impl<T: Real> ShampooState<T> {
+    /// Zero state of a parameter of `shape` (one or two dimensions) under block size `b`.
+    pub fn new(shape: &[usize], b: usize) -> Self {
+        let (view, blocks) = blocks(shape, b);
+        let blocks = blocks
+            .into_iter()
+            .map(|block| {
+                let sides = block.sides();
+                let n = block.rows * block.cols;
+                BlockState {
+                    block,
+                    factors: sides.iter().map(|&d| vec![T::zero(); d * d]).collect(),
+                    roots: sides.iter().map(|&d| identity(d)).collect(),
+                    exp_avg: vec![T::zero(); n],
+                    graft_sq: vec![T::zero(); n],
+                }
+            })
+            .collect();
+        ShampooState {
+            view,
+            step: 0,
+            blocks,
+        }
+    }
+}
+
+/// Why a Shampoo step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ShampooError {
+    /// Operand lengths.
+    #[error(transparent)]
+    Shape(#[from] ShapeError),
+    /// A factor is not finite at a refresh (the reference raises).
+    #[error("shampoo: block {block} factor {side} is not finite at step {step}")]
+    NonFiniteFactor {
+        /// Block index.
+        block: usize,
+        /// Factor index.
+        side: usize,
+        /// Step.
+        step: u64,
+    },
+    /// The eigendecomposition of a factor failed.
+    #[error(transparent)]
+    Eigen(#[from] EigenError),
+}
+
+fn mm<T: Real>(a: &[T], ta: bool, b: &[T], tb: bool, m: usize, k: usize, n: usize) -> Vec<T> {
+    let mut out = vec![T::zero(); m * n];
+    let av = if ta {
+        view(a, k, m).transpose()
+    } else {
+        view(a, m, k)
+    };
+    let bv = if tb {
+        view(b, n, k).transpose()
+    } else {
+        view(b, k, n)
+    };
+    gemm(view_mut(&mut out, m, n), None, av, bv, T::one());
+    out
+}
+
+/// `Q diag((λ')^(−1/r)) Qᵀ` of `eigh(a/bc + ε·I)`, `λ' = λ − min λ + ε` when `min λ < ε`.
+fn inverse_root<T: Real>(
+    a: &[T],
+    d: usize,
+    bc: f64,
+    eps: f64,
+    root: f64,
+    solver: &dyn HostEigensolver,
+) -> Result<Vec<T>, EigenError> {
+    let mut x: Vec<T> = a.iter().map(|&v| T::of(v.f64() / bc)).collect();
+    for i in 0..d {
+        x[i * d + i] += T::of(eps);
+    }
+    let e = T::eigh_with(solver, &x, d)?;
+    let min = e.values.iter().fold(f64::INFINITY, |m, v| m.min(v.f64()));
+    let shift = if min < eps { eps - min } else { 0.0 };
+    let w: Vec<f64> = e
+        .values
+        .iter()
+        .map(|v| (v.f64() + shift).powf(-1.0 / root))
+        .collect();
+    // Q diag(w) Qᵀ.
+    let mut qw = e.vectors.clone();
+    for row in qw.chunks_exact_mut(d) {
+        for (x, wj) in row.iter_mut().zip(&w) {
+            *x = T::of(x.f64() * wj);
+        }
+    }
+    Ok(mm(&qw, false, &e.vectors, true, d, d, d))
+}
+
+/// One `DistributedShampoo.step` for one parameter (`param`, `grad` row-major in the merged
+/// view `st.view`) at the scheduled learning rate `lr` (the reference's peak lr for decoupled
+/// weight decay is the same `lr`).
+///
+/// # Errors
+/// [`ShampooError::Shape`] for operands that do not match the state; a non-finite factor or
+/// a failed eigendecomposition at a refresh (the parameter is then unchanged).
+pub fn shampoo_step<T: Real>(
+    st: &mut ShampooState<T>,
+    hp: &ShampooParams,
+    lr: f64,
+    param: &mut [T],
+    grad: &[T],
+    solver: &dyn HostEigensolver,
+) -> Result<(), ShampooError> {
+    let (vm, vn) = st.view;
+    check_len("shampoo_step", "param", param.len(), vm * vn)?;
+    check_len("shampoo_step", "grad", grad.len(), vm * vn)?;
+    let t = st.step + 1;
+    let f = hp.precondition_frequency.max(1);
+    let start = hp.start_preconditioning_step.unwrap_or(f);
+    let refresh = (t % f == 0 && t > start) || t == start;
+    let graft_only = t < start && hp.grafting.is_some();
+    let ti = t.min(i32::MAX as u64) as i32;
+    let bc2 = if hp.use_bias_correction && hp.beta2 < 1.0 {
+        1.0 - hp.beta2.powi(ti)
+    } else {
+        1.0
+    };
+    let bc1 = if hp.use_bias_correction && hp.beta1 != 0.0 {
+        1.0 - hp.beta1.powi(ti)
+    } else {
+        1.0
+    };
+    // Every block's new parameter values, written only when all blocks succeeded.
+    let mut updates: Vec<Vec<T>> = Vec::with_capacity(st.blocks.len());
+    let mut next = st.blocks.clone();
+    for (bi, bs) in next.iter_mut().enumerate() {
+        let b = bs.block;
+        let (rows, cols) = (b.rows, b.cols);
+        let mut g = vec![T::zero(); rows * cols];
+        let mut w = vec![T::zero(); rows * cols];
+        for i in 0..rows {
+            let src = (b.r0 + i) * vn + b.c0;
+            g[i * cols..(i + 1) * cols].copy_from_slice(&grad[src..src + cols]);
+            w[i * cols..(i + 1) * cols].copy_from_slice(&param[src..src + cols]);
+        }
+        // Factors from the raw gradient.
+        let contractions: Vec<Vec<T>> = if b.vector {
+            vec![mm(&g, true, &g, false, cols, 1, cols)]
+        } else {
+            vec![
+                mm(&g, false, &g, true, rows, cols, rows),
+                mm(&g, true, &g, false, cols, rows, cols),
+            ]
+        };
+        for (fk, ck) in bs.factors.iter_mut().zip(&contractions) {
+            for (x, &c) in fk.iter_mut().zip(ck) {
+                *x = if hp.beta2 != 1.0 {
+                    T::of(hp.beta2) * *x + T::of(1.0 - hp.beta2) * c
+                } else {
+                    *x + c
+                };
+            }
+        }
+        let graft_bc2 = hp.grafting.map(|gr| {
+            for (v, &x) in bs.graft_sq.iter_mut().zip(&g) {
+                *v = T::of(gr.beta2) * *v + T::of(1.0 - gr.beta2) * x * x;
+            }
+            1.0 - gr.beta2.powi(ti)
+        });
+        if refresh {
+            let sides = b.sides();
+            let root = 2.0 * sides.len() as f64;
+            for (k, (fk, d)) in bs.factors.iter().zip(&sides).enumerate() {
+                if fk.iter().any(|x| !x.is_finite()) {
+                    return Err(ShampooError::NonFiniteFactor {
+                        block: bi,
+                        side: k,
+                        step: t,
+                    });
+                }
+                bs.roots[k] = inverse_root(fk, *d, bc2, hp.epsilon, root, solver)?;
+            }
+        }
+        // First moment and its bias correction.
+        let gbar: Vec<T> = if hp.beta1 != 0.0 {
+            for (m, &x) in bs.exp_avg.iter_mut().zip(&g) {
+                *m = T::of(hp.beta1) * *m + T::of(1.0 - hp.beta1) * x;
+            }
+            bs.exp_avg.iter().map(|&m| T::of(m.f64() / bc1)).collect()
+        } else {
+            g.clone()
+        };
+        let pg: Option<Vec<T>> = hp.grafting.zip(graft_bc2).map(|(gr, gbc)| {
+            gbar.iter()
+                .zip(&bs.graft_sq)
+                .map(|(&x, &v)| T::of(x.f64() / ((v.f64() / gbc).sqrt() + gr.epsilon)))
+                .collect()
+        });
+        let mut p = if graft_only {
+            pg.clone().expect("grafting")
+        } else if b.vector {
+            mm(&bs.roots[0], false, &gbar, false, cols, cols, 1)
+        } else {
+            let left = mm(&bs.roots[0], false, &gbar, false, rows, rows, cols);
+            mm(&left, false, &bs.roots[1], false, rows, cols, cols)
+        };
+        if let (Some(pg), false) = (&pg, graft_only) {
+            let norm = |v: &[T]| v.iter().map(|x| x.f64() * x.f64()).sum::<f64>().sqrt();
+            let scale = norm(pg) / (norm(&p) + 1e-16);
+            p.iter_mut().for_each(|x| *x = T::of(x.f64() * scale));
+        }
+        let (lr_t, wd) = (T::of(lr), T::of(hp.weight_decay));
+        let new_w: Vec<T> = w
+            .iter()
+            .zip(&p)
+            .map(|(&wv, &pv)| wv - lr_t * (pv + wd * wv))
+            .collect();
+        updates.push(new_w);
+    }
+    for (bs, new_w) in next.iter().zip(&updates) {
+        let b = bs.block;
+        for i in 0..b.rows {
+            let dst = (b.r0 + i) * vn + b.c0;
+            param[dst..dst + b.cols].copy_from_slice(&new_w[i * b.cols..(i + 1) * b.cols]);
+        }
+    }
+    st.blocks = next;
+    st.step = t;
+    Ok(())
+}
