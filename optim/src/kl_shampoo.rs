@@ -263,7 +263,7 @@ pub fn kl_shampoo_update<T: Real>(
     for i in 0..m {
         for j in 0..n {
             let r = sl[i] * sr[j];
-            mt[i * n + j] = mt[i * n + j] * (r / (T::one() + r * eps));
+            mt[i * n + j] *= r / (T::one() + r * eps);
         }
     }
     // Q_L X Q_Rᵀ = ((X Q_Rᵀ)ᵀ... written as two products with the transposes explicit.
