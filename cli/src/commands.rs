@@ -182,6 +182,7 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
         BufferClass::ExpAvgSq,
         BufferClass::KroneckerFactor,
         BufferClass::Eigenbasis,
+        BufferClass::EigenvalueEstimate,
         BufferClass::Activation,
         BufferClass::Input,
         BufferClass::Scalar,

@@ -111,13 +111,8 @@ impl Plan {
                         optimizer_hyper(&at, h.lr, (h.beta1, h.beta2), h.eps, h.weight_decay)?
                     }
                     Op::KlShampooUpdate { hyper: h, .. } => {
-                        optimizer_hyper(
-                            &at,
-                            h.lr,
-                            (h.beta1, h.shampoo_beta),
-                            h.eps,
-                            h.weight_decay,
-                        )?;
+                        optimizer_hyper(&at, h.lr, (h.beta1, 0.0), h.eps, h.weight_decay)?;
+                        float(format!("{at}: shampoo_beta"), h.shampoo_beta, limits::BETA)?;
                         float(
                             format!("{at}: init_factor"),
                             h.init_factor,
