@@ -42,6 +42,37 @@ fn state(m: &mut Module, class: BufferClass, name: String, ty: TensorType) -> Va
     )
 }
 
+/// The Kronecker factor and basis (`{param}.L`, `{param}.QL`; `.R`, `.QR`) of each side of a
+/// `[rows, cols]` parameter no longer than `max_dim` (SOAP and KL-Shampoo alike); counts the
+/// sides with and without them.
+fn factor_sides(
+    m: &mut Module,
+    pname: &str,
+    dims: [usize; 2],
+    max_dim: usize,
+    (n_factors, n_unrotated): (&mut usize, &mut usize),
+) -> [Option<(ValueId, ValueId)>; 2] {
+    let mut sides = [None, None];
+    for (side, d) in dims.into_iter().enumerate() {
+        if d > max_dim {
+            *n_unrotated += 1;
+            continue;
+        }
+        let which = if side == 0 { "L" } else { "R" };
+        let sq = TensorType::f32([d, d]);
+        let f = state(
+            m,
+            BufferClass::KroneckerFactor,
+            format!("{pname}.{which}"),
+            sq.clone(),
+        );
+        let q = state(m, BufferClass::Eigenbasis, format!("{pname}.Q{which}"), sq);
+        sides[side] = Some((f, q));
+        *n_factors += 1;
+    }
+    sides
+}
+
 /// The state and `elementwise_update` of parameter `p` (gradient `g`) under an optimizer
 /// defined by its rule: one zero-initialised state tensor per entry of the definition, named
 /// `{param}.{suffix}`; weight decay only for parameters of two or more dimensions.
@@ -137,30 +168,14 @@ impl Pass for ExpandOptimizer {
                         TensorType::f32([d]),
                     ));
                 }
-                let mut sides: [Option<(ValueId, ValueId)>; 2] = [None, None];
-                for (side, d) in [rows, cols].into_iter().enumerate() {
-                    if d > c.max_precond_dim {
-                        n_unrotated += 1;
-                        continue;
-                    }
-                    let which = if side == 0 { "L" } else { "R" };
-                    let sq = TensorType::f32([d, d]);
-                    let f = state(
-                        module,
-                        BufferClass::KroneckerFactor,
-                        format!("{pname}.{which}"),
-                        sq.clone(),
-                    );
-                    let q = state(
-                        module,
-                        BufferClass::Eigenbasis,
-                        format!("{pname}.Q{which}"),
-                        sq,
-                    );
-                    args.extend([f, q]);
-                    sides[side] = Some((f, q));
-                    n_factors += 1;
-                }
+                let sides = factor_sides(
+                    module,
+                    &pname,
+                    [rows, cols],
+                    c.max_precond_dim,
+                    (&mut n_factors, &mut n_unrotated),
+                );
+                args.extend(sides.iter().flatten().flat_map(|&(f, q)| [f, q]));
                 let hyper = ir::KlShampooHyper {
                     lr: c.lr,
                     beta1: c.beta1,
@@ -245,28 +260,13 @@ impl Pass for ExpandOptimizer {
                     // One entry per side: (factor, basis) when that side is preconditioned.
                     let mut sides: [Option<(ValueId, ValueId)>; 2] = [None, None];
                     if let [rows, cols] = ty.shape[..] {
-                        for (side, d) in [rows, cols].into_iter().enumerate() {
-                            if d <= c.max_precond_dim {
-                                let which = if side == 0 { "L" } else { "R" };
-                                let sq = TensorType::f32([d, d]);
-                                let f = state(
-                                    module,
-                                    BufferClass::KroneckerFactor,
-                                    format!("{pname}.{which}"),
-                                    sq.clone(),
-                                );
-                                let q = state(
-                                    module,
-                                    BufferClass::Eigenbasis,
-                                    format!("{pname}.Q{which}"),
-                                    sq,
-                                );
-                                sides[side] = Some((f, q));
-                                n_factors += 1;
-                            } else {
-                                n_unrotated += 1;
-                            }
-                        }
+                        sides = factor_sides(
+                            module,
+                            &pname,
+                            [rows, cols],
+                            c.max_precond_dim,
+                            (&mut n_factors, &mut n_unrotated),
+                        );
                     }
                     let (left, right) = (sides[0].is_some(), sides[1].is_some());
                     let mut args = vec![p, g, exp_avg, exp_avg_sq];
