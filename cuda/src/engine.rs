@@ -69,6 +69,7 @@ pub mod gpu_trace;
 mod host_refresh;
 mod profile;
 mod setup;
+mod side_launcher;
 mod tasks;
 
 use profile::ProfileRows;

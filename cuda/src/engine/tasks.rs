@@ -40,6 +40,7 @@
 //! `exp_avg` / `exp_avg_sq` name KL-Shampoo's unrotated momentum, which a refresh never reads,
 //! stages or writes (only its shape, `[m, n]`, is used).
 use super::gpu_trace::GpuTrace;
+use super::side_launcher::{SideLauncher, SideRequest};
 use super::{cuda_err, dims2, CudaEngine};
 use crate::error::{CudaError, Tier};
 use crate::memory::{Arena, Buf, Elem};
@@ -127,98 +128,6 @@ impl CudaJob {
             }
             CudaJob::Host { job } => job.poll(),
             CudaJob::Ready(_) => true,
-        }
-    }
-}
-
-/// One side-stream refresh for the launcher thread.
-struct SideRequest {
-    taken: CudaEvent,
-    method: RefreshMethod,
-    d: usize,
-    snapshot: Buf,
-    basis: Buf,
-    slot: RefreshSlot,
-    status_host: Buf,
-    reply: mpsc::Sender<Result<CudaEvent, String>>,
-    /// The task's location (`--trace` slice names).
-    name: String,
-}
-
-/// The thread that owns the side-stream refresher and enqueues its work, one request at a
-/// time, in launch order (see the module docs).
-struct SideLauncher {
-    tx: Option<mpsc::Sender<SideRequest>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    phases: Arc<std::sync::Mutex<String>>,
-}
-
-impl SideLauncher {
-    fn spawn(
-        dev: Arc<Device>,
-        refresher: GpuRefresher,
-        trace: Option<GpuTrace>,
-    ) -> Result<SideLauncher, EngineError> {
-        let (tx, rx) = mpsc::channel::<SideRequest>();
-        let phases = Arc::new(std::sync::Mutex::new(String::new()));
-        let shared = Arc::clone(&phases);
-        let thread = std::thread::Builder::new()
-            .name("asteria-side-refresh".into())
-            .spawn(move || {
-                for req in rx {
-                    let r = (|| -> crate::error::Result<CudaEvent> {
-                        dev.wait(StreamKind::Side, &req.taken)?;
-                        let start = trace
-                            .as_ref()
-                            .and_then(|_| GpuTrace::mark(&dev, StreamKind::Side));
-                        refresher.compute(
-                            &dev,
-                            false,
-                            req.method,
-                            req.d,
-                            &req.snapshot,
-                            &req.basis,
-                            &req.slot,
-                        )?;
-                        dev.copy(&req.status_host, &req.slot.status, StreamKind::Side)?;
-                        if let (Some(tr), Some(start)) = (&trace, start) {
-                            if let Some(end) = GpuTrace::mark(&dev, StreamKind::Side) {
-                                tr.push("side", format!("refresh {}", req.name), start, end);
-                            }
-                        }
-                        dev.record(StreamKind::Side, false)
-                    })();
-                    if let Ok(mut p) = shared.lock() {
-                        *p = refresher.phase_ms_line();
-                    }
-                    let r = r.map_err(|e| {
-                        // Work already enqueued keeps reading the snapshot and writing the
-                        // slot: let it finish before anyone reuses them.
-                        let _ = dev.stream(StreamKind::Side).synchronize();
-                        e.to_string()
-                    });
-                    let _ = req.reply.send(r);
-                }
-                // The cuSOLVER handle goes before the device (and its streams), and only once
-                // the side stream has finished the work enqueued through it (the end of a step
-                // no longer waits for the side stream).
-                let _ = dev.stream(StreamKind::Side).synchronize();
-                drop(refresher);
-            })
-            .map_err(|e| EngineError::Unsupported(format!("side-stream launcher thread: {e}")))?;
-        Ok(SideLauncher {
-            tx: Some(tx),
-            thread: Some(thread),
-            phases,
-        })
-    }
-}
-
-impl Drop for SideLauncher {
-    fn drop(&mut self) {
-        drop(self.tx.take());
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
         }
     }
 }

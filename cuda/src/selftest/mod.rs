@@ -9,6 +9,7 @@
 //! GEMM. Optimizer cases compare the parameter *change* (so rounding of the parameter itself
 //! does not hide a wrong update) and the new moments.
 mod cases;
+mod cases_attention;
 mod cases_kl_shampoo;
 mod cases_loss;
 mod cases_optim;
