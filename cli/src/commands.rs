@@ -183,6 +183,7 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
         BufferClass::KroneckerFactor,
         BufferClass::Eigenbasis,
         BufferClass::EigenvalueEstimate,
+        BufferClass::InverseRoot,
         BufferClass::Activation,
         BufferClass::Input,
         BufferClass::Scalar,

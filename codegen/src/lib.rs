@@ -132,27 +132,31 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 staleness,
                 placement,
                 method,
+                root,
             } => {
                 if inst.section != Section::Refresh {
                     return Err(misplaced());
                 }
                 // A `qr` refresh names only the momentum (its shape); the plan's task carries
                 // it in both moment fields and the method says neither is an operand.
-                let exp_avg_sq = match method {
-                    schedule::RefreshMethod::Soap => arg(3)?,
-                    schedule::RefreshMethod::Qr => arg(2)?,
+                // An `inverse_root` refresh has no moment: the root stands in for both.
+                let (exp_avg, exp_avg_sq) = match method {
+                    schedule::RefreshMethod::Soap => (arg(2)?, arg(3)?),
+                    schedule::RefreshMethod::Qr => (arg(2)?, arg(2)?),
+                    schedule::RefreshMethod::InverseRoot => (arg(1)?, arg(1)?),
                 };
                 host_tasks.push(HostTask::EigenbasisRefresh {
                     factor: arg(0)?,
                     basis: arg(1)?,
                     side: *side,
-                    exp_avg: arg(2)?,
+                    exp_avg,
                     exp_avg_sq,
                     frequency: *frequency,
                     offset: *offset,
                     staleness: *staleness,
                     placement: *placement,
                     method: *method,
+                    root: *root,
                 });
                 continue;
             }
@@ -399,6 +403,25 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                     basis_right,
                     eig_left: arg(3)?,
                     eig_right: arg(4)?,
+                    hyper: *hyper,
+                }
+            }
+            Op::ShampooUpdate { hyper } => {
+                let head = if hyper.grafting { 4 } else { 3 };
+                let pairs = a[head.min(a.len())..]
+                    .chunks(2)
+                    .map(|p| match p {
+                        [f, r] => Ok((b(*f)?, b(*r)?)),
+                        _ => Err(LowerError::Missing("a factor without its root".into())),
+                    })
+                    .collect::<Result<Vec<_>, LowerError>>()?;
+                P::ShampooUpdate {
+                    param: arg(0)?,
+                    grad: arg(1)?,
+                    exp_avg: arg(2)?,
+                    graft_sq: if hyper.grafting { Some(arg(3)?) } else { None },
+                    factors: pairs.iter().map(|p| p.0).collect(),
+                    roots: pairs.iter().map(|p| p.1).collect(),
                     hyper: *hyper,
                 }
             }

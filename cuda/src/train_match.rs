@@ -323,7 +323,7 @@ impl Lockstep<'_> {
             }
             let state = match method {
                 RefreshMethod::Soap => &[basis, exp_avg, exp_avg_sq][..],
-                RefreshMethod::Qr => &[basis][..],
+                RefreshMethod::Qr | RefreshMethod::InverseRoot => &[basis][..],
             };
             for &id in state {
                 let name = &plan.buffer(id).name;

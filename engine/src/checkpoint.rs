@@ -180,6 +180,7 @@ pub fn state_buffers(plan: &Plan) -> Vec<&schedule::Buffer> {
                         | BufferClass::KroneckerFactor
                         | BufferClass::Eigenbasis
                         | BufferClass::EigenvalueEstimate
+                        | BufferClass::InverseRoot
                 )
         })
         .map(|(_, b)| b)

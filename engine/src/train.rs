@@ -194,6 +194,7 @@ fn peak_lr(plan: &Plan) -> Option<f64> {
         Op::AdamW { lr, .. } => Some(*lr),
         Op::SoapUpdate { hyper, .. } => Some(hyper.lr),
         Op::KlShampooUpdate { hyper, .. } => Some(hyper.lr),
+        Op::ShampooUpdate { hyper, .. } => Some(hyper.lr),
         Op::ElementwiseUpdate { rule, .. } => Some(rule.lr),
         _ => None,
     })

@@ -259,7 +259,7 @@ fn unknown_optimizer() {
         8,
         11,
         "unknown optimizer `adafactor`",
-        Some("supported: `adamw`, `soap`, `kl_shampoo`, `lion`"),
+        Some("supported: `adamw`, `soap`, `kl_shampoo`, `shampoo`, `lion`"),
     );
     let src = edit("optimizer adamw", "optimizer loin");
     assert_error(

@@ -65,6 +65,8 @@ pub enum OptimizerConfig {
     Soap(SoapConfig),
     /// KL-Shampoo.
     KlShampoo(KlShampooConfig),
+    /// Shampoo (Distributed Shampoo's semantics).
+    Shampoo(ShampooConfig),
     /// An optimizer defined by its element-wise update rule (`optim::optimizers`: Lion, ...).
     Elementwise(ElementwiseConfig),
 }
@@ -148,6 +150,36 @@ pub struct KlShampooConfig {
     pub max_precond_dim: usize,
     /// Normalize the update by its RMS (default false).
     pub normalize_grads: bool,
+}
+
+/// Shampoo hyperparameters; names and defaults of Distributed Shampoo
+/// (facebookresearch/optimizers `DistributedShampoo.__init__`, `docs/shampoo.md` §1), with
+/// Adam grafting's (`AdamPreconditionerConfig`) when `grafting` is on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ShampooConfig {
+    /// Peak learning rate (default 1e-2).
+    pub lr: f64,
+    /// β₁ of the first moment (default 0.9).
+    pub beta1: f64,
+    /// β₂ of the Kronecker factors (default 1.0: a running sum).
+    pub beta2: f64,
+    /// ε added to a factor before its inverse root (default 1e-12).
+    pub epsilon: f64,
+    /// Decoupled weight decay, every parameter (default 0).
+    pub weight_decay: f64,
+    /// Block size (default 1024): each block of at most this many rows and columns has its
+    /// own factors.
+    pub max_preconditioner_dim: usize,
+    /// Steps between inverse-root refreshes (default 1).
+    pub precondition_frequency: u64,
+    /// Bias-correct the first moment and, when β₂ < 1, the factors (default true).
+    pub use_bias_correction: bool,
+    /// Adam grafting (default false: none, as the reference).
+    pub grafting: bool,
+    /// β₂ of the grafting second moment (default 0.999).
+    pub grafting_beta2: f64,
+    /// ε of the grafting denominator (default 1e-10).
+    pub grafting_epsilon: f64,
 }
 
 /// Where the training text comes from.

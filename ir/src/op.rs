@@ -3,7 +3,8 @@
 //! Math and layouts are those of the plan instruction with the same name
 //! (`schedule::Op`), which `lower` emits one-for-one.
 use schedule::{
-    BufferClass, ElementwiseRule, Init, KlShampooHyper, Placement, RefreshMethod, SoapHyper,
+    BufferClass, ElementwiseRule, Init, InverseRoot, KlShampooHyper, Placement, RefreshMethod,
+    ShampooHyper, SoapHyper,
 };
 
 /// Role of a per-step input.
@@ -231,6 +232,14 @@ pub enum Op {
         /// The right (column) side has a Kronecker factor and a basis.
         right: bool,
     },
+    /// Shampoo (see `schedule::Op::ShampooUpdate`): args `[param, grad, exp_avg]` +
+    /// `graft_sq` if `hyper.grafting` + one `(factor, root)` pair per side of each block of
+    /// `schedule::blocking::blocks(param shape, hyper.max_preconditioner_dim)`, in block order
+    /// (rows then columns of a matrix block); in place; no results.
+    ShampooUpdate {
+        /// Hyperparameters (the block size among them).
+        hyper: ShampooHyper,
+    },
     /// args `[grad]` + `factor_left` if `left` + `factor_right` if `right`; in place.
     SoapFactorUpdate {
         /// EMA factor β_s.
@@ -264,6 +273,8 @@ pub enum Op {
         placement: Placement,
         /// What a refresh computes after the first eigendecomposition.
         method: RefreshMethod,
+        /// The inverse root of method `inverse_root` (args `[factor, root]`); absent otherwise.
+        root: Option<InverseRoot>,
     },
 }
 
@@ -305,6 +316,7 @@ impl Op {
             Op::SoapUpdate { .. } => "soap_update",
             Op::SoapFactorUpdate { .. } => "soap_factor_update",
             Op::KlShampooUpdate { .. } => "kl_shampoo_update",
+            Op::ShampooUpdate { .. } => "shampoo_update",
             Op::ElementwiseUpdate { .. } => "elementwise_update",
             Op::EigenbasisRefresh { .. } => "eigenbasis_refresh",
         }
@@ -319,6 +331,7 @@ impl Op {
                 | Op::SoapUpdate { .. }
                 | Op::SoapFactorUpdate { .. }
                 | Op::KlShampooUpdate { .. }
+                | Op::ShampooUpdate { .. }
                 | Op::ElementwiseUpdate { .. }
                 | Op::EigenbasisRefresh { .. }
         )

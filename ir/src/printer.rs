@@ -36,12 +36,13 @@ pub(crate) fn class_keyword(class: BufferClass) -> &'static str {
         BufferClass::KroneckerFactor => "kronecker_factor",
         BufferClass::Eigenbasis => "eigenbasis",
         BufferClass::EigenvalueEstimate => "eigenvalue_estimate",
+        BufferClass::InverseRoot => "inverse_root",
         BufferClass::Scalar => "scalar",
     }
 }
 
 /// Every buffer class, for the parser.
-pub(crate) const CLASSES: [BufferClass; 10] = [
+pub(crate) const CLASSES: [BufferClass; 11] = [
     BufferClass::Parameter,
     BufferClass::Gradient,
     BufferClass::Activation,
@@ -51,6 +52,7 @@ pub(crate) const CLASSES: [BufferClass; 10] = [
     BufferClass::KroneckerFactor,
     BufferClass::Eigenbasis,
     BufferClass::EigenvalueEstimate,
+    BufferClass::InverseRoot,
     BufferClass::Scalar,
 ];
 
@@ -177,6 +179,18 @@ pub(crate) fn attrs(op: &Op) -> Vec<(&'static str, Attr)> {
             ("left", B(left)),
             ("right", B(right)),
         ],
+        Op::ShampooUpdate { hyper } => vec![
+            ("lr", F(hyper.lr)),
+            ("beta1", F(hyper.beta1)),
+            ("beta2", F(hyper.beta2)),
+            ("epsilon", F(hyper.epsilon)),
+            ("weight_decay", F(hyper.weight_decay)),
+            ("use_bias_correction", B(hyper.use_bias_correction)),
+            ("max_preconditioner_dim", U(hyper.max_preconditioner_dim)),
+            ("grafting", B(hyper.grafting)),
+            ("grafting_beta2", F(hyper.grafting_beta2)),
+            ("grafting_epsilon", F(hyper.grafting_epsilon)),
+        ],
         Op::SoapFactorUpdate {
             shampoo_beta,
             left,
@@ -195,15 +209,23 @@ pub(crate) fn attrs(op: &Op) -> Vec<(&'static str, Attr)> {
             staleness,
             placement,
             method,
+            root,
         } => {
-            vec![
+            let mut v = vec![
                 ("side", U(side as u64)),
                 ("frequency", U(frequency)),
                 ("offset", U(offset)),
                 ("staleness", U(staleness as u64)),
                 ("placement", W(placement.to_string())),
                 ("method", W(method.to_string())),
-            ]
+            ];
+            if let Some(r) = root {
+                v.extend([
+                    ("exponent", U(u64::from(r.exponent))),
+                    ("epsilon", F(r.epsilon)),
+                ]);
+            }
+            v
         }
         Op::ElementwiseUpdate { ref rule } => {
             let scalars: Vec<String> = rule.scalars.iter().map(|s| s.to_string()).collect();

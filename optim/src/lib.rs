@@ -49,8 +49,9 @@ pub use refresh::{
     RefreshOutcome, RefreshResult,
 };
 pub use shampoo::{
-    blocks as shampoo_blocks, merge_small_dims, shampoo_step, AdamGrafting, Block, BlockState,
-    ShampooError, ShampooParams, ShampooState,
+    blocks as shampoo_blocks, merge_small_dims, refresh_compute_inverse_root, shampoo_inverse_root,
+    shampoo_step, shampoo_update, AdamGrafting, Block, BlockState, ShampooError, ShampooParams,
+    ShampooState,
 };
 pub use soap::{precond_dims, soap_factor_update, soap_update, SoapParams};
 

@@ -37,6 +37,10 @@ pub enum RefreshError {
         /// The side given.
         side: u8,
     },
+    /// A `RefreshMethod::InverseRoot` task given to [`refresh_compute_method`], which has no
+    /// root parameters: call `refresh_compute_inverse_root` (caller bug).
+    #[error("eigenbasis refresh: method inverse_root goes through refresh_compute_inverse_root")]
+    InverseRootMethod,
     /// The Kronecker factor contains NaN or ±Inf (usually a non-finite gradient).
     #[error("eigenbasis refresh side {side}: factor [{dim}x{dim}] has {count} non-finite entries; basis kept")]
     NonFiniteFactor {
@@ -90,7 +94,9 @@ impl RefreshError {
     pub fn is_numerical(&self) -> bool {
         !matches!(
             self,
-            RefreshError::Shape(_) | RefreshError::InvalidSide { .. }
+            RefreshError::Shape(_)
+                | RefreshError::InvalidSide { .. }
+                | RefreshError::InverseRootMethod
         )
     }
 }
@@ -122,6 +128,18 @@ pub struct RefreshResult<T> {
 }
 
 impl<T> RefreshResult<T> {
+    /// A result that installs `basis` alone (no permutation, no moment), as a
+    /// [`RefreshMethod::Qr`] or [`RefreshMethod::InverseRoot`] refresh does.
+    pub(crate) fn basis_only(kind: RefreshOutcome, side: u8, dim: usize, basis: Vec<T>) -> Self {
+        RefreshResult {
+            kind,
+            side,
+            dim,
+            basis,
+            permutation: Vec::new(),
+        }
+    }
+
     /// [`RefreshOutcome::Initialized`] (t = 1, from `eigh`), [`RefreshOutcome::Refreshed`]
     /// (power iteration + QR) or [`RefreshOutcome::ZeroFactor`] (nothing to install: empty
     /// basis and permutation; [`refresh_apply`] changes nothing).
@@ -213,6 +231,9 @@ pub fn refresh_compute_method<T: Real>(
     n: usize,
 ) -> Result<Option<RefreshResult<T>>, RefreshError> {
     const OP: &str = "refresh_compute";
+    if method == RefreshMethod::InverseRoot {
+        return Err(RefreshError::InverseRootMethod);
+    }
     let d = side_dim(side, m, n)?;
     check_len(OP, "factor", factor.len(), d * d)?;
     check_len(OP, "basis", basis.len(), d * d)?;

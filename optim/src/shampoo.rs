@@ -21,6 +21,8 @@
 //! Refresh steps: `t % frequency == 0 && t > start`, or `t == start` (`start` defaults to the
 //! frequency). Before the first refresh the inverse roots are the identity. Everything is in
 //! `T` (the reference keeps factors and roots in f32 with f64 retries).
+pub use schedule::blocking::{blocks, merge_small_dims, Block};
+
 use crate::linalg::{gemm, view, view_mut};
 use crate::{check_len, EigenError, HostEigensolver, Real, ShapeError};
 
@@ -70,103 +72,6 @@ impl Default for ShampooParams {
             start_preconditioning_step: None,
             use_bias_correction: true,
             grafting: None,
-        }
-    }
-}
-
-/// `merge_small_dims(shape, B)` of the reference with its default target dimensionality 1:
-/// drops unit dimensions and merges neighbours (from the last one) while their product is at
-/// most `b`. A shape with a zero dimension is `[0]`; an all-unit shape is `[1]`.
-pub fn merge_small_dims(shape: &[usize], b: usize) -> Vec<usize> {
-    if shape.contains(&0) {
-        return vec![0];
-    }
-    let sq: Vec<usize> = shape.iter().rev().copied().filter(|&d| d != 1).collect();
-    if sq.is_empty() {
-        return vec![1];
-    }
-    let mut merged = vec![sq[0]];
-    for (i, &d) in sq.iter().enumerate().skip(1) {
-        let last = *merged.last().expect("non-empty");
-        if merged.len() + (sq.len() - i) > 1 && last.saturating_mul(d) <= b {
-            *merged.last_mut().expect("non-empty") = last * d;
-        } else {
-            merged.push(d);
-        }
-    }
-    merged.reverse();
-    merged
-}
-
-/// One block of a parameter: rows `r0..r0 + rows` and columns `c0..c0 + cols` of the merged
-/// shape viewed as a matrix (a merged vector of length `N` is the `[1, N]` matrix and its
-/// blocks have `rows == 1`, `vector == true`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Block {
-    /// First row.
-    pub r0: usize,
-    /// Rows.
-    pub rows: usize,
-    /// First column.
-    pub c0: usize,
-    /// Columns.
-    pub cols: usize,
-    /// A 1-D block (one factor, exponent 1/2).
-    pub vector: bool,
-}
-
-impl Block {
-    /// The block's factor sides: `[rows, cols]` for a matrix, `[cols]` for a vector.
-    pub fn sides(&self) -> Vec<usize> {
-        if self.vector {
-            vec![self.cols]
-        } else {
-            vec![self.rows, self.cols]
-        }
-    }
-}
-
-fn chunks(n: usize, b: usize) -> Vec<(usize, usize)> {
-    (0..n.div_ceil(b))
-        .map(|i| (i * b, b.min(n - i * b)))
-        .collect()
-}
-
-/// The blocks of a parameter of `shape` (one or two dimensions) under block size `b`:
-/// `merge_small_dims` then `multi_dim_split`, in the reference's order (row chunks slowest).
-/// Returns the merged shape's matrix view `[rows, cols]` and the blocks.
-pub fn blocks(shape: &[usize], b: usize) -> ((usize, usize), Vec<Block>) {
-    let merged = merge_small_dims(shape, b.max(1));
-    let b = b.max(1);
-    match merged[..] {
-        [m, n] => {
-            let mut out = Vec::new();
-            for (r0, rows) in chunks(m, b) {
-                for (c0, cols) in chunks(n, b) {
-                    out.push(Block {
-                        r0,
-                        rows,
-                        c0,
-                        cols,
-                        vector: false,
-                    });
-                }
-            }
-            ((m, n), out)
-        }
-        _ => {
-            let n: usize = merged.iter().product();
-            let out = chunks(n, b)
-                .into_iter()
-                .map(|(c0, cols)| Block {
-                    r0: 0,
-                    rows: 1,
-                    c0,
-                    cols,
-                    vector: true,
-                })
-                .collect();
-            ((1, n), out)
         }
     }
 }
@@ -430,4 +335,232 @@ pub fn shampoo_step<T: Real>(
     st.blocks = next;
     st.step = t;
     Ok(())
+}
+
+/// The rows `block` covers of a row-major `[.., vn]` matrix, copied out as `[rows, cols]`.
+fn cut<T: Copy>(src: &[T], vn: usize, b: &Block) -> Vec<T> {
+    let mut out = Vec::with_capacity(b.rows * b.cols);
+    for i in 0..b.rows {
+        let at = (b.r0 + i) * vn + b.c0;
+        out.extend_from_slice(&src[at..at + b.cols]);
+    }
+    out
+}
+
+/// Writes `[rows, cols]` `vals` back into `block` of a row-major `[.., vn]` matrix.
+fn paste<T: Copy>(dst: &mut [T], vn: usize, b: &Block, vals: &[T]) {
+    for i in 0..b.rows {
+        let at = (b.r0 + i) * vn + b.c0;
+        dst[at..at + b.cols].copy_from_slice(&vals[i * b.cols..(i + 1) * b.cols]);
+    }
+}
+
+/// Plan op `ShampooUpdate` (`schedule::Op::ShampooUpdate`) for one parameter at 1-based engine
+/// step `t` with the scheduled learning rate `lr`: `param`, `grad`, `exp_avg` and `graft_sq`
+/// (present iff `hp.grafting`) hold the parameter's elements row-major (the merged view's
+/// order); `factors` and `roots` are the `[d, d]` Kronecker factors and inverse roots of every
+/// side of every block of [`blocks`]`(shape, hp.max_preconditioner_dim)`, in block order.
+///
+/// Per block, with `G` the block's gradient:
+/// - the factors accumulate `C_k` (see the module docs) **stored bias-corrected**:
+///   `F̂ ← a·F̂ + c·C_k` with `a = β₂·(1 − β₂ᵗ⁻¹)/(1 − β₂ᵗ)`, `c = (1 − β₂)/(1 − β₂ᵗ)`
+///   (β₂ < 1 with bias correction; `a = β₂, c = 1 − β₂` without; a sum when β₂ = 1), so a
+///   refresh computes its root from the factor alone ([`shampoo_inverse_root`]);
+/// - grafting second moment, first moment and `Ḡ` as the module docs say;
+/// - the step `P = root_1 Ḡ root_2` with the roots as they are (identity before the first
+///   refresh); with grafting `P ← P·‖Pg‖/(‖P‖ + 1e-16)`, and at `t = 1`, before any refresh
+///   has run, `P = Pg`;
+/// - `W ← W − lr·(P + wd·W)`.
+///
+/// The difference to [`shampoo_step`] is the schedule of the roots: a plan's refresh runs at
+/// the step boundary (`schedule::refresh_due`: after step 1, then every `frequency` steps), so
+/// the roots a step uses come from the factors up to the step before it (at S = 0), where
+/// the reference refreshes between the factor update and the step.
+///
+/// # Errors
+/// [`ShapeError`] when an operand's length does not match (nothing is written then).
+#[allow(clippy::too_many_arguments)]
+pub fn shampoo_update<T: Real>(
+    t: u64,
+    hp: &ShampooParams,
+    lr: f64,
+    param: &mut [T],
+    grad: &[T],
+    exp_avg: &mut [T],
+    mut graft_sq: Option<&mut [T]>,
+    shape: &[usize],
+    factors: &mut [&mut [T]],
+    roots: &[&[T]],
+) -> Result<(), ShapeError> {
+    const OP: &str = "shampoo_update";
+    let ((vm, vn), blocks) = blocks(shape, hp.max_preconditioner_dim);
+    let numel = vm * vn;
+    check_len(OP, "param", param.len(), numel)?;
+    check_len(OP, "grad", grad.len(), numel)?;
+    check_len(OP, "exp_avg", exp_avg.len(), numel)?;
+    match (&graft_sq, hp.grafting) {
+        (Some(v), Some(_)) => check_len(OP, "graft_sq", v.len(), numel)?,
+        (None, None) => {}
+        (v, _) => check_len(OP, "graft_sq", v.as_ref().map_or(0, |v| v.len()), numel)?,
+    }
+    let sides: Vec<usize> = blocks.iter().flat_map(|b| b.sides()).collect();
+    check_len(OP, "factors", factors.len(), sides.len())?;
+    check_len(OP, "roots", roots.len(), sides.len())?;
+    for ((f, r), d) in factors.iter().zip(roots).zip(&sides) {
+        check_len(OP, "factor", f.len(), d * d)?;
+        check_len(OP, "root", r.len(), d * d)?;
+    }
+    let ti = t.min(i32::MAX as u64) as i32;
+    let (fa, fc) = if hp.beta2 >= 1.0 {
+        (1.0, 1.0)
+    } else if hp.use_bias_correction {
+        let bc = |k: i32| 1.0 - hp.beta2.powi(k);
+        (hp.beta2 * bc(ti - 1) / bc(ti), (1.0 - hp.beta2) / bc(ti))
+    } else {
+        (hp.beta2, 1.0 - hp.beta2)
+    };
+    let bc1 = if hp.use_bias_correction && hp.beta1 != 0.0 {
+        1.0 - hp.beta1.powi(ti)
+    } else {
+        1.0
+    };
+    let mut k = 0;
+    for b in &blocks {
+        let (rows, cols) = (b.rows, b.cols);
+        let g = cut(grad, vn, b);
+        let contractions: Vec<Vec<T>> = if b.vector {
+            vec![mm(&g, true, &g, false, cols, 1, cols)]
+        } else {
+            vec![
+                mm(&g, false, &g, true, rows, cols, rows),
+                mm(&g, true, &g, false, cols, rows, cols),
+            ]
+        };
+        let nside = contractions.len();
+        for (f, c) in factors[k..k + nside].iter_mut().zip(&contractions) {
+            let (a, cc) = (T::of(fa), T::of(fc));
+            for (x, &y) in f.iter_mut().zip(c) {
+                *x = a * *x + cc * y;
+            }
+        }
+        let graft = match (hp.grafting, graft_sq.as_deref_mut()) {
+            (Some(gr), Some(v)) => {
+                let mut vb = cut(v, vn, b);
+                for (vv, &x) in vb.iter_mut().zip(&g) {
+                    *vv = T::of(gr.beta2) * *vv + T::of(1.0 - gr.beta2) * x * x;
+                }
+                paste(v, vn, b, &vb);
+                Some((gr, vb, 1.0 - gr.beta2.powi(ti)))
+            }
+            _ => None,
+        };
+        let gbar: Vec<T> = if hp.beta1 != 0.0 {
+            let mut mb = cut(exp_avg, vn, b);
+            for (m, &x) in mb.iter_mut().zip(&g) {
+                *m = T::of(hp.beta1) * *m + T::of(1.0 - hp.beta1) * x;
+            }
+            paste(exp_avg, vn, b, &mb);
+            mb.iter().map(|&m| T::of(m.f64() / bc1)).collect()
+        } else {
+            g
+        };
+        let pg: Option<Vec<T>> = graft.map(|(gr, vb, gbc)| {
+            gbar.iter()
+                .zip(&vb)
+                .map(|(&x, &v)| T::of(x.f64() / ((v.f64() / gbc).sqrt() + gr.epsilon)))
+                .collect()
+        });
+        let mut p = match (&pg, t == 1) {
+            (Some(pg), true) => pg.clone(),
+            _ if b.vector => mm(roots[k], false, &gbar, false, cols, cols, 1),
+            _ => {
+                let left = mm(roots[k], false, &gbar, false, rows, rows, cols);
+                mm(&left, false, roots[k + 1], false, rows, cols, cols)
+            }
+        };
+        if let (Some(pg), false) = (&pg, t == 1) {
+            let norm = |v: &[T]| v.iter().map(|x| x.f64() * x.f64()).sum::<f64>().sqrt();
+            let scale = norm(pg) / (norm(&p) + 1e-16);
+            p.iter_mut().for_each(|x| *x = T::of(x.f64() * scale));
+        }
+        let (lr_t, wd) = (T::of(lr), T::of(hp.weight_decay));
+        let mut w = cut(param, vn, b);
+        for (wv, &pv) in w.iter_mut().zip(&p) {
+            *wv = *wv - lr_t * (pv + wd * *wv);
+        }
+        paste(param, vn, b, &w);
+        k += nside;
+    }
+    Ok(())
+}
+
+/// The inverse root `(F + ε·I)^(−1/exponent)` of a `[d, d]` factor as a refresh computes it
+/// for [`shampoo_update`] (whose factors are stored bias-corrected): the eigendecomposition of
+/// `F + ε·I`, its spectrum shifted up so that its smallest eigenvalue is ε where it falls
+/// below, then `Q diag(λ^(−1/exponent)) Qᵀ` (Distributed Shampoo's `matrix_inverse_root`).
+///
+/// # Errors
+/// [`RefreshError::NonFiniteFactor`] (the previous root stays), a failed eigensolve, or a
+/// length mismatch.
+pub fn shampoo_inverse_root<T: Real>(
+    solver: &dyn HostEigensolver,
+    side: u8,
+    factor: &[T],
+    d: usize,
+    root: schedule::InverseRoot,
+) -> Result<Vec<T>, crate::RefreshError> {
+    check_len("shampoo_inverse_root", "factor", factor.len(), d * d)?;
+    let count = factor.iter().filter(|x| !x.is_finite()).count();
+    if count > 0 {
+        return Err(crate::RefreshError::NonFiniteFactor {
+            side,
+            dim: d,
+            count,
+        });
+    }
+    inverse_root(
+        factor,
+        d,
+        1.0,
+        root.epsilon,
+        f64::from(root.exponent),
+        solver,
+    )
+    .map_err(|source| crate::RefreshError::Eigensolver {
+        side,
+        solver: solver.name(),
+        source,
+    })
+}
+
+/// A refresh task of method `inverse_root` at the end of 1-based step `t` (the engines'
+/// entry point, beside [`crate::refresh_compute_method`]): `None` when the step is not due
+/// (`t == 1` or `(t − 1) mod frequency == 0`), else the root of [`shampoo_inverse_root`] as a
+/// basis-only [`RefreshResult`] ([`crate::refresh_apply`] installs it into the `basis`
+/// operand, the root buffer).
+///
+/// # Errors
+/// As [`shampoo_inverse_root`].
+pub fn refresh_compute_inverse_root<T: Real>(
+    solver: &dyn HostEigensolver,
+    t: u64,
+    frequency: u64,
+    side: u8,
+    factor: &[T],
+    d: usize,
+    root: schedule::InverseRoot,
+) -> Result<Option<crate::RefreshResult<T>>, crate::RefreshError> {
+    let init = t == 1;
+    #[allow(clippy::manual_is_multiple_of)]
+    let due = init || (t > 1 && frequency > 0 && (t - 1) % frequency == 0);
+    if !due {
+        return Ok(None);
+    }
+    let kind = if init {
+        crate::RefreshOutcome::Initialized
+    } else {
+        crate::RefreshOutcome::Refreshed
+    };
+    let q = shampoo_inverse_root(solver, side, factor, d, root)?;
+    Ok(Some(crate::RefreshResult::basis_only(kind, side, d, q)))
 }

@@ -6,8 +6,8 @@
 //! block, a `[1, n]` row), with the reference defaults and with Adam grafting, β₂ < 1, decoupled
 //! weight decay and a refresh period of 3; ≤ 1e-6 relative on the parameter.
 use optim::{
-    merge_small_dims, shampoo_blocks, shampoo_step, AdamGrafting, FaerEigensolver, HostEigensolver,
-    ShampooParams, ShampooState,
+    merge_small_dims, refresh_apply, refresh_compute_inverse_root, shampoo_blocks, shampoo_step,
+    shampoo_update, AdamGrafting, FaerEigensolver, HostEigensolver, ShampooParams, ShampooState,
 };
 
 type M = Vec<Vec<f64>>;
@@ -65,13 +65,29 @@ struct RefBlock {
     v: M,
 }
 
-/// One reference step on the merged `[vm, vn]` view `w`.
-fn ref_step(blocks: &mut [RefBlock], hp: &ShampooParams, lr: f64, step: u64, w: &mut M, g: &M) {
+/// One reference step on the merged `[vm, vn]` view `w`. `plan`: the schedule of a plan's
+/// `inverse_root` refreshes instead of the reference's (roots computed at the end of step 1,
+/// then of every step t with (t − 1) mod frequency = 0, from the factors up to that step,
+/// and used from the next step on; the Adam step alone at t = 1 with grafting).
+fn ref_step(
+    blocks: &mut [RefBlock],
+    hp: &ShampooParams,
+    lr: f64,
+    step: u64,
+    w: &mut M,
+    g: &M,
+    plan: bool,
+) {
     let start = hp
         .start_preconditioning_step
         .unwrap_or(hp.precondition_frequency);
-    let refresh = (step % hp.precondition_frequency == 0 && step > start) || step == start;
-    let graft_only = step < start && hp.grafting.is_some();
+    let f = hp.precondition_frequency;
+    let refresh = if plan {
+        step == 1 || (step - 1) % f == 0
+    } else {
+        (step % f == 0 && step > start) || step == start
+    };
+    let graft_only = if plan { step == 1 } else { step < start } && hp.grafting.is_some();
     let tt = step as i32;
     for b in blocks.iter_mut() {
         let gb: M = b
@@ -103,7 +119,7 @@ fn ref_step(blocks: &mut [RefBlock], hp: &ShampooParams, lr: f64, step: u64, w: 
                 }
             }
         }
-        if refresh {
+        if refresh && !plan {
             let bc2 = if hp.beta2 < 1.0 {
                 1.0 - hp.beta2.powi(tt)
             } else {
@@ -154,6 +170,18 @@ fn ref_step(blocks: &mut [RefBlock], hp: &ShampooParams, lr: f64, step: u64, w: 
                 w[i][j] -= lr * (p[bi][bj] + hp.weight_decay * w[i][j]);
             }
         }
+        if refresh && plan {
+            let bc2 = if hp.beta2 < 1.0 {
+                1.0 - hp.beta2.powi(tt)
+            } else {
+                1.0
+            };
+            let r = 2.0 * b.f.len() as f64;
+            b.finv =
+                b.f.iter()
+                    .map(|f| inv_root(f, bc2, hp.epsilon, r))
+                    .collect();
+        }
     }
 }
 
@@ -193,15 +221,20 @@ fn merging_and_blocking_follow_the_reference() {
     assert_eq!(b.iter().map(|b| b.cols).collect::<Vec<_>>(), [4, 4, 1]);
 }
 
-#[test]
-fn shampoo_matches_a_float64_reimplementation_of_the_reference() {
-    let mut seed = 0x2545_f491_u64;
-    let mut normal = move || {
+/// Uniform draws in [−0.5, 0.5) from a fixed xorshift seed.
+fn uniform(mut seed: u64) -> impl FnMut() -> f64 {
+    move || {
         seed ^= seed << 13;
         seed ^= seed >> 7;
         seed ^= seed << 17;
         ((seed >> 11) as f64 / (1u64 << 53) as f64) - 0.5
-    };
+    }
+}
+
+/// The shapes and settings both tests run: uneven matrix blocks with grafting, β₂ < 1, weight
+/// decay and a refresh period of 3; the same with the reference defaults; a small matrix merged
+/// into one vector block; a `[1, n]` row in vector blocks; a matrix of vector blocks.
+fn cases() -> [(&'static [usize], ShampooParams); 5] {
     let grafted = ShampooParams {
         beta2: 0.95,
         weight_decay: 0.01,
@@ -220,7 +253,7 @@ fn shampoo_matches_a_float64_reimplementation_of_the_reference() {
         max_preconditioner_dim: 16,
         ..ShampooParams::default()
     };
-    let cases: [(&[usize], ShampooParams); 5] = [
+    [
         (&[40, 24], grafted),
         (&[40, 24], defaults),
         (
@@ -244,32 +277,40 @@ fn shampoo_matches_a_float64_reimplementation_of_the_reference() {
                 ..defaults
             },
         ),
-    ];
-    for (shape, hp) in cases {
+    ]
+}
+
+fn ref_blocks(shape: &[usize], b: usize) -> Vec<RefBlock> {
+    let (_, blocks) = shampoo_blocks(shape, b);
+    blocks
+        .iter()
+        .map(|b| {
+            let sides = b.sides();
+            let eye = |d: usize| -> M {
+                (0..d)
+                    .map(|i| (0..d).map(|j| f64::from(u8::from(i == j))).collect())
+                    .collect()
+            };
+            RefBlock {
+                rows: b.r0..b.r0 + b.rows,
+                cols: b.c0..b.c0 + b.cols,
+                vector: b.vector,
+                f: sides.iter().map(|&d| vec![vec![0.0; d]; d]).collect(),
+                finv: sides.iter().map(|&d| eye(d)).collect(),
+                m: vec![vec![0.0; b.cols]; b.rows],
+                v: vec![vec![0.0; b.cols]; b.rows],
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn shampoo_matches_a_float64_reimplementation_of_the_reference() {
+    let mut normal = uniform(0x2545_f491);
+    for (shape, hp) in cases() {
         let mut st = ShampooState::<f64>::new(shape, hp.max_preconditioner_dim);
         let (vm, vn) = st.view;
-        let mut rb: Vec<RefBlock> = st
-            .blocks
-            .iter()
-            .map(|b| {
-                let b = b.block;
-                let sides = b.sides();
-                let eye = |d: usize| -> M {
-                    (0..d)
-                        .map(|i| (0..d).map(|j| f64::from(u8::from(i == j))).collect())
-                        .collect()
-                };
-                RefBlock {
-                    rows: b.r0..b.r0 + b.rows,
-                    cols: b.c0..b.c0 + b.cols,
-                    vector: b.vector,
-                    f: sides.iter().map(|&d| vec![vec![0.0; d]; d]).collect(),
-                    finv: sides.iter().map(|&d| eye(d)).collect(),
-                    m: vec![vec![0.0; b.cols]; b.rows],
-                    v: vec![vec![0.0; b.cols]; b.rows],
-                }
-            })
-            .collect();
+        let mut rb = ref_blocks(shape, hp.max_preconditioner_dim);
         let mut p: Vec<f64> = (0..vm * vn).map(|_| normal()).collect();
         let mut w: M = p.chunks(vn).map(|r| r.to_vec()).collect();
         let p0 = p.clone();
@@ -278,7 +319,7 @@ fn shampoo_matches_a_float64_reimplementation_of_the_reference() {
             let g: Vec<f64> = (0..vm * vn).map(|_| normal()).collect();
             shampoo_step(&mut st, &hp, lr, &mut p, &g, &FaerEigensolver).expect("step");
             let gm: M = g.chunks(vn).map(|r| r.to_vec()).collect();
-            ref_step(&mut rb, &hp, lr, step, &mut w, &gm);
+            ref_step(&mut rb, &hp, lr, step, &mut w, &gm, false);
         }
         let want: Vec<f64> = w.iter().flatten().copied().collect();
         let e = rel(&p, &want);
@@ -287,4 +328,98 @@ fn shampoo_matches_a_float64_reimplementation_of_the_reference() {
         assert!(rel(&p, &p0) > 1e-3, "{shape:?}: the parameter barely moved");
         assert_eq!(st.step, 25);
     }
+}
+
+/// The plan path (`shampoo_update` each step, then the due `inverse_root` refreshes at the
+/// step's end through `refresh_compute_inverse_root` and `refresh_apply`, as the engines run
+/// them at staleness 0) against the float64 re-implementation under the plan's schedule.
+#[test]
+fn plan_path_matches_the_float64_reimplementation_at_its_schedule() {
+    let mut normal = uniform(0x9e37_79b9);
+    for (shape, hp) in cases() {
+        // The plan refreshes at the end of step 1, from one gradient: rank-deficient factors
+        // whose ε = 1e-12 roots (~1e3) amplify eigensolver round-off past 1e-6 (as the
+        // reference test's defaults case, docs/shampoo.md §7.4).
+        let hp = ShampooParams {
+            epsilon: hp.epsilon.max(1e-6),
+            ..hp
+        };
+        let ((vm, vn), blocks) = shampoo_blocks(shape, hp.max_preconditioner_dim);
+        let mut rb = ref_blocks(shape, hp.max_preconditioner_dim);
+        let sides: Vec<(u8, usize, u32)> = blocks
+            .iter()
+            .flat_map(|b| {
+                let s = b.sides();
+                let r = 2 * s.len() as u32;
+                s.into_iter().enumerate().map(move |(k, d)| (k as u8, d, r))
+            })
+            .collect();
+        let mut factors: Vec<Vec<f64>> = sides.iter().map(|s| vec![0.0; s.1 * s.1]).collect();
+        let mut roots: Vec<Vec<f64>> = sides
+            .iter()
+            .map(|&(_, d, _)| {
+                (0..d * d)
+                    .map(|i| f64::from(u8::from(i % (d + 1) == 0)))
+                    .collect()
+            })
+            .collect();
+        let n = vm * vn;
+        let (mut ea, mut v) = (vec![0.0; n], vec![0.0; n]);
+        let mut p: Vec<f64> = (0..n).map(|_| normal()).collect();
+        let mut w: M = p.chunks(vn).map(|r| r.to_vec()).collect();
+        let f = hp.precondition_frequency;
+        for step in 1..=25u64 {
+            let lr = 1e-2 * (1.0 + step as f64 / 25.0);
+            let g: Vec<f64> = (0..n).map(|_| normal()).collect();
+            let mut fs: Vec<&mut [f64]> = factors.iter_mut().map(|x| x.as_mut_slice()).collect();
+            let rs: Vec<&[f64]> = roots.iter().map(|x| x.as_slice()).collect();
+            let graft = hp.grafting.map(|_| v.as_mut_slice());
+            shampoo_update(
+                step, &hp, lr, &mut p, &g, &mut ea, graft, shape, &mut fs, &rs,
+            )
+            .expect("update");
+            for (k, &(side, d, exponent)) in sides.iter().enumerate() {
+                let root = schedule::InverseRoot {
+                    exponent,
+                    epsilon: hp.epsilon,
+                };
+                let r = refresh_compute_inverse_root(
+                    &FaerEigensolver,
+                    step,
+                    f,
+                    side,
+                    &factors[k],
+                    d,
+                    root,
+                )
+                .expect("refresh");
+                if let Some(r) = r {
+                    refresh_apply(&r, &mut roots[k], &mut [], &mut [], d, d).expect("apply");
+                }
+            }
+            let gm: M = g.chunks(vn).map(|r| r.to_vec()).collect();
+            ref_step(&mut rb, &hp, lr, step, &mut w, &gm, true);
+        }
+        let want: Vec<f64> = w.iter().flatten().copied().collect();
+        let e = rel(&p, &want);
+        assert!(e <= 1e-6, "{shape:?} {hp:?}: relative error {e:e}");
+    }
+}
+
+/// A non-finite factor is refused (the root keeps its value) and counted as numerical.
+#[test]
+fn a_non_finite_factor_keeps_the_root() {
+    let mut f = vec![1.0f32, 0.0, 0.0, 1.0];
+    f[1] = f32::NAN;
+    let root = schedule::InverseRoot {
+        exponent: 4,
+        epsilon: 1e-12,
+    };
+    let e = refresh_compute_inverse_root(&FaerEigensolver, 1, 10, 0, &f, 2, root).unwrap_err();
+    assert!(e.is_numerical(), "{e}");
+    assert!(e.to_string().contains("non-finite"), "{e}");
+    assert_eq!(
+        refresh_compute_inverse_root(&FaerEigensolver, 5, 10, 0, &f, 2, root).unwrap(),
+        None
+    );
 }

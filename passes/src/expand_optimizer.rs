@@ -17,12 +17,20 @@
 //! 1-D parameters (they go to an auxiliary Adam in its users' code): here they get AdamW with
 //! the block's lr, `betas`, ε and no weight decay.
 //!
+//! Shampoo (Gupta et al. 2018; Distributed Shampoo's semantics, `docs/shampoo.md`) for any
+//! parameter: the parameter is cut into blocks (`schedule::blocking`: `merge_small_dims`, then
+//! at most `max_preconditioner_dim` rows and columns per block); every side of every block gets
+//! a Kronecker factor and an inverse root, refreshed by an `eigenbasis_refresh` with `method =
+//! inverse_root` (exponent 4 for a matrix block's sides, 2 for a vector block's); one
+//! `shampoo_update` per parameter carries the first moment and, with grafting, the Adam
+//! grafting second moment. Weight decay applies to every parameter, as the reference's.
+//!
 //! An optimizer defined by its element-wise rule (`optim::optimizers`: Lion, ...) gets the
 //! state its definition lists and one `elementwise_update` per parameter carrying the rule, its
 //! hyperparameters folded in as constants (weight decay 0 for parameters of fewer than two
 //! dimensions, as AdamW).
 use crate::{Pass, PassContext, PassError};
-use ir::config::{ElementwiseConfig, OptimizerConfig};
+use ir::config::{ElementwiseConfig, OptimizerConfig, ShampooConfig};
 use ir::{BufferClass, Init, Module, Op, Section, SoapHyper, TensorType, ValueId};
 use optim::optimizers;
 
@@ -71,6 +79,94 @@ fn factor_sides(
         *n_factors += 1;
     }
     sides
+}
+
+/// The state, `shampoo_update` and inverse-root refreshes of parameter `p` (gradient `g`):
+/// `{param}.exp_avg`, `{param}.graft_sq` (with grafting), and per block `b` of
+/// `schedule::blocking::blocks(shape, max_preconditioner_dim)` the factor and inverse root
+/// of each side (`{param}.L{b}` / `{param}.PL{b}`, `.R{b}` / `.PR{b}`; no index for a single
+/// block). Returns the number of blocks.
+fn shampoo(
+    m: &mut Module,
+    c: &ShampooConfig,
+    p: ValueId,
+    g: ValueId,
+    pname: &str,
+    ty: &TensorType,
+) -> usize {
+    let (_, blocks) = schedule::blocking::blocks(&ty.shape, c.max_preconditioner_dim);
+    let exp_avg = state(
+        m,
+        BufferClass::ExpAvg,
+        format!("{pname}.exp_avg"),
+        ty.clone(),
+    );
+    let mut args = vec![p, g, exp_avg];
+    if c.grafting {
+        args.push(state(
+            m,
+            BufferClass::ExpAvgSq,
+            format!("{pname}.graft_sq"),
+            ty.clone(),
+        ));
+    }
+    let mut refreshes = Vec::new();
+    for (bi, b) in blocks.iter().enumerate() {
+        let sides = b.sides();
+        let exponent = 2 * sides.len() as u32;
+        let index = if blocks.len() > 1 {
+            bi.to_string()
+        } else {
+            String::new()
+        };
+        for (side, d) in sides.into_iter().enumerate() {
+            let which = if side == 0 { "L" } else { "R" };
+            let sq = TensorType::f32([d, d]);
+            let f = state(
+                m,
+                BufferClass::KroneckerFactor,
+                format!("{pname}.{which}{index}"),
+                sq.clone(),
+            );
+            let r = state(
+                m,
+                BufferClass::InverseRoot,
+                format!("{pname}.P{which}{index}"),
+                sq,
+            );
+            args.extend([f, r]);
+            refreshes.push((side as u8, f, r, exponent));
+        }
+    }
+    let hyper = ir::ShampooHyper {
+        lr: c.lr,
+        beta1: c.beta1,
+        beta2: c.beta2,
+        epsilon: c.epsilon,
+        weight_decay: c.weight_decay,
+        use_bias_correction: c.use_bias_correction,
+        max_preconditioner_dim: c.max_preconditioner_dim as u64,
+        grafting: c.grafting,
+        grafting_beta2: c.grafting_beta2,
+        grafting_epsilon: c.grafting_epsilon,
+    };
+    m.push0(Section::Optimizer, Op::ShampooUpdate { hyper }, &args);
+    for (side, f, r, exponent) in refreshes {
+        let op = Op::EigenbasisRefresh {
+            side,
+            frequency: c.precondition_frequency,
+            offset: 0,
+            staleness: 0,
+            placement: ir::Placement::Host,
+            method: ir::RefreshMethod::InverseRoot,
+            root: Some(ir::InverseRoot {
+                exponent,
+                epsilon: c.epsilon,
+            }),
+        };
+        m.push0(Section::Refresh, op, &[f, r]);
+    }
+    blocks.len()
 }
 
 /// The state and `elementwise_update` of parameter `p` (gradient `g`) under an optimizer
@@ -144,9 +240,37 @@ impl Pass for ExpandOptimizer {
         );
         let opt = module.config.optimizer.clone();
         let (mut n_factors, mut n_unrotated) = (0, 0);
+        if let OptimizerConfig::Shampoo(c) = &opt {
+            let counts: Vec<(usize, String)> = pairs
+                .iter()
+                .map(|&(p, _)| {
+                    let v = module.value(p);
+                    let (_, b) = schedule::blocking::blocks(&v.ty.shape, c.max_preconditioner_dim);
+                    (b.len(), v.name.clone())
+                })
+                .collect();
+            let total: usize = counts.iter().map(|c| c.0).sum();
+            if total as u64 > ir::limits::SHAMPOO_BLOCKS {
+                let (most, name) = counts.iter().max().cloned().unwrap_or_default();
+                return Err(PassError::Invalid {
+                    pass: "expand-optimizer",
+                    message: format!(
+                        "max_preconditioner_dim = {} cuts the model into {total} Shampoo blocks, \
+                         more than {} ({name} alone has {most}); raise max_preconditioner_dim",
+                        c.max_preconditioner_dim,
+                        ir::limits::SHAMPOO_BLOCKS
+                    ),
+                });
+            }
+        }
+        let mut n_blocks = 0;
         for (p, g) in pairs {
             let pname = module.value(p).name.clone();
             let ty = module.value(p).ty.clone();
+            if let OptimizerConfig::Shampoo(c) = &opt {
+                n_blocks += shampoo(module, c, p, g, &pname, &ty);
+                continue;
+            }
             if let OptimizerConfig::Elementwise(c) = &opt {
                 elementwise(module, c, p, g, &pname, &ty)?;
                 continue;
@@ -201,6 +325,7 @@ impl Pass for ExpandOptimizer {
                             staleness: 0,
                             placement: ir::Placement::Host,
                             method: ir::RefreshMethod::Qr,
+                            root: None,
                         };
                         module.push0(Section::Refresh, op, &[*f, *q, exp_avg]);
                     }
@@ -235,7 +360,9 @@ impl Pass for ExpandOptimizer {
                     };
                     module.push0(Section::Optimizer, op, &[p, g, exp_avg, exp_avg_sq]);
                 }
-                OptimizerConfig::Elementwise(_) => unreachable!("expanded above"),
+                OptimizerConfig::Elementwise(_) | OptimizerConfig::Shampoo(_) => {
+                    unreachable!("expanded above")
+                }
                 OptimizerConfig::KlShampoo(c) => {
                     // A 1-D parameter: AdamW (see the module docs).
                     let op = Op::AdamW {
@@ -300,6 +427,7 @@ impl Pass for ExpandOptimizer {
                                 staleness: 0,
                                 placement: ir::Placement::Host,
                                 method: ir::RefreshMethod::Soap,
+                                root: None,
                             };
                             module.push0(Section::Refresh, op, &[*f, *q, exp_avg, exp_avg_sq]);
                         }
@@ -315,6 +443,11 @@ impl Pass for ExpandOptimizer {
             OptimizerConfig::KlShampoo(_) => format!(
                 "kl_shampoo on {} parameters: {n_factors} Kronecker factors, {n_unrotated} sides \
                  with an eigenvalue estimate only, 1-D parameters by AdamW",
+                grads.len()
+            ),
+            OptimizerConfig::Shampoo(_) => format!(
+                "shampoo on {} parameters: {n_blocks} blocks, each side with a Kronecker factor \
+                 and an inverse root",
                 grads.len()
             ),
             OptimizerConfig::Soap(_) => format!(

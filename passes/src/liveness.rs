@@ -49,6 +49,7 @@ pub fn class_name(c: BufferClass) -> &'static str {
         BufferClass::KroneckerFactor => "kronecker_factor",
         BufferClass::Eigenbasis => "eigenbasis",
         BufferClass::EigenvalueEstimate => "eigenvalue_estimate",
+        BufferClass::InverseRoot => "inverse_root",
         BufferClass::Scalar => "scalar",
     }
 }
@@ -63,6 +64,7 @@ pub fn is_persistent(c: BufferClass) -> bool {
             | BufferClass::KroneckerFactor
             | BufferClass::Eigenbasis
             | BufferClass::EigenvalueEstimate
+            | BufferClass::InverseRoot
     )
 }
 

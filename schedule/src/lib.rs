@@ -16,6 +16,7 @@
 //! live ranges (module [`memory`]); [`Plan::verify`] rejects an unsafe placement.
 #![deny(missing_docs)]
 
+pub mod blocking;
 pub mod limits;
 pub mod memory;
 mod op;
@@ -30,8 +31,9 @@ pub use memory::{
     PersistReason, Residency, ARENA_ALIGN,
 };
 pub use op::{
-    adamw_kernel_key, operand_dtypes, ElementwiseRule, HostTask, KlShampooHyper, Op, Placement,
-    RefreshMethod, SoapHyper, StepScalar, BF16_ATTENTION_MAX_HEAD_DIM, BF16_LAYERNORM_MAX_C,
+    adamw_kernel_key, operand_dtypes, ElementwiseRule, HostTask, InverseRoot, KlShampooHyper, Op,
+    Placement, RefreshMethod, ShampooHyper, SoapHyper, StepScalar, BF16_ATTENTION_MAX_HEAD_DIM,
+    BF16_LAYERNORM_MAX_C,
 };
 pub use options::{
     AttentionKernel, Eigensolver, Profile, RefreshPlacement, RefreshSwap, Rematerialize,
@@ -143,6 +145,9 @@ pub enum BufferClass {
     /// KL-Shampoo's eigenvalue estimates `D` of one side `[d]` (a running estimate in the
     /// current basis, not the factor's eigenvalues).
     EigenvalueEstimate,
+    /// An inverse root `(F + ε·I)^(−1/r)` of a Kronecker factor (Shampoo's preconditioner of
+    /// one side of one block), recomputed by a refresh.
+    InverseRoot,
     /// A small scalar (loss, grad norm).
     Scalar,
 }

@@ -222,6 +222,14 @@ pub const WEIGHT_DECAY: FloatRange = FloatRange::closed(0.0, 10.0);
 pub const PRECONDITION_FREQUENCY: IntRange = IntRange::new(1, 100_000);
 /// `max_precond_dim`: dimensions above this stay unrotated (up to the largest `vocab`).
 pub const MAX_PRECOND_DIM: IntRange = IntRange::new(1, 1 << 20);
+/// Shampoo's β₂ of the Kronecker factors (1: a running sum, the reference's default).
+pub const SHAMPOO_BETA2: FloatRange = FloatRange::above(0.0, 1.0);
+/// Shampoo's `max_preconditioner_dim`: the block size (below 8 the blocks of one embedding
+/// number in the hundreds of thousands).
+pub const MAX_PRECONDITIONER_DIM: IntRange = IntRange::new(8, 1 << 20);
+/// The Shampoo blocks of a whole model: each has up to two factors, two inverse roots and two
+/// refresh tasks.
+pub const SHAMPOO_BLOCKS: u64 = 65_536;
 /// KL-Shampoo's `init_factor`: the initial eigenvalue estimate.
 pub const INIT_FACTOR: FloatRange = FloatRange::above(0.0, 1e6);
 /// KL-Shampoo's `max_clamp_value`: the estimates are clamped at `1/c²`,

@@ -313,6 +313,9 @@ impl Op {
                 Op::KlShampooUpdate { .. },
                 "param" | "exp_avg" | "factor_left" | "factor_right" | "eig_left" | "eig_right",
             ) => Access::ReadWrite,
+            (Op::ShampooUpdate { .. }, "param" | "exp_avg" | "graft_sq" | "factor") => {
+                Access::ReadWrite
+            }
             (Op::ElementwiseUpdate { .. }, "param" | "state") => Access::ReadWrite,
             (Op::CopyIn { .. } | Op::CopyOut { .. }, "dst") => Access::Write,
             (

@@ -90,6 +90,44 @@ pub struct KlShampooHyper {
     pub normalize_grads: bool,
 }
 
+/// Hyperparameters of one Shampoo parameter update (Gupta et al. 2018; Distributed Shampoo's
+/// semantics, facebookresearch/optimizers; `docs/shampoo.md`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ShampooHyper {
+    /// Peak learning rate; the engine multiplies by the schedule's multiplier each step.
+    pub lr: f64,
+    /// β₁ of the first moment (0: none).
+    pub beta1: f64,
+    /// β₂ of the Kronecker factors (1: a running sum).
+    pub beta2: f64,
+    /// ε added to a factor before its inverse root (carried by the refresh tasks too).
+    pub epsilon: f64,
+    /// Decoupled weight decay (multiplied by the scheduled lr).
+    pub weight_decay: f64,
+    /// Bias-correct the first moment, and the factors when β₂ < 1.
+    pub use_bias_correction: bool,
+    /// Block size `B` of [`crate::blocking::blocks`]: the parameter's blocks, each with its own
+    /// factors and inverse roots.
+    pub max_preconditioner_dim: u64,
+    /// Adam grafting: each block's step takes the Frobenius norm of the Adam step.
+    pub grafting: bool,
+    /// β₂ of the grafting second moment.
+    pub grafting_beta2: f64,
+    /// ε of the grafting denominator.
+    pub grafting_epsilon: f64,
+}
+
+/// The inverse root a [`RefreshMethod::InverseRoot`] refresh computes: `(F + ε·I)^(−1/exponent)`
+/// with the spectrum shifted up to ε where it falls below (Distributed Shampoo's
+/// `matrix_inverse_root` by eigendecomposition).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct InverseRoot {
+    /// The root `r`: 4 for a side of a matrix block, 2 for a vector block.
+    pub exponent: u32,
+    /// ε added to the factor's diagonal.
+    pub epsilon: f64,
+}
+
 /// A per-step scalar an element-wise update reads, from a closed vocabulary: each is computed
 /// by the engine on the host in f64 from the step's scheduled learning rate `lr_t` (the peak
 /// `lr` times the schedule's multiplier) and the 1-based step `t`, then rounded to the update's
@@ -577,6 +615,26 @@ pub enum Op {
         eig_right: BufferId,
         hyper: KlShampooHyper,
     },
+    /// Shampoo parameter update ([`ShampooHyper`]; `optim::shampoo_update`) on a parameter
+    /// viewed as [`crate::blocking::blocks`] of its shape under `max_preconditioner_dim`:
+    /// `exp_avg` (first moment) and `graft_sq` (the Adam grafting second moment, present iff
+    /// `grafting`) have the parameter's shape; `factors[k]` and `roots[k]` are the Kronecker
+    /// factor and inverse root `[d, d]` of the k-th side of the blocks in block order (two
+    /// sides, rows then columns, for a matrix block; one for a vector block). Each step,
+    /// per block: the factors accumulate the block's gradient (stored bias-corrected), the
+    /// moments update, the block's step is `root_L Ḡ root_R` (grafted to the Adam step's
+    /// norm; the Adam step itself at t = 1, before any root exists), then decoupled weight
+    /// decay. The roots are set by `EigenbasisRefresh` host tasks with method
+    /// `inverse_root`.
+    ShampooUpdate {
+        param: BufferId,
+        grad: BufferId,
+        exp_avg: BufferId,
+        graft_sq: Option<BufferId>,
+        factors: Vec<BufferId>,
+        roots: Vec<BufferId>,
+        hyper: ShampooHyper,
+    },
     /// Kronecker-factor accumulation, every step after the update:
     /// `L ← lerp(L, G Gᵀ, 1−β_s)` `[m, m]`, `R ← lerp(R, Gᵀ G, 1−β_s)` `[n, n]`.
     SoapFactorUpdate {
@@ -652,6 +710,10 @@ pub enum RefreshMethod {
     /// their order; no moment is read or written (the task's `exp_avg` and `exp_avg_sq` name
     /// the parameter's unrotated momentum and are not operands).
     Qr,
+    /// Shampoo: the factor's inverse root ([`InverseRoot`], the task's `root`) replaces the
+    /// `basis` operand, at every refresh including the first; no moment is read or written
+    /// (the task's `exp_avg` and `exp_avg_sq` name the root, only for its shape).
+    InverseRoot,
 }
 
 impl std::fmt::Display for RefreshMethod {
@@ -659,6 +721,7 @@ impl std::fmt::Display for RefreshMethod {
         f.write_str(match self {
             RefreshMethod::Soap => "soap",
             RefreshMethod::Qr => "qr",
+            RefreshMethod::InverseRoot => "inverse_root",
         })
     }
 }
@@ -669,8 +732,9 @@ impl std::str::FromStr for RefreshMethod {
         match s {
             "soap" => Ok(RefreshMethod::Soap),
             "qr" => Ok(RefreshMethod::Qr),
+            "inverse_root" => Ok(RefreshMethod::InverseRoot),
             _ => Err(format!(
-                "unknown refresh method `{s}` (expected `soap` or `qr`)"
+                "unknown refresh method `{s}` (expected `soap`, `qr` or `inverse_root`)"
             )),
         }
     }
@@ -694,7 +758,8 @@ pub enum HostTask {
     ///   `E ← E Q_oldᵀ Q_new` (side 1).
     ///
     /// With `method` [`RefreshMethod::Qr`] (KL-Shampoo) a QR refresh is `Q_new = qr(F Q).Q`
-    /// with no sort and no moment touched.
+    /// with no sort and no moment touched. With [`RefreshMethod::InverseRoot`] (Shampoo) every
+    /// refresh, the first included, writes `basis ← (F + ε·I)^(−1/r)` (`root`).
     ///
     /// A non-finite factor or a failed eigensolve keeps the previous basis (counted, logged).
     ///
@@ -720,6 +785,9 @@ pub enum HostTask {
         placement: Placement,
         #[serde(default)]
         method: RefreshMethod,
+        /// The inverse root of a [`RefreshMethod::InverseRoot`] refresh (absent otherwise).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        root: Option<InverseRoot>,
     },
 }
 

@@ -124,6 +124,27 @@ impl Plan {
                             limits::MAX_CLAMP_VALUE,
                         )?;
                     }
+                    Op::ShampooUpdate { hyper: h, .. } => {
+                        optimizer_hyper(&at, h.lr, (h.beta1, 0.0), h.epsilon, h.weight_decay)?;
+                        float(format!("{at}: beta2"), h.beta2, limits::SHAMPOO_BETA2)?;
+                        int(
+                            format!("{at}: max_preconditioner_dim"),
+                            h.max_preconditioner_dim,
+                            limits::MAX_PRECONDITIONER_DIM,
+                        )?;
+                        if h.grafting {
+                            float(
+                                format!("{at}: grafting_beta2"),
+                                h.grafting_beta2,
+                                limits::BETA,
+                            )?;
+                            float(
+                                format!("{at}: grafting_epsilon"),
+                                h.grafting_epsilon,
+                                limits::EPS,
+                            )?;
+                        }
+                    }
                     Op::ElementwiseUpdate { rule, .. } => {
                         float(format!("{at}: lr"), rule.lr, limits::LR)?;
                         for s in &rule.scalars {

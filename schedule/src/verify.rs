@@ -110,6 +110,7 @@ impl Op {
             Op::SoapUpdate { .. } => "soap_update",
             Op::SoapFactorUpdate { .. } => "soap_factor_update",
             Op::KlShampooUpdate { .. } => "kl_shampoo_update",
+            Op::ShampooUpdate { .. } => "shampoo_update",
             Op::ElementwiseUpdate { .. } => "elementwise_update",
             Op::CopyIn { .. } => "copy_in",
             Op::CopyOut { .. } => "copy_out",
@@ -299,6 +300,20 @@ impl Op {
                 opt(&mut v, "basis_left", basis_left);
                 opt(&mut v, "basis_right", basis_right);
                 v.extend([("eig_left", *eig_left), ("eig_right", *eig_right)]);
+            }
+            Op::ShampooUpdate {
+                param,
+                grad,
+                exp_avg,
+                graft_sq,
+                factors,
+                roots,
+                ..
+            } => {
+                v.extend([("param", *param), ("grad", *grad), ("exp_avg", *exp_avg)]);
+                opt(&mut v, "graft_sq", graft_sq);
+                v.extend(factors.iter().map(|f| ("factor", *f)));
+                v.extend(roots.iter().map(|r| ("root", *r)));
             }
             Op::ElementwiseUpdate {
                 param, grad, state, ..
@@ -833,6 +848,47 @@ impl Checker<'_> {
                     ("basis_left", "basis_right"),
                 )?;
             }
+            Op::ShampooUpdate {
+                param,
+                grad,
+                exp_avg,
+                graft_sq,
+                factors,
+                roots,
+                hyper,
+            } => {
+                self.same(("param", *param), ("grad", *grad))?;
+                self.same(("param", *param), ("exp_avg", *exp_avg))?;
+                if let Some(v) = graft_sq {
+                    self.same(("param", *param), ("graft_sq", *v))?;
+                }
+                if graft_sq.is_some() != hyper.grafting {
+                    return Err(PlanError::Invalid(format!(
+                        "{}: `graft_sq` must be present exactly when grafting is on",
+                        self.location
+                    )));
+                }
+                let shape = &self.plan.buffers[param.index()].shape;
+                let b = usize::try_from(hyper.max_preconditioner_dim).unwrap_or(usize::MAX);
+                let (_, blocks) = crate::blocking::blocks(shape, b);
+                let sides: Vec<usize> = blocks.iter().flat_map(|bl| bl.sides()).collect();
+                if factors.len() != sides.len() || roots.len() != sides.len() {
+                    return Err(PlanError::Invalid(format!(
+                        "{}: {} blocks of max_preconditioner_dim {} have {} sides; got {} factors \
+                         and {} roots",
+                        self.location,
+                        blocks.len(),
+                        hyper.max_preconditioner_dim,
+                        sides.len(),
+                        factors.len(),
+                        roots.len()
+                    )));
+                }
+                for ((f, r), d) in factors.iter().zip(roots).zip(&sides) {
+                    self.dims("factor", *f, &[*d, *d])?;
+                    self.dims("root", *r, &[*d, *d])?;
+                }
+            }
             Op::SoapFactorUpdate {
                 grad,
                 factor_left,
@@ -1058,8 +1114,31 @@ impl Plan {
                 offset,
                 staleness,
                 placement,
-                ..
+                method,
+                root,
             } = task;
+            match (method, root) {
+                (crate::RefreshMethod::InverseRoot, None) => {
+                    return Err(PlanError::Invalid(format!(
+                        "{location}: method inverse_root needs its `root` (exponent, epsilon)"
+                    )))
+                }
+                (crate::RefreshMethod::InverseRoot, Some(r)) => {
+                    if r.exponent == 0 || !(r.epsilon.is_finite() && r.epsilon > 0.0) {
+                        return Err(PlanError::Invalid(format!(
+                            "{location}: inverse root exponent must be positive and epsilon \
+                             finite and positive (got {}, {})",
+                            r.exponent, r.epsilon
+                        )));
+                    }
+                }
+                (_, Some(_)) => {
+                    return Err(PlanError::Invalid(format!(
+                        "{location}: a `root` belongs to method inverse_root only (got {method})"
+                    )))
+                }
+                (_, None) => {}
+            }
             let bound = self.target.staleness();
             if *staleness > bound {
                 return Err(PlanError::Invalid(format!(

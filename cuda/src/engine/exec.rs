@@ -576,6 +576,13 @@ impl CudaEngine {
                     [cached[0].as_ref(), cached[1].as_ref()],
                 )?;
             }
+            Op::ShampooUpdate { .. } => {
+                // Refused at set-up (`check_fused`).
+                return Err(CudaError::Invalid {
+                    op: "shampoo_update",
+                    what: "Shampoo runs on the CPU engine only so far".into(),
+                });
+            }
             Op::KlShampooUpdate {
                 param,
                 grad,

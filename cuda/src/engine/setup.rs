@@ -38,6 +38,17 @@ fn check_fused(
             a.bytes
         ));
     }
+    if plan
+        .optimizer
+        .iter()
+        .any(|o| matches!(o, Op::ShampooUpdate { .. }))
+    {
+        return refuse(
+            "the plan's optimizer is Shampoo, which runs on the CPU engine only so far \
+             (`target cpu`)"
+                .into(),
+        );
+    }
     if precision != Precision::Bf16 {
         if let Some(b) = plan.buffers.iter().find(|b| b.dtype == DType::Bf16) {
             return refuse(format!(

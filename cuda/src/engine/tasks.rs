@@ -929,6 +929,7 @@ mod tests {
             staleness: 5,
             placement,
             method: RefreshMethod::Soap,
+            root: None,
         }
     }
 

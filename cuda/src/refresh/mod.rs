@@ -478,6 +478,12 @@ impl GpuRefresher {
         slot: &RefreshSlot,
     ) -> Result<()> {
         const OP: &str = "eigenbasis_refresh";
+        if method == RefreshMethod::InverseRoot {
+            return Err(CudaError::Invalid {
+                op: OP,
+                what: "method inverse_root (Shampoo) has no GPU refresh yet".into(),
+            });
+        }
         if d == 0 || d > self.max_dim || slot.q.len() < d * d || slot.idx.len() < d {
             return Err(CudaError::Invalid {
                 op: OP,
@@ -547,7 +553,7 @@ impl GpuRefresher {
                 )?;
                 Some(&idx)
             }
-            RefreshMethod::Qr => None,
+            RefreshMethod::Qr | RefreshMethod::InverseRoot => None,
         };
         if self.qr == QrMethod::RayleighCholeskyTc {
             let ok = self.rayleigh_cholesky_qr(dev, d, basis, &a, perm, &q, st)?;

@@ -569,6 +569,41 @@ pub(crate) fn exec_op<T: Float + Real>(
                     .map_err(|e| optim_err(loc, e))
             })?;
         }
+        Op::ShampooUpdate {
+            param,
+            grad,
+            exp_avg,
+            graft_sq,
+            factors,
+            roots,
+            hyper,
+        } => {
+            let hp = shampoo_params(hyper);
+            let lr = hyper.lr * lr_multiplier;
+            let shape = st.shape(*param).to_vec();
+            let mut outs = vec![("param", *param), ("exp_avg", *exp_avg)];
+            outs.extend(graft_sq.map(|v| ("graft_sq", v)));
+            outs.extend(factors.iter().map(|&f| ("factor", f)));
+            let mut reads = vec![*grad];
+            reads.extend(roots.iter().copied());
+            st.with_outs(loc, &outs, &reads, |s, o| {
+                let (head, fs) = o.split_at_mut(if graft_sq.is_some() { 3 } else { 2 });
+                let (p, rest) = head
+                    .split_first_mut()
+                    .ok_or_else(|| optim_err(loc, "internal"))?;
+                let (ea, v) = rest
+                    .split_first_mut()
+                    .ok_or_else(|| optim_err(loc, "internal"))?;
+                let mut fs: Vec<&mut [T]> = fs.iter_mut().map(|f| f.as_mut_slice()).collect();
+                let rs = roots
+                    .iter()
+                    .map(|&r| s.f(r))
+                    .collect::<Result<Vec<&[T]>, _>>()?;
+                let v = v.first_mut().map(|v| v.as_mut_slice());
+                optim::shampoo_update(t, &hp, lr, p, s.f(*grad)?, ea, v, &shape, &mut fs, &rs)
+                    .map_err(|e| optim_err(loc, e))
+            })?;
+        }
         Op::SoapFactorUpdate {
             grad,
             factor_left,
@@ -655,4 +690,23 @@ fn run_chunked<T: Real>(
     chunks
         .into_par_iter()
         .try_for_each(|mut c| prog.run(&mut c, scalars))
+}
+
+/// `optim`'s Shampoo parameters of a plan's [`schedule::ShampooHyper`] (the refresh schedule
+/// is the plan's host tasks', not these fields').
+pub(crate) fn shampoo_params(h: &schedule::ShampooHyper) -> optim::ShampooParams {
+    optim::ShampooParams {
+        beta1: h.beta1,
+        beta2: h.beta2,
+        epsilon: h.epsilon,
+        weight_decay: h.weight_decay,
+        max_preconditioner_dim: usize::try_from(h.max_preconditioner_dim).unwrap_or(usize::MAX),
+        precondition_frequency: 1,
+        start_preconditioning_step: None,
+        use_bias_correction: h.use_bias_correction,
+        grafting: h.grafting.then_some(optim::AdamGrafting {
+            beta2: h.grafting_beta2,
+            epsilon: h.grafting_epsilon,
+        }),
+    }
 }

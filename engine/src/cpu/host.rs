@@ -18,7 +18,7 @@ use crate::refresh_runtime::inflight::{Job, JobError, JobOutput};
 use crate::refresh_runtime::{HostTaskReport, Outcome, RefreshBackend, RefreshTask};
 use crate::EngineError;
 use optim::{
-    eigenbasis_refresh, refresh_apply, refresh_compute_method, HostEigensolver, Real,
+    eigenbasis_refresh, refresh_apply, refresh_compute_method, HostEigensolver, Real, RefreshError,
     RefreshOutcome, RefreshResult,
 };
 use schedule::RefreshMethod;
@@ -96,8 +96,9 @@ impl<T: Float + Real> RefreshBackend for HostRefresher<'_, T> {
         };
         let (m, n) = self.store.dims2(task.exp_avg);
         let pool = Arc::clone(self.pool);
-        if task.method == RefreshMethod::Qr {
-            // The basis only: KL-Shampoo's momentum is not an operand.
+        if matches!(task.method, RefreshMethod::Qr | RefreshMethod::InverseRoot) {
+            // The basis (or root) only: KL-Shampoo's momentum is not an operand, Shampoo has
+            // none.
             let applied = self.store.with_outs(
                 loc(task),
                 &[("basis", task.basis)],
@@ -141,9 +142,9 @@ impl<T: Float + Real> HostRefresher<'_, T> {
         };
         let solver = self.solver.as_ref();
         let t_optim = task.optim_step(t, init);
-        let (freq, method, side) = (task.frequency, task.method, task.side);
+        let task = *task;
         self.host_pool
-            .install(|| refresh_compute_method(solver, t_optim, freq, method, side, f, q, m, n))
+            .install(|| compute(solver, &task, t_optim, f, q, m, n))
             .map_err(JobError::Refresh)
     }
 
@@ -155,7 +156,7 @@ impl<T: Float + Real> HostRefresher<'_, T> {
         t: u64,
         init: bool,
     ) -> Result<Outcome, EngineError> {
-        if task.method == RefreshMethod::Qr {
+        if matches!(task.method, RefreshMethod::Qr | RefreshMethod::InverseRoot) {
             let out = self.compute_inline(task, t, init);
             return self.install(task, out);
         }
@@ -210,8 +211,8 @@ impl<T: Float + Real> HostRefresher<'_, T> {
         let (m, n) = self.store.dims2(task.exp_avg);
         let solver = Arc::clone(self.solver);
         let (keep_f, keep_b) = (Arc::clone(&factor), Arc::clone(&basis));
-        let (t_optim, frequency, side) = (task.optim_step(t, false), task.frequency, task.side);
-        let method = task.method;
+        let t_optim = task.optim_step(t, false);
+        let task = *task;
         let (tx, rx) = mpsc::channel();
         let name = self.store.names[task.factor.index()].clone();
         self.host_pool.spawn(move || {
@@ -222,17 +223,7 @@ impl<T: Float + Real> HostRefresher<'_, T> {
             // `optim::with_sequential`).
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 optim::with_sequential(|| {
-                    refresh_compute_method(
-                        solver.as_ref(),
-                        t_optim,
-                        frequency,
-                        method,
-                        side,
-                        &factor,
-                        &basis,
-                        m,
-                        n,
-                    )
+                    compute(solver.as_ref(), &task, t_optim, &factor, &basis, m, n)
                 })
             }));
             let out = match out {
@@ -369,5 +360,44 @@ impl<T: Float + Real> CpuEngine<T> {
                 .map_err(EngineError::Checkpoint)?;
         }
         Ok(())
+    }
+}
+
+/// The refresh `task` computes at (optim) step `t` from `factor` and `basis` (`[d, d]`; the
+/// task's moments `[m, n]`): `optim::refresh_compute_method`, or for method `inverse_root` the
+/// factor's inverse root (`optim::refresh_compute_inverse_root`).
+fn compute<T: Real>(
+    solver: &dyn HostEigensolver,
+    task: &RefreshTask,
+    t: u64,
+    factor: &[T],
+    basis: &[T],
+    m: usize,
+    n: usize,
+) -> Result<Option<RefreshResult<T>>, RefreshError> {
+    match (task.method, task.root) {
+        (RefreshMethod::InverseRoot, Some(root)) => {
+            let d = if task.side == 0 { m } else { n };
+            optim::refresh_compute_inverse_root(
+                solver,
+                t,
+                task.frequency,
+                task.side,
+                factor,
+                d,
+                root,
+            )
+        }
+        (method, _) => refresh_compute_method(
+            solver,
+            t,
+            task.frequency,
+            method,
+            task.side,
+            factor,
+            basis,
+            m,
+            n,
+        ),
     }
 }

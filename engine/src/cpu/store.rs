@@ -140,6 +140,11 @@ impl<T: Float> Store<T> {
         }
     }
 
+    /// Shape of buffer `id` (empty for an unknown id).
+    pub(crate) fn shape(&self, id: BufferId) -> &[usize] {
+        self.shapes.get(id.index()).map_or(&[], Vec::as_slice)
+    }
+
     /// Shape `[rows, cols]` of a 2-D buffer (a 1-D buffer `[n]` is `[1, n]`).
     pub(crate) fn dims2(&self, id: BufferId) -> (usize, usize) {
         match self.shapes.get(id.index()).map(Vec::as_slice) {

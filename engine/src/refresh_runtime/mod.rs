@@ -75,7 +75,7 @@ pub use schedule::refresh_due;
 pub type Outcome = Result<RefreshOutcome, String>;
 
 /// One `EigenbasisRefresh` host task of the plan: its operands and schedule.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RefreshTask {
     /// Index in `plan.host_tasks`.
     pub index: usize,
@@ -100,6 +100,8 @@ pub struct RefreshTask {
     /// What a refresh computes (SOAP's sort and re-projection, or KL-Shampoo's QR of the
     /// basis alone: then `exp_avg` and `exp_avg_sq` are not operands).
     pub method: RefreshMethod,
+    /// The inverse root of a [`RefreshMethod::InverseRoot`] task (Shampoo).
+    pub root: Option<schedule::InverseRoot>,
 }
 
 impl RefreshTask {
@@ -116,9 +118,11 @@ impl RefreshTask {
             staleness,
             placement,
             method,
+            root,
         } = *task;
         RefreshTask {
             method,
+            root,
             index,
             factor,
             basis,

@@ -539,6 +539,7 @@ fn optimizer(g: &Gpt, bufs: &mut Vec<Buffer>, params: &[ParamRef]) -> (Vec<Op>, 
                         staleness: 0,
                         placement: Placement::Host,
                         method: schedule::RefreshMethod::Soap,
+                        root: None,
                     });
                     (Some(f), Some(q))
                 };

@@ -1,9 +1,11 @@
 //! `optimizer <name> { ... }`: AdamW (nanoGPT defaults), SOAP (reference `soap.py` defaults,
 //! `shampoo_beta` defaulting to beta2), KL-Shampoo (reference `KLOpt` defaults, `shampoo_beta`
-//! defaulting to beta2), and every optimizer defined by an element-wise rule in
+//! defaulting to beta2), Shampoo (Distributed Shampoo's defaults), and every optimizer defined by an element-wise rule in
 //! `optim::optimizers` (its keys, defaults and ranges come from its definition).
 
-use ir::config::{AdamWConfig, ElementwiseConfig, KlShampooConfig, OptimizerConfig, SoapConfig};
+use ir::config::{
+    AdamWConfig, ElementwiseConfig, KlShampooConfig, OptimizerConfig, ShampooConfig, SoapConfig,
+};
 use optim::optimizers::{self, KeyKind};
 
 use super::{block_name, missing_name};
@@ -13,7 +15,7 @@ use crate::diagnostics::SpecError;
 use ir::limits;
 
 /// The built-in optimizers (their own plan ops); the rule-defined ones follow.
-const BUILT_IN: &[&str] = &["adamw", "soap", "kl_shampoo"];
+const BUILT_IN: &[&str] = &["adamw", "soap", "kl_shampoo", "shampoo"];
 
 /// Every optimizer name a spec may use.
 fn optimizer_names() -> Vec<&'static str> {
@@ -48,6 +50,62 @@ const KL_SHAMPOO_KEYS: &[&str] = &[
     "max_precond_dim",
     "normalize_grads",
 ];
+
+const SHAMPOO_KEYS: &[&str] = &[
+    "lr",
+    "betas",
+    "epsilon",
+    "weight_decay",
+    "max_preconditioner_dim",
+    "precondition_frequency",
+    "use_bias_correction",
+    "grafting",
+    "grafting_beta2",
+    "grafting_epsilon",
+];
+
+/// `optimizer shampoo { ... }`: every key has Distributed Shampoo's default (no grafting,
+/// `precondition_frequency = 1`); `grafting = adam` turns on Adam grafting with
+/// `AdamPreconditionerConfig`'s defaults.
+fn shampoo(c: &mut Checker, b: &Block) -> OptimizerConfig {
+    let f = c.fields(b, &block_name(b), SHAMPOO_KEYS, &[]);
+    let lr = c.float_or(&f, "lr", limits::LR, 1e-2);
+    let (beta1, beta2) = pair(
+        c,
+        &f,
+        "betas",
+        ["beta1", "beta2"],
+        [limits::BETA, limits::SHAMPOO_BETA2],
+        (0.9, 1.0),
+    );
+    let grafting = f
+        .get("grafting")
+        .and_then(|e| c.name_value("grafting", &e.value, "grafting", &["adam", "none"]))
+        == Some("adam");
+    OptimizerConfig::Shampoo(ShampooConfig {
+        lr,
+        beta1,
+        beta2,
+        epsilon: c.float_or(&f, "epsilon", limits::EPS, 1e-12),
+        weight_decay: c.float_or(&f, "weight_decay", limits::WEIGHT_DECAY, 0.0),
+        max_preconditioner_dim: c.uint_or(
+            &f,
+            "max_preconditioner_dim",
+            limits::MAX_PRECONDITIONER_DIM,
+            1024,
+        ),
+        precondition_frequency: c.uint_or(
+            &f,
+            "precondition_frequency",
+            limits::PRECONDITION_FREQUENCY,
+            1,
+        ),
+        use_bias_correction: c.bool_or(&f, "use_bias_correction", true),
+        grafting,
+        grafting_beta2: c.float_or(&f, "grafting_beta2", limits::BETA, 0.999),
+        grafting_epsilon: c.float_or(&f, "grafting_epsilon", limits::EPS, 1e-10),
+    })
+}
 
 /// `optimizer kl_shampoo { ... }`: every key has the reference's default.
 fn kl_shampoo(c: &mut Checker, b: &Block) -> OptimizerConfig {
@@ -97,6 +155,9 @@ pub(crate) fn optimizer(c: &mut Checker, b: &Block) -> Option<OptimizerConfig> {
     }
     if kind == Some("kl_shampoo") {
         return Some(kl_shampoo(c, b));
+    }
+    if kind == Some("shampoo") {
+        return Some(shampoo(c, b));
     }
     let soap_only: Vec<(&str, &str)> = SOAP_KEYS
         .iter()
@@ -158,7 +219,7 @@ fn elementwise(c: &mut Checker, b: &Block, def: &optimizers::Definition) -> Opti
                 hyper.push((k.name.to_string(), c.float_or(&f, k.name, k.range, d)));
             }
             KeyKind::Pair(names, d) => {
-                let (a, b) = pair(c, &f, k.name, names, k.range, d);
+                let (a, b) = pair(c, &f, k.name, names, [k.range; 2], d);
                 hyper.push((names[0].to_string(), a));
                 hyper.push((names[1].to_string(), b));
             }
@@ -172,7 +233,14 @@ fn elementwise(c: &mut Checker, b: &Block, def: &optimizers::Definition) -> Opti
 
 /// `betas = (β₁, β₂)`, each in [`limits::BETA`].
 fn betas(c: &mut Checker, f: &Fields, default: (f64, f64)) -> (f64, f64) {
-    pair(c, f, "betas", ["beta1", "beta2"], limits::BETA, default)
+    pair(
+        c,
+        f,
+        "betas",
+        ["beta1", "beta2"],
+        [limits::BETA; 2],
+        default,
+    )
 }
 
 /// `key = (a, b)`, each in `range`; `names` name the halves in errors.
@@ -181,7 +249,7 @@ fn pair(
     f: &Fields,
     key: &str,
     names: [&str; 2],
-    range: ir::limits::FloatRange,
+    ranges: [ir::limits::FloatRange; 2],
     default: (f64, f64),
 ) -> (f64, f64) {
     let Some(e) = f.get(key) else {
@@ -191,8 +259,8 @@ fn pair(
         ValueKind::Tuple(items) if items.len() == 2 => {
             let first = format!("{} (the first of `{key}`)", names[0]);
             let second = format!("{} (the second of `{key}`)", names[1]);
-            let b1 = c.float_in(&first, &items[0], range);
-            let b2 = c.float_in(&second, &items[1], range);
+            let b1 = c.float_in(&first, &items[0], ranges[0]);
+            let b2 = c.float_in(&second, &items[1], ranges[1]);
             (b1.unwrap_or(default.0), b2.unwrap_or(default.1))
         }
         ValueKind::Tuple(items) => {

@@ -4,11 +4,14 @@
 use super::{Cursor, ParseError};
 use crate::op::{InputRole, Op};
 use crate::printer::{class_keyword, role_keyword, CLASSES};
-use schedule::{ElementwiseRule, Init, KlShampooHyper, SoapHyper, StepScalar};
+use schedule::{
+    ElementwiseRule, Init, InverseRoot, KlShampooHyper, RefreshMethod, ShampooHyper, SoapHyper,
+    StepScalar,
+};
 use std::str::FromStr;
 
 /// Every op name of the text format.
-const OP_NAMES: [&str; 36] = [
+const OP_NAMES: [&str; 37] = [
     "state",
     "input",
     "loss",
@@ -43,6 +46,7 @@ const OP_NAMES: [&str; 36] = [
     "soap_update",
     "soap_factor_update",
     "kl_shampoo_update",
+    "shampoo_update",
     "elementwise_update",
     "eigenbasis_refresh",
 ];
@@ -367,6 +371,20 @@ pub(super) fn build_op<'a>(
                 right: a.b("right")?,
             }
         }
+        "shampoo_update" => Op::ShampooUpdate {
+            hyper: ShampooHyper {
+                lr: a.f("lr")?,
+                beta1: a.f("beta1")?,
+                beta2: a.f("beta2")?,
+                epsilon: a.f("epsilon")?,
+                weight_decay: a.f("weight_decay")?,
+                use_bias_correction: a.b("use_bias_correction")?,
+                max_preconditioner_dim: a.num("max_preconditioner_dim", "a positive integer")?,
+                grafting: a.b("grafting")?,
+                grafting_beta2: a.f("grafting_beta2")?,
+                grafting_epsilon: a.f("grafting_epsilon")?,
+            },
+        },
         "soap_factor_update" => Op::SoapFactorUpdate {
             shampoo_beta: a.f("shampoo_beta")?,
             left: a.b("left")?,
@@ -397,14 +415,32 @@ pub(super) fn build_op<'a>(
                 .map_err(|e| a.c.err_at(a.op_at, format!("`elementwise_update`: {e}")))?;
             Op::ElementwiseUpdate { rule }
         }
-        "eigenbasis_refresh" => Op::EigenbasisRefresh {
-            side: a.num("side", "0 or 1")?,
-            frequency: a.num("frequency", "a positive integer")?,
-            offset: a.num("offset", "a non-negative integer")?,
-            staleness: a.num("staleness", "a non-negative integer")?,
-            placement: a.num("placement", "`host` or `gpu_side`")?,
-            method: a.num("method", "`soap` or `qr`")?,
-        },
+        "eigenbasis_refresh" => {
+            let (side, frequency, offset, staleness, placement, method) = (
+                a.num("side", "0 or 1")?,
+                a.num("frequency", "a positive integer")?,
+                a.num("offset", "a non-negative integer")?,
+                a.num("staleness", "a non-negative integer")?,
+                a.num("placement", "`host` or `gpu_side`")?,
+                a.num("method", "`soap`, `qr` or `inverse_root`")?,
+            );
+            let root = match method {
+                RefreshMethod::InverseRoot => Some(InverseRoot {
+                    exponent: a.num("exponent", "a positive integer")?,
+                    epsilon: a.f("epsilon")?,
+                }),
+                _ => None,
+            };
+            Op::EigenbasisRefresh {
+                side,
+                frequency,
+                offset,
+                staleness,
+                placement,
+                method,
+                root,
+            }
+        }
         _ => return Err(unknown(c, op_at, "op", name, &OP_NAMES)),
     };
     a.finish()?;

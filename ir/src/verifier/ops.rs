@@ -3,7 +3,7 @@
 //! verifies), the markers, and which `state` buffers in-place optimizer ops may update.
 use super::ctx::{Ctx, R};
 use super::{describe, Verifier, VerifierError};
-use crate::module::InstId;
+use crate::module::{InstId, ValueId};
 use crate::op::{Op, Section};
 use schedule::{BufferClass, DType, RefreshMethod};
 
@@ -37,6 +37,21 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
             }
             if *right {
                 v.extend(["factor_right", "basis_right"]);
+            }
+            v
+        }
+        Op::ShampooUpdate { hyper } => {
+            let head = if hyper.grafting { 4 } else { 3 };
+            if found < head + 2 || (found - head) % 2 != 0 {
+                return Err(format!(
+                    "{head} (param, grad, exp_avg{}) plus one (factor, root) pair per block side",
+                    if hyper.grafting { ", graft_sq" } else { "" }
+                ));
+            }
+            let mut v = vec!["param", "grad", "exp_avg"];
+            v.extend(hyper.grafting.then_some("graft_sq"));
+            for _ in 0..(found - head) / 2 {
+                v.extend(["factor", "root"]);
             }
             v
         }
@@ -87,6 +102,10 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
             method: RefreshMethod::Qr,
             ..
         } => vec!["factor", "basis", "exp_avg"],
+        Op::EigenbasisRefresh {
+            method: RefreshMethod::InverseRoot,
+            ..
+        } => vec!["factor", "basis"],
         Op::ElementwiseUpdate { rule } => {
             let mut v = vec!["param", "grad"];
             v.extend(std::iter::repeat("state").take(rule.state.len()));
@@ -134,6 +153,7 @@ fn result_roles(op: &Op, found: usize) -> Vec<&'static str> {
         | Op::SoapUpdate { .. }
         | Op::SoapFactorUpdate { .. }
         | Op::KlShampooUpdate { .. }
+        | Op::ShampooUpdate { .. }
         | Op::ElementwiseUpdate { .. }
         | Op::EigenbasisRefresh { .. } => vec![],
         _ => vec!["out"],
@@ -524,6 +544,67 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 c.class(role, BufferClass::Eigenbasis)?;
             }
         }
+        Op::ShampooUpdate { hyper } => {
+            if !(0.0..1.0).contains(&hyper.beta1) || !(hyper.beta2 > 0.0 && hyper.beta2 <= 1.0) {
+                return Err(c.attr(format!(
+                    "beta1 must be in [0, 1) and beta2 in (0, 1], got {:?} and {:?}",
+                    hyper.beta1, hyper.beta2
+                )));
+            }
+            c.class("param", BufferClass::Parameter)?;
+            c.gradient("grad", Some(c.get("param")?.0))?;
+            c.same("param", "grad")?;
+            c.same("param", "exp_avg")?;
+            c.class("exp_avg", BufferClass::ExpAvg)?;
+            if hyper.grafting {
+                c.same("param", "graft_sq")?;
+                c.class("graft_sq", BufferClass::ExpAvgSq)?;
+            }
+            let b = usize::try_from(hyper.max_preconditioner_dim).unwrap_or(usize::MAX);
+            let (_, blocks) = schedule::blocking::blocks(c.shape("param")?, b);
+            let sides: Vec<usize> = blocks.iter().flat_map(|bl| bl.sides()).collect();
+            let pairs: Vec<(ValueId, ValueId)> = c
+                .operands
+                .iter()
+                .filter(|o| o.0 == "factor")
+                .map(|o| o.1)
+                .zip(c.operands.iter().filter(|o| o.0 == "root").map(|o| o.1))
+                .collect();
+            if pairs.len() != sides.len() {
+                return Err(c.attr(format!(
+                    "{} blocks of max_preconditioner_dim {} have {} sides, got {} (factor, root) \
+                     pairs",
+                    blocks.len(),
+                    hyper.max_preconditioner_dim,
+                    sides.len(),
+                    pairs.len()
+                )));
+            }
+            for ((f, r), d) in pairs.into_iter().zip(sides) {
+                for (role, id, class) in [
+                    ("factor", f, BufferClass::KroneckerFactor),
+                    ("root", r, BufferClass::InverseRoot),
+                ] {
+                    if c.v.m.value(id).ty.shape != [d, d] {
+                        return Err(c.fail_value(
+                            role,
+                            id,
+                            format!("must have shape {:?}", [d, d]),
+                        ));
+                    }
+                    if c.v.state_class(id) != Some(class) {
+                        return Err(c.fail_value(
+                            role,
+                            id,
+                            format!(
+                                "must be a `state {}` buffer",
+                                crate::printer::class_keyword(class)
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
         Op::SoapFactorUpdate {
             shampoo_beta,
             left,
@@ -549,6 +630,7 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
             frequency,
             offset,
             method,
+            root,
             ..
         } => {
             if side > 1 || frequency == 0 || offset >= frequency {
@@ -562,6 +644,20 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 return Err(c.fail("factor", "must be square"));
             }
             c.dims("basis", &[d, d])?;
+            if method == RefreshMethod::InverseRoot {
+                if root.is_none_or(|r| r.exponent == 0 || !(r.epsilon > 0.0)) {
+                    return Err(
+                        c.attr("method inverse_root needs a positive exponent and epsilon".into())
+                    );
+                }
+                c.class("factor", BufferClass::KroneckerFactor)?;
+                return c.class("basis", BufferClass::InverseRoot);
+            }
+            if root.is_some() {
+                return Err(c.attr(format!(
+                    "exponent and epsilon belong to method inverse_root, not {method}"
+                )));
+            }
             if method == RefreshMethod::Soap {
                 c.same("exp_avg", "exp_avg_sq")?;
                 c.class("exp_avg_sq", BufferClass::ExpAvgSq)?;

@@ -490,6 +490,7 @@ pub fn tiny() -> Module {
                     ir::Placement::GpuSide
                 },
                 method: ir::RefreshMethod::Soap,
+                root: None,
             },
             &[f, q, m, v],
         );
