@@ -18,13 +18,15 @@ const MIB: u64 = 1 << 20;
 
 /// The optimizers whose moments the tiers move: AdamW, SOAP, Lion (an optimizer defined by
 /// its update rule, whose `elementwise_update` reads its state as a list operand) and
-/// KL-Shampoo (whose momentum moves; its QR refreshes never touch it).
+/// KL-Shampoo (whose momentum moves; its QR refreshes never touch it) and Shampoo (its first
+/// moment and grafting second moment move; its inverse-root refreshes touch neither).
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Opt {
     AdamW,
     Soap,
     Lion,
     KlShampoo,
+    Shampoo,
 }
 
 fn config(opt: Opt, budgets: Budgets) -> Config {
@@ -51,6 +53,20 @@ fn config(opt: Opt, budgets: Budgets) -> Config {
             // As SOAP's: QR refreshes run on the 128-wide sides while the momentum is offloaded.
             max_precond_dim: 256,
             normalize_grads: false,
+        }),
+        Opt::Shampoo => OptimizerConfig::Shampoo(ir::config::ShampooConfig {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.95,
+            epsilon: 1e-8,
+            weight_decay: 0.01,
+            // Blocks of 128: the 512-wide sides are cut in four.
+            max_preconditioner_dim: 128,
+            precondition_frequency: 2,
+            use_bias_correction: true,
+            grafting: true,
+            grafting_beta2: 0.999,
+            grafting_epsilon: 1e-10,
         }),
         Opt::AdamW => OptimizerConfig::Adamw(AdamWConfig {
             lr: 3e-3,
@@ -217,7 +233,13 @@ fn copies(plan: &Plan) -> (usize, usize) {
 #[test]
 fn a_tiered_run_is_bit_identical_to_the_untiered_run() {
     let dir = tempfile::tempdir_in(std::env::temp_dir()).expect("tempdir");
-    for opt in [Opt::AdamW, Opt::Soap, Opt::Lion, Opt::KlShampoo] {
+    for opt in [
+        Opt::AdamW,
+        Opt::Soap,
+        Opt::Lion,
+        Opt::KlShampoo,
+        Opt::Shampoo,
+    ] {
         let soap = opt == Opt::Soap;
         let plain = compile(config(opt, Budgets::default())).expect("untiered");
         assert_eq!(copies(&plain), (0, 0));

@@ -144,6 +144,26 @@ fn tiny_kl_shampoo() {
 }
 
 #[test]
+fn tiny_shampoo() {
+    let c = load("tiny-shampoo.asteria");
+    assert_eq!(c.model, tiny_model(Family::Gpt2, 256));
+    let OptimizerConfig::Shampoo(s) = &c.optimizer else {
+        panic!("not shampoo: {:?}", c.optimizer)
+    };
+    assert_eq!(
+        (s.lr, s.beta1, s.beta2, s.epsilon),
+        (1e-2, 0.95, 0.95, 1e-8)
+    );
+    assert_eq!(
+        (s.max_preconditioner_dim, s.precondition_frequency),
+        (256, 10)
+    );
+    assert!(s.grafting && s.use_bias_correction);
+    assert_eq!(c.data, tiny_data());
+    assert_eq!(c.train, tiny_train());
+}
+
+#[test]
 fn tiny_llama_soap() {
     let c = load("tiny-llama-soap.asteria");
     assert_eq!(c.model, tiny_model(Family::Llama, 192));

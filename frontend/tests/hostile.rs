@@ -9,7 +9,8 @@ use frontend::{parse_spec, parse_spec_bytes, SpecErrors, MAX_SPEC_BYTES};
 use ir::limits::{Limit, SPEC_KEYS};
 
 /// A valid spec in which every numeric key is allowed (llama for `rope_theta`, soap for the
-/// SOAP keys, a cpu target for `threads`; `with_entry` switches to kl_shampoo for its own keys).
+/// SOAP keys, a cpu target for `threads`; `with_entry` switches to kl_shampoo and shampoo for
+/// their own keys).
 const BASE: &str = "\
 model llama {
   vocab = 50257
@@ -41,6 +42,12 @@ fn with_entry(block: &str, key: &str, value: &str) -> (String, usize, usize) {
     }
     if key == "init_factor" || key == "max_clamp_value" {
         base = base.replace("optimizer soap {", "optimizer kl_shampoo {");
+    }
+    if matches!(
+        key,
+        "epsilon" | "max_preconditioner_dim" | "grafting_beta2" | "grafting_epsilon"
+    ) {
+        base = base.replace("optimizer soap {", "optimizer shampoo {");
     }
     let mut lines: Vec<String> = base
         .lines()

@@ -147,6 +147,60 @@ fn kl_shampoo_takes_the_reference_defaults() {
     assert!(text.contains("[1, 1e9]"), "{text}");
 }
 
+/// An empty `optimizer shampoo { }` takes every default of Distributed Shampoo
+/// (`docs/shampoo.md` §1: no grafting, frequency 1); `grafting = adam` takes
+/// `AdamPreconditionerConfig`'s; β₂ = 1 is allowed (a running sum), above it is not; a typo is
+/// located; a block size under 8 names its range.
+#[test]
+fn shampoo_takes_the_reference_defaults() {
+    let c = parse(&spec("optimizer shampoo { }", "")).expect("valid");
+    let want = ir::config::ShampooConfig {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 1.0,
+        epsilon: 1e-12,
+        weight_decay: 0.0,
+        max_preconditioner_dim: 1024,
+        precondition_frequency: 1,
+        use_bias_correction: true,
+        grafting: false,
+        grafting_beta2: 0.999,
+        grafting_epsilon: 1e-10,
+    };
+    assert_eq!(c.optimizer, OptimizerConfig::Shampoo(want));
+    let c = parse(&spec(
+        "optimizer shampoo { grafting = adam betas = (0.0, 0.99) }",
+        "",
+    ))
+    .expect("valid");
+    let OptimizerConfig::Shampoo(s) = c.optimizer else {
+        panic!("not shampoo")
+    };
+    assert_eq!((s.grafting, s.beta1, s.beta2), (true, 0.0, 0.99));
+    let e = parse(&spec("optimizer shampoo { betas = (0.9, 1.5) }", "")).expect_err("range");
+    let text = common::render(&e);
+    assert!(text.contains("(0, 1]"), "{text}");
+    let e = parse(&spec("optimizer shampoo { grafting = sgd }", "")).expect_err("name");
+    let text = common::render(&e);
+    assert!(text.contains("adam"), "{text}");
+    let e = parse(&spec(
+        "optimizer shampoo { max_precondtioner_dim = 64 }",
+        "",
+    ))
+    .expect_err("typo");
+    let text = common::render(&e);
+    assert!(text.contains("max_preconditioner_dim"), "{text}");
+    let e = parse(&spec(
+        "optimizer shampoo { max_preconditioner_dim = 4 }",
+        "",
+    ))
+    .expect_err("range");
+    let text = common::render(&e);
+    assert!(text.contains("8..=1_048_576"), "{text}");
+    let e = parse(&spec("optimizer soap { grafting = adam }", "")).expect_err("foreign key");
+    assert!(common::render(&e).contains("grafting"));
+}
+
 #[test]
 fn llama_default_mlp_hidden() {
     let src = spec("optimizer soap { }", "").replace("model gpt2", "model llama");
