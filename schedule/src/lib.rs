@@ -20,6 +20,7 @@ pub mod blocking;
 pub mod limits;
 pub mod memory;
 mod op;
+mod operands;
 mod options;
 mod ranges;
 pub mod reserve;
