@@ -11,7 +11,11 @@ computation, found as kl_opt where soap.py is; never commit it): KLOpt takes eve
 but the embedding and LM head (it has no dimension cap: their 50304-wide side would need a
 50304^2 factor), fused AdamW the rest (and the 1-D parameters, which KLOpt does not support),
 lr 3e-3, betas (0.9, 0.98), frequency 10.
-Usage (GPU host, PyTorch with CUDA): python3 torch_steps.py {adamw|soap|kl} STEPS OUT.jsonl [--tf32] [--compile] [--mpd N] [--model M]
+`shampoo` is the reference Shampoo (DistributedShampoo of facebookresearch/optimizers, the
+`distributed_shampoo` package directory, found where soap.py is; never commit it) on every
+parameter, as bench/specs/*-shampoo.asteria: lr 3e-3, betas (0.95, 0.95), epsilon 1e-8,
+weight decay 0.01 (decoupled), blocks of 1024, frequency 10, Adam grafting (0.999, 1e-10).
+Usage (GPU host, PyTorch with CUDA): python3 torch_steps.py {adamw|soap|kl|shampoo} STEPS OUT.jsonl [--tf32] [--compile] [--mpd N] [--model M]
   Writes OUT.jsonl, one line per step; prints the peak GPU memory. ~15 s plus STEPS steps
   (soap at 10000 in fp32: ~0.2 s a step).
   --tf32: torch.backends.cuda.matmul.allow_tf32 = True (fp32 matmuls on TF32 tensor cores, as
@@ -59,6 +63,12 @@ elif opt_name == "kl":
         def zero_grad(self, set_to_none=True):
             kl.zero_grad(set_to_none=set_to_none); aux.zero_grad(set_to_none=set_to_none)
     opt = Both()
+elif opt_name == "shampoo":
+    from distributed_shampoo import AdamPreconditionerConfig, DistributedShampoo
+    opt = DistributedShampoo(model.parameters(), lr=3e-3, betas=(0.95, 0.95), epsilon=1e-8,
+                             weight_decay=0.01, max_preconditioner_dim=1024,
+                             precondition_frequency=10,
+                             grafting_config=AdamPreconditionerConfig(beta2=0.999, epsilon=1e-10))
 else:
     from soap import SOAP
     opt = SOAP(model.parameters(), lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01,
