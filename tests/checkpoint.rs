@@ -277,6 +277,17 @@ fn damaged_or_foreign_checkpoints_are_refused_and_half_written_ones_ignored() {
         &compile(&spec(SOAP, 64)),
         "another model or optimizer",
     );
+    // The same optimizer with other betas: refused, naming them; another lr resumes.
+    expect_refused(
+        &good,
+        &compile(&spec(
+            "optimizer adamw { lr = 3e-3 betas = (0.8, 0.95) }",
+            64,
+        )),
+        "other optimizer hyperparameters (`adam_w`: beta1 0.9, beta2 0.95, eps 1e-8, weight_decay 0.1 there, beta1 0.8",
+    );
+    resume(&good, &compile(&spec("optimizer adamw { lr = 1e-3 }", 64)))
+        .expect("another lr resumes");
     // Another batch shape (batch_size 4 -> 2): the data position would differ.
     expect_refused(
         &good,

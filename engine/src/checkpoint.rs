@@ -37,7 +37,7 @@
 //! `staleness`, tier budget, learning rate or number of steps.
 use crate::train::StepExecutor;
 use crate::EngineError;
-use schedule::{ArenaKind, BufferClass, DType, Plan};
+use schedule::{ArenaKind, BufferClass, DType, Op, Plan};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -539,7 +539,10 @@ pub fn load(dir: &Path) -> Result<Checkpoint, EngineError> {
 pub fn check(ckpt: &Checkpoint, plan: &Plan) -> Result<(), EngineError> {
     let want = state_hash(plan);
     if ckpt.meta.state_hash == want {
-        return Ok(());
+        return match &ckpt.plan {
+            Some(there) => same_hyperparameters(ckpt, there, plan),
+            None => Ok(()),
+        };
     }
     let mine = state_buffers(plan);
     let first = mine
@@ -557,12 +560,82 @@ pub fn check(ckpt: &Checkpoint, plan: &Plan) -> Result<(), EngineError> {
                 .map(|n| format!("the checkpoint's `{n}` is not in this plan"))
         })
         .unwrap_or_else(|| "the refresh tasks differ".into());
+    let optimizer = |p: &Plan| {
+        p.optimizer
+            .iter()
+            .map(Op::name)
+            .find(|n| !matches!(*n, "clip_grad_norm" | "copy_in" | "copy_out"))
+            .unwrap_or("none")
+    };
+    let there = ckpt.plan.as_ref().map_or("unknown", optimizer);
     Err(err(format!(
-        "{} was written by plan `{}` with another model or optimizer ({first}); state hash {} there, {want} here",
+        "{} was written by plan `{}` with another model or optimizer ({first}; its optimizer \
+         op `{there}`, here `{}`); state hash {} there, {want} here",
         ckpt.dir.display(),
         ckpt.meta.plan,
+        optimizer(plan),
         ckpt.meta.state_hash
     )))
+}
+
+/// The optimizer ops' hyperparameters with the peak learning rate left out (a resume may
+/// change the lr schedule; `--resume`'s help says what may differ).
+fn hyperparameters(plan: &Plan) -> Vec<(&'static str, String)> {
+    plan.optimizer
+        .iter()
+        .filter_map(|op| {
+            let text = match op {
+                Op::AdamW {
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                    ..
+                } => format!(
+                    "beta1 {beta1:?}, beta2 {beta2:?}, eps {eps:?}, weight_decay {weight_decay:?}"
+                ),
+                Op::SoapUpdate { hyper, .. } => {
+                    format!("{:?}", schedule::SoapHyper { lr: 0.0, ..*hyper })
+                }
+                Op::KlShampooUpdate { hyper, .. } => {
+                    format!("{:?}", schedule::KlShampooHyper { lr: 0.0, ..*hyper })
+                }
+                Op::ShampooUpdate { hyper, .. } => {
+                    format!("{:?}", schedule::ShampooHyper { lr: 0.0, ..*hyper })
+                }
+                Op::SoapFactorUpdate { shampoo_beta, .. } => {
+                    format!("shampoo_beta {shampoo_beta:?}")
+                }
+                Op::ElementwiseUpdate { rule, .. } => {
+                    format!("{} {:?} {}", rule.optimizer, rule.scalars, rule.expr)
+                }
+                Op::ClipGradNorm { max_norm, .. } => format!("max_norm {max_norm:?}"),
+                _ => return None,
+            };
+            Some((op.name(), text))
+        })
+        .collect()
+}
+
+/// A checkpoint of the same state layout but other optimizer hyperparameters (betas, ε, weight
+/// decay, clipping, ...: everything but the lr) is refused, naming the first that differs:
+/// resuming would silently continue another optimization.
+fn same_hyperparameters(ckpt: &Checkpoint, there: &Plan, here: &Plan) -> Result<(), EngineError> {
+    let (a, b) = (hyperparameters(there), hyperparameters(here));
+    match a.iter().zip(&b).find(|(x, y)| x != y) {
+        None if a.len() == b.len() => Ok(()),
+        found => {
+            let what = match found {
+                Some(((op, x), (_, y))) => format!("`{op}`: {x} there, {y} here"),
+                None => format!("{} optimizer ops there, {} here", a.len(), b.len()),
+            };
+            Err(err(format!(
+                "{} was written with other optimizer hyperparameters ({what}); a resume may \
+                 change the lr, steps, staleness and budgets, not the optimizer",
+                ckpt.dir.display()
+            )))
+        }
+    }
 }
 
 /// Writes `ckpt`'s state into `engine` (after [`check`]): every tensor, the refresh tasks'
