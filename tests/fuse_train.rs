@@ -31,6 +31,7 @@ fn config(target: TargetConfig, soap: bool) -> Config {
             max_precond_dim: 64,
             correct_bias: true,
             normalize_grads: false,
+            block_size: None,
         }),
     };
     Config {

@@ -34,6 +34,7 @@ fn config(family: Family, target: TargetConfig, soap: bool, remat: Rematerialize
             max_precond_dim: 64,
             correct_bias: true,
             normalize_grads: false,
+            block_size: None,
         }),
     };
     Config {

@@ -19,7 +19,8 @@ const MIB: u64 = 1 << 20;
 /// The optimizers whose moments the tiers move: AdamW, SOAP, Lion (an optimizer defined by
 /// its update rule, whose `elementwise_update` reads its state as a list operand) and
 /// KL-Shampoo (whose momentum moves; its QR refreshes never touch it) and Shampoo (its first
-/// moment and grafting second moment move; its inverse-root refreshes touch neither).
+/// moment and grafting second moment move; its inverse-root refreshes touch neither), and
+/// blocked SOAP (each block's moments move).
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Opt {
     AdamW,
@@ -27,6 +28,7 @@ enum Opt {
     Lion,
     KlShampoo,
     Shampoo,
+    SoapBlocked,
 }
 
 fn config(opt: Opt, budgets: Budgets) -> Config {
@@ -75,7 +77,7 @@ fn config(opt: Opt, budgets: Budgets) -> Config {
             eps: 1e-8,
             weight_decay: 0.1,
         }),
-        Opt::Soap => OptimizerConfig::Soap(SoapConfig {
+        Opt::Soap | Opt::SoapBlocked => OptimizerConfig::Soap(SoapConfig {
             lr: 3e-3,
             beta1: 0.95,
             beta2: 0.95,
@@ -88,6 +90,9 @@ fn config(opt: Opt, budgets: Budgets) -> Config {
             max_precond_dim: 256,
             correct_bias: true,
             normalize_grads: false,
+            // Blocked: the 512-wide sides are cut into 128-wide blocks, each its own SOAP
+            // parameter (`block_copy` / `block_write` around its ops).
+            block_size: (opt == Opt::SoapBlocked).then_some(128),
         }),
     };
     Config {
@@ -239,8 +244,9 @@ fn a_tiered_run_is_bit_identical_to_the_untiered_run() {
         Opt::Lion,
         Opt::KlShampoo,
         Opt::Shampoo,
+        Opt::SoapBlocked,
     ] {
-        let soap = opt == Opt::Soap;
+        let soap = matches!(opt, Opt::Soap | Opt::SoapBlocked);
         let plain = compile(config(opt, Budgets::default())).expect("untiered");
         assert_eq!(copies(&plain), (0, 0));
         let device = budget_below(opt, 2 * MIB);

@@ -406,6 +406,18 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                     hyper: *hyper,
                 }
             }
+            Op::BlockCopy { row, col } => P::BlockCopy {
+                src: arg(0)?,
+                dst: res(0)?,
+                row: *row,
+                col: *col,
+            },
+            Op::BlockWrite { row, col } => P::BlockWrite {
+                dst: arg(0)?,
+                src: arg(1)?,
+                row: *row,
+                col: *col,
+            },
             Op::ShampooUpdate { hyper } => {
                 let head = if hyper.grafting { 4 } else { 3 };
                 let pairs = a[head.min(a.len())..]

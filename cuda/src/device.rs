@@ -602,6 +602,61 @@ impl Device {
         Ok(())
     }
 
+    /// Copies a `rows × cols` f32 block between row-major matrices in device memory on the
+    /// compute stream, one `cuMemcpy2DAsync`: element (i, j) of the block is `src[(src_row + i)
+    /// · src_n + src_col + j]` and goes to `dst[(dst_row + i) · dst_n + dst_col + j]` (plan ops
+    /// `BlockCopy` / `BlockWrite`).
+    ///
+    /// # Errors
+    /// [`CudaError::Shape`] when the block does not fit either buffer; the driver's status.
+    #[allow(clippy::too_many_arguments)]
+    pub fn copy_block_f32(
+        &self,
+        dst: &Buf,
+        (dst_n, dst_row, dst_col): (usize, usize, usize),
+        src: &Buf,
+        (src_n, src_row, src_col): (usize, usize, usize),
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        let fits = |b: &Buf, n: usize, r: usize, c: usize| {
+            rows == 0 || (c + cols <= n && ((r + rows - 1) * n + c + cols) * 4 <= b.bytes())
+        };
+        if !fits(dst, dst_n, dst_row, dst_col) || !fits(src, src_n, src_row, src_col) {
+            return Err(CudaError::Shape {
+                op: "copy_block",
+                operand: "dst",
+                expected: rows * cols * 4,
+                got: dst.bytes(),
+            });
+        }
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread()?;
+        let p = sys::CUDA_MEMCPY2D_st {
+            srcXInBytes: src_col * 4,
+            srcY: src_row,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: src.ptr(),
+            srcArray: std::ptr::null_mut(),
+            srcPitch: src_n * 4,
+            dstXInBytes: dst_col * 4,
+            dstY: dst_row,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst.ptr(),
+            dstArray: std::ptr::null_mut(),
+            dstPitch: dst_n * 4,
+            WidthInBytes: cols * 4,
+            Height: rows,
+        };
+        // SAFETY: both ranges were checked to lie inside live allocations of this context.
+        unsafe { sys::cuMemcpy2DAsync_v2(&p, self.compute.cu_stream()) }.result()?;
+        Ok(())
+    }
+
     /// Reads and clears the status word that kernels set when an index (token id, target) was
     /// out of range. Synchronizes the compute stream.
     ///

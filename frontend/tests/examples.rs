@@ -89,6 +89,7 @@ fn soap_defaults(lr: f64) -> SoapConfig {
         max_precond_dim: 10000,
         correct_bias: true,
         normalize_grads: false,
+        block_size: None,
     }
 }
 

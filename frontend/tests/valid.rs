@@ -201,6 +201,26 @@ fn shampoo_takes_the_reference_defaults() {
     assert!(common::render(&e).contains("grafting"));
 }
 
+/// `block_size` turns on blocked SOAP (absent: `soap.py`'s behaviour); below 8 it names its
+/// range; AdamW refuses it as a SOAP key.
+#[test]
+fn soap_block_size() {
+    let c = parse(&spec("optimizer soap { block_size = 2048 }", "")).expect("valid");
+    let OptimizerConfig::Soap(s) = c.optimizer else {
+        panic!("not soap")
+    };
+    assert_eq!(s.block_size, Some(2048));
+    let c = parse(&spec("optimizer soap { }", "")).expect("valid");
+    let OptimizerConfig::Soap(s) = c.optimizer else {
+        panic!("not soap")
+    };
+    assert_eq!(s.block_size, None);
+    let e = parse(&spec("optimizer soap { block_size = 4 }", "")).expect_err("range");
+    assert!(common::render(&e).contains("8..=1_048_576"));
+    let e = parse(&spec("optimizer adamw { block_size = 64 }", "")).expect_err("soap key");
+    assert!(common::render(&e).contains("SOAP"));
+}
+
 #[test]
 fn llama_default_mlp_hidden() {
     let src = spec("optimizer soap { }", "").replace("model gpt2", "model llama");

@@ -118,6 +118,11 @@ pub struct SoapConfig {
     pub correct_bias: bool,
     /// Normalize the update by its RMS (default false).
     pub normalize_grads: bool,
+    /// Blocked SOAP: a 2-D parameter with a side longer than this is cut into blocks of at
+    /// most this many rows and columns, each preconditioned as its own parameter (default
+    /// none: `soap.py`'s behaviour, sides over `max_precond_dim` stay unrotated).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<usize>,
 }
 
 /// KL-Shampoo hyperparameters (Lin et al. 2025); names and defaults of the reference `KLOpt`

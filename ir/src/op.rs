@@ -240,6 +240,22 @@ pub enum Op {
         /// Hyperparameters (the block size among them).
         hyper: ShampooHyper,
     },
+    /// args `[src]` (2-D f32 `[m, n]`), result `[r, c]`: the block of `src` at (`row`, `col`)
+    /// (see `schedule::Op::BlockCopy`).
+    BlockCopy {
+        /// First row of the block.
+        row: usize,
+        /// First column of the block.
+        col: usize,
+    },
+    /// args `[dst, src]`: writes the block `src` `[r, c]` into `dst` `[m, n]` at (`row`,
+    /// `col`); in place; no results.
+    BlockWrite {
+        /// First row of the block.
+        row: usize,
+        /// First column of the block.
+        col: usize,
+    },
     /// args `[grad]` + `factor_left` if `left` + `factor_right` if `right`; in place.
     SoapFactorUpdate {
         /// EMA factor β_s.
@@ -317,6 +333,8 @@ impl Op {
             Op::SoapFactorUpdate { .. } => "soap_factor_update",
             Op::KlShampooUpdate { .. } => "kl_shampoo_update",
             Op::ShampooUpdate { .. } => "shampoo_update",
+            Op::BlockCopy { .. } => "block_copy",
+            Op::BlockWrite { .. } => "block_write",
             Op::ElementwiseUpdate { .. } => "elementwise_update",
             Op::EigenbasisRefresh { .. } => "eigenbasis_refresh",
         }
@@ -332,6 +350,7 @@ impl Op {
                 | Op::SoapFactorUpdate { .. }
                 | Op::KlShampooUpdate { .. }
                 | Op::ShampooUpdate { .. }
+                | Op::BlockWrite { .. }
                 | Op::ElementwiseUpdate { .. }
                 | Op::EigenbasisRefresh { .. }
         )

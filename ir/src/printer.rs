@@ -179,6 +179,9 @@ pub(crate) fn attrs(op: &Op) -> Vec<(&'static str, Attr)> {
             ("left", B(left)),
             ("right", B(right)),
         ],
+        Op::BlockCopy { row, col } | Op::BlockWrite { row, col } => {
+            vec![("row", U(row as u64)), ("col", U(col as u64))]
+        }
         Op::ShampooUpdate { hyper } => vec![
             ("lr", F(hyper.lr)),
             ("beta1", F(hyper.beta1)),

@@ -169,6 +169,143 @@ fn shampoo(
     blocks.len()
 }
 
+/// SOAP's state, update, factor accumulation and refreshes of one parameter (or one block of
+/// a blocked parameter: then `p`, `g` are `block_copy` values and `pname` the block's name).
+fn soap_param(
+    module: &mut Module,
+    c: &ir::config::SoapConfig,
+    [p, g, exp_avg, exp_avg_sq]: [ValueId; 4],
+    pname: &str,
+    ty: &TensorType,
+    (n_factors, n_unrotated): (&mut usize, &mut usize),
+) {
+    let hyper = SoapHyper {
+        lr: c.lr,
+        beta1: c.beta1,
+        beta2: c.beta2,
+        eps: c.eps,
+        weight_decay: c.weight_decay,
+        correct_bias: c.correct_bias,
+        normalize_grads: c.normalize_grads,
+    };
+    // One entry per side: (factor, basis) when that side is preconditioned.
+    let mut sides: [Option<(ValueId, ValueId)>; 2] = [None, None];
+    if let [rows, cols] = ty.shape[..] {
+        sides = factor_sides(
+            module,
+            pname,
+            [rows, cols],
+            c.max_precond_dim,
+            (n_factors, n_unrotated),
+        );
+    }
+    let (left, right) = (sides[0].is_some(), sides[1].is_some());
+    let mut args = vec![p, g, exp_avg, exp_avg_sq];
+    args.extend(sides.iter().flatten().map(|s| s.1));
+    module.push0(
+        Section::Optimizer,
+        Op::SoapUpdate { hyper, left, right },
+        &args,
+    );
+    if left || right {
+        let mut args = vec![g];
+        args.extend(sides.iter().flatten().map(|s| s.0));
+        module.push0(
+            Section::Optimizer,
+            Op::SoapFactorUpdate {
+                shampoo_beta: c.shampoo_beta,
+                left,
+                right,
+            },
+            &args,
+        );
+    }
+    for (side, s) in sides.iter().enumerate() {
+        if let Some((f, q)) = s {
+            // Native schedule; `precond-scheduling` decides placement,
+            // staggering and staleness.
+            let op = Op::EigenbasisRefresh {
+                side: side as u8,
+                frequency: c.precondition_frequency,
+                offset: 0,
+                staleness: 0,
+                placement: ir::Placement::Host,
+                method: ir::RefreshMethod::Soap,
+                root: None,
+            };
+            module.push0(Section::Refresh, op, &[*f, *q, exp_avg, exp_avg_sq]);
+        }
+    }
+}
+
+/// Blocked SOAP (`block_size`): a 2-D parameter wider than `block_size` on a side is cut into
+/// blocks of at most `block_size` rows and columns (Distributed Shampoo's `multi_dim_split`,
+/// `schedule::blocking`, without merging), each a SOAP parameter of its own (`soap.py` on the
+/// block): per step `block_copy` cuts the block out of the parameter and of its gradient, the
+/// block's SOAP ops run on those copies, and `block_write` puts the updated block back.
+/// Returns the number of blocks, or `None` when the parameter is not blocked.
+fn blocked_soap(
+    module: &mut Module,
+    c: &ir::config::SoapConfig,
+    (p, g): (ValueId, ValueId),
+    pname: &str,
+    ty: &TensorType,
+    counters: (&mut usize, &mut usize),
+) -> Option<usize> {
+    let b = c.block_size?;
+    let [rows, cols] = ty.shape[..] else {
+        return None;
+    };
+    if rows <= b && cols <= b {
+        return None;
+    }
+    let (n_factors, n_unrotated) = counters;
+    let chunks = |n: usize| (0..n.div_ceil(b)).map(move |i| (i * b, b.min(n - i * b)));
+    let mut count = 0;
+    for (r0, r) in chunks(rows) {
+        for (c0, k) in chunks(cols) {
+            let bty = TensorType::f32([r, k]);
+            let name = format!("{pname}.b{count}");
+            let op = || Op::BlockCopy { row: r0, col: c0 };
+            let gb = module.push1(
+                Section::Optimizer,
+                op(),
+                &[g],
+                &format!("{name}.grad"),
+                bty.clone(),
+            );
+            let pb = module.push1(Section::Optimizer, op(), &[p], &name, bty.clone());
+            let exp_avg = state(
+                module,
+                BufferClass::ExpAvg,
+                format!("{name}.exp_avg"),
+                bty.clone(),
+            );
+            let exp_avg_sq = state(
+                module,
+                BufferClass::ExpAvgSq,
+                format!("{name}.exp_avg_sq"),
+                bty.clone(),
+            );
+            soap_param(
+                module,
+                c,
+                [pb, gb, exp_avg, exp_avg_sq],
+                &name,
+                &bty,
+                (&mut *n_factors, &mut *n_unrotated),
+            );
+            module.push0(
+                Section::Optimizer,
+                Op::BlockWrite { row: r0, col: c0 },
+                &[p, pb],
+            );
+            count += 1;
+        }
+    }
+    Some(count)
+}
+
 /// The state and `elementwise_update` of parameter `p` (gradient `g`) under an optimizer
 /// defined by its rule: one zero-initialised state tensor per entry of the definition, named
 /// `{param}.{suffix}`; weight decay only for parameters of two or more dimensions.
@@ -263,6 +400,29 @@ impl Pass for ExpandOptimizer {
                 });
             }
         }
+        if let OptimizerConfig::Soap(ir::config::SoapConfig {
+            block_size: Some(b),
+            ..
+        }) = &opt
+        {
+            let total: usize = pairs
+                .iter()
+                .map(|&(p, _)| match module.value(p).ty.shape[..] {
+                    [r, k] if r > *b || k > *b => r.div_ceil(*b) * k.div_ceil(*b),
+                    _ => 0,
+                })
+                .sum();
+            if total as u64 > ir::limits::SHAMPOO_BLOCKS {
+                return Err(PassError::Invalid {
+                    pass: "expand-optimizer",
+                    message: format!(
+                        "block_size = {b} cuts the model into {total} SOAP blocks, more than {}; \
+                         raise block_size",
+                        ir::limits::SHAMPOO_BLOCKS
+                    ),
+                });
+            }
+        }
         let mut n_blocks = 0;
         for (p, g) in pairs {
             let pname = module.value(p).name.clone();
@@ -332,6 +492,13 @@ impl Pass for ExpandOptimizer {
                 }
                 continue;
             }
+            if let OptimizerConfig::Soap(c) = &opt {
+                let counters = (&mut n_factors, &mut n_unrotated);
+                if let Some(n) = blocked_soap(module, c, (p, g), &pname, &ty, counters) {
+                    n_blocks += n;
+                    continue;
+                }
+            }
             let exp_avg = state(
                 module,
                 BufferClass::ExpAvg,
@@ -374,71 +541,24 @@ impl Pass for ExpandOptimizer {
                     };
                     module.push0(Section::Optimizer, op, &[p, g, exp_avg, exp_avg_sq]);
                 }
-                OptimizerConfig::Soap(c) => {
-                    let hyper = SoapHyper {
-                        lr: c.lr,
-                        beta1: c.beta1,
-                        beta2: c.beta2,
-                        eps: c.eps,
-                        weight_decay: c.weight_decay,
-                        correct_bias: c.correct_bias,
-                        normalize_grads: c.normalize_grads,
-                    };
-                    // One entry per side: (factor, basis) when that side is preconditioned.
-                    let mut sides: [Option<(ValueId, ValueId)>; 2] = [None, None];
-                    if let [rows, cols] = ty.shape[..] {
-                        sides = factor_sides(
-                            module,
-                            &pname,
-                            [rows, cols],
-                            c.max_precond_dim,
-                            (&mut n_factors, &mut n_unrotated),
-                        );
-                    }
-                    let (left, right) = (sides[0].is_some(), sides[1].is_some());
-                    let mut args = vec![p, g, exp_avg, exp_avg_sq];
-                    args.extend(sides.iter().flatten().map(|s| s.1));
-                    module.push0(
-                        Section::Optimizer,
-                        Op::SoapUpdate { hyper, left, right },
-                        &args,
-                    );
-                    if left || right {
-                        let mut args = vec![g];
-                        args.extend(sides.iter().flatten().map(|s| s.0));
-                        module.push0(
-                            Section::Optimizer,
-                            Op::SoapFactorUpdate {
-                                shampoo_beta: c.shampoo_beta,
-                                left,
-                                right,
-                            },
-                            &args,
-                        );
-                    }
-                    for (side, s) in sides.iter().enumerate() {
-                        if let Some((f, q)) = s {
-                            // Native schedule; `precond-scheduling` decides placement,
-                            // staggering and staleness.
-                            let op = Op::EigenbasisRefresh {
-                                side: side as u8,
-                                frequency: c.precondition_frequency,
-                                offset: 0,
-                                staleness: 0,
-                                placement: ir::Placement::Host,
-                                method: ir::RefreshMethod::Soap,
-                                root: None,
-                            };
-                            module.push0(Section::Refresh, op, &[*f, *q, exp_avg, exp_avg_sq]);
-                        }
-                    }
-                }
+                OptimizerConfig::Soap(c) => soap_param(
+                    module,
+                    c,
+                    [p, g, exp_avg, exp_avg_sq],
+                    &pname,
+                    &ty,
+                    (&mut n_factors, &mut n_unrotated),
+                ),
             }
         }
         Ok(match opt {
             OptimizerConfig::Adamw(_) => format!("adamw on {} parameters", grads.len()),
             OptimizerConfig::Elementwise(c) => {
-                format!("{} on {} parameters (an element-wise rule)", c.name, grads.len())
+                format!(
+                    "{} on {} parameters (an element-wise rule)",
+                    c.name,
+                    grads.len()
+                )
             }
             OptimizerConfig::KlShampoo(_) => format!(
                 "kl_shampoo on {} parameters: {n_factors} Kronecker factors, {n_unrotated} sides \
@@ -451,8 +571,14 @@ impl Pass for ExpandOptimizer {
                 grads.len()
             ),
             OptimizerConfig::Soap(_) => format!(
-                "soap on {} parameters: {n_factors} Kronecker factors, {n_unrotated} unrotated sides",
-                grads.len()
+                "soap on {} parameters: {n_factors} Kronecker factors, {n_unrotated} unrotated \
+                 sides{}",
+                grads.len(),
+                if n_blocks > 0 {
+                    format!(", {n_blocks} blocks of blocked parameters")
+                } else {
+                    String::new()
+                }
             ),
         })
     }

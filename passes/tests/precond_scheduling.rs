@@ -22,6 +22,7 @@ fn gpt2_124m_soap(staleness: u32, calibration: &str) -> ir::Module {
         max_precond_dim: 10000,
         correct_bias: true,
         normalize_grads: false,
+        block_size: None,
     });
     config.target = TargetConfig::Cuda {
         device: 0,
@@ -209,4 +210,53 @@ fn refresh_placement_option_overrides_the_cost_model() {
     // `auto` splits the factors between the two (the test above says how).
     let auto = schedule(5, "h200");
     assert!(auto.host_share() > 0.0 && auto.host_share() < 1.0);
+}
+
+/// Shampoo's refreshes (method `inverse_root`) run on the host whatever the cost model, the
+/// staleness or the spec's `refresh_placement` says (the CUDA engine has no GPU inverse root),
+/// the compiled plan verifies, and `Plan::force_refresh_placement(Gpu)` (the train-match
+/// harness's default) leaves them on the host.
+#[test]
+fn inverse_root_refreshes_stay_on_the_host() {
+    let spec = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/tiny-shampoo.asteria");
+    for policy in [
+        ir::RefreshPlacement::Auto,
+        ir::RefreshPlacement::Gpu,
+        ir::RefreshPlacement::Host,
+    ] {
+        for staleness in [0, 5] {
+            let mut config = frontend::load_spec(&spec).expect("spec");
+            config.target = TargetConfig::Cuda {
+                device: 0,
+                staleness,
+                calibration: Some("h200".into()),
+                precision: ir::Precision::Fp32,
+                eigensolver: ir::Eigensolver::Faer,
+                attention: ir::AttentionKernel::Auto,
+                refresh_placement: policy,
+                budgets: Default::default(),
+            };
+            let mut m = ir::Module::new(config);
+            let mut pm = PassManager::new(PassOptions::default()).expect("pm");
+            let (cx, _) = pm
+                .run(&mut m, None, &mut std::io::sink())
+                .expect("pipeline");
+            let mut plan = cx.plan.expect("a plan");
+            plan.force_refresh_placement(schedule::RefreshPlacement::Gpu);
+            plan.verify()
+                .expect("verifies with refresh_placement = gpu");
+            assert!(!plan.host_tasks.is_empty());
+            for t in &plan.host_tasks {
+                let schedule::HostTask::EigenbasisRefresh {
+                    placement, method, ..
+                } = t;
+                assert_eq!(*method, schedule::RefreshMethod::InverseRoot);
+                assert_eq!(
+                    *placement,
+                    schedule::Placement::Host,
+                    "{policy} S={staleness}"
+                );
+            }
+        }
+    }
 }

@@ -227,8 +227,8 @@ pub const SHAMPOO_BETA2: FloatRange = FloatRange::above(0.0, 1.0);
 /// Shampoo's `max_preconditioner_dim`: the block size (below 8 the blocks of one embedding
 /// number in the hundreds of thousands).
 pub const MAX_PRECONDITIONER_DIM: IntRange = IntRange::new(8, 1 << 20);
-/// The Shampoo blocks of a whole model: each has up to two factors, two inverse roots and two
-/// refresh tasks.
+/// The Shampoo blocks (or blocked-SOAP blocks) of a whole model: each has up to two factors,
+/// two inverse roots or bases and two refresh tasks.
 pub const SHAMPOO_BLOCKS: u64 = 65_536;
 /// KL-Shampoo's `init_factor`: the initial eigenvalue estimate.
 pub const INIT_FACTOR: FloatRange = FloatRange::above(0.0, 1e6);
@@ -325,6 +325,11 @@ pub const SPEC_KEYS: &[(&str, &str, Limit)] = &[
     (
         "optimizer",
         "max_preconditioner_dim",
+        Limit::Int(MAX_PRECONDITIONER_DIM),
+    ),
+    (
+        "optimizer",
+        "block_size",
         Limit::Int(MAX_PRECONDITIONER_DIM),
     ),
     ("optimizer", "grafting_beta2", Limit::Float(BETA)),

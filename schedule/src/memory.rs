@@ -317,7 +317,8 @@ impl Op {
                 Access::ReadWrite
             }
             (Op::ElementwiseUpdate { .. }, "param" | "state") => Access::ReadWrite,
-            (Op::CopyIn { .. } | Op::CopyOut { .. }, "dst") => Access::Write,
+            (Op::CopyIn { .. } | Op::CopyOut { .. } | Op::BlockCopy { .. }, "dst") => Access::Write,
+            (Op::BlockWrite { .. }, "dst") => Access::ReadWrite,
             (
                 _,
                 "out" | "out_bf16" | "dtable" | "dpos" | "dx" | "dweight" | "dbias" | "dqkv"

@@ -652,6 +652,23 @@ pub enum Op {
         state: Vec<BufferId>,
         rule: ElementwiseRule,
     },
+    /// Copies the block `src[row .. row + r, col .. col + c]` of a 2-D f32 `src` `[m, n]` into
+    /// `dst` `[r, c]` (a blocked optimizer's view of one block of a parameter or gradient).
+    BlockCopy {
+        src: BufferId,
+        dst: BufferId,
+        row: usize,
+        col: usize,
+    },
+    /// Writes the f32 block `src` `[r, c]` into `dst[row .. row + r, col .. col + c]` of a 2-D
+    /// `dst` `[m, n]`, in place (the rest of `dst` unchanged): the inverse of
+    /// [`Op::BlockCopy`], after a blocked optimizer updated the block.
+    BlockWrite {
+        src: BufferId,
+        dst: BufferId,
+        row: usize,
+        col: usize,
+    },
     /// Brings an offloaded buffer `src` (placed in the `host` or `nvme` arena by the
     /// `tier-placement` pass) into its staging buffer `dst` on the engine's device (same dtype
     /// and shape), a byte copy. The `prefetch-insertion` pass issues it ahead of `dst`'s first

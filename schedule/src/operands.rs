@@ -38,6 +38,8 @@ impl Op {
             Op::KlShampooUpdate { .. } => "kl_shampoo_update",
             Op::ShampooUpdate { .. } => "shampoo_update",
             Op::ElementwiseUpdate { .. } => "elementwise_update",
+            Op::BlockCopy { .. } => "block_copy",
+            Op::BlockWrite { .. } => "block_write",
             Op::CopyIn { .. } => "copy_in",
             Op::CopyOut { .. } => "copy_out",
         }
@@ -246,6 +248,9 @@ impl Op {
             } => {
                 v.extend([("param", *param), ("grad", *grad)]);
                 v.extend(state.iter().map(|s| ("state", *s)));
+            }
+            Op::BlockCopy { src, dst, .. } | Op::BlockWrite { src, dst, .. } => {
+                v.extend([("src", *src), ("dst", *dst)])
             }
             Op::CopyIn { src, dst } | Op::CopyOut { src, dst } => {
                 v.extend([("src", *src), ("dst", *dst)])

@@ -657,6 +657,23 @@ impl Checker<'_> {
                     self.same(("param", *param), ("state", *s))?;
                 }
             }
+            Op::BlockCopy { src, dst, row, col } | Op::BlockWrite { src, dst, row, col } => {
+                let (whole, block) = match op {
+                    Op::BlockCopy { .. } => (("src", *src), ("dst", *dst)),
+                    _ => (("dst", *dst), ("src", *src)),
+                };
+                let (m, n) = self.rank2(whole.0, whole.1)?;
+                let (r, c) = self.rank2(block.0, block.1)?;
+                if row.checked_add(r).is_none_or(|e| e > m)
+                    || col.checked_add(c).is_none_or(|e| e > n)
+                {
+                    return Err(self.fail(
+                        block.0,
+                        block.1,
+                        format!("at ({row}, {col}) does not fit in [{m}, {n}]"),
+                    ));
+                }
+            }
             Op::CopyIn { src, dst } | Op::CopyOut { src, dst } => {
                 self.same(("src", *src), ("dst", *dst))?;
                 let (ds, dd) = (self.plan.buffer(*src).dtype, self.plan.buffer(*dst).dtype);
@@ -881,6 +898,17 @@ impl Plan {
                     crate::RefreshPlacement::Gpu => Some(crate::Placement::GpuSide),
                     crate::RefreshPlacement::Host => Some(crate::Placement::Host),
                 };
+                // Shampoo's inverse roots have no GPU refresh: on the host whatever the target's
+                // `refresh_placement` says (`precond-scheduling` places them there).
+                if *method == crate::RefreshMethod::InverseRoot
+                    && *placement != crate::Placement::Host
+                {
+                    return Err(PlanError::Invalid(format!(
+                        "{location}: placement `{placement}` of an inverse_root refresh: the CUDA \
+                         engine computes inverse roots on the host only"
+                    )));
+                }
+                let want = want.filter(|_| *method != crate::RefreshMethod::InverseRoot);
                 if want.is_some_and(|w| w != *placement) {
                     return Err(PlanError::Invalid(format!(
                         "{location}: placement `{placement}` contradicts the target's \

@@ -62,6 +62,14 @@ impl CudaEngine {
         let dev = &self.dev;
         let s = &self.scratch;
         match op {
+            Op::BlockCopy { src, dst, row, col } => {
+                let (n, (r, c)) = (self.dims(*src).1, self.dims(*dst));
+                dev.copy_block_f32(self.b(*dst), (c, 0, 0), self.b(*src), (n, *row, *col), r, c)?;
+            }
+            Op::BlockWrite { src, dst, row, col } => {
+                let (n, (r, c)) = (self.dims(*dst).1, self.dims(*src));
+                dev.copy_block_f32(self.b(*dst), (n, *row, *col), self.b(*src), (c, 0, 0), r, c)?;
+            }
             Op::Embedding { table, ids, out } => {
                 let (v, c) = self.dims(*table);
                 nn::embedding_forward(dev, self.b(*table), self.b(*ids), self.b(*out), v, c)?;

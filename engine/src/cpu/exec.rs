@@ -42,6 +42,30 @@ pub(crate) fn exec_op<T: Float + Real>(
                 "{loc}: tier copies run through the engine's tier stores, not as kernels"
             )))
         }
+        Op::BlockCopy { src, dst, row, col } => {
+            let n = cols(st, *src);
+            let (r, c) = st.dims2(*dst);
+            st.with_outs(loc, &[("dst", *dst)], &[*src], |s, o| {
+                let x = s.f(*src)?;
+                for (i, out) in o[0].chunks_exact_mut(c.max(1)).take(r).enumerate() {
+                    let at = (row + i) * n + col;
+                    out.copy_from_slice(&x[at..at + c]);
+                }
+                Ok(())
+            })?;
+        }
+        Op::BlockWrite { src, dst, row, col } => {
+            let n = cols(st, *dst);
+            let (r, c) = st.dims2(*src);
+            st.with_outs(loc, &[("dst", *dst)], &[*src], |s, o| {
+                let x = s.f(*src)?;
+                for i in 0..r {
+                    let at = (row + i) * n + col;
+                    o[0][at..at + c].copy_from_slice(&x[i * c..(i + 1) * c]);
+                }
+                Ok(())
+            })?;
+        }
         Op::Embedding { table, ids, out } => {
             let (v, c) = st.dims2(*table);
             st.with_outs(loc, &[("out", *out)], &[*table, *ids], |s, o| {

@@ -664,6 +664,7 @@ mod tests {
                 staleness,
                 placement: Placement::Host,
                 method: RefreshMethod::Soap,
+                root: None,
             },
         );
         RefreshRuntime {

@@ -11,7 +11,7 @@ use schedule::{
 use std::str::FromStr;
 
 /// Every op name of the text format.
-const OP_NAMES: [&str; 37] = [
+const OP_NAMES: [&str; 39] = [
     "state",
     "input",
     "loss",
@@ -47,6 +47,8 @@ const OP_NAMES: [&str; 37] = [
     "soap_factor_update",
     "kl_shampoo_update",
     "shampoo_update",
+    "block_copy",
+    "block_write",
     "elementwise_update",
     "eigenbasis_refresh",
 ];
@@ -371,6 +373,14 @@ pub(super) fn build_op<'a>(
                 right: a.b("right")?,
             }
         }
+        "block_copy" => Op::BlockCopy {
+            row: a.u("row")?,
+            col: a.u("col")?,
+        },
+        "block_write" => Op::BlockWrite {
+            row: a.u("row")?,
+            col: a.u("col")?,
+        },
         "shampoo_update" => Op::ShampooUpdate {
             hyper: ShampooHyper {
                 lr: a.f("lr")?,

@@ -87,9 +87,46 @@ impl Ctx<'_, '_> {
             )),
         }
     }
-    /// The operand must be a gradient marked by `grad_of` (of `param` when given).
+    /// The `block_copy` that defines `id`: its source and the block's (row, col).
+    pub(super) fn block_of(&self, id: ValueId) -> Option<(ValueId, usize, usize)> {
+        let def = self.v.m.inst(self.v.m.value(id).def);
+        match def.op {
+            crate::op::Op::BlockCopy { row, col } => Some((def.args[0], row, col)),
+            _ => None,
+        }
+    }
+    /// `param` and `grad` of an optimizer op: a parameter and its gradient, or (a blocked
+    /// optimizer) the blocks `block_copy` cut at the same place out of a parameter and its
+    /// gradient.
+    pub(super) fn param_and_grad(&self) -> R {
+        let (p, _) = self.get("param")?;
+        let (g, _) = self.get("grad")?;
+        match (self.block_of(p), self.block_of(g)) {
+            (Some((ps, pr, pc)), Some((gs, gr, gc))) => {
+                if self.v.state_class(ps) != Some(BufferClass::Parameter) {
+                    return Err(self.fail("param", "must be a block of a parameter"));
+                }
+                if self.v.grads.get(&ps) != Some(&gs) || (pr, pc) != (gr, gc) {
+                    return Err(
+                        self.fail("grad", "must be the same block of the parameter's gradient")
+                    );
+                }
+                Ok(())
+            }
+            _ => {
+                self.class("param", BufferClass::Parameter)?;
+                self.gradient("grad", Some(p))
+            }
+        }
+    }
+    /// The operand must be a gradient marked by `grad_of` (of `param` when given), or a block
+    /// `block_copy` cut out of one.
     pub(super) fn gradient(&self, role: &'static str, param: Option<ValueId>) -> R {
         let (id, _) = self.get(role)?;
+        let id = match (param, self.block_of(id)) {
+            (None, Some((src, _, _))) => src,
+            _ => id,
+        };
         let m = self.v.m;
         match param {
             Some(p) => match self.v.grads.get(&p) {

@@ -55,6 +55,8 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
             }
             v
         }
+        Op::BlockCopy { .. } => vec!["src"],
+        Op::BlockWrite { .. } => vec!["dst", "src"],
         Op::SoapFactorUpdate { left, right, .. } => {
             let mut v = vec!["grad"];
             v.extend(left.then_some("factor_left"));
@@ -154,6 +156,7 @@ fn result_roles(op: &Op, found: usize) -> Vec<&'static str> {
         | Op::SoapFactorUpdate { .. }
         | Op::KlShampooUpdate { .. }
         | Op::ShampooUpdate { .. }
+        | Op::BlockWrite { .. }
         | Op::ElementwiseUpdate { .. }
         | Op::EigenbasisRefresh { .. } => vec![],
         _ => vec!["out"],
@@ -465,8 +468,7 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
             }
         }
         Op::AdamW { .. } | Op::SoapUpdate { .. } => {
-            c.class("param", BufferClass::Parameter)?;
-            c.gradient("grad", Some(c.get("param")?.0))?;
+            c.param_and_grad()?;
             for (role, class) in [
                 ("exp_avg", BufferClass::ExpAvg),
                 ("exp_avg_sq", BufferClass::ExpAvgSq),
@@ -603,6 +605,24 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                         ));
                     }
                 }
+            }
+        }
+        Op::BlockCopy { row, col } | Op::BlockWrite { row, col } => {
+            let (whole, block) = match *op {
+                Op::BlockCopy { .. } => ("src", "out"),
+                _ => ("dst", "src"),
+            };
+            let (m_, n) = c.rank2(whole)?;
+            let (r, k) = c.rank2(block)?;
+            if row.checked_add(r).is_none_or(|e| e > m_) || col.checked_add(k).is_none_or(|e| e > n)
+            {
+                return Err(c.fail(
+                    block,
+                    format!("at ({row}, {col}) does not fit in [{m_}, {n}]"),
+                ));
+            }
+            if let Op::BlockWrite { .. } = *op {
+                c.class("dst", BufferClass::Parameter)?;
             }
         }
         Op::SoapFactorUpdate {
