@@ -37,6 +37,9 @@ pub(crate) struct Geometry {
     pub(crate) p: usize,
     pub(crate) trans_a: bool,
     pub(crate) trans_b: bool,
+    /// Leading dimensions (row strides, elements) of the stored a, b and out when they are
+    /// sub-matrices ([`gemm_f32_sub`]); `None`: each operand's stored column count.
+    ld: Option<[usize; 3]>,
 }
 
 impl Geometry {
@@ -78,6 +81,7 @@ impl Geometry {
             p,
             trans_a,
             trans_b,
+            ld: None,
         })
     }
     fn op(t: bool) -> cbsys::cublasOperation_t {
@@ -88,13 +92,22 @@ impl Geometry {
         }
     }
     fn lda(&self) -> i32 {
-        (if self.trans_a { self.m } else { self.k }).max(1) as i32
+        match self.ld {
+            Some([a, _, _]) => a as i32,
+            None => (if self.trans_a { self.m } else { self.k }).max(1) as i32,
+        }
     }
     fn ldb(&self) -> i32 {
-        (if self.trans_b { self.k } else { self.p }).max(1) as i32
+        match self.ld {
+            Some([_, b, _]) => b as i32,
+            None => (if self.trans_b { self.k } else { self.p }).max(1) as i32,
+        }
     }
     fn ldc(&self) -> i32 {
-        self.p.max(1) as i32
+        match self.ld {
+            Some([_, _, c]) => c as i32,
+            None => self.p.max(1) as i32,
+        }
     }
 }
 
@@ -202,6 +215,111 @@ pub fn gemm_f32_with(
         0,
         beta,
         out.ptr(),
+        0,
+        1,
+    )
+}
+
+/// A row-major f32 sub-matrix of a buffer: `dims.rows` rows of `dims.cols` elements, the first
+/// at element `offset`, consecutive rows `ld` elements apart (a block of a larger row-major
+/// matrix with `ld` = its column count, addressed in place without a copy).
+#[derive(Clone, Copy, Debug)]
+pub struct SubMatrix<'a> {
+    /// The buffer holding it (f32).
+    pub buf: &'a Buf,
+    /// Element offset of its first element.
+    pub offset: usize,
+    /// Its shape `[rows, cols]`.
+    pub dims: Dims,
+    /// Row stride, elements (at least `dims.cols`).
+    pub ld: usize,
+}
+
+impl<'a> SubMatrix<'a> {
+    /// A whole buffer as a dense `[rows, cols]` matrix.
+    pub fn whole(buf: &'a Buf, dims: Dims) -> SubMatrix<'a> {
+        SubMatrix {
+            buf,
+            offset: 0,
+            dims,
+            ld: dims.cols.max(1),
+        }
+    }
+
+    /// The device address of its first element, after checking that the buffer is f32, covers
+    /// every row, and `ld` is at least the column count and fits cuBLAS's `int`.
+    fn ptr(&self, op: &'static str, operand: &'static str) -> Result<u64> {
+        let Dims { rows, cols } = self.dims;
+        if self.buf.elem() != Elem::F32 || self.ld < cols.max(1) || self.ld > INT_MAX {
+            return Err(CudaError::Invalid {
+                op,
+                what: format!(
+                    "{operand}: a [{rows}, {cols}] sub-matrix with row stride {} of a {:?} buffer",
+                    self.ld,
+                    self.buf.elem()
+                ),
+            });
+        }
+        let end = if rows * cols == 0 {
+            self.offset
+        } else {
+            self.offset + (rows - 1) * self.ld + cols
+        };
+        if end > self.buf.len() {
+            return Err(CudaError::Shape {
+                op,
+                operand,
+                expected: end,
+                got: self.buf.len(),
+            });
+        }
+        Ok(self.buf.ptr() + (self.offset * 4) as u64)
+    }
+}
+
+/// `c = alpha · op(a)·op(b) + beta · c` in fp32 on row-major sub-matrices ([`SubMatrix`]: each
+/// operand at a pointer offset with its own row stride, as cuBLAS's `lda` / `ldb` / `ldc`
+/// allow), on the compute stream with the device's [`crate::GemmMath`]. `c`'s shape must be
+/// `[m, p]` of `op(a)[m, k]·op(b)[k, p]`; `c` must not overlap `a` or `b`.
+///
+/// # Errors
+/// Operands that are not f32, do not fit their buffers or disagree in shape
+/// ([`CudaError::Shape`], [`CudaError::Invalid`]), sizes beyond `int`, or a cuBLAS error.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_f32_sub(
+    dev: &Device,
+    a: SubMatrix<'_>,
+    b: SubMatrix<'_>,
+    c: SubMatrix<'_>,
+    trans_a: bool,
+    trans_b: bool,
+    alpha: f32,
+    beta: f32,
+) -> Result<()> {
+    const OP: &str = "gemm_f32_sub";
+    let (pa, pb, pc) = (a.ptr(OP, "a")?, b.ptr(OP, "b")?, c.ptr(OP, "out")?);
+    let mut g = Geometry::new(OP, a.dims, b.dims, trans_a, trans_b)?;
+    if c.dims != Dims::new(g.m, g.p) {
+        return Err(CudaError::Shape {
+            op: OP,
+            operand: "out",
+            expected: g.m * g.p,
+            got: c.dims.rows * c.dims.cols,
+        });
+    }
+    g.ld = Some([a.ld, b.ld, c.ld]);
+    gemm_strided_batched_f32_on(
+        dev,
+        crate::StreamKind::Compute,
+        dev.gemm_math(),
+        g,
+        alpha,
+        pa,
+        0,
+        pb,
+        0,
+        beta,
+        pc,
         0,
         1,
     )

@@ -178,6 +178,15 @@ pub const FAMILIES: &[Family] = &[
         ]
     ),
     family!(
+        "shampoo",
+        [
+            "shampoo_moments",
+            "shampoo_graft_partials",
+            "shampoo_graft_scale",
+            "shampoo_apply"
+        ]
+    ),
+    family!(
         "refresh",
         [
             "add_diag",

@@ -25,8 +25,8 @@ pub struct MatchOptions {
     /// Largest allowed `|gpu − cpu| / |cpu|` of any step's loss (default 1e-4).
     pub tol: f64,
     /// Where the GPU engine refreshes eigenbases: the plan is rewritten with
-    /// [`Plan::force_refresh_placement`] (default: every refresh on the GPU; `Auto` keeps the
-    /// compiled placements).
+    /// [`Plan::force_refresh_placement`] (default: every refresh on the GPU, except Shampoo's
+    /// inverse roots, which run on the host always; `Auto` keeps the compiled placements).
     pub refresh: RefreshPlacement,
     /// Token cache folder.
     pub cache_dir: Option<PathBuf>,
@@ -305,7 +305,9 @@ fn column_signs(a: &[f64], b: &[f64]) -> Vec<f64> {
 impl Lockstep<'_> {
     /// Copies the CPU engine's basis and moments of every factor whose refresh was due at the
     /// end of step `t` into the GPU engine (see [`MatchOptions::inject_cpu_refreshes`]); the
-    /// basis alone for a [`RefreshMethod::Qr`] refresh (KL-Shampoo), which changes nothing else.
+    /// basis alone for a [`RefreshMethod::Qr`] refresh (KL-Shampoo), which changes nothing else,
+    /// and the inverse root alone (the task's `basis`) for a [`RefreshMethod::InverseRoot`]
+    /// refresh (Shampoo).
     fn inject_refreshes(&mut self, t: u64) -> Result<(), EngineError> {
         let plan = self.cpu.plan().clone();
         for task in &plan.host_tasks {

@@ -177,6 +177,7 @@ const PLAN_OPS: &[&str] = &[
     "soap_update",
     "soap_factor_update",
     "kl_shampoo_update",
+    "shampoo_update",
 ];
 
 #[test]

@@ -12,6 +12,10 @@
 //! `side_stream_interference` fraction shows up in the step. With S = 0 every refresh is
 //! visible and the faster place wins. Largest factors are placed first (LPT), and offsets
 //! balance the per-step load of each place (Paper §3.2: off-critical-path preconditioner work).
+//!
+//! Shampoo's refreshes (method `inverse_root`) are placed on the host always, whatever the
+//! cost model or the spec's `refresh_placement`: the CUDA engine has no GPU inverse root (an
+//! engine never re-places a task; the plan says where it runs).
 use crate::cost_model::TargetDescription;
 use crate::{Pass, PassContext, PassError};
 use ir::config::TargetConfig;
@@ -113,16 +117,21 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
         .sum();
     let tokens = module.config.data.batch_size * module.config.data.seq_len;
     let step_ms = desc.predicted_step_ms(params, tokens).max(1e-3);
-    let items: Vec<(InstId, usize, u64, String)> = module
+    // (instruction, d, frequency, factor name, host only: method `inverse_root`, which has no
+    // GPU refresh).
+    let items: Vec<(InstId, usize, u64, String, bool)> = module
         .section(Section::Refresh)
         .filter_map(|i| match module.inst(i).op {
-            Op::EigenbasisRefresh { frequency, .. } => {
+            Op::EigenbasisRefresh {
+                frequency, method, ..
+            } => {
                 let f = module.inst(i).args[0];
                 Some((
                     i,
                     module.value(f).ty.shape[0],
                     frequency,
                     module.display_value(f),
+                    method == ir::RefreshMethod::InverseRoot,
                 ))
             }
             _ => None,
@@ -140,15 +149,18 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
     // the pool's time per period and meets the latency budget; the GPU side stream costs its
     // interference. Fill the host in order of "visible GPU time saved per host ms" (a greedy
     // knapsack), ties by size, so cheap small factors move to the host first.
-    let cost = |dim: usize| {
+    // Shampoo's inverse roots (method `inverse_root`) have no GPU refresh: they run on the
+    // host whatever the cost model or the spec's `refresh_placement` says (no GPU cost).
+    let cost = |i: usize| {
+        let (dim, host_only) = (items[i].1, items[i].4);
         (
             desc.host_refresh_ms(dim, false),
-            desc.gpu_refresh_ms(dim, false),
+            desc.gpu_refresh_ms(dim, false).filter(|_| !host_only),
         )
     };
     let mut order: Vec<usize> = (0..items.len()).collect();
     let density = |i: usize| {
-        let (h, g) = cost(items[i].1);
+        let (h, g) = cost(i);
         g.map_or(f64::INFINITY, |g| {
             g * desc.side_stream_interference / h.max(1e-9)
         })
@@ -164,8 +176,9 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
     // The spec's `refresh_placement` (CPU targets: always the host) overrides the cost model.
     let forced = module.config.target.refresh_placement();
     for i in order {
-        let (host_ms, gpu_ms) = cost(items[i].1);
+        let (host_ms, gpu_ms) = cost(i);
         let gpu_ms = match forced {
+            _ if items[i].4 => None,
             RefreshPlacement::Host => None,
             RefreshPlacement::Gpu => Some(gpu_ms.unwrap_or(host_ms)),
             RefreshPlacement::Auto => gpu_ms,
@@ -224,7 +237,7 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
     let threads = desc.host_pool_threads() as f64;
     if staleness > 0 {
         for i in by_size {
-            let (host_ms, gpu_ms) = cost(items[i].1);
+            let (host_ms, gpu_ms) = cost(i);
             let period = usize::try_from(items[i].2).map_or(slots, |p| p.min(slots));
             let least = |slots: &[f64]| {
                 (0..period)
@@ -257,14 +270,14 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
         }
     }
     let mut decisions: Vec<Decision> = items
-        .into_iter()
+        .iter()
         .enumerate()
-        .map(|(i, (inst, dim, _, factor))| {
-            let (host_ms, gpu_ms) = cost(dim);
+        .map(|(i, (inst, dim, _, factor, _))| {
+            let (host_ms, gpu_ms) = cost(i);
             Decision {
-                inst,
-                factor,
-                dim,
+                inst: *inst,
+                factor: factor.clone(),
+                dim: *dim,
                 placement: placement[i],
                 offset: offsets[i],
                 host_ms,

@@ -36,9 +36,9 @@ pub struct EngineReserve {
     pub refresh: usize,
     /// bf16 shadows of SOAP eigenbases (`precision = bf16`).
     pub basis_shadows: usize,
-    /// Op scratch: the scratch of the largest second-order update (SOAP, KL-Shampoo; exact),
-    /// plus an allowance for the other ops and solver workspace (a fraction of the plan's
-    /// device arenas up to [`SCRATCH_ALLOWANCE`]).
+    /// Op scratch: the scratch of the largest second-order update (SOAP, KL-Shampoo, Shampoo;
+    /// exact), plus an allowance for the other ops and solver workspace (a fraction of the
+    /// plan's device arenas up to [`SCRATCH_ALLOWANCE`]).
     pub scratch: usize,
 }
 
@@ -123,6 +123,38 @@ pub fn kl_shampoo_update_scratch_len(m: usize, n: usize, left: bool, right: bool
     r(2 * SUMSQ_BLOCKS + 2) + 2 * r(m) + 2 * r(n) + k * r(m * n)
 }
 
+/// CUDA blocks per Shampoo block in the CUDA engine's grafting norm reduction (each writes one
+/// f64 partial sum of `‖P‖²` and of `‖Pg‖²`).
+pub const SHAMPOO_GRAFT_CHUNKS: usize = 16;
+
+/// Scratch elements (f32) of the CUDA engine's `shampoo_update` for a parameter of `shape`
+/// under block size `b` ([`crate::blocking::blocks`]), with a first moment (`moment`: β₁ ≠ 0)
+/// and / or Adam grafting (`grafting`), each region rounded up to 64 elements (256 bytes): the
+/// bias-corrected moment `Ḡ` (numel, with `moment`); with `grafting` the Adam step `Pg` and the
+/// step `P` (numel each), the f64 norm partials (`2·blocks·SHAMPOO_GRAFT_CHUNKS` f64) and the
+/// f64 scales (`blocks`); and one work matrix of the largest matrix block (`rows·cols`; none
+/// when every block is a vector block).
+pub fn shampoo_update_scratch_len(
+    shape: &[usize],
+    b: usize,
+    moment: bool,
+    grafting: bool,
+) -> usize {
+    let r = |x: usize| x.next_multiple_of(64);
+    let ((vm, vn), blocks) = crate::blocking::blocks(shape, b);
+    let numel = vm * vn;
+    let mut len = if moment { r(numel) } else { 0 };
+    if grafting {
+        len += 2 * r(numel) + r(4 * blocks.len() * SHAMPOO_GRAFT_CHUNKS) + r(2 * blocks.len());
+    }
+    len + blocks
+        .iter()
+        .filter(|k| !k.vector)
+        .map(|k| r(k.rows * k.cols))
+        .max()
+        .unwrap_or(0)
+}
+
 /// The estimate for `plan` on its target (zero for the CPU engine), given the bytes of its
 /// device arenas (`device_bytes`, from memory planning).
 pub fn engine_reserve(plan: &Plan, device_bytes: usize) -> EngineReserve {
@@ -153,7 +185,7 @@ pub fn engine_reserve(plan: &Plan, device_bytes: usize) -> EngineReserve {
         }
     }
     // Op scratch is one buffer sized for the largest need; the second-order updates (SOAP's,
-    // KL-Shampoo's) need the most.
+    // KL-Shampoo's, Shampoo's) need the most.
     let bf16 = precision == Precision::Bf16;
     let dims = |param: BufferId| {
         let s = &plan.buffer(param).shape;
@@ -185,6 +217,12 @@ pub fn engine_reserve(plan: &Plan, device_bytes: usize) -> EngineReserve {
                 let (m, n) = dims(*param);
                 let (l, r) = (basis_left.is_some(), basis_right.is_some());
                 Some(kl_shampoo_update_scratch_len(m, n, l, r) * 4)
+            }
+            Op::ShampooUpdate { param, hyper, .. } => {
+                let b = usize::try_from(hyper.max_preconditioner_dim).unwrap_or(usize::MAX);
+                let shape = &plan.buffer(*param).shape;
+                let moment = hyper.beta1 != 0.0;
+                Some(shampoo_update_scratch_len(shape, b, moment, hyper.grafting) * 4)
             }
             _ => None,
         })

@@ -5,7 +5,7 @@ use super::{attn_dims, flash_math, CudaEngine};
 use crate::error::CudaError;
 use crate::gemm::{self, Dims};
 use crate::memory::{Buf, Elem};
-use crate::ops::{attention as at, kl_shampoo as kl, loss, nn, optim as op};
+use crate::ops::{attention as at, kl_shampoo as kl, loss, nn, optim as op, shampoo as sh};
 use schedule::{BufferId, Op};
 
 impl CudaEngine {
@@ -584,12 +584,31 @@ impl CudaEngine {
                     [cached[0].as_ref(), cached[1].as_ref()],
                 )?;
             }
-            Op::ShampooUpdate { .. } => {
-                // Refused at set-up (`check_fused`).
-                return Err(CudaError::Invalid {
-                    op: "shampoo_update",
-                    what: "Shampoo runs on the CPU engine only so far".into(),
-                });
+            Op::ShampooUpdate {
+                param,
+                grad,
+                exp_avg,
+                graft_sq,
+                factors,
+                roots,
+                hyper,
+            } => {
+                let fs: Vec<&Buf> = factors.iter().map(|&f| self.b(f)).collect();
+                let rs: Vec<&Buf> = roots.iter().map(|&r| self.b(r)).collect();
+                sh::shampoo_update(
+                    dev,
+                    t,
+                    hyper.lr * lr_mult,
+                    hyper,
+                    self.b(*param),
+                    self.b(*grad),
+                    self.b(*exp_avg),
+                    graft_sq.map(|v| self.b(v)),
+                    &self.plan.buffer(*param).shape,
+                    &fs,
+                    &rs,
+                    s,
+                )?;
             }
             Op::KlShampooUpdate {
                 param,

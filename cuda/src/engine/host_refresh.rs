@@ -1,23 +1,24 @@
 //! Refreshes the CUDA engine computes and installs on the host from downloaded state with the
 //! CPU engine's functions (`optim`): the synchronous refresh of a `placement = host` task, the
 //! install of a checkpoint's refreshes in flight at a resume, and the basis-only installs of
-//! [`RefreshMethod::Qr`] (KL-Shampoo) tasks, whose momentum is never downloaded or written. The
+//! `RefreshMethod::Qr` (KL-Shampoo) and `RefreshMethod::InverseRoot` (Shampoo: the root
+//! into the `basis` operand) tasks, whose moments are never downloaded or written. The
 //! scheduling and the asynchronous paths (snapshots and results through pinned memory, the
 //! side stream) are in `tasks`.
-use super::tasks::{dim, CudaJob};
+use super::tasks::{basis_only_method, dim, host_compute, CudaJob};
 use super::{cuda_err, CudaEngine};
 use crate::error::CudaError;
 use engine::refresh_runtime::inflight::{JobError, JobOutput};
 use engine::refresh_runtime::{Outcome, RefreshTask};
 use engine::EngineError;
 use optim::RefreshOutcome;
-use schedule::RefreshMethod;
 use std::sync::Arc;
 
 impl CudaEngine {
     /// The host half of a synchronous refresh (`tasks`' `refresh_now`): the CPU engine's call
     /// (`optim::eigenbasis_refresh`) on the downloaded factor, basis and moments, on the host
-    /// pool, and the new state uploaded; a [`RefreshMethod::Qr`] task's basis alone.
+    /// pool, and the new state uploaded; a `RefreshMethod::Qr` task's basis alone, a
+    /// `RefreshMethod::InverseRoot` task's root alone.
     pub(super) fn refresh_now_host(
         &mut self,
         task: &RefreshTask,
@@ -28,7 +29,7 @@ impl CudaEngine {
         let e = |err| cuda_err("eigenbasis refresh", err);
         // Host: the CPU engine's call, on downloaded state.
         let f = self.dev.download::<f32>(self.b(task.factor)).map_err(e)?;
-        if task.method == RefreshMethod::Qr {
+        if basis_only_method(task.method) {
             return self.refresh_now_basis_only(task, t, init, &f);
         }
         let [mut q, mut ea, mut eas] = self.download_refresh_state(task).map_err(e)?;
@@ -81,12 +82,10 @@ impl CudaEngine {
             let (m, n) = self.dims(task.exp_avg);
             let f: Vec<f32> = r.factor.iter().map(|&x| x as f32).collect();
             let q0: Vec<f32> = r.basis.iter().map(|&x| x as f32).collect();
-            let out = optim::refresh_compute_method(
+            let out = host_compute(
                 self.solver.as_ref(),
+                &task,
                 task.optim_step(r.launched, false),
-                task.frequency,
-                task.method,
-                task.side,
                 &f,
                 &q0,
                 m,
@@ -114,7 +113,7 @@ impl CudaEngine {
             Err(outcome) => return Ok(outcome),
         };
         let (m, n) = self.dims(task.exp_avg);
-        if task.method == RefreshMethod::Qr {
+        if basis_only_method(task.method) {
             return self.install_basis_on_host(task, &result);
         }
         let [mut q, mut ea, mut eas] = self.download_refresh_state(task).map_err(e)?;
@@ -129,8 +128,9 @@ impl CudaEngine {
         }
     }
 
-    /// A synchronous host refresh of a [`RefreshMethod::Qr`] task: `optim::refresh_compute_method`
-    /// on the downloaded factor `f` and basis (on the host pool), installed by
+    /// A synchronous host refresh of a `RefreshMethod::Qr` or `RefreshMethod::InverseRoot`
+    /// task: [`host_compute`] on the downloaded factor `f` and basis (on the host pool; the
+    /// inverse root reads the factor alone), installed by
     /// [`CudaEngine::install_basis_on_host`]; the momentum is neither downloaded nor written.
     fn refresh_now_basis_only(
         &mut self,
@@ -144,20 +144,9 @@ impl CudaEngine {
         let q = self.dev.download::<f32>(self.b(task.basis)).map_err(e)?;
         let solver = Arc::clone(&self.solver);
         let t_optim = task.optim_step(t, init);
-        let (frequency, method, side) = (task.frequency, task.method, task.side);
-        let out = self.host_pool()?.install(|| {
-            optim::refresh_compute_method(
-                solver.as_ref(),
-                t_optim,
-                frequency,
-                method,
-                side,
-                f,
-                &q,
-                m,
-                n,
-            )
-        });
+        let out = self
+            .host_pool()?
+            .install(|| host_compute(solver.as_ref(), task, t_optim, f, &q, m, n));
         match out {
             Ok(Some(result)) => self.install_basis_on_host(task, &result),
             Ok(None) => Ok(Ok(RefreshOutcome::Skipped)),
@@ -165,7 +154,8 @@ impl CudaEngine {
         }
     }
 
-    /// Installs a host result of a [`RefreshMethod::Qr`] task (computed from a snapshot or
+    /// Installs a host result of a basis-only task (`RefreshMethod::Qr` or
+    /// `RefreshMethod::InverseRoot`, computed from a snapshot or
     /// downloaded state): what `optim::refresh_apply` does with it — a new basis (refreshed or
     /// initialised) uploaded into the task's basis, nothing for a zero factor — and no moment
     /// touched.

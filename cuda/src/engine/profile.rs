@@ -73,7 +73,8 @@ impl CudaEngine {
             }
             Op::SoapUpdate { grad, .. }
             | Op::SoapFactorUpdate { grad, .. }
-            | Op::KlShampooUpdate { grad, .. } => {
+            | Op::KlShampooUpdate { grad, .. }
+            | Op::ShampooUpdate { grad, .. } => {
                 let shape: Vec<String> = self
                     .plan
                     .buffer(*grad)

@@ -6,7 +6,7 @@ use super::{attn_dims, cuda_err, dims2, flash_math, tasks, CudaEngine, CudaOptio
 use crate::device::Device;
 use crate::error::{CudaError, Tier};
 use crate::memory::{Arena, Buf, Elem, BUF_ALIGN};
-use crate::ops::{attention as at, kl_shampoo as kl, loss, nn, optim as op};
+use crate::ops::{attention as at, kl_shampoo as kl, loss, nn, optim as op, shampoo as sh};
 use engine::{EngineError, EngineStats};
 use schedule::{
     ArenaKind, AttentionKernel, BufferId, DType, Init, Op, Plan, Precision, Profile, TargetPlan,
@@ -37,17 +37,6 @@ fn check_fused(
              `host_memory`, or run the plan on the CPU engine",
             a.bytes
         ));
-    }
-    if plan
-        .optimizer
-        .iter()
-        .any(|o| matches!(o, Op::ShampooUpdate { .. }))
-    {
-        return refuse(
-            "the plan's optimizer is Shampoo, which runs on the CPU engine only so far \
-             (`target cpu`)"
-                .into(),
-        );
     }
     if precision != Precision::Bf16 {
         if let Some(b) = plan.buffers.iter().find(|b| b.dtype == DType::Bf16) {
@@ -160,6 +149,11 @@ fn scratch_need(
             let (m, n) = dims2(shape(*param));
             let (l, r) = (basis_left.is_some(), basis_right.is_some());
             kl::kl_shampoo_update_scratch_len(m, n, l, r)
+        }
+        Op::ShampooUpdate { param, hyper, .. } => {
+            let b = usize::try_from(hyper.max_preconditioner_dim).unwrap_or(usize::MAX);
+            let moment = hyper.beta1 != 0.0;
+            sh::shampoo_update_scratch_len(shape(*param), b, moment, hyper.grafting)
         }
         Op::SoapFactorUpdate {
             grad,

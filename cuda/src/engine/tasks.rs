@@ -38,7 +38,12 @@
 //! (`optim::refresh_compute_method`; on the GPU the same QR without the sort) and installs the
 //! basis alone ([`refresh::install_basis`], or `optim::refresh_apply` on the host): the task's
 //! `exp_avg` / `exp_avg_sq` name KL-Shampoo's unrotated momentum, which a refresh never reads,
-//! stages or writes (only its shape, `[m, n]`, is used).
+//! stages or writes (only its shape, `[m, n]`, is used). [`RefreshMethod::InverseRoot`]
+//! (Shampoo) computes the factor's inverse root on the host (`optim::refresh_compute_inverse_root`
+//! through [`host_compute`], at every refresh including the first) and installs it into the
+//! task's `basis` operand, the root buffer, like a QR basis; `exp_avg` / `exp_avg_sq` name the
+//! root itself. It has no GPU refresh: `precond-scheduling` places such tasks on the host
+//! always, and the plan verifier refuses one on the side stream.
 use super::gpu_trace::GpuTrace;
 use super::side_launcher::{SideLauncher, SideRequest};
 use super::{cuda_err, dims2, CudaEngine};
@@ -208,10 +213,47 @@ fn stage_host_result(
     Ok(())
 }
 
-/// Whether a refresh installs its basis alone: a first basis (either method) or any
-/// [`RefreshMethod::Qr`] refresh (no permutation, no moment).
+/// Whether a refresh installs its basis alone: a first basis (any method) or any refresh of a
+/// [`basis_only_method`].
 fn basis_only(init: bool, method: RefreshMethod) -> bool {
-    init || method == RefreshMethod::Qr
+    init || basis_only_method(method)
+}
+
+/// Whether every refresh of `method` installs its basis alone, no permutation and no moment:
+/// [`RefreshMethod::Qr`] (KL-Shampoo's basis) and [`RefreshMethod::InverseRoot`] (Shampoo's
+/// inverse root, installed into the task's `basis` operand, the root buffer).
+pub(super) fn basis_only_method(method: RefreshMethod) -> bool {
+    matches!(method, RefreshMethod::Qr | RefreshMethod::InverseRoot)
+}
+
+/// What a host refresh of `task` computes at optim step `t` (`RefreshTask::optim_step`) from
+/// its factor `f` and basis `q` (`[d, d]` f32; the task's `exp_avg` is `[m, n]`): the CPU
+/// engine's functions — `optim::refresh_compute_inverse_root` for method `inverse_root` (its
+/// `root`; the task's `exp_avg` names the root itself, so `d = m = n`), else
+/// `optim::refresh_compute_method`.
+///
+/// # Errors
+/// As those functions (an `inverse_root` task without its `root` is
+/// `RefreshError::InverseRootMethod`).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn host_compute(
+    solver: &dyn optim::HostEigensolver,
+    task: &RefreshTask,
+    t: u64,
+    f: &[f32],
+    q: &[f32],
+    m: usize,
+    n: usize,
+) -> Result<Option<optim::RefreshResult<f32>>, optim::RefreshError> {
+    match (task.method, task.root) {
+        (RefreshMethod::InverseRoot, Some(root)) => {
+            let d = if task.side == 0 { m } else { n };
+            optim::refresh_compute_inverse_root(solver, t, task.frequency, task.side, f, d, root)
+        }
+        (method, _) => {
+            optim::refresh_compute_method(solver, t, task.frequency, method, task.side, f, q, m, n)
+        }
+    }
 }
 
 /// Threads of the CUDA engine's host refresh pool: every core but two (the engine thread that
@@ -468,7 +510,7 @@ impl CudaEngine {
             if let Err(fail) = refresh::verdict(init, d, &status) {
                 return Ok(Err(fail.to_string()));
             }
-            if task.method == RefreshMethod::Qr {
+            if basis_only_method(task.method) {
                 refresh::install_basis(&self.dev, &slot.q, q, d).map_err(e)?;
                 self.basis_changed(task.basis);
                 return Ok(Ok(if init {
@@ -643,8 +685,8 @@ impl CudaEngine {
             .map_err(e)?;
         let copied = dev.record(StreamKind::CopyOut, false).map_err(e)?;
         let solver = Arc::clone(&self.solver);
-        let (t_optim, frequency, side) = (task.optim_step(t, false), task.frequency, task.side);
-        let method = task.method;
+        let t_optim = task.optim_step(t, false);
+        let (method, task_copy) = (task.method, *task);
         let (tx, rx) = mpsc::channel::<JobOutput<f32>>();
         self.host_pool()?.spawn(move || {
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -656,17 +698,7 @@ impl CudaEngine {
                 // One refresh per pool thread, each single-threaded: the throughput setting
                 // `asteria calibrate` measures for the cost model.
                 let result = optim::with_sequential(|| {
-                    optim::refresh_compute_method(
-                        solver.as_ref(),
-                        t_optim,
-                        frequency,
-                        method,
-                        side,
-                        &f,
-                        &q,
-                        m,
-                        n,
-                    )
+                    host_compute(solver.as_ref(), &task_copy, t_optim, &f, &q, m, n)
                 })
                 .map_err(JobError::Refresh)?;
                 // A zero factor installs nothing (an empty result): nothing to stage.
@@ -698,7 +730,7 @@ impl CudaEngine {
         if let Err(fail) = refresh::verdict(false, d, status) {
             return Ok(Err(fail.to_string()));
         }
-        if task.method == RefreshMethod::Qr {
+        if basis_only_method(task.method) {
             self.dev.wait(StreamKind::Compute, done).map_err(e)?;
             refresh::install_basis(&self.dev, &sh.slot.q, self.b(task.basis), d).map_err(e)?;
             self.basis_changed(task.basis);
@@ -755,8 +787,8 @@ impl CudaEngine {
         let init = result.kind() == RefreshOutcome::Initialized;
         // The worker staged the new basis and permutation in the pinned shadows
         // (`stage_host_result`), off the engine thread.
-        if task.method == RefreshMethod::Qr {
-            // The basis alone, straight from the pinned shadow.
+        if basis_only_method(task.method) {
+            // The basis alone (or the inverse root), straight from the pinned shadow.
             refresh::install_basis(&self.dev, hq, self.b(task.basis), d).map_err(e)?;
             self.basis_changed(task.basis);
             return Ok(Ok(result.kind()));

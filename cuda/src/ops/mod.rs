@@ -10,6 +10,7 @@ pub mod kl_shampoo;
 pub mod loss;
 pub mod nn;
 pub mod optim;
+pub mod shampoo;
 
 use crate::device::INT_MAX;
 use crate::error::{CudaError, Result};

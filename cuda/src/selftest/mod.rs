@@ -14,6 +14,7 @@ mod cases_kl_shampoo;
 mod cases_loss;
 mod cases_optim;
 mod cases_refresh;
+mod cases_shampoo;
 
 use crate::device::{Device, HostElem};
 use crate::error::{CudaError, Result, Tier};
@@ -236,6 +237,7 @@ fn registry() -> Vec<Case> {
     let mut v = cases::cases();
     v.extend(cases_optim::cases());
     v.extend(cases_kl_shampoo::cases());
+    v.extend(cases_shampoo::cases());
     v.extend(cases_refresh::cases());
     v
 }
