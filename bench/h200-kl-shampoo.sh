@@ -74,11 +74,15 @@ if [[ $runs == 1 ]]; then
     timeout 240 python3 "$here/torch_steps.py" kl "$torch_steps" "$out/$m-torch-kl.jsonl" --model "$m" \
       > "$out/$m-torch-kl.txt" 2>&1 || echo "$m torch kl failed: $(tail -n 2 "$out/$m-torch-kl.txt")"
   done
-  row() { [[ -s "$out/$2.jsonl" ]] && echo "$1=$out/$2.jsonl:$out/$2.txt"; }
+  # Row names may not contain `=` (summarize.py splits NAME=METRICS:LOG at the first one).
   for m in gpt2-124m llama-1.4b; do
-    python3 "$here/summarize.py" --skip 12 $(row "asteria AdamW" $m-adamw) $(row "asteria SOAP S=5" $m-soap) \
-      $(row "asteria KL-Shampoo S=5" $m-kl-shampoo) $(row "reference KL-Shampoo (KLOpt bf16)" $m-torch-kl) \
-      > "$out/summary-$m.md" 2>&1
+    rows=()
+    for r in "asteria AdamW:$m-adamw" "asteria SOAP S5:$m-soap" "asteria KL-Shampoo S5:$m-kl-shampoo" \
+             "reference KL-Shampoo (KLOpt bf16):$m-torch-kl"; do
+      f="${r##*:}"
+      [[ -s "$out/$f.jsonl" ]] && rows+=("${r%:*}=$out/$f.jsonl:$out/$f.txt")
+    done
+    python3 "$here/summarize.py" --skip 12 "${rows[@]}" > "$out/summary-$m.md" 2>&1
     cat "$out/summary-$m.md"
   done
 fi
