@@ -270,35 +270,52 @@ fn tiny_soap_learns_moby_dick_ahead_of_adamw() {
     );
 }
 
+/// `sync` and `stale` (the same spec at staleness 0 and 5) learn and end at least `lead` ahead
+/// of AdamW at step `STEPS`, within `tolerance` of each other, and the stale run's refreshes
+/// really are swapped in late (never later than 5 steps).
+fn ahead_of_adamw_at_staleness_0_and_5(
+    name: &str,
+    (sync, stale): (Which, Which),
+    lead: f64,
+    tolerance: f64,
+) {
+    start(sync);
+    start(stale);
+    start(Which::AdamW);
+    let adamw = run(Which::AdamW).val.last().expect("final eval").1;
+    let s0 = check_learns(sync, adamw);
+    let s5 = check_learns(stale, adamw);
+    eprintln!("step {STEPS}: AdamW {adamw:.4}, {name} S = 0 {s0:.4}, S = 5 {s5:.4}");
+    assert!(
+        s0 < adamw - lead && s5 < adamw - lead,
+        "{name} (S = 0 {s0}, S = 5 {s5}) is not {lead} ahead of AdamW {adamw}"
+    );
+    assert!(
+        (s5 - s0).abs() <= tolerance,
+        "{name}: S = 5 {s5} vs S = 0 {s0}"
+    );
+    let late = run(stale);
+    let staleness: Vec<u64> = late
+        .steps
+        .iter()
+        .filter_map(|s| s["max_swap_staleness"].as_u64())
+        .collect();
+    assert!(staleness.iter().any(|&s| s > 0), "{name}: no late swap");
+    assert!(staleness.iter().all(|&s| s <= 5), "{name}: {staleness:?}");
+}
+
 /// KL-Shampoo (`examples/tiny-kl-shampoo.asteria`) learns and ends ahead of AdamW at step
 /// `STEPS`, both with synchronous basis refreshes and with `staleness = 5` (QR refreshes on
 /// snapshots in the background, swapped in up to 5 steps late, which really happens), and the
 /// two end within [`KL_STALENESS_TOLERANCE`] of each other.
 #[test]
 fn tiny_kl_shampoo_learns_moby_dick_ahead_of_adamw_at_staleness_0_and_5() {
-    start(Which::KlShampoo);
-    start(Which::KlShampooStale5);
-    start(Which::AdamW);
-    let adamw = run(Which::AdamW).val.last().expect("final eval").1;
-    let s0 = check_learns(Which::KlShampoo, adamw);
-    let s5 = check_learns(Which::KlShampooStale5, adamw);
-    eprintln!("step {STEPS}: AdamW {adamw:.4}, KL-Shampoo S = 0 {s0:.4}, S = 5 {s5:.4}");
-    assert!(
-        s0 < adamw - KL_LEAD && s5 < adamw - KL_LEAD,
-        "KL-Shampoo (S = 0 {s0}, S = 5 {s5}) is not {KL_LEAD} ahead of AdamW {adamw}"
+    ahead_of_adamw_at_staleness_0_and_5(
+        "KL-Shampoo",
+        (Which::KlShampoo, Which::KlShampooStale5),
+        KL_LEAD,
+        KL_STALENESS_TOLERANCE,
     );
-    assert!(
-        (s5 - s0).abs() <= KL_STALENESS_TOLERANCE,
-        "S = 5 {s5} vs S = 0 {s0}"
-    );
-    let late = run(Which::KlShampooStale5);
-    let staleness: Vec<u64> = late
-        .steps
-        .iter()
-        .filter_map(|s| s["max_swap_staleness"].as_u64())
-        .collect();
-    assert!(staleness.iter().any(|&s| s > 0), "no late swap");
-    assert!(staleness.iter().all(|&s| s <= 5), "{staleness:?}");
 }
 
 /// Shampoo (`examples/tiny-shampoo.asteria`: blocks of 256, Adam grafting) learns and ends
@@ -307,29 +324,12 @@ fn tiny_kl_shampoo_learns_moby_dick_ahead_of_adamw_at_staleness_0_and_5() {
 /// which really happens), and the two end within [`SHAMPOO_STALENESS_TOLERANCE`].
 #[test]
 fn tiny_shampoo_learns_moby_dick_ahead_of_adamw_at_staleness_0_and_5() {
-    start(Which::Shampoo);
-    start(Which::ShampooStale5);
-    start(Which::AdamW);
-    let adamw = run(Which::AdamW).val.last().expect("final eval").1;
-    let s0 = check_learns(Which::Shampoo, adamw);
-    let s5 = check_learns(Which::ShampooStale5, adamw);
-    eprintln!("step {STEPS}: AdamW {adamw:.4}, Shampoo S = 0 {s0:.4}, S = 5 {s5:.4}");
-    assert!(
-        s0 < adamw - SHAMPOO_LEAD && s5 < adamw - SHAMPOO_LEAD,
-        "Shampoo (S = 0 {s0}, S = 5 {s5}) is not {SHAMPOO_LEAD} ahead of AdamW {adamw}"
+    ahead_of_adamw_at_staleness_0_and_5(
+        "Shampoo",
+        (Which::Shampoo, Which::ShampooStale5),
+        SHAMPOO_LEAD,
+        SHAMPOO_STALENESS_TOLERANCE,
     );
-    assert!(
-        (s5 - s0).abs() <= SHAMPOO_STALENESS_TOLERANCE,
-        "S = 5 {s5} vs S = 0 {s0}"
-    );
-    let late = run(Which::ShampooStale5);
-    let staleness: Vec<u64> = late
-        .steps
-        .iter()
-        .filter_map(|s| s["max_swap_staleness"].as_u64())
-        .collect();
-    assert!(staleness.iter().any(|&s| s > 0), "no late swap");
-    assert!(staleness.iter().all(|&s| s <= 5), "{staleness:?}");
 }
 
 /// Validation-loss ceiling at step `STEPS` of the optimizers defined by their update rule
