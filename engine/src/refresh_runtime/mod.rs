@@ -10,7 +10,9 @@
 //!   each due refresh retries it (a QR refresh of the all-zero initial basis has no rank).
 //! - **Synchronous or not.** A first basis, a task with staleness S = 0, and every refresh under
 //!   [`EngineOptions::synchronous_refresh`] run at once on the live state
-//!   ([`RefreshBackend::run_now`]): the native SOAP behaviour.
+//!   ([`RefreshBackend::run_now`]): the native SOAP behaviour. The synchronous refreshes of one
+//!   boundary go to the backend together ([`RefreshBackend::run_now_batch`]), which may compute
+//!   them at once (they touch disjoint state).
 //! - **Shadow state and double buffering** (S > 0): the backend snapshots the factor (and the
 //!   basis) and starts the computation ([`RefreshBackend::launch`]); training continues with the
 //!   current basis; the result waits in the backend's back buffer.
@@ -234,6 +236,27 @@ pub trait RefreshBackend {
         reference: bool,
     ) -> Result<Outcome, EngineError>;
 
+    /// The synchronous refreshes of one boundary, `batch` = `(task, init)` in plan order (each
+    /// as [`run_now`](Self::run_now)), with their outcomes in the same order. Refreshes of
+    /// different tasks read and write disjoint state, so a backend may compute them at once
+    /// and install them in any order; the default runs them one after the other. (At the
+    /// first step every task's first basis or inverse root is due at once: thousands of
+    /// independent eigendecompositions at the 1B scale.)
+    ///
+    /// # Errors
+    /// As [`run_now`](Self::run_now), for the first task that fails that way.
+    fn run_now_batch(
+        &mut self,
+        batch: &[(RefreshTask, bool)],
+        t: u64,
+        reference: bool,
+    ) -> Result<Vec<Outcome>, EngineError> {
+        batch
+            .iter()
+            .map(|(task, init)| self.run_now(task, t, *init, reference))
+            .collect()
+    }
+
     /// Snapshots the factor (and basis) of `task` and starts a QR refresh on the snapshot,
     /// without waiting for it; `None` when there is nothing to compute.
     ///
@@ -415,6 +438,8 @@ impl<J> RefreshRuntime<J> {
         {
             self.swap(backend, swap, t, &mut report)?;
         }
+        // Synchronous refreshes due now, run together after the loop: (task index, init).
+        let mut now: Vec<(usize, bool)> = Vec::new();
         for index in 0..self.tasks.len() {
             let task = self.tasks[index];
             if !task.due(t) {
@@ -432,9 +457,7 @@ impl<J> RefreshRuntime<J> {
             let init = t == 1 || !self.initialized[index];
             let name = self.names[index].as_str();
             if self.synchronous || init || task.staleness == 0 {
-                let outcome = tracing::info_span!("refresh (synchronous)", name, step = t)
-                    .in_scope(|| backend.run_now(&task, t, init, self.synchronous))?;
-                self.count(backend.stats(), &mut report, index, t, t, outcome)?;
+                now.push((index, init));
             } else if let Some(job) = tracing::info_span!("refresh launch", name, step = t)
                 .in_scope(|| backend.launch(&task, t))?
             {
@@ -443,6 +466,23 @@ impl<J> RefreshRuntime<J> {
                     .map_err(|_| {
                         task.error("internal: a refresh is already in flight for this task")
                     })?;
+            }
+        }
+        if !now.is_empty() {
+            let batch: Vec<(RefreshTask, bool)> =
+                now.iter().map(|&(i, init)| (self.tasks[i], init)).collect();
+            let outcomes =
+                tracing::info_span!("refreshes (synchronous)", count = batch.len(), step = t)
+                    .in_scope(|| backend.run_now_batch(&batch, t, self.synchronous))?;
+            if outcomes.len() != now.len() {
+                return Err(EngineError::Unsupported(format!(
+                    "internal: {} outcomes for {} synchronous refreshes",
+                    outcomes.len(),
+                    now.len()
+                )));
+            }
+            for (&(index, _), outcome) in now.iter().zip(outcomes) {
+                self.count(backend.stats(), &mut report, index, t, t, outcome)?;
             }
         }
         backend.end_boundary()?;
