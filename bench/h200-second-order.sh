@@ -21,16 +21,18 @@
 # Writes into OUT_DIR: NAME.jsonl / NAME.txt per run, selftest*.txt, check-staleness-*.txt,
 # summary-MODEL.md, and OUT_DIR.tgz holding all of it.
 # Takes ~5 minutes for --checks (~2 with --quick-checks), ~8 for --runs with the defaults.
-# Usage: bench/h200-second-order.sh OUT_DIR [STEPS [TORCH_STEPS [TORCH_STEPS_1.4B]]] [--checks] [--quick-checks] [--runs]
+# Usage: bench/h200-second-order.sh OUT_DIR [STEPS [TORCH_STEPS [TORCH_STEPS_1.4B]]] [--checks] [--quick-checks] [--runs] [--no-soap]
 #   STEPS: asteria steps per timed run (default 40); TORCH_STEPS: reference steps (default 40;
 #   at 1.44B default 25: the reference Shampoo's eigendecompositions take tens of seconds every
 #   tenth step there). Step statistics skip the first 12 steps of every run. Without --checks
-#   or --runs both parts run.
+#   or --runs both parts run. --no-soap leaves asteria's SOAP rows out of --runs (they are in
+#   BENCHMARKS.md's scale table; ~1 minute less).
 set -uo pipefail
-usage="usage: bench/h200-second-order.sh OUT_DIR [STEPS [TORCH_STEPS [TORCH_STEPS_1.4B]]] [--checks] [--quick-checks] [--runs]"
-pos=(); checks=0; quick=0; runs=0
+usage="usage: bench/h200-second-order.sh OUT_DIR [STEPS [TORCH_STEPS [TORCH_STEPS_1.4B]]] [--checks] [--quick-checks] [--runs] [--no-soap]"
+pos=(); checks=0; quick=0; runs=0; opts="adamw soap kl-shampoo shampoo"
 for a in "$@"; do
   case "$a" in
+    --no-soap) opts="adamw kl-shampoo shampoo" ;;
     --checks) checks=1 ;;
     --quick-checks) checks=1; quick=1 ;;
     --runs) runs=1 ;;
@@ -88,9 +90,25 @@ if [[ $checks == 1 ]]; then
     --tol 0.05 > "$out/check-staleness-shampoo.txt" 2>&1; echo "check_staleness shampoo rc=$?"; cat "$out/check-staleness-shampoo.txt"
 fi
 
+# Summary of one model's rows (row names may not contain `=`: summarize.py splits
+# NAME=METRICS:LOG at the first one), then OUT_DIR.tgz refreshed (a device call cut short still
+# brings back what finished).
+summary() { # MODEL
+  local m=$1 rows=() r f
+  for r in "asteria AdamW:$m-adamw" "asteria SOAP S5:$m-soap" "asteria KL-Shampoo S5:$m-kl-shampoo" \
+           "asteria Shampoo S5:$m-shampoo" "reference KL-Shampoo (KLOpt bf16):$m-torch-kl" \
+           "reference Shampoo (DistributedShampoo):$m-torch-shampoo"; do
+    f="${r##*:}"
+    [[ -s "$out/$f.jsonl" ]] && rows+=("${r%:*}=$out/$f.jsonl:$out/$f.txt")
+  done
+  python3 "$here/summarize.py" --skip 12 "${rows[@]}" > "$out/summary-$m.md" 2>&1
+  cat "$out/summary-$m.md"
+  tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")"
+}
+
 if [[ $runs == 1 ]]; then
   for m in gpt2-124m llama-1.4b; do
-    for o in adamw soap kl-shampoo shampoo; do
+    for o in $opts; do
       stamp "$m-$o"
       timeout 240 $B train "$S/$m-$o.asteria" --steps "$steps" --set target.staleness=5 --quiet --cache-dir "$TC" \
         --metrics "$out/$m-$o.jsonl" > "$out/$m-$o.txt" 2>&1
@@ -102,18 +120,7 @@ if [[ $runs == 1 ]]; then
       timeout 240 python3 "$here/torch_steps.py" $r "$ts" "$out/$m-torch-$r.jsonl" --model "$m" \
         > "$out/$m-torch-$r.txt" 2>&1 || echo "$m torch $r failed: $(tail -n 2 "$out/$m-torch-$r.txt")"
     done
-  done
-  # Row names may not contain `=` (summarize.py splits NAME=METRICS:LOG at the first one).
-  for m in gpt2-124m llama-1.4b; do
-    rows=()
-    for r in "asteria AdamW:$m-adamw" "asteria SOAP S5:$m-soap" "asteria KL-Shampoo S5:$m-kl-shampoo" \
-             "asteria Shampoo S5:$m-shampoo" "reference KL-Shampoo (KLOpt bf16):$m-torch-kl" \
-             "reference Shampoo (DistributedShampoo):$m-torch-shampoo"; do
-      f="${r##*:}"
-      [[ -s "$out/$f.jsonl" ]] && rows+=("${r%:*}=$out/$f.jsonl:$out/$f.txt")
-    done
-    python3 "$here/summarize.py" --skip 12 "${rows[@]}" > "$out/summary-$m.md" 2>&1
-    cat "$out/summary-$m.md"
+    summary $m
   done
 fi
 tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")"
