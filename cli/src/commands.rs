@@ -86,7 +86,7 @@ pub fn compile(
 /// (checksums verified) three times, medians.
 fn measure_nvme(dir: &Path) -> Result<(f64, f64)> {
     const BYTES: usize = 256 << 20;
-    let mut store = engine::nvme::NvmeStore::create(dir, "asteria-calibrate.nvme", BYTES as u64)
+    let store = engine::nvme::NvmeStore::create(dir, "asteria-calibrate.nvme", BYTES as u64)
         .map_err(|e| miette!("{e}"))?;
     let data: Vec<u8> = (0..BYTES)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)

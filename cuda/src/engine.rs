@@ -67,6 +67,7 @@ mod copies;
 mod exec;
 pub mod gpu_trace;
 mod host_refresh;
+mod nvme_tier;
 mod profile;
 mod setup;
 mod side_launcher;
@@ -180,6 +181,9 @@ pub struct CudaEngine {
     energy: Option<crate::energy::EnergyMeter>,
     /// The streams' timeline for `--trace` (`None` without it).
     gpu_trace: Option<gpu_trace::GpuTrace>,
+    /// The plan's NVMe tier (`None` when it places nothing on NVMe); its buffers' entries in
+    /// `bufs` are zero-length stand-ins ([`nvme_tier::NvmeTier::placeholder`]).
+    nvme: Option<nvme_tier::NvmeTier>,
     /// The plan's element-wise update rules, compiled, by `ElementwiseRule::kernel_key`.
     update_kernels: HashMap<String, Arc<crate::ops::optim::UpdateKernel>>,
     /// The AdamW kernels of the plan's `AdamW` ops, one per set of constants
@@ -269,6 +273,13 @@ impl CudaEngine {
                         result = Ok(false);
                         break;
                     }
+                }
+                Err(CudaError::Tier { what }) => {
+                    result = Err(EngineError::Tier(format!(
+                        "{section}[{index}] ({}): {what}",
+                        op.name()
+                    )));
+                    break;
                 }
                 Err(err) => {
                     result = Err(cuda_err(
@@ -507,10 +518,15 @@ impl StepExecutor for CudaEngine {
 
     /// The end of a step: the compute and copy streams (side-stream refreshes run on; their
     /// results are waited for by event at the swap).
+    /// Pending NVMe writes finish here too (an error of one stops the run).
     fn synchronize(&mut self) -> Result<(), EngineError> {
         self.dev
             .synchronize_step()
             .map_err(|e| cuda_err("synchronize", e))?;
+        if let Some(nv) = self.nvme.as_mut() {
+            nv.finish_step()
+                .map_err(|e| EngineError::Tier(format!("the end of the step: {e}")))?;
+        }
         if let Some(tr) = &self.gpu_trace {
             tr.flush(&self.dev);
         }

@@ -151,6 +151,13 @@ pub enum CudaError {
         /// Buffers still holding it.
         live: usize,
     },
+    /// The NVMe tier failed (a checksum mismatch, a truncated swap file, a full disk, a failed
+    /// write on the writer thread): the engine reports it as `EngineError::Tier` and stops.
+    #[error("NVMe tier: {what}")]
+    Tier {
+        /// What failed, with the swap file's error.
+        what: String,
+    },
     /// A kernel found an index (token id or target) outside its range since the last
     /// [`crate::Device::take_status`]; `position` is the first bad row.
     #[error("an index was out of range on the GPU (first bad row {position}); nothing past it can be trusted")]

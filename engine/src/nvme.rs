@@ -174,8 +174,10 @@ struct BlockMeta {
 /// A scratch swap file on the NVMe tier, with per-block checksums kept in memory.
 ///
 /// Created with [`NvmeStore::create`]; the file is removed when the store is dropped.
-/// `read` takes `&self` and the store is `Send + Sync`, so several reads may run at once;
-/// writes need `&mut self`.
+/// `read` and `write` take `&self` and the store is `Send + Sync`, so reads and writes of
+/// different regions may run at once on different threads (the CUDA engine's writer thread
+/// writes while its engine thread reads); the caller orders a read of a region after the
+/// write of that region it must see.
 pub struct NvmeStore {
     path: PathBuf,
     dir: PathBuf,
@@ -186,7 +188,8 @@ pub struct NvmeStore {
     /// Whether transfers go through `direct_file` (cleared if the filesystem refuses them).
     direct: AtomicBool,
     reserved: u64,
-    blocks: Vec<Option<BlockMeta>>,
+    /// Per block, the payload last written there (locked only to read or update entries).
+    blocks: Mutex<Vec<Option<BlockMeta>>>,
     pool: Option<rayon::ThreadPool>,
     stats: Mutex<NvmeStats>,
 }
@@ -523,7 +526,7 @@ impl NvmeStore {
             direct_file,
             direct: AtomicBool::new(direct),
             reserved: bytes,
-            blocks,
+            blocks: Mutex::new(blocks),
             pool,
             stats: Mutex::new(NvmeStats {
                 direct_io: direct,
@@ -657,7 +660,7 @@ impl NvmeStore {
     /// [`NvmeError::Range`] for a misaligned or out-of-range region (nothing is written);
     /// [`NvmeError::Io`] when the OS refuses the write (a full disk says the NVMe tier is full
     /// and suggests lowering `nvme_memory`). Blocks whose write failed are marked unwritten.
-    pub fn write(&mut self, offset: u64, data: &[u8]) -> Result<(), NvmeError> {
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), NvmeError> {
         self.check_range(offset, data.len())?;
         let start = Instant::now();
         let first = (offset / NVME_BLOCK as u64) as usize;
@@ -670,18 +673,20 @@ impl NvmeStore {
             })
         });
         let mut first_err = None;
+        let mut blocks = self.blocks.lock().unwrap_or_else(|p| p.into_inner());
         for (i, r) in results.into_iter().enumerate() {
             let block = first + i;
             match r {
-                Ok(meta) => self.blocks[block] = Some(meta),
+                Ok(meta) => blocks[block] = Some(meta),
                 Err(e) => {
-                    self.blocks[block] = None;
+                    blocks[block] = None;
                     if first_err.is_none() {
                         first_err = Some((block, e));
                     }
                 }
             }
         }
+        drop(blocks);
         if let Some((block, e)) = first_err {
             let what = if is_full(&e) {
                 format!(
@@ -732,10 +737,11 @@ impl NvmeStore {
         let len = out.len();
         // Check the metadata of every block before any I/O.
         let mut metas = Vec::with_capacity(len.div_ceil(NVME_BLOCK));
+        let blocks = self.blocks.lock().unwrap_or_else(|p| p.into_inner());
         for (i, chunk_start) in (0..len).step_by(NVME_BLOCK).enumerate() {
             let block = first + i;
             let want = (len - chunk_start).min(NVME_BLOCK);
-            let Some(meta) = self.blocks[block] else {
+            let Some(meta) = blocks[block] else {
                 return Err(NvmeError::Unwritten {
                     path: self.path.clone(),
                     block: block as u64,
@@ -751,6 +757,7 @@ impl NvmeStore {
             }
             metas.push(meta);
         }
+        drop(blocks);
         let items: Vec<(usize, &mut [u8])> = out.chunks_mut(NVME_BLOCK).enumerate().collect();
         let results = self.run_blocks(items, |(i, chunk)| {
             let pos = offset + (i * NVME_BLOCK) as u64;
@@ -813,4 +820,69 @@ impl Drop for NvmeStore {
             }
         }
     }
+}
+
+/// Stores created by [`plan_store`] in this process so far (each gets its own file name).
+static PLAN_STORES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The swap file of an engine running `plan`: `asteria-<plan>-<pid>.nvme` for the process's
+/// first store, `asteria-<plan>-<pid>.<n>.nvme` for the n-th after it (the train-match runs the
+/// CPU and the CUDA engine in one process, each with its own file).
+fn plan_file_name(plan: &schedule::Plan) -> String {
+    let n = PLAN_STORES.fetch_add(1, Ordering::Relaxed);
+    let pid = std::process::id();
+    if n == 0 {
+        format!("asteria-{}-{pid}.nvme", plan.name)
+    } else {
+        format!("asteria-{}-{pid}.{n}.nvme", plan.name)
+    }
+}
+
+/// The NVMe store of `plan`'s `nvme` arena for an engine whose floats take `scale` times the
+/// plan's f32 bytes (1 for f32 engines, 2 for the CPU engine's f64 mode): one file in the
+/// plan's NVMe directory (`plan.memory.budgets.nvme_dir`, spec key `nvme`) reserving
+/// `scale ×` the arena's bytes, or `None` when the plan places nothing on NVMe. Buffer `i`'s
+/// region starts at byte `scale × slot offset` ([`plan_regions`]). Shared by the CPU and CUDA
+/// engines.
+///
+/// # Errors
+/// [`crate::EngineError::Tier`]: no directory in the plan, a directory that does not exist,
+/// or [`NvmeStore::create`]'s errors (a full disk).
+pub fn plan_store(
+    plan: &schedule::Plan,
+    scale: u64,
+) -> Result<Option<NvmeStore>, crate::EngineError> {
+    let tier_err = |e: String| crate::EngineError::Tier(e);
+    let bytes = plan.memory.arena_bytes(schedule::ArenaKind::Nvme) as u64 * scale;
+    if bytes == 0 {
+        return Ok(None);
+    }
+    let dir =
+        plan.memory.budgets.nvme_dir.as_deref().ok_or_else(|| {
+            tier_err("the plan places buffers on NVMe but names no directory".into())
+        })?;
+    let dir = Path::new(dir);
+    if !dir.is_dir() {
+        return Err(tier_err(format!(
+            "the NVMe directory `{}` (spec key `nvme`) does not exist or is not a directory",
+            dir.display()
+        )));
+    }
+    NvmeStore::create(dir, &plan_file_name(plan), bytes)
+        .map(Some)
+        .map_err(|e| tier_err(e.to_string()))
+}
+
+/// Per plan buffer, the byte offset of its region in the [`plan_store`] of the same `scale`
+/// (`None` for buffers not in the `nvme` arena).
+pub fn plan_regions(plan: &schedule::Plan, scale: u64) -> Vec<Option<u64>> {
+    (0..plan.buffers.len())
+        .map(|i| {
+            plan.memory
+                .slots
+                .get(i)
+                .filter(|s| s.arena == schedule::ArenaKind::Nvme)
+                .map(|s| s.offset as u64 * scale)
+        })
+        .collect()
 }

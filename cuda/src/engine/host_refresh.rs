@@ -182,8 +182,8 @@ impl CudaEngine {
     fn download_refresh_state(&self, task: &RefreshTask) -> Result<[Vec<f32>; 3], CudaError> {
         Ok([
             self.dev.download::<f32>(self.b(task.basis))?,
-            self.dev.download::<f32>(self.b(task.exp_avg))?,
-            self.dev.download::<f32>(self.b(task.exp_avg_sq))?,
+            self.download_state(task.exp_avg)?,
+            self.download_state(task.exp_avg_sq)?,
         ])
     }
 
@@ -195,8 +195,8 @@ impl CudaEngine {
         [q, ea, eas]: [&[f32]; 3],
     ) -> Result<(), CudaError> {
         self.dev.upload(self.b(task.basis), q)?;
-        self.dev.upload(self.b(task.exp_avg), ea)?;
-        self.dev.upload(self.b(task.exp_avg_sq), eas)?;
+        self.upload_state(task.exp_avg, ea)?;
+        self.upload_state(task.exp_avg_sq, eas)?;
         self.basis_changed(task.basis);
         Ok(())
     }

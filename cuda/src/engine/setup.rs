@@ -25,19 +25,6 @@ fn check_fused(
     precision: Precision,
 ) -> Result<(), EngineError> {
     let refuse = |what: String| Err(EngineError::Unsupported(format!("CUDA backend: {what}")));
-    if let Some(a) = plan
-        .memory
-        .arenas
-        .iter()
-        .find(|a| a.kind == ArenaKind::Nvme && a.bytes > 0)
-    {
-        return refuse(format!(
-            "the plan offloads {} bytes to the `nvme` tier (`tier-placement` under the spec's \
-             budgets); the CUDA engine runs the host tier but not the NVMe tier yet: raise \
-             `host_memory`, or run the plan on the CPU engine",
-            a.bytes
-        ));
-    }
     if precision != Precision::Bf16 {
         if let Some(b) = plan.buffers.iter().find(|b| b.dtype == DType::Bf16) {
             return refuse(format!(
@@ -223,6 +210,7 @@ impl CudaEngine {
                 .memory
                 .arenas
                 .iter()
+                .filter(|a| a.kind != ArenaKind::Nvme)
                 .fold(0u64, |t, a| t.saturating_add(a.bytes as u64));
             let place = format!("GPU {} ({})", dev.info().ordinal, dev.info().name);
             engine::fits::check_fits(&plan, &place, planned, free as u64)?;
@@ -320,8 +308,14 @@ impl CudaEngine {
         // at its planned offset.
         let mut arenas: Vec<(String, usize)> = Vec::new();
         let mut plan_arenas: Vec<(ArenaKind, Arena)> = Vec::new();
+        // The NVMe tier: a swap file, bounce slots and a writer thread (`nvme_tier`); its
+        // arena takes no device memory.
+        let nvme = super::nvme_tier::NvmeTier::new(&dev, &plan)?;
+        if let Some(nv) = &nvme {
+            arenas.push(("nvme-bounce".to_string(), nv.pinned_bytes));
+        }
         for a in &plan.memory.arenas {
-            if a.bytes == 0 {
+            if a.bytes == 0 || a.kind == ArenaKind::Nvme {
                 continue;
             }
             // The host tier is pinned host memory: the copy engines move it at full speed.
@@ -341,6 +335,13 @@ impl CudaEngine {
         }
         let mut bufs = Vec::with_capacity(plan.buffers.len());
         for (i, (b, slot)) in plan.buffers.iter().zip(&plan.memory.slots).enumerate() {
+            if let Some(nv) = nvme.as_ref().filter(|n| n.holds(BufferId(i as u32))) {
+                bufs.push(
+                    nv.placeholder()
+                        .map_err(|err| cuda_err(&format!("placing buffer `{}`", b.name), err))?,
+                );
+                continue;
+            }
             let elem = match b.dtype {
                 DType::F32 => Elem::F32,
                 DType::I32 => Elem::I32,
@@ -499,6 +500,7 @@ impl CudaEngine {
             solver,
             energy: None,
             gpu_trace,
+            nvme,
             plan,
         };
         eng.check_budget()?;
@@ -532,11 +534,12 @@ impl CudaEngine {
             return Ok(());
         }
         let gib = |b: usize| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
-        // Device arenas only: the host tier's pinned arena does not count against the budget.
+        // Device arenas only: the host tier's pinned arena and the NVMe tier's pinned bounce
+        // slots do not count against the budget.
         let mut list: Vec<(String, usize)> = self
             .arenas
             .iter()
-            .filter(|(n, _)| n != ArenaKind::Host.name())
+            .filter(|(n, _)| n != ArenaKind::Host.name() && n != "nvme-bounce")
             .cloned()
             .collect();
         list.push((
@@ -564,8 +567,13 @@ impl CudaEngine {
         let e = |err: CudaError| cuda_err("initialising buffers", err);
         let seed = self.opts.engine.seed.unwrap_or(self.plan.train.seed);
         for (i, (b, buf)) in self.plan.buffers.iter().zip(&self.bufs).enumerate() {
-            if buf.tier() == Tier::PinnedHost {
-                // Host-tier state: written on the host (pinned memory is host memory).
+            let on_nvme = self
+                .nvme
+                .as_ref()
+                .is_some_and(|n| n.holds(BufferId(i as u32)));
+            if buf.tier() == Tier::PinnedHost || on_nvme {
+                // Offloaded state (host tier: pinned host memory; NVMe tier: its region in the
+                // swap file), written from the host with the CPU engine's values.
                 let mut v = vec![0f32; b.numel()];
                 match (b.init, b.dtype) {
                     (Init::Zeros, DType::F32) => {}
@@ -575,10 +583,16 @@ impl CudaEngine {
                     }
                     _ => {
                         return Err(EngineError::Unsupported(format!(
-                            "CUDA backend: host-tier buffer `{}` is not f32",
+                            "CUDA backend: offloaded buffer `{}` is not f32",
                             b.name
                         )))
                     }
+                }
+                if let Some(nv) = self.nvme.as_mut().filter(|_| on_nvme) {
+                    nv.write(BufferId(i as u32), &v).map_err(|err| {
+                        EngineError::Tier(format!("initialising `{}`: {err}", b.name))
+                    })?;
+                    continue;
                 }
                 if buf.bytes() < v.len() * 4 {
                     return Err(EngineError::Unsupported(format!(
@@ -696,6 +710,15 @@ impl CudaEngine {
                 got: start.saturating_add(len),
             });
         }
+        if let Some(nv) = self.nvme.as_ref().filter(|n| n.holds(id)) {
+            let v = nv
+                .read(id)
+                .map_err(|err| EngineError::Tier(format!("reading `{name}`: {err}")))?;
+            return Ok(v[start..start + len]
+                .iter()
+                .map(|&x| f64::from(x))
+                .collect());
+        }
         let e = |err| cuda_err("download", err);
         let b = &self.bufs[id.index()].slice(start, len).map_err(e)?;
         Ok(match b.elem() {
@@ -739,6 +762,13 @@ impl CudaEngine {
                 expected,
                 got: values.len(),
             });
+        }
+        if let Some(nv) = self.nvme.as_mut().filter(|n| n.holds(id)) {
+            let v: Vec<f32> = values.iter().map(|&x| x as f32).collect();
+            nv.write(id, &v)
+                .map_err(|err| EngineError::Tier(format!("writing `{name}`: {err}")))?;
+            self.write_gen[id.index()] += 1;
+            return Ok(());
         }
         let b = &self.bufs[id.index()];
         let e = |err| cuda_err("upload", err);

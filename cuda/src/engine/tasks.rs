@@ -490,7 +490,7 @@ impl CudaEngine {
         let (m, n) = self.dims(task.exp_avg);
         let e = |err| cuda_err("eigenbasis refresh", err);
         if on_gpu(task) {
-            let (Some(r), Some(slot), Some(work)) = (
+            let (Some(r), Some(slot), Some(_)) = (
                 self.refreshes.sync.as_ref(),
                 self.refreshes.sync_slot.as_ref(),
                 self.refreshes.swap.as_ref(),
@@ -519,7 +519,17 @@ impl CudaEngine {
                     RefreshOutcome::Refreshed
                 }));
             }
-            let (ea, eas) = (self.b(task.exp_avg), self.b(task.exp_avg_sq));
+            let ([ea, eas], paged) = self
+                .swap_moments([task.exp_avg, task.exp_avg_sq])
+                .map_err(e)?;
+            let (Some(slot), Some(work)) = (
+                self.refreshes.sync_slot.as_ref(),
+                self.refreshes.swap.as_ref(),
+            ) else {
+                return Err(EngineError::Unsupported(
+                    "internal: no GPU refresher".into(),
+                ));
+            };
             refresh::apply(
                 &self.dev,
                 work,
@@ -527,14 +537,15 @@ impl CudaEngine {
                 task.side,
                 &slot.q,
                 &slot.idx,
-                q,
-                ea,
-                eas,
+                self.b(task.basis),
+                &ea,
+                &eas,
                 m,
                 n,
                 self.swap_math(),
             )
             .map_err(e)?;
+            self.swap_moments_back(paged).map_err(e)?;
             self.basis_changed(task.basis);
             return Ok(Ok(if init {
                 RefreshOutcome::Initialized
@@ -736,17 +747,16 @@ impl CudaEngine {
             self.basis_changed(task.basis);
             return Ok(Ok(RefreshOutcome::Refreshed));
         }
+        self.dev.wait(StreamKind::Compute, done).map_err(e)?;
+        let ([ea, eas], paged) = self
+            .swap_moments([task.exp_avg, task.exp_avg_sq])
+            .map_err(e)?;
+        let sh = self.shadow_of(task)?;
         let work = self
             .refreshes
             .swap
             .as_ref()
             .ok_or_else(|| EngineError::Unsupported("internal: no swap buffers".into()))?;
-        self.dev.wait(StreamKind::Compute, done).map_err(e)?;
-        let (q, ea, eas) = (
-            self.b(task.basis),
-            self.b(task.exp_avg),
-            self.b(task.exp_avg_sq),
-        );
         refresh::apply(
             &self.dev,
             work,
@@ -754,14 +764,15 @@ impl CudaEngine {
             task.side,
             &sh.slot.q,
             &sh.slot.idx,
-            q,
-            ea,
-            eas,
+            self.b(task.basis),
+            &ea,
+            &eas,
             m,
             n,
             self.swap_math(),
         )
         .map_err(e)?;
+        self.swap_moments_back(paged).map_err(e)?;
         self.basis_changed(task.basis);
         Ok(Ok(RefreshOutcome::Refreshed))
     }
@@ -803,16 +814,15 @@ impl CudaEngine {
                 .copy(&idx_dev, hi, StreamKind::Compute)
                 .map_err(e)?;
         }
+        let ([ea, eas], paged) = self
+            .swap_moments([task.exp_avg, task.exp_avg_sq])
+            .map_err(e)?;
+        let sh = self.shadow_of(task)?;
         let work = self
             .refreshes
             .swap
             .as_ref()
             .ok_or_else(|| EngineError::Unsupported("internal: no swap buffers".into()))?;
-        let (q, ea, eas) = (
-            self.b(task.basis),
-            self.b(task.exp_avg),
-            self.b(task.exp_avg_sq),
-        );
         refresh::apply(
             &self.dev,
             work,
@@ -820,14 +830,15 @@ impl CudaEngine {
             task.side,
             &sh.slot.q,
             &sh.slot.idx,
-            q,
-            ea,
-            eas,
+            self.b(task.basis),
+            &ea,
+            &eas,
             m,
             n,
             self.swap_math(),
         )
         .map_err(e)?;
+        self.swap_moments_back(paged).map_err(e)?;
         self.basis_changed(task.basis);
         Ok(Ok(result.kind()))
     }

@@ -5,7 +5,8 @@
 //! - `host`: one vector per offloaded buffer, outside the engine's working [`Store`] (on a GPU
 //!   this is pinned host memory; here it exercises the same placement and copies).
 //! - `nvme`: a [`NvmeStore`] file in the plan's NVMe directory (`nvme = "DIR"`), one region per
-//!   buffer at its plan offset (scaled from the plan's f32 bytes to this engine's float size),
+//!   buffer at its plan offset (scaled from the plan's f32 bytes to this engine's float size;
+//!   [`crate::nvme::plan_store`] and [`crate::nvme::plan_regions`], shared with the CUDA engine),
 //!   checksummed per block and verified on every read: a truncated or corrupted file stops the
 //!   step with [`EngineError::Tier`] before the bad state is used.
 //!
@@ -17,7 +18,6 @@ use super::Float;
 use crate::nvme::NvmeStore;
 use crate::EngineError;
 use schedule::{ArenaKind, BufferId, DType, Plan};
-use std::path::Path;
 
 /// Offloaded buffers of one engine.
 pub(crate) struct Tiers<T> {
@@ -50,22 +50,8 @@ impl<T: Float> Tiers<T> {
             nvme: None,
         };
         let scale = T::BYTES as u64 / 4;
-        let nvme_bytes = plan.memory.arena_bytes(ArenaKind::Nvme) as u64 * scale;
-        if nvme_bytes > 0 {
-            let dir = plan.memory.budgets.nvme_dir.as_deref().ok_or_else(|| {
-                tier_err("the plan places buffers on NVMe but names no directory")
-            })?;
-            let dir = Path::new(dir);
-            if !dir.is_dir() {
-                return Err(tier_err(format!(
-                    "the NVMe directory `{}` (spec key `nvme`) does not exist or is not a \
-                     directory",
-                    dir.display()
-                )));
-            }
-            let file = format!("asteria-{}-{}.nvme", plan.name, std::process::id());
-            tiers.nvme = Some(NvmeStore::create(dir, &file, nvme_bytes).map_err(tier_err)?);
-        }
+        tiers.nvme = crate::nvme::plan_store(plan, scale)?;
+        let regions = crate::nvme::plan_regions(plan, scale);
         for (i, b) in plan.buffers.iter().enumerate() {
             let Some(slot) = plan.memory.slots.get(i).filter(|s| !s.arena.on_device()) else {
                 continue;
@@ -81,11 +67,11 @@ impl<T: Float> Tiers<T> {
             match slot.arena {
                 ArenaKind::Host => tiers.host[i] = Some(v),
                 _ => {
-                    let at = slot.offset as u64 * scale;
+                    let at = regions[i].ok_or_else(|| tier_err("no NVMe region"))?;
                     tiers.nvme_at[i] = Some(at);
                     let store = tiers
                         .nvme
-                        .as_mut()
+                        .as_ref()
                         .ok_or_else(|| tier_err("no NVMe store"))?;
                     store.write(at, &to_bytes(&v)).map_err(tier_err)?;
                 }
@@ -133,10 +119,7 @@ impl<T: Float> Tiers<T> {
             h.copy_from_slice(v);
             return Ok(());
         }
-        match (
-            self.nvme_at.get(dst.index()).copied().flatten(),
-            &mut self.nvme,
-        ) {
+        match (self.nvme_at.get(dst.index()).copied().flatten(), &self.nvme) {
             (Some(offset), Some(store)) => store
                 .write(offset, &to_bytes(v))
                 .map_err(|e| at(e.to_string())),
