@@ -13,7 +13,7 @@ but the embedding and LM head (it has no dimension cap: their 50304-wide side wo
 lr 3e-3, betas (0.9, 0.98), frequency 10.
 `shampoo` is the reference Shampoo (DistributedShampoo of facebookresearch/optimizers, the
 `distributed_shampoo` package directory, found where soap.py is; never commit it) on every
-parameter, as bench/specs/*-shampoo.asteria: lr 3e-3, betas (0.95, 0.95), epsilon 1e-8,
+parameter, as bench/specs/*-shampoo.asteria: lr 6e-4 (124M) / 3e-4 (the rest), betas (0.95, 0.95), epsilon 1e-8,
 weight decay 0.01 (decoupled), blocks of 1024, frequency 10, Adam grafting (0.999, 1e-10).
 Usage (GPU host, PyTorch with CUDA): python3 torch_steps.py {adamw|soap|kl|shampoo} STEPS OUT.jsonl [--tf32] [--compile] [--mpd N] [--model M]
   Writes OUT.jsonl, one line per step; prints the peak GPU memory. ~15 s plus STEPS steps
@@ -65,7 +65,8 @@ elif opt_name == "kl":
     opt = Both()
 elif opt_name == "shampoo":
     from distributed_shampoo import AdamPreconditionerConfig, DistributedShampoo
-    opt = DistributedShampoo(model.parameters(), lr=3e-3, betas=(0.95, 0.95), epsilon=1e-8,
+    opt = DistributedShampoo(model.parameters(), lr=6e-4 if model_name == "gpt2-124m" else 3e-4,
+                             betas=(0.95, 0.95), epsilon=1e-8,
                              weight_decay=0.01, max_preconditioner_dim=1024,
                              precondition_frequency=10,
                              grafting_config=AdamPreconditionerConfig(beta2=0.999, epsilon=1e-10))
