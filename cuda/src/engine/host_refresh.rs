@@ -11,8 +11,85 @@ use crate::error::CudaError;
 use engine::refresh_runtime::inflight::{JobError, JobOutput};
 use engine::refresh_runtime::{Outcome, RefreshTask};
 use engine::EngineError;
-use optim::RefreshOutcome;
+use optim::{RefreshError, RefreshOutcome, RefreshResult};
+use rayon::prelude::*;
 use std::sync::Arc;
+
+/// Synchronous host refreshes whose state [`CudaEngine::refresh_now_host_batch`] holds on the
+/// host at once, per host-pool thread: it bounds the host memory of a batch (LLaMA 1.44B's
+/// Shampoo with blocks of 1024 has 2,898 inverse roots, each a 4 MiB factor, basis and result)
+/// while keeping every worker busy.
+const HOST_BATCH_PER_THREAD: usize = 4;
+
+/// What one synchronous host refresh reads, downloaded ([`CudaEngine::host_input`]).
+enum HostInput {
+    /// A SOAP task: factor `f`, and basis, `exp_avg`, `exp_avg_sq` (`[d, d]`, `[m, n]`,
+    /// `[m, n]` f32), updated in place by `optim::eigenbasis_refresh` at optim step `t`.
+    Soap {
+        task: RefreshTask,
+        t: u64,
+        f: Vec<f32>,
+        state: [Vec<f32>; 3],
+        m: usize,
+        n: usize,
+    },
+    /// A `RefreshMethod::Qr` / `RefreshMethod::InverseRoot` task: factor and basis (`[d, d]`
+    /// f32), read by [`host_compute`] at optim step `t`.
+    BasisOnly {
+        task: RefreshTask,
+        t: u64,
+        f: Vec<f32>,
+        q: Vec<f32>,
+        m: usize,
+        n: usize,
+    },
+}
+
+/// What a synchronous host refresh computed, to install ([`CudaEngine::host_install`]).
+enum HostComputed {
+    /// `optim::eigenbasis_refresh`'s outcome and the state it updated.
+    Soap(Result<RefreshOutcome, RefreshError>, [Vec<f32>; 3]),
+    /// [`host_compute`]'s result.
+    BasisOnly(Result<Option<RefreshResult<f32>>, RefreshError>),
+}
+
+impl HostInput {
+    /// The CPU engine's refresh on this input (any thread: it touches no engine state).
+    fn compute(self, solver: &dyn optim::HostEigensolver) -> HostComputed {
+        match self {
+            HostInput::Soap {
+                task,
+                t,
+                f,
+                state: [mut q, mut ea, mut eas],
+                m,
+                n,
+            } => {
+                let out = optim::eigenbasis_refresh(
+                    solver,
+                    t,
+                    task.frequency,
+                    task.side,
+                    &f,
+                    &mut q,
+                    &mut ea,
+                    &mut eas,
+                    m,
+                    n,
+                );
+                HostComputed::Soap(out, [q, ea, eas])
+            }
+            HostInput::BasisOnly {
+                task,
+                t,
+                f,
+                q,
+                m,
+                n,
+            } => HostComputed::BasisOnly(host_compute(solver, &task, t, &f, &q, m, n)),
+        }
+    }
+}
 
 impl CudaEngine {
     /// The host half of a synchronous refresh (`tasks`' `refresh_now`): the CPU engine's call
@@ -25,39 +102,104 @@ impl CudaEngine {
         t: u64,
         init: bool,
     ) -> Result<Outcome, EngineError> {
-        let (m, n) = self.dims(task.exp_avg);
-        let e = |err| cuda_err("eigenbasis refresh", err);
-        // Host: the CPU engine's call, on downloaded state.
-        let f = self.dev.download::<f32>(self.b(task.factor)).map_err(e)?;
-        if basis_only_method(task.method) {
-            return self.refresh_now_basis_only(task, t, init, &f);
-        }
-        let [mut q, mut ea, mut eas] = self.download_refresh_state(task).map_err(e)?;
+        let input = self.host_input(task, t, init)?;
         let solver = Arc::clone(&self.solver);
+        let computed = self.host_pool()?.install(|| input.compute(solver.as_ref()));
+        self.host_install(task, computed)
+    }
+
+    /// The host halves of the synchronous refreshes `batch[i]` for `i` in `which` (all placed
+    /// on the host), their outcomes in that order: per chunk of at most
+    /// [`HOST_BATCH_PER_THREAD`] × the host pool's threads, the state is downloaded on this
+    /// thread, the refreshes are computed at once on the host pool (one task per worker), and
+    /// the results are installed here in order. The same functions as [`refresh_now_host`]
+    /// on the same inputs, so the result is that of running them one after the other.
+    ///
+    /// [`refresh_now_host`]: CudaEngine::refresh_now_host
+    pub(super) fn refresh_now_host_batch(
+        &mut self,
+        batch: &[(RefreshTask, bool)],
+        which: &[usize],
+        t: u64,
+    ) -> Result<Vec<Outcome>, EngineError> {
         let pool = self.host_pool()?;
+        let chunk = (pool.current_num_threads() * HOST_BATCH_PER_THREAD).max(1);
+        let solver = Arc::clone(&self.solver);
+        let mut out = Vec::with_capacity(which.len());
+        for part in which.chunks(chunk) {
+            let mut inputs = Vec::with_capacity(part.len());
+            for &i in part {
+                let (task, init) = &batch[i];
+                inputs.push(self.host_input(task, t, *init)?);
+            }
+            let solver = solver.as_ref();
+            let computed: Vec<HostComputed> = pool.install(|| {
+                inputs
+                    .into_par_iter()
+                    .map(|input| input.compute(solver))
+                    .collect()
+            });
+            for (&i, c) in part.iter().zip(computed) {
+                out.push(self.host_install(&batch[i].0, c)?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Downloads what the host refresh of `task` reads: the factor and basis, and for a SOAP
+    /// task the moments it re-projects.
+    fn host_input(&self, task: &RefreshTask, t: u64, init: bool) -> Result<HostInput, EngineError> {
+        let e = |err| cuda_err("eigenbasis refresh", err);
+        let (m, n) = self.dims(task.exp_avg);
+        let f = self.dev.download::<f32>(self.b(task.factor)).map_err(e)?;
         let t_optim = task.optim_step(t, init);
-        let out = pool.install(|| {
-            optim::eigenbasis_refresh(
-                solver.as_ref(),
-                t_optim,
-                task.frequency,
-                task.side,
-                &f,
-                &mut q,
-                &mut ea,
-                &mut eas,
+        if basis_only_method(task.method) {
+            let q = self.dev.download::<f32>(self.b(task.basis)).map_err(e)?;
+            return Ok(HostInput::BasisOnly {
+                task: *task,
+                t: t_optim,
+                f,
+                q,
                 m,
                 n,
-            )
-        });
-        match out {
-            Ok(k @ (RefreshOutcome::Skipped | RefreshOutcome::ZeroFactor)) => Ok(Ok(k)),
-            Ok(kind) => {
+            });
+        }
+        let [q, ea, eas] = self.download_refresh_state(task).map_err(e)?;
+        Ok(HostInput::Soap {
+            task: *task,
+            t: t_optim,
+            f,
+            state: [q, ea, eas],
+            m,
+            n,
+        })
+    }
+
+    /// Installs what [`HostInput::compute`] returned for `task`: a SOAP task's basis and
+    /// moments uploaded (not for a skipped refresh or a zero factor), a basis-only task's basis
+    /// or root through [`CudaEngine::install_basis_on_host`]; a numerical failure changes
+    /// nothing.
+    fn host_install(
+        &mut self,
+        task: &RefreshTask,
+        c: HostComputed,
+    ) -> Result<Outcome, EngineError> {
+        let e = |err| cuda_err("eigenbasis refresh", err);
+        match c {
+            HostComputed::Soap(
+                Ok(k @ (RefreshOutcome::Skipped | RefreshOutcome::ZeroFactor)),
+                _,
+            ) => Ok(Ok(k)),
+            HostComputed::Soap(Ok(kind), [q, ea, eas]) => {
                 self.upload_refresh_state(task, [&q, &ea, &eas])
                     .map_err(e)?;
                 Ok(Ok(kind))
             }
-            Err(err) => task.outcome(Err(err)),
+            HostComputed::Soap(Err(err), _) | HostComputed::BasisOnly(Err(err)) => {
+                task.outcome(Err(err))
+            }
+            HostComputed::BasisOnly(Ok(Some(result))) => self.install_basis_on_host(task, &result),
+            HostComputed::BasisOnly(Ok(None)) => Ok(Ok(RefreshOutcome::Skipped)),
         }
     }
 
@@ -124,32 +266,6 @@ impl CudaEngine {
                 Ok(Ok(kind))
             }
             Ok(kind) => Ok(Ok(kind)),
-            Err(err) => task.outcome(Err(err)),
-        }
-    }
-
-    /// A synchronous host refresh of a `RefreshMethod::Qr` or `RefreshMethod::InverseRoot`
-    /// task: [`host_compute`] on the downloaded factor `f` and basis (on the host pool; the
-    /// inverse root reads the factor alone), installed by
-    /// [`CudaEngine::install_basis_on_host`]; the momentum is neither downloaded nor written.
-    fn refresh_now_basis_only(
-        &mut self,
-        task: &RefreshTask,
-        t: u64,
-        init: bool,
-        f: &[f32],
-    ) -> Result<Outcome, EngineError> {
-        let e = |err| cuda_err("eigenbasis refresh", err);
-        let (m, n) = self.dims(task.exp_avg);
-        let q = self.dev.download::<f32>(self.b(task.basis)).map_err(e)?;
-        let solver = Arc::clone(&self.solver);
-        let t_optim = task.optim_step(t, init);
-        let out = self
-            .host_pool()?
-            .install(|| host_compute(solver.as_ref(), task, t_optim, f, &q, m, n));
-        match out {
-            Ok(Some(result)) => self.install_basis_on_host(task, &result),
-            Ok(None) => Ok(Ok(RefreshOutcome::Skipped)),
             Err(err) => task.outcome(Err(err)),
         }
     }

@@ -874,6 +874,49 @@ impl RefreshBackend for CudaEngine {
         outcome
     }
 
+    /// Host-placed refreshes computed at once on the host pool (`host_refresh`'s
+    /// `refresh_now_host_batch`); side-stream ones one after the other on the compute stream.
+    fn run_now_batch(
+        &mut self,
+        batch: &[(RefreshTask, bool)],
+        t: u64,
+        _reference: bool,
+    ) -> Result<Vec<Outcome>, EngineError> {
+        let t0 = Instant::now();
+        let mut outcomes: Vec<Option<Outcome>> = (0..batch.len()).map(|_| None).collect();
+        let mut host = Vec::new();
+        for (i, (task, init)) in batch.iter().enumerate() {
+            if dim(&self.plan, task) == 0 {
+                outcomes[i] = Some(Ok(RefreshOutcome::Skipped));
+            } else if on_gpu(task) {
+                let outcome = self.refresh_now(task, t, *init)?;
+                self.refreshes.synced = true;
+                outcomes[i] = Some(outcome);
+            } else {
+                host.push(i);
+            }
+        }
+        // (A plan whose refreshes all run on the side stream has no host pool.)
+        if !host.is_empty() {
+            for (i, outcome) in host
+                .iter()
+                .copied()
+                .zip(self.refresh_now_host_batch(batch, &host, t)?)
+            {
+                outcomes[i] = Some(outcome);
+            }
+        }
+        self.refreshes.times[4] += t0.elapsed().as_secs_f64() * 1e3;
+        outcomes
+            .into_iter()
+            .map(|o| {
+                o.ok_or_else(|| {
+                    EngineError::Unsupported("internal: a refresh without an outcome".into())
+                })
+            })
+            .collect()
+    }
+
     fn launch(&mut self, task: &RefreshTask, t: u64) -> Result<Option<CudaJob>, EngineError> {
         if dim(&self.plan, task) == 0 {
             return Ok(None);
