@@ -163,7 +163,14 @@ pub fn train_match(plan: &Plan, opts: &MatchOptions) -> Result<MatchReport, Stri
             eigensolver,
             staleness,
             ..
-        } => (0, eigensolver, AttentionKernel::Auto, staleness),
+        } => {
+            // A CPU spec's `memory` budget sized the CPU engine's working memory (the tiered
+            // tiny specs offload moments under a few MiB); on the GPU the CUDA context's own
+            // allocations exceed it before any buffer exists. The match compares the plan's
+            // placement and copies as compiled, so the GPU engine runs it without that budget.
+            plan.memory.budgets.device = None;
+            (0, eigensolver, AttentionKernel::Auto, staleness)
+        }
     };
     // The plan's staleness bound stays: with `refresh_swap = deadline` both engines install
     // every refresh at the same step, so an S > 0 plan can be matched step by step too (with
