@@ -133,10 +133,20 @@ impl CudaEngine {
                 inputs.push(self.host_input(task, t, *init)?);
             }
             let solver = solver.as_ref();
+            // Several refreshes at once: one per pool thread, each single-threaded (as the
+            // asynchronous host jobs run; nested parallel eigensolves only contend). One alone
+            // keeps the pool's threads.
+            let alone = inputs.len() == 1;
             let computed: Vec<HostComputed> = pool.install(|| {
                 inputs
                     .into_par_iter()
-                    .map(|input| input.compute(solver))
+                    .map(|input| {
+                        if alone {
+                            input.compute(solver)
+                        } else {
+                            optim::with_sequential(|| input.compute(solver))
+                        }
+                    })
                     .collect()
             });
             for (&i, c) in part.iter().zip(computed) {
