@@ -5,7 +5,8 @@
 //! waits at the staleness bound, failure counting — is [`crate::refresh_runtime`]'s.
 //!
 //! - **Synchronous** (first basis, S = 0): [`optim::refresh_compute`] on the live factor and
-//!   basis on the host pool, then [`optim::refresh_apply`]: bit-identical to
+//!   basis on the host pool (the refreshes due at one boundary at once), then
+//!   [`optim::refresh_apply`] (one after the other): bit-identical to
 //!   [`optim::eigenbasis_refresh`], which the reference path
 //!   ([`super::EngineOptions::synchronous_refresh`]) calls directly.
 //! - **In the background** (S > 0): the factor and the current basis are copied (the shadow
@@ -21,6 +22,7 @@ use optim::{
     eigenbasis_refresh, refresh_apply, refresh_compute_method, HostEigensolver, Real, RefreshError,
     RefreshOutcome, RefreshResult,
 };
+use rayon::prelude::*;
 use schedule::RefreshMethod;
 use std::sync::{mpsc, Arc};
 
@@ -68,6 +70,37 @@ impl<T: Float + Real> RefreshBackend for HostRefresher<'_, T> {
         }
         let out = self.compute_inline(task, t, init);
         self.install(task, out)
+    }
+
+    /// The `refresh_compute`s of the batch at once on the host pool (each reads only its own
+    /// factor and basis), then their installs in order: the same calls on the same inputs as
+    /// one after the other, so the same bits. The reference path stays one call at a time.
+    fn run_now_batch(
+        &mut self,
+        batch: &[(RefreshTask, bool)],
+        t: u64,
+        reference: bool,
+    ) -> Result<Vec<Outcome>, EngineError> {
+        if reference || batch.len() < 2 {
+            return batch
+                .iter()
+                .map(|(task, init)| self.run_now(task, t, *init, reference))
+                .collect();
+        }
+        let outs: Vec<JobOutput<T>> = {
+            let this: &Self = self;
+            this.host_pool.install(|| {
+                batch
+                    .par_iter()
+                    .map(|(task, init)| this.compute_inline(task, t, *init))
+                    .collect()
+            })
+        };
+        batch
+            .iter()
+            .zip(outs)
+            .map(|((task, _), out)| self.install(task, out))
+            .collect()
     }
 
     fn launch(&mut self, task: &RefreshTask, t: u64) -> Result<Option<Job<T>>, EngineError> {
