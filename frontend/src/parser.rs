@@ -93,7 +93,34 @@ fn block<'a>(i: Input<'a>, blocks: &mut Vec<Block>, errors: &mut Vec<SpecError>)
         return sync(j);
     }
     let mut name = None;
-    if let Ok((rest, n)) = ident(j) {
+    if let Ok((mut rest, mut n)) = ident(j) {
+        // `kl-shampoo`: names are identifiers, so a hyphenated word is one located error with
+        // the spelling to use, and the block is read as that name (no cascade of errors).
+        let start = n.span;
+        let mut hyphenated = false;
+        while rest.fragment().starts_with('-') && rest.fragment()[1..].starts_with(is_ident_start) {
+            let Ok((r, part)) = ident(advance(&rest, 1)) else {
+                break;
+            };
+            n.name = format!("{}_{}", n.name, part.name);
+            n.span = start.to(part.span);
+            rest = r;
+            hyphenated = true;
+        }
+        if hyphenated {
+            errors.push(
+                SpecError::new(
+                    "spec::syntax",
+                    n.span,
+                    format!(
+                        "`{}` is not a name: names use `_`, not `-`",
+                        n.name.replace('_', "-")
+                    ),
+                    "hyphen in a name",
+                )
+                .with_help(format!("write `{}`", n.name)),
+            );
+        }
         name = Some(n);
         j = ws(rest);
     }

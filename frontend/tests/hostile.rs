@@ -368,3 +368,27 @@ fn budgets_need_units_and_the_right_target() {
     assert_eq!(b.nvme, Some(2 << 40));
     assert_eq!(b.nvme_dir.as_deref(), Some("/tmp"));
 }
+
+/// `optimizer kl-shampoo { }`: one located error that gives the spelling to use, and no
+/// cascade (no "unknown optimizer `kl`", no "expected `{`").
+#[test]
+fn a_hyphenated_block_name_is_one_error_with_the_underscored_spelling() {
+    let src = BASE.replace(
+        "optimizer soap {\n  lr = 1e-3\n}",
+        "optimizer kl-shampoo {\n}",
+    );
+    let e = errors_of(&src);
+    let items = e.items();
+    assert_eq!(items.len(), 1, "{items:#?}");
+    let (l, c, m) = &items[0];
+    assert_eq!((*l, *c), (8, 11), "{m}");
+    assert!(m.contains("`kl-shampoo` is not a name"), "{m}");
+    let help = e.errors()[0].help.clone().unwrap_or_default();
+    assert!(help.contains("`kl_shampoo`"), "{help}");
+    // A name with no hyphen is not touched.
+    let ok = BASE.replace(
+        "optimizer soap {\n  lr = 1e-3\n}",
+        "optimizer kl_shampoo {\n}",
+    );
+    common::parse(&ok).expect("kl_shampoo parses");
+}
