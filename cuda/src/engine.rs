@@ -117,7 +117,12 @@ pub struct CudaOptions {
 }
 
 fn cuda_err(where_: &str, e: CudaError) -> EngineError {
-    EngineError::Unsupported(format!("CUDA backend, {where_}: {e}"))
+    match e {
+        // An NVMe tier failure (checksum, truncated file, full disk) is the CPU engine's
+        // `EngineError::Tier`, wherever it surfaces (a refresh swap, a host install).
+        CudaError::Tier { what } => EngineError::Tier(format!("{where_}: {what}")),
+        e => EngineError::Unsupported(format!("CUDA backend, {where_}: {e}")),
+    }
 }
 
 /// `(rows, cols)` of a buffer as the CPU engine sees it (`[r, c]`, `[n]` → `(1, n)`, higher
@@ -595,5 +600,32 @@ impl Drop for CudaEngine {
     /// it destroys its cuSOLVER handle; every buffer's own drop synchronises the context.)
     fn drop(&mut self) {
         let _ = self.dev.synchronize();
+    }
+}
+
+#[cfg(test)]
+mod cuda_err_tests {
+    use super::*;
+
+    #[test]
+    fn an_nvme_tier_failure_is_a_tier_error_wherever_it_surfaces() {
+        let e = cuda_err(
+            "eigenbasis refresh",
+            CudaError::Tier {
+                what: "block 3 is corrupt".into(),
+            },
+        );
+        assert!(
+            matches!(&e, EngineError::Tier(m) if m.contains("eigenbasis refresh") && m.contains("block 3")),
+            "{e:?}"
+        );
+        let e = cuda_err(
+            "download",
+            CudaError::Invalid {
+                op: "x",
+                what: "y".into(),
+            },
+        );
+        assert!(matches!(e, EngineError::Unsupported(_)), "{e:?}");
     }
 }

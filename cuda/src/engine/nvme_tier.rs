@@ -456,7 +456,9 @@ impl NvmeTier {
         let ticket = match self.writer.submit(at, src, fence) {
             Ok(t) => t,
             Err(e) => {
-                self.uses[s] = SlotUse::Free;
+                // The copy into the slot (copy-out or compute stream) is already enqueued and
+                // nobody waits for it: the slot must not be taken again (as after a failed copy).
+                self.uses[s] = SlotUse::Held;
                 return Err(tier_err(e));
             }
         };
