@@ -6,10 +6,14 @@
 #   layers`;
 # - SOAP (staleness 5) unconstrained, under `gpu_memory = 30GiB` (moments of the largest
 #   matrices in pinned host memory; refresh swaps re-project them through a device staging
-#   buffer) and under `gpu_memory = 24GiB` with `rematerialize = layers`, SOAP_STEPS steps each
-#   with the validation loss at the end;
+#   buffer), under `gpu_memory = 24GiB` with `rematerialize = layers`, and under `gpu_memory =
+#   30GiB` with only 4 GiB of host memory, the rest of the offloaded moments in the NVMe tier
+#   (a file in /tmp; STEPS steps: ~2.5 s of NVMe copies a step), the others SOAP_STEPS steps
+#   each with the validation loss at the end;
 # - the CPU-vs-GPU train-matches (fp32) of the tiered tiny AdamW spec and of tiny-soap under a
-#   budget that puts the embedding's moments (a refresh task's) in the host tier.
+#   budget that puts the embedding's moments (a refresh task's) in the host tier, and of
+#   examples/tiny-tiers.asteria (AdamW) and its SOAP variant with moments in the host and NVMe
+#   tiers (the NVMe file in /tmp).
 # Each run prints its GPU peak, arenas and MFU; summarize.py puts them side by side.
 #
 # Needs: the repository root as working directory, .gpu/ from bench/prepare-gpu, an NVIDIA GPU
@@ -58,6 +62,7 @@ for spec in "llama-1.4b-adamw|unconstrained|||$steps" \
             "llama-1.4b-soap|soap-unconstrained|||$soap_steps" \
             "llama-1.4b-soap|soap-gpu30|$(budget 30GiB)||$soap_steps" \
             "llama-1.4b-soap|soap-gpu24-layers|$(budget 24GiB)|rematerialize = layers|$soap_steps" \
+            "llama-1.4b-soap|soap-gpu30-nvme|gpu_memory = 30GiB; host_memory = 4GiB; nvme = \"/tmp\"; nvme_memory = 20GiB||$steps" \
             "train-match|train-match|||"; do
   IFS='|' read -r base name target train n <<< "$spec"
   [[ $name =~ $only ]] || continue
@@ -70,16 +75,21 @@ done
 [[ ${#rows[@]} -gt 0 ]] && python3 "$here/summarize.py" --skip 10 "${rows[@]}" | tee "$out/summary.md"
 [[ train-match =~ $only ]] || { stamp done; tar czf "$out.tgz" -C "$out" .; exit 0; }
 
-# CPU vs GPU, fp32, with moments in the host tier (the CUDA engine has no NVMe tier yet).
+# CPU vs GPU, fp32: moments in the host tier (the *-gpu specs), and in the host and NVMe tiers
+# (examples/tiny-tiers.asteria as it is, and its SOAP variant: the train-match compiles the CPU
+# spec's placement and runs it on the GPU without the CPU's working-memory budget).
 stamp train-match
+sed -e 's/optimizer adamw {/optimizer soap {\n  precondition_frequency = 5/' -e 's/memory = 5MiB /memory = 16MiB /' \
+    examples/tiny-tiers.asteria > "$out/tiny-tiers-soap-nvme.asteria"
+cp examples/tiny-tiers.asteria "$out/tiny-tiers-nvme.asteria"
 sed -e 's/^  memory = 5MiB.*/  gpu_memory = 5MiB\n  precision = fp32/' -e 's/^  host_memory = 1MiB.*/  host_memory = 64MiB/' \
     -e '/^  nvme/d' -e 's/^target cpu {/target cuda {/' examples/tiny-tiers.asteria > "$out/tiny-tiers-gpu.asteria"
 sed -e 's/^target cpu {/target cuda {\n  precision = fp32\n  gpu_memory = 505MiB\n  host_memory = 256MiB/' \
     -e 's/^  staleness = 0 .*/  staleness = 0/' examples/tiny-soap.asteria > "$out/tiny-soap-tiers-gpu.asteria"
 # SOAP's match injects the CPU's eigenbases after each refresh (two correct eigensolvers return
 # different bases for near-equal eigenvalues; BENCHMARKS.md, correctness checks).
-for m in tiny-tiers-gpu tiny-soap-tiers-gpu; do
-  inject=(); [[ $m == tiny-soap* ]] && inject=(--inject-cpu-refreshes)
+for m in tiny-tiers-gpu tiny-soap-tiers-gpu tiny-tiers-nvme tiny-tiers-soap-nvme; do
+  inject=(); [[ $m == *soap* ]] && inject=(--inject-cpu-refreshes)
   $B compile "$out/$m.asteria" --print-after tier-placement > "$out/$m-placement.txt" 2>&1
   timeout 300 $B selftest --device cuda --no-kernels --cache-dir "$TC" --train-match "$out/$m.asteria" \
     --match-precision fp32 "${inject[@]}" > "$out/train-match-$m.txt" 2>&1
