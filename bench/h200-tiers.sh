@@ -79,21 +79,30 @@ done
 # (examples/tiny-tiers.asteria as it is, and its SOAP variant: the train-match compiles the CPU
 # spec's placement and runs it on the GPU without the CPU's working-memory budget).
 stamp train-match
-sed -e 's/optimizer adamw {/optimizer soap {\n  precondition_frequency = 5/' -e 's/memory = 5MiB /memory = 16MiB /' \
-    examples/tiny-tiers.asteria > "$out/tiny-tiers-soap-nvme.asteria"
+# SOAP with the moments of refreshed matrices on NVMe (frequency 3, staleness 1 and 0): refresh
+# swaps page them in and out around the GPU's re-projection (host refreshes: the CPU's
+# eigensolver on both engines) and host installs write them.
+sed -e 's/^optimizer adamw {/optimizer soap {\n  precondition_frequency = 3/' \
+    -e 's/^  memory = 5MiB.*/  memory = 17MiB\n  staleness = 1/' examples/tiny-tiers.asteria > "$out/tiny-tiers-soap-nvme-s1.asteria"
+sed -e 's/^  staleness = 1/  staleness = 0/' "$out/tiny-tiers-soap-nvme-s1.asteria" > "$out/tiny-tiers-soap-nvme-s0.asteria"
 cp examples/tiny-tiers.asteria "$out/tiny-tiers-nvme.asteria"
 sed -e 's/^  memory = 5MiB.*/  gpu_memory = 5MiB\n  precision = fp32/' -e 's/^  host_memory = 1MiB.*/  host_memory = 64MiB/' \
     -e '/^  nvme/d' -e 's/^target cpu {/target cuda {/' examples/tiny-tiers.asteria > "$out/tiny-tiers-gpu.asteria"
 sed -e 's/^target cpu {/target cuda {\n  precision = fp32\n  gpu_memory = 505MiB\n  host_memory = 256MiB/' \
     -e 's/^  staleness = 0 .*/  staleness = 0/' examples/tiny-soap.asteria > "$out/tiny-soap-tiers-gpu.asteria"
-# SOAP's match injects the CPU's eigenbases after each refresh (two correct eigensolvers return
-# different bases for near-equal eigenvalues; BENCHMARKS.md, correctness checks).
-for m in tiny-tiers-gpu tiny-soap-tiers-gpu tiny-tiers-nvme tiny-tiers-soap-nvme; do
-  inject=(); [[ $m == *soap* ]] && inject=(--inject-cpu-refreshes)
-  $B compile "$out/$m.asteria" --print-after tier-placement > "$out/$m-placement.txt" 2>&1
-  timeout 300 $B selftest --device cuda --no-kernels --cache-dir "$TC" --train-match "$out/$m.asteria" \
-    --match-precision fp32 "${inject[@]}" > "$out/train-match-$m.txt" 2>&1
-  echo "train-match $m rc=$?"; tail -n 5 "$out/train-match-$m.txt"
+# SOAP's GPU-refresh matches inject the CPU's eigenbases after each refresh (two correct
+# eigensolvers return different bases for near-equal eigenvalues; BENCHMARKS.md, correctness
+# checks).
+for m in "tiny-tiers-gpu|" "tiny-soap-tiers-gpu|--inject-cpu-refreshes" "tiny-tiers-nvme|--compare-state" \
+         "tiny-tiers-soap-nvme-s1|--refresh host --steps 12 --compare-state" \
+         "tiny-tiers-soap-nvme-s0|--refresh gpu --steps 12 --inject-cpu-refreshes"; do
+  IFS='|' read -r name extra <<< "$m"
+  $B compile "$out/$name.asteria" --print-after tier-placement > "$out/$name-placement.txt" 2>&1
+  # shellcheck disable=SC2086  # extra is a list of flags
+  timeout 300 $B selftest --device cuda --no-kernels --cache-dir "$TC" --train-match "$out/$name.asteria" \
+    --match-precision fp32 $extra > "$out/train-match-$name.txt" 2>&1
+  echo "train-match $name rc=$?"; tail -n 5 "$out/train-match-$name.txt"
 done
+ls /tmp/asteria-*.nvme 2>/dev/null && echo "NVMe files left behind (each run should remove its own)"
 stamp done
 tar czf "$out.tgz" -C "$out" .
