@@ -10,12 +10,25 @@
 # (~133 GiB of GPU memory, ~20 GiB of pinned host memory), CUDA 13 under $CUDA_HOME, python3
 # with PyTorch (CUDA). Takes ~3 minutes (the first eigendecompositions of 352 factors of side
 # 4096 run before the first step: ~15 s of cuSOLVER).
-# Writes into OUT_DIR: soap-6.9b.{jsonl,txt}, soap-6.9b-placement.txt, torch-soap-6.9b.txt,
-# summary.md, and OUT_DIR.tgz.
-# Usage: bench/h200-largest.sh OUT_DIR [STEPS]   (default 12; statistics skip 4 steps)
+# With --nvme DIR also the same model with only 8 GiB of pinned host memory and the rest of the
+# offloaded moments in an NVMe file in DIR (`nvme_memory = 40GiB`; ~12 GiB of it used, ~9 s of
+# predicted NVMe copies a step on the `h200` description: ~3 more minutes at 10 steps).
+# Writes into OUT_DIR: soap-6.9b{,-nvme}.{jsonl,txt}, soap-6.9b{,-nvme}-placement.txt,
+# torch-soap-6.9b.txt, summary.md, and OUT_DIR.tgz.
+# Usage: bench/h200-largest.sh OUT_DIR [STEPS] [--nvme DIR]   (default 12; statistics skip 4 steps)
 set -uo pipefail
-[[ $# -ge 1 ]] || { echo "usage: bench/h200-largest.sh OUT_DIR [STEPS]" >&2; exit 2; }
-out="$1"; steps="${2:-12}"
+usage="usage: bench/h200-largest.sh OUT_DIR [STEPS] [--nvme DIR]"
+pos=(); nvme=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --nvme) [[ $# -ge 2 ]] || { echo "$usage" >&2; exit 2; }; nvme="$2"; shift 2 ;;
+    -*) echo "$usage" >&2; exit 2 ;;
+    *) pos+=("$1"); shift ;;
+  esac
+done
+[[ ${#pos[@]} -ge 1 ]] || { echo "$usage" >&2; exit 2; }
+out="${pos[0]}"; steps="${pos[1]:-12}"
+[[ -z $nvme ]] || mkdir -p "$nvme" || { echo "h200-largest: cannot create $nvme" >&2; exit 2; }
 mkdir -p "$out"
 here="$(dirname "${BASH_SOURCE[0]}")"
 NAME=h200-largest; source "$here/gpu-env.sh"
@@ -24,13 +37,23 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
 free -g | head -n 2
 cat .gpu/BUILD 2>/dev/null
 spec="$S/llama-6.9b-soap.asteria"
-$B compile "$spec" --print-after tier-placement > "$out/soap-6.9b-placement.txt" 2>&1
-grep -E "^; (host|device)" "$out/soap-6.9b-placement.txt"
-stamp asteria
-timeout 480 $B train "$spec" --steps "$steps" --set "train.eval_interval=$steps" --quiet \
-  --cache-dir "$TC" --metrics "$out/soap-6.9b.jsonl" > "$out/soap-6.9b.txt" 2>&1
-echo "asteria rc=$?"; grep -E "GPU peak|MFU|first step|val loss|rror" "$out/soap-6.9b.txt" | tail -n 6
-python3 "$here/summarize.py" --skip 4 "soap-6.9b=$out/soap-6.9b.jsonl:$out/soap-6.9b.txt" | tee "$out/summary.md"
+# One row per placement: the spec's (host tier only), and with --nvme DIR only 8 GiB of pinned
+# host memory, the rest of what does not fit in an NVMe file in DIR.
+runs=("soap-6.9b|")
+[[ -n $nvme ]] && runs+=("soap-6.9b-nvme|--set target.host_memory=8GiB --set target.nvme=\"$nvme\" --set target.nvme_memory=40GiB")
+rows=()
+for r in "${runs[@]}"; do
+  IFS='|' read -r name sets <<< "$r"
+  eval "set -- $sets"   # the --set flags, with the quoted directory
+  $B compile "$spec" "$@" --print-after tier-placement > "$out/$name-placement.txt" 2>&1
+  grep -E "^; (host|device|nvme)" "$out/$name-placement.txt"
+  stamp "$name"
+  timeout 480 $B train "$spec" "$@" --steps "$steps" --set "train.eval_interval=$steps" --quiet \
+    --cache-dir "$TC" --metrics "$out/$name.jsonl" > "$out/$name.txt" 2>&1
+  echo "$name rc=$?"; grep -E "GPU peak|MFU|first step|val loss|rror" "$out/$name.txt" | tail -n 6
+  rows+=("$name=$out/$name.jsonl:$out/$name.txt")
+done
+python3 "$here/summarize.py" --skip 4 "${rows[@]}" | tee "$out/summary.md"
 stamp torch
 ( cd "$here" && timeout 200 python3 -c "
 import torch_baseline as tb
