@@ -194,3 +194,30 @@ extern "C" __global__ void newton_schulz_poly(float* __restrict__ g, int d, floa
     for (int off = 16; off > 0; off >>= 1) local += __shfl_down_sync(0xffffffffu, local, off);
     if ((threadIdx.x & 31) == 0 && local != 0.0f) atomicAdd(fro2, local);
 }
+
+// Shampoo's inverse root (refresh/mod.rs `GpuRefresher::compute_inverse_root`,
+// optim::shampoo_inverse_root): the columns of cuSOLVER's eigenvectors v (column-major [d, d],
+// eigenvector j at v[j * d ..]) scaled by w_j = (lam_j + shift)^expo in f64, where
+// shift = eps - min(lam) when min(lam) < eps, else 0 (the smallest eigenvalue lifted to eps):
+// out[j * d + i] = v[j * d + i] * w_j. NaN eigenvalues are skipped by the minimum (as the host's
+// f64::min) and give NaN columns. Launch with blocks of 256 threads; each block reduces
+// min(lam) itself (d reads: no second launch), then scales columns blockIdx.x, + gridDim.x, ...
+extern "C" __global__ void inverse_root_scale_cols(const float* __restrict__ v, const float* __restrict__ lam,
+                                                   float* __restrict__ out, int d, double eps, double expo) {
+    __shared__ float red[256];
+    float m = __int_as_float(0x7f800000);
+    for (int k = threadIdx.x; k < d; k += blockDim.x) m = fminf(m, lam[k]);
+    red[threadIdx.x] = m;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s) red[threadIdx.x] = fminf(red[threadIdx.x], red[threadIdx.x + s]);
+        __syncthreads();
+    }
+    const double mn = (double)red[0];
+    const double shift = mn < eps ? eps - mn : 0.0;
+    for (long long j = blockIdx.x; j < d; j += gridDim.x) {
+        const double w = pow((double)lam[j] + shift, expo);
+        for (long long i = threadIdx.x; i < d; i += blockDim.x)
+            out[j * d + i] = (float)((double)v[j * d + i] * w);
+    }
+}

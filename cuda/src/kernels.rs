@@ -203,7 +203,8 @@ pub const FAMILIES: &[Family] = &[
             "unit_lower_from_chol",
             "lower_identity_error_bits",
             "split_tf32",
-            "newton_schulz_poly"
+            "newton_schulz_poly",
+            "inverse_root_scale_cols"
         ]
     ),
 ];

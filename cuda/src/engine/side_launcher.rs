@@ -15,6 +15,9 @@ use std::sync::{mpsc, Arc};
 pub(super) struct SideRequest {
     pub(super) taken: CudaEvent,
     pub(super) method: RefreshMethod,
+    /// The root of a [`RefreshMethod::InverseRoot`] task (computed by
+    /// [`GpuRefresher::compute_inverse_root`] from the snapshot alone; `basis` is unused).
+    pub(super) root: Option<schedule::InverseRoot>,
     pub(super) d: usize,
     pub(super) snapshot: Buf,
     pub(super) basis: Buf,
@@ -51,15 +54,25 @@ impl SideLauncher {
                         let start = trace
                             .as_ref()
                             .and_then(|_| GpuTrace::mark(&dev, StreamKind::Side));
-                        refresher.compute(
-                            &dev,
-                            false,
-                            req.method,
-                            req.d,
-                            &req.snapshot,
-                            &req.basis,
-                            &req.slot,
-                        )?;
+                        match (req.method, req.root) {
+                            (RefreshMethod::InverseRoot, Some(root)) => refresher
+                                .compute_inverse_root(
+                                    &dev,
+                                    req.d,
+                                    root,
+                                    &req.snapshot,
+                                    &req.slot,
+                                )?,
+                            (method, _) => refresher.compute(
+                                &dev,
+                                false,
+                                method,
+                                req.d,
+                                &req.snapshot,
+                                &req.basis,
+                                &req.slot,
+                            )?,
+                        }
                         dev.copy(&req.status_host, &req.slot.status, StreamKind::Side)?;
                         if let (Some(tr), Some(start)) = (&trace, start) {
                             if let Some(end) = GpuTrace::mark(&dev, StreamKind::Side) {

@@ -39,11 +39,15 @@
 //! basis alone ([`refresh::install_basis`], or `optim::refresh_apply` on the host): the task's
 //! `exp_avg` / `exp_avg_sq` name KL-Shampoo's unrotated momentum, which a refresh never reads,
 //! stages or writes (only its shape, `[m, n]`, is used). [`RefreshMethod::InverseRoot`]
-//! (Shampoo) computes the factor's inverse root on the host (`optim::refresh_compute_inverse_root`
-//! through [`host_compute`], at every refresh including the first) and installs it into the
-//! task's `basis` operand, the root buffer, like a QR basis; `exp_avg` / `exp_avg_sq` name the
-//! root itself. It has no GPU refresh: `precond-scheduling` places such tasks on the host
-//! always, and the plan verifier refuses one on the side stream.
+//! (Shampoo) computes the factor's inverse root `(F + εI)^(−1/r)` at every refresh including
+//! the first and installs it into the task's `basis` operand, the root buffer, like a QR
+//! basis; `exp_avg` / `exp_avg_sq` name the root itself. Where the plan placed it: on the
+//! host, `optim::refresh_compute_inverse_root` through [`host_compute`]; on the GPU (`gpu_side`:
+//! the compute stream when synchronous, the side stream through the launcher thread when S > 0,
+//! on a snapshot of the factor alone), [`GpuRefresher::compute_inverse_root`] (syevd, the
+//! spectrum treatment in one kernel, one fp32 GEMM), whose status words are read as a first
+//! eigendecomposition's (an all-zero factor has a root; a non-finite factor or root, or a
+//! syevd failure, keeps the previous root and counts as a failed refresh).
 use super::gpu_trace::GpuTrace;
 use super::side_launcher::{SideLauncher, SideRequest};
 use super::{cuda_err, dims2, CudaEngine};
@@ -224,6 +228,22 @@ fn basis_only(init: bool, method: RefreshMethod) -> bool {
 /// inverse root, installed into the task's `basis` operand, the root buffer).
 pub(super) fn basis_only_method(method: RefreshMethod) -> bool {
     matches!(method, RefreshMethod::Qr | RefreshMethod::InverseRoot)
+}
+
+/// Whether a GPU refresh's status words are those of an eigendecomposition (a first basis, or
+/// any [`RefreshMethod::InverseRoot`] refresh): an all-zero factor is a valid input there (its
+/// basis is the identity's eigenvectors, its root `ε^(−1/r)·I`, as on the host), and word 1 is
+/// syevd's info. Pass it as `init` to [`refresh::zero_factor`] and [`refresh::verdict`].
+fn by_syevd(init: bool, method: RefreshMethod) -> bool {
+    init || method == RefreshMethod::InverseRoot
+}
+
+/// The `root` (exponent, ε) of an `inverse_root` task (the plan verifier requires it).
+fn task_root(task: &RefreshTask) -> Result<schedule::InverseRoot, EngineError> {
+    task.root.ok_or_else(|| EngineError::Optim {
+        location: task.location(),
+        message: "internal: an inverse_root refresh without its root".into(),
+    })
 }
 
 /// What a host refresh of `task` computes at optim step `t` (`RefreshTask::optim_step`) from
@@ -501,13 +521,20 @@ impl CudaEngine {
             };
             let d = dim(&self.plan, task);
             let (f, q) = (self.b(task.factor), self.b(task.basis));
-            r.compute(&self.dev, init, task.method, d, f, q, slot)
-                .map_err(e)?;
+            match task.method {
+                RefreshMethod::InverseRoot => {
+                    let root = task_root(task)?;
+                    r.compute_inverse_root(&self.dev, d, root, f, slot)
+                }
+                method => r.compute(&self.dev, init, method, d, f, q, slot),
+            }
+            .map_err(e)?;
             let status = self.dev.download::<i32>(&slot.status).map_err(e)?;
-            if refresh::zero_factor(init, &status) {
+            let eigh = by_syevd(init, task.method);
+            if refresh::zero_factor(eigh, &status) {
                 return Ok(Ok(RefreshOutcome::ZeroFactor));
             }
-            if let Err(fail) = refresh::verdict(init, d, &status) {
+            if let Err(fail) = refresh::verdict(eigh, d, &status) {
                 return Ok(Err(fail.to_string()));
             }
             if basis_only_method(task.method) {
@@ -643,15 +670,23 @@ impl CudaEngine {
             .clone()
             .ok_or_else(|| EngineError::Unsupported("internal: no basis snapshot".into()))?;
         let dev = &self.dev;
+        let root = match task.method {
+            RefreshMethod::InverseRoot => Some(task_root(task)?),
+            _ => None,
+        };
         dev.copy(&sh.snapshot, self.b(task.factor), StreamKind::Compute)
             .map_err(e)?;
-        dev.copy(&basis, self.b(task.basis), StreamKind::Compute)
-            .map_err(e)?;
+        // An inverse root reads the factor alone.
+        if root.is_none() {
+            dev.copy(&basis, self.b(task.basis), StreamKind::Compute)
+                .map_err(e)?;
+        }
         let taken = dev.record(StreamKind::Compute, false).map_err(e)?;
         let (reply, rx) = mpsc::channel();
         let req = SideRequest {
             taken,
             method: task.method,
+            root,
             d,
             snapshot: sh.snapshot.clone(),
             basis,
@@ -735,10 +770,11 @@ impl CudaEngine {
         let (m, n) = self.dims(task.exp_avg);
         let sh = self.shadow_of(task)?;
         let status = pinned_slice::<i32>(&sh.status_host, STATUS_WORDS);
-        if refresh::zero_factor(false, status) {
+        let eigh = by_syevd(false, task.method);
+        if refresh::zero_factor(eigh, status) {
             return Ok(Ok(RefreshOutcome::ZeroFactor));
         }
-        if let Err(fail) = refresh::verdict(false, d, status) {
+        if let Err(fail) = refresh::verdict(eigh, d, status) {
             return Ok(Err(fail.to_string()));
         }
         if basis_only_method(task.method) {

@@ -14,6 +14,11 @@
 //!   `Q_new = qr(F Q).Q` with the columns in their current order (no estimate, no sort, no
 //!   permutation), installed alone ([`install_basis`]): KL-Shampoo's momentum is unrotated and
 //!   it has no second moment.
+//! - inverse root, [`RefreshMethod::InverseRoot`] (Shampoo, `docs/shampoo.md` §5;
+//!   `optim::shampoo_inverse_root`), at every refresh including the first:
+//!   `(λ, V) = eigh(F + ε·I)` (cuSOLVER `Ssyevd`), `λ' = λ − min λ + ε` where `min λ < ε`,
+//!   `root = V diag(λ'^(−1/r)) Vᵀ` (kernel `inverse_root_scale_cols`, one fp32 GEMM), installed
+//!   alone as the QR method's basis ([`GpuRefresher::compute_inverse_root`]).
 //!
 //! The QR is the Rayleigh–Cholesky QR on the tensor cores (`rayleigh.rs`: 3xTF32 GEMMs, lower
 //! Cholesky factorisations, a Newton–Schulz second step), with cuSOLVER's Householder QR
@@ -33,8 +38,9 @@
 //! `apply` at a later step boundary (see `crate::engine`). cuSOLVER is column-major; a
 //! symmetric factor is its own transpose, and `Q_oldᵀ F` computed row-major is `F Q_old`
 //! column-major, which is what the QR needs.
-use crate::device::Device;
+use crate::device::{Device, GemmMath};
 use crate::error::{CudaError, Result};
+use crate::gemm::{gemm_f32_with, Dims};
 use crate::kernels::Args;
 use crate::memory::{Arena, Buf, Elem};
 use crate::StreamKind;
@@ -481,7 +487,8 @@ impl GpuRefresher {
         if method == RefreshMethod::InverseRoot {
             return Err(CudaError::Invalid {
                 op: OP,
-                what: "method inverse_root (Shampoo) has no GPU refresh yet".into(),
+                what: "method inverse_root (Shampoo): use GpuRefresher::compute_inverse_root"
+                    .into(),
             });
         }
         if d == 0 || d > self.max_dim || slot.q.len() < d * d || slot.idx.len() < d {
@@ -574,13 +581,27 @@ impl GpuRefresher {
         let dd = d * d;
         let n = d as i32;
         let (a, b) = (self.a.slice(0, dd)?, self.b.slice(0, dd)?);
-        let info = st.slice(1, 1)?;
         dev.copy(&a, factor, self.stream)?;
         self.launch(dev, "add_diag", d, Args::new().buf(&a).i32(n).f32(1e-30))?;
+        self.syevd(dev, d, &a, &b, &st.slice(1, 1)?)?;
+        self.launch(
+            dev,
+            "eigvecs_descending",
+            dd,
+            Args::new().buf(&a).buf(q).i32(n),
+        )
+    }
+
+    /// cuSOLVER `Ssyevd` (eigenvalues and vectors, lower fill) of the symmetric `[d, d]` f32
+    /// `a` in place on this refresher's stream: `a` becomes the eigenvectors (column-major,
+    /// ascending eigenvalues), `w` (`[d]` f32) the eigenvalues, `info` (one i32 word) the
+    /// solver's info.
+    fn syevd(&self, dev: &Device, d: usize, a: &Buf, w: &Buf, info: &Buf) -> Result<()> {
+        let n = d as i32;
         dev.context().bind_to_thread()?;
-        // SAFETY: a [d, d], w (= b's first d floats) [d], work of the queried size and the
-        // info word are live device buffers; the handle runs on `self.stream`, after the
-        // copies above.
+        // SAFETY: a [d, d], w [d], work of the queried size (syevd at the largest side) and the
+        // info word are live device buffers; the handle runs on `self.stream`, after the work
+        // enqueued there before.
         self.timed(2, || unsafe {
             check(
                 "cusolverDnSsyevd",
@@ -591,19 +612,110 @@ impl GpuRefresher {
                     n,
                     a.ptr() as *mut f32,
                     n,
-                    b.ptr() as *mut f32,
+                    w.ptr() as *mut f32,
                     self.work.ptr() as *mut f32,
                     self.work.len() as i32,
                     info.ptr() as *mut i32,
                 ),
             )
-        })?;
+        })
+    }
+
+    /// Enqueues Shampoo's inverse root of a factor of side length `d` on this refresher's
+    /// stream (plan method [`RefreshMethod::InverseRoot`], `optim::shampoo_inverse_root`
+    /// step for step, Distributed Shampoo's `matrix_inverse_root`): `A = F + ε·I` (ε rounded
+    /// to f32 and added in f32, as the host does), `(λ, V) = eigh(A)` by cuSOLVER `Ssyevd`,
+    /// `λ' = λ − min λ + ε` when `min λ < ε` (else `λ' = λ`), and
+    /// `root = V diag(λ'^(−1/r)) Vᵀ` (the spectrum treatment in f64: kernel
+    /// `inverse_root_scale_cols`, then one fp32 cuBLAS GEMM) into `slot.q` (`[d, d]` f32;
+    /// `slot.idx` is not written). Reads `factor` (`[d, d]` f32) only. Status words as
+    /// [`STATUS_WORDS`]: `[0]` non-finite entries of the factor, `[1]` syevd's info, `[3]`
+    /// non-finite entries of the root; ask [`verdict`] with `init = true` (an all-zero factor
+    /// is a valid input: its root is `ε^(−1/r)·I`). Uses the work buffers `a` (the
+    /// eigenvectors), `b` (the scaled eigenvectors) and `tau` (the eigenvalues).
+    ///
+    /// # Errors
+    /// Shape errors (caller bugs) and CUDA / cuBLAS / cuSOLVER call failures. Numerical
+    /// failures are not errors: they land in the status words.
+    pub(crate) fn compute_inverse_root(
+        &self,
+        dev: &Device,
+        d: usize,
+        root: schedule::InverseRoot,
+        factor: &Buf,
+        slot: &RefreshSlot,
+    ) -> Result<()> {
+        const OP: &str = "eigenbasis_refresh";
+        if d == 0 || d > self.max_dim || slot.q.len() < d * d {
+            return Err(CudaError::Invalid {
+                op: OP,
+                what: format!(
+                    "side length {d} exceeds the work buffers (max dim {})",
+                    self.max_dim
+                ),
+            });
+        }
+        if root.exponent == 0 {
+            return Err(CudaError::Invalid {
+                op: OP,
+                what: "inverse root exponent 0".into(),
+            });
+        }
+        factor.expect(OP, "factor", Elem::F32, d * d)?;
+        slot.status.expect(OP, "status", Elem::I32, STATUS_WORDS)?;
+        let dd = d * d;
+        let n = d as i32;
+        let st = &slot.status;
+        let (a, b) = (self.a.slice(0, dd)?, self.b.slice(0, dd)?);
+        let w = self.tau.slice(0, d)?;
+        let q = slot.q.slice(0, dd)?;
+        dev.zero_on(st, self.stream)?;
+        self.count_nonfinite(dev, &[factor], st, 0)?;
+        dev.copy(&a, factor, self.stream)?;
         self.launch(
             dev,
-            "eigvecs_descending",
-            dd,
-            Args::new().buf(&a).buf(q).i32(n),
-        )
+            "add_diag",
+            d,
+            Args::new().buf(&a).i32(n).f32(root.epsilon as f32),
+        )?;
+        self.syevd(dev, d, &a, &w, &st.slice(1, 1)?)?;
+        // b = V's columns scaled (column-major), i.e. diag(w)·Vᵀ row-major; one block of 256
+        // threads per column (the kernel's reduction assumes 256).
+        let expo = -1.0 / f64::from(root.exponent);
+        self.timed(0, || {
+            dev.launch_on(
+                self.stream,
+                "inverse_root_scale_cols",
+                (d.min(65_535) as u32, 1, 1),
+                (256, 1, 1),
+                Args::new()
+                    .buf(&a)
+                    .buf(&w)
+                    .buf(&b)
+                    .i32(n)
+                    .f64(root.epsilon)
+                    .f64(expo),
+            )
+        })?;
+        // Row-major, `a` is Vᵀ and `b` is diag(w)·Vᵀ: root = V diag(w) Vᵀ = aᵀ·b.
+        let sq = Dims::new(d, d);
+        self.timed(1, || {
+            gemm_f32_with(
+                dev,
+                self.stream,
+                GemmMath::Fp32,
+                &a,
+                sq,
+                &b,
+                sq,
+                &q,
+                true,
+                false,
+                1.0,
+                0.0,
+            )
+        })?;
+        self.count_nonfinite(dev, &[&q], st, 3)
     }
 }
 

@@ -10,6 +10,7 @@
 //! does not hide a wrong update) and the new moments.
 mod cases;
 mod cases_attention;
+mod cases_inverse_root;
 mod cases_kl_shampoo;
 mod cases_loss;
 mod cases_optim;
@@ -239,6 +240,7 @@ fn registry() -> Vec<Case> {
     v.extend(cases_kl_shampoo::cases());
     v.extend(cases_shampoo::cases());
     v.extend(cases_refresh::cases());
+    v.extend(cases_inverse_root::cases());
     v
 }
 
