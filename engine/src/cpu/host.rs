@@ -82,10 +82,7 @@ impl<T: Float + Real> RefreshBackend for HostRefresher<'_, T> {
         reference: bool,
     ) -> Result<Vec<Outcome>, EngineError> {
         if reference || batch.len() < 2 {
-            return batch
-                .iter()
-                .map(|(task, init)| self.run_now(task, t, *init, reference))
-                .collect();
+            return crate::refresh_runtime::run_one_by_one(self, batch, t, reference);
         }
         let outs: Vec<JobOutput<T>> = {
             let this: &Self = self;

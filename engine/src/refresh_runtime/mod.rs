@@ -250,11 +250,11 @@ pub trait RefreshBackend {
         batch: &[(RefreshTask, bool)],
         t: u64,
         reference: bool,
-    ) -> Result<Vec<Outcome>, EngineError> {
-        batch
-            .iter()
-            .map(|(task, init)| self.run_now(task, t, *init, reference))
-            .collect()
+    ) -> Result<Vec<Outcome>, EngineError>
+    where
+        Self: Sized,
+    {
+        run_one_by_one(self, batch, t, reference)
     }
 
     /// Snapshots the factor (and basis) of `task` and starts a QR refresh on the snapshot,
@@ -294,6 +294,23 @@ pub trait RefreshBackend {
     fn end_boundary(&mut self) -> Result<(), EngineError> {
         Ok(())
     }
+}
+
+/// [`RefreshBackend::run_now_batch`] one task after the other: [`RefreshBackend::run_now`] on
+/// each, in order (the default, and a backend's fallback for batches it does not parallelise).
+///
+/// # Errors
+/// The first [`RefreshBackend::run_now`] error.
+pub fn run_one_by_one<B: RefreshBackend>(
+    backend: &mut B,
+    batch: &[(RefreshTask, bool)],
+    t: u64,
+    reference: bool,
+) -> Result<Vec<Outcome>, EngineError> {
+    batch
+        .iter()
+        .map(|(task, init)| backend.run_now(task, t, *init, reference))
+        .collect()
 }
 
 /// The scheduling state of a plan's refreshes: what is in flight, which tasks have a first
