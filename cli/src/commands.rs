@@ -775,6 +775,9 @@ pub fn calibrate(
         host_qr_ms: qr,
         gpu_eigh_ms: vec![],
         gpu_qr_ms: vec![],
+        // Not measured: inverse roots fall back to the QR times, the GPU GEMM is not counted.
+        host_inverse_root_ms: vec![],
+        gpu_fp32_tflops: None,
         // Whole training steps reach about half the GEMM rate on the CPU engine.
         train_tflops: 0.5 * gflops / 1e3,
         side_stream_interference: 0.0,

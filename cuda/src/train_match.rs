@@ -25,8 +25,8 @@ pub struct MatchOptions {
     /// Largest allowed `|gpu − cpu| / |cpu|` of any step's loss (default 1e-4).
     pub tol: f64,
     /// Where the GPU engine refreshes eigenbases: the plan is rewritten with
-    /// [`Plan::force_refresh_placement`] (default: every refresh on the GPU, except Shampoo's
-    /// inverse roots, which run on the host always; `Auto` keeps the compiled placements).
+    /// [`Plan::force_refresh_placement`] (default: every refresh on the GPU, Shampoo's inverse
+    /// roots included; `Auto` keeps the compiled placements).
     pub refresh: RefreshPlacement,
     /// Token cache folder.
     pub cache_dir: Option<PathBuf>,

@@ -1,7 +1,7 @@
 //! The cost model behind `precond-scheduling`: a description of the execution target (host
 //! cores, host↔GPU link, measured eigensolve and power-iteration+QR times per matrix size,
-//! training-step time) and the predicted cost of refreshing one Kronecker factor on the host
-//! worker pool or on the GPU side stream.
+//! training-step time) and the predicted cost of refreshing one Kronecker factor (an
+//! eigenbasis, or Shampoo's inverse root) on the host worker pool or on the GPU side stream.
 //!
 //! Descriptions are JSON files written by `asteria calibrate` (measured on the machine) or one
 //! of the built-ins: `h200` (measured on the H200 host with `asteria calibrate`), `gh200`
@@ -33,6 +33,14 @@ pub struct TargetDescription {
     pub gpu_eigh_ms: Vec<(usize, f64)>,
     /// GPU power iteration + QR time per size (empty without a GPU).
     pub gpu_qr_ms: Vec<(usize, f64)>,
+    /// Host inverse root (Shampoo: `eigh` + `Q diag(w) Qᵀ`) per size, **on one core while
+    /// every pool core runs one**, `(n, ms)`; empty: the QR refresh's `host_qr_ms` stands in.
+    #[serde(default)]
+    pub host_inverse_root_ms: Vec<(usize, f64)>,
+    /// fp32 (non-tensor-core) GEMM rate of the GPU in TFLOP/s, for the `2n³` GEMM of a GPU
+    /// inverse root (`None`: not counted, beside the `syevd` it is small).
+    #[serde(default)]
+    pub gpu_fp32_tflops: Option<f64>,
     /// Effective training throughput in TFLOP/s (6·params·tokens per step), used to predict the
     /// step time when the spec does not give one.
     pub train_tflops: f64,
@@ -94,6 +102,13 @@ impl TargetDescription {
                 host_qr_ms: h200_host_qr,
                 gpu_eigh_ms: h200_gpu_eigh,
                 gpu_qr_ms: h200_gpu_qr,
+                // Derived from the Shampoo S=5 runs on the H200 (BENCHMARKS.md, "KL-Shampoo and
+                // Shampoo on the H200"), where the step waited for the 14 pool threads: 1.44B
+                // (2,846 of its 2,898 roots at 1024) 2,216 ms per step over AdamW's, 124M
+                // (206 at 1024, 257 at 768) 245 ms: 107–109 ms per root per core at 1024.
+                host_inverse_root_ms: vec![(1024, 108.0)],
+                // Estimated from the H200's fp32 peak (67 TFLOP/s), not measured.
+                gpu_fp32_tflops: Some(50.0),
                 // asteria's CUDA engine on GPT-2 124M at batch 16×1024: 52 ms per AdamW step
                 // (BENCHMARKS.md; 6·124M·16384 flop / 52 ms). The pass keeps the 2304/3072
                 // factors on the side stream and moves the 768/1024 ones to the host pool
@@ -121,6 +136,8 @@ impl TargetDescription {
                 host_qr_ms: scale(&h200_host_qr, 0.6),
                 gpu_eigh_ms: scale(&h200_gpu_eigh, 1.1),
                 gpu_qr_ms: scale(&h200_gpu_qr, 1.1),
+                host_inverse_root_ms: vec![(1024, 108.0 * 0.6)],
+                gpu_fp32_tflops: Some(45.0),
                 train_tflops: 235.0,
                 side_stream_interference: 0.6,
                 nvme_read_gbps: Some(6.0),
@@ -137,6 +154,8 @@ impl TargetDescription {
                 host_qr_ms: h200_host_qr,
                 gpu_eigh_ms: scale(&h200_gpu_eigh, 8.0),
                 gpu_qr_ms: scale(&h200_gpu_qr, 8.0),
+                host_inverse_root_ms: vec![(1024, 108.0)],
+                gpu_fp32_tflops: Some(50.0 / 8.0),
                 train_tflops: 235.0 / 8.0,
                 side_stream_interference: 0.8,
                 nvme_read_gbps: Some(6.0),
@@ -154,6 +173,8 @@ impl TargetDescription {
                 host_qr_ms: vec![(64, 0.3), (256, 3.5), (1024, 190.0)],
                 gpu_eigh_ms: vec![],
                 gpu_qr_ms: vec![],
+                host_inverse_root_ms: vec![],
+                gpu_fp32_tflops: None,
                 train_tflops: 0.06,
                 side_stream_interference: 0.0,
                 nvme_read_gbps: Some(1.0),
@@ -212,6 +233,30 @@ impl TargetDescription {
             return None;
         }
         interpolate(table, n)
+    }
+
+    /// Host inverse root (Shampoo, `optim::refresh_compute_inverse_root`) of an `n × n`
+    /// factor, ms: `host_inverse_root_ms` (the QR refresh's `host_qr_ms` where it is empty),
+    /// plus on a discrete GPU the copies (factor down, root up).
+    pub fn host_inverse_root_ms(&self, n: usize) -> f64 {
+        let table = if self.host_inverse_root_ms.is_empty() {
+            &self.host_qr_ms
+        } else {
+            &self.host_inverse_root_ms
+        };
+        interpolate(table, n).unwrap_or(f64::INFINITY) + self.transfer_ms(n)
+    }
+
+    /// GPU inverse root of an `n × n` factor, ms (`None` without a GPU): the `syevd`
+    /// (`gpu_eigh_ms`) plus the `2n³`-flop fp32 GEMM `V diag(w) Vᵀ` at `gpu_fp32_tflops`.
+    pub fn gpu_inverse_root_ms(&self, n: usize) -> Option<f64> {
+        if !self.has_gpu() {
+            return None;
+        }
+        let gemm = self
+            .gpu_fp32_tflops
+            .map_or(0.0, |t| 2.0 * (n as f64).powi(3) / (t * 1e9));
+        interpolate(&self.gpu_eigh_ms, n).map(|e| e + gemm)
     }
 
     /// Copy time (ms) of `bytes` between the device and the host tier, one way: the

@@ -13,9 +13,15 @@
 //! visible and the faster place wins. Largest factors are placed first (LPT), and offsets
 //! balance the per-step load of each place (Paper §3.2: off-critical-path preconditioner work).
 //!
-//! Shampoo's refreshes (method `inverse_root`) are placed on the host always, whatever the
-//! cost model or the spec's `refresh_placement`: the CUDA engine has no GPU inverse root (an
-//! engine never re-places a task; the plan says where it runs).
+//! Shampoo's refreshes (method `inverse_root`) are placed the same way with their own costs:
+//! `host_inverse_root_ms(d)` on a pool core, `gpu_inverse_root_ms(d)` (cuSOLVER `syevd` plus a
+//! `2d³` GEMM) on the side stream. Hundreds of them per period (blocks of 1024) overload both
+//! places, so once the side stream's work exceeds the period as well, each further refresh goes
+//! where the period's overrun grows least — the pool's excess over its share of the period,
+//! divided among its threads, against the side stream's excess — and the two places' throughput
+//! adds up; nor does a host refresh that would miss the staleness bound move to a side stream
+//! that is full already. SOAP and KL-Shampoo refreshes, which never fill the side stream, are
+//! placed as before.
 use crate::cost_model::TargetDescription;
 use crate::{Pass, PassContext, PassError};
 use ir::config::TargetConfig;
@@ -117,8 +123,8 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
         .sum();
     let tokens = module.config.data.batch_size * module.config.data.seq_len;
     let step_ms = desc.predicted_step_ms(params, tokens).max(1e-3);
-    // (instruction, d, frequency, factor name, host only: method `inverse_root`, which has no
-    // GPU refresh).
+    // (instruction, d, frequency, factor name, method `inverse_root`: Shampoo's inverse root,
+    // with its own costs).
     let items: Vec<(InstId, usize, u64, String, bool)> = module
         .section(Section::Refresh)
         .filter_map(|i| match module.inst(i).op {
@@ -149,14 +155,29 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
     // the pool's time per period and meets the latency budget; the GPU side stream costs its
     // interference. Fill the host in order of "visible GPU time saved per host ms" (a greedy
     // knapsack), ties by size, so cheap small factors move to the host first.
-    // Shampoo's inverse roots (method `inverse_root`) have no GPU refresh: they run on the
-    // host whatever the cost model or the spec's `refresh_placement` says (no GPU cost).
+    // Once the side stream's work exceeds the period, further refreshes go where the period's
+    // overrun grows least (see the module docs).
     let cost = |i: usize| {
-        let (dim, host_only) = (items[i].1, items[i].4);
-        (
-            desc.host_refresh_ms(dim, false),
-            desc.gpu_refresh_ms(dim, false).filter(|_| !host_only),
-        )
+        let (dim, root) = (items[i].1, items[i].4);
+        if root {
+            (
+                desc.host_inverse_root_ms(dim),
+                desc.gpu_inverse_root_ms(dim),
+            )
+        } else {
+            (
+                desc.host_refresh_ms(dim, false),
+                desc.gpu_refresh_ms(dim, false),
+            )
+        }
+    };
+    let threads = desc.host_pool_threads() as f64;
+    // Side-stream time per period (ms) before its work overruns the period.
+    let period_ms = frequency as f64 * step_ms;
+    // The period's overrun with `host` core-ms on the pool and `gpu` ms on the side stream:
+    // the later of the two places' excess over their share of the period.
+    let overrun = |host: f64, gpu: f64| {
+        ((host - host_capacity).max(0.0) / threads).max((gpu - period_ms).max(0.0))
     };
     let mut order: Vec<usize> = (0..items.len()).collect();
     let density = |i: usize| {
@@ -172,13 +193,14 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
     });
     let mut placement = vec![Placement::Host; items.len()];
     let mut visible = vec![0.0f64; items.len()];
-    let mut host_load = 0.0;
+    let (mut host_load, mut gpu_load) = (0.0, 0.0);
     // The spec's `refresh_placement` (CPU targets: always the host) overrides the cost model.
     let forced = module.config.target.refresh_placement();
     for i in order {
         let (host_ms, gpu_ms) = cost(i);
+        // Pool (core) time only: the staging copies run on the copy streams.
+        let pool_ms = host_ms - desc.transfer_ms(items[i].1);
         let gpu_ms = match forced {
-            _ if items[i].4 => None,
             RefreshPlacement::Host => None,
             RefreshPlacement::Gpu => Some(gpu_ms.unwrap_or(host_ms)),
             RefreshPlacement::Auto => gpu_ms,
@@ -211,14 +233,27 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
             Some(g) => {
                 if host_ms <= latency_budget && host_load + host_ms <= host_capacity {
                     (Placement::Host, 0.0)
-                } else {
+                } else if gpu_load + g <= period_ms {
                     (Placement::GpuSide, g * desc.side_stream_interference)
+                } else {
+                    // Both places full: the smaller growth of the period's overrun (plus, on
+                    // the side stream, the interference of what still fits the period).
+                    let now = overrun(host_load, gpu_load);
+                    let on_host = overrun(host_load + pool_ms, gpu_load) - now;
+                    let on_gpu = overrun(host_load, gpu_load + g) - now
+                        + desc.side_stream_interference * (period_ms - gpu_load).clamp(0.0, g);
+                    if on_host < on_gpu {
+                        (Placement::Host, on_host)
+                    } else {
+                        (Placement::GpuSide, on_gpu)
+                    }
                 }
             }
         };
         if p == Placement::Host {
-            // Pool (core) time only: the staging copies run on the copy streams.
-            host_load += host_ms - desc.transfer_ms(items[i].1);
+            host_load += pool_ms;
+        } else {
+            gpu_load += gpu_ms.unwrap_or(host_ms);
         }
         placement[i] = p;
         visible[i] = v;
@@ -234,7 +269,6 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
         .min(items.len().max(1));
     let (mut host_slots, mut gpu_slots) = (vec![0.0f64; slots], vec![0.0f64; slots]);
     let mut offsets = vec![0u64; items.len()];
-    let threads = desc.host_pool_threads() as f64;
     if staleness > 0 {
         for i in by_size {
             let (host_ms, gpu_ms) = cost(i);
@@ -253,9 +287,11 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
                 let latency = host_slots[best] / threads + host_ms;
                 let gpu_ms = gpu_ms.filter(|_| forced == RefreshPlacement::Auto);
                 match gpu_ms {
-                    Some(g) if latency > latency_budget => {
+                    // (Not onto a side stream whose work fills the period already.)
+                    Some(g) if latency > latency_budget && gpu_load + g <= period_ms => {
                         placement[i] = Placement::GpuSide;
                         visible[i] = g * desc.side_stream_interference;
+                        gpu_load += g;
                     }
                     _ => {
                         host_slots[best] += host_ms;

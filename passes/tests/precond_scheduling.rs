@@ -1,7 +1,7 @@
 //! `precond-scheduling` decisions on GPT-2 124M with SOAP: the cost model picks different places
 //! on a discrete-GPU host (H200 PCIe: host eigensolves 8–34× slower than the GPU's) and on
 //! unified-memory targets (GH200 / GB10, simulated); S = 0 keeps the native schedule.
-use ir::config::{OptimizerConfig, SoapConfig, TargetConfig};
+use ir::config::{OptimizerConfig, ShampooConfig, SoapConfig, TargetConfig};
 use ir::Placement;
 use passes::cost_model::{interpolate, TargetDescription};
 use passes::precond_scheduling::{plan_refreshes, Schedule};
@@ -212,12 +212,11 @@ fn refresh_placement_option_overrides_the_cost_model() {
     assert!(auto.host_share() > 0.0 && auto.host_share() < 1.0);
 }
 
-/// Shampoo's refreshes (method `inverse_root`) run on the host whatever the cost model, the
-/// staleness or the spec's `refresh_placement` says (the CUDA engine has no GPU inverse root),
-/// the compiled plan verifies, and `Plan::force_refresh_placement(Gpu)` (the train-match
-/// harness's default) leaves them on the host.
+/// Shampoo's refreshes (method `inverse_root`) go where the spec's `refresh_placement` says
+/// (`auto`: the cost model), the compiled plan verifies with either placement, and
+/// `Plan::force_refresh_placement` (the train-match harness's) moves them like any refresh.
 #[test]
-fn inverse_root_refreshes_stay_on_the_host() {
+fn inverse_root_refreshes_follow_the_placement_policy() {
     let spec = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/tiny-shampoo.asteria");
     for policy in [
         ir::RefreshPlacement::Auto,
@@ -242,21 +241,112 @@ fn inverse_root_refreshes_stay_on_the_host() {
                 .run(&mut m, None, &mut std::io::sink())
                 .expect("pipeline");
             let mut plan = cx.plan.expect("a plan");
-            plan.force_refresh_placement(schedule::RefreshPlacement::Gpu);
-            plan.verify()
-                .expect("verifies with refresh_placement = gpu");
+            plan.verify().expect("the compiled plan verifies");
             assert!(!plan.host_tasks.is_empty());
-            for t in &plan.host_tasks {
-                let schedule::HostTask::EigenbasisRefresh {
-                    placement, method, ..
-                } = t;
-                assert_eq!(*method, schedule::RefreshMethod::InverseRoot);
-                assert_eq!(
-                    *placement,
-                    schedule::Placement::Host,
+            let placements = |plan: &schedule::Plan| -> Vec<schedule::Placement> {
+                plan.host_tasks
+                    .iter()
+                    .map(|t| {
+                        let schedule::HostTask::EigenbasisRefresh {
+                            placement, method, ..
+                        } = t;
+                        assert_eq!(*method, schedule::RefreshMethod::InverseRoot);
+                        *placement
+                    })
+                    .collect()
+            };
+            let want = match policy {
+                ir::RefreshPlacement::Gpu => Some(schedule::Placement::GpuSide),
+                ir::RefreshPlacement::Host => Some(schedule::Placement::Host),
+                ir::RefreshPlacement::Auto => None,
+            };
+            if let Some(want) = want {
+                assert!(
+                    placements(&plan).iter().all(|&p| p == want),
                     "{policy} S={staleness}"
                 );
             }
+            for (force, want) in [
+                (
+                    schedule::RefreshPlacement::Gpu,
+                    schedule::Placement::GpuSide,
+                ),
+                (schedule::RefreshPlacement::Host, schedule::Placement::Host),
+            ] {
+                plan.force_refresh_placement(force);
+                plan.verify().expect("verifies with a forced placement");
+                assert!(placements(&plan).iter().all(|&p| p == want));
+            }
         }
     }
+}
+
+/// GPT-2 124M with Shampoo at blocks of 1024 (488 inverse roots every 10 steps, the bench
+/// spec's) overloads both the host pool and the side stream at S = 5 on the H200: the roots
+/// are split between them so that the two places overrun the period by about the same time
+/// (their throughput adds up), and the split is cheaper than either place alone.
+#[test]
+fn shampoo_inverse_roots_balance_host_pool_and_side_stream() {
+    let spec = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/gpt2-124m.asteria");
+    let mut config = frontend::load_spec(&spec).expect("spec");
+    config.optimizer = OptimizerConfig::Shampoo(ShampooConfig {
+        lr: 6e-4,
+        beta1: 0.95,
+        beta2: 0.95,
+        epsilon: 1e-8,
+        weight_decay: 0.01,
+        max_preconditioner_dim: 1024,
+        precondition_frequency: 10,
+        use_bias_correction: true,
+        grafting: true,
+        grafting_beta2: 0.999,
+        grafting_epsilon: 1e-10,
+    });
+    config.target = TargetConfig::Cuda {
+        device: 0,
+        staleness: 5,
+        calibration: Some("h200".into()),
+        precision: ir::Precision::Bf16,
+        eigensolver: ir::Eigensolver::Faer,
+        attention: ir::AttentionKernel::Auto,
+        refresh_placement: ir::RefreshPlacement::Auto,
+        budgets: Default::default(),
+    };
+    let mut m = ir::Module::new(config);
+    let mut pm = PassManager::new(PassOptions::default()).expect("pm");
+    pm.run(&mut m, Some("expand-optimizer"), &mut std::io::sink())
+        .expect("pipeline");
+    let desc = TargetDescription::builtin("h200").expect("builtin");
+    let s = plan_refreshes(&m, &desc);
+    assert!(s.decisions.len() > 400, "{} roots", s.decisions.len());
+    let (mut host, mut gpu) = (0.0, 0.0);
+    for d in &s.decisions {
+        assert_eq!(d.host_ms, desc.host_inverse_root_ms(d.dim));
+        assert_eq!(d.gpu_ms, desc.gpu_inverse_root_ms(d.dim));
+        match d.placement {
+            Placement::Host => host += d.host_ms - desc.transfer_ms(d.dim),
+            Placement::GpuSide => gpu += d.gpu_ms.expect("a GPU time"),
+        }
+    }
+    let share = s.host_share();
+    assert!(share > 0.2 && share < 0.9, "host share {share}");
+    let threads = desc.host_pool_threads() as f64;
+    let period = 10.0 * s.step_ms;
+    let host_over = host / threads - 0.8 * period;
+    let gpu_over = gpu - period;
+    assert!(host_over > 0.0 && gpu_over > 0.0, "{host_over} {gpu_over}");
+    assert!(
+        (host_over - gpu_over).abs() < 0.05 * host_over.max(gpu_over),
+        "host overrun {host_over:.0} ms against the side stream's {gpu_over:.0} ms"
+    );
+    // Either place alone would overrun by more than both together.
+    let all_host: f64 = s
+        .decisions
+        .iter()
+        .map(|d| d.host_ms - desc.transfer_ms(d.dim))
+        .sum::<f64>()
+        / threads
+        - 0.8 * period;
+    let all_gpu: f64 = s.decisions.iter().filter_map(|d| d.gpu_ms).sum::<f64>() - period;
+    assert!(host_over.max(gpu_over) < 0.6 * all_host.min(all_gpu));
 }

@@ -574,9 +574,7 @@ impl Plan {
     /// Rewrites the plan to run every preconditioner refresh at one place: sets the CUDA
     /// target's `refresh_placement` and every refresh's [`Placement`] (`Auto` leaves the
     /// plan as compiled). Used by harnesses that compare engines with refreshes on the GPU.
-    /// A CPU target is left unchanged (its engine runs every refresh on the host), and so are
-    /// refreshes of method [`RefreshMethod::InverseRoot`], which run on the host always
-    /// (Shampoo's inverse roots have no GPU refresh; [`Plan::verify`] checks it).
+    /// A CPU target is left unchanged (its engine runs every refresh on the host).
     pub fn force_refresh_placement(&mut self, p: RefreshPlacement) {
         let to = match p {
             RefreshPlacement::Auto => return,
@@ -589,12 +587,8 @@ impl Plan {
         {
             *refresh_placement = p;
             for t in &mut self.host_tasks {
-                let HostTask::EigenbasisRefresh {
-                    placement, method, ..
-                } = t;
-                if *method != RefreshMethod::InverseRoot {
-                    *placement = to;
-                }
+                let HostTask::EigenbasisRefresh { placement, .. } = t;
+                *placement = to;
             }
         }
     }

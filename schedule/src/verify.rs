@@ -898,17 +898,6 @@ impl Plan {
                     crate::RefreshPlacement::Gpu => Some(crate::Placement::GpuSide),
                     crate::RefreshPlacement::Host => Some(crate::Placement::Host),
                 };
-                // Shampoo's inverse roots have no GPU refresh: on the host whatever the target's
-                // `refresh_placement` says (`precond-scheduling` places them there).
-                if *method == crate::RefreshMethod::InverseRoot
-                    && *placement != crate::Placement::Host
-                {
-                    return Err(PlanError::Invalid(format!(
-                        "{location}: placement `{placement}` of an inverse_root refresh: the CUDA \
-                         engine computes inverse roots on the host only"
-                    )));
-                }
-                let want = want.filter(|_| *method != crate::RefreshMethod::InverseRoot);
                 if want.is_some_and(|w| w != *placement) {
                     return Err(PlanError::Invalid(format!(
                         "{location}: placement `{placement}` contradicts the target's \
