@@ -4,8 +4,9 @@
 # --checks: the kernel self-test (`--quick`, or only the shampoo_update and kl_shampoo_update cases
 #   with --quick-checks), the CPU-vs-GPU train-matches (CPU refreshes injected; fp32 and
 #   the production bf16 path) of tiny-kl-shampoo, tiny-shampoo and a blocked tiny-soap
-#   (block_size 128), and tiny-kl-shampoo / tiny-shampoo on the GPU at staleness 0 and 5 (400
-#   steps each, bench/check_staleness.py).
+#   (block_size 128), tiny-shampoo with its inverse roots computed on the GPU (not injected),
+#   and tiny-kl-shampoo / tiny-shampoo on the GPU at staleness 0 and 5 (400 steps each,
+#   bench/check_staleness.py).
 # --runs: step times at staleness 5 of asteria AdamW, SOAP, KL-Shampoo and Shampoo on GPT-2 124M
 #   (batch 16x1024) and LLaMA 1.44B (batch 4x1024), bench/specs/{gpt2-124m,llama-1.4b}-*.asteria,
 #   beside the references on the same models through bench/torch_steps.py: `kl` (KLOpt of
@@ -74,6 +75,12 @@ if [[ $checks == 1 ]]; then
       > "$out/selftest-$t-bf16-match.txt" 2>&1
     echo "$t train-match bf16 rc=$?"; tail -n 2 "$out/selftest-$t-bf16-match.txt"
   done
+  # Shampoo's inverse roots computed on the GPU too (not injected; a root does not depend on the
+  # eigenvectors' signs or order, so the GPU's and the CPU's agree to rounding).
+  stamp "tiny-shampoo train-match, GPU roots"
+  timeout 150 $B selftest --device cuda --no-kernels --cache-dir "$TC" \
+    --train-match $S/tiny-shampoo.asteria --refresh gpu > "$out/selftest-tiny-shampoo-gpu-roots-match.txt" 2>&1
+  echo "tiny-shampoo train-match, GPU roots rc=$?"; tail -n 2 "$out/selftest-tiny-shampoo-gpu-roots-match.txt"
   for t in tiny-kl-shampoo tiny-shampoo; do
     for s in 0 5; do
       cuda_spec $S/$t.asteria $s $S/$t-cuda-s$s.asteria
