@@ -150,6 +150,51 @@ fn bias_epilogues_train_bit_identically_on_the_cpu() {
     }
 }
 
+/// `soap-update`: the composed SOAP step `expand-optimizer` writes (`project`, moments rule,
+/// `project` back, step rule) and the `soap_update` op `fuse` selects for it train
+/// bit-identically on the CPU engine, through refreshes (frequency 3), for every side pattern
+/// (both sides rotated, one side over `max_precond_dim`, 1-D parameters unrotated), with and
+/// without weight decay and bias correction, and for blocked SOAP. The fused plan has one
+/// `soap_update` per SOAP parameter (or block) and no `project`; the unfused one the reverse.
+#[test]
+fn soap_update_fusion_trains_bit_identically_on_the_cpu() {
+    for (max_precond_dim, wd, correct_bias, block_size) in [
+        (64, 0.01, true, None),
+        (24, 0.0, false, None),
+        (64, 0.1, true, Some(12)),
+    ] {
+        let mut cfg = config(cpu(), true);
+        if let OptimizerConfig::Soap(c) = &mut cfg.optimizer {
+            c.max_precond_dim = max_precond_dim;
+            c.weight_decay = wd;
+            c.correct_bias = correct_bias;
+            c.block_size = block_size;
+        }
+        let fused = compile(cfg.clone(), true);
+        let composed = compile(cfg, false);
+        let ops = |p: &schedule::Plan, name: &str| {
+            p.optimizer.iter().filter(|o| o.name() == name).count()
+        };
+        let steps = ops(&composed, "elementwise_update") / 2;
+        assert!(steps > 0);
+        assert_eq!(ops(&fused, "soap_update"), steps);
+        assert_eq!(
+            ops(&fused, "project") + ops(&fused, "elementwise_update"),
+            0
+        );
+        assert_eq!(ops(&composed, "soap_update"), 0);
+        assert!(ops(&composed, "project") > 0);
+        let (a, b) = (train(fused, 8), train(composed, 8));
+        assert!(a[7] < a[0], "the loss falls: {a:?}");
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&a),
+            bits(&b),
+            "max_precond_dim {max_precond_dim}, wd {wd}, block {block_size:?}: {a:?} vs {b:?}"
+        );
+    }
+}
+
 fn cuda_fp32() -> TargetConfig {
     match cuda_bf16() {
         TargetConfig::Cuda {

@@ -464,8 +464,29 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 param: arg(0)?,
                 grad: arg(1)?,
                 state: a[2..].iter().map(|&v| b(v)).collect::<Result<_, _>>()?,
+                results: inst
+                    .results
+                    .iter()
+                    .map(|&v| b(v))
+                    .collect::<Result<_, _>>()?,
                 rule: rule.clone(),
             },
+            Op::Project { back, left, right } => {
+                let mut rest = a[1..].iter();
+                let mut side = |on: bool| match on {
+                    true => rest.next().map(|&v| b(v)).transpose(),
+                    false => Ok(None),
+                };
+                let basis_left = side(*left)?;
+                let basis_right = side(*right)?;
+                P::Project {
+                    x: arg(0)?,
+                    out: res(0)?,
+                    basis_left,
+                    basis_right,
+                    back: *back,
+                }
+            }
         };
         match inst.section {
             Section::Forward => forward.push(op),

@@ -268,6 +268,25 @@ impl Module {
         true
     }
 
+    /// Removes instruction `id` when none of its results is read (an in-place op a rewrite
+    /// has replaced: `fuse`'s `soap-update` removes a composed SOAP's moments update, whose
+    /// work the `soap_update` that replaces its step now does). Its results' ids and names stay
+    /// reserved, no longer defined. Returns whether it was removed.
+    pub fn remove_inst(&mut self, id: InstId) -> bool {
+        if !self.graph.contains_node(id.0)
+            || self
+                .graph
+                .edges_directed(id.0, petgraph::Direction::Outgoing)
+                .next()
+                .is_some()
+        {
+            return false;
+        }
+        self.graph.remove_node(id.0);
+        self.layout.retain(|&l| l != id);
+        true
+    }
+
     /// Exchanges the names of values `a` and `b` (a rewrite that replaces a value by a new one
     /// gives the new one the old name: `fuse`'s `sum-rows-cast`).
     pub fn swap_names(&mut self, a: ValueId, b: ValueId) {

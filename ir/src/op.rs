@@ -266,11 +266,24 @@ pub enum Op {
         right: bool,
     },
     /// args `[param, grad, state...]` (the rule's state order, each of the param's shape);
-    /// in place (writes what the rule's `outputs` name); no results. See
-    /// `schedule::ElementwiseRule`.
+    /// in place (writes what the rule's `outputs` name); one result per name of the rule's
+    /// `results` (f32, the param's shape), none for a plain update. `grad` is the param's
+    /// gradient, or in a composed optimizer a value derived from it (a `project`'s or another
+    /// `elementwise_update`'s result). See `schedule::ElementwiseRule`.
     ElementwiseUpdate {
         /// The update rule.
         rule: ElementwiseRule,
+    },
+    /// args `[x]` (f32 `[m, n]`: a gradient, a block of one or an update's result) +
+    /// `basis_left` `[m, m]` if `left` + `basis_right` `[n, n]` if `right` (eigenbases) →
+    /// `[m, n]` f32: `Q_Lᵀ x Q_R`, or `Q_L x Q_Rᵀ` when `back` (see `schedule::Op::Project`).
+    Project {
+        /// Project back out of the eigenbasis.
+        back: bool,
+        /// The left (row) side is rotated.
+        left: bool,
+        /// The right (column) side is rotated.
+        right: bool,
     },
     /// args `[factor, basis, exp_avg, exp_avg_sq]` (method `soap`) or `[factor, basis,
     /// exp_avg]` (method `qr`: the momentum only names the parameter's shape; it is not an
@@ -336,6 +349,7 @@ impl Op {
             Op::BlockCopy { .. } => "block_copy",
             Op::BlockWrite { .. } => "block_write",
             Op::ElementwiseUpdate { .. } => "elementwise_update",
+            Op::Project { .. } => "project",
             Op::EigenbasisRefresh { .. } => "eigenbasis_refresh",
         }
     }

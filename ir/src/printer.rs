@@ -179,6 +179,9 @@ pub(crate) fn attrs(op: &Op) -> Vec<(&'static str, Attr)> {
             ("left", B(left)),
             ("right", B(right)),
         ],
+        Op::Project { back, left, right } => {
+            vec![("back", B(back)), ("left", B(left)), ("right", B(right))]
+        }
         Op::BlockCopy { row, col } | Op::BlockWrite { row, col } => {
             vec![("row", U(row as u64)), ("col", U(col as u64))]
         }
@@ -232,14 +235,28 @@ pub(crate) fn attrs(op: &Op) -> Vec<(&'static str, Attr)> {
         }
         Op::ElementwiseUpdate { ref rule } => {
             let scalars: Vec<String> = rule.scalars.iter().map(|s| s.to_string()).collect();
-            vec![
+            let mut v = vec![
                 ("optimizer", W(rule.optimizer.clone())),
                 ("lr", F(rule.lr)),
                 ("state", S(rule.state.join(" "))),
+            ];
+            if !rule.results.is_empty() {
+                v.push(("results", S(rule.results.join(" "))));
+            }
+            if !rule.hyper.is_empty() {
+                let h: Vec<String> = rule
+                    .hyper
+                    .iter()
+                    .map(|(k, x)| format!("{k}={x:?}"))
+                    .collect();
+                v.push(("hyper", S(h.join(" "))));
+            }
+            v.extend([
                 ("outputs", S(rule.outputs.join(" "))),
                 ("scalars", S(scalars.join(" "))),
                 ("expr", S(rule.expr.clone())),
-            ]
+            ]);
+            v
         }
         Op::State { .. }
         | Op::Input { .. }

@@ -512,3 +512,48 @@ fn all_errors_are_reported_in_program_order() {
     let annotated = m.display_with_errors(&errs);
     assert_eq!(annotated.matches("; error: ").count(), 3);
 }
+
+/// The composed SOAP step's ops (`project`, `elementwise_update` with a result): a projection
+/// rotates at least one side and reads a gradient or an update's result; a rule's result must
+/// be written by it.
+#[test]
+fn composed_optimizer_ops_are_checked() {
+    let find = |m: &Module, f: &dyn Fn(&Op) -> bool| m.insts().find(|&i| f(&m.inst(i).op)).unwrap();
+    let fwd_project = |o: &Op| matches!(o, Op::Project { back: false, .. });
+    // No side: arity and attribute.
+    let mut m = common::tiny();
+    let id = find(&m, &fwd_project);
+    let args = m.inst(id).args[..1].to_vec();
+    m.replace_inst(
+        id,
+        Op::Project {
+            back: false,
+            left: false,
+            right: false,
+        },
+        &args,
+    );
+    let e = one(&m, &["= project)", "rotates at least one side"]);
+    assert_eq!(e.inst(), Some(id));
+    // A parameter is not a gradient.
+    let mut m = common::tiny();
+    let id = find(&m, &fwd_project);
+    let mut args = m.inst(id).args.clone();
+    args[0] = m
+        .value_by_name("qkv.w")
+        .expect("the composed step's parameter");
+    let op = m.inst(id).op.clone();
+    m.replace_inst(id, op, &args);
+    one(&m, &["= project)", "must be a gradient"]);
+    // A result the rule never writes.
+    let mut m = common::tiny();
+    let id = find(
+        &m,
+        &|o| matches!(o, Op::ElementwiseUpdate { rule } if !rule.results.is_empty()),
+    );
+    if let Op::ElementwiseUpdate { rule } = m.op_mut(id) {
+        rule.outputs.pop();
+        rule.expr = "(list (select_lt 0.5 warm g m) (* g g))".into();
+    }
+    one(&m, &["elementwise_update", "result `u` is never written"]);
+}

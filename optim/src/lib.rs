@@ -53,7 +53,7 @@ pub use shampoo::{
     shampoo_step, shampoo_update, AdamGrafting, Block, BlockState, ShampooError, ShampooParams,
     ShampooState,
 };
-pub use soap::{precond_dims, soap_factor_update, soap_update, SoapParams};
+pub use soap::{precond_dims, project, project_back, soap_factor_update, soap_update, SoapParams};
 
 /// A slice passed to an optimizer function has the wrong length for the dimensions given.
 /// This is a caller bug (the plan verifier should have caught it); no state was modified.

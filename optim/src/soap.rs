@@ -46,8 +46,11 @@ pub fn precond_dims(m: usize, n: usize, max_precond_dim: usize) -> [Option<usize
     ]
 }
 
-/// `Q_Lᵀ x Q_R` (`soap.py` `project`), a missing basis being the identity. `x` `[m, n]`.
-fn project<T: Real>(x: &[T], ql: Option<&[T]>, qr: Option<&[T]>, m: usize, n: usize) -> Vec<T> {
+/// `Q_Lᵀ x Q_R` (`soap.py` `project`), a missing basis being the identity. `x` `[m, n]`,
+/// `ql` `[m, m]`, `qr` `[n, n]` row-major (basis vectors as columns); the left side first, as
+/// [`soap_update`] does (plan op `Project`). Panics on slices shorter than their shapes: the
+/// callers check lengths ([`soap_update`], the engines' plan verifier).
+pub fn project<T: Real>(x: &[T], ql: Option<&[T]>, qr: Option<&[T]>, m: usize, n: usize) -> Vec<T> {
     let mut cur = x.to_vec();
     if let Some(ql) = ql {
         let mut out = vec![T::zero(); m * n];
@@ -74,8 +77,9 @@ fn project<T: Real>(x: &[T], ql: Option<&[T]>, qr: Option<&[T]>, m: usize, n: us
     cur
 }
 
-/// `Q_L x Q_Rᵀ` (`soap.py` `project_back`), a missing basis being the identity.
-fn project_back<T: Real>(
+/// `Q_L x Q_Rᵀ` (`soap.py` `project_back`), a missing basis being the identity; shapes and
+/// order as [`project`].
+pub fn project_back<T: Real>(
     x: &[T],
     ql: Option<&[T]>,
     qr: Option<&[T]>,

@@ -4,8 +4,12 @@
 //! SOAP (Vyas et al. 2024, reference `soap.py`) for a 2-D parameter `[m, n]`: Adam moments
 //! `[m, n]` kept in the eigenbasis, Kronecker factors `L [m, m]`, `R [n, n]` and their
 //! eigenbases `Q_L`, `Q_R` for each side whose size is ≤ `max_precond_dim` (a larger side, e.g.
-//! the vocabulary side of an embedding, stays unrotated); ops `soap_update` then
-//! `soap_factor_update` each step, and one `eigenbasis_refresh` host task per factor.
+//! the vocabulary side of an embedding, stays unrotated); each step the composition of
+//! `optim::optimizers::soap` (`project` the gradient into the eigenbases, an
+//! `elementwise_update` of the moments whose result is the update direction there, `project`
+//! it back, an `elementwise_update` of the parameter; `fuse` makes the four one `soap_update`,
+//! and with `normalize_grads` this pass writes `soap_update` itself), then
+//! `soap_factor_update`, and one `eigenbasis_refresh` host task per factor.
 //! 1-D parameters get no factors (Adam in the identity basis, as the reference with
 //! `precondition_1d = False`). AdamW applies weight decay to 2-D parameters only (nanoGPT);
 //! SOAP applies it to all parameters, as the reference does.
@@ -200,13 +204,51 @@ fn soap_param(
         );
     }
     let (left, right) = (sides[0].is_some(), sides[1].is_some());
-    let mut args = vec![p, g, exp_avg, exp_avg_sq];
-    args.extend(sides.iter().flatten().map(|s| s.1));
-    module.push0(
-        Section::Optimizer,
-        Op::SoapUpdate { hyper, left, right },
-        &args,
-    );
+    let bases: Vec<ValueId> = sides.iter().flatten().map(|s| s.1).collect();
+    match optim::optimizers::soap::rules(&hyper) {
+        // The composition (`optim::optimizers::soap`): rotate the gradient, the moments rule,
+        // rotate back, the step rule. `fuse` makes it one `soap_update`.
+        Ok((moments, step)) => {
+            let f32_ty = TensorType::f32(ty.shape.clone());
+            let rotate = |module: &mut Module, x: ValueId, back: bool, name: String| {
+                let mut args = vec![x];
+                args.extend(&bases);
+                let op = Op::Project { back, left, right };
+                module.push1(Section::Optimizer, op, &args, &name, f32_ty.clone())
+            };
+            let rotated = left || right;
+            let g_eig = match rotated {
+                true => rotate(module, g, false, format!("{pname}.grad_eig")),
+                false => g,
+            };
+            let u = module.push1(
+                Section::Optimizer,
+                Op::ElementwiseUpdate { rule: moments },
+                &[p, g_eig, exp_avg, exp_avg_sq],
+                &format!("{pname}.dir_eig"),
+                f32_ty.clone(),
+            );
+            let dir = match rotated {
+                true => rotate(module, u, true, format!("{pname}.dir")),
+                false => u,
+            };
+            module.push0(
+                Section::Optimizer,
+                Op::ElementwiseUpdate { rule: step },
+                &[p, dir],
+            );
+        }
+        // `normalize_grads` (a reduction over the update): the hand-written op.
+        Err(_) => {
+            let mut args = vec![p, g, exp_avg, exp_avg_sq];
+            args.extend(&bases);
+            module.push0(
+                Section::Optimizer,
+                Op::SoapUpdate { hyper, left, right },
+                &args,
+            );
+        }
+    }
     if left || right {
         let mut args = vec![g];
         args.extend(sides.iter().flatten().map(|s| s.0));

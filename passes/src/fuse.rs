@@ -1,7 +1,19 @@
 //! `fuse`: rewrites the IR into the fused ops the engines execute, so that an engine runs what
 //! the plan says and plans no fusion of its own (everything is visible with
 //! `--print-after fuse`). Runs after `expand-optimizer`, before `liveness` (memory is planned
-//! for the fused program). Six rules:
+//! for the fused program). Seven rules:
+//!
+//! - **`soap-update`** (instruction selection, every target): the composed SOAP step that
+//!   `expand-optimizer` writes from `optim::optimizers::soap` — `project` the gradient into
+//!   the eigenbases, the moments `elementwise_update` (result: the direction there), `project`
+//!   it back, the step `elementwise_update` — becomes one `soap_update`, the hand-written op
+//!   (CPU: the same f32 operations in the same order, bit-identical; CUDA: the projections'
+//!   GEMMs around one kernel over the moments, the back-projection read in bf16 under bf16
+//!   precision). It fuses only when both rules are exactly those `optim::optimizers::soap::rules`
+//!   writes for the hyperparameters they carry (after `simplify`), each intermediate has no
+//!   other reader and both projections use the same bases; otherwise the report says why and
+//!   the composition runs as written (the CPU engine runs it; the CUDA engine refuses
+//!   `project`).
 //!
 //! - **`bias-epilogue`** (an egg rewrite, every target):
 //!   `(bias_add (mat_mul ?ta ?tb ?a ?b) ?bias) → (mat_mul_bias ?ta ?tb ?a ?b ?bias)`.
@@ -132,6 +144,10 @@ pub struct FuseReport {
     pub clip_into_update: Option<Result<(String, usize), String>>,
     /// Why the e-graph runner stopped (`Saturated` normally).
     pub stop_reason: Option<String>,
+    /// `soap-update` rewrites.
+    pub soap_updates: usize,
+    /// Composed SOAP steps left unfused: `(parameter, why)`.
+    pub soap_blocked: Vec<(String, String)>,
 }
 
 /// The `fuse` pass. See the module docs.
@@ -624,6 +640,143 @@ impl Fuse {
     }
 }
 
+/// The rule `expr` becomes after `simplify` (the pass runs before `fuse`).
+fn simplified(mut rule: schedule::ElementwiseRule) -> Option<schedule::ElementwiseRule> {
+    let expr: egg::RecExpr<optim::update::Update> = rule.expr.parse().ok()?;
+    rule.expr = optim::update::simplify(&expr).0.to_string();
+    Some(rule)
+}
+
+/// The parts of one composed SOAP step (`optim::optimizers::soap`) that `soap-update`
+/// replaces.
+struct SoapChain {
+    hyper: ir::SoapHyper,
+    /// `[param, grad, exp_avg, exp_avg_sq]`, then the bases.
+    args: Vec<ValueId>,
+    left: bool,
+    right: bool,
+    /// The moments `elementwise_update`.
+    moments: ir::InstId,
+}
+
+impl Fuse {
+    /// Matches the composed SOAP step whose last op (the step rule) is `step`: `project` the
+    /// gradient, the moments rule (result `u`), `project` `u` back, the step rule; each
+    /// intermediate read only by the next op, both projections with the same bases, and both
+    /// rules exactly `optim::optimizers::soap::rules` of the hyperparameters they carry (after
+    /// `simplify`). `Err` says why a SOAP step rule did not match; `Ok(None)` for other ops.
+    fn soap_chain(m: &Module, step: ir::InstId) -> Result<Option<SoapChain>, String> {
+        use optim::optimizers::soap;
+        let inst = m.inst(step);
+        let Op::ElementwiseUpdate { rule } = &inst.op else {
+            return Ok(None);
+        };
+        if rule.optimizer != soap::NAME || !rule.results.is_empty() || inst.args.len() != 2 {
+            return Ok(None);
+        }
+        let hyper = soap::hyper_of(rule).ok_or("the step rule carries no SOAP hyperparameters")?;
+        // The rules as `expand-optimizer` writes them, and as `simplify` leaves them.
+        let (raw_moments, raw_step) = soap::rules(&hyper).map_err(|e| e.to_string())?;
+        let unparsable = "a regenerated rule does not parse";
+        let want_moments = [
+            simplified(raw_moments.clone()).ok_or(unparsable)?,
+            raw_moments,
+        ];
+        let want_step = [simplified(raw_step.clone()).ok_or(unparsable)?, raw_step];
+        if !want_step.contains(rule) {
+            return Err("the step rule is not SOAP's for its hyperparameters".into());
+        }
+        let (p, dir) = (inst.args[0], inst.args[1]);
+        let only_reader = |v: ValueId, reader: ir::InstId| m.uses(v) == [reader];
+        if !only_reader(dir, step) {
+            return Err(format!("{} has other readers", m.display_value(dir)));
+        }
+        // The rotation back, if any: its bases.
+        let dir_def = m.value(dir).def;
+        let (u, back) = match m.inst(dir_def).op {
+            Op::Project {
+                back: true,
+                left,
+                right,
+            } => (m.inst(dir_def).args[0], Some((dir_def, left, right))),
+            _ => (dir, None),
+        };
+        let moments = m.value(u).def;
+        let mi = m.inst(moments);
+        match &mi.op {
+            Op::ElementwiseUpdate { rule } if want_moments.contains(rule) => {}
+            _ => {
+                return Err(format!(
+                    "{} is not SOAP's moments update",
+                    m.display_value(u)
+                ))
+            }
+        }
+        if mi.args.len() != 4 || mi.args[0] != p || mi.results != [u] {
+            return Err("the moments update is not of the step's parameter".into());
+        }
+        if !only_reader(u, back.map_or(step, |b| b.0)) {
+            return Err(format!("{} has other readers", m.display_value(u)));
+        }
+        let g_eig = mi.args[1];
+        let (grad, left, right, bases) = match back {
+            None => (g_eig, false, false, vec![]),
+            Some((back_id, left, right)) => {
+                let def = m.value(g_eig).def;
+                let fwd = m.inst(def);
+                let same = matches!(fwd.op, Op::Project { back: false, left: l, right: r }
+                    if (l, r) == (left, right));
+                let bases = m.inst(back_id).args[1..].to_vec();
+                if !same || fwd.args[1..] != bases[..] || !only_reader(g_eig, moments) {
+                    return Err(format!(
+                        "{} is not the gradient rotated into the same bases",
+                        m.display_value(g_eig)
+                    ));
+                }
+                (fwd.args[0], left, right, bases)
+            }
+        };
+        let mut args = vec![p, grad, mi.args[2], mi.args[3]];
+        args.extend(bases);
+        Ok(Some(SoapChain {
+            hyper,
+            args,
+            left,
+            right,
+            moments,
+        }))
+    }
+
+    /// `soap-update` (every target): each composed SOAP step becomes one `soap_update` (the
+    /// hand-written op: one pass over the moments, the projections' GEMMs and the bf16
+    /// back-projection of the CUDA kernels), in the step rule's place; the moments update and
+    /// the projections go.
+    fn soap_updates(&mut self, m: &mut Module) {
+        let steps: Vec<ir::InstId> = m.section(Section::Optimizer).collect();
+        for step in steps {
+            match Fuse::soap_chain(m, step) {
+                Ok(None) => {}
+                Err(why) => self
+                    .report
+                    .soap_blocked
+                    .push((m.display_value(m.inst(step).args[0]), why)),
+                Ok(Some(c)) => {
+                    let op = Op::SoapUpdate {
+                        hyper: c.hyper,
+                        left: c.left,
+                        right: c.right,
+                    };
+                    m.replace_inst(step, op, &c.args);
+                    m.remove_dead();
+                    m.remove_inst(c.moments);
+                    m.remove_dead();
+                    self.report.soap_updates += 1;
+                }
+            }
+        }
+    }
+}
+
 impl Pass for Fuse {
     fn name(&self) -> &'static str {
         "fuse"
@@ -639,6 +792,7 @@ impl Pass for Fuse {
             ..FuseReport::default()
         };
         self.rewrite(module, target)?;
+        self.soap_updates(module);
         self.bf16_outputs(module, target);
         self.bf16_casts(module, target);
         self.sum_rows_casts(module);
@@ -647,7 +801,8 @@ impl Pass for Fuse {
         }
         let r = &self.report;
         Ok(format!(
-            "{} bias epilogues ({} blocked), {} saved attention statistics, {} bf16 outputs, {} bf16 casts, {} sum-rows casts, {} updates read the clip factor",
+            "{} soap updates, {} bias epilogues ({} blocked), {} saved attention statistics, {} bf16 outputs, {} bf16 casts, {} sum-rows casts, {} updates read the clip factor",
+            r.soap_updates,
             r.bias_epilogues.len(),
             r.blocked.len(),
             r.attention_saved.len(),
@@ -672,6 +827,16 @@ impl Pass for Fuse {
         }
         if let Some(reason) = &r.stop_reason {
             s.push_str(&format!("; e-graph runner stopped: {reason}\n"));
+        }
+        if r.soap_updates > 0 {
+            s.push_str(&format!(
+                "; soap-update: {} composed SOAP steps (project, moments, project back, step) \
+                 -> soap_update\n",
+                r.soap_updates
+            ));
+        }
+        for (param, why) in &r.soap_blocked {
+            s.push_str(&format!("; soap-update blocked for {param}: {why}\n"));
         }
         for (result, product) in &r.bias_epilogues {
             s.push_str(&format!(

@@ -317,6 +317,7 @@ impl Op {
                 Access::ReadWrite
             }
             (Op::ElementwiseUpdate { .. }, "param" | "state") => Access::ReadWrite,
+            (Op::ElementwiseUpdate { .. }, "result") => Access::Write,
             (Op::CopyIn { .. } | Op::CopyOut { .. } | Op::BlockCopy { .. }, "dst") => Access::Write,
             (Op::BlockWrite { .. }, "dst") => Access::ReadWrite,
             (

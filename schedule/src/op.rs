@@ -152,11 +152,37 @@ pub enum StepScalar {
         /// β₂ of the second moment.
         beta2: f64,
     },
+    /// `soap_step`: SOAP's step size `lr_t·√(1 − β₂ᵏ) / (1 − β₁ᵏ)` with k = t − 1 (`soap.py`
+    /// counts its bias correction from the first update, one step after the first gradient),
+    /// computed in that order; 0 at t = 1, where SOAP does not update.
+    SoapStep {
+        /// β₁ of the first moment.
+        beta1: f64,
+        /// β₂ of the second moment.
+        beta2: f64,
+    },
+    /// `neg_lr_wd`: `−lr_t · weight_decay` (decoupled weight decay as an increment,
+    /// `p + neg_lr_wd·p`, `soap.py`'s `p.add_(p, alpha=-lr*wd)`).
+    NegLrWd {
+        /// Decoupled weight decay coefficient.
+        weight_decay: f64,
+    },
+    /// `warm`: 0 at t = 1, 1 from t = 2 (for updates that skip the first step, as SOAP does
+    /// while it has no eigenbasis).
+    Warm,
 }
 
 impl StepScalar {
     /// Every variable name of the vocabulary.
-    pub const NAMES: [&'static str; 4] = ["lr", "decay", "step_size", "bc2_sqrt"];
+    pub const NAMES: [&'static str; 7] = [
+        "lr",
+        "decay",
+        "step_size",
+        "bc2_sqrt",
+        "soap_step",
+        "neg_lr_wd",
+        "warm",
+    ];
 
     /// The variable name of this scalar in an update expression.
     pub fn name(&self) -> &'static str {
@@ -165,7 +191,23 @@ impl StepScalar {
             StepScalar::Decay { .. } => "decay",
             StepScalar::StepSize { .. } => "step_size",
             StepScalar::Bc2Sqrt { .. } => "bc2_sqrt",
+            StepScalar::SoapStep { .. } => "soap_step",
+            StepScalar::NegLrWd { .. } => "neg_lr_wd",
+            StepScalar::Warm => "warm",
         }
+    }
+
+    /// The spec key names of the hyperparameters the scalar named `name` carries, in order
+    /// (`None` for a name outside the vocabulary).
+    pub fn keys(name: &str) -> Option<&'static [&'static str]> {
+        Some(match name {
+            "lr" | "warm" => &[],
+            "decay" | "neg_lr_wd" => &["weight_decay"],
+            "step_size" => &["beta1"],
+            "bc2_sqrt" => &["beta2"],
+            "soap_step" => &["beta1", "beta2"],
+            _ => return None,
+        })
     }
 
     /// The scalar's value at 1-based step `t` (a `t` of 0 counts as 1) with scheduled
@@ -177,26 +219,41 @@ impl StepScalar {
             StepScalar::Decay { weight_decay } => 1.0 - lr_t * weight_decay,
             StepScalar::StepSize { beta1 } => lr_t / (1.0 - beta1.powi(t)),
             StepScalar::Bc2Sqrt { beta2 } => (1.0 - beta2.powi(t)).sqrt(),
+            StepScalar::SoapStep { .. } if t <= 1 => 0.0,
+            StepScalar::SoapStep { beta1, beta2 } => {
+                let k = t - 1;
+                lr_t * (1.0 - beta2.powi(k)).sqrt() / (1.0 - beta1.powi(k))
+            }
+            StepScalar::NegLrWd { weight_decay } => -lr_t * weight_decay,
+            StepScalar::Warm => f64::from(u8::from(t > 1)),
         }
     }
 
-    /// The hyperparameter this scalar carries, by its spec key name.
-    pub fn hyperparameter(&self) -> Option<(&'static str, f64)> {
+    /// The hyperparameters this scalar carries, by spec key name, in [`StepScalar::keys`]
+    /// order.
+    pub fn hyperparameters(&self) -> Vec<(&'static str, f64)> {
         match *self {
-            StepScalar::Lr => None,
-            StepScalar::Decay { weight_decay } => Some(("weight_decay", weight_decay)),
-            StepScalar::StepSize { beta1 } => Some(("beta1", beta1)),
-            StepScalar::Bc2Sqrt { beta2 } => Some(("beta2", beta2)),
+            StepScalar::Lr | StepScalar::Warm => vec![],
+            StepScalar::Decay { weight_decay } | StepScalar::NegLrWd { weight_decay } => {
+                vec![("weight_decay", weight_decay)]
+            }
+            StepScalar::StepSize { beta1 } => vec![("beta1", beta1)],
+            StepScalar::Bc2Sqrt { beta2 } => vec![("beta2", beta2)],
+            StepScalar::SoapStep { beta1, beta2 } => vec![("beta1", beta1), ("beta2", beta2)],
         }
     }
 
-    /// The scalar named `name` with its hyperparameter from `hyper` (by spec key name:
+    /// The scalar named `name` with its hyperparameters from `hyper` (by spec key name:
     /// `weight_decay`, `beta1`, `beta2`); `None` for a name outside the vocabulary or a missing
     /// hyperparameter.
     pub fn from_name(name: &str, hyper: impl Fn(&str) -> Option<f64>) -> Option<StepScalar> {
         Some(match name {
             "lr" => StepScalar::Lr,
+            "warm" => StepScalar::Warm,
             "decay" => StepScalar::Decay {
+                weight_decay: hyper("weight_decay")?,
+            },
+            "neg_lr_wd" => StepScalar::NegLrWd {
                 weight_decay: hyper("weight_decay")?,
             },
             "step_size" => StepScalar::StepSize {
@@ -205,51 +262,66 @@ impl StepScalar {
             "bc2_sqrt" => StepScalar::Bc2Sqrt {
                 beta2: hyper("beta2")?,
             },
+            "soap_step" => StepScalar::SoapStep {
+                beta1: hyper("beta1")?,
+                beta2: hyper("beta2")?,
+            },
             _ => return None,
         })
     }
 }
 
 impl std::fmt::Display for StepScalar {
-    /// `lr`, `decay(0.1)`, `step_size(0.9)`, `bc2_sqrt(0.95)`: the text format's spelling.
+    /// `lr`, `decay(0.1)`, `step_size(0.9)`, `bc2_sqrt(0.95)`, `soap_step(0.95, 0.95)`: the
+    /// text format's spelling.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.hyperparameter() {
-            None => f.write_str(self.name()),
-            Some((_, x)) => write!(f, "{}({x:?})", self.name()),
+        let h = self.hyperparameters();
+        if h.is_empty() {
+            return f.write_str(self.name());
         }
+        let args: Vec<String> = h.iter().map(|(_, x)| format!("{x:?}")).collect();
+        write!(f, "{}({})", self.name(), args.join(","))
     }
 }
 
 impl std::str::FromStr for StepScalar {
     type Err = String;
-    /// The [`Display`](std::fmt::Display) spelling back.
+    /// The [`Display`](std::fmt::Display) spelling back (no spaces inside the parentheses).
     fn from_str(s: &str) -> Result<StepScalar, String> {
-        let (name, arg) = match s.split_once('(') {
-            None => (s, None),
+        let (name, args) = match s.split_once('(') {
+            None => (s, Vec::new()),
             Some((n, rest)) => {
                 let a = rest
                     .strip_suffix(')')
                     .ok_or_else(|| format!("`{s}`: missing `)`"))?;
-                let x: f64 = a
-                    .parse()
-                    .map_err(|_| format!("`{s}`: `{a}` is not a number"))?;
-                (n, Some(x))
+                let xs = a
+                    .split(',')
+                    .map(|w| {
+                        w.trim()
+                            .parse::<f64>()
+                            .map_err(|_| format!("`{s}`: `{w}` is not a number"))
+                    })
+                    .collect::<Result<Vec<f64>, String>>()?;
+                (n, xs)
             }
         };
-        let sc = StepScalar::from_name(name, |_| arg).ok_or_else(|| {
-            if StepScalar::NAMES.contains(&name) {
-                format!("`{s}`: `{name}` takes its hyperparameter in parentheses")
-            } else {
-                format!(
-                    "`{name}` is not a step scalar (one of {})",
-                    StepScalar::NAMES.join(", ")
-                )
-            }
+        let keys = StepScalar::keys(name).ok_or_else(|| {
+            format!(
+                "`{name}` is not a step scalar (one of {})",
+                StepScalar::NAMES.join(", ")
+            )
         })?;
-        if sc.hyperparameter().is_none() && arg.is_some() {
-            return Err(format!("`{s}`: `{name}` takes no argument"));
+        if keys.len() != args.len() {
+            return Err(match keys.len() {
+                0 => format!("`{s}`: `{name}` takes no argument"),
+                n => format!(
+                    "`{s}`: `{name}` takes {n} hyperparameter(s) in parentheses ({})",
+                    keys.join(", ")
+                ),
+            });
         }
-        Ok(sc)
+        StepScalar::from_name(name, |k| keys.iter().position(|x| *x == k).map(|i| args[i]))
+            .ok_or_else(|| format!("`{s}`: internal: missing hyperparameter"))
     }
 }
 
@@ -285,6 +357,19 @@ pub struct ElementwiseRule {
     pub scalars: Vec<StepScalar>,
     /// The expression (`(list (+ (* 0.99 m) ...) ...)`).
     pub expr: String,
+    /// Tensors the rule writes that are neither `p` nor state: new f32 values of `p`'s shape,
+    /// each named once in `outputs` and never read by the expression (a composed optimizer's
+    /// intermediate, e.g. SOAP's update direction in the eigenbasis before it is projected
+    /// back). Empty for an update that only writes in place.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub results: Vec<String>,
+    /// The hyperparameters the rule was written from, by spec key (`beta1`, `eps`; a flag as
+    /// 0 or 1), where an instruction-selection rule of `fuse` may replace the update by a
+    /// hand-written op computing the same thing (a composed SOAP step by `soap_update`): the
+    /// rule regenerates the expression from them and fuses only on an exact match. Empty
+    /// otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hyper: Vec<(String, f64)>,
 }
 
 impl ElementwiseRule {
@@ -294,25 +379,28 @@ impl ElementwiseRule {
     pub fn kernel_key(&self) -> String {
         let scalars: Vec<&str> = self.scalars.iter().map(|s| s.name()).collect();
         format!(
-            "{}|{}|{}|{}|{}",
+            "{}|{}|{}|{}|{}|{}",
             self.optimizer,
             self.state.join(","),
+            self.results.join(","),
             self.outputs.join(","),
             scalars.join(","),
             self.expr
         )
     }
 
-    /// Tensor names in operand order: `p`, `g`, then the state.
+    /// Tensor names in operand order: `p`, `g`, the state, then the results.
     pub fn tensors(&self) -> Vec<String> {
         let mut v = vec!["p".to_string(), "g".to_string()];
         v.extend(self.state.iter().cloned());
+        v.extend(self.results.iter().cloned());
         v
     }
 
     /// Structural checks (the expression itself is checked by the engine that runs it): a
     /// kernel-name-safe optimizer name, distinct tensor names, at least one output and each
-    /// naming `p` or a state tensor once, distinct step scalars.
+    /// naming `p`, a state tensor or a result once, every result written, distinct step
+    /// scalars.
     pub fn check(&self) -> Result<(), String> {
         let ident = |s: &str| {
             !s.is_empty()
@@ -339,10 +427,25 @@ impl ElementwiseRule {
         }
         for (i, o) in self.outputs.iter().enumerate() {
             if o == "g" || !tensors.contains(o) {
-                return Err(format!("output `{o}` is not `p` or a state tensor"));
+                return Err(format!(
+                    "output `{o}` is not `p`, a state tensor or a result"
+                ));
             }
             if self.outputs[..i].contains(o) {
                 return Err(format!("output `{o}` is written twice"));
+            }
+        }
+        if let Some(r) = self.results.iter().find(|r| !self.outputs.contains(r)) {
+            return Err(format!("result `{r}` is never written"));
+        }
+        for (i, (k, x)) in self.hyper.iter().enumerate() {
+            if !ident(k) || self.hyper[..i].iter().any(|h| &h.0 == k) {
+                return Err(format!(
+                    "hyperparameter `{k}` is not an identifier or is repeated"
+                ));
+            }
+            if !x.is_finite() {
+                return Err(format!("hyperparameter `{k}` = {x} is not finite"));
             }
         }
         for (i, s) in self.scalars.iter().enumerate() {
@@ -650,7 +753,22 @@ pub enum Op {
         param: BufferId,
         grad: BufferId,
         state: Vec<BufferId>,
+        /// One new f32 buffer of `param`'s shape per name in the rule's `results`, in order.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        results: Vec<BufferId>,
         rule: ElementwiseRule,
+    },
+    /// Rotates an f32 matrix `x` `[m, n]` into the eigenbases of a parameter's Kronecker
+    /// factors, `out = Q_Lᵀ x Q_R` (`soap.py`'s `project`), or back, `out = Q_L x Q_Rᵀ`
+    /// (`project_back`) when `back`; a missing basis is the identity. Bases `[m, m]` / `[n, n]`
+    /// f32 row-major with the basis vectors as columns; `out` `[m, n]` f32. On the CPU engine
+    /// `optim::project` (f32 GEMMs, the left side first).
+    Project {
+        x: BufferId,
+        out: BufferId,
+        basis_left: Option<BufferId>,
+        basis_right: Option<BufferId>,
+        back: bool,
     },
     /// Copies the block `src[row .. row + r, col .. col + c]` of a 2-D f32 `src` `[m, n]` into
     /// `dst` `[r, c]` (a blocked optimizer's view of one block of a parameter or gradient).

@@ -38,6 +38,7 @@ impl Op {
             Op::KlShampooUpdate { .. } => "kl_shampoo_update",
             Op::ShampooUpdate { .. } => "shampoo_update",
             Op::ElementwiseUpdate { .. } => "elementwise_update",
+            Op::Project { .. } => "project",
             Op::BlockCopy { .. } => "block_copy",
             Op::BlockWrite { .. } => "block_write",
             Op::CopyIn { .. } => "copy_in",
@@ -244,10 +245,26 @@ impl Op {
                 v.extend(roots.iter().map(|r| ("root", *r)));
             }
             Op::ElementwiseUpdate {
-                param, grad, state, ..
+                param,
+                grad,
+                state,
+                results,
+                ..
             } => {
                 v.extend([("param", *param), ("grad", *grad)]);
                 v.extend(state.iter().map(|s| ("state", *s)));
+                v.extend(results.iter().map(|r| ("result", *r)));
+            }
+            Op::Project {
+                x,
+                out,
+                basis_left,
+                basis_right,
+                ..
+            } => {
+                v.extend([("x", *x), ("out", *out)]);
+                opt(&mut v, "basis_left", basis_left);
+                opt(&mut v, "basis_right", basis_right);
             }
             Op::BlockCopy { src, dst, .. } | Op::BlockWrite { src, dst, .. } => {
                 v.extend([("src", *src), ("dst", *dst)])

@@ -148,12 +148,13 @@ impl Plan {
                     Op::ElementwiseUpdate { rule, .. } => {
                         float(format!("{at}: lr"), rule.lr, limits::LR)?;
                         for s in &rule.scalars {
-                            match s.hyperparameter() {
-                                Some((k @ "weight_decay", x)) => {
-                                    float(format!("{at}: {k}"), x, limits::WEIGHT_DECAY)?
+                            for (k, x) in s.hyperparameters() {
+                                match k {
+                                    "weight_decay" => {
+                                        float(format!("{at}: {k}"), x, limits::WEIGHT_DECAY)?
+                                    }
+                                    _ => float(format!("{at}: {k}"), x, limits::BETA)?,
                                 }
-                                Some((k, x)) => float(format!("{at}: {k}"), x, limits::BETA)?,
-                                None => {}
                             }
                         }
                     }

@@ -639,6 +639,7 @@ impl Checker<'_> {
                 param,
                 grad,
                 state,
+                results,
                 rule,
             } => {
                 rule.check().map_err(|e| {
@@ -652,10 +653,38 @@ impl Checker<'_> {
                         rule.state.len()
                     )));
                 }
+                if results.len() != rule.results.len() {
+                    return Err(PlanError::Invalid(format!(
+                        "{}: {} result operands for a rule of {} results",
+                        self.location,
+                        results.len(),
+                        rule.results.len()
+                    )));
+                }
                 self.same(("param", *param), ("grad", *grad))?;
                 for s in state {
                     self.same(("param", *param), ("state", *s))?;
                 }
+                for r in results {
+                    self.same(("param", *param), ("result", *r))?;
+                }
+            }
+            Op::Project {
+                x,
+                out,
+                basis_left,
+                basis_right,
+                ..
+            } => {
+                self.same(("x", *x), ("out", *out))?;
+                self.rank2("x", *x)?;
+                if basis_left.is_none() && basis_right.is_none() {
+                    return Err(PlanError::Invalid(format!(
+                        "{}: a projection without a basis (the identity) is not an op",
+                        self.location
+                    )));
+                }
+                self.side_factors(*x, *basis_left, *basis_right, ("basis_left", "basis_right"))?;
             }
             Op::BlockCopy { src, dst, row, col } | Op::BlockWrite { src, dst, row, col } => {
                 let (whole, block) = match op {

@@ -62,6 +62,13 @@ impl CudaEngine {
         let dev = &self.dev;
         let s = &self.scratch;
         match op {
+            // Refused at set-up (`check_fused`): a composed SOAP step runs on the CPU engine.
+            Op::Project { .. } => {
+                return Err(CudaError::Invalid {
+                    op: "project",
+                    what: "a composed SOAP step runs on the CPU engine only".into(),
+                })
+            }
             Op::BlockCopy { src, dst, row, col } => {
                 let (n, (r, c)) = (self.dims(*src).1, self.dims(*dst));
                 dev.copy_block_f32(self.b(*dst), (c, 0, 0), self.b(*src), (n, *row, *col), r, c)?;
@@ -530,6 +537,7 @@ impl CudaEngine {
                 param,
                 grad,
                 state,
+                results,
                 rule,
             } => {
                 let k = self.update_kernels.get(&rule.kernel_key()).ok_or_else(|| {
@@ -542,6 +550,7 @@ impl CudaEngine {
                 let tensors: Vec<&Buf> = [*param, *grad]
                     .iter()
                     .chain(state)
+                    .chain(results)
                     .map(|&b| self.b(b))
                     .collect();
                 k.run(dev, &tensors, &scalars, None)?;

@@ -33,6 +33,18 @@ fn check_fused(
             ));
         }
     }
+    if let Some(Op::Project { out, .. }) = plan
+        .optimizer
+        .iter()
+        .find(|o| matches!(o, Op::Project { .. }))
+    {
+        return refuse(format!(
+            "`project` ({}): a composed SOAP step that `fuse` did not make one `soap_update` \
+             (the fuse report says why; `--skip-pass fuse` leaves every step composed) runs on \
+             the CPU engine only",
+            plan.buffer(*out).name
+        ));
+    }
     for o in plan.forward.iter().chain(&plan.backward) {
         if let Op::Attention {
             qkv,

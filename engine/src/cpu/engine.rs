@@ -629,6 +629,7 @@ impl<T: Float + Real> CpuEngine<T> {
                         param,
                         grad,
                         state,
+                        results,
                         rule,
                     } if rule_kernels.contains_key(&rule.kernel_key()) => {
                         let k = &rule_kernels[&rule.kernel_key()];
@@ -636,6 +637,7 @@ impl<T: Float + Real> CpuEngine<T> {
                             optim::optimizers::step_scalars(rule, rule.lr * lr_multiplier, t);
                         let outs: Vec<(&'static str, BufferId)> = std::iter::once(("param", *param))
                             .chain(state.iter().map(|s| ("state", *s)))
+                            .chain(results.iter().map(|r| ("result", *r)))
                             .collect();
                         store.with_outs(loc, &outs, &[*grad], |s, o| {
                             let bad = |m: String| EngineError::Optim {

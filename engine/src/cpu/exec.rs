@@ -42,6 +42,29 @@ pub(crate) fn exec_op<T: Float + Real>(
                 "{loc}: tier copies run through the engine's tier stores, not as kernels"
             )))
         }
+        Op::Project {
+            x,
+            out,
+            basis_left,
+            basis_right,
+            back,
+        } => {
+            let (m, n) = st.dims2(*x);
+            let reads: Vec<BufferId> = [*x]
+                .into_iter()
+                .chain(*basis_left)
+                .chain(*basis_right)
+                .collect();
+            st.with_outs(loc, &[("out", *out)], &reads, |s, o| {
+                let (ql, qr) = (s.opt_f(*basis_left)?, s.opt_f(*basis_right)?);
+                let y = match back {
+                    false => optim::project(s.f(*x)?, ql, qr, m, n),
+                    true => optim::project_back(s.f(*x)?, ql, qr, m, n),
+                };
+                o[0].copy_from_slice(&y);
+                Ok(())
+            })?;
+        }
         Op::BlockCopy { src, dst, row, col } => {
             let n = cols(st, *src);
             let (r, c) = st.dims2(*dst);
@@ -656,12 +679,14 @@ pub(crate) fn exec_op<T: Float + Real>(
             param,
             grad,
             state,
+            results,
             rule,
         } => {
             let prog = rule_program(rule).map_err(|e| optim_err(loc, e))?;
             let scalars: Vec<T> = optim::optimizers::step_scalars(rule, rule.lr * lr_multiplier, t);
             let outs: Vec<(&'static str, BufferId)> = std::iter::once(("param", *param))
                 .chain(state.iter().map(|s| ("state", *s)))
+                .chain(results.iter().map(|r| ("result", *r)))
                 .collect();
             st.with_outs(loc, &outs, &[*grad], |s, o| {
                 // The program reads every tensor through one list (p, g, state...): `g` is the

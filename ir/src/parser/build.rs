@@ -11,7 +11,7 @@ use schedule::{
 use std::str::FromStr;
 
 /// Every op name of the text format.
-const OP_NAMES: [&str; 39] = [
+const OP_NAMES: [&str; 40] = [
     "state",
     "input",
     "loss",
@@ -48,6 +48,7 @@ const OP_NAMES: [&str; 39] = [
     "kl_shampoo_update",
     "shampoo_update",
     "block_copy",
+    "project",
     "block_write",
     "elementwise_update",
     "eigenbasis_refresh",
@@ -123,6 +124,12 @@ impl<'a> Attrs<'_, 'a> {
     }
     fn b(&mut self, name: &str) -> Result<bool, ParseError> {
         self.num(name, "`true` or `false`")
+    }
+    /// An attribute that may be left out (`None`).
+    fn maybe_raw(&mut self, name: &str) -> Option<&'a str> {
+        let i = self.items.iter().position(|a| a.name == name)?;
+        self.used[i] = true;
+        Some(self.items[i].value)
     }
     fn opt_f(&mut self, name: &str) -> Result<Option<f64>, ParseError> {
         match self.raw(name)? {
@@ -373,6 +380,11 @@ pub(super) fn build_op<'a>(
                 right: a.b("right")?,
             }
         }
+        "project" => Op::Project {
+            back: a.b("back")?,
+            left: a.b("left")?,
+            right: a.b("right")?,
+        },
         "block_copy" => Op::BlockCopy {
             row: a.u("row")?,
             col: a.u("col")?,
@@ -413,6 +425,19 @@ pub(super) fn build_op<'a>(
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| a.c.err_at(at, format!("attribute `scalars`: {e}")))?;
             let expr = a.raw("expr")?.0.to_string();
+            let results = a.maybe_raw("results").map(words).unwrap_or_default();
+            let hyper = match a.maybe_raw("hyper") {
+                None => Vec::new(),
+                Some(raw) => raw
+                    .split_whitespace()
+                    .map(|w| {
+                        let (k, x) = w.split_once('=').ok_or("expected `key=value`")?;
+                        let x = x.parse::<f64>().map_err(|_| "the value is not a number")?;
+                        Ok((k.to_string(), x))
+                    })
+                    .collect::<Result<Vec<_>, &str>>()
+                    .map_err(|e| a.c.err_at(a.op_at, format!("attribute `hyper`: {e}")))?,
+            };
             let rule = ElementwiseRule {
                 optimizer,
                 lr,
@@ -420,6 +445,8 @@ pub(super) fn build_op<'a>(
                 outputs,
                 scalars,
                 expr,
+                results,
+                hyper,
             };
             rule.check()
                 .map_err(|e| a.c.err_at(a.op_at, format!("`elementwise_update`: {e}")))?;

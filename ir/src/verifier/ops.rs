@@ -55,6 +55,12 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
             }
             v
         }
+        Op::Project { left, right, .. } => {
+            let mut v = vec!["x"];
+            v.extend(left.then_some("basis_left"));
+            v.extend(right.then_some("basis_right"));
+            v
+        }
         Op::BlockCopy { .. } => vec!["src"],
         Op::BlockWrite { .. } => vec!["dst", "src"],
         Op::SoapFactorUpdate { left, right, .. } => {
@@ -117,7 +123,10 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
     match found == exact.len() {
         true => Ok(exact),
         false => Err(match op {
-            Op::SoapUpdate { .. } | Op::SoapFactorUpdate { .. } | Op::KlShampooUpdate { .. } => {
+            Op::SoapUpdate { .. }
+            | Op::SoapFactorUpdate { .. }
+            | Op::KlShampooUpdate { .. }
+            | Op::Project { .. } => {
                 format!("{} (given `left` / `right`)", exact.len())
             }
             Op::EigenbasisRefresh { method, .. } => {
@@ -149,6 +158,7 @@ fn result_roles(op: &Op, found: usize) -> Vec<&'static str> {
         Op::ClipGradNorm { .. } if found == 2 => vec!["norm", "scale"],
         Op::ClipGradNorm { .. } => vec!["norm"],
         Op::SumRowsCast => vec!["out", "out_bf16"],
+        Op::ElementwiseUpdate { rule } => vec!["result"; rule.results.len()],
         Op::Loss
         | Op::GradOf
         | Op::AdamW { .. }
@@ -157,7 +167,6 @@ fn result_roles(op: &Op, found: usize) -> Vec<&'static str> {
         | Op::KlShampooUpdate { .. }
         | Op::ShampooUpdate { .. }
         | Op::BlockWrite { .. }
-        | Op::ElementwiseUpdate { .. }
         | Op::EigenbasisRefresh { .. } => vec![],
         _ => vec!["out"],
     }
@@ -491,10 +500,32 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
         Op::ElementwiseUpdate { ref rule } => {
             rule.check()
                 .map_err(|e| c.attr(format!("update rule: {e}")))?;
-            c.class("param", BufferClass::Parameter)?;
-            c.gradient("grad", Some(c.get("param")?.0))?;
+            let (g, _) = c.get("grad")?;
+            let derived = matches!(
+                m.inst(m.value(g).def).op,
+                Op::Project { .. } | Op::ElementwiseUpdate { .. }
+            );
+            if derived {
+                // A composed optimizer's later step: `grad` is computed from the gradient.
+                let (p, _) = c.get("param")?;
+                let base = c.block_of(p).map_or(p, |b| b.0);
+                if c.v.state_class(base) != Some(BufferClass::Parameter) {
+                    return Err(c.fail("param", "must be a parameter or a block of one"));
+                }
+            } else {
+                c.param_and_grad()?;
+            }
             c.same("param", "grad")?;
             let want = c.shape("param")?;
+            for &(_, r) in c.operands.iter().filter(|o| o.0 == "result") {
+                if m.value(r).ty.shape != want || m.value(r).ty.dtype != DType::F32 {
+                    return Err(c.fail_value(
+                        "result",
+                        r,
+                        format!("must be f32 of the shape {want:?} of `param`"),
+                    ));
+                }
+            }
             for &(_, s) in c.operands.iter().filter(|o| o.0 == "state") {
                 if m.value(s).ty.shape != want {
                     return Err(c.fail_value(
@@ -605,6 +636,29 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                         ));
                     }
                 }
+            }
+        }
+        Op::Project { left, right, .. } => {
+            if !left && !right {
+                return Err(c.attr(
+                    "a projection rotates at least one side (`left` or `right`)".to_string(),
+                ));
+            }
+            let (x, _) = c.get("x")?;
+            let src = c.block_of(x).map_or(x, |b| b.0);
+            let from_update = matches!(m.inst(m.value(x).def).op, Op::ElementwiseUpdate { .. });
+            if !from_update && !c.v.grads.values().any(|&g| g == src) {
+                return Err(c.fail(
+                    "x",
+                    "must be a gradient (or a block of one) or an `elementwise_update` result",
+                ));
+            }
+            c.rank2("x")?;
+            c.same("x", "out")?;
+            let (l, r) = (left.then_some("basis_left"), right.then_some("basis_right"));
+            c.sides("x", l, r)?;
+            for role in [l, r].into_iter().flatten() {
+                c.class(role, BufferClass::Eigenbasis)?;
             }
         }
         Op::BlockCopy { row, col } | Op::BlockWrite { row, col } => {

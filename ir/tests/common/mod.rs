@@ -464,6 +464,56 @@ pub fn tiny() -> Module {
             },
             &args,
         );
+        if left && right {
+            // The same step composed (`optim::optimizers::soap`): rotate, moments rule with a
+            // result, rotate back, step rule.
+            let shape = b.m.value(p).ty.shape.clone();
+            let rotate = |b: &mut B, x: ValueId, back: bool, name: &str| {
+                let mut args = vec![x];
+                args.extend(&bases);
+                let op = Op::Project {
+                    back,
+                    left: true,
+                    right: true,
+                };
+                b.f(O, op, &args, name, &shape)
+            };
+            let rule = |outputs: &[&str], results: &[&str], state: &[&str], expr: &str| {
+                schedule::ElementwiseRule {
+                    optimizer: "soap".into(),
+                    lr: 3e-3,
+                    state: state.iter().map(|s| s.to_string()).collect(),
+                    outputs: outputs.iter().map(|s| s.to_string()).collect(),
+                    scalars: vec![
+                        schedule::StepScalar::Warm,
+                        schedule::StepScalar::SoapStep {
+                            beta1: 0.95,
+                            beta2: 0.95,
+                        },
+                    ],
+                    expr: expr.into(),
+                    results: results.iter().map(|s| s.to_string()).collect(),
+                    hyper: vec![("beta1".into(), 0.95), ("eps".into(), 1e-8)],
+                }
+            };
+            let g_eig = rotate(&mut b, g, false, &format!("{name}.grad_eig"));
+            let moments = rule(
+                &["m", "v", "u"],
+                &["u"],
+                &["m", "v"],
+                "(list (select_lt 0.5 warm g m) (* g g) (/ m (+ (sqrt v) 0.00000001)))",
+            );
+            let u = b.f(
+                O,
+                Op::ElementwiseUpdate { rule: moments },
+                &[p, g_eig, m, v],
+                &format!("{name}.dir_eig"),
+                &shape,
+            );
+            let dir = rotate(&mut b, u, true, &format!("{name}.dir"));
+            let step = rule(&["p"], &[], &[], "(list (- p (* soap_step g)))");
+            b.m.push0(O, Op::ElementwiseUpdate { rule: step }, &[p, dir]);
+        }
         let mut args = vec![g];
         args.extend(&factors);
         b.m.push0(

@@ -21,6 +21,7 @@ use schedule::{BufferClass, ElementwiseRule, StepScalar};
 use std::collections::HashMap;
 
 mod lion;
+pub mod soap;
 
 /// Every optimizer defined by an element-wise rule, by spec name.
 pub const DEFINITIONS: &[&Definition] = &[&lion::LION];
@@ -150,6 +151,8 @@ impl Definition {
             outputs: self.outputs.iter().map(|s| s.to_string()).collect(),
             scalars,
             expr: expr.to_string(),
+            results: Vec::new(),
+            hyper: Vec::new(),
         };
         rule.check().map_err(RuleError::Outputs)?;
         // Resolves every name and the outputs against the expression.
@@ -166,15 +169,25 @@ impl Definition {
 /// that fails [`ElementwiseRule::check`].
 pub fn update_rule(rule: &ElementwiseRule) -> Result<UpdateRule, RuleError> {
     rule.check().map_err(RuleError::Outputs)?;
+    let expr: RecExpr<Update> = rule
+        .expr
+        .parse()
+        .map_err(|e| RuleError::Syntax(format!("{e}")))?;
+    // A result's buffer holds nothing before the update writes it.
+    if let Some(r) = expr.as_ref().iter().find_map(|n| match n {
+        Update::Var(v) if rule.results.iter().any(|r| r == v.as_str()) => Some(v.to_string()),
+        _ => None,
+    }) {
+        return Err(RuleError::Outputs(format!(
+            "result `{r}` is read by the expression (a result is written only)"
+        )));
+    }
     Ok(UpdateRule {
         name: rule.optimizer.clone(),
         tensors: rule.tensors(),
         scalars: rule.scalars.iter().map(|s| s.name().to_string()).collect(),
         outputs: rule.outputs.clone(),
-        expr: rule
-            .expr
-            .parse()
-            .map_err(|e| RuleError::Syntax(format!("{e}")))?,
+        expr,
     })
 }
 
