@@ -268,6 +268,11 @@ impl Module {
         true
     }
 
+    /// Whether instruction `id` is (still) in the module.
+    pub fn contains_inst(&self, id: InstId) -> bool {
+        self.graph.contains_node(id.0)
+    }
+
     /// Removes instruction `id` when none of its results is read (an in-place op a rewrite
     /// has replaced: `fuse`'s `soap-update` removes a composed SOAP's moments update, whose
     /// work the `soap_update` that replaces its step now does). Its results' ids and names stay

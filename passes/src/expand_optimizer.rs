@@ -182,7 +182,7 @@ fn soap_param(
     pname: &str,
     ty: &TensorType,
     (n_factors, n_unrotated): (&mut usize, &mut usize),
-) {
+) -> Result<(), PassError> {
     let hyper = SoapHyper {
         lr: c.lr,
         beta1: c.beta1,
@@ -205,10 +205,19 @@ fn soap_param(
     }
     let (left, right) = (sides[0].is_some(), sides[1].is_some());
     let bases: Vec<ValueId> = sides.iter().flatten().map(|s| s.1).collect();
-    match optim::optimizers::soap::rules(&hyper) {
+    let composed = match hyper.normalize_grads {
+        false => Some(
+            optim::optimizers::soap::rules(&hyper).map_err(|e| PassError::Invalid {
+                pass: "expand-optimizer",
+                message: format!("SOAP's update rules for {pname}: {e}"),
+            })?,
+        ),
+        true => None,
+    };
+    match composed {
         // The composition (`optim::optimizers::soap`): rotate the gradient, the moments rule,
         // rotate back, the step rule. `fuse` makes it one `soap_update`.
-        Ok((moments, step)) => {
+        Some((moments, step)) => {
             let f32_ty = TensorType::f32(ty.shape.clone());
             let rotate = |module: &mut Module, x: ValueId, back: bool, name: String| {
                 let mut args = vec![x];
@@ -239,7 +248,7 @@ fn soap_param(
             );
         }
         // `normalize_grads` (a reduction over the update): the hand-written op.
-        Err(_) => {
+        None => {
             let mut args = vec![p, g, exp_avg, exp_avg_sq];
             args.extend(&bases);
             module.push0(
@@ -278,6 +287,7 @@ fn soap_param(
             module.push0(Section::Refresh, op, &[*f, *q, exp_avg, exp_avg_sq]);
         }
     }
+    Ok(())
 }
 
 /// Blocked SOAP (`block_size`): a 2-D parameter wider than `block_size` on a side is cut into
@@ -293,13 +303,15 @@ fn blocked_soap(
     pname: &str,
     ty: &TensorType,
     counters: (&mut usize, &mut usize),
-) -> Option<usize> {
-    let b = c.block_size?;
+) -> Result<Option<usize>, PassError> {
+    let Some(b) = c.block_size else {
+        return Ok(None);
+    };
     let [rows, cols] = ty.shape[..] else {
-        return None;
+        return Ok(None);
     };
     if rows <= b && cols <= b {
-        return None;
+        return Ok(None);
     }
     let (n_factors, n_unrotated) = counters;
     let chunks = |n: usize| (0..n.div_ceil(b)).map(move |i| (i * b, b.min(n - i * b)));
@@ -336,7 +348,7 @@ fn blocked_soap(
                 &name,
                 &bty,
                 (&mut *n_factors, &mut *n_unrotated),
-            );
+            )?;
             module.push0(
                 Section::Optimizer,
                 Op::BlockWrite { row: r0, col: c0 },
@@ -345,7 +357,7 @@ fn blocked_soap(
             count += 1;
         }
     }
-    Some(count)
+    Ok(Some(count))
 }
 
 /// The state and `elementwise_update` of parameter `p` (gradient `g`) under an optimizer
@@ -536,7 +548,7 @@ impl Pass for ExpandOptimizer {
             }
             if let OptimizerConfig::Soap(c) = &opt {
                 let counters = (&mut n_factors, &mut n_unrotated);
-                if let Some(n) = blocked_soap(module, c, (p, g), &pname, &ty, counters) {
+                if let Some(n) = blocked_soap(module, c, (p, g), &pname, &ty, counters)? {
                     n_blocks += n;
                     continue;
                 }
@@ -590,7 +602,7 @@ impl Pass for ExpandOptimizer {
                     &pname,
                     &ty,
                     (&mut n_factors, &mut n_unrotated),
-                ),
+                )?,
             }
         }
         Ok(match opt {

@@ -659,13 +659,42 @@ struct SoapChain {
     moments: ir::InstId,
 }
 
+/// `(moments, step)` rules of one set of SOAP hyperparameters, each as `expand-optimizer`
+/// writes it and as `simplify` leaves it; memoized by the hyperparameters' bits (a blocked
+/// model has thousands of steps of a few distinct sets).
+type SoapRules = [Vec<schedule::ElementwiseRule>; 2];
+
+/// Whether `g` is the gradient of parameter `p` (a `grad_of` marker), or the same block of it
+/// (`block_copy` at the same place of a parameter and its gradient).
+fn is_grad_of(m: &Module, p: ValueId, g: ValueId) -> bool {
+    let (dp, dg) = (m.inst(m.value(p).def), m.inst(m.value(g).def));
+    if let (Op::BlockCopy { row, col }, Op::BlockCopy { row: r, col: c }) = (&dp.op, &dg.op) {
+        return (row, col) == (r, c) && is_grad_of(m, dp.args[0], dg.args[0]);
+    }
+    m.uses(p)
+        .iter()
+        .any(|&i| m.inst(i).op == Op::GradOf && m.inst(i).args == [p, g])
+}
+
+/// Whether `v` is a `state` buffer of class `class`.
+fn is_state(m: &Module, v: ValueId, class: ir::BufferClass) -> bool {
+    matches!(m.inst(m.value(v).def).op, Op::State { class: c, .. } if c == class)
+}
+
 impl Fuse {
     /// Matches the composed SOAP step whose last op (the step rule) is `step`: `project` the
-    /// gradient, the moments rule (result `u`), `project` `u` back, the step rule; each
-    /// intermediate read only by the next op, both projections with the same bases, and both
-    /// rules exactly `optim::optimizers::soap::rules` of the hyperparameters they carry (after
-    /// `simplify`). `Err` says why a SOAP step rule did not match; `Ok(None)` for other ops.
-    fn soap_chain(m: &Module, step: ir::InstId) -> Result<Option<SoapChain>, String> {
+    /// parameter's gradient, the moments rule over its `exp_avg` and `exp_avg_sq` (result `u`),
+    /// `project` `u` back with the same bases, the step rule — consecutive in the layout (so
+    /// nothing between them sees the state half-updated), each intermediate read only by the
+    /// next op, both rules exactly `optim::optimizers::soap::rules` of the hyperparameters they
+    /// carry (as written or after `simplify`); a parameter with no rotated side has only the two
+    /// rules. `Err` says why a SOAP step rule did not match; `Ok(None)` for other ops.
+    fn soap_chain(
+        m: &Module,
+        step: ir::InstId,
+        layout: &HashMap<ir::InstId, usize>,
+        cache: &mut HashMap<[u64; 7], SoapRules>,
+    ) -> Result<Option<SoapChain>, String> {
         use optim::optimizers::soap;
         let inst = m.inst(step);
         let Op::ElementwiseUpdate { rule } = &inst.op else {
@@ -675,14 +704,32 @@ impl Fuse {
             return Ok(None);
         }
         let hyper = soap::hyper_of(rule).ok_or("the step rule carries no SOAP hyperparameters")?;
-        // The rules as `expand-optimizer` writes them, and as `simplify` leaves them.
-        let (raw_moments, raw_step) = soap::rules(&hyper).map_err(|e| e.to_string())?;
-        let unparsable = "a regenerated rule does not parse";
-        let want_moments = [
-            simplified(raw_moments.clone()).ok_or(unparsable)?,
-            raw_moments,
+        let key = [
+            hyper.lr.to_bits(),
+            hyper.beta1.to_bits(),
+            hyper.beta2.to_bits(),
+            hyper.eps.to_bits(),
+            hyper.weight_decay.to_bits(),
+            u64::from(hyper.correct_bias),
+            u64::from(hyper.normalize_grads),
         ];
-        let want_step = [simplified(raw_step.clone()).ok_or(unparsable)?, raw_step];
+        let rules = match cache.get(&key) {
+            Some(r) => r.clone(),
+            None => {
+                let (raw_moments, raw_step) = soap::rules(&hyper).map_err(|e| e.to_string())?;
+                let unparsable = "a regenerated rule does not parse";
+                let r: SoapRules = [
+                    vec![
+                        simplified(raw_moments.clone()).ok_or(unparsable)?,
+                        raw_moments,
+                    ],
+                    vec![simplified(raw_step.clone()).ok_or(unparsable)?, raw_step],
+                ];
+                cache.insert(key, r.clone());
+                r
+            }
+        };
+        let [want_moments, want_step] = &rules;
         if !want_step.contains(rule) {
             return Err("the step rule is not SOAP's for its hyperparameters".into());
         }
@@ -715,10 +762,16 @@ impl Fuse {
         if mi.args.len() != 4 || mi.args[0] != p || mi.results != [u] {
             return Err("the moments update is not of the step's parameter".into());
         }
+        if !is_state(m, mi.args[2], ir::BufferClass::ExpAvg)
+            || !is_state(m, mi.args[3], ir::BufferClass::ExpAvgSq)
+        {
+            return Err("the moments update's state is not an exp_avg and an exp_avg_sq".into());
+        }
         if !only_reader(u, back.map_or(step, |b| b.0)) {
             return Err(format!("{} has other readers", m.display_value(u)));
         }
         let g_eig = mi.args[1];
+        let mut chain = vec![moments];
         let (grad, left, right, bases) = match back {
             None => (g_eig, false, false, vec![]),
             Some((back_id, left, right)) => {
@@ -733,9 +786,28 @@ impl Fuse {
                         m.display_value(g_eig)
                     ));
                 }
+                chain.insert(0, def);
+                chain.push(back_id);
                 (fwd.args[0], left, right, bases)
             }
         };
+        if !is_grad_of(m, p, grad) {
+            return Err(format!(
+                "{} is not the gradient of {}",
+                m.display_value(grad),
+                m.display_value(p)
+            ));
+        }
+        chain.push(step);
+        let at = |i: ir::InstId| layout.get(&i).copied();
+        let first = at(chain[0]).ok_or("internal: an op of the chain is not in the layout")?;
+        if chain
+            .iter()
+            .enumerate()
+            .any(|(k, &i)| at(i) != Some(first + k))
+        {
+            return Err("its ops are not consecutive (another op runs between them)".into());
+        }
         let mut args = vec![p, grad, mi.args[2], mi.args[3]];
         args.extend(bases);
         Ok(Some(SoapChain {
@@ -751,15 +823,28 @@ impl Fuse {
     /// hand-written op: one pass over the moments, the projections' GEMMs and the bf16
     /// back-projection of the CUDA kernels), in the step rule's place; the moments update and
     /// the projections go.
-    fn soap_updates(&mut self, m: &mut Module) {
+    ///
+    /// # Errors
+    /// An internal error if the matched moments update cannot be removed (it would then run
+    /// as well as the `soap_update`).
+    fn soap_updates(&mut self, m: &mut Module) -> Result<(), PassError> {
         let steps: Vec<ir::InstId> = m.section(Section::Optimizer).collect();
+        // Positions in the section as it was: a rewrite removes only ops of its own chain,
+        // which no other chain interleaves (chains are consecutive), so the positions of the
+        // ops of every later chain stay consecutive.
+        let layout: HashMap<ir::InstId, usize> =
+            steps.iter().enumerate().map(|(k, &i)| (i, k)).collect();
+        let mut cache = HashMap::new();
         for step in steps {
-            match Fuse::soap_chain(m, step) {
+            if !m.contains_inst(step) {
+                continue;
+            }
+            match Fuse::soap_chain(m, step, &layout, &mut cache) {
                 Ok(None) => {}
-                Err(why) => self
-                    .report
-                    .soap_blocked
-                    .push((m.display_value(m.inst(step).args[0]), why)),
+                Err(why) => {
+                    let param = m.display_value(m.inst(step).args[0]);
+                    self.report.soap_blocked.push((param, why));
+                }
                 Ok(Some(c)) => {
                     let op = Op::SoapUpdate {
                         hyper: c.hyper,
@@ -768,12 +853,18 @@ impl Fuse {
                     };
                     m.replace_inst(step, op, &c.args);
                     m.remove_dead();
-                    m.remove_inst(c.moments);
+                    if !m.remove_inst(c.moments) {
+                        return Err(invalid(format!(
+                            "internal: soap-update could not remove the moments update of {}",
+                            m.display_value(c.args[0])
+                        )));
+                    }
                     m.remove_dead();
                     self.report.soap_updates += 1;
                 }
             }
         }
+        Ok(())
     }
 }
 
@@ -792,7 +883,7 @@ impl Pass for Fuse {
             ..FuseReport::default()
         };
         self.rewrite(module, target)?;
-        self.soap_updates(module);
+        self.soap_updates(module)?;
         self.bf16_outputs(module, target);
         self.bf16_casts(module, target);
         self.sum_rows_casts(module);

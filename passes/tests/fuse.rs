@@ -350,10 +350,21 @@ fn cpu_specs_fuse_bias_epilogues_only() {
                 ..
             }
     )));
-    // LLaMA has no biases: nothing to fuse, and the CPU target makes nothing bf16.
+    // LLaMA has no biases: nothing to fuse in the model, and the CPU target makes nothing
+    // bf16; only SOAP's composed steps become `soap_update` (`soap-update`, every target).
     let (_, llama) = compile("../examples/tiny-llama-soap.asteria", false);
     let (_, llama_unfused) = compile("../examples/tiny-llama-soap.asteria", true);
-    assert_eq!(llama, llama_unfused);
+    assert_eq!(llama.forward, llama_unfused.forward);
+    assert_eq!(llama.backward, llama_unfused.backward);
+    let ops =
+        |p: &schedule::Plan, name: &str| p.optimizer.iter().filter(|o| o.name() == name).count();
+    assert_eq!(ops(&llama, "soap_update"), 15);
+    assert_eq!(ops(&llama_unfused, "soap_update"), 0);
+    assert_eq!(ops(&llama_unfused, "elementwise_update"), 30);
+    assert_eq!(
+        ops(&llama, "project") + ops(&llama, "elementwise_update"),
+        0
+    );
 }
 
 #[test]

@@ -272,8 +272,8 @@ impl StepScalar {
 }
 
 impl std::fmt::Display for StepScalar {
-    /// `lr`, `decay(0.1)`, `step_size(0.9)`, `bc2_sqrt(0.95)`, `soap_step(0.95, 0.95)`: the
-    /// text format's spelling.
+    /// `lr`, `decay(0.1)`, `step_size(0.9)`, `bc2_sqrt(0.95)`, `soap_step(0.95,0.95)` (no
+    /// space: the IR prints a rule's scalars space-separated): the text format's spelling.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let h = self.hyperparameters();
         if h.is_empty() {
@@ -290,6 +290,9 @@ impl std::str::FromStr for StepScalar {
     fn from_str(s: &str) -> Result<StepScalar, String> {
         let (name, args) = match s.split_once('(') {
             None => (s, Vec::new()),
+            Some((n, "")) | Some((n, ")")) => {
+                return Err(format!("`{s}`: `{n}` takes no empty parentheses"))
+            }
             Some((n, rest)) => {
                 let a = rest
                     .strip_suffix(')')
@@ -338,8 +341,11 @@ pub fn adamw_kernel_key(beta1: f64, beta2: f64, eps: f64, weight_decay: f64) -> 
 
 /// An element-wise optimizer update as a plan carries it: the expression of
 /// `optim::update` (text, `(list out0 out1 ...)`) over the tensors `p` (the parameter), `g`
-/// (its gradient) and the state tensors named in `state`, and the step scalars in `scalars`.
-/// Each item of the `list` is the new value of the tensor named at the same index of `outputs`.
+/// (its gradient, or in a composed step a tensor derived from it) and the state tensors named
+/// in `state`, and the step scalars in `scalars`. Each item of the `list` is the new value of
+/// the tensor named at the same index of `outputs`: `p`, a state tensor or one of `results`
+/// (which the expression must not read: `optim::optimizers::update_rule` refuses that, at
+/// engine set-up; [`ElementwiseRule::check`] does not parse the expression).
 /// Written by `expand-optimizer` from an optimizer's definition (`optim::optimizers`),
 /// rewritten by `simplify`; the engines interpret it (CPU) or compile it (CUDA) at set-up and
 /// refuse a plan whose expression does not parse or names an unknown tensor.
@@ -351,7 +357,8 @@ pub struct ElementwiseRule {
     pub lr: f64,
     /// Names of the state tensors in the expression, in operand order (`["m"]`).
     pub state: Vec<String>,
-    /// The tensor each item of the expression's `list` overwrites (`p` or a state name).
+    /// The tensor each item of the expression's `list` overwrites (`p`, a state name or a
+    /// result).
     pub outputs: Vec<String>,
     /// The step scalars the expression reads.
     pub scalars: Vec<StepScalar>,

@@ -45,6 +45,24 @@ fn check_fused(
             plan.buffer(*out).name
         ));
     }
+    // A rule with results (a composed step's intermediate, e.g. SOAP's on a parameter with no
+    // rotated side) has not run through the generated kernels on a GPU: refused, as `project`.
+    if let Some(Op::ElementwiseUpdate { rule, results, .. }) = plan
+        .optimizer
+        .iter()
+        .find(|o| matches!(o, Op::ElementwiseUpdate { rule, .. } if !rule.results.is_empty()))
+    {
+        return refuse(format!(
+            "an `elementwise_update` of the `{}` rule writes results ({}): a composed optimizer \
+             step that `fuse` did not make one op runs on the CPU engine only",
+            rule.optimizer,
+            results
+                .iter()
+                .map(|r| plan.buffer(*r).name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
     for o in plan.forward.iter().chain(&plan.backward) {
         if let Op::Attention {
             qkv,

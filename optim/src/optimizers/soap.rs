@@ -180,11 +180,11 @@ mod tests {
                 correct_bias: h.correct_bias,
                 normalize_grads: false,
             };
-            let orth = |d: usize, rnd: &mut dyn FnMut() -> f32| -> Vec<f32> {
+            let square = |d: usize, rnd: &mut dyn FnMut() -> f32| -> Vec<f32> {
                 (0..d * d).map(|_| rnd()).collect()
             };
-            let ql = left.then(|| orth(m, &mut rnd));
-            let qr = right.then(|| orth(n, &mut rnd));
+            let ql = left.then(|| square(m, &mut rnd));
+            let qr = right.then(|| square(n, &mut rnd));
             let mut p: Vec<f32> = (0..m * n).map(|_| rnd()).collect();
             let (mut ea, mut eas) = (vec![0f32; m * n], vec![0f32; m * n]);
             let (mut p2, mut ea2, mut eas2) = (p.clone(), ea.clone(), eas.clone());
