@@ -14,8 +14,8 @@ use std::collections::BTreeMap;
 /// The `simplify` pass.
 #[derive(Default)]
 pub struct Simplify {
-    /// Per distinct input expression: (optimizer, nodes before, nodes after, updates, stop
-    /// reason).
+    /// Per distinct input expression: (label: the optimizer, whether it decays weights, the
+    /// results it writes; nodes before, nodes after, updates, stop reason).
     report: BTreeMap<String, (String, usize, usize, usize, String)>,
 }
 
@@ -42,10 +42,24 @@ impl Pass for Simplify {
                         })?;
                     let (best, r) = simplify(&expr);
                     let text = best.to_string();
-                    self.report.insert(
-                        rule.expr.clone(),
-                        (rule.optimizer.clone(), r.before, r.after, 0, r.stop),
+                    let decay = rule.scalars.iter().any(|s| {
+                        matches!(
+                            s,
+                            schedule::StepScalar::Decay { .. }
+                                | schedule::StepScalar::NegLrWd { .. }
+                        )
+                    });
+                    let mut label = format!(
+                        "{} ({} weight decay",
+                        rule.optimizer,
+                        if decay { "with" } else { "without" }
                     );
+                    if !rule.results.is_empty() {
+                        label.push_str(&format!("; writes {}", rule.results.join(", ")));
+                    }
+                    label.push(')');
+                    self.report
+                        .insert(rule.expr.clone(), (label, r.before, r.after, 0, r.stop));
                     done.insert(rule.expr.clone(), text.clone());
                     text
                 }
@@ -77,15 +91,10 @@ impl Pass for Simplify {
         let mut s = String::from(
             "; simplify (egg: exact f32 rules + constant folding), per distinct rule:\n",
         );
-        for (expr, (optimizer, before, after, n, stop)) in &self.report {
-            let decay = if expr.contains("decay") {
-                "with weight decay"
-            } else {
-                "without weight decay"
-            };
+        for (label, before, after, n, stop) in self.report.values() {
             let stop = stop.to_lowercase();
             s.push_str(&format!(
-                ";   {optimizer} ({decay}): {before} -> {after} expression nodes, {n} parameters \
+                ";   {label}: {before} -> {after} expression nodes, {n} parameters \
                  (egg: {stop})\n"
             ));
         }
