@@ -514,8 +514,9 @@ fn all_errors_are_reported_in_program_order() {
 }
 
 /// The composed SOAP step's ops (`project`, `elementwise_update` with a result): a projection
-/// rotates at least one side and reads a gradient or an update's result; a rule's result must
-/// be written by it.
+/// rotates at least one side and reads a gradient or an update's result; an update of a value
+/// derived from a gradient is of that gradient's parameter; a rule's result must be written by
+/// it.
 #[test]
 fn composed_optimizer_ops_are_checked() {
     let find = |m: &Module, f: &dyn Fn(&Op) -> bool| m.insts().find(|&i| f(&m.inst(i).op)).unwrap();
@@ -544,7 +545,15 @@ fn composed_optimizer_ops_are_checked() {
         .expect("the composed step's parameter");
     let op = m.inst(id).op.clone();
     m.replace_inst(id, op, &args);
-    one(&m, &["= project)", "must be a gradient"]);
+    // ... and the two updates that read values rotated from it are then not computed from
+    // their parameter's gradient either.
+    let errs = errors(&m);
+    let texts: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
+    assert_eq!(texts.len(), 3, "{texts:?}");
+    assert!(texts[0].contains("= project)") && texts[0].contains("must be a gradient"));
+    for t in &texts[1..] {
+        assert!(t.contains("elementwise_update") && t.contains("not from the gradient"));
+    }
     // A result the rule never writes.
     let mut m = common::tiny();
     let id = find(

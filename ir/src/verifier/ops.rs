@@ -506,11 +506,39 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 Op::Project { .. } | Op::ElementwiseUpdate { .. }
             );
             if derived {
-                // A composed optimizer's later step: `grad` is computed from the gradient.
+                // A composed optimizer's later step: `grad` is computed from the gradient. Its
+                // source (through `project`s and earlier updates' results) must be this
+                // parameter's gradient, or the same block of it.
                 let (p, _) = c.get("param")?;
                 let base = c.block_of(p).map_or(p, |b| b.0);
                 if c.v.state_class(base) != Some(BufferClass::Parameter) {
                     return Err(c.fail("param", "must be a parameter or a block of one"));
+                }
+                let mut src = g;
+                for _ in 0..m.num_values() {
+                    let def = m.inst(m.value(src).def);
+                    src = match def.op {
+                        Op::Project { .. } => def.args[0],
+                        Op::ElementwiseUpdate { .. } if def.args.len() > 1 => def.args[1],
+                        _ => break,
+                    };
+                }
+                let own = match (c.block_of(p), c.block_of(src)) {
+                    (Some((ps, pr, pc)), Some((gs, gr, gc))) => {
+                        c.v.grads.get(&ps) == Some(&gs) && (pr, pc) == (gr, gc)
+                    }
+                    (None, None) => c.v.grads.get(&p) == Some(&src),
+                    _ => false,
+                };
+                if !own {
+                    return Err(c.fail(
+                        "grad",
+                        format!(
+                            "is computed from {}, not from the gradient of `param` (or the same \
+                             block of it)",
+                            m.display_value(src)
+                        ),
+                    ));
                 }
             } else {
                 c.param_and_grad()?;
