@@ -1,10 +1,10 @@
-//! The AdamW kernel: IR generation, JIT compilation, the run-time entry point, and the
-//! rustc-compiled reference loop.
+//! AdamW on the host: the kernel generated from AdamW's update rule, and the rustc-compiled
+//! reference loop it is measured and checked against.
 //!
 //! The update is the one of `optim::adamw_update` (`optim/src/adamw.rs`) at `f32`:
 //!
 //! ```text
-//! per step (f64, rounded once to f32):
+//! per step (f64, rounded once to f32: optim::update::adamw_scalars):
 //!   decay     = f32(1 − lr·wd)                 (applied only if wd ≠ 0)
 //!   step_size = f32(lr / (1 − β₁ᵗ))
 //!   bc2_sqrt  = f32(√(1 − β₂ᵗ))
@@ -15,17 +15,13 @@
 //!   v ← v·β₂ + (w₂·g)·g           w₂ = f32(1 − β₂)
 //!   p ← p − step_size·(m / (√v / bc2_sqrt + ε))
 //! ```
-use crate::JitCode;
-
-use cranelift_codegen::ir::types::{F32, F32X4, F64, I64};
-use cranelift_codegen::ir::{AbiParam, InstBuilder, MemFlagsData, Type, Value};
-use cranelift_codegen::isa::TargetFrontendConfig;
-use cranelift_codegen::Context;
-use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext};
-use cranelift_module::{Linkage, Module};
+//!
+//! [`AdamWKernel`] is [`RuleKernel`] of `optim::update::adamw_rule` (simplified with egg): the
+//! rule the CUDA engine compiles through NVRTC, so AdamW is written once for both engines.
+//! It replaced a hand-written Cranelift emitter of the same instruction sequence after the two
+//! measured the same throughput (BENCHMARKS.md, "Host AdamW kernel").
+use crate::{KernelError, Operand, RuleKernel};
 use rayon::prelude::*;
-
-use crate::KernelError;
 
 /// Elements per parallel chunk (256 KiB per array; a multiple of 4, so every chunk but the
 /// last runs entirely in the vector loop).
@@ -85,90 +81,34 @@ impl Derived {
     }
 }
 
-/// The compiled function: `(param, grad, exp_avg, exp_avg_sq, n, lr, bc1, bc2)`, pointers
-/// to `n` f32 each, `bc1 = 1 − β₁ᵗ`, `bc2 = 1 − β₂ᵗ` (f64).
-type KernelFn = unsafe extern "C" fn(*mut f32, *const f32, *mut f32, *mut f32, u64, f64, f64, f64);
-
-/// A JIT-compiled AdamW step for f32 slices, specialised to one set of [`AdamWConstants`].
+/// AdamW for f32 slices on the host, specialised to one set of [`AdamWConstants`]: the
+/// Cranelift kernel generated from `optim::update::adamw_rule` with the constants as
+/// immediates (the `lerp` branch and whether decay applies are chosen at compile time).
 ///
-/// Owns the Cranelift `JITModule` holding the code (freed on drop). `Send + Sync`: the
-/// compiled code is immutable once finalized and only read through a function pointer, and
-/// the module is only touched again when the kernel is dropped. One kernel can be shared by
-/// any number of threads updating disjoint slices.
+/// `Send + Sync` (see [`RuleKernel`]): one kernel can be shared by any number of threads
+/// updating disjoint slices.
+#[derive(Debug)]
 pub struct AdamWKernel {
-    func: KernelFn,
+    kernel: RuleKernel,
     consts: AdamWConstants,
-    ir: String,
-    optimized_ir: String,
-    disasm: String,
-    /// The code `func` points into, freed with the kernel.
-    _code: JitCode,
-}
-
-impl std::fmt::Debug for AdamWKernel {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AdamWKernel")
-            .field("consts", &self.consts)
-            .finish_non_exhaustive()
-    }
-}
-
-fn codegen_err(e: impl std::fmt::Display) -> KernelError {
-    KernelError::Codegen(e.to_string())
 }
 
 impl AdamWKernel {
-    /// Generates the IR for these constants and JIT-compiles it for the host
-    /// (`cranelift_native`, `opt_level = "speed"`). Takes on the order of a millisecond.
+    /// Generates the rule for these constants, simplifies it with egg and JIT-compiles it
+    /// for the host (`cranelift_native`, `opt_level = "speed"`). Takes on the order of a
+    /// millisecond.
     ///
     /// Any f64 values are accepted (as the reference accepts them); the kernel then computes
     /// whatever the reference computes.
     ///
     /// # Errors
     /// [`KernelError::UnsupportedHost`] when Cranelift has no backend for the host;
-    /// [`KernelError::Codegen`] when a setting, the IR verifier or finalization fails
-    /// (a bug).
+    /// [`KernelError::Codegen`] or [`KernelError::Rule`] when generation fails (a bug).
     pub fn compile(c: &AdamWConstants) -> Result<AdamWKernel, KernelError> {
-        let (mut module, call_conv) = crate::host_module()?;
-
-        let mut ctx = module.make_context();
-        let sig = &mut ctx.func.signature;
-        sig.call_conv = call_conv;
-        for _ in 0..5 {
-            sig.params.push(AbiParam::new(I64)); // 4 pointers, n
-        }
-        for _ in 0..3 {
-            sig.params.push(AbiParam::new(F64)); // lr, bc1, bc2
-        }
-        let id = module
-            .declare_function("asteria_adamw_f32", Linkage::Local, &ctx.func.signature)
-            .map_err(codegen_err)?;
-        let mut fctx = FunctionBuilderContext::new();
-        build_body(&mut ctx, &mut fctx, module.isa().frontend_config(), c);
-        let ir = ctx.func.display().to_string();
-
-        ctx.set_disasm(true);
-        module.define_function(id, &mut ctx).map_err(codegen_err)?;
-        let disasm = ctx
-            .compiled_code()
-            .and_then(|cc| cc.vcode.clone())
-            .unwrap_or_default();
-        let optimized_ir = ctx.func.display().to_string();
-        module.clear_context(&mut ctx);
-        module.finalize_definitions().map_err(codegen_err)?;
-        let ptr = module.get_finalized_function(id);
-        // SAFETY: `ptr` is the finalized code of a function whose Cranelift signature
-        // (5 × i64, 3 × f64, no returns, the platform's default call convention) is the C
-        // ABI of `KernelFn` (pointers and u64 are i64).
-        let func = unsafe { std::mem::transmute::<*const u8, KernelFn>(ptr) };
-        Ok(AdamWKernel {
-            func,
-            consts: *c,
-            ir,
-            optimized_ir,
-            disasm,
-            _code: JitCode::new(module),
-        })
+        let rule = optim::update::adamw_rule(c.beta1, c.beta2, c.eps, c.weight_decay);
+        let (expr, _) = optim::update::simplify(&rule.expr);
+        let kernel = RuleKernel::compile(&optim::update::UpdateRule { expr, ..rule })?;
+        Ok(AdamWKernel { kernel, consts: *c })
     }
 
     /// The constants this kernel was compiled for.
@@ -199,48 +139,32 @@ impl AdamWKernel {
         exp_avg_sq: &mut [f32],
     ) -> Result<(), KernelError> {
         let ti = check(t, param, grad, exp_avg, exp_avg_sq)?;
-        let bc1 = 1.0 - self.consts.beta1.powi(ti);
-        let bc2 = 1.0 - self.consts.beta2.powi(ti);
-        let func = self.func;
-        for_each_chunk(param, grad, exp_avg, exp_avg_sq, |p, g, m, v| {
-            debug_assert!(p.len() == g.len() && m.len() == g.len() && v.len() == g.len());
-            // SAFETY: the four slices have `g.len()` elements each (checked above; chunked
-            // identically); the `&mut` ones are exclusive, so they do not overlap each
-            // other or `g`; the code reads and writes exactly indices `0..n` of each with
-            // unaligned-capable loads/stores and has no other side effects.
-            unsafe {
-                func(
-                    p.as_mut_ptr(),
-                    g.as_ptr(),
-                    m.as_mut_ptr(),
-                    v.as_mut_ptr(),
-                    g.len() as u64,
-                    lr,
-                    bc1,
-                    bc2,
-                )
-            }
-        });
-        Ok(())
+        let c = &self.consts;
+        let scalars = optim::update::adamw_scalars(c.beta1, c.beta2, c.weight_decay, lr, ti);
+        self.kernel.run(
+            &mut [
+                Operand::Write(param),
+                Operand::Read(grad),
+                Operand::Write(exp_avg),
+                Operand::Write(exp_avg_sq),
+            ],
+            &scalars,
+        )
     }
 
-    /// The Cranelift IR (CLIF text) of the generated function as emitted, before
-    /// Cranelift's optimizer (for `--print`-style inspection). The vector loop's
-    /// operations are on `f32x4`.
+    /// The Cranelift IR (CLIF text) of the generated function before Cranelift's optimizer.
     pub fn ir_text(&self) -> &str {
-        &self.ir
+        self.kernel.ir_text()
     }
 
-    /// The CLIF after Cranelift's mid-end (e-graph rewrites, loop-invariant code motion),
-    /// i.e. what was lowered to machine code.
+    /// The CLIF after Cranelift's mid-end, i.e. what was lowered to machine code.
     pub fn optimized_ir_text(&self) -> &str {
-        &self.optimized_ir
+        self.kernel.optimized_ir_text()
     }
 
-    /// The machine code Cranelift produced, as its VCode disassembly (host instructions,
-    /// e.g. `vdivps`/`vsqrtps` on x86_64 with AVX, `divps`/`sqrtps` with SSE only).
+    /// The machine code Cranelift produced, as its VCode disassembly.
     pub fn disasm_text(&self) -> &str {
-        &self.disasm
+        self.kernel.disasm_text()
     }
 }
 
@@ -309,9 +233,8 @@ pub fn adamw_reference(
 ) -> Result<(), KernelError> {
     let ti = check(t, param, grad, exp_avg, exp_avg_sq)?;
     let d = Derived::of(c);
-    let decay = (1.0 - lr * c.weight_decay) as f32;
-    let step_size = (lr / (1.0 - c.beta1.powi(ti))) as f32;
-    let bc2_sqrt = (1.0 - c.beta2.powi(ti)).sqrt() as f32;
+    let [decay, step_size, bc2_sqrt] =
+        optim::update::adamw_scalars(c.beta1, c.beta2, c.weight_decay, lr, ti);
     for_each_chunk(param, grad, exp_avg, exp_avg_sq, |p, g, m, v| {
         match (d.decays, d.lerp_low) {
             (true, true) => ref_loop::<true, true>(&d, decay, step_size, bc2_sqrt, p, g, m, v),
@@ -356,162 +279,5 @@ fn ref_loop<const DECAY: bool, const LERP_LOW: bool>(
         exp_avg[i] = m;
         exp_avg_sq[i] = v;
         param[i] = p;
-    }
-}
-
-/// The per-element values the body needs, as f32 scalars or f32x4 splats.
-struct Operands {
-    decay: Value,
-    step_size: Value,
-    bc2_sqrt: Value,
-    w1: Value,
-    one_minus_w1: Value,
-    beta2: Value,
-    w2: Value,
-    eps: Value,
-}
-
-/// Emits the element-wise update on `(p, g, m, v)` (all of one type, `F32` or `F32X4`)
-/// and returns the new `(p, m, v)`; the same instruction sequence as `ref_loop`.
-fn emit_update(
-    b: &mut FunctionBuilder<'_>,
-    d: &Derived,
-    k: &Operands,
-    p: Value,
-    g: Value,
-    m: Value,
-    v: Value,
-) -> (Value, Value, Value) {
-    let mut p = p;
-    if d.decays {
-        p = b.ins().fmul(p, k.decay);
-    }
-    let diff = b.ins().fsub(g, m);
-    let m = if d.lerp_low {
-        // m + w1·(g − m)
-        let t = b.ins().fmul(k.w1, diff);
-        b.ins().fadd(m, t)
-    } else {
-        // g − (g − m)·(1 − w1)
-        let t = b.ins().fmul(diff, k.one_minus_w1);
-        b.ins().fsub(g, t)
-    };
-    // v·β₂ + (w₂·g)·g
-    let vb = b.ins().fmul(v, k.beta2);
-    let wg = b.ins().fmul(k.w2, g);
-    let wgg = b.ins().fmul(wg, g);
-    let v = b.ins().fadd(vb, wgg);
-    // √v / bc2_sqrt + ε
-    let s = b.ins().sqrt(v);
-    let s = b.ins().fdiv(s, k.bc2_sqrt);
-    let denom = b.ins().fadd(s, k.eps);
-    // p − step_size·(m / denom)
-    let q = b.ins().fdiv(m, denom);
-    let q = b.ins().fmul(k.step_size, q);
-    let p = b.ins().fsub(p, q);
-    (p, m, v)
-}
-
-/// Builds the function body into `ctx.func` (whose signature is already set).
-///
-/// ```text
-/// entry(p, g, m, v, n, lr, bc1, bc2):
-///   per-step scalars in f64 → fdemote; splats; end_vec = (n & !3)·4; end = n·4
-///   end_vec ≠ 0 ? vec_body(0) : tail_head(0)
-/// vec_body(off):  f32x4 loads at base+off, update, stores;
-///                 off + 16 < end_vec ? vec_body(off + 16) : tail_head(off + 16)
-/// tail_head(off): off < end ? tail_body(off) : exit
-/// tail_body(off): f32 loads, update, stores; off + 4 < end ? tail_body(off + 4) : exit
-/// ```
-///
-/// The loops are bottom-tested (rotated): each is a single block whose immediate dominator
-/// lies outside every loop, so Cranelift's loop-invariant code motion hoists the per-step
-/// scalars, splats and constants out of them. (With top-tested loops the scalar tail's
-/// header is dominated by the vector loop's header, and the elaborator's loop stack then
-/// loses the vector loop: everything was recomputed per iteration, f64 `fdiv`/`sqrt`
-/// included.)
-fn build_body(
-    ctx: &mut Context,
-    fctx: &mut FunctionBuilderContext,
-    frontend: TargetFrontendConfig,
-    c: &AdamWConstants,
-) {
-    let d = Derived::of(c);
-    let mut b = FunctionBuilder::new(&mut ctx.func, fctx);
-    let entry = b.create_block();
-    b.append_block_params_for_function_params(entry);
-
-    b.switch_to_block(entry);
-    let a = b.block_params(entry).to_vec();
-    let (pp, gp, mp, vp, n, lr, bc1, bc2) = (a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
-    // Per-step scalars, in f64 then rounded once to f32, as the reference.
-    let one = b.ins().f64const(1.0);
-    let decay = if d.decays {
-        let wd = b.ins().f64const(c.weight_decay);
-        let lr_wd = b.ins().fmul(lr, wd);
-        let x = b.ins().fsub(one, lr_wd);
-        b.ins().fdemote(F32, x)
-    } else {
-        b.ins().f32const(1.0f32) // unused
-    };
-    let step = b.ins().fdiv(lr, bc1);
-    let step_size = b.ins().fdemote(F32, step);
-    let bc2s = b.ins().sqrt(bc2);
-    let bc2_sqrt = b.ins().fdemote(F32, bc2s);
-    let scalars = Operands {
-        decay,
-        step_size,
-        bc2_sqrt,
-        w1: b.ins().f32const(d.w1),
-        one_minus_w1: b.ins().f32const(d.one_minus_w1),
-        beta2: b.ins().f32const(d.beta2),
-        w2: b.ins().f32const(d.w2),
-        eps: b.ins().f32const(d.eps),
-    };
-    let splat = |b: &mut FunctionBuilder<'_>, x: Value| b.ins().splat(F32X4, x);
-    let vectors = Operands {
-        decay: splat(&mut b, scalars.decay),
-        step_size: splat(&mut b, scalars.step_size),
-        bc2_sqrt: splat(&mut b, scalars.bc2_sqrt),
-        w1: splat(&mut b, scalars.w1),
-        one_minus_w1: splat(&mut b, scalars.one_minus_w1),
-        beta2: splat(&mut b, scalars.beta2),
-        w2: splat(&mut b, scalars.w2),
-        eps: splat(&mut b, scalars.eps),
-    };
-    // Unaligned (no `aligned` flag), non-trapping: the caller guarantees valid slices.
-    let mem = MemFlagsData::new().with_notrap();
-
-    // Emits loads at base+off of `ty`, the update, and stores; returns nothing.
-    let body = |b: &mut FunctionBuilder<'_>, ty: Type, k: &Operands, off: Value| {
-        let pa = b.ins().iadd(pp, off);
-        let ga = b.ins().iadd(gp, off);
-        let ma = b.ins().iadd(mp, off);
-        let va = b.ins().iadd(vp, off);
-        let p = b.ins().load(ty, mem, pa, 0);
-        let g = b.ins().load(ty, mem, ga, 0);
-        let m = b.ins().load(ty, mem, ma, 0);
-        let v = b.ins().load(ty, mem, va, 0);
-        let (p, m, v) = emit_update(b, &d, k, p, g, m, v);
-        b.ins().store(mem, m, ma, 0);
-        b.ins().store(mem, v, va, 0);
-        b.ins().store(mem, p, pa, 0);
-    };
-
-    crate::element_loops(&mut b, n, &mut |b, ty, off| {
-        let k = if ty == F32X4 { &vectors } else { &scalars };
-        body(b, ty, k, off)
-    });
-    b.finalize(frontend);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn kernel_is_send_sync() {
-        fn assert<T: Send + Sync>() {}
-        assert::<AdamWKernel>();
     }
 }

@@ -2,20 +2,26 @@
 //!
 //! When a plan keeps optimizer state in host memory (the offload tiers: moments placed on
 //! the host or staged from NVMe), the element-wise update runs on the host cores, as
-//! ZeRO-Offload's CPU Adam does. This crate generates that update as native code at plan
-//! time: [`AdamWKernel::compile`] emits Cranelift IR for one AdamW step, specialised to the
-//! plan's constants, and JIT-compiles it for the host ISA.
+//! ZeRO-Offload's CPU Adam does; the CPU engine runs every f32 update this way. This crate
+//! generates that update as native code at plan time from the optimizer's **update rule**
+//! (`optim::update`): [`RuleKernel::compile`] emits Cranelift IR for a rule, one instruction
+//! per expression node, specialised to the plan's constants, and JIT-compiles it for the
+//! host ISA. [`AdamWKernel`] is the kernel of AdamW's rule (`optim::update::adamw_rule`, the
+//! rule the CUDA engine compiles through NVRTC), so AdamW, Lion and every rule-defined
+//! optimizer are written once for both engines.
 //!
 //! # Why Cranelift
 //!
 //! - **Plan-specialised constants.** β₁, β₂, ε and the weight-decay coefficient are fixed
 //!   for the whole run, so they are baked into the code as immediates (as are the choices
 //!   they imply: the `lerp` branch, whether decay is applied at all). Only what changes per
-//!   step (the scheduled learning rate and the bias corrections of step `t`) is passed at
-//!   run time.
-//! - **Generated from the update rule.** The kernel is emitted from the same sequence of
-//!   operations as the reference, one IR instruction per source operation, rather than
-//!   hand-written per ISA in intrinsics.
+//!   step (the scheduled learning rate and the bias corrections of step `t`, as the rule's
+//!   step scalars) is passed at run time.
+//! - **Generated from the update rule.** The kernel is emitted from the rule's expression
+//!   (after `optim::update::simplify`), rather than hand-written per optimizer and ISA in
+//!   intrinsics. A hand-written Cranelift emitter of AdamW's instruction sequence was
+//!   measured against the generated kernel on the same pool and ran at the same throughput
+//!   (BENCHMARKS.md); it was deleted.
 //! - **No C toolchain.** Unlike ZeRO-Offload's CPU Adam (C++ with AVX intrinsics, built by
 //!   a host compiler at install time), Cranelift is a pure-Rust library: no `cc`, no
 //!   system compiler, no build-time ISA guess. `cranelift_native` detects the host's
@@ -23,16 +29,14 @@
 //!
 //! # Exactness
 //!
-//! The kernel is **bit-identical** to the workspace reference,
-//! `optim::adamw_update` (`optim/src/adamw.rs`) at `f32` (the CPU engine's AdamW, PyTorch
-//! `_single_tensor_adamw` semantics), and to [`adamw_reference`], a plain
-//! rustc-compiled loop of the same math. The argument:
+//! A rule kernel is bit-identical to the rule interpreter (`optim::update::Program` at f32)
+//! and [`AdamWKernel`] to the workspace reference `optim::adamw_update` at `f32` (PyTorch
+//! `_single_tensor_adamw` semantics) and to [`adamw_reference`], a plain rustc-compiled loop
+//! of the same math. The argument:
 //!
 //! - every per-step scalar is computed exactly as the reference does: in **f64**, then
-//!   rounded once to f32 (`decay = f32(1 − lr·wd)`, `step_size = f32(lr / (1 − β₁ᵗ))`,
-//!   `bc2_sqrt = f32(√(1 − β₂ᵗ))`); β₁ᵗ and β₂ᵗ come from the same `f64::powi` call on the
-//!   host, and the kernel does the remaining f64 `fmul`/`fsub`/`fdiv`/`sqrt` and the
-//!   `fdemote` itself, all IEEE-754 correctly rounded;
+//!   rounded once to f32 (`optim::update::adamw_scalars`: `decay = f32(1 − lr·wd)`,
+//!   `step_size = f32(lr / (1 − β₁ᵗ))`, `bc2_sqrt = f32(√(1 − β₂ᵗ))`);
 //! - the plan constants are rounded to f32 the same way (`f32(1 − β₁)`, `f32(β₂)`,
 //!   `f32(1 − β₂)`, `f32(ε)`, and `1 − f32(1 − β₁)` in f32 for the `lerp` branch);
 //! - the element-wise body performs the same f32 operations in the same order with the
@@ -40,20 +44,20 @@
 //!   rounded in IEEE-754 binary32, both in SIMD lanes and in scalar code; **no fused
 //!   multiply-add** is used (the reference has none; Rust never contracts, and Cranelift
 //!   only emits `fma` when the IR asks for it) and no reassociation is done (Cranelift
-//!   has no fast-math rewrites);
+//!   has no fast-math rewrites; `simplify`'s rewrites keep every rounding);
 //! - both run under the default floating-point environment (round-to-nearest-even,
 //!   subnormals kept: neither sets FTZ/DAZ).
 //!
 //! NaN *payloads* are not part of the claim (a NaN input gives a NaN output in both, but
 //! which input's payload propagates may differ between instruction selections); for
-//! finite inputs every output bit matches. The tests (`tests/adamw.rs`) check this with
-//! `to_bits` over awkward lengths, steps and constant sets.
+//! finite inputs every output bit matches. The tests (`tests/adamw.rs`, `tests/rule.rs`)
+//! check this with `to_bits` over awkward lengths, steps and constant sets.
 //!
 //! # Vectorisation and threads
 //!
 //! The main loop processes `f32x4` vectors (Cranelift `F32X4`, SSE baseline on x86_64,
-//! NEON on aarch64), followed by a scalar tail loop for the last `n mod 4` elements.
-//! [`AdamWKernel::update`] and [`adamw_reference`] split large slices
+//! NEON on aarch64), followed by a scalar tail loop for the last `n mod 4` elements
+//! (`element_loops`). [`RuleKernel::run`] and [`adamw_reference`] split large slices
 //! (≥ [`PARALLEL_MIN_ELEMENTS`]) into chunks of [`CHUNK_ELEMENTS`] processed on the current
 //! rayon pool, identically, so throughput comparisons between them are fair; the update is
 //! element-wise, so the chunking does not change any result.
@@ -63,9 +67,7 @@
 //! `cargo run --release -p asteria-hostkernels --bin host-kernel-bench -- --elements N
 //! --reps R --threads T` times [`AdamWKernel::update`] against [`adamw_reference`] on the
 //! same pool and checks that their results are bit-identical. Both are memory-bound at
-//! large sizes (28 bytes per element): the kernel's loop is the same instruction mix as
-//! the one rustc auto-vectorises from the reference (4-wide loads, `sub/mul/add`, `sqrt`,
-//! two divisions, 3 stores), and the two run at the same throughput (ratio ≈ 1).
+//! large sizes (28 bytes per element) and run at the same throughput (ratio ≈ 1).
 #![deny(missing_docs)]
 
 mod adamw;
@@ -123,7 +125,7 @@ impl Drop for JitCode {
 /// one iteration of type `ty` (`F32X4` or `F32`) at byte offset `off`. Ends the function
 /// (`return`) and seals its blocks. Each loop is a single block whose immediate dominator lies
 /// outside every loop, so Cranelift's loop-invariant code motion hoists the entry's values
-/// (see `AdamWKernel`'s `build_body` for why top-tested loops lost that).
+/// (top-tested loops lost that: the entry's values stayed inside the loop).
 pub(crate) fn element_loops(
     b: &mut cranelift_frontend::FunctionBuilder<'_>,
     n: cranelift_codegen::ir::Value,

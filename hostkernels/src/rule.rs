@@ -79,6 +79,8 @@ pub struct RuleKernel {
     /// Which tensors the rule writes.
     written: Vec<bool>,
     ir: String,
+    optimized_ir: String,
+    disasm: String,
     /// The code `func` points into, freed with the kernel.
     _code: JitCode,
 }
@@ -122,7 +124,13 @@ impl RuleKernel {
             b.finalize(frontend);
         }
         let ir = ctx.func.display().to_string();
+        ctx.set_disasm(true);
         module.define_function(id, &mut ctx).map_err(codegen_err)?;
+        let disasm = ctx
+            .compiled_code()
+            .and_then(|cc| cc.vcode.clone())
+            .unwrap_or_default();
+        let optimized_ir = ctx.func.display().to_string();
         module.clear_context(&mut ctx);
         module.finalize_definitions().map_err(codegen_err)?;
         let ptr = module.get_finalized_function(id);
@@ -139,13 +147,28 @@ impl RuleKernel {
             scalars: rule.scalars.len(),
             written,
             ir,
+            optimized_ir,
+            disasm,
             _code: JitCode::new(module),
         })
     }
 
-    /// The CLIF text of the generated function (before Cranelift's optimizer).
+    /// The CLIF text of the generated function (before Cranelift's optimizer): one
+    /// instruction per expression node, the vector loop's on `f32x4`.
     pub fn ir_text(&self) -> &str {
         &self.ir
+    }
+
+    /// The CLIF after Cranelift's mid-end (e-graph rewrites, loop-invariant code motion),
+    /// i.e. what was lowered to machine code.
+    pub fn optimized_ir_text(&self) -> &str {
+        &self.optimized_ir
+    }
+
+    /// The machine code Cranelift produced, as its VCode disassembly (host instructions,
+    /// e.g. `vdivps`/`vsqrtps` on x86_64 with AVX, `divps`/`sqrtps` with SSE only).
+    pub fn disasm_text(&self) -> &str {
+        &self.disasm
     }
 
     /// Runs the update in place: `tensors` in the rule's order (all of one length; every
@@ -300,7 +323,7 @@ fn emit(
 }
 
 /// The function body: pointers and scalars read at entry, a bottom-tested `f32x4` loop, then
-/// a scalar tail (the loop shape of `AdamWKernel`, whose docs say why).
+/// a scalar tail (`crate::element_loops`, whose docs say why).
 fn build(b: &mut FunctionBuilder<'_>, r: &Resolved, n_tensors: usize, n_scalars: usize) {
     let entry = b.create_block();
     b.append_block_params_for_function_params(entry);

@@ -652,6 +652,18 @@ pub fn adamw_rule(beta1: f64, beta2: f64, eps: f64, weight_decay: f64) -> Update
     }
 }
 
+/// This step's scalars of [`adamw_rule`] (`decay`, `step_size`, `bc2_sqrt`, in its order) at
+/// 1-based step `t` (a `powi` exponent, as [`crate::adamw_update`]'s) with scheduled
+/// learning rate `lr`: each computed in f64 and rounded once to f32, as the reference does.
+/// The host and CUDA AdamW kernels both take them from here.
+pub fn adamw_scalars(beta1: f64, beta2: f64, weight_decay: f64, lr: f64, t: i32) -> [f32; 3] {
+    [
+        (1.0 - lr * weight_decay) as f32,
+        (lr / (1.0 - beta1.powi(t))) as f32,
+        (1.0 - beta2.powi(t)).sqrt() as f32,
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

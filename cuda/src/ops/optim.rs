@@ -69,12 +69,7 @@ impl AdamWKernel {
         grad_scale: Option<&Buf>,
     ) -> Result<()> {
         let t = s.t.max(1).min(i32::MAX as u64) as i32;
-        // The rule's scalars, in f64 then rounded once, as `optim::adamw_update` computes them.
-        let scalars = [
-            (1.0 - s.lr * s.weight_decay) as f32,
-            (s.lr / (1.0 - s.beta1.powi(t))) as f32,
-            (1.0 - s.beta2.powi(t)).sqrt() as f32,
-        ];
+        let scalars = optim::update::adamw_scalars(s.beta1, s.beta2, s.weight_decay, s.lr, t);
         self.kernel.run(
             dev,
             &[param, grad, exp_avg, exp_avg_sq],
