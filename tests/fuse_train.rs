@@ -1,5 +1,5 @@
 //! A small GPT-2 compiled with and without the `fuse` pass (`PassOptions::skip`) and trained a
-//! few steps on the CPU engine on one fixed batch, AdamW and SOAP:
+//! few steps on the CPU engine on one fixed batch, AdamW, SOAP and Shampoo:
 //! - CPU target: only bias epilogues apply; `mat_mul_bias` is computed bit-identically to the
 //!   pair, so every loss is identical, bit for bit.
 //! - CUDA target with `precision = fp32`: bias epilogues and `clip-into-update` (a clip
@@ -191,6 +191,66 @@ fn soap_update_fusion_trains_bit_identically_on_the_cpu() {
             bits(&a),
             bits(&b),
             "max_precond_dim {max_precond_dim}, wd {wd}, block {block_size:?}: {a:?} vs {b:?}"
+        );
+    }
+}
+
+/// `shampoo-update`: the composed Shampoo step `expand-optimizer` writes
+/// (`shampoo_factor_update`, moments rule, `shampoo_precondition`, `graft`, step rule) and the
+/// `shampoo_update` op `fuse` selects for it train bit-identically on the CPU engine, through
+/// inverse-root refreshes (frequency 2), with several blocks per matrix (blocks of 12 on
+/// 16-, 32- and 40-wide sides, uneven ones among them), vector blocks (1-D parameters), β₂ = 1
+/// (a running sum) and < 1 (bias-corrected storage), with and without grafting and weight
+/// decay. The fused plan has one `shampoo_update` per parameter and none of the composed ops;
+/// the unfused one the reverse.
+#[test]
+fn shampoo_update_fusion_trains_bit_identically_on_the_cpu() {
+    for (block, beta2, grafting, wd, bias) in [
+        (12, 1.0, true, 0.0, true),
+        (64, 0.95, false, 0.01, true),
+        (12, 0.9, true, 0.1, false),
+    ] {
+        let mut cfg = config(cpu(), false);
+        cfg.optimizer = OptimizerConfig::Shampoo(ShampooConfig {
+            lr: 3e-3,
+            beta1: 0.9,
+            beta2,
+            epsilon: 1e-8,
+            weight_decay: wd,
+            max_preconditioner_dim: block,
+            precondition_frequency: 2,
+            use_bias_correction: bias,
+            grafting,
+            grafting_beta2: 0.999,
+            grafting_epsilon: 1e-10,
+        });
+        let fused = compile(cfg.clone(), true);
+        let composed = compile(cfg, false);
+        let ops = |p: &schedule::Plan, name: &str| {
+            p.optimizer.iter().filter(|o| o.name() == name).count()
+        };
+        let steps = ops(&composed, "shampoo_factor_update");
+        assert!(steps > 0);
+        assert_eq!(ops(&composed, "elementwise_update"), 2 * steps);
+        assert_eq!(ops(&composed, "shampoo_precondition"), steps);
+        assert_eq!(ops(&composed, "graft"), if grafting { steps } else { 0 });
+        assert_eq!(ops(&composed, "shampoo_update"), 0);
+        assert_eq!(ops(&fused, "shampoo_update"), steps);
+        for name in [
+            "shampoo_factor_update",
+            "elementwise_update",
+            "shampoo_precondition",
+            "graft",
+        ] {
+            assert_eq!(ops(&fused, name), 0, "{name}");
+        }
+        let (a, b) = (train(fused, 8), train(composed, 8));
+        assert!(a[7] < a[0], "the loss falls: {a:?}");
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&a),
+            bits(&b),
+            "block {block}, beta2 {beta2}, grafting {grafting}: {a:?} vs {b:?}"
         );
     }
 }

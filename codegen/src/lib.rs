@@ -437,6 +437,33 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                     hyper: *hyper,
                 }
             }
+            Op::ShampooFactorUpdate {
+                beta2,
+                use_bias_correction,
+                max_preconditioner_dim,
+            } => P::ShampooFactorUpdate {
+                grad: arg(0)?,
+                factors: a[1..].iter().map(|&v| b(v)).collect::<Result<_, _>>()?,
+                beta2: *beta2,
+                use_bias_correction: *use_bias_correction,
+                max_preconditioner_dim: *max_preconditioner_dim,
+            },
+            Op::ShampooPrecondition {
+                max_preconditioner_dim,
+            } => P::ShampooPrecondition {
+                x: arg(0)?,
+                out: res(0)?,
+                roots: a[1..].iter().map(|&v| b(v)).collect::<Result<_, _>>()?,
+                max_preconditioner_dim: *max_preconditioner_dim,
+            },
+            Op::Graft {
+                max_preconditioner_dim,
+            } => P::Graft {
+                x: arg(0)?,
+                graft: arg(1)?,
+                out: res(0)?,
+                max_preconditioner_dim: *max_preconditioner_dim,
+            },
             Op::SoapFactorUpdate {
                 shampoo_beta,
                 left,

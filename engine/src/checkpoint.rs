@@ -606,6 +606,15 @@ fn hyperparameters(plan: &Plan) -> Vec<(&'static str, String)> {
                 Op::SoapFactorUpdate { shampoo_beta, .. } => {
                     format!("shampoo_beta {shampoo_beta:?}")
                 }
+                Op::ShampooFactorUpdate {
+                    beta2,
+                    use_bias_correction,
+                    max_preconditioner_dim,
+                    ..
+                } => format!(
+                    "beta2 {beta2:?}, use_bias_correction {use_bias_correction}, \
+                     max_preconditioner_dim {max_preconditioner_dim}"
+                ),
                 Op::ElementwiseUpdate { rule, .. } => {
                     format!("{} {:?} {}", rule.optimizer, rule.scalars, rule.expr)
                 }

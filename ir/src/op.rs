@@ -240,6 +240,31 @@ pub enum Op {
         /// Hyperparameters (the block size among them).
         hyper: ShampooHyper,
     },
+    /// Shampoo's factor accumulation (see `schedule::Op::ShampooFactorUpdate`): args `[grad]`
+    /// + the Kronecker factor of every side of every block of
+    /// `schedule::blocking::blocks(grad shape, max_preconditioner_dim)`, in block order; in
+    /// place; no results.
+    ShampooFactorUpdate {
+        /// β₂ of the factors (1: a running sum).
+        beta2: f64,
+        /// Store the factors bias-corrected (when β₂ < 1).
+        use_bias_correction: bool,
+        /// Block size.
+        max_preconditioner_dim: u64,
+    },
+    /// Shampoo's preconditioning (see `schedule::Op::ShampooPrecondition`): args `[x]` (f32, a
+    /// parameter's shape: the first moment or the gradient) + the inverse root of every side
+    /// of every block, in block order → f32 of `x`'s shape.
+    ShampooPrecondition {
+        /// Block size.
+        max_preconditioner_dim: u64,
+    },
+    /// Adam grafting per block (see `schedule::Op::Graft`): args `[x, graft]` (f32, one shape)
+    /// → f32 of that shape.
+    Graft {
+        /// Block size.
+        max_preconditioner_dim: u64,
+    },
     /// args `[src]` (2-D f32 `[m, n]`), result `[r, c]`: the block of `src` at (`row`, `col`)
     /// (see `schedule::Op::BlockCopy`).
     BlockCopy {
@@ -346,6 +371,9 @@ impl Op {
             Op::SoapFactorUpdate { .. } => "soap_factor_update",
             Op::KlShampooUpdate { .. } => "kl_shampoo_update",
             Op::ShampooUpdate { .. } => "shampoo_update",
+            Op::ShampooFactorUpdate { .. } => "shampoo_factor_update",
+            Op::ShampooPrecondition { .. } => "shampoo_precondition",
+            Op::Graft { .. } => "graft",
             Op::BlockCopy { .. } => "block_copy",
             Op::BlockWrite { .. } => "block_write",
             Op::ElementwiseUpdate { .. } => "elementwise_update",
@@ -364,6 +392,7 @@ impl Op {
                 | Op::SoapFactorUpdate { .. }
                 | Op::KlShampooUpdate { .. }
                 | Op::ShampooUpdate { .. }
+                | Op::ShampooFactorUpdate { .. }
                 | Op::BlockWrite { .. }
                 | Op::ElementwiseUpdate { .. }
                 | Op::EigenbasisRefresh { .. }

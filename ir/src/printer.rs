@@ -197,6 +197,21 @@ pub(crate) fn attrs(op: &Op) -> Vec<(&'static str, Attr)> {
             ("grafting_beta2", F(hyper.grafting_beta2)),
             ("grafting_epsilon", F(hyper.grafting_epsilon)),
         ],
+        Op::ShampooFactorUpdate {
+            beta2,
+            use_bias_correction,
+            max_preconditioner_dim,
+        } => vec![
+            ("beta2", F(beta2)),
+            ("use_bias_correction", B(use_bias_correction)),
+            ("max_preconditioner_dim", U(max_preconditioner_dim)),
+        ],
+        Op::ShampooPrecondition {
+            max_preconditioner_dim,
+        }
+        | Op::Graft {
+            max_preconditioner_dim,
+        } => vec![("max_preconditioner_dim", U(max_preconditioner_dim))],
         Op::SoapFactorUpdate {
             shampoo_beta,
             left,

@@ -566,3 +566,69 @@ fn composed_optimizer_ops_are_checked() {
     }
     one(&m, &["elementwise_update", "result `u` is never written"]);
 }
+
+/// The composed Shampoo step's matrix ops (`shampoo_factor_update`, `shampoo_precondition`,
+/// `graft`): one operand per block side of the right shape and class, and block sizes ≥ 1.
+#[test]
+fn composed_shampoo_ops_are_checked() {
+    let find = |m: &Module, name: &str| {
+        m.insts()
+            .find(|&i| m.inst(i).op.name() == name)
+            .expect("the composed Shampoo step")
+    };
+    // A factor missing: `wpe` [8, 16] in blocks of 8 has four block sides.
+    let mut m = common::tiny();
+    let id = find(&m, "shampoo_factor_update");
+    let mut args = m.inst(id).args.clone();
+    args.pop();
+    let op = m.inst(id).op.clone();
+    m.replace_inst(id, op, &args);
+    let e = one(
+        &m,
+        &[
+            "shampoo_factor_update",
+            "has 4 block sides, got 3 `factor` operands",
+        ],
+    );
+    assert_eq!(e.inst(), Some(id));
+    // A Kronecker factor where an inverse root belongs.
+    let mut m = common::tiny();
+    let id = find(&m, "shampoo_precondition");
+    let mut args = m.inst(id).args.clone();
+    args[1] = m.value_by_name("wpe.F0").expect("a factor");
+    let op = m.inst(id).op.clone();
+    m.replace_inst(id, op, &args);
+    one(
+        &m,
+        &[
+            "shampoo_precondition",
+            "must be a `state inverse_root` buffer",
+        ],
+    );
+    // Blocks of 0.
+    let mut m = common::tiny();
+    let id = find(&m, "graft");
+    let args = m.inst(id).args.clone();
+    m.replace_inst(
+        id,
+        Op::Graft {
+            max_preconditioner_dim: 0,
+        },
+        &args,
+    );
+    one(&m, &["graft", "max_preconditioner_dim must be at least 1"]);
+    // Grafting onto a tensor of another shape.
+    let mut m = common::tiny();
+    let id = find(&m, "graft");
+    let mut args = m.inst(id).args.clone();
+    args[1] = m.value_by_name("ln.b").expect("a 1-D parameter");
+    let op = m.inst(id).op.clone();
+    m.replace_inst(id, op, &args);
+    let texts: Vec<String> = errors(&m).iter().map(|e| e.to_string()).collect();
+    assert!(
+        texts
+            .iter()
+            .any(|t| t.contains("graft") && t.contains("shape")),
+        "{texts:?}"
+    );
+}

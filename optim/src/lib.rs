@@ -49,9 +49,10 @@ pub use refresh::{
     RefreshOutcome, RefreshResult,
 };
 pub use shampoo::{
-    blocks as shampoo_blocks, merge_small_dims, refresh_compute_inverse_root, shampoo_inverse_root,
-    shampoo_step, shampoo_update, AdamGrafting, Block, BlockState, ShampooError, ShampooParams,
-    ShampooState,
+    blocks as shampoo_blocks, factor_coefficients, graft, merge_small_dims,
+    refresh_compute_inverse_root, shampoo_factor_update, shampoo_inverse_root,
+    shampoo_precondition, shampoo_step, shampoo_update, AdamGrafting, Block, BlockState,
+    ShampooError, ShampooParams, ShampooState,
 };
 pub use soap::{precond_dims, project, project_back, soap_factor_update, soap_update, SoapParams};
 

@@ -355,21 +355,161 @@ fn paste<T: Copy>(dst: &mut [T], vn: usize, b: &Block, vals: &[T]) {
     }
 }
 
+/// The coefficients `(a, c)` of a factor's accumulation `F ← a·F + c·C` at 1-based step `t`:
+/// `(1, 1)` when β₂ ≥ 1 (a running sum); with bias correction the factor is **stored
+/// bias-corrected**, `a = β₂·(1 − β₂ᵗ⁻¹)/(1 − β₂ᵗ)`, `c = (1 − β₂)/(1 − β₂ᵗ)`; else `(β₂, 1 − β₂)`.
+pub fn factor_coefficients(beta2: f64, use_bias_correction: bool, t: u64) -> (f64, f64) {
+    let ti = t.max(1).min(i32::MAX as u64) as i32;
+    if beta2 >= 1.0 {
+        (1.0, 1.0)
+    } else if use_bias_correction {
+        let bc = |k: i32| 1.0 - beta2.powi(k);
+        (beta2 * bc(ti - 1) / bc(ti), (1.0 - beta2) / bc(ti))
+    } else {
+        (beta2, 1.0 - beta2)
+    }
+}
+
+/// Checks `mats` against the sides of `blocks` (`[d, d]` each, in block order).
+fn check_sides<T>(
+    op: &'static str,
+    what: &'static str,
+    mats: &[impl AsRef<[T]>],
+    blocks: &[Block],
+) -> Result<(), ShapeError> {
+    let sides: Vec<usize> = blocks.iter().flat_map(|b| b.sides()).collect();
+    check_len(op, what, mats.len(), sides.len())?;
+    for (f, d) in mats.iter().zip(&sides) {
+        check_len(op, what, f.as_ref().len(), d * d)?;
+    }
+    Ok(())
+}
+
+/// Plan op `ShampooFactorUpdate` (the first op of Shampoo's composed step,
+/// `crate::optimizers::shampoo`): per block of [`blocks`]`(shape, b)` with `G` the block of
+/// `grad` (row-major in the merged view), each side's factor `F ← a·F + c·C` with
+/// `(a, c)` = [`factor_coefficients`]`(beta2, use_bias_correction, t)` and `C = G Gᵀ`,
+/// `Gᵀ G` (`g gᵀ` for a vector block); `factors` `[d, d]` in block order.
+///
+/// # Errors
+/// [`ShapeError`] when an operand's length does not match (nothing is written then).
+pub fn shampoo_factor_update<T: Real>(
+    t: u64,
+    (beta2, use_bias_correction): (f64, bool),
+    (shape, b): (&[usize], usize),
+    grad: &[T],
+    factors: &mut [&mut [T]],
+) -> Result<(), ShapeError> {
+    const OP: &str = "shampoo_factor_update";
+    let ((vm, vn), blocks) = blocks(shape, b);
+    check_len(OP, "grad", grad.len(), vm * vn)?;
+    check_sides::<T>(OP, "factor", factors, &blocks)?;
+    let (fa, fc) = factor_coefficients(beta2, use_bias_correction, t);
+    let (a, c) = (T::of(fa), T::of(fc));
+    let mut k = 0;
+    for bl in &blocks {
+        let (rows, cols) = (bl.rows, bl.cols);
+        let g = cut(grad, vn, bl);
+        let contractions: Vec<Vec<T>> = if bl.vector {
+            vec![mm(&g, true, &g, false, cols, 1, cols)]
+        } else {
+            vec![
+                mm(&g, false, &g, true, rows, cols, rows),
+                mm(&g, true, &g, false, cols, rows, cols),
+            ]
+        };
+        for (f, cm) in factors[k..k + contractions.len()]
+            .iter_mut()
+            .zip(&contractions)
+        {
+            for (x, &y) in f.iter_mut().zip(cm) {
+                *x = a * *x + c * y;
+            }
+        }
+        k += contractions.len();
+    }
+    Ok(())
+}
+
+/// Plan op `ShampooPrecondition`: per block of [`blocks`]`(shape, b)` of `x` (row-major in the
+/// merged view), `R_1ᵀ x_b R_2` for a matrix block and `x_b R_1` for a vector block (a row),
+/// with `roots` `[d, d]` in block order ([`crate::project`], the left side first). The roots
+/// are symmetric, so this is Distributed Shampoo's `R_1 x_b R_2` up to rounding.
+///
+/// # Errors
+/// [`ShapeError`] when an operand's length does not match.
+pub fn shampoo_precondition<T: Real>(
+    (shape, b): (&[usize], usize),
+    x: &[T],
+    roots: &[&[T]],
+) -> Result<Vec<T>, ShapeError> {
+    const OP: &str = "shampoo_precondition";
+    let ((vm, vn), blocks) = blocks(shape, b);
+    check_len(OP, "x", x.len(), vm * vn)?;
+    check_sides::<T>(OP, "root", roots, &blocks)?;
+    let mut out = vec![T::zero(); x.len()];
+    let mut k = 0;
+    for bl in &blocks {
+        let xb = cut(x, vn, bl);
+        let pb = if bl.vector {
+            crate::project(&xb, None, Some(roots[k]), 1, bl.cols)
+        } else {
+            crate::project(&xb, Some(roots[k]), Some(roots[k + 1]), bl.rows, bl.cols)
+        };
+        paste(&mut out, vn, bl, &pb);
+        k += bl.sides().len();
+    }
+    Ok(out)
+}
+
+/// Plan op `Graft` (Adam grafting, Distributed Shampoo's semantics): per block of
+/// [`blocks`]`(shape, b)`, `x_b · ‖graft_b‖ / (‖x_b‖ + 1e-16)` (Frobenius norms and the scale
+/// in f64, each element rounded once), and `graft` itself at 1-based step `t = 1` (before any
+/// inverse root exists).
+///
+/// # Errors
+/// [`ShapeError`] when an operand's length does not match.
+pub fn graft<T: Real>(
+    t: u64,
+    (shape, b): (&[usize], usize),
+    x: &[T],
+    graft: &[T],
+) -> Result<Vec<T>, ShapeError> {
+    const OP: &str = "graft";
+    let ((vm, vn), blocks) = blocks(shape, b);
+    check_len(OP, "x", x.len(), vm * vn)?;
+    check_len(OP, "graft", graft.len(), vm * vn)?;
+    if t <= 1 {
+        return Ok(graft.to_vec());
+    }
+    let norm = |v: &[T]| v.iter().map(|x| x.f64() * x.f64()).sum::<f64>().sqrt();
+    let mut out = vec![T::zero(); x.len()];
+    for bl in &blocks {
+        let (xb, gb) = (cut(x, vn, bl), cut(graft, vn, bl));
+        let scale = norm(&gb) / (norm(&xb) + 1e-16);
+        let ob: Vec<T> = xb.iter().map(|v| T::of(v.f64() * scale)).collect();
+        paste(&mut out, vn, bl, &ob);
+    }
+    Ok(out)
+}
+
 /// Plan op `ShampooUpdate` (`schedule::Op::ShampooUpdate`) for one parameter at 1-based engine
 /// step `t` with the scheduled learning rate `lr`: `param`, `grad`, `exp_avg` and `graft_sq`
 /// (present iff `hp.grafting`) hold the parameter's elements row-major (the merged view's
 /// order); `factors` and `roots` are the `[d, d]` Kronecker factors and inverse roots of every
 /// side of every block of [`blocks`]`(shape, hp.max_preconditioner_dim)`, in block order.
 ///
-/// Per block, with `G` the block's gradient:
-/// - the factors accumulate `C_k` (see the module docs) **stored bias-corrected**:
-///   `F̂ ← a·F̂ + c·C_k` with `a = β₂·(1 − β₂ᵗ⁻¹)/(1 − β₂ᵗ)`, `c = (1 − β₂)/(1 − β₂ᵗ)`
-///   (β₂ < 1 with bias correction; `a = β₂, c = 1 − β₂` without; a sum when β₂ = 1), so a
+/// It is the composition `crate::optimizers::shampoo` writes, run in one op, with the same
+/// operations in the same order (the CPU engine's results are bit-identical either way):
+/// - [`shampoo_factor_update`]: the factors accumulate `C_k` (see the module docs), **stored
+///   bias-corrected** when β₂ < 1 with bias correction (see [`factor_coefficients`]), so a
 ///   refresh computes its root from the factor alone ([`shampoo_inverse_root`]);
-/// - grafting second moment, first moment and `Ḡ` as the module docs say;
-/// - the step `P = root_1 Ḡ root_2` with the roots as they are (identity before the first
-///   refresh); with grafting `P ← P·‖Pg‖/(‖P‖ + 1e-16)`, and at `t = 1`, before any refresh
-///   has run, `P = Pg`;
+/// - element-wise (each operation in `T`): `M ← β₁·M + (1 − β₁)·G`, `Ḡ = M / (1 − β₁ᵗ)`
+///   (`M` without bias correction, `G` when β₁ = 0); with grafting `V ← γ₂·V + ((1 − γ₂)·G)·G`
+///   and `Pg = Ḡ / (√(V / (1 − γ₂ᵗ)) + γ_ε)`;
+/// - [`shampoo_precondition`]: `P = root_1ᵀ Ḡ root_2` per block with the roots as they are
+///   (identity before the first refresh);
+/// - with grafting [`graft`]: `P ← P·‖Pg‖/(‖P‖ + 1e-16)` per block, and `P = Pg` at `t = 1`;
 /// - `W ← W − lr·(P + wd·W)`.
 ///
 /// The difference to [`shampoo_step`] is the schedule of the roots: a plan's refresh runs at
@@ -393,7 +533,8 @@ pub fn shampoo_update<T: Real>(
     roots: &[&[T]],
 ) -> Result<(), ShapeError> {
     const OP: &str = "shampoo_update";
-    let ((vm, vn), blocks) = blocks(shape, hp.max_preconditioner_dim);
+    let b = hp.max_preconditioner_dim;
+    let ((vm, vn), blocks) = blocks(shape, b);
     let numel = vm * vn;
     check_len(OP, "param", param.len(), numel)?;
     check_len(OP, "grad", grad.len(), numel)?;
@@ -403,93 +544,52 @@ pub fn shampoo_update<T: Real>(
         (None, None) => {}
         (v, _) => check_len(OP, "graft_sq", v.as_ref().map_or(0, |v| v.len()), numel)?,
     }
-    let sides: Vec<usize> = blocks.iter().flat_map(|b| b.sides()).collect();
-    check_len(OP, "factors", factors.len(), sides.len())?;
-    check_len(OP, "roots", roots.len(), sides.len())?;
-    for ((f, r), d) in factors.iter().zip(roots).zip(&sides) {
-        check_len(OP, "factor", f.len(), d * d)?;
-        check_len(OP, "root", r.len(), d * d)?;
-    }
+    check_sides::<T>(OP, "factor", factors, &blocks)?;
+    check_sides::<T>(OP, "root", roots, &blocks)?;
+    let bits = (hp.beta2, hp.use_bias_correction);
+    shampoo_factor_update(t, bits, (shape, b), grad, factors)?;
     let ti = t.min(i32::MAX as u64) as i32;
-    let (fa, fc) = if hp.beta2 >= 1.0 {
-        (1.0, 1.0)
-    } else if hp.use_bias_correction {
-        let bc = |k: i32| 1.0 - hp.beta2.powi(k);
-        (hp.beta2 * bc(ti - 1) / bc(ti), (1.0 - hp.beta2) / bc(ti))
-    } else {
-        (hp.beta2, 1.0 - hp.beta2)
-    };
-    let bc1 = if hp.use_bias_correction && hp.beta1 != 0.0 {
-        1.0 - hp.beta1.powi(ti)
-    } else {
-        1.0
-    };
-    let mut k = 0;
-    for b in &blocks {
-        let (rows, cols) = (b.rows, b.cols);
-        let g = cut(grad, vn, b);
-        let contractions: Vec<Vec<T>> = if b.vector {
-            vec![mm(&g, true, &g, false, cols, 1, cols)]
-        } else {
-            vec![
-                mm(&g, false, &g, true, rows, cols, rows),
-                mm(&g, true, &g, false, cols, rows, cols),
-            ]
-        };
-        let nside = contractions.len();
-        for (f, c) in factors[k..k + nside].iter_mut().zip(&contractions) {
-            let (a, cc) = (T::of(fa), T::of(fc));
-            for (x, &y) in f.iter_mut().zip(c) {
-                *x = a * *x + cc * y;
-            }
-        }
-        let graft = match (hp.grafting, graft_sq.as_deref_mut()) {
-            (Some(gr), Some(v)) => {
-                let mut vb = cut(v, vn, b);
-                for (vv, &x) in vb.iter_mut().zip(&g) {
-                    *vv = T::of(gr.beta2) * *vv + T::of(1.0 - gr.beta2) * x * x;
+    let gbar: Vec<T> = if hp.beta1 != 0.0 {
+        let (b1, w1) = (T::of(hp.beta1), T::of(1.0 - hp.beta1));
+        let bc1 = T::of(1.0 - hp.beta1.powi(ti));
+        exp_avg
+            .iter_mut()
+            .zip(grad)
+            .map(|(m, &x)| {
+                *m = b1 * *m + w1 * x;
+                match hp.use_bias_correction {
+                    true => *m / bc1,
+                    false => *m,
                 }
-                paste(v, vn, b, &vb);
-                Some((gr, vb, 1.0 - gr.beta2.powi(ti)))
-            }
-            _ => None,
-        };
-        let gbar: Vec<T> = if hp.beta1 != 0.0 {
-            let mut mb = cut(exp_avg, vn, b);
-            for (m, &x) in mb.iter_mut().zip(&g) {
-                *m = T::of(hp.beta1) * *m + T::of(1.0 - hp.beta1) * x;
-            }
-            paste(exp_avg, vn, b, &mb);
-            mb.iter().map(|&m| T::of(m.f64() / bc1)).collect()
-        } else {
-            g
-        };
-        let pg: Option<Vec<T>> = graft.map(|(gr, vb, gbc)| {
-            gbar.iter()
-                .zip(&vb)
-                .map(|(&x, &v)| T::of(x.f64() / ((v.f64() / gbc).sqrt() + gr.epsilon)))
-                .collect()
-        });
-        let mut p = match (&pg, t == 1) {
-            (Some(pg), true) => pg.clone(),
-            _ if b.vector => mm(roots[k], false, &gbar, false, cols, cols, 1),
-            _ => {
-                let left = mm(roots[k], false, &gbar, false, rows, rows, cols);
-                mm(&left, false, roots[k + 1], false, rows, cols, cols)
-            }
-        };
-        if let (Some(pg), false) = (&pg, t == 1) {
-            let norm = |v: &[T]| v.iter().map(|x| x.f64() * x.f64()).sum::<f64>().sqrt();
-            let scale = norm(pg) / (norm(&p) + 1e-16);
-            p.iter_mut().for_each(|x| *x = T::of(x.f64() * scale));
+            })
+            .collect()
+    } else {
+        grad.to_vec()
+    };
+    let pg: Option<Vec<T>> = match (hp.grafting, graft_sq.as_deref_mut()) {
+        (Some(gr), Some(v)) => {
+            let (b2, w2) = (T::of(gr.beta2), T::of(1.0 - gr.beta2));
+            let (gbc, geps) = (T::of(1.0 - gr.beta2.powi(ti)), T::of(gr.epsilon));
+            Some(
+                v.iter_mut()
+                    .zip(grad)
+                    .zip(&gbar)
+                    .map(|((v, &x), &gb)| {
+                        *v = b2 * *v + w2 * x * x;
+                        gb / ((*v / gbc).sqrt() + geps)
+                    })
+                    .collect(),
+            )
         }
-        let (lr_t, wd) = (T::of(lr), T::of(hp.weight_decay));
-        let mut w = cut(param, vn, b);
-        for (wv, &pv) in w.iter_mut().zip(&p) {
-            *wv = *wv - lr_t * (pv + wd * *wv);
-        }
-        paste(param, vn, b, &w);
-        k += nside;
+        _ => None,
+    };
+    let mut p = shampoo_precondition((shape, b), &gbar, roots)?;
+    if let Some(pg) = &pg {
+        p = graft(t, (shape, b), &p, pg)?;
+    }
+    let (lr_t, wd) = (T::of(lr), T::of(hp.weight_decay));
+    for (wv, &pv) in param.iter_mut().zip(&p) {
+        *wv = *wv - lr_t * (pv + wd * *wv);
     }
     Ok(())
 }

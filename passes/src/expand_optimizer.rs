@@ -25,9 +25,12 @@
 //! parameter: the parameter is cut into blocks (`schedule::blocking`: `merge_small_dims`, then
 //! at most `max_preconditioner_dim` rows and columns per block); every side of every block gets
 //! a Kronecker factor and an inverse root, refreshed by an `eigenbasis_refresh` with `method =
-//! inverse_root` (exponent 4 for a matrix block's sides, 2 for a vector block's); one
-//! `shampoo_update` per parameter carries the first moment and, with grafting, the Adam
-//! grafting second moment. Weight decay applies to every parameter, as the reference's.
+//! inverse_root` (exponent 4 for a matrix block's sides, 2 for a vector block's); the first
+//! moment and, with grafting, the Adam grafting second moment have the parameter's shape. Each
+//! step is the composition of `optim::optimizers::shampoo` (`shampoo_factor_update`, the
+//! moments `elementwise_update`, `shampoo_precondition`, `graft`, the step
+//! `elementwise_update`), which `fuse` makes one `shampoo_update`; with β₁ = 0 this pass writes
+//! `shampoo_update` itself. Weight decay applies to every parameter, as the reference's.
 //!
 //! An optimizer defined by its element-wise rule (`optim::optimizers`: Lion, ...) gets the
 //! state its definition lists and one `elementwise_update` per parameter carrying the rule, its
@@ -85,11 +88,19 @@ fn factor_sides(
     sides
 }
 
-/// The state, `shampoo_update` and inverse-root refreshes of parameter `p` (gradient `g`):
+/// The state, per-step ops and inverse-root refreshes of parameter `p` (gradient `g`):
 /// `{param}.exp_avg`, `{param}.graft_sq` (with grafting), and per block `b` of
 /// `schedule::blocking::blocks(shape, max_preconditioner_dim)` the factor and inverse root
 /// of each side (`{param}.L{b}` / `{param}.PL{b}`, `.R{b}` / `.PR{b}`; no index for a single
-/// block). Returns the number of blocks.
+/// block). The step is the composition of `optim::optimizers::shampoo`: `shampoo_factor_update`,
+/// the moments `elementwise_update` (results `{param}.gbar` and, with grafting,
+/// `{param}.graft_dir`), `shampoo_precondition`, `graft` (with grafting) and the step
+/// `elementwise_update`; `fuse` makes them one `shampoo_update`. With β₁ = 0 (no first moment,
+/// which the hand-written op still takes) this pass writes `shampoo_update` itself. Returns the
+/// number of blocks.
+///
+/// # Errors
+/// An unbuildable rule (a bug).
 fn shampoo(
     m: &mut Module,
     c: &ShampooConfig,
@@ -97,7 +108,7 @@ fn shampoo(
     g: ValueId,
     pname: &str,
     ty: &TensorType,
-) -> usize {
+) -> Result<usize, PassError> {
     let (_, blocks) = schedule::blocking::blocks(&ty.shape, c.max_preconditioner_dim);
     let exp_avg = state(
         m,
@@ -105,16 +116,15 @@ fn shampoo(
         format!("{pname}.exp_avg"),
         ty.clone(),
     );
-    let mut args = vec![p, g, exp_avg];
-    if c.grafting {
-        args.push(state(
+    let graft_sq = c.grafting.then(|| {
+        state(
             m,
             BufferClass::ExpAvgSq,
             format!("{pname}.graft_sq"),
             ty.clone(),
-        ));
-    }
-    let mut refreshes = Vec::new();
+        )
+    });
+    let (mut factors, mut roots, mut refreshes) = (Vec::new(), Vec::new(), Vec::new());
     for (bi, b) in blocks.iter().enumerate() {
         let sides = b.sides();
         let exponent = 2 * sides.len() as u32;
@@ -138,7 +148,8 @@ fn shampoo(
                 format!("{pname}.P{which}{index}"),
                 sq,
             );
-            args.extend([f, r]);
+            factors.push(f);
+            roots.push(r);
             refreshes.push((side as u8, f, r, exponent));
         }
     }
@@ -154,7 +165,69 @@ fn shampoo(
         grafting_beta2: c.grafting_beta2,
         grafting_epsilon: c.grafting_epsilon,
     };
-    m.push0(Section::Optimizer, Op::ShampooUpdate { hyper }, &args);
+    if hyper.beta1 == 0.0 {
+        let mut args = vec![p, g, exp_avg];
+        args.extend(graft_sq);
+        args.extend(factors.iter().zip(&roots).flat_map(|(&f, &r)| [f, r]));
+        m.push0(Section::Optimizer, Op::ShampooUpdate { hyper }, &args);
+    } else {
+        let (moments, step) =
+            optim::optimizers::shampoo::rules(&hyper).map_err(|e| PassError::Invalid {
+                pass: "expand-optimizer",
+                message: format!("Shampoo's update rules for {pname}: {e}"),
+            })?;
+        let moments = moments.ok_or_else(|| PassError::Invalid {
+            pass: "expand-optimizer",
+            message: format!("internal: Shampoo with β₁ ≠ 0 has no moments rule ({pname})"),
+        })?;
+        let b = hyper.max_preconditioner_dim;
+        let mut args = vec![g];
+        args.extend(&factors);
+        let op = Op::ShampooFactorUpdate {
+            beta2: hyper.beta2,
+            use_bias_correction: hyper.use_bias_correction,
+            max_preconditioner_dim: b,
+        };
+        m.push0(Section::Optimizer, op, &args);
+        let f32_ty = TensorType::f32(ty.shape.clone());
+        let mut args = vec![p, g, exp_avg];
+        args.extend(graft_sq);
+        let mut results = vec![(format!("{pname}.gbar"), f32_ty.clone())];
+        if hyper.grafting {
+            results.push((format!("{pname}.graft_dir"), f32_ty.clone()));
+        }
+        let op = Op::ElementwiseUpdate { rule: moments };
+        let (_, out) = m.push(Section::Optimizer, op, &args, results);
+        let mut args = vec![out[0]];
+        args.extend(&roots);
+        let op = Op::ShampooPrecondition {
+            max_preconditioner_dim: b,
+        };
+        let pre = m.push1(
+            Section::Optimizer,
+            op,
+            &args,
+            &format!("{pname}.precond"),
+            f32_ty.clone(),
+        );
+        let dir = match out.get(1) {
+            Some(&pg) => m.push1(
+                Section::Optimizer,
+                Op::Graft {
+                    max_preconditioner_dim: b,
+                },
+                &[pre, pg],
+                &format!("{pname}.dir"),
+                f32_ty,
+            ),
+            None => pre,
+        };
+        m.push0(
+            Section::Optimizer,
+            Op::ElementwiseUpdate { rule: step },
+            &[p, dir],
+        );
+    }
     for (side, f, r, exponent) in refreshes {
         let op = Op::EigenbasisRefresh {
             side,
@@ -170,7 +243,7 @@ fn shampoo(
         };
         m.push0(Section::Refresh, op, &[f, r]);
     }
-    blocks.len()
+    Ok(blocks.len())
 }
 
 /// SOAP's state, update, factor accumulation and refreshes of one parameter (or one block of
@@ -482,7 +555,7 @@ impl Pass for ExpandOptimizer {
             let pname = module.value(p).name.clone();
             let ty = module.value(p).ty.clone();
             if let OptimizerConfig::Shampoo(c) = &opt {
-                n_blocks += shampoo(module, c, p, g, &pname, &ty);
+                n_blocks += shampoo(module, c, p, g, &pname, &ty)?;
                 continue;
             }
             if let OptimizerConfig::Elementwise(c) = &opt {

@@ -1,7 +1,7 @@
 //! `fuse`: rewrites the IR into the fused ops the engines execute, so that an engine runs what
 //! the plan says and plans no fusion of its own (everything is visible with
 //! `--print-after fuse`). Runs after `expand-optimizer`, before `liveness` (memory is planned
-//! for the fused program). Seven rules:
+//! for the fused program). Eight rules:
 //!
 //! - **`soap-update`** (instruction selection, every target): the composed SOAP step that
 //!   `expand-optimizer` writes from `optim::optimizers::soap` — `project` the gradient into
@@ -14,6 +14,17 @@
 //!   other reader and both projections use the same bases; otherwise the report says why and
 //!   the composition runs as written (the CPU engine runs it; the CUDA engine refuses
 //!   `project`).
+//!
+//! - **`shampoo-update`** (instruction selection, every target): the composed Shampoo step of
+//!   `optim::optimizers::shampoo` — `shampoo_factor_update` of the gradient, the moments
+//!   `elementwise_update` (results `Ḡ` and, with grafting, the Adam grafting step),
+//!   `shampoo_precondition` of `Ḡ` with the inverse roots, `graft` (with grafting), the step
+//!   `elementwise_update` — becomes one `shampoo_update` (CPU: the same operations in the same
+//!   order, bit-identical; CUDA: its GEMMs and kernel). The same conditions as `soap-update`:
+//!   both rules exactly those the definition writes for the hyperparameters they carry, every
+//!   op of the same block size and factor hyperparameters, intermediates read only by the next
+//!   op, the ops consecutive; otherwise the report says why and the composition runs as
+//!   written (the CPU engine runs it; the CUDA engine refuses the composed ops).
 //!
 //! - **`bias-epilogue`** (an egg rewrite, every target):
 //!   `(bias_add (mat_mul ?ta ?tb ?a ?b) ?bias) → (mat_mul_bias ?ta ?tb ?a ?b ?bias)`.
@@ -148,6 +159,10 @@ pub struct FuseReport {
     pub soap_updates: usize,
     /// Composed SOAP steps left unfused: `(parameter, why)`.
     pub soap_blocked: Vec<(String, String)>,
+    /// `shampoo-update` rewrites.
+    pub shampoo_updates: usize,
+    /// Composed Shampoo steps left unfused: `(parameter, why)`.
+    pub shampoo_blocked: Vec<(String, String)>,
 }
 
 /// The `fuse` pass. See the module docs.
@@ -868,6 +883,230 @@ impl Fuse {
     }
 }
 
+/// The parts of one composed Shampoo step (`optim::optimizers::shampoo`) that
+/// `shampoo-update` replaces.
+struct ShampooChain {
+    hyper: ir::ShampooHyper,
+    /// `[param, grad, exp_avg]`, `graft_sq` with grafting, then `(factor, root)` pairs.
+    args: Vec<ValueId>,
+    /// The in-place ops that go: the factor update and the moments update.
+    in_place: [ir::InstId; 2],
+}
+
+/// `(moments, step)` rules of one set of Shampoo hyperparameters, as written and simplified.
+type ShampooRules = [Vec<schedule::ElementwiseRule>; 2];
+
+impl Fuse {
+    /// Matches the composed Shampoo step whose last op (the step rule) is `step`:
+    /// `shampoo_factor_update` of the parameter's gradient, the moments rule over its
+    /// `exp_avg` (and `graft_sq`) with results `Ḡ` (and the grafting step), `shampoo_precondition`
+    /// of `Ḡ`, `graft` (with grafting), the step rule — consecutive in the layout, each
+    /// intermediate read only by the next op, both rules exactly
+    /// `optim::optimizers::shampoo::rules` of the hyperparameters they carry (as written or
+    /// after `simplify`), every op of the same block size. `Err` says why a Shampoo step rule
+    /// did not match; `Ok(None)` for other ops.
+    fn shampoo_chain(
+        m: &Module,
+        step: ir::InstId,
+        (order, layout): (&[ir::InstId], &HashMap<ir::InstId, usize>),
+        cache: &mut HashMap<Vec<u64>, ShampooRules>,
+    ) -> Result<Option<ShampooChain>, String> {
+        use optim::optimizers::shampoo;
+        let inst = m.inst(step);
+        let Op::ElementwiseUpdate { rule } = &inst.op else {
+            return Ok(None);
+        };
+        if rule.optimizer != shampoo::NAME || !rule.results.is_empty() || inst.args.len() != 2 {
+            return Ok(None);
+        }
+        let h =
+            shampoo::hyper_of(rule).ok_or("the step rule carries no Shampoo hyperparameters")?;
+        let key: Vec<u64> = rule
+            .hyper
+            .iter()
+            .map(|x| x.1.to_bits())
+            .chain([h.lr.to_bits()])
+            .collect();
+        let rules = match cache.get(&key) {
+            Some(r) => r.clone(),
+            None => {
+                let (raw_moments, raw_step) = shampoo::rules(&h).map_err(|e| e.to_string())?;
+                let raw_moments = raw_moments.ok_or("β₁ = 0: no moments rule to fuse")?;
+                let unparsable = "a regenerated rule does not parse";
+                let r: ShampooRules = [
+                    vec![
+                        simplified(raw_moments.clone()).ok_or(unparsable)?,
+                        raw_moments,
+                    ],
+                    vec![simplified(raw_step.clone()).ok_or(unparsable)?, raw_step],
+                ];
+                cache.insert(key, r.clone());
+                r
+            }
+        };
+        let [want_moments, want_step] = &rules;
+        if !want_step.contains(rule) {
+            return Err("the step rule is not Shampoo's for its hyperparameters".into());
+        }
+        let b = h.max_preconditioner_dim;
+        let (p, dir) = (inst.args[0], inst.args[1]);
+        let only_reader = |v: ValueId, reader: ir::InstId| m.uses(v) == [reader];
+        let def_of = |v: ValueId| m.value(v).def;
+        let mut chain = vec![step];
+        if !only_reader(dir, step) {
+            return Err(format!("{} has other readers", m.display_value(dir)));
+        }
+        // The grafting op, if any, and the preconditioning.
+        let (pre, pg) = match (&m.inst(def_of(dir)).op, h.grafting) {
+            (
+                Op::Graft {
+                    max_preconditioner_dim,
+                },
+                true,
+            ) if *max_preconditioner_dim == b => {
+                let gi = m.inst(def_of(dir));
+                chain.insert(0, def_of(dir));
+                (gi.args[0], Some((gi.args[1], def_of(dir))))
+            }
+            (_, true) => {
+                return Err(format!(
+                    "{} is not a `graft` of the same blocks",
+                    m.display_value(dir)
+                ))
+            }
+            (_, false) => (dir, None),
+        };
+        let pre_id = def_of(pre);
+        let pi = m.inst(pre_id);
+        if !matches!(pi.op, Op::ShampooPrecondition { max_preconditioner_dim } if max_preconditioner_dim == b)
+        {
+            return Err(format!(
+                "{} is not a `shampoo_precondition` of the same blocks",
+                m.display_value(pre)
+            ));
+        }
+        if !only_reader(pre, chain[0]) {
+            return Err(format!("{} has other readers", m.display_value(pre)));
+        }
+        chain.insert(0, pre_id);
+        let gbar = pi.args[0];
+        let roots = pi.args[1..].to_vec();
+        let moments = def_of(gbar);
+        let mi = m.inst(moments);
+        match &mi.op {
+            Op::ElementwiseUpdate { rule } if want_moments.contains(rule) => {}
+            _ => {
+                return Err(format!(
+                    "{} is not Shampoo's moments update",
+                    m.display_value(gbar)
+                ))
+            }
+        }
+        let want_results = match pg {
+            Some((pg, _)) => vec![gbar, pg],
+            None => vec![gbar],
+        };
+        let n_state = 1 + usize::from(h.grafting);
+        if mi.args.len() != 2 + n_state || mi.args[0] != p || mi.results != want_results {
+            return Err("the moments update is not of the step's parameter".into());
+        }
+        if !is_state(m, mi.args[2], ir::BufferClass::ExpAvg)
+            || (h.grafting && !is_state(m, mi.args[3], ir::BufferClass::ExpAvgSq))
+        {
+            return Err("the moments update's state is not an exp_avg (and a graft_sq)".into());
+        }
+        if !only_reader(gbar, pre_id) || pg.is_some_and(|(v, graft)| !only_reader(v, graft)) {
+            return Err("the moments update's results have other readers".into());
+        }
+        chain.insert(0, moments);
+        let grad = mi.args[1];
+        if !is_grad_of(m, p, grad) {
+            return Err(format!(
+                "{} is not the gradient of {}",
+                m.display_value(grad),
+                m.display_value(p)
+            ));
+        }
+        // The factor update: the op before the moments update.
+        let at = |i: ir::InstId| layout.get(&i).copied();
+        let first = at(moments).ok_or("internal: an op of the chain is not in the layout")?;
+        let factor_update = first
+            .checked_sub(1)
+            .and_then(|k| order.get(k).copied())
+            .filter(|&i| m.contains_inst(i))
+            .ok_or("no `shampoo_factor_update` right before the moments update")?;
+        let fi = m.inst(factor_update);
+        let same_factors = matches!(fi.op, Op::ShampooFactorUpdate { beta2, use_bias_correction, max_preconditioner_dim }
+            if beta2 == h.beta2 && use_bias_correction == h.use_bias_correction && max_preconditioner_dim == b);
+        if !same_factors || fi.args.first() != Some(&grad) || fi.args.len() != roots.len() + 1 {
+            return Err(
+                "the op before the moments update is not the factor update of the same gradient \
+                 and hyperparameters"
+                    .into(),
+            );
+        }
+        chain.insert(0, factor_update);
+        if chain
+            .iter()
+            .enumerate()
+            .any(|(k, &i)| at(i) != Some(first - 1 + k))
+        {
+            return Err("its ops are not consecutive (another op runs between them)".into());
+        }
+        let mut args = vec![p, grad, mi.args[2]];
+        if h.grafting {
+            args.push(mi.args[3]);
+        }
+        args.extend(fi.args[1..].iter().zip(&roots).flat_map(|(&f, &r)| [f, r]));
+        Ok(Some(ShampooChain {
+            hyper: h,
+            args,
+            in_place: [factor_update, moments],
+        }))
+    }
+
+    /// `shampoo-update` (every target): each composed Shampoo step becomes one
+    /// `shampoo_update` (the hand-written op: on the CPU the same operations in the same order,
+    /// on the GPU its kernels), in the step rule's place; the factor update, the moments update,
+    /// the preconditioning and the grafting go.
+    ///
+    /// # Errors
+    /// An internal error if a matched in-place op cannot be removed.
+    fn shampoo_updates(&mut self, m: &mut Module) -> Result<(), PassError> {
+        let steps: Vec<ir::InstId> = m.section(Section::Optimizer).collect();
+        let layout: HashMap<ir::InstId, usize> =
+            steps.iter().enumerate().map(|(k, &i)| (i, k)).collect();
+        let mut cache = HashMap::new();
+        for &step in &steps {
+            if !m.contains_inst(step) {
+                continue;
+            }
+            match Fuse::shampoo_chain(m, step, (&steps, &layout), &mut cache) {
+                Ok(None) => {}
+                Err(why) => {
+                    let param = m.display_value(m.inst(step).args[0]);
+                    self.report.shampoo_blocked.push((param, why));
+                }
+                Ok(Some(c)) => {
+                    m.replace_inst(step, Op::ShampooUpdate { hyper: c.hyper }, &c.args);
+                    m.remove_dead();
+                    for id in c.in_place {
+                        if !m.remove_inst(id) {
+                            return Err(invalid(format!(
+                                "internal: shampoo-update could not remove an op of the step of {}",
+                                m.display_value(c.args[0])
+                            )));
+                        }
+                    }
+                    m.remove_dead();
+                    self.report.shampoo_updates += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Pass for Fuse {
     fn name(&self) -> &'static str {
         "fuse"
@@ -884,6 +1123,7 @@ impl Pass for Fuse {
         };
         self.rewrite(module, target)?;
         self.soap_updates(module)?;
+        self.shampoo_updates(module)?;
         self.bf16_outputs(module, target);
         self.bf16_casts(module, target);
         self.sum_rows_casts(module);
@@ -892,8 +1132,9 @@ impl Pass for Fuse {
         }
         let r = &self.report;
         Ok(format!(
-            "{} soap updates, {} bias epilogues ({} blocked), {} saved attention statistics, {} bf16 outputs, {} bf16 casts, {} sum-rows casts, {} updates read the clip factor",
+            "{} soap updates, {} shampoo updates, {} bias epilogues ({} blocked), {} saved attention statistics, {} bf16 outputs, {} bf16 casts, {} sum-rows casts, {} updates read the clip factor",
             r.soap_updates,
+            r.shampoo_updates,
             r.bias_epilogues.len(),
             r.blocked.len(),
             r.attention_saved.len(),
@@ -928,6 +1169,16 @@ impl Pass for Fuse {
         }
         for (param, why) in &r.soap_blocked {
             s.push_str(&format!("; soap-update blocked for {param}: {why}\n"));
+        }
+        if r.shampoo_updates > 0 {
+            s.push_str(&format!(
+                "; shampoo-update: {} composed Shampoo steps (factor update, moments, \
+                 precondition, graft, step) -> shampoo_update\n",
+                r.shampoo_updates
+            ));
+        }
+        for (param, why) in &r.shampoo_blocked {
+            s.push_str(&format!("; shampoo-update blocked for {param}: {why}\n"));
         }
         for (result, product) in &r.bias_epilogues {
             s.push_str(&format!(

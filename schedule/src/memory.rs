@@ -309,6 +309,7 @@ impl Op {
                 Access::ReadWrite
             }
             (Op::SoapFactorUpdate { .. }, "factor_left" | "factor_right") => Access::ReadWrite,
+            (Op::ShampooFactorUpdate { .. }, "factor") => Access::ReadWrite,
             (
                 Op::KlShampooUpdate { .. },
                 "param" | "exp_avg" | "factor_left" | "factor_right" | "eig_left" | "eig_right",

@@ -170,11 +170,23 @@ pub enum StepScalar {
     /// `warm`: 0 at t = 1, 1 from t = 2 (for updates that skip the first step, as SOAP does
     /// while it has no eigenbasis).
     Warm,
+    /// `bc1`: `1 − β₁ᵗ`, the first moment's bias correction as a divisor (Shampoo's
+    /// `Ḡ = M / (1 − β₁ᵗ)`).
+    Bc1 {
+        /// β₁ of the first moment.
+        beta1: f64,
+    },
+    /// `bc2`: `1 − β₂ᵗ`, a second moment's bias correction as a divisor (Shampoo's Adam
+    /// grafting, `V / (1 − β₂ᵗ)`, with the grafting β₂).
+    Bc2 {
+        /// β₂ of the second moment.
+        beta2: f64,
+    },
 }
 
 impl StepScalar {
     /// Every variable name of the vocabulary.
-    pub const NAMES: [&'static str; 7] = [
+    pub const NAMES: [&'static str; 9] = [
         "lr",
         "decay",
         "step_size",
@@ -182,6 +194,8 @@ impl StepScalar {
         "soap_step",
         "neg_lr_wd",
         "warm",
+        "bc1",
+        "bc2",
     ];
 
     /// The variable name of this scalar in an update expression.
@@ -194,6 +208,8 @@ impl StepScalar {
             StepScalar::SoapStep { .. } => "soap_step",
             StepScalar::NegLrWd { .. } => "neg_lr_wd",
             StepScalar::Warm => "warm",
+            StepScalar::Bc1 { .. } => "bc1",
+            StepScalar::Bc2 { .. } => "bc2",
         }
     }
 
@@ -203,8 +219,8 @@ impl StepScalar {
         Some(match name {
             "lr" | "warm" => &[],
             "decay" | "neg_lr_wd" => &["weight_decay"],
-            "step_size" => &["beta1"],
-            "bc2_sqrt" => &["beta2"],
+            "step_size" | "bc1" => &["beta1"],
+            "bc2_sqrt" | "bc2" => &["beta2"],
             "soap_step" => &["beta1", "beta2"],
             _ => return None,
         })
@@ -226,6 +242,8 @@ impl StepScalar {
             }
             StepScalar::NegLrWd { weight_decay } => -lr_t * weight_decay,
             StepScalar::Warm => f64::from(u8::from(t > 1)),
+            StepScalar::Bc1 { beta1 } => 1.0 - beta1.powi(t),
+            StepScalar::Bc2 { beta2 } => 1.0 - beta2.powi(t),
         }
     }
 
@@ -237,8 +255,8 @@ impl StepScalar {
             StepScalar::Decay { weight_decay } | StepScalar::NegLrWd { weight_decay } => {
                 vec![("weight_decay", weight_decay)]
             }
-            StepScalar::StepSize { beta1 } => vec![("beta1", beta1)],
-            StepScalar::Bc2Sqrt { beta2 } => vec![("beta2", beta2)],
+            StepScalar::StepSize { beta1 } | StepScalar::Bc1 { beta1 } => vec![("beta1", beta1)],
+            StepScalar::Bc2Sqrt { beta2 } | StepScalar::Bc2 { beta2 } => vec![("beta2", beta2)],
             StepScalar::SoapStep { beta1, beta2 } => vec![("beta1", beta1), ("beta2", beta2)],
         }
     }
@@ -260,6 +278,12 @@ impl StepScalar {
                 beta1: hyper("beta1")?,
             },
             "bc2_sqrt" => StepScalar::Bc2Sqrt {
+                beta2: hyper("beta2")?,
+            },
+            "bc1" => StepScalar::Bc1 {
+                beta1: hyper("beta1")?,
+            },
+            "bc2" => StepScalar::Bc2 {
                 beta2: hyper("beta2")?,
             },
             "soap_step" => StepScalar::SoapStep {
@@ -744,6 +768,41 @@ pub enum Op {
         factors: Vec<BufferId>,
         roots: Vec<BufferId>,
         hyper: ShampooHyper,
+    },
+    /// Shampoo's Kronecker-factor accumulation, the first op of its composed step
+    /// (`optim::optimizers::shampoo`; `optim::shampoo_factor_update`): per block of
+    /// [`crate::blocking::blocks`]`(grad's shape, max_preconditioner_dim)` with `G` the block
+    /// of `grad`, `F_k ← a·F_k + c·C_k` (`C_1 = G Gᵀ`, `C_2 = Gᵀ G` for a matrix block, `g gᵀ`
+    /// for a vector block), with `(a, c)` = `(1, 1)` when β₂ = 1 (a running sum), the
+    /// bias-corrected storage of [`Op::ShampooUpdate`] when β₂ < 1 and `use_bias_correction`,
+    /// else `(β₂, 1 − β₂)`. `factors` `[d, d]` f32 in block order, in place.
+    ShampooFactorUpdate {
+        grad: BufferId,
+        factors: Vec<BufferId>,
+        beta2: f64,
+        use_bias_correction: bool,
+        max_preconditioner_dim: u64,
+    },
+    /// Shampoo's preconditioning (`optim::shampoo_precondition`): per block of `x` (f32, a
+    /// parameter's shape, blocked as [`Op::ShampooFactorUpdate`]), `out_b = R_1ᵀ x_b R_2` for a
+    /// matrix block and `x_b R_1` for a vector block (a row), with the blocks' inverse roots
+    /// `roots` `[d, d]` in block order (symmetric, so `R_1ᵀ x_b` is Distributed Shampoo's
+    /// `R_1 x_b`); `out` f32 of `x`'s shape.
+    ShampooPrecondition {
+        x: BufferId,
+        out: BufferId,
+        roots: Vec<BufferId>,
+        max_preconditioner_dim: u64,
+    },
+    /// Adam grafting per block (`optim::graft`; Distributed Shampoo's `AdamPreconditionerConfig`
+    /// grafting): `out_b = x_b · ‖graft_b‖ / (‖x_b‖ + 1e-16)` (Frobenius norms in f64), and
+    /// `out = graft` at step t = 1, before any inverse root exists. f32, all of one shape,
+    /// blocked as [`Op::ShampooFactorUpdate`].
+    Graft {
+        x: BufferId,
+        graft: BufferId,
+        out: BufferId,
+        max_preconditioner_dim: u64,
     },
     /// Kronecker-factor accumulation, every step after the update:
     /// `L ← lerp(L, G Gᵀ, 1−β_s)` `[m, m]`, `R ← lerp(R, Gᵀ G, 1−β_s)` `[n, n]`.

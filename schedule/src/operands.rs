@@ -35,6 +35,9 @@ impl Op {
             Op::AdamW { .. } => "adam_w",
             Op::SoapUpdate { .. } => "soap_update",
             Op::SoapFactorUpdate { .. } => "soap_factor_update",
+            Op::ShampooFactorUpdate { .. } => "shampoo_factor_update",
+            Op::ShampooPrecondition { .. } => "shampoo_precondition",
+            Op::Graft { .. } => "graft",
             Op::KlShampooUpdate { .. } => "kl_shampoo_update",
             Op::ShampooUpdate { .. } => "shampoo_update",
             Op::ElementwiseUpdate { .. } => "elementwise_update",
@@ -210,6 +213,17 @@ impl Op {
                 v.push(("grad", *grad));
                 opt(&mut v, "factor_left", factor_left);
                 opt(&mut v, "factor_right", factor_right);
+            }
+            Op::ShampooFactorUpdate { grad, factors, .. } => {
+                v.push(("grad", *grad));
+                v.extend(factors.iter().map(|f| ("factor", *f)));
+            }
+            Op::ShampooPrecondition { x, out, roots, .. } => {
+                v.extend([("x", *x), ("out", *out)]);
+                v.extend(roots.iter().map(|r| ("root", *r)));
+            }
+            Op::Graft { x, graft, out, .. } => {
+                v.extend([("x", *x), ("graft", *graft), ("out", *out)]);
             }
             Op::KlShampooUpdate {
                 param,

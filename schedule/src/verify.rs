@@ -616,6 +616,49 @@ impl Checker<'_> {
                     self.dims("root", *r, &[*d, *d])?;
                 }
             }
+            Op::ShampooFactorUpdate {
+                grad,
+                factors,
+                beta2,
+                max_preconditioner_dim,
+                ..
+            } => {
+                if !(0.0..=1.0).contains(beta2) {
+                    return Err(PlanError::Invalid(format!(
+                        "{}: beta2 must be in [0, 1], got {beta2:?}",
+                        self.location
+                    )));
+                }
+                self.blocked_sides(
+                    ("grad", *grad),
+                    ("factor", factors),
+                    *max_preconditioner_dim,
+                )?;
+            }
+            Op::ShampooPrecondition {
+                x,
+                out,
+                roots,
+                max_preconditioner_dim,
+            } => {
+                self.same(("x", *x), ("out", *out))?;
+                self.blocked_sides(("x", *x), ("root", roots), *max_preconditioner_dim)?;
+            }
+            Op::Graft {
+                x,
+                graft,
+                out,
+                max_preconditioner_dim,
+            } => {
+                self.same(("x", *x), ("graft", *graft))?;
+                self.same(("x", *x), ("out", *out))?;
+                if *max_preconditioner_dim == 0 {
+                    return Err(PlanError::Invalid(format!(
+                        "{}: max_preconditioner_dim must be at least 1",
+                        self.location
+                    )));
+                }
+            }
             Op::SoapFactorUpdate {
                 grad,
                 factor_left,
@@ -714,6 +757,37 @@ impl Checker<'_> {
                     ));
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// `bufs` (operands named `role`) are the `[d, d]` matrices of every side of every block
+    /// of `whole`'s shape under block size `b` (`crate::blocking::blocks`), in block order.
+    fn blocked_sides(
+        &self,
+        (name, whole): (&'static str, BufferId),
+        (role, bufs): (&'static str, &[BufferId]),
+        b: u64,
+    ) -> Result<(), PlanError> {
+        if b == 0 {
+            return Err(PlanError::Invalid(format!(
+                "{}: max_preconditioner_dim must be at least 1",
+                self.location
+            )));
+        }
+        let shape = &self.plan.buffers[whole.index()].shape;
+        let (_, blocks) = crate::blocking::blocks(shape, usize::try_from(b).unwrap_or(usize::MAX));
+        let sides: Vec<usize> = blocks.iter().flat_map(|bl| bl.sides()).collect();
+        if bufs.len() != sides.len() {
+            return Err(PlanError::Invalid(format!(
+                "{}: `{name}` {shape:?} in blocks of at most {b} has {} block sides; got {} `{role}` operands",
+                self.location,
+                sides.len(),
+                bufs.len()
+            )));
+        }
+        for (f, d) in bufs.iter().zip(&sides) {
+            self.dims(role, *f, &[*d, *d])?;
         }
         Ok(())
     }

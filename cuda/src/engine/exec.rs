@@ -62,11 +62,15 @@ impl CudaEngine {
         let dev = &self.dev;
         let s = &self.scratch;
         match op {
-            // Refused at set-up (`check_fused`): a composed SOAP step runs on the CPU engine.
-            Op::Project { .. } => {
+            // Refused at set-up (`check_fused`): a composed SOAP or Shampoo step runs on the
+            // CPU engine.
+            Op::Project { .. }
+            | Op::ShampooFactorUpdate { .. }
+            | Op::ShampooPrecondition { .. }
+            | Op::Graft { .. } => {
                 return Err(CudaError::Invalid {
-                    op: "project",
-                    what: "a composed SOAP step runs on the CPU engine only".into(),
+                    op: op.name(),
+                    what: "a composed SOAP or Shampoo step runs on the CPU engine only".into(),
                 })
             }
             Op::BlockCopy { src, dst, row, col } => {

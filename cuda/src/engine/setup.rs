@@ -45,6 +45,21 @@ fn check_fused(
             plan.buffer(*out).name
         ));
     }
+    if let Some(o) = plan.optimizer.iter().find(|o| {
+        matches!(
+            o,
+            Op::ShampooFactorUpdate { .. } | Op::ShampooPrecondition { .. } | Op::Graft { .. }
+        )
+    }) {
+        let at = o.operands().first().map(|x| plan.buffer(x.1).name.clone());
+        return refuse(format!(
+            "`{}` ({}): a composed Shampoo step that `fuse` did not make one `shampoo_update` \
+             (the fuse report says why; `--skip-pass fuse` leaves every step composed) runs on \
+             the CPU engine only",
+            o.name(),
+            at.unwrap_or_default()
+        ));
+    }
     // A rule with results (a composed step's intermediate, e.g. SOAP's on a parameter with no
     // rotated side) has not run through the generated kernels on a GPU: refused, as `project`.
     if let Some(Op::ElementwiseUpdate { rule, results, .. }) = plan

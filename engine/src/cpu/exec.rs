@@ -651,6 +651,60 @@ pub(crate) fn exec_op<T: Float + Real>(
                     .map_err(|e| optim_err(loc, e))
             })?;
         }
+        Op::ShampooFactorUpdate {
+            grad,
+            factors,
+            beta2,
+            use_bias_correction,
+            max_preconditioner_dim,
+        } => {
+            let shape = st.shape(*grad).to_vec();
+            let b = usize::try_from(*max_preconditioner_dim).unwrap_or(usize::MAX);
+            let outs: Vec<(&'static str, BufferId)> =
+                factors.iter().map(|&f| ("factor", f)).collect();
+            st.with_outs(loc, &outs, &[*grad], |s, o| {
+                let mut fs: Vec<&mut [T]> = o.iter_mut().map(|f| f.as_mut_slice()).collect();
+                let bits = (*beta2, *use_bias_correction);
+                optim::shampoo_factor_update(t, bits, (&shape, b), s.f(*grad)?, &mut fs)
+                    .map_err(|e| optim_err(loc, e))
+            })?;
+        }
+        Op::ShampooPrecondition {
+            x,
+            out,
+            roots,
+            max_preconditioner_dim,
+        } => {
+            let shape = st.shape(*x).to_vec();
+            let b = usize::try_from(*max_preconditioner_dim).unwrap_or(usize::MAX);
+            let mut reads = vec![*x];
+            reads.extend(roots.iter().copied());
+            st.with_outs(loc, &[("out", *out)], &reads, |s, o| {
+                let rs = roots
+                    .iter()
+                    .map(|&r| s.f(r))
+                    .collect::<Result<Vec<&[T]>, _>>()?;
+                let y = optim::shampoo_precondition((&shape, b), s.f(*x)?, &rs)
+                    .map_err(|e| optim_err(loc, e))?;
+                o[0].copy_from_slice(&y);
+                Ok(())
+            })?;
+        }
+        Op::Graft {
+            x,
+            graft,
+            out,
+            max_preconditioner_dim,
+        } => {
+            let shape = st.shape(*x).to_vec();
+            let b = usize::try_from(*max_preconditioner_dim).unwrap_or(usize::MAX);
+            st.with_outs(loc, &[("out", *out)], &[*x, *graft], |s, o| {
+                let y = optim::graft(t, (&shape, b), s.f(*x)?, s.f(*graft)?)
+                    .map_err(|e| optim_err(loc, e))?;
+                o[0].copy_from_slice(&y);
+                Ok(())
+            })?;
+        }
         Op::SoapFactorUpdate {
             grad,
             factor_left,

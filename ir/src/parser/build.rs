@@ -11,7 +11,7 @@ use schedule::{
 use std::str::FromStr;
 
 /// Every op name of the text format.
-const OP_NAMES: [&str; 40] = [
+const OP_NAMES: [&str; 43] = [
     "state",
     "input",
     "loss",
@@ -47,6 +47,9 @@ const OP_NAMES: [&str; 40] = [
     "soap_factor_update",
     "kl_shampoo_update",
     "shampoo_update",
+    "shampoo_factor_update",
+    "shampoo_precondition",
+    "graft",
     "block_copy",
     "project",
     "block_write",
@@ -406,6 +409,17 @@ pub(super) fn build_op<'a>(
                 grafting_beta2: a.f("grafting_beta2")?,
                 grafting_epsilon: a.f("grafting_epsilon")?,
             },
+        },
+        "shampoo_factor_update" => Op::ShampooFactorUpdate {
+            beta2: a.f("beta2")?,
+            use_bias_correction: a.b("use_bias_correction")?,
+            max_preconditioner_dim: a.num("max_preconditioner_dim", "a positive integer")?,
+        },
+        "shampoo_precondition" => Op::ShampooPrecondition {
+            max_preconditioner_dim: a.num("max_preconditioner_dim", "a positive integer")?,
+        },
+        "graft" => Op::Graft {
+            max_preconditioner_dim: a.num("max_preconditioner_dim", "a positive integer")?,
         },
         "soap_factor_update" => Op::SoapFactorUpdate {
             shampoo_beta: a.f("shampoo_beta")?,

@@ -63,6 +63,21 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
         }
         Op::BlockCopy { .. } => vec!["src"],
         Op::BlockWrite { .. } => vec!["dst", "src"],
+        Op::ShampooFactorUpdate { .. } if found >= 2 => {
+            let mut v = vec!["grad"];
+            v.extend(std::iter::repeat("factor").take(found - 1));
+            v
+        }
+        Op::ShampooPrecondition { .. } if found >= 2 => {
+            let mut v = vec!["x"];
+            v.extend(std::iter::repeat("root").take(found - 1));
+            v
+        }
+        Op::ShampooFactorUpdate { .. } => {
+            return Err("1 (grad) plus one factor per block side".into())
+        }
+        Op::ShampooPrecondition { .. } => return Err("1 (x) plus one root per block side".into()),
+        Op::Graft { .. } => vec!["x", "graft"],
         Op::SoapFactorUpdate { left, right, .. } => {
             let mut v = vec!["grad"];
             v.extend(left.then_some("factor_left"));
@@ -166,6 +181,7 @@ fn result_roles(op: &Op, found: usize) -> Vec<&'static str> {
         | Op::SoapFactorUpdate { .. }
         | Op::KlShampooUpdate { .. }
         | Op::ShampooUpdate { .. }
+        | Op::ShampooFactorUpdate { .. }
         | Op::BlockWrite { .. }
         | Op::EigenbasisRefresh { .. } => vec![],
         _ => vec!["out"],
@@ -503,7 +519,10 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
             let (g, _) = c.get("grad")?;
             let derived = matches!(
                 m.inst(m.value(g).def).op,
-                Op::Project { .. } | Op::ElementwiseUpdate { .. }
+                Op::Project { .. }
+                    | Op::ElementwiseUpdate { .. }
+                    | Op::ShampooPrecondition { .. }
+                    | Op::Graft { .. }
             );
             if derived {
                 // A composed optimizer's later step: `grad` is computed from the gradient. Its
@@ -518,7 +537,9 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 for _ in 0..m.num_values() {
                     let def = m.inst(m.value(src).def);
                     src = match def.op {
-                        Op::Project { .. } => def.args[0],
+                        Op::Project { .. } | Op::ShampooPrecondition { .. } | Op::Graft { .. } => {
+                            def.args[0]
+                        }
                         Op::ElementwiseUpdate { .. } if def.args.len() > 1 => def.args[1],
                         _ => break,
                     };
@@ -666,6 +687,50 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 }
             }
         }
+        Op::ShampooFactorUpdate {
+            beta2,
+            max_preconditioner_dim,
+            ..
+        } => {
+            if !(beta2 > 0.0 && beta2 <= 1.0) {
+                return Err(c.attr(format!("beta2 must be in (0, 1], got {beta2:?}")));
+            }
+            c.gradient("grad", None)?;
+            blocked_sides(
+                &c,
+                "grad",
+                "factor",
+                BufferClass::KroneckerFactor,
+                max_preconditioner_dim,
+            )?;
+        }
+        Op::ShampooPrecondition {
+            max_preconditioner_dim,
+        } => {
+            c.same("x", "out")?;
+            if c.get("x")?.1.dtype != DType::F32 {
+                return Err(c.fail("x", "must be f32"));
+            }
+            blocked_sides(
+                &c,
+                "x",
+                "root",
+                BufferClass::InverseRoot,
+                max_preconditioner_dim,
+            )?;
+        }
+        Op::Graft {
+            max_preconditioner_dim,
+        } => {
+            if max_preconditioner_dim == 0 {
+                return Err(c.attr("max_preconditioner_dim must be at least 1".into()));
+            }
+            c.same("x", "graft")?;
+            c.same("x", "out")?;
+            if c.get("x")?.1.dtype != DType::F32 {
+                return Err(c.fail("x", "must be f32"));
+            }
+        }
         Op::Project { left, right, .. } => {
             if !left && !right {
                 return Err(c.attr(
@@ -771,6 +836,53 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
             c.class("factor", BufferClass::KroneckerFactor)?;
             c.class("basis", BufferClass::Eigenbasis)?;
             c.class("exp_avg", BufferClass::ExpAvg)?;
+        }
+    }
+    Ok(())
+}
+
+/// The operands named `role` are the `[d, d]` state buffers of class `class` of every side of
+/// every block of `whole`'s shape in blocks of at most `b` (`schedule::blocking::blocks`), in
+/// block order.
+fn blocked_sides(
+    c: &Ctx<'_, '_>,
+    whole: &'static str,
+    role: &'static str,
+    class: BufferClass,
+    b: u64,
+) -> R {
+    if b == 0 {
+        return Err(c.attr("max_preconditioner_dim must be at least 1".into()));
+    }
+    let shape = c.shape(whole)?.to_vec();
+    let (_, blocks) = schedule::blocking::blocks(&shape, usize::try_from(b).unwrap_or(usize::MAX));
+    let sides: Vec<usize> = blocks.iter().flat_map(|bl| bl.sides()).collect();
+    let ops: Vec<ValueId> = c
+        .operands
+        .iter()
+        .filter(|o| o.0 == role)
+        .map(|o| o.1)
+        .collect();
+    if ops.len() != sides.len() {
+        return Err(c.attr(format!(
+            "{shape:?} in blocks of at most {b} has {} block sides, got {} `{role}` operands",
+            sides.len(),
+            ops.len()
+        )));
+    }
+    for (id, d) in ops.into_iter().zip(sides) {
+        if c.v.m.value(id).ty.shape != [d, d] {
+            return Err(c.fail_value(role, id, format!("must have shape {:?}", [d, d])));
+        }
+        if c.v.state_class(id) != Some(class) {
+            return Err(c.fail_value(
+                role,
+                id,
+                format!(
+                    "must be a `state {}` buffer",
+                    crate::printer::class_keyword(class)
+                ),
+            ));
         }
     }
     Ok(())

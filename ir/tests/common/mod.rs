@@ -526,6 +526,91 @@ pub fn tiny() -> Module {
             &args,
         );
     }
+    // Shampoo on `wpe` [8, 16] in blocks of 8 (two 8×8 blocks, a factor and an inverse root
+    // per side), with Adam grafting: the hand-written op and the composed step
+    // (`optim::optimizers::shampoo`).
+    {
+        let shape = b.m.value(wpe).ty.shape.clone();
+        let ea = b.state("wpe.sh.exp_avg", BufferClass::ExpAvg, Init::Zeros, &shape);
+        let gs = b.state(
+            "wpe.sh.graft_sq",
+            BufferClass::ExpAvgSq,
+            Init::Zeros,
+            &shape,
+        );
+        let (mut factors, mut roots) = (Vec::new(), Vec::new());
+        for k in 0..4 {
+            factors.push(b.state(
+                &format!("wpe.F{k}"),
+                BufferClass::KroneckerFactor,
+                Init::Zeros,
+                &[8, 8],
+            ));
+            roots.push(b.state(
+                &format!("wpe.P{k}"),
+                BufferClass::InverseRoot,
+                Init::Zeros,
+                &[8, 8],
+            ));
+        }
+        let hyper = ir::ShampooHyper {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 1.0,
+            epsilon: 1e-12,
+            weight_decay: 0.0,
+            use_bias_correction: true,
+            max_preconditioner_dim: 8,
+            grafting: true,
+            grafting_beta2: 0.999,
+            grafting_epsilon: 1e-10,
+        };
+        let mut args = vec![wpe, dwpe, ea, gs];
+        args.extend(factors.iter().zip(&roots).flat_map(|(&f, &r)| [f, r]));
+        b.m.push0(O, Op::ShampooUpdate { hyper }, &args);
+        let mut args = vec![dwpe];
+        args.extend(&factors);
+        let op = Op::ShampooFactorUpdate {
+            beta2: 1.0,
+            use_bias_correction: true,
+            max_preconditioner_dim: 8,
+        };
+        b.m.push0(O, op, &args);
+        let (moments, step) = optim::optimizers::shampoo::rules(&hyper).expect("rules");
+        let ty = ir::TensorType::f32(shape.clone());
+        let (_, out) = b.m.push(
+            O,
+            Op::ElementwiseUpdate {
+                rule: moments.expect("moments"),
+            },
+            &[wpe, dwpe, ea, gs],
+            vec![
+                ("wpe.gbar".into(), ty.clone()),
+                ("wpe.graft_dir".into(), ty),
+            ],
+        );
+        let mut args = vec![out[0]];
+        args.extend(&roots);
+        let pre = b.f(
+            O,
+            Op::ShampooPrecondition {
+                max_preconditioner_dim: 8,
+            },
+            &args,
+            "wpe.precond",
+            &shape,
+        );
+        let dir = b.f(
+            O,
+            Op::Graft {
+                max_preconditioner_dim: 8,
+            },
+            &[pre, out[1]],
+            "wpe.dir",
+            &shape,
+        );
+        b.m.push0(O, Op::ElementwiseUpdate { rule: step }, &[wpe, dir]);
+    }
     for (side, f, q, m, v) in refresh {
         b.m.push0(
             Section::Refresh,

@@ -21,6 +21,7 @@ use schedule::{BufferClass, ElementwiseRule, StepScalar};
 use std::collections::HashMap;
 
 mod lion;
+pub mod shampoo;
 pub mod soap;
 
 /// Every optimizer defined by an element-wise rule, by spec name.
