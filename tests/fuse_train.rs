@@ -1,5 +1,5 @@
 //! A small GPT-2 compiled with and without the `fuse` pass (`PassOptions::skip`) and trained a
-//! few steps on the CPU engine on one fixed batch, AdamW, SOAP and Shampoo:
+//! few steps on the CPU engine on one fixed batch, AdamW, SOAP, Shampoo and KL-Shampoo:
 //! - CPU target: only bias epilogues apply; `mat_mul_bias` is computed bit-identically to the
 //!   pair, so every loss is identical, bit for bit.
 //! - CUDA target with `precision = fp32`: bias epilogues and `clip-into-update` (a clip
@@ -251,6 +251,52 @@ fn shampoo_update_fusion_trains_bit_identically_on_the_cpu() {
             bits(&a),
             bits(&b),
             "block {block}, beta2 {beta2}, grafting {grafting}: {a:?} vs {b:?}"
+        );
+    }
+}
+
+/// `kl-shampoo-update`: the composed KL-Shampoo step (momentum rule, `project`, `kl_scale`,
+/// `project` back, step rule, `kl_factor_update`) and the `kl_shampoo_update` op `fuse` selects
+/// for it train bit-identically on the CPU engine, through QR basis refreshes (frequency 2),
+/// with both sides preconditioned, one side over `max_precond_dim` (the 40-row embedding at
+/// 24), and with and without weight decay. 1-D parameters take AdamW either way.
+#[test]
+fn kl_shampoo_update_fusion_trains_bit_identically_on_the_cpu() {
+    for (max_precond_dim, wd) in [(64, 0.01), (24, 0.0)] {
+        let mut cfg = config(cpu(), false);
+        cfg.optimizer = OptimizerConfig::KlShampoo(KlShampooConfig {
+            lr: 3e-3,
+            beta1: 0.9,
+            beta2: 0.98,
+            shampoo_beta: 0.98,
+            eps: 1e-8,
+            weight_decay: wd,
+            precondition_frequency: 2,
+            init_factor: 0.1,
+            max_clamp_value: 4000.0,
+            max_precond_dim,
+            normalize_grads: false,
+        });
+        let fused = compile(cfg.clone(), true);
+        let composed = compile(cfg, false);
+        let ops = |p: &schedule::Plan, name: &str| {
+            p.optimizer.iter().filter(|o| o.name() == name).count()
+        };
+        let steps = ops(&composed, "kl_factor_update");
+        assert!(steps > 0);
+        assert_eq!(ops(&composed, "kl_scale"), steps);
+        assert_eq!(ops(&composed, "kl_shampoo_update"), 0);
+        assert_eq!(ops(&fused, "kl_shampoo_update"), steps);
+        for name in ["kl_factor_update", "kl_scale", "project"] {
+            assert_eq!(ops(&fused, name), 0, "{name}");
+        }
+        let (a, b) = (train(fused, 8), train(composed, 8));
+        assert!(a[7] < a[0], "the loss falls: {a:?}");
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&a),
+            bits(&b),
+            "max_precond_dim {max_precond_dim}, wd {wd}: {a:?} vs {b:?}"
         );
     }
 }

@@ -437,6 +437,45 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                     hyper: *hyper,
                 }
             }
+            Op::KlScale { eps } => P::KlScale {
+                x: arg(0)?,
+                out: res(0)?,
+                eig_left: arg(1)?,
+                eig_right: arg(2)?,
+                eps: *eps,
+            },
+            Op::KlFactorUpdate {
+                shampoo_beta,
+                init_factor,
+                max_clamp_value,
+                left,
+                right,
+            } => {
+                let mut rest = a[3..].iter();
+                let mut side =
+                    |present: bool| -> Result<(Option<BufferId>, Option<BufferId>), LowerError> {
+                        if !present {
+                            return Ok((None, None));
+                        }
+                        let f = rest.next().map(|&v| b(v)).transpose()?;
+                        let q = rest.next().map(|&v| b(v)).transpose()?;
+                        Ok((f, q))
+                    };
+                let (factor_left, basis_left) = side(*left)?;
+                let (factor_right, basis_right) = side(*right)?;
+                P::KlFactorUpdate {
+                    grad: arg(0)?,
+                    factor_left,
+                    factor_right,
+                    basis_left,
+                    basis_right,
+                    eig_left: arg(1)?,
+                    eig_right: arg(2)?,
+                    shampoo_beta: *shampoo_beta,
+                    init_factor: *init_factor,
+                    max_clamp_value: *max_clamp_value,
+                }
+            }
             Op::ShampooFactorUpdate {
                 beta2,
                 use_bias_correction,

@@ -606,6 +606,16 @@ fn hyperparameters(plan: &Plan) -> Vec<(&'static str, String)> {
                 Op::SoapFactorUpdate { shampoo_beta, .. } => {
                     format!("shampoo_beta {shampoo_beta:?}")
                 }
+                Op::KlFactorUpdate {
+                    shampoo_beta,
+                    init_factor,
+                    max_clamp_value,
+                    ..
+                } => format!(
+                    "shampoo_beta {shampoo_beta:?}, init_factor {init_factor:?}, \
+                     max_clamp_value {max_clamp_value:?}"
+                ),
+                Op::KlScale { eps, .. } => format!("eps {eps:?}"),
                 Op::ShampooFactorUpdate {
                     beta2,
                     use_bias_correction,

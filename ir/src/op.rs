@@ -265,6 +265,27 @@ pub enum Op {
         /// Block size.
         max_preconditioner_dim: u64,
     },
+    /// KL-Shampoo's preconditioner in the eigenbasis (see `schedule::Op::KlScale`): args `[x,
+    /// eig_left, eig_right]` (`x` f32 `[m, n]`) → f32 `[m, n]`.
+    KlScale {
+        /// ε added to `√(D_L D_Rᵀ)`.
+        eps: f64,
+    },
+    /// KL-Shampoo's factor and estimate update (see `schedule::Op::KlFactorUpdate`): args
+    /// `[grad, eig_left, eig_right]` + `factor_left, basis_left` if `left` + `factor_right,
+    /// basis_right` if `right`; in place; no results.
+    KlFactorUpdate {
+        /// β of the factors' and estimates' EMAs.
+        shampoo_beta: f64,
+        /// Initial eigenvalue estimate.
+        init_factor: f64,
+        /// Clamp bound of the estimates.
+        max_clamp_value: f64,
+        /// The left side has a factor and a basis.
+        left: bool,
+        /// The right side has a factor and a basis.
+        right: bool,
+    },
     /// args `[src]` (2-D f32 `[m, n]`), result `[r, c]`: the block of `src` at (`row`, `col`)
     /// (see `schedule::Op::BlockCopy`).
     BlockCopy {
@@ -374,6 +395,8 @@ impl Op {
             Op::ShampooFactorUpdate { .. } => "shampoo_factor_update",
             Op::ShampooPrecondition { .. } => "shampoo_precondition",
             Op::Graft { .. } => "graft",
+            Op::KlScale { .. } => "kl_scale",
+            Op::KlFactorUpdate { .. } => "kl_factor_update",
             Op::BlockCopy { .. } => "block_copy",
             Op::BlockWrite { .. } => "block_write",
             Op::ElementwiseUpdate { .. } => "elementwise_update",
@@ -393,6 +416,7 @@ impl Op {
                 | Op::KlShampooUpdate { .. }
                 | Op::ShampooUpdate { .. }
                 | Op::ShampooFactorUpdate { .. }
+                | Op::KlFactorUpdate { .. }
                 | Op::BlockWrite { .. }
                 | Op::ElementwiseUpdate { .. }
                 | Op::EigenbasisRefresh { .. }

@@ -212,6 +212,20 @@ pub(crate) fn attrs(op: &Op) -> Vec<(&'static str, Attr)> {
         | Op::Graft {
             max_preconditioner_dim,
         } => vec![("max_preconditioner_dim", U(max_preconditioner_dim))],
+        Op::KlScale { eps } => vec![("eps", F(eps))],
+        Op::KlFactorUpdate {
+            shampoo_beta,
+            init_factor,
+            max_clamp_value,
+            left,
+            right,
+        } => vec![
+            ("shampoo_beta", F(shampoo_beta)),
+            ("init_factor", F(init_factor)),
+            ("max_clamp_value", F(max_clamp_value)),
+            ("left", B(left)),
+            ("right", B(right)),
+        ],
         Op::SoapFactorUpdate {
             shampoo_beta,
             left,

@@ -632,3 +632,49 @@ fn composed_shampoo_ops_are_checked() {
         "{texts:?}"
     );
 }
+
+/// The composed KL-Shampoo step's ops (`kl_scale`, `kl_factor_update`): estimates of the sides'
+/// lengths and of their class, factors and bases per side.
+#[test]
+fn composed_kl_shampoo_ops_are_checked() {
+    let find = |m: &Module, name: &str| {
+        m.insts()
+            .find(|&i| m.inst(i).op.name() == name)
+            .expect("the composed KL-Shampoo step")
+    };
+    // A Kronecker factor where an eigenvalue estimate belongs.
+    let mut m = common::tiny();
+    let id = find(&m, "kl_scale");
+    let mut args = m.inst(id).args.clone();
+    args[1] = m.value_by_name("proj.w.SL").expect("a factor");
+    let op = m.inst(id).op.clone();
+    m.replace_inst(id, op, &args);
+    let texts: Vec<String> = errors(&m).iter().map(|e| e.to_string()).collect();
+    assert!(
+        texts
+            .iter()
+            .any(|t| t.contains("kl_scale") && t.contains("eig_left")),
+        "{texts:?}"
+    );
+    // A side without its basis: the arity given `left` / `right`.
+    let mut m = common::tiny();
+    let id = find(&m, "kl_factor_update");
+    let mut args = m.inst(id).args.clone();
+    args.pop();
+    let op = m.inst(id).op.clone();
+    m.replace_inst(id, op, &args);
+    one(&m, &["kl_factor_update", "(given `left` / `right`)"]);
+    // shampoo_beta out of range.
+    let mut m = common::tiny();
+    let id = find(&m, "kl_factor_update");
+    let args = m.inst(id).args.clone();
+    let op = Op::KlFactorUpdate {
+        shampoo_beta: 1.5,
+        init_factor: 0.1,
+        max_clamp_value: 4000.0,
+        left: true,
+        right: true,
+    };
+    m.replace_inst(id, op, &args);
+    one(&m, &["kl_factor_update", "shampoo_beta must be in [0, 1)"]);
+}

@@ -219,6 +219,75 @@ pub fn kl_shampoo_update<T: Real>(
         }
         check_len(OP, name_d, side.eig.len(), d)?;
     }
+    if t <= 1 {
+        return kl_factor_update(t, hp, grad, (left, right), m, n);
+    }
+    let (ql, qr) = (left.basis, right.basis);
+    let b1 = T::of(hp.beta1);
+    let w1 = T::of(1.0 - hp.beta1);
+    for (x, &g) in exp_avg.iter_mut().zip(grad) {
+        *x = b1 * *x + w1 * g;
+    }
+    // U = Q_L [(Q_Lᵀ M Q_R) ⊘ (√(D_L D_Rᵀ) + ε)] Q_Rᵀ.
+    let mt = x_q(&qt_x(ql, exp_avg, m, n), qr, m, n);
+    let mt = kl_scale(t, hp.eps, &mt, (&*left.eig, &*right.eig), m, n)?;
+    // Q_L X Q_Rᵀ = ((X Q_Rᵀ)ᵀ... written as two products with the transposes explicit.
+    let mut u = match ql {
+        Some(q) => mm(q, false, &mt, false, m, m, n),
+        None => mt,
+    };
+    if let Some(q) = qr {
+        u = mm(&u, false, q, true, m, n, n);
+    }
+    kl_factor_update(t, hp, grad, (left, right), m, n)?;
+    if hp.normalize_grads {
+        let ms = u.iter().fold(T::zero(), |a, &x| a + x * x) / T::of((m * n) as f64);
+        let d = T::of(1e-30) + ms.sqrt();
+        u.iter_mut().for_each(|x| *x /= d);
+    }
+    let (lr_t, decay) = (T::of(lr), T::of(1.0 - lr * hp.weight_decay));
+    for (p, &x) in param.iter_mut().zip(&u) {
+        *p = (*p - lr_t * x) * decay;
+    }
+    Ok(())
+}
+
+/// Plan op `KlFactorUpdate` (KL-Shampoo's matrix work, after the step of
+/// `crate::optimizers::kl_shampoo`): for a 2-D gradient `grad` `[m, n]` and the two sides'
+/// factors, bases and eigenvalue estimates ([`KlSide`]),
+///
+/// - `t ≤ 1` (the reference's first call): `S_L = (1 − β)/n·GGᵀ`, `S_R = (1 − β)/m·GᵀG` for
+///   the sides with a factor, `D = init_factor`;
+/// - `t > 1`: `S_L ← β S_L + (1 − β)/n · G Q_R D_R⁻¹ Q_Rᵀ Gᵀ` (and twin) and
+///   `D_L ← max(β D_L + (1 − β)·rowmean((Q_Lᵀ G Q_R)² ⊘ D_Rᵀ), 1/c_L²)` (and twin), all from
+///   the bases and estimates the call started with;
+///
+/// exactly as [`kl_shampoo_update`] computes them (which calls this).
+///
+/// # Errors
+/// [`ShapeError`] when an operand's length does not match (nothing was modified).
+pub fn kl_factor_update<T: Real>(
+    t: u64,
+    hp: &KlShampooParams,
+    grad: &[T],
+    (left, right): (KlSide<'_, T>, KlSide<'_, T>),
+    m: usize,
+    n: usize,
+) -> Result<(), ShapeError> {
+    const OP: &str = "kl_factor_update";
+    check_len(OP, "grad", grad.len(), m * n)?;
+    for (side, d, name_f, name_q, name_d) in [
+        (&left, m, "factor_left", "basis_left", "eig_left"),
+        (&right, n, "factor_right", "basis_right", "eig_right"),
+    ] {
+        if let Some(f) = &side.factor {
+            check_len(OP, name_f, f.len(), d * d)?;
+        }
+        if let Some(q) = side.basis {
+            check_len(OP, name_q, q.len(), d * d)?;
+        }
+        check_len(OP, name_d, side.eig.len(), d)?;
+    }
     let KlSide {
         factor: fl,
         basis: ql,
@@ -249,31 +318,9 @@ pub fn kl_shampoo_update<T: Real>(
         er.fill(T::of(hp.init_factor));
         return Ok(());
     }
-    let b1 = T::of(hp.beta1);
-    let w1 = T::of(1.0 - hp.beta1);
-    for (x, &g) in exp_avg.iter_mut().zip(grad) {
-        *x = b1 * *x + w1 * g;
-    }
     let inv_sqrt = |d: &[T]| -> Vec<T> { d.iter().map(|&x| T::one() / x.sqrt()).collect() };
     let (dl, dr) = (el.to_vec(), er.to_vec());
     let (sl, sr) = (inv_sqrt(&dl), inv_sqrt(&dr));
-    // U = Q_L [(Q_Lᵀ M Q_R) ⊘ (√(D_L D_Rᵀ) + ε)] Q_Rᵀ, with r = s_L s_R: r / (1 + r·ε).
-    let eps = T::of(hp.eps);
-    let mut mt = x_q(&qt_x(ql, exp_avg, m, n), qr, m, n);
-    for i in 0..m {
-        for j in 0..n {
-            let r = sl[i] * sr[j];
-            mt[i * n + j] *= r / (T::one() + r * eps);
-        }
-    }
-    // Q_L X Q_Rᵀ = ((X Q_Rᵀ)ᵀ... written as two products with the transposes explicit.
-    let mut u = match ql {
-        Some(q) => mm(q, false, &mt, false, m, m, n),
-        None => mt,
-    };
-    if let Some(q) = qr {
-        u = mm(&u, false, q, true, m, n, n);
-    }
     // Factors, from the old bases and estimates: X_R = G Q_R diag(s_R), S_L += X_R X_Rᵀ.
     if let Some(fl) = fl {
         let mut xr = x_q(grad, qr, m, n);
@@ -323,16 +370,43 @@ pub fn kl_shampoo_update<T: Real>(
         }
         er[j] = (b * dr[j] + w * (acc / mf)).max(fr_);
     }
-    if hp.normalize_grads {
-        let ms = u.iter().fold(T::zero(), |a, &x| a + x * x) / T::of((m * n) as f64);
-        let d = T::of(1e-30) + ms.sqrt();
-        u.iter_mut().for_each(|x| *x /= d);
-    }
-    let (lr_t, decay) = (T::of(lr), T::of(1.0 - lr * hp.weight_decay));
-    for (p, &x) in param.iter_mut().zip(&u) {
-        *p = (*p - lr_t * x) * decay;
-    }
     Ok(())
+}
+
+/// Plan op `KlScale` (KL-Shampoo's preconditioner in the eigenbasis): `x ⊘ (√(D_L D_Rᵀ) + ε)`
+/// for `x` `[m, n]` (the momentum rotated into the bases), computed as `x·(r / (1 + r·ε))`
+/// with `r = (1/√D_L[i])·(1/√D_R[j])` in `T`, as [`kl_shampoo_update`] does. At `t ≤ 1` (the
+/// initialising step, whose update is skipped and whose estimates are not set yet) the result
+/// is zero.
+///
+/// # Errors
+/// [`ShapeError`] when an operand's length does not match.
+pub fn kl_scale<T: Real>(
+    t: u64,
+    eps: f64,
+    x: &[T],
+    (eig_left, eig_right): (&[T], &[T]),
+    m: usize,
+    n: usize,
+) -> Result<Vec<T>, ShapeError> {
+    const OP: &str = "kl_scale";
+    check_len(OP, "x", x.len(), m * n)?;
+    check_len(OP, "eig_left", eig_left.len(), m)?;
+    check_len(OP, "eig_right", eig_right.len(), n)?;
+    if t <= 1 {
+        return Ok(vec![T::zero(); m * n]);
+    }
+    let inv_sqrt = |d: &[T]| -> Vec<T> { d.iter().map(|&x| T::one() / x.sqrt()).collect() };
+    let (sl, sr) = (inv_sqrt(eig_left), inv_sqrt(eig_right));
+    let eps = T::of(eps);
+    let mut out = x.to_vec();
+    for i in 0..m {
+        for j in 0..n {
+            let r = sl[i] * sr[j];
+            out[i * n + j] *= r / (T::one() + r * eps);
+        }
+    }
+    Ok(out)
 }
 
 /// `Xᵀ` of a row-major `[r, c]` matrix, as `[c, r]`.

@@ -37,8 +37,8 @@ pub mod update;
 pub use adamw::{adamw_update, AdamWParams};
 pub use eigh::{solver_by_name, solver_names, EigenError, Eigh, FaerEigensolver, HostEigensolver};
 pub use kl_shampoo::{
-    kl_eig_floor, kl_shampoo_step, kl_shampoo_update, KlShampooError, KlShampooParams,
-    KlShampooState, KlSide,
+    kl_eig_floor, kl_factor_update, kl_scale, kl_shampoo_step, kl_shampoo_update, KlShampooError,
+    KlShampooParams, KlShampooState, KlSide,
 };
 #[cfg(feature = "lapack")]
 pub use lapack_solver::LapackEigensolver;

@@ -16,7 +16,10 @@
 //!
 //! KL-Shampoo (Lin et al. 2025, reference `KLOpt`) for a 2-D parameter `[m, n]`: the momentum
 //! `[m, n]` (unrotated), the eigenvalue estimates `D_L [m]`, `D_R [n]`, and for each side ≤
-//! `max_precond_dim` a Kronecker factor and its basis; one `kl_shampoo_update` per step and one
+//! `max_precond_dim` a Kronecker factor and its basis; each step the composition of
+//! `optim::optimizers::kl_shampoo` (the momentum rule, `project`, `kl_scale`, `project` back,
+//! the step rule, `kl_factor_update`; `fuse` makes it one `kl_shampoo_update`, and with
+//! `normalize_grads` this pass writes `kl_shampoo_update` itself), and one
 //! `eigenbasis_refresh` host task with `method = qr` per factor. The reference does not support
 //! 1-D parameters (they go to an auxiliary Adam in its users' code): here they get AdamW with
 //! the block's lr, `betas`, ε and no weight decay.
@@ -244,6 +247,81 @@ fn shampoo(
         m.push0(Section::Refresh, op, &[f, r]);
     }
     Ok(blocks.len())
+}
+
+/// KL-Shampoo's step of one 2-D parameter as the composition of
+/// `optim::optimizers::kl_shampoo` (the momentum rule with its result `{param}.mom`, `project`
+/// into the bases, `kl_scale`, `project` back, the step rule, `kl_factor_update`); `fuse` makes
+/// it one `kl_shampoo_update`. `args` are that op's: `[param, grad, exp_avg, eig_left,
+/// eig_right]` then `(factor, basis)` of each side that has them.
+///
+/// # Errors
+/// An unbuildable rule (a bug).
+fn kl_shampoo(
+    module: &mut Module,
+    hyper: &ir::KlShampooHyper,
+    (left, right): (bool, bool),
+    args: &[ValueId],
+    pname: &str,
+    ty: &TensorType,
+) -> Result<(), PassError> {
+    let (momentum, step) =
+        optim::optimizers::kl_shampoo::rules(hyper).map_err(|e| PassError::Invalid {
+            pass: "expand-optimizer",
+            message: format!("KL-Shampoo's update rules for {pname}: {e}"),
+        })?;
+    let [p, g, exp_avg, eig_left, eig_right] = args[..5] else {
+        return Err(PassError::Invalid {
+            pass: "expand-optimizer",
+            message: format!("internal: KL-Shampoo operands of {pname}"),
+        });
+    };
+    let bases: Vec<ValueId> = args[5..]
+        .chunks(2)
+        .filter_map(|fq| fq.get(1).copied())
+        .collect();
+    let f32_ty = TensorType::f32(ty.shape.clone());
+    let mom = module.push1(
+        Section::Optimizer,
+        Op::ElementwiseUpdate { rule: momentum },
+        &[p, g, exp_avg],
+        &format!("{pname}.mom"),
+        f32_ty.clone(),
+    );
+    let rotate = |module: &mut Module, x: ValueId, back: bool, name: String| match left || right {
+        true => {
+            let mut a = vec![x];
+            a.extend(&bases);
+            let op = Op::Project { back, left, right };
+            module.push1(Section::Optimizer, op, &a, &name, f32_ty.clone())
+        }
+        false => x,
+    };
+    let x = rotate(module, mom, false, format!("{pname}.mom_eig"));
+    let y = module.push1(
+        Section::Optimizer,
+        Op::KlScale { eps: hyper.eps },
+        &[x, eig_left, eig_right],
+        &format!("{pname}.dir_eig"),
+        f32_ty.clone(),
+    );
+    let u = rotate(module, y, true, format!("{pname}.dir"));
+    module.push0(
+        Section::Optimizer,
+        Op::ElementwiseUpdate { rule: step },
+        &[p, u],
+    );
+    let mut fargs = vec![g, eig_left, eig_right];
+    fargs.extend(&args[5..]);
+    let op = Op::KlFactorUpdate {
+        shampoo_beta: hyper.shampoo_beta,
+        init_factor: hyper.init_factor,
+        max_clamp_value: hyper.max_clamp_value,
+        left,
+        right,
+    };
+    module.push0(Section::Optimizer, op, &fargs);
+    Ok(())
 }
 
 /// SOAP's state, update, factor accumulation and refreshes of one parameter (or one block of
@@ -598,11 +676,17 @@ impl Pass for ExpandOptimizer {
                     normalize_grads: c.normalize_grads,
                 };
                 let (left, right) = (sides[0].is_some(), sides[1].is_some());
-                module.push0(
-                    Section::Optimizer,
-                    Op::KlShampooUpdate { hyper, left, right },
-                    &args,
-                );
+                match hyper.normalize_grads {
+                    // `normalize_grads` (a reduction over the update): the hand-written op.
+                    true => {
+                        module.push0(
+                            Section::Optimizer,
+                            Op::KlShampooUpdate { hyper, left, right },
+                            &args,
+                        );
+                    }
+                    false => kl_shampoo(module, &hyper, (left, right), &args, &pname, &ty)?,
+                }
                 for (side, s) in sides.iter().enumerate() {
                     if let Some((f, q)) = s {
                         let op = Op::EigenbasisRefresh {

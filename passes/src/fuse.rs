@@ -1,7 +1,7 @@
 //! `fuse`: rewrites the IR into the fused ops the engines execute, so that an engine runs what
 //! the plan says and plans no fusion of its own (everything is visible with
 //! `--print-after fuse`). Runs after `expand-optimizer`, before `liveness` (memory is planned
-//! for the fused program). Eight rules:
+//! for the fused program). Nine rules:
 //!
 //! - **`soap-update`** (instruction selection, every target): the composed SOAP step that
 //!   `expand-optimizer` writes from `optim::optimizers::soap` — `project` the gradient into
@@ -25,6 +25,12 @@
 //!   op of the same block size and factor hyperparameters, intermediates read only by the next
 //!   op, the ops consecutive; otherwise the report says why and the composition runs as
 //!   written (the CPU engine runs it; the CUDA engine refuses the composed ops).
+//!
+//! - **`kl-shampoo-update`** (instruction selection, every target): the composed KL-Shampoo
+//!   step of `optim::optimizers::kl_shampoo` — the momentum `elementwise_update` (result: the
+//!   new momentum), `project` into the bases, `kl_scale`, `project` back, the step
+//!   `elementwise_update`, `kl_factor_update` — becomes one `kl_shampoo_update`, on the same
+//!   conditions.
 //!
 //! - **`bias-epilogue`** (an egg rewrite, every target):
 //!   `(bias_add (mat_mul ?ta ?tb ?a ?b) ?bias) → (mat_mul_bias ?ta ?tb ?a ?b ?bias)`.
@@ -163,6 +169,10 @@ pub struct FuseReport {
     pub shampoo_updates: usize,
     /// Composed Shampoo steps left unfused: `(parameter, why)`.
     pub shampoo_blocked: Vec<(String, String)>,
+    /// `kl-shampoo-update` rewrites.
+    pub kl_shampoo_updates: usize,
+    /// Composed KL-Shampoo steps left unfused: `(parameter, why)`.
+    pub kl_shampoo_blocked: Vec<(String, String)>,
 }
 
 /// The `fuse` pass. See the module docs.
@@ -1107,6 +1117,238 @@ impl Fuse {
     }
 }
 
+/// The parts of one composed KL-Shampoo step (`optim::optimizers::kl_shampoo`) that
+/// `kl-shampoo-update` replaces.
+struct KlChain {
+    hyper: ir::KlShampooHyper,
+    left: bool,
+    right: bool,
+    /// `kl_shampoo_update`'s operands.
+    args: Vec<ValueId>,
+    /// The in-place ops that go: the momentum update and the factor update.
+    in_place: [ir::InstId; 2],
+}
+
+impl Fuse {
+    /// Matches the composed KL-Shampoo step whose step rule is `step`: the momentum rule over
+    /// the parameter's gradient and `exp_avg` (result: the new momentum), `project` into the
+    /// bases, `kl_scale`, `project` back with the same bases (no projections when neither side
+    /// has a basis), the step rule, then `kl_factor_update` of the same gradient, estimates and
+    /// bases — consecutive, each intermediate read only by the next op, both rules exactly
+    /// `optim::optimizers::kl_shampoo::rules` of the hyperparameters they carry (as written or
+    /// after `simplify`). `Err` says why a KL-Shampoo step rule did not match; `Ok(None)` for
+    /// other ops.
+    fn kl_chain(
+        m: &Module,
+        step: ir::InstId,
+        (order, layout): (&[ir::InstId], &HashMap<ir::InstId, usize>),
+        cache: &mut HashMap<Vec<u64>, ShampooRules>,
+    ) -> Result<Option<KlChain>, String> {
+        use optim::optimizers::kl_shampoo;
+        let inst = m.inst(step);
+        let Op::ElementwiseUpdate { rule } = &inst.op else {
+            return Ok(None);
+        };
+        if rule.optimizer != kl_shampoo::NAME || !rule.results.is_empty() || inst.args.len() != 2 {
+            return Ok(None);
+        }
+        let h = kl_shampoo::hyper_of(rule)
+            .ok_or("the step rule carries no KL-Shampoo hyperparameters")?;
+        let key: Vec<u64> = rule
+            .hyper
+            .iter()
+            .map(|x| x.1.to_bits())
+            .chain([h.lr.to_bits()])
+            .collect();
+        let rules = match cache.get(&key) {
+            Some(r) => r.clone(),
+            None => {
+                let (raw_momentum, raw_step) = kl_shampoo::rules(&h).map_err(|e| e.to_string())?;
+                let unparsable = "a regenerated rule does not parse";
+                let r: ShampooRules = [
+                    vec![
+                        simplified(raw_momentum.clone()).ok_or(unparsable)?,
+                        raw_momentum,
+                    ],
+                    vec![simplified(raw_step.clone()).ok_or(unparsable)?, raw_step],
+                ];
+                cache.insert(key, r.clone());
+                r
+            }
+        };
+        let [want_momentum, want_step] = &rules;
+        if !want_step.contains(rule) {
+            return Err("the step rule is not KL-Shampoo's for its hyperparameters".into());
+        }
+        let (p, u) = (inst.args[0], inst.args[1]);
+        let only_reader = |v: ValueId, reader: ir::InstId| m.uses(v) == [reader];
+        let def_of = |v: ValueId| m.value(v).def;
+        if !only_reader(u, step) {
+            return Err(format!("{} has other readers", m.display_value(u)));
+        }
+        let mut chain = vec![step];
+        // The rotation back, if any.
+        let (y, back) = match m.inst(def_of(u)).op {
+            Op::Project {
+                back: true,
+                left,
+                right,
+            } => {
+                chain.insert(0, def_of(u));
+                (
+                    m.inst(def_of(u)).args[0],
+                    Some((left, right, m.inst(def_of(u)).args[1..].to_vec())),
+                )
+            }
+            _ => (u, None),
+        };
+        let scale = def_of(y);
+        let si = m.inst(scale);
+        if !matches!(si.op, Op::KlScale { eps } if eps == h.eps) || !only_reader(y, chain[0]) {
+            return Err(format!(
+                "{} is not the `kl_scale` of this step",
+                m.display_value(y)
+            ));
+        }
+        chain.insert(0, scale);
+        let (x, eig_left, eig_right) = (si.args[0], si.args[1], si.args[2]);
+        let (mom, (left, right), bases) = match back {
+            None => (x, (false, false), vec![]),
+            Some((left, right, bases)) => {
+                let fwd = m.inst(def_of(x));
+                let same = matches!(fwd.op, Op::Project { back: false, left: l, right: r }
+                    if (l, r) == (left, right));
+                if !same || fwd.args[1..] != bases[..] || !only_reader(x, scale) {
+                    return Err(format!(
+                        "{} is not the momentum rotated into the same bases",
+                        m.display_value(x)
+                    ));
+                }
+                chain.insert(0, def_of(x));
+                (fwd.args[0], (left, right), bases)
+            }
+        };
+        let momentum = def_of(mom);
+        let mi = m.inst(momentum);
+        match &mi.op {
+            Op::ElementwiseUpdate { rule } if want_momentum.contains(rule) => {}
+            _ => {
+                return Err(format!(
+                    "{} is not KL-Shampoo's momentum update",
+                    m.display_value(mom)
+                ))
+            }
+        }
+        if mi.args.len() != 3
+            || mi.args[0] != p
+            || mi.results != [mom]
+            || !only_reader(mom, chain[0])
+        {
+            return Err("the momentum update is not of the step's parameter".into());
+        }
+        if !is_state(m, mi.args[2], ir::BufferClass::ExpAvg) {
+            return Err("the momentum update's state is not an exp_avg".into());
+        }
+        let grad = mi.args[1];
+        if !is_grad_of(m, p, grad) {
+            return Err(format!(
+                "{} is not the gradient of {}",
+                m.display_value(grad),
+                m.display_value(p)
+            ));
+        }
+        chain.insert(0, momentum);
+        // The factor update: the op after the step.
+        let at = |i: ir::InstId| layout.get(&i).copied();
+        let first = at(momentum).ok_or("internal: an op of the chain is not in the layout")?;
+        let factor_update = order
+            .get(first + chain.len())
+            .copied()
+            .filter(|&i| m.contains_inst(i))
+            .ok_or("no `kl_factor_update` right after the step")?;
+        let fi = m.inst(factor_update);
+        let same = matches!(fi.op, Op::KlFactorUpdate { shampoo_beta, init_factor, max_clamp_value, left: l, right: r }
+            if shampoo_beta == h.shampoo_beta && init_factor == h.init_factor
+                && max_clamp_value == h.max_clamp_value && (l, r) == (left, right));
+        let fbases: Vec<ValueId> = fi
+            .args
+            .get(3..)
+            .unwrap_or_default()
+            .chunks(2)
+            .filter_map(|fq| fq.get(1).copied())
+            .collect();
+        if !same || fi.args.get(..3) != Some(&[grad, eig_left, eig_right][..]) || fbases != bases {
+            return Err(
+                "the op after the step is not the factor update of the same gradient, estimates, \
+                 bases and hyperparameters"
+                    .into(),
+            );
+        }
+        chain.push(factor_update);
+        if chain
+            .iter()
+            .enumerate()
+            .any(|(k, &i)| at(i) != Some(first + k))
+        {
+            return Err("its ops are not consecutive (another op runs between them)".into());
+        }
+        let mut args = vec![p, grad, mi.args[2], eig_left, eig_right];
+        args.extend(&fi.args[3..]);
+        Ok(Some(KlChain {
+            hyper: h,
+            left,
+            right,
+            args,
+            in_place: [momentum, factor_update],
+        }))
+    }
+
+    /// `kl-shampoo-update` (every target): each composed KL-Shampoo step becomes one
+    /// `kl_shampoo_update` (the hand-written op) in the step rule's place; the momentum update,
+    /// the projections, `kl_scale` and the factor update go.
+    ///
+    /// # Errors
+    /// An internal error if a matched in-place op cannot be removed.
+    fn kl_shampoo_updates(&mut self, m: &mut Module) -> Result<(), PassError> {
+        let steps: Vec<ir::InstId> = m.section(Section::Optimizer).collect();
+        let layout: HashMap<ir::InstId, usize> =
+            steps.iter().enumerate().map(|(k, &i)| (i, k)).collect();
+        let mut cache = HashMap::new();
+        for &step in &steps {
+            if !m.contains_inst(step) {
+                continue;
+            }
+            match Fuse::kl_chain(m, step, (&steps, &layout), &mut cache) {
+                Ok(None) => {}
+                Err(why) => {
+                    let param = m.display_value(m.inst(step).args[0]);
+                    self.report.kl_shampoo_blocked.push((param, why));
+                }
+                Ok(Some(c)) => {
+                    let op = Op::KlShampooUpdate {
+                        hyper: c.hyper,
+                        left: c.left,
+                        right: c.right,
+                    };
+                    m.replace_inst(step, op, &c.args);
+                    m.remove_dead();
+                    for id in c.in_place {
+                        if !m.remove_inst(id) {
+                            return Err(invalid(format!(
+                                "internal: kl-shampoo-update could not remove an op of the step of {}",
+                                m.display_value(c.args[0])
+                            )));
+                        }
+                    }
+                    m.remove_dead();
+                    self.report.kl_shampoo_updates += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Pass for Fuse {
     fn name(&self) -> &'static str {
         "fuse"
@@ -1124,6 +1366,7 @@ impl Pass for Fuse {
         self.rewrite(module, target)?;
         self.soap_updates(module)?;
         self.shampoo_updates(module)?;
+        self.kl_shampoo_updates(module)?;
         self.bf16_outputs(module, target);
         self.bf16_casts(module, target);
         self.sum_rows_casts(module);
@@ -1132,9 +1375,10 @@ impl Pass for Fuse {
         }
         let r = &self.report;
         Ok(format!(
-            "{} soap updates, {} shampoo updates, {} bias epilogues ({} blocked), {} saved attention statistics, {} bf16 outputs, {} bf16 casts, {} sum-rows casts, {} updates read the clip factor",
+            "{} soap updates, {} shampoo updates, {} kl-shampoo updates, {} bias epilogues ({} blocked), {} saved attention statistics, {} bf16 outputs, {} bf16 casts, {} sum-rows casts, {} updates read the clip factor",
             r.soap_updates,
             r.shampoo_updates,
+            r.kl_shampoo_updates,
             r.bias_epilogues.len(),
             r.blocked.len(),
             r.attention_saved.len(),
@@ -1179,6 +1423,16 @@ impl Pass for Fuse {
         }
         for (param, why) in &r.shampoo_blocked {
             s.push_str(&format!("; shampoo-update blocked for {param}: {why}\n"));
+        }
+        if r.kl_shampoo_updates > 0 {
+            s.push_str(&format!(
+                "; kl-shampoo-update: {} composed KL-Shampoo steps (momentum, project, kl_scale, \
+                 project back, step, factor update) -> kl_shampoo_update\n",
+                r.kl_shampoo_updates
+            ));
+        }
+        for (param, why) in &r.kl_shampoo_blocked {
+            s.push_str(&format!("; kl-shampoo-update blocked for {param}: {why}\n"));
         }
         for (result, product) in &r.bias_epilogues {
             s.push_str(&format!(

@@ -311,6 +311,10 @@ impl Op {
             (Op::SoapFactorUpdate { .. }, "factor_left" | "factor_right") => Access::ReadWrite,
             (Op::ShampooFactorUpdate { .. }, "factor") => Access::ReadWrite,
             (
+                Op::KlFactorUpdate { .. },
+                "factor_left" | "factor_right" | "eig_left" | "eig_right",
+            ) => Access::ReadWrite,
+            (
                 Op::KlShampooUpdate { .. },
                 "param" | "exp_avg" | "factor_left" | "factor_right" | "eig_left" | "eig_right",
             ) => Access::ReadWrite,

@@ -804,6 +804,33 @@ pub enum Op {
         out: BufferId,
         max_preconditioner_dim: u64,
     },
+    /// KL-Shampoo's preconditioner in the eigenbasis (`optim::kl_scale`): `out = x ⊘
+    /// (√(D_L D_Rᵀ) + ε)` for `x` `[m, n]` f32 with the eigenvalue estimates `eig_left` `[m]` and
+    /// `eig_right` `[n]`; zero at step t = 1 (the initialising step, whose update is skipped).
+    KlScale {
+        x: BufferId,
+        out: BufferId,
+        eig_left: BufferId,
+        eig_right: BufferId,
+        eps: f64,
+    },
+    /// KL-Shampoo's factor and eigenvalue-estimate update, after the step of its composition
+    /// (`optim::kl_factor_update`): at t = 1 it initialises the factors from `grad` `[m, n]` and
+    /// the estimates to `init_factor`; later `S_L ← β S_L + (1 − β)/n · G Q_R D_R⁻¹ Q_Rᵀ Gᵀ`
+    /// (and twin) and the clamped estimates, from the bases and estimates the step started
+    /// with. Operands as [`Op::KlShampooUpdate`]'s; in place.
+    KlFactorUpdate {
+        grad: BufferId,
+        factor_left: Option<BufferId>,
+        factor_right: Option<BufferId>,
+        basis_left: Option<BufferId>,
+        basis_right: Option<BufferId>,
+        eig_left: BufferId,
+        eig_right: BufferId,
+        shampoo_beta: f64,
+        init_factor: f64,
+        max_clamp_value: f64,
+    },
     /// Kronecker-factor accumulation, every step after the update:
     /// `L ← lerp(L, G Gᵀ, 1−β_s)` `[m, m]`, `R ← lerp(R, Gᵀ G, 1−β_s)` `[n, n]`.
     SoapFactorUpdate {

@@ -38,6 +38,8 @@ impl Op {
             Op::ShampooFactorUpdate { .. } => "shampoo_factor_update",
             Op::ShampooPrecondition { .. } => "shampoo_precondition",
             Op::Graft { .. } => "graft",
+            Op::KlScale { .. } => "kl_scale",
+            Op::KlFactorUpdate { .. } => "kl_factor_update",
             Op::KlShampooUpdate { .. } => "kl_shampoo_update",
             Op::ShampooUpdate { .. } => "shampoo_update",
             Op::ElementwiseUpdate { .. } => "elementwise_update",
@@ -224,6 +226,35 @@ impl Op {
             }
             Op::Graft { x, graft, out, .. } => {
                 v.extend([("x", *x), ("graft", *graft), ("out", *out)]);
+            }
+            Op::KlScale {
+                x,
+                out,
+                eig_left,
+                eig_right,
+                ..
+            } => v.extend([
+                ("x", *x),
+                ("out", *out),
+                ("eig_left", *eig_left),
+                ("eig_right", *eig_right),
+            ]),
+            Op::KlFactorUpdate {
+                grad,
+                factor_left,
+                factor_right,
+                basis_left,
+                basis_right,
+                eig_left,
+                eig_right,
+                ..
+            } => {
+                v.push(("grad", *grad));
+                opt(&mut v, "factor_left", factor_left);
+                opt(&mut v, "factor_right", factor_right);
+                opt(&mut v, "basis_left", basis_left);
+                opt(&mut v, "basis_right", basis_right);
+                v.extend([("eig_left", *eig_left), ("eig_right", *eig_right)]);
             }
             Op::KlShampooUpdate {
                 param,

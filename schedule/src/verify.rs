@@ -616,6 +616,59 @@ impl Checker<'_> {
                     self.dims("root", *r, &[*d, *d])?;
                 }
             }
+            Op::KlScale {
+                x,
+                out,
+                eig_left,
+                eig_right,
+                ..
+            } => {
+                self.same(("x", *x), ("out", *out))?;
+                let (m, n) = self.rank2("x", *x)?;
+                self.dims("eig_left", *eig_left, &[m])?;
+                self.dims("eig_right", *eig_right, &[n])?;
+            }
+            Op::KlFactorUpdate {
+                grad,
+                factor_left,
+                factor_right,
+                basis_left,
+                basis_right,
+                eig_left,
+                eig_right,
+                shampoo_beta,
+                ..
+            } => {
+                if !(0.0..1.0).contains(shampoo_beta) {
+                    return Err(PlanError::Invalid(format!(
+                        "{}: shampoo_beta must be in [0, 1)",
+                        self.location
+                    )));
+                }
+                let (m, n) = self.rank2("grad", *grad)?;
+                self.dims("eig_left", *eig_left, &[m])?;
+                self.dims("eig_right", *eig_right, &[n])?;
+                if factor_left.is_some() != basis_left.is_some()
+                    || factor_right.is_some() != basis_right.is_some()
+                {
+                    return Err(PlanError::Invalid(format!(
+                        "{}: a side has a Kronecker factor without its basis or the reverse",
+                        self.location
+                    )));
+                }
+                self.side_factors(
+                    *grad,
+                    *factor_left,
+                    *factor_right,
+                    ("factor_left", "factor_right"),
+                )?;
+                self.side_factors(
+                    *grad,
+                    *basis_left,
+                    *basis_right,
+                    ("basis_left", "basis_right"),
+                )?;
+            }
             Op::ShampooFactorUpdate {
                 grad,
                 factors,

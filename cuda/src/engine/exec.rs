@@ -67,10 +67,13 @@ impl CudaEngine {
             Op::Project { .. }
             | Op::ShampooFactorUpdate { .. }
             | Op::ShampooPrecondition { .. }
-            | Op::Graft { .. } => {
+            | Op::Graft { .. }
+            | Op::KlScale { .. }
+            | Op::KlFactorUpdate { .. } => {
                 return Err(CudaError::Invalid {
                     op: op.name(),
-                    what: "a composed SOAP or Shampoo step runs on the CPU engine only".into(),
+                    what: "a composed SOAP, Shampoo or KL-Shampoo step runs on the CPU engine only"
+                        .into(),
                 })
             }
             Op::BlockCopy { src, dst, row, col } => {

@@ -48,12 +48,16 @@ fn check_fused(
     if let Some(o) = plan.optimizer.iter().find(|o| {
         matches!(
             o,
-            Op::ShampooFactorUpdate { .. } | Op::ShampooPrecondition { .. } | Op::Graft { .. }
+            Op::ShampooFactorUpdate { .. }
+                | Op::ShampooPrecondition { .. }
+                | Op::Graft { .. }
+                | Op::KlScale { .. }
+                | Op::KlFactorUpdate { .. }
         )
     }) {
         let at = o.operands().first().map(|x| plan.buffer(x.1).name.clone());
         return refuse(format!(
-            "`{}` ({}): a composed Shampoo step that `fuse` did not make one `shampoo_update` \
+            "`{}` ({}): a composed Shampoo or KL-Shampoo step that `fuse` did not make one op \
              (the fuse report says why; `--skip-pass fuse` leaves every step composed) runs on \
              the CPU engine only",
             o.name(),

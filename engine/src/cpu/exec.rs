@@ -651,6 +651,85 @@ pub(crate) fn exec_op<T: Float + Real>(
                     .map_err(|e| optim_err(loc, e))
             })?;
         }
+        Op::KlScale {
+            x,
+            out,
+            eig_left,
+            eig_right,
+            eps,
+        } => {
+            let (m, n) = st.dims2(*x);
+            st.with_outs(
+                loc,
+                &[("out", *out)],
+                &[*x, *eig_left, *eig_right],
+                |s, o| {
+                    let y = optim::kl_scale(
+                        t,
+                        *eps,
+                        s.f(*x)?,
+                        (s.f(*eig_left)?, s.f(*eig_right)?),
+                        m,
+                        n,
+                    )
+                    .map_err(|e| optim_err(loc, e))?;
+                    o[0].copy_from_slice(&y);
+                    Ok(())
+                },
+            )?;
+        }
+        Op::KlFactorUpdate {
+            grad,
+            factor_left,
+            factor_right,
+            basis_left,
+            basis_right,
+            eig_left,
+            eig_right,
+            shampoo_beta,
+            init_factor,
+            max_clamp_value,
+        } => {
+            let (m, n) = st.dims2(*grad);
+            let hp = optim::KlShampooParams {
+                shampoo_beta: *shampoo_beta,
+                init_factor: *init_factor,
+                max_clamp_value: *max_clamp_value,
+                ..optim::KlShampooParams::default()
+            };
+            let mut outs = vec![("eig_left", *eig_left), ("eig_right", *eig_right)];
+            outs.extend(factor_left.map(|f| ("factor_left", f)));
+            outs.extend(factor_right.map(|f| ("factor_right", f)));
+            let reads: Vec<BufferId> = [*grad]
+                .into_iter()
+                .chain(*basis_left)
+                .chain(*basis_right)
+                .collect();
+            st.with_outs(loc, &outs, &reads, |s, o| {
+                let [dl, dr, rest @ ..] = o else {
+                    return Err(optim_err(loc, "internal: operand count"));
+                };
+                let mut rest = rest.iter_mut();
+                let fl = factor_left
+                    .and_then(|_| rest.next())
+                    .map(|v| v.as_mut_slice());
+                let fr = factor_right
+                    .and_then(|_| rest.next())
+                    .map(|v| v.as_mut_slice());
+                let left = optim::KlSide {
+                    factor: fl,
+                    basis: s.opt_f(*basis_left)?,
+                    eig: dl,
+                };
+                let right = optim::KlSide {
+                    factor: fr,
+                    basis: s.opt_f(*basis_right)?,
+                    eig: dr,
+                };
+                optim::kl_factor_update(t, &hp, s.f(*grad)?, (left, right), m, n)
+                    .map_err(|e| optim_err(loc, e))
+            })?;
+        }
         Op::ShampooFactorUpdate {
             grad,
             factors,

@@ -11,7 +11,7 @@ use schedule::{
 use std::str::FromStr;
 
 /// Every op name of the text format.
-const OP_NAMES: [&str; 43] = [
+const OP_NAMES: [&str; 45] = [
     "state",
     "input",
     "loss",
@@ -50,6 +50,8 @@ const OP_NAMES: [&str; 43] = [
     "shampoo_factor_update",
     "shampoo_precondition",
     "graft",
+    "kl_scale",
+    "kl_factor_update",
     "block_copy",
     "project",
     "block_write",
@@ -420,6 +422,14 @@ pub(super) fn build_op<'a>(
         },
         "graft" => Op::Graft {
             max_preconditioner_dim: a.num("max_preconditioner_dim", "a positive integer")?,
+        },
+        "kl_scale" => Op::KlScale { eps: a.f("eps")? },
+        "kl_factor_update" => Op::KlFactorUpdate {
+            shampoo_beta: a.f("shampoo_beta")?,
+            init_factor: a.f("init_factor")?,
+            max_clamp_value: a.f("max_clamp_value")?,
+            left: a.b("left")?,
+            right: a.b("right")?,
         },
         "soap_factor_update" => Op::SoapFactorUpdate {
             shampoo_beta: a.f("shampoo_beta")?,

@@ -78,6 +78,17 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
         }
         Op::ShampooPrecondition { .. } => return Err("1 (x) plus one root per block side".into()),
         Op::Graft { .. } => vec!["x", "graft"],
+        Op::KlScale { .. } => vec!["x", "eig_left", "eig_right"],
+        Op::KlFactorUpdate { left, right, .. } => {
+            let mut v = vec!["grad", "eig_left", "eig_right"];
+            if *left {
+                v.extend(["factor_left", "basis_left"]);
+            }
+            if *right {
+                v.extend(["factor_right", "basis_right"]);
+            }
+            v
+        }
         Op::SoapFactorUpdate { left, right, .. } => {
             let mut v = vec!["grad"];
             v.extend(left.then_some("factor_left"));
@@ -141,6 +152,7 @@ fn arg_roles(op: &Op, found: usize) -> Result<Vec<&'static str>, String> {
             Op::SoapUpdate { .. }
             | Op::SoapFactorUpdate { .. }
             | Op::KlShampooUpdate { .. }
+            | Op::KlFactorUpdate { .. }
             | Op::Project { .. } => {
                 format!("{} (given `left` / `right`)", exact.len())
             }
@@ -182,6 +194,7 @@ fn result_roles(op: &Op, found: usize) -> Vec<&'static str> {
         | Op::KlShampooUpdate { .. }
         | Op::ShampooUpdate { .. }
         | Op::ShampooFactorUpdate { .. }
+        | Op::KlFactorUpdate { .. }
         | Op::BlockWrite { .. }
         | Op::EigenbasisRefresh { .. } => vec![],
         _ => vec!["out"],
@@ -523,6 +536,7 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                     | Op::ElementwiseUpdate { .. }
                     | Op::ShampooPrecondition { .. }
                     | Op::Graft { .. }
+                    | Op::KlScale { .. }
             );
             if derived {
                 // A composed optimizer's later step: `grad` is computed from the gradient. Its
@@ -537,9 +551,10 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 for _ in 0..m.num_values() {
                     let def = m.inst(m.value(src).def);
                     src = match def.op {
-                        Op::Project { .. } | Op::ShampooPrecondition { .. } | Op::Graft { .. } => {
-                            def.args[0]
-                        }
+                        Op::Project { .. }
+                        | Op::ShampooPrecondition { .. }
+                        | Op::Graft { .. }
+                        | Op::KlScale { .. } => def.args[0],
                         Op::ElementwiseUpdate { .. } if def.args.len() > 1 => def.args[1],
                         _ => break,
                     };
@@ -687,6 +702,48 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 }
             }
         }
+        Op::KlScale { .. } => {
+            c.same("x", "out")?;
+            let (rows, cols) = c.rank2("x")?;
+            if c.get("x")?.1.dtype != DType::F32 {
+                return Err(c.fail("x", "must be f32"));
+            }
+            c.dims("eig_left", &[rows])?;
+            c.dims("eig_right", &[cols])?;
+            c.class("eig_left", BufferClass::EigenvalueEstimate)?;
+            c.class("eig_right", BufferClass::EigenvalueEstimate)?;
+        }
+        Op::KlFactorUpdate {
+            shampoo_beta,
+            left,
+            right,
+            ..
+        } => {
+            if !(0.0..1.0).contains(&shampoo_beta) {
+                return Err(c.attr(format!(
+                    "shampoo_beta must be in [0, 1), got {shampoo_beta:?}"
+                )));
+            }
+            c.gradient("grad", None)?;
+            let (rows, cols) = c.rank2("grad")?;
+            c.dims("eig_left", &[rows])?;
+            c.dims("eig_right", &[cols])?;
+            c.class("eig_left", BufferClass::EigenvalueEstimate)?;
+            c.class("eig_right", BufferClass::EigenvalueEstimate)?;
+            let (fl, fr) = (
+                left.then_some("factor_left"),
+                right.then_some("factor_right"),
+            );
+            let (ql, qr) = (left.then_some("basis_left"), right.then_some("basis_right"));
+            c.sides("grad", fl, fr)?;
+            c.sides("grad", ql, qr)?;
+            for role in [fl, fr].into_iter().flatten() {
+                c.class(role, BufferClass::KroneckerFactor)?;
+            }
+            for role in [ql, qr].into_iter().flatten() {
+                c.class(role, BufferClass::Eigenbasis)?;
+            }
+        }
         Op::ShampooFactorUpdate {
             beta2,
             max_preconditioner_dim,
@@ -739,11 +796,15 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
             }
             let (x, _) = c.get("x")?;
             let src = c.block_of(x).map_or(x, |b| b.0);
-            let from_update = matches!(m.inst(m.value(x).def).op, Op::ElementwiseUpdate { .. });
+            let from_update = matches!(
+                m.inst(m.value(x).def).op,
+                Op::ElementwiseUpdate { .. } | Op::KlScale { .. }
+            );
             if !from_update && !c.v.grads.values().any(|&g| g == src) {
                 return Err(c.fail(
                     "x",
-                    "must be a gradient (or a block of one) or an `elementwise_update` result",
+                    "must be a gradient (or a block of one), an `elementwise_update` result or a \
+                     `kl_scale`",
                 ));
             }
             c.rank2("x")?;

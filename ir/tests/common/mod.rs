@@ -611,6 +611,115 @@ pub fn tiny() -> Module {
         );
         b.m.push0(O, Op::ElementwiseUpdate { rule: step }, &[wpe, dir]);
     }
+    // KL-Shampoo on `proj.w` [16, 16], both sides preconditioned: the hand-written op and the
+    // composed step (`optim::optimizers::kl_shampoo`).
+    {
+        let shape = b.m.value(projw).ty.shape.clone();
+        let ea = b.state(
+            "proj.w.kl.exp_avg",
+            BufferClass::ExpAvg,
+            Init::Zeros,
+            &shape,
+        );
+        let dl = b.state(
+            "proj.w.DL",
+            BufferClass::EigenvalueEstimate,
+            Init::Zeros,
+            &[16],
+        );
+        let dr = b.state(
+            "proj.w.DR",
+            BufferClass::EigenvalueEstimate,
+            Init::Zeros,
+            &[16],
+        );
+        let mut sides = Vec::new();
+        for which in ["L", "R"] {
+            let f = b.state(
+                &format!("proj.w.S{which}"),
+                BufferClass::KroneckerFactor,
+                Init::Zeros,
+                &[16, 16],
+            );
+            let q = b.state(
+                &format!("proj.w.K{which}"),
+                BufferClass::Eigenbasis,
+                Init::Zeros,
+                &[16, 16],
+            );
+            sides.extend([f, q]);
+        }
+        let hyper = ir::KlShampooHyper {
+            lr: 3e-3,
+            beta1: 0.9,
+            shampoo_beta: 0.98,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            init_factor: 0.1,
+            max_clamp_value: 4000.0,
+            normalize_grads: false,
+        };
+        let mut args = vec![projw, dprojw, ea, dl, dr];
+        args.extend(&sides);
+        b.m.push0(
+            O,
+            Op::KlShampooUpdate {
+                hyper,
+                left: true,
+                right: true,
+            },
+            &args,
+        );
+        let (momentum, step) = optim::optimizers::kl_shampoo::rules(&hyper).expect("rules");
+        let mom = b.f(
+            O,
+            Op::ElementwiseUpdate { rule: momentum },
+            &[projw, dprojw, ea],
+            "proj.w.mom",
+            &shape,
+        );
+        let bases = [sides[1], sides[3]];
+        let x = b.f(
+            O,
+            Op::Project {
+                back: false,
+                left: true,
+                right: true,
+            },
+            &[mom, bases[0], bases[1]],
+            "proj.w.mom_eig",
+            &shape,
+        );
+        let y = b.f(
+            O,
+            Op::KlScale { eps: 1e-8 },
+            &[x, dl, dr],
+            "proj.w.dir_eig",
+            &shape,
+        );
+        let u = b.f(
+            O,
+            Op::Project {
+                back: true,
+                left: true,
+                right: true,
+            },
+            &[y, bases[0], bases[1]],
+            "proj.w.kl_dir",
+            &shape,
+        );
+        b.m.push0(O, Op::ElementwiseUpdate { rule: step }, &[projw, u]);
+        let mut args = vec![dprojw, dl, dr];
+        args.extend(&sides);
+        let op = Op::KlFactorUpdate {
+            shampoo_beta: 0.98,
+            init_factor: 0.1,
+            max_clamp_value: 4000.0,
+            left: true,
+            right: true,
+        };
+        b.m.push0(O, op, &args);
+    }
     for (side, f, q, m, v) in refresh {
         b.m.push0(
             Section::Refresh,

@@ -20,6 +20,7 @@ use schedule::limits::FloatRange;
 use schedule::{BufferClass, ElementwiseRule, StepScalar};
 use std::collections::HashMap;
 
+pub mod kl_shampoo;
 mod lion;
 pub mod shampoo;
 pub mod soap;
