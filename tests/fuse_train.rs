@@ -259,10 +259,11 @@ fn shampoo_update_fusion_trains_bit_identically_on_the_cpu() {
 /// `project` back, step rule, `kl_factor_update`) and the `kl_shampoo_update` op `fuse` selects
 /// for it train bit-identically on the CPU engine, through QR basis refreshes (frequency 2),
 /// with both sides preconditioned, one side over `max_precond_dim` (the 40-row embedding at
-/// 24), and with and without weight decay. 1-D parameters take AdamW either way.
+/// 24), no side preconditioned (at 4: only the eigenvalue estimates, no projections), and with
+/// and without weight decay. 1-D parameters take AdamW either way.
 #[test]
 fn kl_shampoo_update_fusion_trains_bit_identically_on_the_cpu() {
-    for (max_precond_dim, wd) in [(64, 0.01), (24, 0.0)] {
+    for (max_precond_dim, wd) in [(64, 0.01), (24, 0.0), (4, 0.01)] {
         let mut cfg = config(cpu(), false);
         cfg.optimizer = OptimizerConfig::KlShampoo(KlShampooConfig {
             lr: 3e-3,

@@ -579,8 +579,16 @@ pub fn check(ckpt: &Checkpoint, plan: &Plan) -> Result<(), EngineError> {
 }
 
 /// The optimizer ops' hyperparameters with the peak learning rate left out (a resume may
-/// change the lr schedule; `--resume`'s help says what may differ).
+/// change the lr schedule; `--resume`'s help says what may differ), then the inverse roots'
+/// of the refresh tasks (Shampoo's ε lives only there in a composed plan).
 fn hyperparameters(plan: &Plan) -> Vec<(&'static str, String)> {
+    let roots = plan.host_tasks.iter().filter_map(|task| {
+        let schedule::HostTask::EigenbasisRefresh { root, .. } = task;
+        root.map(|r| {
+            let text = format!("exponent {}, epsilon {:?}", r.exponent, r.epsilon);
+            ("eigenbasis_refresh", text)
+        })
+    });
     plan.optimizer
         .iter()
         .filter_map(|op| {
@@ -633,6 +641,7 @@ fn hyperparameters(plan: &Plan) -> Vec<(&'static str, String)> {
             };
             Some((op.name(), text))
         })
+        .chain(roots)
         .collect()
 }
 

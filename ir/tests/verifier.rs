@@ -678,3 +678,25 @@ fn composed_kl_shampoo_ops_are_checked() {
     m.replace_inst(id, op, &args);
     one(&m, &["kl_factor_update", "shampoo_beta must be in [0, 1)"]);
 }
+
+/// `graft` scales a step by the norm of an Adam step of the same gradient: an operand computed
+/// from anything else is refused.
+#[test]
+fn graft_operands_come_from_one_gradient() {
+    let mut m = common::tiny();
+    let id = m
+        .insts()
+        .find(|&i| m.inst(i).op.name() == "graft")
+        .expect("the composed Shampoo step");
+    let mut args = m.inst(id).args.clone();
+    args[1] = m.value_by_name("wpe").expect("the parameter");
+    let op = m.inst(id).op.clone();
+    m.replace_inst(id, op, &args);
+    let texts: Vec<String> = errors(&m).iter().map(|e| e.to_string()).collect();
+    assert!(
+        texts.iter().any(
+            |t| t.contains("graft") && t.contains("not from the gradient `x` is computed from")
+        ),
+        "{texts:?}"
+    );
+}

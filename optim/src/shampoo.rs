@@ -512,10 +512,11 @@ pub fn graft<T: Real>(
 /// - with grafting [`graft`]: `P ← P·‖Pg‖/(‖P‖ + 1e-16)` per block, and `P = Pg` at `t = 1`;
 /// - `W ← W − lr·(P + wd·W)`.
 ///
-/// The difference to [`shampoo_step`] is the schedule of the roots: a plan's refresh runs at
+/// The differences to [`shampoo_step`]: the schedule of the roots — a plan's refresh runs at
 /// the step boundary (`schedule::refresh_due`: after step 1, then every `frequency` steps), so
 /// the roots a step uses come from the factors up to the step before it (at S = 0), where
-/// the reference refreshes between the factor update and the step.
+/// the reference refreshes between the factor update and the step — and rounding (`Ḡ` and the
+/// grafting step computed in `T` rather than in f64, `root_1ᵀ` for `root_1`).
 ///
 /// # Errors
 /// [`ShapeError`] when an operand's length does not match (nothing is written then).

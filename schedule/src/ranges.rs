@@ -161,6 +161,49 @@ impl Plan {
                     Op::SoapFactorUpdate { shampoo_beta, .. } => {
                         float(format!("{at}: shampoo_beta"), *shampoo_beta, limits::BETA)?
                     }
+                    Op::ShampooFactorUpdate {
+                        beta2,
+                        max_preconditioner_dim,
+                        ..
+                    } => {
+                        float(format!("{at}: beta2"), *beta2, limits::SHAMPOO_BETA2)?;
+                        int(
+                            format!("{at}: max_preconditioner_dim"),
+                            *max_preconditioner_dim,
+                            limits::MAX_PRECONDITIONER_DIM,
+                        )?;
+                    }
+                    Op::ShampooPrecondition {
+                        max_preconditioner_dim,
+                        ..
+                    }
+                    | Op::Graft {
+                        max_preconditioner_dim,
+                        ..
+                    } => int(
+                        format!("{at}: max_preconditioner_dim"),
+                        *max_preconditioner_dim,
+                        limits::MAX_PRECONDITIONER_DIM,
+                    )?,
+                    Op::KlScale { eps, .. } => float(format!("{at}: eps"), *eps, limits::EPS)?,
+                    Op::KlFactorUpdate {
+                        shampoo_beta,
+                        init_factor,
+                        max_clamp_value,
+                        ..
+                    } => {
+                        float(format!("{at}: shampoo_beta"), *shampoo_beta, limits::BETA)?;
+                        float(
+                            format!("{at}: init_factor"),
+                            *init_factor,
+                            limits::INIT_FACTOR,
+                        )?;
+                        float(
+                            format!("{at}: max_clamp_value"),
+                            *max_clamp_value,
+                            limits::MAX_CLAMP_VALUE,
+                        )?;
+                    }
                     Op::ClipGradNorm {
                         max_norm: Some(m), ..
                     } => float(format!("{at}: max_norm"), *m, limits::GRAD_CLIP)?,
@@ -181,9 +224,13 @@ impl Plan {
             let HostTask::EigenbasisRefresh {
                 frequency,
                 staleness,
+                root,
                 ..
             } = task;
             let at = format!("host_tasks[{i}]");
+            if let Some(r) = root {
+                float(format!("{at}: epsilon"), r.epsilon, limits::EPS)?;
+            }
             int(
                 format!("{at}: frequency"),
                 *frequency,

@@ -676,9 +676,9 @@ impl Checker<'_> {
                 max_preconditioner_dim,
                 ..
             } => {
-                if !(0.0..=1.0).contains(beta2) {
+                if !(*beta2 > 0.0 && *beta2 <= 1.0) {
                     return Err(PlanError::Invalid(format!(
-                        "{}: beta2 must be in [0, 1], got {beta2:?}",
+                        "{}: beta2 must be in (0, 1], got {beta2:?}",
                         self.location
                     )));
                 }

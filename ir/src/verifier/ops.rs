@@ -547,18 +547,7 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
                 if c.v.state_class(base) != Some(BufferClass::Parameter) {
                     return Err(c.fail("param", "must be a parameter or a block of one"));
                 }
-                let mut src = g;
-                for _ in 0..m.num_values() {
-                    let def = m.inst(m.value(src).def);
-                    src = match def.op {
-                        Op::Project { .. }
-                        | Op::ShampooPrecondition { .. }
-                        | Op::Graft { .. }
-                        | Op::KlScale { .. } => def.args[0],
-                        Op::ElementwiseUpdate { .. } if def.args.len() > 1 => def.args[1],
-                        _ => break,
-                    };
-                }
+                let src = derived_from(m, g);
                 let own = match (c.block_of(p), c.block_of(src)) {
                     (Some((ps, pr, pc)), Some((gs, gr, gc))) => {
                         c.v.grads.get(&ps) == Some(&gs) && (pr, pc) == (gr, gc)
@@ -784,6 +773,19 @@ fn check_shapes(c: &Ctx<'_, '_>, op: &Op) -> R {
             }
             c.same("x", "graft")?;
             c.same("x", "out")?;
+            // Both come from one gradient: the preconditioned step and the Adam step of it.
+            let (x, _) = c.get("x")?;
+            let (gr, _) = c.get("graft")?;
+            if derived_from(m, x) != derived_from(m, gr) {
+                return Err(c.fail(
+                    "graft",
+                    format!(
+                        "is computed from {}, not from the gradient `x` is computed from ({})",
+                        m.display_value(derived_from(m, gr)),
+                        m.display_value(derived_from(m, x))
+                    ),
+                ));
+            }
             if c.get("x")?.1.dtype != DType::F32 {
                 return Err(c.fail("x", "must be f32"));
             }
@@ -947,4 +949,24 @@ fn blocked_sides(
         }
     }
     Ok(())
+}
+
+/// The value `v` is computed from in a composed optimizer step: followed back through
+/// `project`, `shampoo_precondition`, `graft`, `kl_scale` (their first operand) and
+/// `elementwise_update` results (its `grad`) to the first value that is none of these (a
+/// gradient, or a block of one, in a well-formed step).
+fn derived_from(m: &crate::module::Module, v: ValueId) -> ValueId {
+    let mut src = v;
+    for _ in 0..m.num_values() {
+        let def = m.inst(m.value(src).def);
+        src = match def.op {
+            Op::Project { .. }
+            | Op::ShampooPrecondition { .. }
+            | Op::Graft { .. }
+            | Op::KlScale { .. } => def.args[0],
+            Op::ElementwiseUpdate { .. } if def.args.len() > 1 => def.args[1],
+            _ => break,
+        };
+    }
+    src
 }
