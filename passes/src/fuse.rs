@@ -843,54 +843,6 @@ impl Fuse {
             moments,
         }))
     }
-
-    /// `soap-update` (every target): each composed SOAP step becomes one `soap_update` (the
-    /// hand-written op: one pass over the moments, the projections' GEMMs and the bf16
-    /// back-projection of the CUDA kernels), in the step rule's place; the moments update and
-    /// the projections go.
-    ///
-    /// # Errors
-    /// An internal error if the matched moments update cannot be removed (it would then run
-    /// as well as the `soap_update`).
-    fn soap_updates(&mut self, m: &mut Module) -> Result<(), PassError> {
-        let steps: Vec<ir::InstId> = m.section(Section::Optimizer).collect();
-        // Positions in the section as it was: a rewrite removes only ops of its own chain,
-        // which no other chain interleaves (chains are consecutive), so the positions of the
-        // ops of every later chain stay consecutive.
-        let layout: HashMap<ir::InstId, usize> =
-            steps.iter().enumerate().map(|(k, &i)| (i, k)).collect();
-        let mut cache = HashMap::new();
-        for step in steps {
-            if !m.contains_inst(step) {
-                continue;
-            }
-            match Fuse::soap_chain(m, step, &layout, &mut cache) {
-                Ok(None) => {}
-                Err(why) => {
-                    let param = m.display_value(m.inst(step).args[0]);
-                    self.report.soap_blocked.push((param, why));
-                }
-                Ok(Some(c)) => {
-                    let op = Op::SoapUpdate {
-                        hyper: c.hyper,
-                        left: c.left,
-                        right: c.right,
-                    };
-                    m.replace_inst(step, op, &c.args);
-                    m.remove_dead();
-                    if !m.remove_inst(c.moments) {
-                        return Err(invalid(format!(
-                            "internal: soap-update could not remove the moments update of {}",
-                            m.display_value(c.args[0])
-                        )));
-                    }
-                    m.remove_dead();
-                    self.report.soap_updates += 1;
-                }
-            }
-        }
-        Ok(())
-    }
 }
 
 /// The parts of one composed Shampoo step (`optim::optimizers::shampoo`) that
@@ -1073,47 +1025,6 @@ impl Fuse {
             args,
             in_place: [factor_update, moments],
         }))
-    }
-
-    /// `shampoo-update` (every target): each composed Shampoo step becomes one
-    /// `shampoo_update` (the hand-written op: on the CPU the same operations in the same order,
-    /// on the GPU its kernels), in the step rule's place; the factor update, the moments update,
-    /// the preconditioning and the grafting go.
-    ///
-    /// # Errors
-    /// An internal error if a matched in-place op cannot be removed.
-    fn shampoo_updates(&mut self, m: &mut Module) -> Result<(), PassError> {
-        let steps: Vec<ir::InstId> = m.section(Section::Optimizer).collect();
-        let layout: HashMap<ir::InstId, usize> =
-            steps.iter().enumerate().map(|(k, &i)| (i, k)).collect();
-        let mut cache = HashMap::new();
-        for &step in &steps {
-            if !m.contains_inst(step) {
-                continue;
-            }
-            match Fuse::shampoo_chain(m, step, (&steps, &layout), &mut cache) {
-                Ok(None) => {}
-                Err(why) => {
-                    let param = m.display_value(m.inst(step).args[0]);
-                    self.report.shampoo_blocked.push((param, why));
-                }
-                Ok(Some(c)) => {
-                    m.replace_inst(step, Op::ShampooUpdate { hyper: c.hyper }, &c.args);
-                    m.remove_dead();
-                    for id in c.in_place {
-                        if !m.remove_inst(id) {
-                            return Err(invalid(format!(
-                                "internal: shampoo-update could not remove an op of the step of {}",
-                                m.display_value(c.args[0])
-                            )));
-                        }
-                    }
-                    m.remove_dead();
-                    self.report.shampoo_updates += 1;
-                }
-            }
-        }
-        Ok(())
     }
 }
 
@@ -1302,49 +1213,119 @@ impl Fuse {
             in_place: [momentum, factor_update],
         }))
     }
+}
 
-    /// `kl-shampoo-update` (every target): each composed KL-Shampoo step becomes one
-    /// `kl_shampoo_update` (the hand-written op) in the step rule's place; the momentum update,
-    /// the projections, `kl_scale` and the factor update go.
+/// A matched composed step: the hand-written op that replaces its step rule, the op's
+/// operands, and the chain's in-place ops that go with it (its other ops have results only
+/// the chain read, which `remove_dead` takes).
+struct Selected {
+    op: Op,
+    args: Vec<ValueId>,
+    in_place: Vec<ir::InstId>,
+}
+
+/// The optimizer section's ops in order and their positions in it, as the section was before
+/// any rewrite: a rewrite removes only ops of its own chain, which no other chain interleaves
+/// (chains are consecutive), so the positions of every later chain's ops stay consecutive.
+type Layout<'a> = (&'a [ir::InstId], &'a HashMap<ir::InstId, usize>);
+
+/// Instruction selection for composed optimizer steps (`soap-update`, `shampoo-update`,
+/// `kl-shampoo-update`): `matcher` looks at every op of the optimizer section (`Ok(None)`:
+/// not a step rule of its optimizer; `Err`: one that did not match, and why); each match's
+/// step rule becomes the hand-written op and the rest of its chain goes. Returns the number of
+/// rewrites and the `(parameter, why)` of the steps left composed.
+///
+/// # Errors
+/// An internal error if a matched in-place op cannot be removed (it would then run as well as
+/// the hand-written op).
+fn select_composed(
+    m: &mut Module,
+    rule: &str,
+    matcher: &mut dyn FnMut(&Module, ir::InstId, Layout<'_>) -> Result<Option<Selected>, String>,
+) -> Result<(usize, Vec<(String, String)>), PassError> {
+    let steps: Vec<ir::InstId> = m.section(Section::Optimizer).collect();
+    let layout: HashMap<ir::InstId, usize> =
+        steps.iter().enumerate().map(|(k, &i)| (i, k)).collect();
+    let (mut rewrites, mut blocked) = (0, Vec::new());
+    for &step in &steps {
+        if !m.contains_inst(step) {
+            continue;
+        }
+        match matcher(m, step, (&steps, &layout)) {
+            Ok(None) => {}
+            Err(why) => blocked.push((m.display_value(m.inst(step).args[0]), why)),
+            Ok(Some(c)) => {
+                m.replace_inst(step, c.op, &c.args);
+                m.remove_dead();
+                for id in c.in_place {
+                    if !m.remove_inst(id) {
+                        return Err(invalid(format!(
+                            "internal: {rule} could not remove an op of the step of {}",
+                            m.display_value(c.args[0])
+                        )));
+                    }
+                }
+                m.remove_dead();
+                rewrites += 1;
+            }
+        }
+    }
+    Ok((rewrites, blocked))
+}
+
+impl Fuse {
+    /// `soap-update`, `shampoo-update` and `kl-shampoo-update` (every target): each composed
+    /// step becomes its hand-written op (`soap_update`: one pass over the moments between the
+    /// projections' GEMMs; `shampoo_update`, `kl_shampoo_update`: their GEMMs and kernels) in
+    /// the step rule's place.
     ///
     /// # Errors
-    /// An internal error if a matched in-place op cannot be removed.
-    fn kl_shampoo_updates(&mut self, m: &mut Module) -> Result<(), PassError> {
-        let steps: Vec<ir::InstId> = m.section(Section::Optimizer).collect();
-        let layout: HashMap<ir::InstId, usize> =
-            steps.iter().enumerate().map(|(k, &i)| (i, k)).collect();
+    /// As [`select_composed`].
+    fn composed_updates(&mut self, m: &mut Module) -> Result<(), PassError> {
         let mut cache = HashMap::new();
-        for &step in &steps {
-            if !m.contains_inst(step) {
-                continue;
-            }
-            match Fuse::kl_chain(m, step, (&steps, &layout), &mut cache) {
-                Ok(None) => {}
-                Err(why) => {
-                    let param = m.display_value(m.inst(step).args[0]);
-                    self.report.kl_shampoo_blocked.push((param, why));
-                }
-                Ok(Some(c)) => {
-                    let op = Op::KlShampooUpdate {
+        let (n, blocked) = select_composed(m, "soap-update", &mut |m, step, (_, layout)| {
+            Ok(
+                Fuse::soap_chain(m, step, layout, &mut cache)?.map(|c| Selected {
+                    op: Op::SoapUpdate {
                         hyper: c.hyper,
                         left: c.left,
                         right: c.right,
-                    };
-                    m.replace_inst(step, op, &c.args);
-                    m.remove_dead();
-                    for id in c.in_place {
-                        if !m.remove_inst(id) {
-                            return Err(invalid(format!(
-                                "internal: kl-shampoo-update could not remove an op of the step of {}",
-                                m.display_value(c.args[0])
-                            )));
-                        }
-                    }
-                    m.remove_dead();
-                    self.report.kl_shampoo_updates += 1;
-                }
-            }
-        }
+                    },
+                    args: c.args,
+                    in_place: vec![c.moments],
+                }),
+            )
+        })?;
+        (self.report.soap_updates, self.report.soap_blocked) = (n, blocked);
+        let mut cache = HashMap::new();
+        let (n, blocked) = select_composed(m, "shampoo-update", &mut |m, step, layout| {
+            Ok(
+                Fuse::shampoo_chain(m, step, layout, &mut cache)?.map(|c| Selected {
+                    op: Op::ShampooUpdate { hyper: c.hyper },
+                    args: c.args,
+                    in_place: c.in_place.to_vec(),
+                }),
+            )
+        })?;
+        (self.report.shampoo_updates, self.report.shampoo_blocked) = (n, blocked);
+        let mut cache = HashMap::new();
+        let (n, blocked) = select_composed(m, "kl-shampoo-update", &mut |m, step, layout| {
+            Ok(
+                Fuse::kl_chain(m, step, layout, &mut cache)?.map(|c| Selected {
+                    op: Op::KlShampooUpdate {
+                        hyper: c.hyper,
+                        left: c.left,
+                        right: c.right,
+                    },
+                    args: c.args,
+                    in_place: c.in_place.to_vec(),
+                }),
+            )
+        })?;
+        (
+            self.report.kl_shampoo_updates,
+            self.report.kl_shampoo_blocked,
+        ) = (n, blocked);
         Ok(())
     }
 }
@@ -1364,9 +1345,7 @@ impl Pass for Fuse {
             ..FuseReport::default()
         };
         self.rewrite(module, target)?;
-        self.soap_updates(module)?;
-        self.shampoo_updates(module)?;
-        self.kl_shampoo_updates(module)?;
+        self.composed_updates(module)?;
         self.bf16_outputs(module, target);
         self.bf16_casts(module, target);
         self.sum_rows_casts(module);
