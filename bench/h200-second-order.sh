@@ -22,18 +22,27 @@
 # Writes into OUT_DIR: NAME.jsonl / NAME.txt per run, selftest*.txt, check-staleness-*.txt,
 # summary-MODEL.md, and OUT_DIR.tgz holding all of it.
 # Takes ~5 minutes for --checks (~2 with --quick-checks), ~8 for --runs with the defaults.
-# Usage: bench/h200-second-order.sh OUT_DIR [STEPS [TORCH_STEPS [TORCH_STEPS_1.4B]]] [--checks] [--quick-checks] [--runs] [--no-soap]
+# Usage: bench/h200-second-order.sh OUT_DIR [STEPS [TORCH_STEPS [TORCH_STEPS_1.4B]]] [--checks] [--quick-checks] [--runs] [--no-soap] [--models LIST] [--optimizers LIST]
 #   STEPS: asteria steps per timed run (default 40); TORCH_STEPS: reference steps (default 40;
 #   at 1.44B default 25: the reference Shampoo's eigendecompositions take tens of seconds every
 #   tenth step there). Step statistics skip the first 12 steps of every run. Without --checks
 #   or --runs both parts run. --no-soap leaves asteria's SOAP rows out of --runs (they are in
-#   BENCHMARKS.md's scale table; ~1 minute less).
+#   BENCHMARKS.md's scale table; ~1 minute less). --models LIST (comma-separated, default
+#   gpt2-124m,llama-1.4b) and --optimizers LIST (of adamw,soap,kl-shampoo,shampoo; a reference
+#   runs beside kl-shampoo and shampoo) narrow --runs to the rows a call has time for.
 set -uo pipefail
-usage="usage: bench/h200-second-order.sh OUT_DIR [STEPS [TORCH_STEPS [TORCH_STEPS_1.4B]]] [--checks] [--quick-checks] [--runs] [--no-soap]"
-pos=(); checks=0; quick=0; runs=0; opts="adamw soap kl-shampoo shampoo"
+usage="usage: bench/h200-second-order.sh OUT_DIR [STEPS [TORCH_STEPS [TORCH_STEPS_1.4B]]] [--checks] [--quick-checks] [--runs] [--no-soap] [--models LIST] [--optimizers LIST]"
+pos=(); checks=0; quick=0; runs=0; opts="adamw soap kl-shampoo shampoo"; models="gpt2-124m llama-1.4b"
+next=""
 for a in "$@"; do
+  case "$next" in
+    models) models="${a//,/ }"; next=""; continue ;;
+    optimizers) opts="${a//,/ }"; next=""; continue ;;
+  esac
   case "$a" in
-    --no-soap) opts="adamw kl-shampoo shampoo" ;;
+    --models) next=models ;;
+    --optimizers) next=optimizers ;;
+    --no-soap) opts="${opts/soap /}"; opts="${opts% soap}" ;;
     --checks) checks=1 ;;
     --quick-checks) checks=1; quick=1 ;;
     --runs) runs=1 ;;
@@ -41,7 +50,10 @@ for a in "$@"; do
     *) pos+=("$a") ;;
   esac
 done
-[[ ${#pos[@]} -ge 1 ]] || { echo "$usage" >&2; exit 2; }
+[[ ${#pos[@]} -ge 1 && -z $next ]] || { echo "$usage" >&2; exit 2; }
+for o in $opts; do
+  [[ " adamw soap kl-shampoo shampoo " == *" $o "* ]] || { echo "unknown optimizer '$o' (adamw, soap, kl-shampoo, shampoo)" >&2; exit 2; }
+done
 [[ $checks == 0 && $runs == 0 ]] && { checks=1; runs=1; }
 out="${pos[0]}"; steps="${pos[1]:-40}"; torch_steps="${pos[2]:-40}"; torch_steps_big="${pos[3]:-25}"
 mkdir -p "$out"
@@ -114,7 +126,8 @@ summary() { # MODEL
 }
 
 if [[ $runs == 1 ]]; then
-  for m in gpt2-124m llama-1.4b; do
+  for m in $models; do
+    [[ -f $S/$m-adamw.asteria ]] || { echo "unknown model '$m': no $S/$m-adamw.asteria" >&2; exit 2; }
     for o in $opts; do
       stamp "$m-$o"
       timeout 240 $B train "$S/$m-$o.asteria" --steps "$steps" --set target.staleness=5 --quiet --cache-dir "$TC" \
@@ -123,6 +136,7 @@ if [[ $runs == 1 ]]; then
     done
     ts=$torch_steps; [[ $m == llama-1.4b ]] && ts=$torch_steps_big
     for r in kl shampoo; do
+      [[ " $opts " == *" ${r/kl/kl-shampoo} "* ]] || continue
       stamp "$m torch $r"
       timeout 240 python3 "$here/torch_steps.py" $r "$ts" "$out/$m-torch-$r.jsonl" --model "$m" \
         > "$out/$m-torch-$r.txt" 2>&1 || echo "$m torch $r failed: $(tail -n 2 "$out/$m-torch-$r.txt")"
