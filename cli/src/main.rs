@@ -291,10 +291,12 @@ enum Command {
         /// With `--compare-state`: list buffers whose max|gpu - cpu| / max|cpu| exceeds this.
         #[arg(long, default_value_t = 1e-5)]
         state_tol: f64,
-        /// Train-match: after every step with eigenbasis refreshes, copy the CPU engine's new
-        /// bases and re-projected moments into the GPU engine (checks everything but the GPU
-        /// eigensolver, whose bases of nearly degenerate factors legitimately differ; the
-        /// kernel self-test checks the GPU refresh itself). Implies `--compare-state`.
+        /// Train-match: after every step that installs eigenbasis refreshes, copy the CPU
+        /// engine's new bases and re-projected moments into the GPU engine (checks everything
+        /// but the GPU eigensolver, whose bases of nearly degenerate factors legitimately
+        /// differ; the kernel self-test checks the GPU refresh itself). With staleness > 0 the
+        /// plan runs with `refresh_swap = deadline` so that both engines install each result at
+        /// the same step. Implies `--compare-state`.
         #[arg(long)]
         inject_cpu_refreshes: bool,
         /// GEMM precision of the GPU engine in the train-match: fp32 (bit-for-bit check) or

@@ -41,9 +41,11 @@ pub struct MatchOptions {
     pub resync: bool,
     /// Buffers whose relative difference exceeds this are listed (default 1e-5).
     pub state_tol: f64,
-    /// With `compare_state`: at every step where an eigenbasis refresh was due, copy the CPU
-    /// engine's new basis, `exp_avg` and `exp_avg_sq` of that factor into the GPU engine
-    /// (synchronous refreshes, S = 0). The match then checks everything but the GPU
+    /// With `compare_state`: at every step where an eigenbasis refresh was installed, copy the
+    /// CPU engine's new basis, `exp_avg` and `exp_avg_sq` of that factor into the GPU engine
+    /// (S = 0: the step it was due; S > 0: the plan is run with `refresh_swap = deadline`, so
+    /// both engines install each result exactly S steps after its launch, and the copy is made
+    /// then). The match then checks everything but the GPU
     /// eigensolver: the bases of nearly degenerate Kronecker factors are ill-conditioned, so
     /// two correct solvers (or fp32 rounding of the factor) legitimately give different ones,
     /// and SOAP's per-coordinate Adam turns that into O(lr) different updates (BENCHMARKS.md).
@@ -184,6 +186,11 @@ pub fn train_match(plan: &Plan, opts: &MatchOptions) -> Result<MatchReport, Stri
         refresh_placement: RefreshPlacement::Auto,
     };
     plan.force_refresh_placement(opts.refresh);
+    // Injection copies the CPU engine's result at the step it is installed, which must be the
+    // same step on both engines: with S > 0 every result is swapped at its bound.
+    if opts.inject_cpu_refreshes && staleness > 0 {
+        plan.train.refresh_swap = schedule::RefreshSwap::Deadline;
+    }
     let train_opts = TrainOptions {
         steps: Some(opts.steps),
         cache_dir: opts.cache_dir.clone(),
@@ -309,12 +316,30 @@ fn column_signs(a: &[f64], b: &[f64]) -> Vec<f64> {
         .collect()
 }
 
+/// Whether a refresh task (`frequency`, `offset`, `staleness` S) installs a result at the end
+/// of 1-based step `t` when every result is swapped exactly at its bound (`refresh_swap =
+/// deadline`, which [`train_match`] sets for an injecting match with S > 0): the initial
+/// eigendecomposition at step 1 and every refresh of an S = 0 task at once, otherwise the
+/// refresh launched at step `t − d` ([`schedule::refresh_due`]) with d = min(S, frequency): a
+/// task due again while its refresh is in flight swaps that one in first. A task whose first
+/// eigendecomposition failed retries it synchronously; the match reports such failures as a
+/// refresh-count difference between the engines.
+fn installed_at(t: u64, frequency: u64, offset: u64, staleness: u32) -> bool {
+    let d = u64::from(staleness).min(frequency);
+    t == 1
+        || if d == 0 {
+            schedule::refresh_due(t, frequency, offset)
+        } else {
+            t > d + 1 && schedule::refresh_due(t - d, frequency, offset)
+        }
+}
+
 impl Lockstep<'_> {
-    /// Copies the CPU engine's basis and moments of every factor whose refresh was due at the
-    /// end of step `t` into the GPU engine (see [`MatchOptions::inject_cpu_refreshes`]); the
-    /// basis alone for a [`RefreshMethod::Qr`] refresh (KL-Shampoo), which changes nothing else,
-    /// and the inverse root alone (the task's `basis`) for a [`RefreshMethod::InverseRoot`]
-    /// refresh (Shampoo).
+    /// Copies the CPU engine's basis and moments of every factor whose refresh was installed
+    /// at the end of step `t` ([`installed_at`]) into the GPU engine (see
+    /// [`MatchOptions::inject_cpu_refreshes`]); the basis alone for a [`RefreshMethod::Qr`]
+    /// refresh (KL-Shampoo), which changes nothing else, and the inverse root alone (the task's
+    /// `basis`) for a [`RefreshMethod::InverseRoot`] refresh (Shampoo).
     fn inject_refreshes(&mut self, t: u64) -> Result<(), EngineError> {
         let plan = self.cpu.plan().clone();
         for task in &plan.host_tasks {
@@ -324,10 +349,11 @@ impl Lockstep<'_> {
                 exp_avg_sq,
                 frequency,
                 offset,
+                staleness,
                 method,
                 ..
             } = *task;
-            if !engine::refresh_runtime::refresh_due(t, frequency, offset) {
+            if !installed_at(t, frequency, offset, staleness) {
                 continue;
             }
             let state = match method {
@@ -576,6 +602,8 @@ fn lockstep_match(
             "state comparison: max|gpu - cpu| / max|cpu| per plan buffer after each step{}",
             if opts.resync {
                 ", GPU re-synced to the CPU state after each step (one-step differences)"
+            } else if opts.inject_cpu_refreshes && plan.target.staleness() > 0 {
+                " (accumulated; the CPU engine's refresh results copied into the GPU engine as each is installed, every result at its staleness bound: refresh_swap = deadline)"
             } else if opts.inject_cpu_refreshes {
                 " (accumulated; the CPU engine's refresh results copied into the GPU engine at each refresh)"
             } else {
@@ -638,4 +666,28 @@ fn lockstep_match(
         gpu_refreshes: gpu.stats().refreshes,
         state_log: log,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::installed_at;
+
+    /// The steps at which a task installs results, for frequency 3 (offset 0 and 1) and
+    /// staleness 0, 1 and 2: the engines' schedule ([`schedule::refresh_due`]) shifted by S,
+    /// the initial eigendecomposition always at step 1.
+    #[test]
+    fn injection_follows_the_install_steps() {
+        let steps =
+            |f, o, s| -> Vec<u64> { (1..=14).filter(|&t| installed_at(t, f, o, s)).collect() };
+        assert_eq!(steps(3, 0, 0), vec![1, 4, 7, 10, 13]);
+        assert_eq!(steps(3, 0, 1), vec![1, 5, 8, 11, 14]);
+        assert_eq!(steps(3, 0, 2), vec![1, 6, 9, 12]);
+        assert_eq!(steps(3, 1, 0), vec![1, 2, 5, 8, 11, 14]);
+        assert_eq!(steps(3, 1, 2), vec![1, 4, 7, 10, 13]);
+        // A due step at t = 1 is the synchronous initial one, not shifted again.
+        assert_eq!(
+            steps(1, 0, 1),
+            (1..=14).filter(|&t| t != 2).collect::<Vec<_>>()
+        );
+    }
 }
