@@ -3,8 +3,9 @@
 #
 # --checks: the kernel self-test (`--quick`, or only the shampoo_update and kl_shampoo_update cases
 #   with --quick-checks), the CPU-vs-GPU train-matches (CPU refreshes injected; fp32 and
-#   the production bf16 path) of tiny-kl-shampoo, tiny-shampoo and a blocked tiny-soap
-#   (block_size 128), tiny-shampoo with its inverse roots computed on the GPU (not injected),
+#   the production bf16 path; Shampoo's bf16 match at epsilon 1e-4) of tiny-kl-shampoo,
+#   tiny-shampoo and a blocked tiny-soap (block_size 128), tiny-shampoo at epsilon 1e-4 with its
+#   inverse roots computed on the GPU (not injected),
 #   and tiny-kl-shampoo / tiny-shampoo on the GPU at staleness 0 and 5 (400 steps each,
 #   bench/check_staleness.py).
 # --runs: step times at staleness 5 of asteria AdamW, SOAP, KL-Shampoo and Shampoo on GPT-2 124M
@@ -77,21 +78,29 @@ if [[ $checks == 1 ]]; then
   # Blocked SOAP: tiny-soap with blocks of 128 (its 256-wide MLP sides and the vocabulary side).
   sed -e 's/^  max_precond_dim = 10000.*/  max_precond_dim = 10000\n  block_size = 128/' \
     $S/tiny-soap.asteria > $S/tiny-soap-blocked.asteria
+  # Shampoo at epsilon 1e-4 for the matches across precisions and eigensolvers: at the spec's
+  # 1e-8 the inverse roots' null-space part (the factors of the first steps are rank-deficient)
+  # is eps^(-1/4) = 100 times rounding noise, so any two correct computations of a step differ:
+  # on the CPU engine alone, faer against LAPACK roots of the same factors end 20 steps 1.4e-2
+  # apart at 1e-8, 2.3e-4 at 1e-6 and 3.3e-6 at 1e-4 (BENCHMARKS.md).
+  sed -e 's/^  epsilon = 1e-8 /  epsilon = 1e-4 /' $S/tiny-shampoo.asteria > $S/tiny-shampoo-eps4.asteria
+  grep -q 'epsilon = 1e-4' $S/tiny-shampoo-eps4.asteria || echo "tiny-shampoo-eps4: epsilon not replaced"
   for t in tiny-kl-shampoo tiny-shampoo tiny-soap-blocked; do
     stamp "$t train-match"
     timeout 150 $B selftest --device cuda --no-kernels --cache-dir "$TC" \
       --train-match $S/$t.asteria --inject-cpu-refreshes > "$out/selftest-$t-match.txt" 2>&1
     echo "$t train-match fp32 rc=$?"; tail -n 2 "$out/selftest-$t-match.txt"
+    b=$t; [[ $t == tiny-shampoo ]] && b=tiny-shampoo-eps4
     timeout 150 $B selftest --device cuda --no-kernels --cache-dir "$TC" \
-      --train-match $S/$t.asteria --inject-cpu-refreshes --match-precision bf16 --tol 1e-3 \
-      > "$out/selftest-$t-bf16-match.txt" 2>&1
-    echo "$t train-match bf16 rc=$?"; tail -n 2 "$out/selftest-$t-bf16-match.txt"
+      --train-match $S/$b.asteria --inject-cpu-refreshes --match-precision bf16 --tol 1e-3 \
+      > "$out/selftest-$b-bf16-match.txt" 2>&1
+    echo "$b train-match bf16 rc=$?"; tail -n 2 "$out/selftest-$b-bf16-match.txt"
   done
   # Shampoo's inverse roots computed on the GPU too (not injected; a root does not depend on the
-  # eigenvectors' signs or order, so the GPU's and the CPU's agree to rounding).
+  # eigenvectors' signs or order, so at epsilon 1e-4 the GPU's and the CPU's agree to rounding).
   stamp "tiny-shampoo train-match, GPU roots"
   timeout 150 $B selftest --device cuda --no-kernels --cache-dir "$TC" \
-    --train-match $S/tiny-shampoo.asteria --refresh gpu > "$out/selftest-tiny-shampoo-gpu-roots-match.txt" 2>&1
+    --train-match $S/tiny-shampoo-eps4.asteria --refresh gpu > "$out/selftest-tiny-shampoo-gpu-roots-match.txt" 2>&1
   echo "tiny-shampoo train-match, GPU roots rc=$?"; tail -n 2 "$out/selftest-tiny-shampoo-gpu-roots-match.txt"
   for t in tiny-kl-shampoo tiny-shampoo; do
     for s in 0 5; do
