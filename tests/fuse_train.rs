@@ -397,3 +397,49 @@ fn bf16_outputs_train_within_bf16_tolerance() {
         }
     }
 }
+
+/// The CUDA engine runs a composed SOAP step (`project`, the rules with results) when `fuse`
+/// is skipped; its device-memory estimate (`schedule::reserve::engine_reserve`, which budgets
+/// and `tier-placement` use) counts what the engine allocates for it: the bf16 shadows of the
+/// bases `project` reads and `project`'s scratch, as for the hand-written `soap_update`.
+#[test]
+fn composed_soap_step_is_in_the_cuda_engine_reserve() {
+    use schedule::reserve::{engine_reserve, project_scratch_len};
+    let fused = compile(config(cuda_bf16(), true), true);
+    let composed = compile(config(cuda_bf16(), true), false);
+    let projects: Vec<(usize, usize, bool, bool)> = composed
+        .optimizer
+        .iter()
+        .filter_map(|o| match o {
+            schedule::Op::Project {
+                x,
+                basis_left,
+                basis_right,
+                ..
+            } => {
+                let s = &composed.buffer(*x).shape;
+                Some((s[0], s[1], basis_left.is_some(), basis_right.is_some()))
+            }
+            _ => None,
+        })
+        .collect();
+    assert!(
+        !projects.is_empty(),
+        "the unfused plan keeps SOAP's steps composed"
+    );
+    assert!(fused.optimizer.iter().all(|o| o.name() != "project"));
+    let (rf, rc) = (engine_reserve(&fused, 0), engine_reserve(&composed, 0));
+    // The same bases are shadowed either way.
+    assert!(rc.basis_shadows > 0);
+    assert_eq!(rc.basis_shadows, rf.basis_shadows);
+    let need = projects
+        .iter()
+        .map(|&(m, n, l, r)| project_scratch_len(m, n, l, r, true) * 4)
+        .max()
+        .unwrap();
+    assert!(
+        rc.scratch >= need,
+        "scratch {} < project's {need} bytes",
+        rc.scratch
+    );
+}

@@ -646,6 +646,42 @@ pub fn bench_update_kernels(ordinal: usize, sizes: &[usize], reps: usize) -> Res
             );
         }
     }
+    // SOAP's step, hand-written `soap_update` against the composition `expand-optimizer` writes
+    // (bf16 projections): the matrices of GPT-2 124M (every side rotated) and of LLaMA 1.44B at
+    // `max_precond_dim = 2048` (the 5632-wide MLP side unrotated).
+    let shapes = [
+        (768, 2304, [true, true]),
+        (768, 3072, [true, true]),
+        (3072, 768, [true, true]),
+        (2048, 2048, [true, true]),
+        (2048, 5632, [true, false]),
+        (5632, 2048, [false, true]),
+    ];
+    let soap =
+        cuda::update_bench::soap_steps(ordinal, &shapes, reps).map_err(|e| miette!("{e}"))?;
+    out!();
+    out!(
+        "{:<24} {:>9} {:>16} {:>12} {:>18}",
+        "SOAP step [m, n]",
+        "bases",
+        "hand-written ms",
+        "composed ms",
+        "composed / hand"
+    );
+    for r in &soap {
+        out!(
+            "{:<24} {:>9} {:>16.4} {:>12.4} {:>18.3}",
+            format!("[{}, {}]", r.m, r.n),
+            format!(
+                "{}{}",
+                if r.bases[0] { "L" } else { "-" },
+                if r.bases[1] { "R" } else { "-" }
+            ),
+            r.hand_ms,
+            r.composed_ms,
+            r.composed_ms / r.hand_ms
+        );
+    }
     Ok(())
 }
 
@@ -837,6 +873,7 @@ pub struct SelftestArgs {
     pub state_tol: f64,
     pub inject_cpu_refreshes: bool,
     pub match_precision: String,
+    pub skip_pass: Vec<String>,
     pub nccl: bool,
 }
 
@@ -877,7 +914,11 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
         other => return Err(miette!("--match-precision: `{other}` is not fp32 or bf16")),
     };
     for spec in &a.train_match {
-        let (plan, _) = compile_spec(spec, &PassFlags::default(), &[])?;
+        let flags = PassFlags {
+            skip_pass: a.skip_pass.clone(),
+            ..PassFlags::default()
+        };
+        let (plan, _) = compile_spec(spec, &flags, &[])?;
         let opts = cuda::train_match::MatchOptions {
             steps: a.steps,
             tol: a.tol,

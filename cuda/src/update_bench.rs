@@ -141,3 +141,152 @@ pub fn update_kernels(ordinal: usize, sizes: &[usize], reps: usize) -> Result<Ve
     }
     Ok(rows)
 }
+
+/// One parameter shape's SOAP step, hand-written against composed.
+#[derive(Clone, Debug)]
+pub struct SoapStepRow {
+    /// Parameter rows.
+    pub m: usize,
+    /// Parameter columns.
+    pub n: usize,
+    /// Eigenbases present (`[Q_L, Q_R]`; a side wider than `max_precond_dim` has none).
+    pub bases: [bool; 2],
+    /// Median GPU ms of the hand-written `soap_update` (what `fuse`'s `soap-update` selects).
+    pub hand_ms: f64,
+    /// Median GPU ms of the composed step as `expand-optimizer` writes it: `project` → the
+    /// moments rule's generated kernel (result `u`) → `project` back → the step rule's kernel.
+    pub composed_ms: f64,
+}
+
+/// SOAP's per-parameter step on a CUDA device at each `(m, n, bases)`, the two ways the CUDA
+/// engine can run it, alternating, `reps` times (medians, CUDA events; one warm-up): the
+/// hand-written `ops::optim::soap_update` and the composition of `ops::optim::project` and the
+/// kernels generated from `optim::optimizers::soap::rules` (simplified), both with bf16
+/// projections and the bases' bf16 shadows cached (the engine's `precision = bf16` path),
+/// step 3, lr 3e-3, betas (0.95, 0.95), weight decay 0.01. This is the measurement that
+/// decides whether the composed step may replace the hand-written op (issue 19).
+///
+/// # Errors
+/// Device, cuBLAS, NVRTC or launch errors.
+pub fn soap_steps(
+    ordinal: usize,
+    shapes: &[(usize, usize, [bool; 2])],
+    reps: usize,
+) -> Result<Vec<SoapStepRow>> {
+    use optim::optimizers::{soap, step_scalars, update_rule};
+    use optim::update::{simplify, UpdateRule};
+    let dev = Device::new(ordinal)?;
+    let hp = schedule::SoapHyper {
+        lr: 3e-3,
+        beta1: 0.95,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        correct_bias: true,
+        normalize_grads: false,
+    };
+    let (t, lr) = (3u64, 3e-3);
+    let (moments, step) = soap::rules(&hp).map_err(|e| invalid(e.to_string()))?;
+    let compile = |rule: &schedule::ElementwiseRule| -> Result<(op::UpdateKernel, Vec<f32>)> {
+        let r = update_rule(rule).map_err(|e| invalid(e.to_string()))?;
+        let (expr, _) = simplify(&r.expr);
+        let k = op::UpdateKernel::new(&dev, &UpdateRule { expr, ..r })?;
+        Ok((k, step_scalars(rule, lr, t)))
+    };
+    let (km, sm) = compile(&moments)?;
+    let (ks, ss) = compile(&step)?;
+    let proj = op::SoapProjections::Bf16;
+    let mut rows = Vec::new();
+    for &(m, n, [left, right]) in shapes {
+        let mn = m * n;
+        let scratch_len = op::soap_update_scratch_len(m, n, left, right, proj)
+            .max(op::project_scratch_len(m, n, left, right, proj))
+            .max(1);
+        let slots = |len: usize| len.next_multiple_of(64);
+        let bytes = (7 * slots(mn) + slots(m * m) + slots(n * n) + slots(scratch_len)) * 4
+            + (slots(m * m) + slots(n * n)) * 2
+            + 8192;
+        let mut arena = dev.arena("bench-soap-step", Tier::Device, bytes)?;
+        let mut f32s = |len: usize| arena.buf(Elem::F32, len);
+        // p, g, m, v, u (the moments rule's result), g' (projected gradient), N (projected back).
+        let [p, g, ea, eas, u, gp, nb] = [(); 7].map(|_| f32s(mn));
+        let (p, g, ea, eas, u, gp, nb) = (p?, g?, ea?, eas?, u?, gp?, nb?);
+        let ql = left.then(|| f32s(m * m)).transpose()?;
+        let qr = right.then(|| f32s(n * n)).transpose()?;
+        let scratch = f32s(scratch_len)?;
+        let qls = left.then(|| arena.buf(Elem::BF16, m * m)).transpose()?;
+        let qrs = right.then(|| arena.buf(Elem::BF16, n * n)).transpose()?;
+        let signed: Vec<f32> = (0..mn)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-4)
+            .collect();
+        let sq: Vec<f32> = (0..mn).map(|i| 1e-4 + (i % 97) as f32 * 1e-5).collect();
+        for (b, h) in [(&p, &signed), (&g, &signed), (&ea, &signed), (&eas, &sq)] {
+            dev.upload(b, h)?;
+        }
+        // Bases: scaled identities are enough for timing (the GEMMs do not look at values).
+        for (q, s, d) in [(&ql, &qls, m), (&qr, &qrs, n)] {
+            if let (Some(q), Some(s)) = (q, s) {
+                let mut h = vec![0.0f32; d * d];
+                for i in 0..d {
+                    h[i * d + i] = 1.0;
+                }
+                dev.upload(q, &h)?;
+                crate::gemm::cast_f32_to_bf16(&dev, q, s)?;
+            }
+        }
+        let cached = [qls.as_ref(), qrs.as_ref()];
+        let time = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
+            let a = dev.record(StreamKind::Compute, true)?;
+            f()?;
+            let b = dev.record(StreamKind::Compute, true)?;
+            b.synchronize()?;
+            Ok(f64::from(a.elapsed_ms(&b)?))
+        };
+        let hand = || {
+            op::soap_update(
+                &dev,
+                t,
+                lr,
+                &hp,
+                &p,
+                &g,
+                &ea,
+                &eas,
+                ql.as_ref(),
+                qr.as_ref(),
+                m,
+                n,
+                &scratch,
+                proj,
+                cached,
+            )
+        };
+        let composed = || -> Result<()> {
+            let (qa, qb) = (ql.as_ref(), qr.as_ref());
+            op::project(&dev, &g, &gp, qa, qb, m, n, false, &scratch, proj, cached)?;
+            km.run(&dev, &[&p, &gp, &ea, &eas, &u], &sm, None)?;
+            op::project(&dev, &u, &nb, qa, qb, m, n, true, &scratch, proj, cached)?;
+            ks.run(&dev, &[&p, &nb], &ss, None)
+        };
+        let (mut hs, mut cs) = (Vec::new(), Vec::new());
+        for rep in 0..=reps {
+            let (h, c) = (time(&hand)?, time(&composed)?);
+            if rep > 0 {
+                hs.push(h);
+                cs.push(c);
+            }
+        }
+        let median = |mut s: Vec<f64>| {
+            s.sort_by(f64::total_cmp);
+            s.get(s.len() / 2).copied().unwrap_or(f64::NAN)
+        };
+        rows.push(SoapStepRow {
+            m,
+            n,
+            bases: [left, right],
+            hand_ms: median(hs),
+            composed_ms: median(cs),
+        });
+    }
+    Ok(rows)
+}

@@ -34,10 +34,11 @@ pub struct EngineReserve {
     pub attention_saved: usize,
     /// Refresh work, swap buffers and asynchronous refresh shadows.
     pub refresh: usize,
-    /// bf16 shadows of SOAP eigenbases (`precision = bf16`).
+    /// bf16 shadows of SOAP eigenbases (`precision = bf16`; those a `soap_update` or a
+    /// composed step's `project` reads).
     pub basis_shadows: usize,
-    /// Op scratch: the scratch of the largest second-order update (SOAP, KL-Shampoo, Shampoo;
-    /// exact), plus an allowance for the other ops and solver workspace (a fraction of the
+    /// Op scratch: the scratch of the largest second-order update (SOAP, KL-Shampoo, Shampoo,
+    /// a composed SOAP step's `project`; exact), plus an allowance for the other ops and solver workspace (a fraction of the
     /// plan's device arenas up to [`SCRATCH_ALLOWANCE`]).
     pub scratch: usize,
 }
@@ -112,6 +113,26 @@ pub fn soap_update_scratch_len(m: usize, n: usize, left: bool, right: bool, bf16
     }
 }
 
+/// Scratch elements (f32) of the CUDA engine's `project` (a composed SOAP step's eigenbasis
+/// projection, either direction) of an `[m, n]` operand with the given bases: one f32 `[m, n]`
+/// intermediate rounded up to 256 bytes when both bases are there, plus with bf16 projections
+/// (`bf16`) and a basis the bf16 bases (`m²`, `n²`) and two bf16 `[m, n]` matrices, each region
+/// rounded up to 256 bytes.
+pub fn project_scratch_len(m: usize, n: usize, left: bool, right: bool, bf16: bool) -> usize {
+    let base = if left && right {
+        (m * n).next_multiple_of(64)
+    } else {
+        0
+    };
+    if bf16 && (left || right) {
+        base + if left { bf16_slots(m * m) } else { 0 }
+            + if right { bf16_slots(n * n) } else { 0 }
+            + 2 * bf16_slots(m * n)
+    } else {
+        base
+    }
+}
+
 /// Scratch elements (f32) of the CUDA engine's `kl_shampoo_update` for an `[m, n]` parameter
 /// with the given bases (`left`: `Q_L` present, `right`: `Q_R`), each region rounded up to 64
 /// elements (256 bytes): the f64 partials and the RMS divisor (`2·256 + 2`), four vectors
@@ -173,6 +194,11 @@ pub fn engine_reserve(plan: &Plan, device_bytes: usize) -> EngineReserve {
                 basis_left,
                 basis_right,
                 ..
+            }
+            | Op::Project {
+                basis_left,
+                basis_right,
+                ..
             } = o
             {
                 for &q in basis_left.iter().chain(basis_right) {
@@ -207,6 +233,16 @@ pub fn engine_reserve(plan: &Plan, device_bytes: usize) -> EngineReserve {
                 let (m, n) = dims(*param);
                 let (l, r) = (basis_left.is_some(), basis_right.is_some());
                 Some(soap_update_scratch_len(m, n, l, r, bf16) * 4)
+            }
+            Op::Project {
+                x,
+                basis_left,
+                basis_right,
+                ..
+            } => {
+                let (m, n) = dims(*x);
+                let (l, r) = (basis_left.is_some(), basis_right.is_some());
+                Some(project_scratch_len(m, n, l, r, bf16) * 4)
             }
             Op::KlShampooUpdate {
                 param,

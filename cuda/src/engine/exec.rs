@@ -62,17 +62,48 @@ impl CudaEngine {
         let dev = &self.dev;
         let s = &self.scratch;
         match op {
-            // Refused at set-up (`check_fused`): a composed SOAP or Shampoo step runs on the
-            // CPU engine.
-            Op::Project { .. }
-            | Op::ShampooFactorUpdate { .. }
+            Op::Project {
+                x,
+                out,
+                basis_left,
+                basis_right,
+                back,
+            } => {
+                let (m, n) = self.dims(*x);
+                let proj = CudaEngine::soap_projections(self.precision);
+                let mut cached = [None, None];
+                if proj == op::SoapProjections::Bf16 {
+                    for (slot, q) in cached.iter_mut().zip([basis_left, basis_right]) {
+                        if let Some(q) = q.filter(|q| self.shadows[q.index()].is_some()) {
+                            *slot = Some(self.shadow(q)?);
+                        }
+                    }
+                }
+                let (dev, s) = (&self.dev, &self.scratch);
+                op::project(
+                    dev,
+                    self.b(*x),
+                    self.b(*out),
+                    basis_left.map(|q| self.b(q)),
+                    basis_right.map(|q| self.b(q)),
+                    m,
+                    n,
+                    *back,
+                    s,
+                    proj,
+                    [cached[0].as_ref(), cached[1].as_ref()],
+                )?;
+            }
+            // Refused at set-up (`check_fused`): a composed Shampoo or KL-Shampoo step runs on
+            // the CPU engine.
+            Op::ShampooFactorUpdate { .. }
             | Op::ShampooPrecondition { .. }
             | Op::Graft { .. }
             | Op::KlScale { .. }
             | Op::KlFactorUpdate { .. } => {
                 return Err(CudaError::Invalid {
                     op: op.name(),
-                    what: "a composed SOAP, Shampoo or KL-Shampoo step runs on the CPU engine only"
+                    what: "a composed Shampoo or KL-Shampoo step runs on the CPU engine only"
                         .into(),
                 })
             }

@@ -33,18 +33,6 @@ fn check_fused(
             ));
         }
     }
-    if let Some(Op::Project { out, .. }) = plan
-        .optimizer
-        .iter()
-        .find(|o| matches!(o, Op::Project { .. }))
-    {
-        return refuse(format!(
-            "`project` ({}): a composed SOAP step that `fuse` did not make one `soap_update` \
-             (the fuse report says why; `--skip-pass fuse` leaves every step composed) runs on \
-             the CPU engine only",
-            plan.buffer(*out).name
-        ));
-    }
     if let Some(o) = plan.optimizer.iter().find(|o| {
         matches!(
             o,
@@ -62,24 +50,6 @@ fn check_fused(
              the CPU engine only",
             o.name(),
             at.unwrap_or_default()
-        ));
-    }
-    // A rule with results (a composed step's intermediate, e.g. SOAP's on a parameter with no
-    // rotated side) has not run through the generated kernels on a GPU: refused, as `project`.
-    if let Some(Op::ElementwiseUpdate { rule, results, .. }) = plan
-        .optimizer
-        .iter()
-        .find(|o| matches!(o, Op::ElementwiseUpdate { rule, .. } if !rule.results.is_empty()))
-    {
-        return refuse(format!(
-            "an `elementwise_update` of the `{}` rule writes results ({}): a composed optimizer \
-             step that `fuse` did not make one op runs on the CPU engine only",
-            rule.optimizer,
-            results
-                .iter()
-                .map(|r| plan.buffer(*r).name.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
         ));
     }
     for o in plan.forward.iter().chain(&plan.backward) {
@@ -175,6 +145,15 @@ fn scratch_need(
         } => {
             let (m, n) = dims2(shape(*param));
             op::soap_update_scratch_len(m, n, basis_left.is_some(), basis_right.is_some(), soap)
+        }
+        Op::Project {
+            x,
+            basis_left,
+            basis_right,
+            ..
+        } => {
+            let (m, n) = dims2(shape(*x));
+            op::project_scratch_len(m, n, basis_left.is_some(), basis_right.is_some(), soap)
         }
         Op::KlShampooUpdate {
             param,
@@ -341,6 +320,11 @@ impl CudaEngine {
         if soap == op::SoapProjections::Bf16 {
             for o in &plan.optimizer {
                 if let Op::SoapUpdate {
+                    basis_left,
+                    basis_right,
+                    ..
+                }
+                | Op::Project {
                     basis_left,
                     basis_right,
                     ..

@@ -1,7 +1,9 @@
 //! Optimizer launchers: fused AdamW (plan op `AdamW`, generated from its update rule), the SOAP parameter
 //! update (plan op `SoapUpdate`: cuBLAS projections around the fused eigenbasis-Adam kernel,
-//! family `soap`) and the Kronecker-factor accumulation (plan op `SoapFactorUpdate`, GEMMs).
-//! Semantics match `optim::adamw_update`, `optim::soap_update`, `optim::soap_factor_update`.
+//! family `soap`), a composed SOAP step's eigenbasis projection (plan op `Project`, GEMMs), the
+//! Kronecker-factor accumulation (plan op `SoapFactorUpdate`, GEMMs) and the element-wise
+//! update kernels generated from update rules ([`UpdateKernel`]). Semantics match
+//! `optim::adamw_update`, `optim::soap_update`, `optim::project`, `optim::soap_factor_update`.
 use super::loss::{sumsq_partials, SUMSQ_BLOCKS};
 use crate::device::Device;
 use crate::error::{CudaError, Result};
@@ -365,6 +367,127 @@ pub fn soap_update(
         .i32((hp.weight_decay > 0.0) as i32)
         .f32((-lr * hp.weight_decay) as f32);
     dev.launch("soap_apply", (dev.grid_for(mn), 1, 1), (256, 1, 1), args)
+}
+
+/// Scratch elements (f32) of [`project`] for an `[m, n]` operand with the given bases (see
+/// [`schedule::reserve::project_scratch_len`]).
+pub fn project_scratch_len(
+    m: usize,
+    n: usize,
+    left: bool,
+    right: bool,
+    proj: SoapProjections,
+) -> usize {
+    schedule::reserve::project_scratch_len(m, n, left, right, proj == SoapProjections::Bf16)
+}
+
+/// Plan op `Project` (a composed SOAP step's eigenbasis projection, `optim::project` /
+/// `optim::project_back`): `out = Q_Lᵀ x Q_R` (`back = false`) or `out = Q_L x Q_Rᵀ` (`back`),
+/// `x`, `out` f32 `[m, n]`, `Q_L` f32 `[m, m]`, `Q_R` f32 `[n, n]`, a missing basis the
+/// identity (none: `out = x`). The GEMMs run as [`soap_update`]'s do under `proj`: plain fp32
+/// (with the device's [`crate::GemmMath`]), or `x` and the bases in bf16 with fp32
+/// accumulation, the product that feeds the second GEMM written as bf16 by the first and `out`
+/// in fp32. `cached`: bf16 copies of `[Q_L, Q_R]` the caller keeps while the bases do not
+/// change (a `None` is cast here). `scratch` f32 of at least [`project_scratch_len`]. Compute
+/// stream.
+///
+/// # Errors
+/// Operands of the wrong size or dtype, a short scratch ([`CudaError::Shape`]), cuBLAS and
+/// launch failures.
+#[allow(clippy::too_many_arguments)]
+pub fn project(
+    dev: &Device,
+    x: &Buf,
+    out: &Buf,
+    basis_left: Option<&Buf>,
+    basis_right: Option<&Buf>,
+    m: usize,
+    n: usize,
+    back: bool,
+    scratch: &Buf,
+    proj: SoapProjections,
+    cached: [Option<&Buf>; 2],
+) -> Result<()> {
+    const OP: &str = "project";
+    let mn = m * n;
+    x.expect(OP, "x", Elem::F32, mn)?;
+    out.expect(OP, "out", Elem::F32, mn)?;
+    if let Some(q) = basis_left {
+        q.expect(OP, "basis_left", Elem::F32, m * m)?;
+    }
+    if let Some(q) = basis_right {
+        q.expect(OP, "basis_right", Elem::F32, n * n)?;
+    }
+    let (left, right) = (basis_left.is_some(), basis_right.is_some());
+    let need = project_scratch_len(m, n, left, right, proj);
+    if scratch.len() < need || (need > 0 && scratch.elem() != Elem::F32) {
+        return Err(CudaError::Shape {
+            op: OP,
+            operand: "scratch",
+            expected: need,
+            got: scratch.len(),
+        });
+    }
+    if mn == 0 {
+        return Ok(());
+    }
+    if !left && !right {
+        return dev.copy(out, x, crate::StreamKind::Compute);
+    }
+    let (dm, dmm, dnn) = (Dims::new(m, n), Dims::new(m, m), Dims::new(n, n));
+    // Forward: Q_Lᵀ (· x) then (·) Q_R; back: Q_L (· x) then (·) Q_Rᵀ.
+    let (ta, tb) = (!back, back);
+    if proj == SoapProjections::Bf16 {
+        let mut off = if left && right {
+            mn.next_multiple_of(64)
+        } else {
+            0
+        };
+        let mut carve = |len: usize| -> Result<Buf> {
+            let b = scratch
+                .slice(off, bf16_slots(len))?
+                .reinterpret(Elem::BF16, len)?;
+            off += bf16_slots(len);
+            Ok(b)
+        };
+        let mut bf16_basis = |q: Option<&Buf>, c: Option<&Buf>, d: usize| -> Result<Option<Buf>> {
+            let Some(q) = q else { return Ok(None) };
+            let b = carve(d * d)?;
+            match c {
+                Some(c) => {
+                    c.expect(OP, "cached bf16 basis", Elem::BF16, d * d)?;
+                    Ok(Some(c.clone()))
+                }
+                None => {
+                    gemm::cast_f32_to_bf16(dev, q, &b)?;
+                    Ok(Some(b))
+                }
+            }
+        };
+        let ql = bf16_basis(basis_left, cached[0], m)?;
+        let qr = bf16_basis(basis_right, cached[1], n)?;
+        let (xb, yb) = (carve(mn)?, carve(mn)?);
+        gemm::cast_f32_to_bf16(dev, x, &xb)?;
+        return match (&ql, &qr) {
+            (Some(ql), Some(qr)) => {
+                gemm::matmul_bf16(dev, ql, dmm, &xb, dm, &yb, ta, false, false)?;
+                gemm::matmul_bf16(dev, &yb, dm, qr, dnn, out, false, tb, false)
+            }
+            (Some(ql), None) => gemm::matmul_bf16(dev, ql, dmm, &xb, dm, out, ta, false, false),
+            (None, Some(qr)) => gemm::matmul_bf16(dev, &xb, dm, qr, dnn, out, false, tb, false),
+            (None, None) => Ok(()),
+        };
+    }
+    match (basis_left, basis_right) {
+        (Some(ql), Some(qr)) => {
+            let tmp = scratch.slice(0, mn)?;
+            gemm_f32(dev, ql, dmm, x, dm, &tmp, ta, false, 1.0, 0.0)?;
+            gemm_f32(dev, &tmp, dm, qr, dnn, out, false, tb, 1.0, 0.0)
+        }
+        (Some(ql), None) => gemm_f32(dev, ql, dmm, x, dm, out, ta, false, 1.0, 0.0),
+        (None, Some(qr)) => gemm_f32(dev, x, dm, qr, dnn, out, false, tb, 1.0, 0.0),
+        (None, None) => Ok(()),
+    }
 }
 
 /// Scratch elements (f32) of [`soap_factor_update`] for an `[m, n]` gradient: the bf16 copy of

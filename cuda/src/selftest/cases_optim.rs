@@ -14,8 +14,170 @@ pub(crate) fn cases() -> Vec<Case> {
     clip_into_adamw(&mut v);
     adamw(&mut v);
     update_rules(&mut v);
+    composed_soap(&mut v);
     soap(&mut v);
     v
+}
+
+/// A composed SOAP step on the GPU (`expand-optimizer`'s form, which `fuse` leaves composed
+/// when its `soap-update` rule does not match): the kernels of its two rules
+/// (`optim::optimizers::soap::rules`: the moments rule with its result `u`, and the step rule)
+/// against the same rules interpreted on the host, bit for bit, simplified as `simplify`
+/// leaves them; and `project` both ways against `optim::project` / `optim::project_back` in
+/// float64, each side alone and both, fp32 GEMMs (fp32 tolerance) and bf16 ones (bases cast
+/// inside, or handed in as the engine's cached shadows; bf16 tolerance), at awkward sizes.
+fn composed_soap(v: &mut Vec<Case>) {
+    use optim::optimizers::{soap, step_scalars, update_rule};
+    use optim::update::{simplify, Program, UpdateRule};
+    let hyper = SoapHyper {
+        lr: 3e-3,
+        beta1: 0.95,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        correct_bias: true,
+        normalize_grads: false,
+    };
+    for (n, big) in [(1usize, false), (1037, false), (4096 * 783 + 5, true)] {
+        for which in ["moments", "step"] {
+            v.push(case(
+                "update_rule",
+                format!("soap composed {which} n={n}"),
+                0.0,
+                big,
+                move |cx| {
+                    let (moments, step) = soap::rules(&hyper).map_err(cpu)?;
+                    let rule = if which == "moments" { moments } else { step };
+                    let scalars: Vec<f32> = step_scalars(&rule, 3e-3, 3);
+                    let r = update_rule(&rule).map_err(cpu)?;
+                    let (expr, _) = simplify(&r.expr);
+                    let r = UpdateRule { expr, ..r };
+                    let kernel = gopt::UpdateKernel::new(cx.dev, &r)?;
+                    let prog = Program::new(&r).map_err(cpu)?;
+                    // p, g, the state (m, then v > 0: a warm state), the results (written only).
+                    let mut host: Vec<Vec<f32>> = Vec::new();
+                    for t in &r.tensors {
+                        host.push(match t.as_str() {
+                            "v" => cx.uniform(n, 1e-4, 1e-2),
+                            "m" => cx.normal(n, 0.0, 0.1),
+                            "u" => vec![0.0; n],
+                            _ => cx.normal(n, 0.0, 1.0),
+                        });
+                    }
+                    let bufs = host
+                        .iter()
+                        .map(|h| cx.up(h))
+                        .collect::<Result<Vec<Buf>>>()?;
+                    let refs: Vec<&Buf> = bufs.iter().collect();
+                    let ms = cx.timed(|| kernel.run(cx.dev, &refs, &scalars, None))?;
+                    let mut slices: Vec<&mut [f32]> =
+                        host.iter_mut().map(|h| h.as_mut_slice()).collect();
+                    prog.run(&mut slices, &scalars).map_err(cpu)?;
+                    let mut errs = Vec::new();
+                    for (i, b) in bufs.iter().enumerate() {
+                        let got = cx.down(b)?;
+                        let same = got.len() == host[i].len()
+                            && got
+                                .iter()
+                                .zip(&host[i])
+                                .all(|(a, b)| a.to_bits() == b.to_bits());
+                        let name: &'static str = match r.tensors[i].as_str() {
+                            "p" => "p",
+                            "g" => "g",
+                            "m" => "exp_avg",
+                            "v" => "exp_avg_sq",
+                            "u" => "result u",
+                            _ => "tensor",
+                        };
+                        errs.push((name, if same { 0.0 } else { 1.0 }));
+                    }
+                    Ok(Outcome { errs, gpu_ms: ms })
+                },
+            ));
+        }
+    }
+    // (m, n, left, right, big).
+    let shapes = [
+        (3, 50, true, true, false),
+        (50, 783, true, false, false),
+        (50, 783, false, true, false),
+        (783, 50, true, true, false),
+        (1, 783, false, false, false),
+        (783, 3072, true, true, true),
+    ];
+    let runs = shapes.into_iter().flat_map(|c| {
+        [false, true].into_iter().flat_map(move |back| {
+            let bf16 = (c.2 || c.3)
+                .then_some([
+                    (c, back, gopt::SoapProjections::Bf16, false),
+                    (c, back, gopt::SoapProjections::Bf16, true),
+                ])
+                .into_iter()
+                .flatten();
+            std::iter::once((c, back, gopt::SoapProjections::Fp32Storage, false)).chain(bf16)
+        })
+    });
+    for ((m, n, left, right, big), back, proj, cache) in runs {
+        let size = format!(
+            "[{m}, {n}] Q_L={} Q_R={} {}",
+            left as u8,
+            right as u8,
+            if back { "back" } else { "forward" }
+        );
+        let (name, tol) = match (proj, cache) {
+            (gopt::SoapProjections::Fp32Storage, _) => ("project", TOL_F32),
+            (gopt::SoapProjections::Bf16, false) => ("project_bf16", TOL_BF16),
+            (gopt::SoapProjections::Bf16, true) => ("project_bf16_cached", TOL_BF16),
+        };
+        v.push(case(name, size, tol, big, move |cx| {
+            let x = cx.normal(m * n, 0.0, 1.0);
+            let ql = if left { Some(orthogonal(cx, m)?) } else { None };
+            let qr = if right {
+                Some(orthogonal(cx, n)?)
+            } else {
+                None
+            };
+            let xb = cx.up(&x)?;
+            let out = cx.out(m * n)?;
+            let qlb = ql.as_deref().map(|q| cx.up(q)).transpose()?;
+            let qrb = qr.as_deref().map(|q| cx.up(q)).transpose()?;
+            let scratch = cx.out(gopt::project_scratch_len(m, n, left, right, proj).max(1))?;
+            let mut shadow = |q: &Option<Buf>, d: usize| -> Result<Option<Buf>> {
+                match q {
+                    Some(q) if cache => {
+                        let b = cx.raw(Elem::BF16, d * d)?;
+                        crate::gemm::cast_f32_to_bf16(cx.dev, q, &b)?;
+                        Ok(Some(b))
+                    }
+                    _ => Ok(None),
+                }
+            };
+            let (qls, qrs) = (shadow(&qlb, m)?, shadow(&qrb, n)?);
+            let ms = cx.timed(|| {
+                gopt::project(
+                    cx.dev,
+                    &xb,
+                    &out,
+                    qlb.as_ref(),
+                    qrb.as_ref(),
+                    m,
+                    n,
+                    back,
+                    &scratch,
+                    proj,
+                    [qls.as_ref(), qrs.as_ref()],
+                )
+            })?;
+            let (ql64, qr64) = (ql.as_deref().map(wide), qr.as_deref().map(wide));
+            let want = if back {
+                optim::project_back(&wide(&x), ql64.as_deref(), qr64.as_deref(), m, n)
+            } else {
+                optim::project(&wide(&x), ql64.as_deref(), qr64.as_deref(), m, n)
+            };
+            let errs = vec![("out", rel_err(&cx.down(&out)?, &want))];
+            Ok(Outcome { errs, gpu_ms: ms })
+        }));
+    }
 }
 
 /// The kernels generated from element-wise update rules (AdamW as a rule, and every optimizer
