@@ -398,15 +398,28 @@ fn bf16_outputs_train_within_bf16_tolerance() {
     }
 }
 
-/// The CUDA engine runs a composed SOAP step (`project`, the rules with results) when `fuse`
-/// is skipped; its device-memory estimate (`schedule::reserve::engine_reserve`, which budgets
+/// The CUDA engine runs a composed SOAP step (`project`, the rules with results), a CUDA
+/// target's default; its device-memory estimate (`schedule::reserve::engine_reserve`, which budgets
 /// and `tier-placement` use) counts what the engine allocates for it: the bf16 shadows of the
 /// bases `project` reads and `project`'s scratch, as for the hand-written `soap_update`.
 #[test]
 fn composed_soap_step_is_in_the_cuda_engine_reserve() {
     use schedule::reserve::{engine_reserve, project_scratch_len};
-    let fused = compile(config(cuda_bf16(), true), true);
-    let composed = compile(config(cuda_bf16(), true), false);
+    // On a CUDA target `soap-update` applies only when asked (`--apply-rule`): the composed step
+    // is the default there.
+    let fused = {
+        let mut m = ir::Module::new(config(cuda_bf16(), true));
+        let mut pm = PassManager::new(PassOptions {
+            apply_rules: vec!["soap-update".into()],
+            ..Default::default()
+        })
+        .expect("pass manager");
+        let (cx, _) = pm
+            .run(&mut m, None, &mut std::io::sink())
+            .expect("pipeline");
+        cx.plan.expect("plan")
+    };
+    let composed = compile(config(cuda_bf16(), true), true);
     let projects: Vec<(usize, usize, bool, bool)> = composed
         .optimizer
         .iter()

@@ -29,6 +29,8 @@ pub fn compile_spec(
         verify_each: flags.verify_each,
         time_passes: flags.time_passes,
         skip: flags.skip_pass.clone(),
+        skip_rules: flags.skip_rule.clone(),
+        apply_rules: flags.apply_rule.clone(),
     };
     let mut pm = PassManager::new(options).map_err(|e| miette!("{e}"))?;
     let stdout = std::io::stdout();
@@ -874,6 +876,7 @@ pub struct SelftestArgs {
     pub inject_cpu_refreshes: bool,
     pub match_precision: String,
     pub skip_pass: Vec<String>,
+    pub skip_rule: Vec<String>,
     pub nccl: bool,
 }
 
@@ -916,6 +919,7 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
     for spec in &a.train_match {
         let flags = PassFlags {
             skip_pass: a.skip_pass.clone(),
+            skip_rule: a.skip_rule.clone(),
             ..PassFlags::default()
         };
         let (plan, _) = compile_spec(spec, &flags, &[])?;

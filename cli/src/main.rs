@@ -60,6 +60,16 @@ pub struct PassFlags {
     /// Do not run this optional pass (repeatable): fuse (to compare with the unfused plan).
     #[arg(long = "skip-pass", value_name = "PASS")]
     pub skip_pass: Vec<String>,
+    /// Do not apply this `fuse` rule (repeatable): soap-update, shampoo-update or
+    /// kl-shampoo-update, whose optimizer steps then stay composed (to compare a hand-written
+    /// op with its composition).
+    #[arg(long = "skip-rule", value_name = "RULE")]
+    pub skip_rule: Vec<String>,
+    /// Apply this `fuse` rule where the target leaves it out by default (repeatable):
+    /// soap-update on a CUDA target selects the hand-written `soap_update` (the composed step
+    /// is the default there: measured faster).
+    #[arg(long = "apply-rule", value_name = "RULE")]
+    pub apply_rule: Vec<String>,
 }
 
 /// Spec overrides, shared by `compile`, `explain` and `train`.
@@ -308,6 +318,11 @@ enum Command {
         /// results run on both engines) and the model ops unfused.
         #[arg(long = "skip-pass", value_name = "PASS")]
         skip_pass: Vec<String>,
+        /// Train-match: compile the specs without this `fuse` rule (repeatable):
+        /// `soap-update` leaves SOAP's steps composed (as a CUDA target runs them) while the
+        /// model ops stay fused.
+        #[arg(long = "skip-rule", value_name = "RULE")]
+        skip_rule: Vec<String>,
         /// Also check NCCL: a sum all-reduce over every visible GPU against the f64 sum (finds
         /// `libnccl.so.2` when cudarc cannot, re-executing with a `libnccl.so` alias).
         #[arg(long)]
@@ -488,6 +503,7 @@ fn main() -> ExitCode {
             inject_cpu_refreshes,
             match_precision,
             skip_pass,
+            skip_rule,
             nccl,
         } => commands::selftest(&commands::SelftestArgs {
             device,
@@ -507,6 +523,7 @@ fn main() -> ExitCode {
             inject_cpu_refreshes,
             match_precision,
             skip_pass,
+            skip_rule,
             nccl,
         }),
         Command::Plot {

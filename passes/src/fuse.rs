@@ -180,6 +180,11 @@ pub struct FuseReport {
 #[derive(Default)]
 pub struct Fuse {
     report: FuseReport,
+    /// Instruction-selection rules not to apply ([`Fuse::SKIPPABLE_RULES`]; `--skip-rule`).
+    skip_rules: Vec<String>,
+    /// Rules to apply where the target's default leaves them out ([`Fuse::off_by_default`];
+    /// `--apply-rule`).
+    apply_rules: Vec<String>,
 }
 
 fn invalid(message: impl Into<String>) -> PassError {
@@ -206,6 +211,47 @@ struct Candidate {
 }
 
 impl Fuse {
+    /// The rules `--skip-rule` may name: the instruction selections of composed optimizer
+    /// steps, whose composition runs on both engines without them (the same semantics, its
+    /// own rounding), e.g. to measure a hand-written op against its composition.
+    pub const SKIPPABLE_RULES: [&'static str; 3] =
+        ["soap-update", "shampoo-update", "kl-shampoo-update"];
+
+    /// The pass without the rules `skip` and with the rules `apply` where the target would
+    /// leave them out (each one of [`Fuse::SKIPPABLE_RULES`], none in both lists; checked by
+    /// [`crate::PassManager::new`]).
+    pub fn with_rules(skip: &[String], apply: &[String]) -> Fuse {
+        Fuse {
+            skip_rules: skip.to_vec(),
+            apply_rules: apply.to_vec(),
+            ..Fuse::default()
+        }
+    }
+
+    /// Why the target leaves rule `name` out by default, if it does: `soap-update` on a CUDA
+    /// target, where the composed step (`project`'s GEMMs and the kernels generated from the
+    /// rules) measured faster than the hand-written `soap_update` and needs less memory (H200:
+    /// 1.07× the step rate and 1.05 GiB less at LLaMA 1.44B, 1.02× at GPT-2 124M;
+    /// BENCHMARKS.md, "Element-wise update kernels"). The CPU engine keeps the op, its
+    /// reference `optim::soap_update` (the two agree bit for bit there).
+    pub fn off_by_default(name: &str, target: &TargetConfig) -> Option<&'static str> {
+        match (name, target) {
+            ("soap-update", TargetConfig::Cuda { .. }) => Some(
+                "on a CUDA target the composed SOAP step is faster than soap_update (H200, \
+                 BENCHMARKS.md)",
+            ),
+            _ => None,
+        }
+    }
+
+    /// Whether the rule `name` runs on `target`: not skipped, and either on by default there
+    /// or applied by `--apply-rule`.
+    pub(crate) fn applies(&self, name: &str, target: &TargetConfig) -> bool {
+        !self.skip_rules.iter().any(|r| r == name)
+            && (Fuse::off_by_default(name, target).is_none()
+                || self.apply_rules.iter().any(|r| r == name))
+    }
+
     /// The report of the last run.
     pub fn report(&self) -> &FuseReport {
         &self.report
@@ -707,7 +753,7 @@ impl Pass for Fuse {
         ))
     }
 
-    fn dump_extra(&self, _module: &Module, _cx: &PassContext) -> Option<String> {
+    fn dump_extra(&self, module: &Module, _cx: &PassContext) -> Option<String> {
         let r = &self.report;
         let mut s = String::from("; fuse report\n");
         if let Some(t) = r.target {
@@ -725,6 +771,37 @@ impl Pass for Fuse {
                  -> soap_update\n",
                 r.soap_updates
             ));
+        }
+        for rule in &self.skip_rules {
+            s.push_str(&format!(
+                "; {rule}: skipped (--skip-rule): those steps stay composed\n"
+            ));
+        }
+        // The optimizers whose composed steps the module has (a rule's step is named after its
+        // optimizer): a rule left out by default is reported only where it had work.
+        let composed: Vec<&str> = module
+            .section(Section::Optimizer)
+            .filter_map(|i| match &module.inst(i).op {
+                Op::ElementwiseUpdate { rule } => Some(rule.optimizer.as_str()),
+                _ => None,
+            })
+            .collect();
+        for rule in Fuse::SKIPPABLE_RULES {
+            let optimizer = rule.trim_end_matches("-update").replace('-', "_");
+            if !composed.contains(&optimizer.as_str()) {
+                continue;
+            }
+            if let Some(why) = Fuse::off_by_default(rule, &module.config.target) {
+                if !self.skip_rules.iter().any(|r| r == rule) {
+                    s.push_str(&match self.apply_rules.iter().any(|r| r == rule) {
+                        true => format!("; {rule}: applied (--apply-rule), though {why}\n"),
+                        false => format!(
+                            "; {rule}: not applied: {why}; those steps stay composed \
+                             (--apply-rule {rule} selects the op)\n"
+                        ),
+                    });
+                }
+            }
         }
         for (param, why) in &r.soap_blocked {
             s.push_str(&format!("; soap-update blocked for {param}: {why}\n"));

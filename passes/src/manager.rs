@@ -21,6 +21,14 @@ pub struct PassOptions {
     /// Optional passes not to run ([`PassManager::SKIPPABLE`]: `fuse`), e.g. to compare a
     /// fused plan with the unfused one.
     pub skip: Vec<String>,
+    /// `fuse` rules not to apply ([`crate::fuse::Fuse::SKIPPABLE_RULES`]: the instruction
+    /// selections of composed optimizer steps), e.g. to measure a hand-written op against the
+    /// composition it replaces.
+    pub skip_rules: Vec<String>,
+    /// `fuse` rules to apply where the target leaves them out by default
+    /// ([`crate::fuse::Fuse::off_by_default`]: `soap-update` on CUDA targets), e.g. to measure
+    /// the hand-written op against the composition.
+    pub apply_rules: Vec<String>,
 }
 
 /// Wall time of one pass.
@@ -94,10 +102,40 @@ impl PassManager {
                 ),
             });
         }
-        Ok(PassManager {
-            passes: Self::default_passes(),
-            options,
-        })
+        if let Some(r) = options
+            .skip_rules
+            .iter()
+            .chain(&options.apply_rules)
+            .find(|r| !crate::fuse::Fuse::SKIPPABLE_RULES.contains(&r.as_str()))
+        {
+            return Err(PassError::Invalid {
+                pass: "pass-manager",
+                message: format!(
+                    "`fuse` has no skippable rule `{r}` (skippable: {})",
+                    crate::fuse::Fuse::SKIPPABLE_RULES.join(", ")
+                ),
+            });
+        }
+        if let Some(r) = options
+            .skip_rules
+            .iter()
+            .find(|r| options.apply_rules.contains(r))
+        {
+            return Err(PassError::Invalid {
+                pass: "pass-manager",
+                message: format!("`fuse` rule `{r}` is both skipped and applied"),
+            });
+        }
+        let mut passes = Self::default_passes();
+        for p in &mut passes {
+            if p.name() == "fuse" {
+                *p = Box::new(crate::fuse::Fuse::with_rules(
+                    &options.skip_rules,
+                    &options.apply_rules,
+                ));
+            }
+        }
+        Ok(PassManager { passes, options })
     }
 
     /// Runs the single pass `name` on `module` (file tests: IR in, IR out), then verifies.

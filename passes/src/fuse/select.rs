@@ -627,8 +627,15 @@ impl Fuse {
     /// # Errors
     /// As [`select_composed`].
     pub(super) fn composed_updates(&mut self, m: &mut Module) -> Result<(), PassError> {
+        let target = m.config.target.clone();
+        let skip_soap = !self.applies("soap-update", &target);
+        let skip_shampoo = !self.applies("shampoo-update", &target);
+        let skip_kl = !self.applies("kl-shampoo-update", &target);
         let mut cache = HashMap::new();
         let (n, blocked) = select_composed(m, "soap-update", &mut |m, step, (_, layout)| {
+            if skip_soap {
+                return Ok(None);
+            }
             Ok(
                 Fuse::soap_chain(m, step, layout, &mut cache)?.map(|c| Selected {
                     op: Op::SoapUpdate {
@@ -644,6 +651,9 @@ impl Fuse {
         (self.report.soap_updates, self.report.soap_blocked) = (n, blocked);
         let mut cache = HashMap::new();
         let (n, blocked) = select_composed(m, "shampoo-update", &mut |m, step, layout| {
+            if skip_shampoo {
+                return Ok(None);
+            }
             Ok(
                 Fuse::shampoo_chain(m, step, layout, &mut cache)?.map(|c| Selected {
                     op: Op::ShampooUpdate { hyper: c.hyper },
@@ -655,6 +665,9 @@ impl Fuse {
         (self.report.shampoo_updates, self.report.shampoo_blocked) = (n, blocked);
         let mut cache = HashMap::new();
         let (n, blocked) = select_composed(m, "kl-shampoo-update", &mut |m, step, layout| {
+            if skip_kl {
+                return Ok(None);
+            }
             Ok(
                 Fuse::kl_chain(m, step, layout, &mut cache)?.map(|c| Selected {
                     op: Op::KlShampooUpdate {
