@@ -111,9 +111,10 @@ if [[ $checks == 1 ]]; then
       echo "rc=$?"; tail -n 2 "$out/$t-cuda-s$s.txt"
     done
   done
-  # KL-Shampoo: 0.04 (its S=0 / S=5 gap on the GPU was -0.039 at 916ead3); Shampoo: 0.05 (CI's bound).
+  # Both at 0.05, CI's bound. (KL-Shampoo had 0.04, one observed gap's worth: over four calls its
+  # S=5 run ended 0.039-0.041 *below* S=0, failing the two-sided check by 0.001 half the time.)
   python3 "$here/check_staleness.py" "$out/tiny-kl-shampoo-cuda-s0.jsonl" "$out/tiny-kl-shampoo-cuda-s5.jsonl" \
-    --tol 0.04 > "$out/check-staleness-kl.txt" 2>&1; echo "check_staleness kl rc=$?"; cat "$out/check-staleness-kl.txt"
+    --tol 0.05 > "$out/check-staleness-kl.txt" 2>&1; echo "check_staleness kl rc=$?"; cat "$out/check-staleness-kl.txt"
   python3 "$here/check_staleness.py" "$out/tiny-shampoo-cuda-s0.jsonl" "$out/tiny-shampoo-cuda-s5.jsonl" \
     --tol 0.05 > "$out/check-staleness-shampoo.txt" 2>&1; echo "check_staleness shampoo rc=$?"; cat "$out/check-staleness-shampoo.txt"
 fi

@@ -3,7 +3,9 @@
 //! `--print-after fuse`). Runs after `expand-optimizer`, before `liveness` (memory is planned
 //! for the fused program). Nine rules:
 //!
-//! - **`soap-update`** (instruction selection, every target): the composed SOAP step that
+//! - **`soap-update`** (instruction selection, CPU targets; on CUDA only with `--apply-rule
+//!   soap-update`, [`Fuse::off_by_default`]: the CUDA engine's composed step measured faster):
+//!   the composed SOAP step that
 //!   `expand-optimizer` writes from `optim::optimizers::soap` — `project` the gradient into
 //!   the eigenbases, the moments `elementwise_update` (result: the direction there), `project`
 //!   it back, the step `elementwise_update` — becomes one `soap_update`, the hand-written op
@@ -12,10 +14,10 @@
 //!   precision). It fuses only when both rules are exactly those `optim::optimizers::soap::rules`
 //!   writes for the hyperparameters they carry (after `simplify`), each intermediate has no
 //!   other reader and both projections use the same bases; otherwise the report says why and
-//!   the composition runs as written (the CPU engine runs it; the CUDA engine refuses
-//!   `project`).
+//!   the composition runs as written (both engines run it: `project`'s GEMMs and the rules'
+//!   generated kernels on the GPU).
 //!
-//! - **`shampoo-update`** (instruction selection, every target): the composed Shampoo step of
+//! - **`shampoo-update`** (instruction selection, every target; `--skip-rule` leaves it out): the composed Shampoo step of
 //!   `optim::optimizers::shampoo` — `shampoo_factor_update` of the gradient, the moments
 //!   `elementwise_update` (results `Ḡ` and, with grafting, the Adam grafting step),
 //!   `shampoo_precondition` of `Ḡ` with the inverse roots, `graft` (with grafting), the step
