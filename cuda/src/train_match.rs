@@ -10,7 +10,7 @@ use engine::{
     train_with, CpuEngine, EngineError, EngineOptions, EngineStats, HostTaskReport, StepExecutor,
     TrainOptions,
 };
-use schedule::{AttentionKernel, Op, Plan, Precision, RefreshMethod, RefreshPlacement, TargetPlan};
+use schedule::{AttentionKernel, Plan, Precision, RefreshMethod, RefreshPlacement, TargetPlan};
 use schedule::{BufferClass, BufferId, DType};
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -322,8 +322,9 @@ fn column_signs(a: &[f64], b: &[f64]) -> Vec<f64> {
 /// eigendecomposition at step 1 and every refresh of an S = 0 task at once, otherwise the
 /// refresh launched at step `t − d` ([`schedule::refresh_due`]) with d = min(S, frequency): a
 /// task due again while its refresh is in flight swaps that one in first. A task whose first
-/// eigendecomposition failed retries it synchronously; the match reports such failures as a
-/// refresh-count difference between the engines.
+/// eigendecomposition failed retries it synchronously at its next due step, which this does
+/// not predict: a failure on one engine shows as a refresh-count difference in the log, and on
+/// both the retried bases are not injected (the state comparison then shows them apart).
 fn installed_at(t: u64, frequency: u64, offset: u64, staleness: u32) -> bool {
     let d = u64::from(staleness).min(frequency);
     t == 1
@@ -374,11 +375,17 @@ impl Lockstep<'_> {
         let plan = self.cpu.plan().clone();
         // Bases first: their column signs align the eigenbasis moments (SOAP's `exp_avg`;
         // KL-Shampoo's momentum is unrotated and compared as it is).
+        // SOAP's first moments live in the eigenbasis whether the step is one `soap_update` or
+        // composed (a CUDA target's default): take them from the SOAP refresh tasks.
         let rotated: Vec<BufferId> = plan
-            .optimizer
+            .host_tasks
             .iter()
-            .filter_map(|o| match o {
-                Op::SoapUpdate { exp_avg, .. } => Some(*exp_avg),
+            .filter_map(|t| match *t {
+                schedule::HostTask::EigenbasisRefresh {
+                    exp_avg,
+                    method: RefreshMethod::Soap,
+                    ..
+                } => Some(exp_avg),
                 _ => None,
             })
             .collect();

@@ -7,8 +7,9 @@
 //! the vocabulary side of an embedding, stays unrotated); each step the composition of
 //! `optim::optimizers::soap` (`project` the gradient into the eigenbases, an
 //! `elementwise_update` of the moments whose result is the update direction there, `project`
-//! it back, an `elementwise_update` of the parameter; `fuse` makes the four one `soap_update`,
-//! and with `normalize_grads` this pass writes `soap_update` itself), then
+//! it back, an `elementwise_update` of the parameter; on a CPU target `fuse` makes the four one
+//! `soap_update`, a CUDA target runs them as written, and with `normalize_grads` this pass
+//! writes `soap_update` itself), then
 //! `soap_factor_update`, and one `eigenbasis_refresh` host task per factor.
 //! 1-D parameters get no factors (Adam in the identity basis, as the reference with
 //! `precondition_1d = False`). AdamW applies weight decay to 2-D parameters only (nanoGPT);
@@ -367,7 +368,7 @@ fn soap_param(
     };
     match composed {
         // The composition (`optim::optimizers::soap`): rotate the gradient, the moments rule,
-        // rotate back, the step rule. `fuse` makes it one `soap_update`.
+        // rotate back, the step rule. `fuse` makes it one `soap_update` on a CPU target.
         Some((moments, step)) => {
             let f32_ty = TensorType::f32(ty.shape.clone());
             let rotate = |module: &mut Module, x: ValueId, back: bool, name: String| {

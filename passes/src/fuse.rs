@@ -213,11 +213,17 @@ struct Candidate {
 }
 
 impl Fuse {
-    /// The rules `--skip-rule` may name: the instruction selections of composed optimizer
-    /// steps, whose composition runs on both engines without them (the same semantics, its
-    /// own rounding), e.g. to measure a hand-written op against its composition.
+    /// The rules `--skip-rule` and `--apply-rule` may name: the instruction selections of
+    /// composed optimizer steps (the same semantics as the composition, its own rounding),
+    /// e.g. to measure a hand-written op against its composition. Without them SOAP's
+    /// composition runs on both engines; Shampoo's and KL-Shampoo's on the CPU engine only
+    /// (the CUDA engine refuses their composed ops at set-up).
     pub const SKIPPABLE_RULES: [&'static str; 3] =
         ["soap-update", "shampoo-update", "kl-shampoo-update"];
+
+    /// The rules `--apply-rule` may name: those some target leaves out by default
+    /// ([`Fuse::off_by_default`]).
+    pub const APPLICABLE_RULES: [&'static str; 1] = ["soap-update"];
 
     /// The pass without the rules `skip` and with the rules `apply` where the target would
     /// leave them out (each one of [`Fuse::SKIPPABLE_RULES`], none in both lists; checked by
@@ -233,8 +239,8 @@ impl Fuse {
     /// Why the target leaves rule `name` out by default, if it does: `soap-update` on a CUDA
     /// target, where the composed step (`project`'s GEMMs and the kernels generated from the
     /// rules) measured faster than the hand-written `soap_update` and needs less memory (H200:
-    /// 1.07× the step rate and 1.05 GiB less at LLaMA 1.44B, 1.02× at GPT-2 124M;
-    /// BENCHMARKS.md, "Element-wise update kernels"). The CPU engine keeps the op, its
+    /// 1.056× the step rate and 1.05 GiB less at LLaMA 1.44B, 1.012× and 0.43 GiB less at
+    /// GPT-2 124M; BENCHMARKS.md, "Element-wise update kernels"). The CPU engine keeps the op, its
     /// reference `optim::soap_update` (the two agree bit for bit there).
     pub fn off_by_default(name: &str, target: &TargetConfig) -> Option<&'static str> {
         match (name, target) {
@@ -790,7 +796,12 @@ impl Pass for Fuse {
             .collect();
         for rule in Fuse::SKIPPABLE_RULES {
             let optimizer = rule.trim_end_matches("-update").replace('-', "_");
-            if !composed.contains(&optimizer.as_str()) {
+            let selected = match rule {
+                "soap-update" => r.soap_updates,
+                "shampoo-update" => r.shampoo_updates,
+                _ => r.kl_shampoo_updates,
+            };
+            if selected == 0 && !composed.contains(&optimizer.as_str()) {
                 continue;
             }
             if let Some(why) = Fuse::off_by_default(rule, &module.config.target) {

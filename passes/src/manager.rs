@@ -117,6 +117,19 @@ impl PassManager {
             });
         }
         if let Some(r) = options
+            .apply_rules
+            .iter()
+            .find(|r| !crate::fuse::Fuse::APPLICABLE_RULES.contains(&r.as_str()))
+        {
+            return Err(PassError::Invalid {
+                pass: "pass-manager",
+                message: format!(
+                    "`fuse` rule `{r}` applies on every target already (--apply-rule takes: {})",
+                    crate::fuse::Fuse::APPLICABLE_RULES.join(", ")
+                ),
+            });
+        }
+        if let Some(r) = options
             .skip_rules
             .iter()
             .find(|r| options.apply_rules.contains(r))

@@ -378,6 +378,82 @@ fn only_optional_passes_can_be_skipped() {
     }
 }
 
+/// `--skip-rule` / `--apply-rule`: only the composed steps' instruction selections, an
+/// `--apply-rule` only for a rule some target leaves out, never both for one rule.
+#[test]
+fn only_instruction_selection_rules_can_be_skipped_or_applied() {
+    let pm = |skip: &[&str], apply: &[&str]| {
+        PassManager::new(PassOptions {
+            skip_rules: skip.iter().map(|s| s.to_string()).collect(),
+            apply_rules: apply.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        })
+    };
+    assert!(pm(&["soap-update", "shampoo-update", "kl-shampoo-update"], &[]).is_ok());
+    assert!(pm(&[], &["soap-update"]).is_ok());
+    for (skip, apply) in [
+        (&["bias-epilogue"][..], &[][..]),
+        (&["soap"][..], &[][..]),
+        (&[][..], &["shampoo-update"][..]),
+        (&["soap-update"][..], &["soap-update"][..]),
+    ] {
+        assert!(
+            pm(skip, apply).is_err(),
+            "skip {skip:?} apply {apply:?} must be refused"
+        );
+    }
+}
+
+/// A CUDA target leaves SOAP's step composed (the composed step measured faster on the H200);
+/// `--apply-rule soap-update` selects `soap_update`, and the fuse report says which it was.
+#[test]
+fn soap_update_is_off_by_default_on_cuda_targets() {
+    let spec = std::path::Path::new("../bench/specs/gpt2-124m-soap.asteria");
+    let text = std::fs::read_to_string(spec).expect("spec");
+    let text = text.replace("corpus = \"../data/medium\"", "corpus = builtin");
+    assert!(text.contains("corpus = builtin"));
+    let path =
+        std::env::temp_dir().join(format!("asteria-fuse-soap-{}.asteria", std::process::id()));
+    std::fs::write(&path, text).expect("write");
+    let run = |apply: bool| {
+        let config = frontend::load_spec(&path).expect("spec loads");
+        let mut m = ir::Module::new(config);
+        let mut pm = PassManager::new(PassOptions {
+            apply_rules: if apply {
+                vec!["soap-update".into()]
+            } else {
+                vec![]
+            },
+            print_after: vec!["fuse".into()],
+            ..Default::default()
+        })
+        .expect("pass manager");
+        let mut out = Vec::new();
+        let (cx, _) = pm.run(&mut m, None, &mut out).expect("pipeline");
+        (
+            cx.plan.expect("plan"),
+            String::from_utf8(out).expect("utf8"),
+        )
+    };
+    let count =
+        |p: &schedule::Plan, name: &str| p.optimizer.iter().filter(|o| o.name() == name).count();
+    let (composed, report) = run(false);
+    assert_eq!(count(&composed, "soap_update"), 0);
+    assert!(count(&composed, "project") > 0);
+    assert!(
+        report.contains("; soap-update: not applied: on a CUDA target"),
+        "{report}"
+    );
+    let (fused, report) = run(true);
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(count(&fused, "project"), 0);
+    assert!(count(&fused, "soap_update") > 0);
+    assert!(
+        report.contains("; soap-update: applied (--apply-rule)"),
+        "{report}"
+    );
+}
+
 /// The MFU numerator counts PaLM's model FLOPs on the fused bf16 plan: `6·N` per token for the
 /// N GEMM weights (the blocks' four matrices and the tied LM head) plus `12·L·C·T` per token
 /// for attention — casts, bias epilogues and the saved attention statistics add nothing.

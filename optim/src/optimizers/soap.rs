@@ -16,10 +16,12 @@
 //! accumulates the factors. The factor accumulation (`soap_factor_update`) and the eigenbasis
 //! refreshes (`eigenbasis_refresh`, method `soap`) are ops of their own either way.
 //!
-//! `expand-optimizer` writes this composition; `fuse` (rule `soap-update`) replaces it by the
-//! hand-written `soap_update` op when the rules are exactly [`rules`] of the hyperparameters
-//! they carry: the same f32 operations in the same order (the CPU engine's results are
-//! bit-identical; `--skip-pass fuse` runs the composition). `normalize_grads` divides by the
+//! `expand-optimizer` writes this composition; on a CPU target `fuse` (rule `soap-update`)
+//! replaces it by the hand-written `soap_update` op when the rules are exactly [`rules`] of the
+//! hyperparameters they carry: the same f32 operations in the same order (the CPU engine's
+//! results are bit-identical; `--skip-rule soap-update` runs the composition). A CUDA target
+//! runs the composition (`project`'s GEMMs and the rules' generated kernels: faster on the
+//! H200 than the hand-written op, BENCHMARKS.md) unless `--apply-rule soap-update`. `normalize_grads` divides by the
 //! RMS of `N`, a reduction the rule language does not express: with it `expand-optimizer`
 //! writes `soap_update` directly.
 use crate::update::{Const, RuleError};
