@@ -114,22 +114,22 @@ pub fn soap_update_scratch_len(m: usize, n: usize, left: bool, right: bool, bf16
 }
 
 /// Scratch elements (f32) of the CUDA engine's `project` (a composed SOAP step's eigenbasis
-/// projection, either direction) of an `[m, n]` operand with the given bases, each region
-/// rounded up to 256 bytes: with bf16 projections (`bf16`) and a basis the bf16 bases (`m²`,
-/// `n²`), the operand's bf16 copy and, with both bases, the bf16 intermediate (`m·n` each);
-/// with fp32 ones the f32 intermediate (`m·n`) when both bases are there; nothing without a
-/// basis.
+/// projection, either direction) of an `[m, n]` operand with the given bases: one f32 `[m, n]`
+/// intermediate rounded up to 256 bytes when both bases are there, plus with bf16 projections
+/// (`bf16`) and a basis the bf16 bases (`m²`, `n²`) and two bf16 `[m, n]` matrices, each region
+/// rounded up to 256 bytes.
 pub fn project_scratch_len(m: usize, n: usize, left: bool, right: bool, bf16: bool) -> usize {
-    let both = left && right;
-    if bf16 && (left || right) {
-        if left { bf16_slots(m * m) } else { 0 }
-            + if right { bf16_slots(n * n) } else { 0 }
-            + bf16_slots(m * n)
-            + if both { bf16_slots(m * n) } else { 0 }
-    } else if both {
+    let base = if left && right {
         (m * n).next_multiple_of(64)
     } else {
         0
+    };
+    if bf16 && (left || right) {
+        base + if left { bf16_slots(m * m) } else { 0 }
+            + if right { bf16_slots(n * n) } else { 0 }
+            + 2 * bf16_slots(m * n)
+    } else {
+        base
     }
 }
 

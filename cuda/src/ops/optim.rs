@@ -387,7 +387,7 @@ pub fn project_scratch_len(
 /// identity (none: `out = x`). The GEMMs run as [`soap_update`]'s do under `proj`: plain fp32
 /// (with the device's [`crate::GemmMath`]), or `x` and the bases in bf16 with fp32
 /// accumulation, the product that feeds the second GEMM written as bf16 by the first and `out`
-/// in fp32 (scratch: the bf16 bases, `x` and that product). `cached`: bf16 copies of `[Q_L, Q_R]` the caller keeps while the bases do not
+/// in fp32. `cached`: bf16 copies of `[Q_L, Q_R]` the caller keeps while the bases do not
 /// change (a `None` is cast here). `scratch` f32 of at least [`project_scratch_len`]. Compute
 /// stream.
 ///
@@ -438,7 +438,11 @@ pub fn project(
     // Forward: Q_Lᵀ (· x) then (·) Q_R; back: Q_L (· x) then (·) Q_Rᵀ.
     let (ta, tb) = (!back, back);
     if proj == SoapProjections::Bf16 {
-        let mut off = 0;
+        let mut off = if left && right {
+            mn.next_multiple_of(64)
+        } else {
+            0
+        };
         let mut carve = |len: usize| -> Result<Buf> {
             let b = scratch
                 .slice(off, bf16_slots(len))?
@@ -462,11 +466,10 @@ pub fn project(
         };
         let ql = bf16_basis(basis_left, cached[0], m)?;
         let qr = bf16_basis(basis_right, cached[1], n)?;
-        let xb = carve(mn)?;
+        let (xb, yb) = (carve(mn)?, carve(mn)?);
         gemm::cast_f32_to_bf16(dev, x, &xb)?;
         return match (&ql, &qr) {
             (Some(ql), Some(qr)) => {
-                let yb = carve(mn)?;
                 gemm::matmul_bf16(dev, ql, dmm, &xb, dm, &yb, ta, false, false)?;
                 gemm::matmul_bf16(dev, &yb, dm, qr, dnn, out, false, tb, false)
             }
