@@ -662,28 +662,7 @@ pub fn bench_update_kernels(ordinal: usize, sizes: &[usize], reps: usize) -> Res
     let soap =
         cuda::update_bench::soap_steps(ordinal, &shapes, reps).map_err(|e| miette!("{e}"))?;
     out!();
-    out!(
-        "{:<24} {:>9} {:>16} {:>12} {:>18}",
-        "SOAP step [m, n]",
-        "bases",
-        "hand-written ms",
-        "composed ms",
-        "composed / hand"
-    );
-    for r in &soap {
-        out!(
-            "{:<24} {:>9} {:>16.4} {:>12.4} {:>18.3}",
-            format!("[{}, {}]", r.m, r.n),
-            format!(
-                "{}{}",
-                if r.bases[0] { "L" } else { "-" },
-                if r.bases[1] { "R" } else { "-" }
-            ),
-            r.hand_ms,
-            r.composed_ms,
-            r.composed_ms / r.hand_ms
-        );
-    }
+    out!(nonl "{}", cuda::update_bench::soap_table(&soap));
     Ok(())
 }
 

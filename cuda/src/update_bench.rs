@@ -290,3 +290,64 @@ pub fn soap_steps(
     }
     Ok(rows)
 }
+
+/// [`soap_steps`]' rows as a text table (one line per shape, the composed / hand-written
+/// time ratio last).
+pub fn soap_table(rows: &[SoapStepRow]) -> String {
+    use std::fmt::Write as _;
+    let mut s = format!(
+        "{:<24} {:>9} {:>16} {:>12} {:>18}\n",
+        "SOAP step [m, n]", "bases", "hand-written ms", "composed ms", "composed / hand"
+    );
+    for r in rows {
+        let bases = format!(
+            "{}{}",
+            if r.bases[0] { "L" } else { "-" },
+            if r.bases[1] { "R" } else { "-" }
+        );
+        let _ = writeln!(
+            s,
+            "{:<24} {:>9} {:>16.4} {:>12.4} {:>18.3}",
+            format!("[{}, {}]", r.m, r.n),
+            bases,
+            r.hand_ms,
+            r.composed_ms,
+            r.composed_ms / r.hand_ms
+        );
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{soap_table, SoapStepRow};
+
+    #[test]
+    fn soap_table_has_a_line_per_shape_with_the_ratio() {
+        let rows = [
+            SoapStepRow {
+                m: 768,
+                n: 2304,
+                bases: [true, true],
+                hand_ms: 0.2,
+                composed_ms: 0.1,
+            },
+            SoapStepRow {
+                m: 5632,
+                n: 2048,
+                bases: [false, true],
+                hand_ms: 0.4,
+                composed_ms: 0.3,
+            },
+        ];
+        let t = soap_table(&rows);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 3);
+        assert!(
+            lines[1].starts_with("[768, 2304]")
+                && lines[1].contains(" LR ")
+                && lines[1].ends_with("0.500")
+        );
+        assert!(lines[2].contains(" -R ") && lines[2].ends_with("0.750"));
+    }
+}
