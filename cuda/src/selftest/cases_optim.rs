@@ -64,34 +64,19 @@ fn composed_soap(v: &mut Vec<Case>) {
                             _ => cx.normal(n, 0.0, 1.0),
                         });
                     }
-                    let bufs = host
+                    let names: Vec<&'static str> = r
+                        .tensors
                         .iter()
-                        .map(|h| cx.up(h))
-                        .collect::<Result<Vec<Buf>>>()?;
-                    let refs: Vec<&Buf> = bufs.iter().collect();
-                    let ms = cx.timed(|| kernel.run(cx.dev, &refs, &scalars, None))?;
-                    let mut slices: Vec<&mut [f32]> =
-                        host.iter_mut().map(|h| h.as_mut_slice()).collect();
-                    prog.run(&mut slices, &scalars).map_err(cpu)?;
-                    let mut errs = Vec::new();
-                    for (i, b) in bufs.iter().enumerate() {
-                        let got = cx.down(b)?;
-                        let same = got.len() == host[i].len()
-                            && got
-                                .iter()
-                                .zip(&host[i])
-                                .all(|(a, b)| a.to_bits() == b.to_bits());
-                        let name: &'static str = match r.tensors[i].as_str() {
+                        .map(|t| match t.as_str() {
                             "p" => "p",
                             "g" => "g",
                             "m" => "exp_avg",
                             "v" => "exp_avg_sq",
                             "u" => "result u",
                             _ => "tensor",
-                        };
-                        errs.push((name, if same { 0.0 } else { 1.0 }));
-                    }
-                    Ok(Outcome { errs, gpu_ms: ms })
+                        })
+                        .collect();
+                    bit_check(cx, &kernel, &prog, host, &scalars, &names)
                 },
             ));
         }
@@ -246,36 +231,51 @@ fn update_rules(v: &mut Vec<Case>) {
                             cx.normal(n, 0.0, 0.1)
                         });
                     }
-                    let bufs = host
+                    let names: Vec<&'static str> = rule
+                        .tensors
                         .iter()
-                        .map(|h| cx.up(h))
-                        .collect::<Result<Vec<Buf>>>()?;
-                    let refs: Vec<&Buf> = bufs.iter().collect();
-                    let ms = cx.timed(|| kernel.run(cx.dev, &refs, &scalars, None))?;
-                    let mut slices: Vec<&mut [f32]> =
-                        host.iter_mut().map(|h| h.as_mut_slice()).collect();
-                    prog.run(&mut slices, &scalars).map_err(cpu)?;
-                    let mut errs = Vec::new();
-                    for (i, b) in bufs.iter().enumerate() {
-                        let got = cx.down(b)?;
-                        let same = got.len() == host[i].len()
-                            && got
-                                .iter()
-                                .zip(&host[i])
-                                .all(|(a, b)| a.to_bits() == b.to_bits());
-                        let name: &'static str = match rule.tensors[i].as_str() {
+                        .enumerate()
+                        .map(|(i, t)| match t.as_str() {
                             "p" => "p",
                             "g" => "g",
                             _ if second.get(i - 2) == Some(&true) => "second moment",
                             _ => "state",
-                        };
-                        errs.push((name, if same { 0.0 } else { 1.0 }));
-                    }
-                    Ok(Outcome { errs, gpu_ms: ms })
+                        })
+                        .collect();
+                    bit_check(cx, &kernel, &prog, host, &scalars, &names)
                 },
             ));
         }
     }
+}
+
+/// Runs an update rule's generated `kernel` on `host` (one tensor per rule tensor, uploaded)
+/// and its interpreted `prog` on the host copies with the same `scalars`; each tensor's error
+/// is 0 when every bit agrees, else 1, named by `names`.
+fn bit_check(
+    cx: &mut Ctx<'_>,
+    kernel: &gopt::UpdateKernel,
+    prog: &optim::update::Program,
+    mut host: Vec<Vec<f32>>,
+    scalars: &[f32],
+    names: &[&'static str],
+) -> Result<Outcome> {
+    let bufs = host
+        .iter()
+        .map(|h| cx.up(h))
+        .collect::<Result<Vec<Buf>>>()?;
+    let refs: Vec<&Buf> = bufs.iter().collect();
+    let ms = cx.timed(|| kernel.run(cx.dev, &refs, scalars, None))?;
+    let mut slices: Vec<&mut [f32]> = host.iter_mut().map(|h| h.as_mut_slice()).collect();
+    prog.run(&mut slices, scalars).map_err(cpu)?;
+    let mut errs = Vec::new();
+    for ((b, h), &name) in bufs.iter().zip(&host).zip(names) {
+        let got = cx.down(b)?;
+        let same =
+            got.len() == h.len() && got.iter().zip(h).all(|(a, b)| a.to_bits() == b.to_bits());
+        errs.push((name, if same { 0.0 } else { 1.0 }));
+    }
+    Ok(Outcome { errs, gpu_ms: ms })
 }
 
 /// Parameter change `new − old` of the GPU (f64) and the reference.
