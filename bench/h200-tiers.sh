@@ -61,6 +61,8 @@ for spec in "llama-1.4b-adamw|unconstrained|||$steps" \
             "llama-1.4b-adamw|remat-layers||rematerialize = layers|$steps" \
             "llama-1.4b-soap|soap-unconstrained|||$soap_steps" \
             "llama-1.4b-soap|soap-gpu30|$(budget 30GiB)||$soap_steps" \
+            "llama-1.4b-soap|soap-gpu24|$(budget 24GiB)||$soap_steps" \
+            "llama-1.4b-soap|soap-gpu24-selective|$(budget 24GiB)|rematerialize = selective|$soap_steps" \
             "llama-1.4b-soap|soap-gpu24-layers|$(budget 24GiB)|rematerialize = layers|$soap_steps" \
             "llama-1.4b-soap|soap-gpu30-nvme|gpu_memory = 30GiB; host_memory = 4GiB; nvme = \"/tmp\"; nvme_memory = 20GiB||$steps" \
             "train-match|train-match|||"; do
@@ -106,5 +108,30 @@ for m in "tiny-tiers-gpu|" "tiny-soap-tiers-gpu|--inject-cpu-refreshes" "tiny-ti
   echo "train-match $name rc=$?"; tail -n 5 "$out/train-match-$name.txt"
 done
 ls /tmp/asteria-*.nvme 2>/dev/null && echo "NVMe files left behind (each run should remove its own)"
+# Refresh shadows in pinned host memory change where bytes live, not what is computed: tiny-soap
+# at staleness 2 (GPU side-stream refreshes, `refresh_swap = deadline`) unconstrained and under a
+# budget that pins the shadows and puts the embedding's moments in the host tier must give the
+# same loss at every step, bit for bit.
+stamp pinned-shadows
+sed -e 's/^target cpu {/target cuda {\n  precision = fp32/' -e 's/^  staleness = 0 .*/  staleness = 2/' \
+    -e 's/^train {/train {\n  refresh_swap = deadline/' examples/tiny-soap.asteria > "$out/tiny-soap-s2.asteria"
+sed -e 's/^  precision = fp32/  precision = fp32\n  gpu_memory = 480MiB\n  host_memory = 256MiB/' \
+    "$out/tiny-soap-s2.asteria" > "$out/tiny-soap-s2-pinned.asteria"
+$B compile "$out/tiny-soap-s2-pinned.asteria" --print-after tier-placement > "$out/tiny-soap-s2-pinned-placement.txt" 2>&1
+grep -E "refresh shadows|-> host" "$out/tiny-soap-s2-pinned-placement.txt"
+for name in tiny-soap-s2 tiny-soap-s2-pinned; do
+  timeout 300 $B train "$out/$name.asteria" --steps 40 --quiet --cache-dir "$TC" --metrics "$out/$name.jsonl" \
+    > "$out/$name.txt" 2>&1; echo "$name rc=$?"
+done
+python3 - "$out/tiny-soap-s2.jsonl" "$out/tiny-soap-s2-pinned.jsonl" <<'PY'
+import json, sys
+def losses(p):
+    return [(r["step"], r["loss"]) for r in map(json.loads, open(p)) if "loss" in r and "step" in r]
+a, b = losses(sys.argv[1]), losses(sys.argv[2])
+same = len(a) == len(b) > 0 and all(x == y for x, y in zip(a, b))
+print(f"pinned shadows vs device: {len(a)} steps, {'PASS: identical losses' if same else 'FAIL: losses differ'}")
+if not same:
+    print([(x, y) for x, y in zip(a, b) if x != y][:5])
+PY
 stamp done
 tar czf "$out.tgz" -C "$out" .

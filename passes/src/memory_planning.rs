@@ -148,6 +148,7 @@ pub fn plan_memory(plan: &Plan) -> MemoryPlan {
         arenas,
         slots,
         budgets: plan.memory.budgets.clone(),
+        pinned_refresh_shadows: plan.memory.pinned_refresh_shadows,
     }
 }
 

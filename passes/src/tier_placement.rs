@@ -12,6 +12,13 @@
 //! them: [`schedule::reserve::engine_reserve`], e.g. the CUDA engine's saved attention copies
 //! and refresh buffers), and while that exceeds the device budget it
 //! offloads optimizer state, cheapest first by the cost model:
+//! - **Refresh shadows first.** The shadows of asynchronous GPU-side refreshes (each refresh
+//!   in flight holds a snapshot of its factor and the result basis waiting for its install,
+//!   `2·d²` f32: at LLaMA 1.44B with staleness 5, 62 of them, 2.0 GiB) go to pinned host
+//!   memory ([`schedule::MemoryPlan::pinned_refresh_shadows`]) before any moment: they cost
+//!   one factor copied out per launch and one basis copied in per install (`(2d² + d)·4`
+//!   bytes per refresh, i.e. per `precondition_frequency` steps), where a moment costs its
+//!   bytes each way every step.
 //! - **Candidates** are the moments (`exp_avg`, `exp_avg_sq`, of AdamW and of SOAP's rotated
 //!   Adam), which only the optimizer program touches, once per step: one copy in and one copy
 //!   out per step (a SOAP refresh swap also re-projects them, every `precondition_frequency`
@@ -76,6 +83,20 @@ pub struct Placement {
     pub decisions: Vec<Decision>,
     /// Why the host tier was not used, if it was not.
     pub host_note: Option<String>,
+    /// The refresh shadows moved to pinned host memory, if they were.
+    pub shadows: Option<ShadowDecision>,
+}
+
+/// The refresh shadows' move to pinned host memory.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShadowDecision {
+    /// Device bytes freed.
+    pub device_bytes: usize,
+    /// Pinned host bytes they take there.
+    pub pinned_bytes: usize,
+    /// Predicted copy time per step on the compute stream (factor out at each launch, basis
+    /// in at each install), ms.
+    pub copy_ms: f64,
 }
 
 impl Placement {
@@ -93,7 +114,9 @@ impl Placement {
     /// memory bandwidth.
     pub fn copy_ms(&self) -> f64 {
         // (`+ 0.0`: the empty sum is -0.0.)
-        self.decisions.iter().map(|d| d.copy_ms).sum::<f64>() + 0.0
+        self.decisions.iter().map(|d| d.copy_ms).sum::<f64>()
+            + self.shadows.as_ref().map_or(0.0, |s| s.copy_ms)
+            + 0.0
     }
 }
 
@@ -128,13 +151,17 @@ impl Pass for TierPlacement {
         }
         let p = &self.placement;
         Ok(format!(
-            "on `{}`: device needs {} of {}; {} tensor(s) offloaded, {} to host, {} to nvme; \
+            "on `{}`: device needs {} of {}; {}{} tensor(s) offloaded, {} to host, {} to nvme; \
              predicted copies {:.2} ms per step",
             p.target,
             human_bytes(p.device_need),
             budgets
                 .device
                 .map_or("no limit".to_string(), |b| human_bytes(b as usize)),
+            p.shadows.as_ref().map_or(String::new(), |s| format!(
+                "refresh shadows pinned ({} freed), ",
+                human_bytes(s.device_bytes)
+            )),
             p.decisions.len(),
             human_bytes(p.bytes_in(ArenaKind::Host)),
             human_bytes(p.bytes_in(ArenaKind::Nvme)),
@@ -169,9 +196,19 @@ pub fn report(p: &Placement) -> String {
     if let Some(note) = &p.host_note {
         let _ = writeln!(s, "; host tier not used: {note}");
     }
+    if let Some(sh) = &p.shadows {
+        let _ = writeln!(
+            s,
+            ";   refresh shadows (factor snapshots, result bases) {:>11} device -> pinned host \
+             {}  copies {:>8.3} ms/step",
+            human_bytes(sh.device_bytes),
+            human_bytes(sh.pinned_bytes),
+            sh.copy_ms
+        );
+    }
     if p.budgets.is_empty() {
         let _ = writeln!(s, "; no budget in the target block: nothing to place");
-    } else if p.decisions.is_empty() {
+    } else if p.decisions.is_empty() && p.shadows.is_none() {
         let _ = writeln!(s, "; everything fits the device budget: nothing offloaded");
     }
     for d in &p.decisions {
@@ -218,6 +255,28 @@ pub fn place(
         return Ok(placement);
     }
     let host_ok = !desc.unified_memory;
+    // Refresh shadows first (see the module docs).
+    let shadow_bytes = schedule::reserve::refresh_shadow_device_bytes(plan);
+    if host_ok && shadow_bytes > 0 {
+        let mut trial = plan.clone();
+        trial.memory.pinned_refresh_shadows = true;
+        let pinned_bytes = schedule::reserve::refresh_pinned_bytes(&trial);
+        if budgets.host.is_none_or(|h| pinned_bytes as u64 <= h) {
+            plan.memory.pinned_refresh_shadows = true;
+            placement.shadows = Some(ShadowDecision {
+                device_bytes: shadow_bytes,
+                pinned_bytes,
+                copy_ms: desc.host_tier_ms(schedule::reserve::pinned_shadow_copy_bytes_per_step(
+                    plan,
+                ) as usize),
+            });
+            let need = device_need(plan);
+            if need <= cap {
+                placement.reserve = engine_reserve(plan, plan_memory(plan).device_bytes());
+                return Ok(placement);
+            }
+        }
+    }
     if !host_ok {
         placement.host_note = Some(format!(
             "`{}` has unified memory: host memory is the device's, offloading there frees nothing",
@@ -231,7 +290,7 @@ pub fn place(
         y.cmp(&x).then(a.cmp(&b))
     });
     // Greedy on the estimate: freeing a tensor's persistent bytes.
-    let mut excess = placement.device_need - cap;
+    let mut excess = device_need(plan).saturating_sub(cap);
     let mut chosen: Vec<BufferId> = Vec::new();
     for &c in &candidates {
         if excess == 0 {
@@ -331,7 +390,10 @@ fn assign(
     host_ok: bool,
     decisions: &mut Vec<Decision>,
 ) -> Result<(), PassError> {
-    let host_cap = budgets.host.map_or(usize::MAX, |b| b as usize);
+    // The pinned refresh shadows share `host_memory` with the host tier.
+    let host_cap = budgets.host.map_or(usize::MAX, |b| {
+        (b as usize).saturating_sub(schedule::reserve::refresh_pinned_bytes(plan))
+    });
     let nvme_cap = if budgets.nvme_dir.is_some() {
         budgets.nvme.map_or(usize::MAX, |b| b as usize)
     } else {
@@ -443,7 +505,7 @@ fn over_budget(plan: &Plan, budgets: &Budgets, need: usize, moved: &[BufferId]) 
         pass: "tier-placement",
         message: format!(
             "the device budget {} cannot be met: the plan needs {} on the device, and \
-             offloading every movable tensor (the optimizer moments, {}) is not enough; the \
+             offloading every movable tensor (the optimizer moments, {}, after the refresh shadows) is not enough; the \
              largest device consumers: {}; raise the budget, or lower batch_size or seq_len \
              (or set `rematerialize = layers` in the train block when activations are among \
              them)",

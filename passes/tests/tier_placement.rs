@@ -204,6 +204,54 @@ fn refresh_pools_hold_what_can_be_in_flight() {
     }
 }
 
+/// The refresh shadows (factor snapshots and result bases of the asynchronous side-stream
+/// refreshes) leave the device before any moment, because they cost a copy per refresh where a
+/// moment costs one per step: on the LLaMA 1.44B SOAP plan, a budget that the shadows alone
+/// meet pins them and offloads nothing else; 24 GiB pins them and offloads moments too; no
+/// budget changes nothing. The engine reserve the compiler plans with drops by their bytes
+/// (less the side stream's one staging set).
+#[test]
+fn refresh_shadows_leave_the_device_before_any_moment() {
+    use schedule::reserve::{engine_reserve, refresh_pinned_bytes, refresh_shadow_device_bytes};
+    const GIB: usize = 1 << 30;
+    let budget = |b: &str| {
+        let b = b.to_string();
+        move |src: String| {
+            src.replace(
+                "target cuda {",
+                &format!("target cuda {{\n  gpu_memory = {b}\n  host_memory = 96GiB"),
+            )
+        }
+    };
+    let free = soap_plan(|s| s);
+    assert!(!free.memory.pinned_refresh_shadows);
+    let on_device = refresh_shadow_device_bytes(&free);
+    assert!(on_device > GIB, "{on_device} bytes of shadows");
+    let need = |p: &Plan| {
+        let d = p.memory.device_bytes();
+        d + engine_reserve(p, d).total()
+    };
+    // Just below the unconstrained need: pinning the shadows is enough.
+    let cap = need(&free) - on_device / 2;
+    let just = soap_plan(budget(&format!("{cap}B")));
+    assert!(just.memory.pinned_refresh_shadows);
+    assert_eq!(
+        just.memory.arena_bytes(ArenaKind::Host),
+        0,
+        "no moment moves"
+    );
+    assert_eq!(refresh_shadow_device_bytes(&just), 0);
+    assert!(refresh_pinned_bytes(&just) >= on_device);
+    assert!(need(&just) <= cap);
+    let saved = engine_reserve(&free, 0).refresh - engine_reserve(&just, 0).refresh;
+    assert!(saved > on_device * 9 / 10, "{saved} of {on_device}");
+    // 24 GiB: the shadows and moments.
+    let tight = soap_plan(budget("24GiB"));
+    assert!(tight.memory.pinned_refresh_shadows);
+    assert!(tight.memory.arena_bytes(ArenaKind::Host) > 0);
+    assert!(need(&tight) <= 24 * GIB);
+}
+
 /// `prefetch-insertion`'s pipeline on the LLaMA 1.44B SOAP plan under `gpu_memory = 24GiB`
 /// (`rematerialize = layers`, as bench/h200-tiers.sh runs it): the copies in for an update
 /// that reads offloaded state are issued before the previous such update (double buffering),
@@ -243,7 +291,8 @@ fn copies_in_run_one_offloaded_update_ahead_into_bytes_of_their_own() {
             (!staged.is_empty()).then_some((i, staged))
         })
         .collect();
-    assert!(users.len() > 50, "{} offloaded updates", users.len());
+    // (41 since the refresh shadows move to pinned memory first.)
+    assert!(users.len() > 30, "{} offloaded updates", users.len());
     let range = |id: BufferId| {
         let s = plan.memory.slot(id).expect("slot");
         assert_eq!(s.arena, ArenaKind::Activations, "{}", plan.buffer(id).name);

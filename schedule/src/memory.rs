@@ -186,6 +186,15 @@ pub struct MemoryPlan {
     /// The budgets the arenas must fit ([`Plan::verify`] checks them).
     #[serde(default, skip_serializing_if = "Budgets::is_empty")]
     pub budgets: Budgets,
+    /// Whether the shadows of asynchronous GPU-side refreshes (the factor snapshot taken at a
+    /// launch, and the result basis and permutation waiting for their install) live in pinned
+    /// host memory instead of device memory: `tier-placement` sets it when a device budget
+    /// is exceeded, before it offloads any moment (see `schedule::reserve::refresh_bytes`).
+    /// The CUDA engine then copies a factor to the host at each launch and a result back at
+    /// each install (per launch `2·d²` f32 each way); the values computed are the same. The CPU
+    /// engine keeps everything in host memory either way.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pinned_refresh_shadows: bool,
 }
 
 impl MemoryPlan {
@@ -213,6 +222,7 @@ impl MemoryPlan {
             }],
             slots,
             budgets: Budgets::default(),
+            pinned_refresh_shadows: false,
         }
     }
 

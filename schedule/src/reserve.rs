@@ -371,22 +371,70 @@ pub fn refresh_pools(plan: &Plan) -> Vec<RefreshPool> {
 }
 
 /// Device bytes of one asynchronous-refresh shadow of side `d` (the CUDA engine's `Shadow`):
-/// the factor snapshot and the output slot, and on the GPU side stream the basis snapshot.
-pub fn shadow_device_bytes(d: usize, gpu_side: bool) -> usize {
+/// the factor snapshot and the output slot (basis, permutation, status words); none for a
+/// GPU-side shadow in pinned host memory (`pinned`: [`crate::MemoryPlan::pinned_refresh_shadows`]).
+/// A GPU-side refresh reads the live basis: only its own install writes it, after the refresh.
+pub fn shadow_device_bytes(d: usize, gpu_side: bool, pinned: bool) -> usize {
+    if gpu_side && pinned {
+        return 0;
+    }
     let slot = (d * d + d + STATUS_WORDS) * 4 + 3 * ALIGN;
-    d * d * 4 + ALIGN + slot + if gpu_side { d * d * 4 + ALIGN } else { 0 }
+    d * d * 4 + ALIGN + slot
 }
 
-/// Pinned host bytes of one such shadow: the status words, and for a host refresh the factor
-/// and basis snapshots and the permutation.
-pub fn shadow_pinned_bytes(d: usize, gpu_side: bool) -> usize {
-    STATUS_WORDS * 4
-        + ALIGN
-        + if gpu_side {
-            0
-        } else {
-            2 * d * d * 4 + d * 4 + 3 * ALIGN
-        }
+/// Pinned host bytes of one such shadow: the status words; for a host refresh the factor and
+/// basis snapshots and the permutation; for a GPU-side shadow in pinned memory (`pinned`) the
+/// factor snapshot and the output slot.
+pub fn shadow_pinned_bytes(d: usize, gpu_side: bool, pinned: bool) -> usize {
+    let status = STATUS_WORDS * 4 + ALIGN;
+    match (gpu_side, pinned) {
+        (true, false) => status,
+        (true, true) => status + d * d * 4 + ALIGN + (d * d + d + STATUS_WORDS) * 4 + 3 * ALIGN,
+        (false, _) => status + 2 * d * d * 4 + d * 4 + 3 * ALIGN,
+    }
+}
+
+/// Pinned host bytes of the plan's refresh shadows (every pool), which count against the
+/// `host_memory` budget beside the host tier's arena.
+pub fn refresh_pinned_bytes(plan: &Plan) -> usize {
+    let pinned = plan.memory.pinned_refresh_shadows;
+    refresh_pools(plan)
+        .iter()
+        .map(|p| p.count * shadow_pinned_bytes(p.dim, p.gpu_side, pinned))
+        .sum()
+}
+
+/// Device bytes the plan's refresh shadows take on the device (every pool), as placed.
+pub fn refresh_shadow_device_bytes(plan: &Plan) -> usize {
+    let pinned = plan.memory.pinned_refresh_shadows;
+    refresh_pools(plan)
+        .iter()
+        .map(|p| p.count * shadow_device_bytes(p.dim, p.gpu_side, pinned))
+        .sum()
+}
+
+/// Bytes the compute stream copies per step, on average, when the GPU-side shadows are pinned:
+/// per launch the factor (`d²` f32) to the host and at its install the basis and permutation
+/// (`d² + d`) back, each asynchronous GPU-side task once every `frequency` steps (the side
+/// stream's own copies of the snapshot in and the result out run off the critical path).
+pub fn pinned_shadow_copy_bytes_per_step(plan: &Plan) -> f64 {
+    plan.host_tasks
+        .iter()
+        .map(|t| {
+            let HostTask::EigenbasisRefresh {
+                factor,
+                frequency,
+                staleness,
+                placement,
+                ..
+            } = t;
+            if *staleness == 0 || *placement != Placement::GpuSide {
+                return 0.0;
+            }
+            let d = plan.buffer(*factor).shape.first().copied().unwrap_or(0);
+            ((2 * d * d + d) * 4) as f64 / (*frequency).max(1) as f64
+        })
+        .sum()
 }
 
 /// Status words of a refresh (the CUDA engine's `STATUS_WORDS`).
@@ -395,8 +443,10 @@ pub const STATUS_WORDS: usize = 8;
 /// The CUDA engine's refresh allocations (`cuda/src/engine/tasks.rs` `Refreshes::new`): per
 /// GPU refresher 8 `d×d` f32 work matrices and cuSOLVER's workspace, the output slot, the swap
 /// buffers (`d²` + two moments, plus a third when moments live off the device; the moments of
-/// SOAP refreshes only: a [`RefreshMethod::Qr`] refresh installs its basis alone), and the
-/// shadow pools of the asynchronous refreshes ([`refresh_pools`]).
+/// SOAP refreshes only: a [`RefreshMethod::Qr`] refresh installs its basis alone), the
+/// shadow pools of the asynchronous refreshes ([`refresh_pools`]; on the device unless
+/// [`crate::MemoryPlan::pinned_refresh_shadows`]), and with pinned shadows the side stream's
+/// device staging (one factor and one output slot of the largest side).
 fn refresh_bytes(plan: &Plan) -> usize {
     let f32s = |n: usize| aligned(n * 4);
     let (mut max_dim, mut max_mn, mut side_dim) = (0usize, 0usize, None::<usize>);
@@ -435,15 +485,15 @@ fn refresh_bytes(plan: &Plan) -> usize {
     // so that the device budget the pass plans against is one the engine's allocation meets.
     let refresher =
         |d: usize| f32s(8 * d * d + 3 * d) + 8 * ALIGN + f32s(1 + 6 * d + 9 * d * d / 2);
-    let mut bytes: usize = refresh_pools(plan)
-        .iter()
-        .map(|p| p.count * shadow_device_bytes(p.dim, p.gpu_side))
-        .sum();
+    let mut bytes = refresh_shadow_device_bytes(plan);
     if any_gpu {
         bytes += refresher(max_dim) + f32s(max_dim * max_dim) + f32s(max_dim) + ALIGN;
     }
     if let Some(d) = side_dim {
         bytes += refresher(d);
+        if plan.memory.pinned_refresh_shadows {
+            bytes += d * d * 4 + ALIGN + (d * d + d + STATUS_WORDS) * 4 + 3 * ALIGN;
+        }
     }
     if any_gpu || any_async || offloaded {
         let moments = if offloaded { 3 } else { 2 };

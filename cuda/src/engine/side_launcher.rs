@@ -22,10 +22,21 @@ pub(super) struct SideRequest {
     pub(super) snapshot: Buf,
     pub(super) basis: Buf,
     pub(super) slot: RefreshSlot,
+    /// `snapshot` and `slot` are in pinned host memory: staged through [`SideStaging`].
+    pub(super) pinned: bool,
     pub(super) status_host: Buf,
     pub(super) reply: mpsc::Sender<Result<CudaEvent, String>>,
     /// The task's location (`--trace` slice names).
     pub(super) name: String,
+}
+
+/// The side stream's device copies of a pinned shadow (`schedule::MemoryPlan::
+/// pinned_refresh_shadows`), sized for the largest side-stream factor and reused by one
+/// refresh after the other (the side stream runs them in order): the factor snapshot is
+/// copied in before the refresh, and the basis, permutation and status words out after it.
+pub(super) struct SideStaging {
+    pub(super) factor: Buf,
+    pub(super) slot: RefreshSlot,
 }
 
 /// The thread that owns the side-stream refresher and enqueues its work, one request at a
@@ -40,6 +51,7 @@ impl SideLauncher {
     pub(super) fn spawn(
         dev: Arc<Device>,
         refresher: GpuRefresher,
+        staging: Option<SideStaging>,
         trace: Option<GpuTrace>,
     ) -> Result<SideLauncher, EngineError> {
         let (tx, rx) = mpsc::channel::<SideRequest>();
@@ -54,26 +66,39 @@ impl SideLauncher {
                         let start = trace
                             .as_ref()
                             .and_then(|_| GpuTrace::mark(&dev, StreamKind::Side));
+                        let dd = req.d * req.d;
+                        // A pinned shadow: the factor in, the refresh on the staging buffers.
+                        let staged = match (&staging, req.pinned) {
+                            (Some(st), true) => {
+                                let f = st.factor.slice(0, dd)?;
+                                dev.copy(&f, &req.snapshot, StreamKind::Side)?;
+                                Some((f, &st.slot))
+                            }
+                            (None, true) => {
+                                return Err(crate::error::CudaError::Invalid {
+                                    op: "side-stream refresh",
+                                    what: "a pinned shadow without side-stream staging".into(),
+                                })
+                            }
+                            _ => None,
+                        };
+                        let (factor, slot) = match &staged {
+                            Some((f, slot)) => (f, *slot),
+                            None => (&req.snapshot, &req.slot),
+                        };
                         match (req.method, req.root) {
-                            (RefreshMethod::InverseRoot, Some(root)) => refresher
-                                .compute_inverse_root(
-                                    &dev,
-                                    req.d,
-                                    root,
-                                    &req.snapshot,
-                                    &req.slot,
-                                )?,
-                            (method, _) => refresher.compute(
-                                &dev,
-                                false,
-                                method,
-                                req.d,
-                                &req.snapshot,
-                                &req.basis,
-                                &req.slot,
-                            )?,
+                            (RefreshMethod::InverseRoot, Some(root)) => {
+                                refresher.compute_inverse_root(&dev, req.d, root, factor, slot)?
+                            }
+                            (method, _) => refresher
+                                .compute(&dev, false, method, req.d, factor, &req.basis, slot)?,
                         }
-                        dev.copy(&req.status_host, &req.slot.status, StreamKind::Side)?;
+                        // ... and the result out to the pinned slot.
+                        if staged.is_some() {
+                            dev.copy(&req.slot.q, &slot.q.slice(0, dd)?, StreamKind::Side)?;
+                            dev.copy(&req.slot.idx, &slot.idx.slice(0, req.d)?, StreamKind::Side)?;
+                        }
+                        dev.copy(&req.status_host, &slot.status, StreamKind::Side)?;
                         if let (Some(tr), Some(start)) = (&trace, start) {
                             if let Some(end) = GpuTrace::mark(&dev, StreamKind::Side) {
                                 tr.push("side", format!("refresh {}", req.name), start, end);

@@ -49,7 +49,7 @@
 //! eigendecomposition's (an all-zero factor has a root; a non-finite factor or root, or a
 //! syevd failure, keeps the previous root and counts as a failed refresh).
 use super::gpu_trace::GpuTrace;
-use super::side_launcher::{SideLauncher, SideRequest};
+use super::side_launcher::{SideLauncher, SideRequest, SideStaging};
 use super::{cuda_err, dims2, CudaEngine};
 use crate::error::{CudaError, Tier};
 use crate::memory::{Arena, Buf, Elem};
@@ -76,13 +76,16 @@ fn on_gpu(task: &RefreshTask) -> bool {
 
 /// The per-task buffers of asynchronous refreshes (tasks with S > 0 only).
 pub(super) struct Shadow {
-    /// Device copy of the factor at launch, `[d, d]` f32.
+    /// Copy of the factor at launch, `[d, d]` f32: on the device, or in pinned host memory
+    /// for a `gpu_side` task when the plan pins the shadows (`pinned`).
     snapshot: Buf,
-    /// Device copy of the basis at launch, `[d, d]` f32 (`gpu_side`; the CPU engine also
-    /// snapshots it, and nothing outside the refresh may then race with it).
-    basis_snapshot: Option<Buf>,
-    /// The back buffer: candidate basis, permutation, status words (device).
+    /// The back buffer: candidate basis, permutation, status words (on the device, or pinned
+    /// like `snapshot`).
     slot: RefreshSlot,
+    /// `snapshot` and `slot` are in pinned host memory
+    /// (`schedule::MemoryPlan::pinned_refresh_shadows`, `gpu_side` tasks only): the side
+    /// stream stages them through its device buffers, the install through the sync slot.
+    pinned: bool,
     /// Pinned copy of the status words (`gpu_side`).
     status_host: Buf,
     /// Pinned factor snapshot `[d, d]` (`host`).
@@ -330,12 +333,31 @@ impl Refreshes {
         } else {
             (None, None)
         };
+        // Pinned GPU-side shadows: the side stream's device copy of the factor and its output
+        // slot, reused by one refresh after the other.
+        let pinned = plan.memory.pinned_refresh_shadows;
         let side = match side_dim {
             Some(d) => {
                 let (r, b) = GpuRefresher::new(dev, StreamKind::Side, d)
                     .map_err(e("setting up side-stream cuSOLVER refreshes"))?;
                 bytes += b;
-                Some(SideLauncher::spawn(Arc::clone(dev), r, trace)?)
+                let staging = if pinned {
+                    let n = d * d * 4 + crate::memory::BUF_ALIGN + RefreshSlot::bytes(d);
+                    let mut a = dev
+                        .arena("refresh-side-staging", Tier::Device, n)
+                        .map_err(e("allocating the side stream's staging"))?;
+                    let c = e("carving the side stream's staging");
+                    let staging = SideStaging {
+                        factor: a.buf(Elem::F32, d * d).map_err(c)?,
+                        slot: RefreshSlot::carve(&mut a, d).map_err(c)?,
+                    };
+                    bytes += n;
+                    arenas.push(a);
+                    Some(staging)
+                } else {
+                    None
+                };
+                Some(SideLauncher::spawn(Arc::clone(dev), r, staging, trace)?)
             }
             None => None,
         };
@@ -360,14 +382,16 @@ impl Refreshes {
         let pool_sizes = schedule::reserve::refresh_pools(plan);
         let (mut dev_bytes, mut pin_bytes) = (0usize, 0usize);
         for p in &pool_sizes {
-            dev_bytes += p.count * schedule::reserve::shadow_device_bytes(p.dim, p.gpu_side);
-            pin_bytes += p.count * schedule::reserve::shadow_pinned_bytes(p.dim, p.gpu_side);
+            dev_bytes +=
+                p.count * schedule::reserve::shadow_device_bytes(p.dim, p.gpu_side, pinned);
+            pin_bytes +=
+                p.count * schedule::reserve::shadow_pinned_bytes(p.dim, p.gpu_side, pinned);
         }
         let mut pools = Vec::with_capacity(pool_sizes.len());
         let mut pinned_bytes = 0;
-        if dev_bytes > 0 {
+        if dev_bytes + pin_bytes > 0 {
             let mut da = dev
-                .arena("refresh-shadows", Tier::Device, dev_bytes)
+                .arena("refresh-shadows", Tier::Device, dev_bytes.max(1))
                 .map_err(e("allocating refresh shadows"))?;
             let mut pa = dev
                 .arena("refresh-shadows-pinned", Tier::PinnedHost, pin_bytes)
@@ -384,15 +408,14 @@ impl Refreshes {
                             pa.buf(elem, len).map(Some).map_err(c)
                         }
                     };
-                    let basis_snapshot = if gpu {
-                        Some(da.buf(Elem::F32, d * d).map_err(c)?)
-                    } else {
-                        None
-                    };
+                    let on_host = gpu && pinned;
+                    let a = if on_host { &mut pa } else { &mut da };
+                    let snapshot = a.buf(Elem::F32, d * d).map_err(c)?;
+                    let slot = RefreshSlot::carve(a, d).map_err(c)?;
                     free.push(Shadow {
-                        snapshot: da.buf(Elem::F32, d * d).map_err(c)?,
-                        basis_snapshot,
-                        slot: RefreshSlot::carve(&mut da, d).map_err(c)?,
+                        snapshot,
+                        slot,
+                        pinned: on_host,
                         status_host: pa.buf(Elem::I32, STATUS_WORDS).map_err(c)?,
                         host_f: host(&mut pa, Elem::F32, d * d)?,
                         host_q: host(&mut pa, Elem::F32, d * d)?,
@@ -665,22 +688,18 @@ impl CudaEngine {
             .as_ref()
             .and_then(|s| s.tx.clone())
             .ok_or_else(|| EngineError::Unsupported("internal: no side-stream refresher".into()))?;
-        let basis = sh
-            .basis_snapshot
-            .clone()
-            .ok_or_else(|| EngineError::Unsupported("internal: no basis snapshot".into()))?;
+        // The live basis: only this task's install writes it, after this refresh (the side
+        // stream reads it behind `taken`, after any earlier install on the compute stream).
+        let basis = self.b(task.basis).clone();
         let dev = &self.dev;
         let root = match task.method {
             RefreshMethod::InverseRoot => Some(task_root(task)?),
             _ => None,
         };
+        // Into device memory, or to the host (pinned shadows): either way in stream order
+        // before the next write of the factor.
         dev.copy(&sh.snapshot, self.b(task.factor), StreamKind::Compute)
             .map_err(e)?;
-        // An inverse root reads the factor alone.
-        if root.is_none() {
-            dev.copy(&basis, self.b(task.basis), StreamKind::Compute)
-                .map_err(e)?;
-        }
         let taken = dev.record(StreamKind::Compute, false).map_err(e)?;
         let (reply, rx) = mpsc::channel();
         let req = SideRequest {
@@ -691,6 +710,7 @@ impl CudaEngine {
             snapshot: sh.snapshot.clone(),
             basis,
             slot: sh.slot.clone(),
+            pinned: sh.pinned,
             status_host: sh.status_host.clone(),
             reply,
             name: self.plan.buffer(task.factor).name.clone(),
@@ -777,17 +797,16 @@ impl CudaEngine {
         if let Err(fail) = refresh::verdict(eigh, d, status) {
             return Ok(Err(fail.to_string()));
         }
+        self.dev.wait(StreamKind::Compute, done).map_err(e)?;
+        let (q, idx) = self.installable(task, d).map_err(e)?;
         if basis_only_method(task.method) {
-            self.dev.wait(StreamKind::Compute, done).map_err(e)?;
-            refresh::install_basis(&self.dev, &sh.slot.q, self.b(task.basis), d).map_err(e)?;
+            refresh::install_basis(&self.dev, &q, self.b(task.basis), d).map_err(e)?;
             self.basis_changed(task.basis);
             return Ok(Ok(RefreshOutcome::Refreshed));
         }
-        self.dev.wait(StreamKind::Compute, done).map_err(e)?;
         let ([ea, eas], paged) = self
             .swap_moments([task.exp_avg, task.exp_avg_sq])
             .map_err(e)?;
-        let sh = self.shadow_of(task)?;
         let work = self
             .refreshes
             .swap
@@ -798,8 +817,8 @@ impl CudaEngine {
             work,
             false,
             task.side,
-            &sh.slot.q,
-            &sh.slot.idx,
+            &q,
+            &idx,
             self.b(task.basis),
             &ea,
             &eas,
@@ -811,6 +830,34 @@ impl CudaEngine {
         self.swap_moments_back(paged).map_err(e)?;
         self.basis_changed(task.basis);
         Ok(Ok(RefreshOutcome::Refreshed))
+    }
+
+    /// The candidate basis and permutation of `task`'s finished side-stream refresh (side
+    /// `d`) on the device: its shadow's slot, or for a pinned shadow copies in the sync slot
+    /// (uploaded on the compute stream, which has waited for the refresh; the sync refresher
+    /// uses that slot only on the same stream).
+    fn installable(&self, task: &RefreshTask, d: usize) -> crate::error::Result<(Buf, Buf)> {
+        let sh = self
+            .shadow_of(task)
+            .map_err(|err| crate::error::CudaError::Invalid {
+                op: "refresh install",
+                what: err.to_string(),
+            })?;
+        if !sh.pinned {
+            return Ok((sh.slot.q.clone(), sh.slot.idx.clone()));
+        }
+        let sync =
+            self.refreshes
+                .sync_slot
+                .as_ref()
+                .ok_or_else(|| crate::error::CudaError::Invalid {
+                    op: "refresh install",
+                    what: "a pinned shadow without the sync slot to upload it into".into(),
+                })?;
+        let (q, idx) = (sync.q.slice(0, d * d)?, sync.idx.slice(0, d)?);
+        self.dev.copy(&q, &sh.slot.q, StreamKind::Compute)?;
+        self.dev.copy(&idx, &sh.slot.idx, StreamKind::Compute)?;
+        Ok((q, idx))
     }
 
     fn swap_host(
