@@ -4,16 +4,20 @@
 # - AdamW unconstrained, under `gpu_memory = 24GiB` and `16GiB` (moments in pinned host
 #   memory, copied in and out around their updates), and with `rematerialize = selective |
 #   layers`;
-# - SOAP (staleness 5) unconstrained, under `gpu_memory = 30GiB` (moments of the largest
-#   matrices in pinned host memory; refresh swaps re-project them through a device staging
-#   buffer), under `gpu_memory = 24GiB` with `rematerialize = layers`, and under `gpu_memory =
+# - SOAP (staleness 5, `refresh_swap = deadline`) unconstrained, under `gpu_memory = 30GiB`,
+#   and under `24GiB` without recomputation, with `rematerialize = selective` and with `layers`
+#   (the refresh shadows in pinned host memory, then the moments of the largest matrices;
+#   refresh swaps re-project host-tier moments through a device staging buffer), under `16GiB`
+#   with `layers` (a compile error: the report names the consumers), and under `gpu_memory =
 #   30GiB` with only 4 GiB of host memory, the rest of the offloaded moments in the NVMe tier
 #   (a file in /tmp; STEPS steps: ~2.5 s of NVMe copies a step), the others SOAP_STEPS steps
 #   each with the validation loss at the end;
-# - the CPU-vs-GPU train-matches (fp32) of the tiered tiny AdamW spec and of tiny-soap under a
-#   budget that puts the embedding's moments (a refresh task's) in the host tier, and of
-#   examples/tiny-tiers.asteria (AdamW) and its SOAP variant with moments in the host and NVMe
-#   tiers (the NVMe file in /tmp).
+# - row `train-match`: the CPU-vs-GPU train-matches (fp32) of the tiered tiny AdamW spec and of
+#   tiny-soap under a budget that puts the embedding's moments (a refresh task's) in the host
+#   tier, and of examples/tiny-tiers.asteria (AdamW) and its SOAP variant with moments in the
+#   host and NVMe tiers (the NVMe file in /tmp);
+# - row `pinned-shadows`: tiny-soap at staleness 2 on the GPU, unconstrained against budgets that
+#   pin the refresh shadows (bit for bit) and move moments too, and at staleness 0.
 # Each run prints its GPU peak, arenas and MFU; summarize.py puts them side by side.
 #
 # Needs: the repository root as working directory, .gpu/ from bench/prepare-gpu, an NVIDIA GPU
@@ -80,7 +84,7 @@ for spec in "llama-1.4b-adamw|unconstrained|||$steps" \
   rows+=("$name=$out/llama-1.4b-$name.jsonl:$out/llama-1.4b-$name.txt")
 done
 [[ ${#rows[@]} -gt 0 ]] && python3 "$here/summarize.py" --skip 10 "${rows[@]}" | tee "$out/summary.md"
-[[ train-match =~ $only ]] || { stamp done; tar czf "$out.tgz" -C "$out" .; exit 0; }
+if [[ train-match =~ $only ]]; then
 
 # CPU vs GPU, fp32: moments in the host tier (the *-gpu specs), and in the host and NVMe tiers
 # (examples/tiny-tiers.asteria as it is, and its SOAP variant: the train-match compiles the CPU
@@ -113,6 +117,8 @@ for m in "tiny-tiers-gpu|" "tiny-soap-tiers-gpu|--inject-cpu-refreshes" "tiny-ti
   echo "train-match $name rc=$?"; tail -n 5 "$out/train-match-$name.txt"
 done
 ls /tmp/asteria-*.nvme 2>/dev/null && echo "NVMe files left behind (each run should remove its own)"
+fi
+[[ pinned-shadows =~ $only ]] || { stamp done; tar czf "$out.tgz" -C "$out" .; exit 0; }
 # Refresh shadows in pinned host memory change where bytes live, not what is computed: tiny-soap
 # at staleness 2 (GPU side-stream refreshes, `refresh_swap = deadline`) unconstrained and under
 # `gpu_memory = 482MiB`, which the pinned shadows alone meet, must give the same loss at every

@@ -44,7 +44,15 @@ macro_rules! family {
 
 /// Every family, in load order.
 pub const FAMILIES: &[Family] = &[
-    family!("embedding", ["embedding_forward", "embedding_backward"]),
+    family!(
+        "embedding",
+        [
+            "embedding_forward",
+            "embedding_backward_span_init",
+            "embedding_backward_span",
+            "embedding_backward_rows"
+        ]
+    ),
     family!("positional", ["add_positional", "add_positional_backward"]),
     family!(
         "layernorm",

@@ -121,7 +121,8 @@ impl CudaEngine {
             }
             Op::EmbeddingBackward { dout, ids, dtable } => {
                 let (v, c) = self.dims(*dtable);
-                nn::embedding_backward(dev, self.b(*dout), self.b(*ids), self.b(*dtable), v, c)?;
+                let (b, s) = (|id: BufferId| self.b(id), &self.scratch);
+                nn::embedding_backward(dev, b(*dout), b(*ids), b(*dtable), v, c, s)?;
             }
             Op::AddPositional {
                 x,

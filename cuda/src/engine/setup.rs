@@ -95,6 +95,7 @@ fn scratch_need(
     let cols = |id: BufferId| dims2(shape(id)).1;
     match op {
         Op::LayerNormBackward { x, .. } => nn::layernorm_backward_scratch_len(rows(*x), cols(*x)),
+        Op::EmbeddingBackward { dtable, .. } => nn::embedding_backward_scratch_len(rows(*dtable)),
         Op::RmsNormBackward { x, .. } => nn::rmsnorm_backward_scratch_len(rows(*x), cols(*x)),
         Op::Rope {
             seq_len, head_dim, ..

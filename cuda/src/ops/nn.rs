@@ -43,8 +43,21 @@ pub fn embedding_forward(
     )
 }
 
-/// Plan op `EmbeddingBackward`: `dtable = 0; dtable[ids[n], :] += dout[n, :]` (float atomics:
-/// the order of additions into one row is unspecified). dout `[N, c]`, dtable `[vocab, c]`.
+/// Elements of scratch [`embedding_backward`] needs: the first and last token position of
+/// every table row (`2 · vocab` i32, in an f32 scratch buffer).
+pub fn embedding_backward_scratch_len(vocab: usize) -> usize {
+    2 * vocab
+}
+
+/// Plan op `EmbeddingBackward`: `dtable = 0; dtable[ids[n], :] += dout[n, :]`, each table row
+/// the sum of its tokens' rows in increasing token order (bitwise reproducible: no float
+/// atomics; `embedding_backward_rows` in `kernels/embedding.cu`). dout `[N, c]` f32, ids `[N]`
+/// i32, dtable `[vocab, c]` f32, `scratch` at least [`embedding_backward_scratch_len`]
+/// elements. An id outside `[0, vocab)` is skipped and recorded in the device status word.
+///
+/// # Errors
+/// [`CudaError::Shape`] on wrong lengths, [`CudaError::Invalid`] when a size exceeds `i32`;
+/// the driver's status of each launch.
 pub fn embedding_backward(
     dev: &Device,
     dout: &Buf,
@@ -52,28 +65,47 @@ pub fn embedding_backward(
     dtable: &Buf,
     vocab: usize,
     c: usize,
+    scratch: &Buf,
 ) -> Result<()> {
     const OP: &str = "embedding_backward";
     let n = ids.len();
     dtable.expect(OP, "dtable", Elem::F32, vocab * c)?;
     ids.expect(OP, "ids", Elem::I32, n)?;
     dout.expect(OP, "dout", Elem::F32, n * c)?;
+    let span = scratch.slice(0, embedding_backward_scratch_len(vocab))?;
     dev.zero(dtable)?;
-    if n == 0 {
+    if n == 0 || vocab == 0 {
         return Ok(());
     }
-    let args = Args::new()
-        .buf(dout)
-        .buf(ids)
-        .buf(dtable)
-        .i32(int(OP, "N", n)?)
-        .i32(int(OP, "C", c)?)
-        .i32(int(OP, "V", vocab)?);
+    let (n32, v32, c32) = (int(OP, "N", n)?, int(OP, "V", vocab)?, int(OP, "C", c)?);
+    let blocks = |total: usize| (total.div_ceil(256).clamp(1, 4096) as u32, 1, 1);
     dev.launch(
-        "embedding_backward",
-        (n as u32, 1, 1),
+        "embedding_backward_span_init",
+        blocks(vocab),
+        (256, 1, 1),
+        Args::new().buf(&span).i32(v32),
+    )?;
+    dev.launch(
+        "embedding_backward_span",
+        blocks(n),
+        (256, 1, 1),
+        Args::new()
+            .buf(ids)
+            .buf(&span)
+            .i32(n32)
+            .i32(v32)
+            .buf(dev.status()),
+    )?;
+    dev.launch(
+        "embedding_backward_rows",
+        (vocab as u32, 1, 1),
         (row_threads(c).min(256), 1, 1),
-        args.buf(dev.status()),
+        Args::new()
+            .buf(dout)
+            .buf(ids)
+            .buf(&span)
+            .buf(dtable)
+            .i32(c32),
     )
 }
 

@@ -47,7 +47,11 @@ pub(crate) fn cases() -> Vec<Case> {
 }
 
 fn embedding(v: &mut Vec<Case>) {
-    for (vocab, ch, n, big) in [(50, 3, 783, false), (50257, 783, 4096, true)] {
+    for (vocab, ch, n, big) in [
+        (50, 3, 783, false),
+        (7, 1025, 5003, false),
+        (50257, 783, 4096, true),
+    ] {
         let size = format!("V={vocab} C={ch} N={n}");
         v.push(case("embedding", size.clone(), TOL_F32, big, move |cx| {
             let table = cx.normal(vocab * ch, 0.0, 1.0);
@@ -62,15 +66,24 @@ fn embedding(v: &mut Vec<Case>) {
             let dout = cx.normal(n * ch, 0.0, 1.0);
             let ids = cx.ids(n, vocab);
             let (db, ib, tb) = (cx.up(&dout)?, cx.up(&ids)?, cx.out(vocab * ch)?);
-            let ms = cx.timed(|| g::embedding_backward(cx.dev, &db, &ib, &tb, vocab, ch))?;
+            let span = cx.out(g::embedding_backward_scratch_len(vocab))?;
+            let ms = cx.timed(|| g::embedding_backward(cx.dev, &db, &ib, &tb, vocab, ch, &span))?;
             let mut r = vec![0.0; vocab * ch];
             c::embedding::embedding_backward(&wide(&dout), &ids, &mut r, vocab, ch).map_err(cpu)?;
-            Ok(one("dtable", rel_err(&cx.down(&tb)?, &r), ms))
+            // Bitwise reproducible: a second run gives the same bits.
+            let first = cx.down(&tb)?;
+            g::embedding_backward(cx.dev, &db, &ib, &tb, vocab, ch, &span)?;
+            let same = first
+                .iter()
+                .zip(&cx.down(&tb)?)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            let err = if same { rel_err(&first, &r) } else { 1.0 };
+            Ok(one("dtable", err, ms))
         }));
     }
     v.push(case(
         "embedding_bad_id",
-        "V=50 C=3 N=50, id 50 at row 17".into(),
+        "V=50 C=3 N=50, id 50 at row 17, -1 at 31; forward and backward".into(),
         0.0,
         false,
         |cx| {
@@ -79,15 +92,25 @@ fn embedding(v: &mut Vec<Case>) {
             ids[17] = 50;
             ids[31] = -1;
             let (tb, ib, ob) = (cx.up(&table)?, cx.up(&ids)?, cx.out(50 * 3)?);
+            let report = |cx: &Ctx| {
+                let reported = matches!(
+                    cx.dev.take_status(),
+                    Err(crate::CudaError::IndexOutOfRange { position: 17 })
+                );
+                reported && cx.dev.take_status().is_ok()
+            };
             g::embedding_forward(cx.dev, &tb, &ib, &ob, 50, 3)?;
-            let reported = matches!(
-                cx.dev.take_status(),
-                Err(crate::CudaError::IndexOutOfRange { position: 17 })
+            let forward = report(cx);
+            // The backward skips both rows and reports the first, too.
+            let (dt, span) = (
+                cx.out(50 * 3)?,
+                cx.out(g::embedding_backward_scratch_len(50))?,
             );
-            let cleared = cx.dev.take_status().is_ok();
+            g::embedding_backward(cx.dev, &ob, &ib, &dt, 50, 3, &span)?;
+            let backward = report(cx);
             Ok(one(
                 "status",
-                if reported && cleared { 0.0 } else { 1.0 },
+                if forward && backward { 0.0 } else { 1.0 },
                 0.0,
             ))
         },
