@@ -22,6 +22,7 @@ macro_rules! out {
 }
 
 mod commands;
+mod explain;
 mod trace;
 
 use clap::{Parser, Subcommand};
@@ -418,7 +419,7 @@ fn main() -> ExitCode {
             passes,
             spec_flags,
         } => commands::compile(&spec, output.as_deref(), &passes, &spec_flags.set),
-        Command::Explain { spec, spec_flags } => commands::explain(&spec, &spec_flags.set),
+        Command::Explain { spec, spec_flags } => explain::explain(&spec, &spec_flags.set),
         Command::Run { plan, run } => commands::run(&plan, &run),
         Command::Train {
             spec,

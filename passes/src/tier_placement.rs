@@ -380,6 +380,23 @@ fn candidates(plan: &Plan) -> Vec<BufferId> {
         .collect()
 }
 
+/// Predicted copy time per step (ms) of `bytes` of moments in `tier` on `desc`: the host tier's
+/// slower direction on a GPU (the copies in and out run at once on its two copy engines) or
+/// both directions one after the other without one; the NVMe tier's read plus write.
+pub fn tier_copy_ms(desc: &TargetDescription, tier: ArenaKind, bytes: usize) -> f64 {
+    match tier {
+        ArenaKind::Host => {
+            let ways = if desc.host_gpu_gbps.is_some() {
+                1.0
+            } else {
+                2.0
+            };
+            ways * desc.host_tier_ms(bytes)
+        }
+        _ => desc.nvme_ms(bytes, false) + desc.nvme_ms(bytes, true),
+    }
+}
+
 /// Places `chosen` in the host tier while its budget allows (and `host_ok`), then on NVMe:
 /// slots and arenas of `plan.memory`. Errors when neither tier has room.
 fn assign(
@@ -405,22 +422,18 @@ fn assign(
         let (tier, offset, copy_ms) = if host_ok && host.saturating_add(bytes) <= host_cap {
             let at = host;
             host = align_up(host.saturating_add(bytes), 256);
-            // In and out: on a GPU the two directions run at once on separate copy engines
-            // (the CUDA engine's copy streams), so a step pays the slower one; a host without
-            // a GPU copies one after the other.
-            let ways = if desc.host_gpu_gbps.is_some() {
-                1.0
-            } else {
-                2.0
-            };
-            (ArenaKind::Host, at, ways * desc.host_tier_ms(bytes))
+            (
+                ArenaKind::Host,
+                at,
+                tier_copy_ms(desc, ArenaKind::Host, bytes),
+            )
         } else if nvme.saturating_add(bytes) <= nvme_cap {
             let at = nvme;
             nvme = align_up(nvme.saturating_add(bytes), NVME_ALIGN);
             (
                 ArenaKind::Nvme,
                 at,
-                desc.nvme_ms(bytes, false) + desc.nvme_ms(bytes, true),
+                tier_copy_ms(desc, ArenaKind::Nvme, bytes),
             )
         } else {
             let why = if budgets.nvme_dir.is_none() {

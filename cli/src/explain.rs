@@ -1,0 +1,230 @@
+//! `asteria explain`: what a spec compiles to, without running it (bytes per class, the memory
+//! plan, bytes per tier and predicted copies, ops per step, the preconditioner schedule).
+use crate::commands::compile_spec;
+use crate::PassFlags;
+use miette::{miette, Result};
+use passes::liveness::{class_name, human_bytes, is_persistent};
+use schedule::{BufferClass, TargetPlan};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+
+/// `asteria explain`: memory per class and tier, ops per step.
+pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
+    let (plan, liveness) = compile_spec(spec, &PassFlags::default(), overrides)?;
+    let stdout = std::io::stdout();
+    let mut o = stdout.lock();
+    let params: usize = plan
+        .params
+        .iter()
+        .map(|p| plan.buffer(p.param).numel())
+        .sum();
+    let tokens = plan.data.batch_size * plan.data.seq_len;
+    let tier = match plan.target {
+        TargetPlan::Cpu { .. } => "cpu",
+        TargetPlan::Cuda { .. } => "gpu",
+    };
+    let _ = writeln!(
+        o,
+        "plan `{}`: {} parameters in {} tensors, {} tokens per step",
+        plan.name,
+        params,
+        plan.params.len(),
+        tokens
+    );
+    let offloaded = plan
+        .memory
+        .arenas
+        .iter()
+        .any(|a| !a.kind.on_device() && a.bytes > 0);
+    let _ = writeln!(
+        o,
+        "\nmemory per class{}:",
+        if offloaded {
+            " (see \"memory per tier\" for what `tier-placement` moved off the device)".to_string()
+        } else {
+            format!(" (all in the `{tier}` tier: no budget, or everything fits it)")
+        }
+    );
+    // Staging buffers (copies of offloaded state, step-local) are listed on their own line.
+    let staged: Vec<usize> = plan
+        .optimizer
+        .iter()
+        .filter_map(|o| match o {
+            schedule::Op::CopyIn { dst, .. } => Some(dst.index()),
+            _ => None,
+        })
+        .collect();
+    let staged_bytes_of = |class: BufferClass| -> usize {
+        staged
+            .iter()
+            .map(|&i| &plan.buffers[i])
+            .filter(|b| b.class == class)
+            .map(|b| b.size_bytes())
+            .sum()
+    };
+    let mut total = 0;
+    for class in [
+        BufferClass::Parameter,
+        BufferClass::Gradient,
+        BufferClass::ExpAvg,
+        BufferClass::ExpAvgSq,
+        BufferClass::KroneckerFactor,
+        BufferClass::Eigenbasis,
+        BufferClass::EigenvalueEstimate,
+        BufferClass::InverseRoot,
+        BufferClass::Activation,
+        BufferClass::Input,
+        BufferClass::Scalar,
+    ] {
+        let b = plan.bytes_of(class) - staged_bytes_of(class);
+        if b == 0 {
+            continue;
+        }
+        total += b;
+        let life = if is_persistent(class) {
+            "persistent"
+        } else {
+            "per step"
+        };
+        let _ = writeln!(
+            o,
+            "  {:<17} {:>14} B  {:>11}  {life}",
+            class_name(class),
+            b,
+            human_bytes(b)
+        );
+    }
+    let staging: usize = staged.iter().map(|&i| plan.buffers[i].size_bytes()).sum();
+    if staging > 0 {
+        total += staging;
+        let _ = writeln!(
+            o,
+            "  {:<17} {:>14} B  {:>11}  per step (device copies of offloaded state)",
+            "staging",
+            staging,
+            human_bytes(staging)
+        );
+    }
+    let _ = writeln!(
+        o,
+        "  {:<17} {:>14} B  {:>11}",
+        "total",
+        total,
+        human_bytes(total)
+    );
+    let _ = writeln!(
+        o,
+        "  peak live step-local tensors (with buffer reuse): {}",
+        human_bytes(liveness.peak_step_bytes)
+    );
+    let m = passes::memory_planning::MemorySummary::of(&plan);
+    let _ = writeln!(
+        o,
+        "\nmemory plan (memory-planning; `--print-after memory-planning` lists the largest buffers):"
+    );
+    let _ = writeln!(
+        o,
+        "  arena persistent  {:>11}  {} buffers, one place each",
+        human_bytes(m.persistent_bytes),
+        m.persistent_buffers
+    );
+    let _ = writeln!(
+        o,
+        "  arena activations {:>11}  {} step-local buffers sharing bytes by liveness (peak live {})",
+        human_bytes(m.activations_bytes),
+        m.transient_buffers,
+        human_bytes(m.peak_live_bytes)
+    );
+    let _ = writeln!(
+        o,
+        "  planned {:>11}  against {} with one place per buffer ({} saved)",
+        human_bytes(m.planned_bytes()),
+        human_bytes(m.unshared_bytes),
+        human_bytes(m.saved_bytes())
+    );
+    let (tier_bytes, note) = match plan.target {
+        TargetPlan::Cuda { .. } => (
+            m.planned_bytes(),
+            "the memory plan's arenas; engine scratch and bf16 shadows come on top",
+        ),
+        TargetPlan::Cpu { .. } => (
+            total
+                - (0..plan.buffers.len())
+                    .map(|i| schedule::BufferId(i as u32))
+                    .filter(|&id| plan.memory.tier(id).is_some_and(|k| !k.on_device()))
+                    .map(|id| plan.buffer(id).size_bytes())
+                    .sum::<usize>(),
+            "the CPU engine keeps one allocation per buffer; the CUDA engine uses the memory plan",
+        ),
+    };
+    let _ = writeln!(
+        o,
+        "\nmemory per tier:\n  {tier:<6} {:>11}  ({note})",
+        human_bytes(tier_bytes)
+    );
+    for kind in [schedule::ArenaKind::Host, schedule::ArenaKind::Nvme] {
+        let bytes = plan.memory.arena_bytes(kind);
+        if bytes == 0 {
+            continue;
+        }
+        let ids: Vec<schedule::BufferId> = (0..plan.buffers.len())
+            .map(|i| schedule::BufferId(i as u32))
+            .filter(|&id| plan.memory.tier(id) == Some(kind))
+            .collect();
+        let config = frontend::load_spec_with(spec, overrides)
+            .map_err(miette::Report::new)?
+            .config;
+        let desc = passes::precond_scheduling::target_description(&config.target)
+            .map_err(|e| miette!("{e}"))?;
+        let moved: usize = ids.iter().map(|&id| plan.buffer(id).size_bytes()).sum();
+        let ms = passes::tier_placement::tier_copy_ms(&desc, kind, moved);
+        let _ = writeln!(
+            o,
+            "  {:<6} {:>11}  ({} tensors offloaded by tier-placement; predicted copies {ms:.2} ms \
+             per step on `{}`)",
+            kind.name(),
+            human_bytes(bytes),
+            ids.len(),
+            desc.name
+        );
+    }
+    if plan.memory.pinned_refresh_shadows {
+        let pinned = schedule::reserve::refresh_pinned_bytes(&plan);
+        let _ = writeln!(
+            o,
+            "  pinned {:>11}  (refresh shadows, moved by tier-placement)",
+            human_bytes(pinned)
+        );
+    }
+    if let Some(budget) = plan.memory.budgets.device {
+        let _ = writeln!(
+            o,
+            "  device budget {} (planned device arenas {})",
+            human_bytes(budget as usize),
+            human_bytes(plan.memory.device_bytes())
+        );
+    }
+    let _ = writeln!(o, "\nops per step:");
+    for (section, prog) in [
+        ("forward", &plan.forward),
+        ("backward", &plan.backward),
+        ("optimizer", &plan.optimizer),
+    ] {
+        let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+        for op in prog {
+            *counts.entry(op.name()).or_default() += 1;
+        }
+        let list: Vec<String> = counts.iter().map(|(k, v)| format!("{k}×{v}")).collect();
+        let _ = writeln!(o, "  {section:<9} {:>4}  {}", prog.len(), list.join(", "));
+    }
+    let mut freq: BTreeMap<u64, usize> = BTreeMap::new();
+    for t in &plan.host_tasks {
+        let schedule::HostTask::EigenbasisRefresh { frequency, .. } = t;
+        *freq.entry(*frequency).or_default() += 1;
+    }
+    for (f, n) in freq {
+        let _ = writeln!(o, "  host      {n:>4}  eigenbasis_refresh every {f} steps");
+    }
+    Ok(())
+}
