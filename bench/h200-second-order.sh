@@ -96,6 +96,12 @@ if [[ $checks == 1 ]]; then
       > "$out/selftest-$b-bf16-match.txt" 2>&1
     echo "$b train-match bf16 rc=$?"; tail -n 2 "$out/selftest-$b-bf16-match.txt"
   done
+  # Shampoo's step composed on the GPU (`--skip-rule shampoo-update`: shampoo_factor_update,
+  # shampoo_precondition, graft and the generated rule kernels) against the CPU engine's.
+  stamp "tiny-shampoo composed train-match"
+  timeout 150 $B selftest --device cuda --no-kernels --cache-dir "$TC" --train-match $S/tiny-shampoo.asteria \
+    --skip-rule shampoo-update --inject-cpu-refreshes > "$out/selftest-tiny-shampoo-composed-match.txt" 2>&1
+  echo "tiny-shampoo composed train-match fp32 rc=$?"; tail -n 2 "$out/selftest-tiny-shampoo-composed-match.txt"
   # Shampoo's inverse roots computed on the GPU too (not injected; a root does not depend on the
   # eigenvectors' signs or order, so at epsilon 1e-4 the GPU's and the CPU's agree to rounding).
   stamp "tiny-shampoo train-match, GPU roots"

@@ -75,6 +75,16 @@ extern "C" __global__ void shampoo_graft_scale(const double* __restrict__ partia
     }
 }
 
+// Plan op Graft (ops/shampoo.rs `graft`): out = (float)(x * scale[block of the element]) with
+// the double product, over the whole parameter (n = vm * vn elements).
+extern "C" __global__ void shampoo_graft_apply(const float* __restrict__ x, const double* __restrict__ scale,
+                                               float* __restrict__ out, long long n, int vn, int bsz, int nbc) {
+    for (long long i = gtid(); i < n; i += gstride()) {
+        const long long r = i / vn, c = i % vn;
+        out[i] = (float)((double)x[i] * scale[(r / bsz) * nbc + c / bsz]);
+    }
+}
+
 // The weight update over the whole parameter (n = vm * vn elements): with scale,
 // q = (float)(p * scale[block of the element]) (double product), else q = p; then
 // w = w - lr * (q + wd * w).

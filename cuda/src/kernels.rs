@@ -191,6 +191,7 @@ pub const FAMILIES: &[Family] = &[
             "shampoo_moments",
             "shampoo_graft_partials",
             "shampoo_graft_scale",
+            "shampoo_graft_apply",
             "shampoo_apply"
         ]
     ),

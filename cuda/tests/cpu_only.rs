@@ -178,6 +178,10 @@ const PLAN_OPS: &[&str] = &[
     "soap_factor_update",
     "kl_shampoo_update",
     "shampoo_update",
+    "shampoo_factor_update",
+    "shampoo_precondition",
+    "graft",
+    "project",
 ];
 
 #[test]

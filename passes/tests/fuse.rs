@@ -454,6 +454,37 @@ fn soap_update_is_off_by_default_on_cuda_targets() {
     );
 }
 
+/// On a CUDA target Shampoo's step may stay composed (`--skip-rule shampoo-update`: the engine
+/// runs `shampoo_factor_update`, `shampoo_precondition` and `graft`), KL-Shampoo's may not: a
+/// compile error that says so, not a refusal when the engine starts.
+#[test]
+fn composed_shampoo_compiles_for_cuda_and_composed_kl_shampoo_does_not() {
+    let compile = |example: &str, rule: &str| {
+        let path = std::path::Path::new("../examples").join(example);
+        let text = std::fs::read_to_string(&path).expect("example");
+        let text = text.replace("target cpu {", "target cuda {");
+        assert!(text.contains("target cuda {"), "{example}");
+        let config = frontend::parse_spec(example, &text, std::path::Path::new("../examples"))
+            .expect("spec");
+        let mut m = ir::Module::new(config);
+        let mut pm = PassManager::new(PassOptions {
+            skip_rules: vec![rule.into()],
+            ..Default::default()
+        })
+        .expect("pass manager");
+        pm.run(&mut m, None, &mut std::io::sink())
+            .map(|(cx, _)| cx.plan.expect("plan"))
+    };
+    let plan = compile("tiny-shampoo.asteria", "shampoo-update").expect("composed Shampoo");
+    for op in ["shampoo_factor_update", "shampoo_precondition", "graft"] {
+        assert!(plan.optimizer.iter().any(|o| o.name() == op), "{op}");
+    }
+    let err = compile("tiny-kl-shampoo.asteria", "kl-shampoo-update")
+        .err()
+        .expect("composed KL-Shampoo refused");
+    assert!(err.to_string().contains("CPU engine only"), "{err}");
+}
+
 /// The MFU numerator counts PaLM's model FLOPs on the fused bf16 plan: `6·N` per token for the
 /// N GEMM weights (the blocks' four matrices and the tied LM head) plus `12·L·C·T` per token
 /// for attention — casts, bias epilogues and the saved attention statistics add nothing.

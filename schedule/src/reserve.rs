@@ -176,6 +176,28 @@ pub fn shampoo_update_scratch_len(
         .unwrap_or(0)
 }
 
+/// Scratch elements (f32) of the CUDA engine's `ShampooPrecondition` (a composed Shampoo
+/// step) on a parameter of `shape` under `max_preconditioner_dim` `b`: the largest matrix
+/// block's work matrix.
+pub fn shampoo_precondition_scratch_len(shape: &[usize], b: u64) -> usize {
+    let b = usize::try_from(b).unwrap_or(usize::MAX).max(1);
+    crate::blocking::blocks(shape, b)
+        .1
+        .iter()
+        .filter(|k| !k.vector)
+        .map(|k| k.rows * k.cols)
+        .max()
+        .unwrap_or(0)
+}
+
+/// Scratch elements (f32) of the CUDA engine's `Graft`: the per-block f64 norm partials
+/// (`2·blocks·SHAMPOO_GRAFT_CHUNKS`) and scales, each region 64-element aligned.
+pub fn graft_scratch_len(shape: &[usize], b: u64) -> usize {
+    let b = usize::try_from(b).unwrap_or(usize::MAX).max(1);
+    let n = crate::blocking::blocks(shape, b).1.len();
+    (4 * n * SHAMPOO_GRAFT_CHUNKS).next_multiple_of(64) + 2 * n
+}
+
 /// The estimate for `plan` on its target (zero for the CPU engine), given the bytes of its
 /// device arenas (`device_bytes`, from memory planning).
 pub fn engine_reserve(plan: &Plan, device_bytes: usize) -> EngineReserve {
@@ -254,6 +276,19 @@ pub fn engine_reserve(plan: &Plan, device_bytes: usize) -> EngineReserve {
                 let (l, r) = (basis_left.is_some(), basis_right.is_some());
                 Some(kl_shampoo_update_scratch_len(m, n, l, r) * 4)
             }
+            Op::ShampooPrecondition {
+                x,
+                max_preconditioner_dim,
+                ..
+            } => Some(
+                shampoo_precondition_scratch_len(&plan.buffer(*x).shape, *max_preconditioner_dim)
+                    * 4,
+            ),
+            Op::Graft {
+                x,
+                max_preconditioner_dim,
+                ..
+            } => Some(graft_scratch_len(&plan.buffer(*x).shape, *max_preconditioner_dim) * 4),
             Op::ShampooUpdate { param, hyper, .. } => {
                 let b = usize::try_from(hyper.max_preconditioner_dim).unwrap_or(usize::MAX);
                 let shape = &plan.buffer(*param).shape;

@@ -94,17 +94,52 @@ impl CudaEngine {
                     [cached[0].as_ref(), cached[1].as_ref()],
                 )?;
             }
-            // Refused at set-up (`check_fused`): a composed Shampoo or KL-Shampoo step runs on
-            // the CPU engine.
-            Op::ShampooFactorUpdate { .. }
-            | Op::ShampooPrecondition { .. }
-            | Op::Graft { .. }
-            | Op::KlScale { .. }
-            | Op::KlFactorUpdate { .. } => {
+            // Shampoo's composed step (`--skip-rule shampoo-update`): `ops::shampoo`.
+            Op::ShampooFactorUpdate {
+                grad,
+                factors,
+                beta2,
+                use_bias_correction,
+                max_preconditioner_dim,
+            } => {
+                let fs: Vec<&Buf> = factors.iter().map(|&f| self.b(f)).collect();
+                let shape = &self.plan.buffer(*grad).shape;
+                let blocking = (shape.as_slice(), *max_preconditioner_dim);
+                let coefficients = (*beta2, *use_bias_correction);
+                sh::shampoo_factor_update(dev, t, coefficients, blocking, self.b(*grad), &fs)?;
+            }
+            Op::ShampooPrecondition {
+                x,
+                out,
+                roots,
+                max_preconditioner_dim,
+            } => {
+                let rs: Vec<&Buf> = roots.iter().map(|&r| self.b(r)).collect();
+                let blocking = (
+                    self.plan.buffer(*x).shape.as_slice(),
+                    *max_preconditioner_dim,
+                );
+                sh::shampoo_precondition(dev, blocking, self.b(*x), self.b(*out), &rs, s)?;
+            }
+            Op::Graft {
+                x,
+                graft,
+                out,
+                max_preconditioner_dim,
+            } => {
+                let blocking = (
+                    self.plan.buffer(*x).shape.as_slice(),
+                    *max_preconditioner_dim,
+                );
+                let (x, g, o) = (self.b(*x), self.b(*graft), self.b(*out));
+                sh::graft(dev, t, blocking, x, g, o, s)?;
+            }
+            // Refused at set-up (`check_fused`): a composed KL-Shampoo step runs on the CPU
+            // engine.
+            Op::KlScale { .. } | Op::KlFactorUpdate { .. } => {
                 return Err(CudaError::Invalid {
                     op: op.name(),
-                    what: "a composed Shampoo or KL-Shampoo step runs on the CPU engine only"
-                        .into(),
+                    what: "a composed KL-Shampoo step runs on the CPU engine only".into(),
                 })
             }
             Op::BlockCopy { src, dst, row, col } => {

@@ -33,21 +33,16 @@ fn check_fused(
             ));
         }
     }
-    if let Some(o) = plan.optimizer.iter().find(|o| {
-        matches!(
-            o,
-            Op::ShampooFactorUpdate { .. }
-                | Op::ShampooPrecondition { .. }
-                | Op::Graft { .. }
-                | Op::KlScale { .. }
-                | Op::KlFactorUpdate { .. }
-        )
-    }) {
+    if let Some(o) = plan
+        .optimizer
+        .iter()
+        .find(|o| matches!(o, Op::KlScale { .. } | Op::KlFactorUpdate { .. }))
+    {
         let at = o.operands().first().map(|x| plan.buffer(x.1).name.clone());
         return refuse(format!(
-            "`{}` ({}): a composed Shampoo or KL-Shampoo step that `fuse` did not make one op \
-             (the fuse report says why; `--skip-pass fuse` leaves every step composed) runs on \
-             the CPU engine only",
+            "`{}` ({}): a composed KL-Shampoo step that `fuse` did not make one op (the fuse \
+             report says why; `--skip-pass fuse` leaves every step composed) runs on the CPU \
+             engine only",
             o.name(),
             at.unwrap_or_default()
         ));
@@ -171,6 +166,16 @@ fn scratch_need(
             let moment = hyper.beta1 != 0.0;
             sh::shampoo_update_scratch_len(shape(*param), b, moment, hyper.grafting)
         }
+        Op::ShampooPrecondition {
+            x,
+            max_preconditioner_dim,
+            ..
+        } => sh::shampoo_precondition_scratch_len(shape(*x), *max_preconditioner_dim),
+        Op::Graft {
+            x,
+            max_preconditioner_dim,
+            ..
+        } => sh::graft_scratch_len(shape(*x), *max_preconditioner_dim),
         Op::SoapFactorUpdate {
             grad,
             factor_left,

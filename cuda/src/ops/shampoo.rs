@@ -225,22 +225,7 @@ pub fn shampoo_update(
     };
 
     // Factors from the raw gradient: F ← a·F + c·C (β = a, α = c of the GEMM).
-    let (fa, fc) = factor_scalars(hp, t);
-    let (fa, fc) = (fa as f32, fc as f32);
-    let mut k = 0;
-    for b in &blks {
-        let g = sub(grad, vn, b);
-        if b.vector {
-            let f = SubMatrix::whole(factors[k], Dims::new(b.cols, b.cols));
-            gemm_f32_sub(dev, g, g, f, true, false, fc, fa)?;
-        } else {
-            let fl = SubMatrix::whole(factors[k], Dims::new(b.rows, b.rows));
-            gemm_f32_sub(dev, g, g, fl, false, true, fc, fa)?;
-            let fr = SubMatrix::whole(factors[k + 1], Dims::new(b.cols, b.cols));
-            gemm_f32_sub(dev, g, g, fr, true, false, fc, fa)?;
-        }
-        k += b.sides().len();
-    }
+    accumulate_factors(dev, factor_scalars(hp, t), vn, &blks, grad, factors)?;
 
     // Moments over the whole parameter.
     let ti = t.min(i32::MAX as u64) as i32;
@@ -351,6 +336,246 @@ pub fn shampoo_update(
         args,
     )?;
     apply(p, Some(scale))
+}
+
+/// `F_k ← a·F_k + c·C_k` for every side of every block (`C` = `G Gᵀ`, `Gᵀ G` of a matrix
+/// block, `gᵀ g` of a vector block; one GEMM each with α = c, β = a), `grad` row-major
+/// `[.., vn]`. Shapes are the caller's to check.
+fn accumulate_factors(
+    dev: &Device,
+    (fa, fc): (f64, f64),
+    vn: usize,
+    blks: &[Block],
+    grad: &Buf,
+    factors: &[&Buf],
+) -> Result<()> {
+    let (fa, fc) = (fa as f32, fc as f32);
+    let mut k = 0;
+    for b in blks {
+        let g = sub(grad, vn, b);
+        if b.vector {
+            let f = SubMatrix::whole(factors[k], Dims::new(b.cols, b.cols));
+            gemm_f32_sub(dev, g, g, f, true, false, fc, fa)?;
+        } else {
+            let fl = SubMatrix::whole(factors[k], Dims::new(b.rows, b.rows));
+            gemm_f32_sub(dev, g, g, fl, false, true, fc, fa)?;
+            let fr = SubMatrix::whole(factors[k + 1], Dims::new(b.cols, b.cols));
+            gemm_f32_sub(dev, g, g, fr, true, false, fc, fa)?;
+        }
+        k += b.sides().len();
+    }
+    Ok(())
+}
+
+/// The blocks of a parameter of `shape` under `max_preconditioner_dim` `b` (at least 1), with
+/// its merged view's `[vm, vn]`, after checking `bufs` (`(name, buffer)`, each of the view's
+/// element count) and `mats` (`[d, d]` per side of the blocks, in block order), if any.
+fn checked_blocks(
+    op: &'static str,
+    shape: &[usize],
+    b: u64,
+    bufs: &[(&'static str, &Buf)],
+    mats: Option<(&'static str, &[&Buf])>,
+) -> Result<((usize, usize), usize, Vec<Block>)> {
+    let bsz = usize::try_from(b).unwrap_or(usize::MAX).max(1);
+    let ((vm, vn), blks) = blocks(shape, bsz);
+    for (name, buf) in bufs {
+        buf.expect(op, name, Elem::F32, vm * vn)?;
+    }
+    let Some(mats) = mats else {
+        return Ok(((vm, vn), bsz, blks));
+    };
+    let sides: Vec<usize> = blks.iter().flat_map(Block::sides).collect();
+    if mats.1.len() != sides.len() {
+        return Err(CudaError::Shape {
+            op,
+            operand: mats.0,
+            expected: sides.len(),
+            got: mats.1.len(),
+        });
+    }
+    for (m, d) in mats.1.iter().zip(&sides) {
+        m.expect(op, mats.0, Elem::F32, d * d)?;
+    }
+    Ok(((vm, vn), bsz, blks))
+}
+
+/// Plan op `ShampooFactorUpdate` (the first op of Shampoo's composed step): every block's
+/// factors `F ← a·F + c·C` at 1-based step `t` with `(a, c)` =
+/// `optim::factor_coefficients(beta2, use_bias_correction, t)` (`C` as in
+/// [`shampoo_update`]). `grad` f32 of `shape`'s element count, `factors` `[d, d]` f32 per side
+/// in block order; fp32 GEMMs (the device's [`crate::GemmMath`]). Semantics:
+/// `optim::shampoo_factor_update`.
+///
+/// # Errors
+/// Operands of the wrong length, dtype or count ([`CudaError::Shape`],
+/// [`CudaError::Operand`]); cuBLAS failures.
+pub fn shampoo_factor_update(
+    dev: &Device,
+    t: u64,
+    (beta2, use_bias_correction): (f64, bool),
+    (shape, b): (&[usize], u64),
+    grad: &Buf,
+    factors: &[&Buf],
+) -> Result<()> {
+    const OP: &str = "shampoo_factor_update";
+    let ((_, vn), _, blks) =
+        checked_blocks(OP, shape, b, &[("grad", grad)], Some(("factor", factors)))?;
+    let coefficients = optim::factor_coefficients(beta2, use_bias_correction, t);
+    accumulate_factors(dev, coefficients, vn, &blks, grad, factors)
+}
+
+/// Scratch elements (f32) of [`shampoo_precondition`]: the largest matrix block's work matrix
+/// (`schedule::reserve::shampoo_precondition_scratch_len`, which the compiler plans with).
+pub fn shampoo_precondition_scratch_len(shape: &[usize], b: u64) -> usize {
+    schedule::reserve::shampoo_precondition_scratch_len(shape, b)
+}
+
+/// Plan op `ShampooPrecondition`: per block of `x` (f32 row-major in the merged view of
+/// `shape`), `out_b = R_1ᵀ x_b R_2` for a matrix block (two GEMMs through `scratch`) and
+/// `out_b = x_b R_1` for a vector block, with `roots` `[d, d]` f32 per side in block order.
+/// Semantics: `optim::shampoo_precondition`. `scratch` at least
+/// [`shampoo_precondition_scratch_len`] f32 elements, overlapping no operand.
+///
+/// # Errors
+/// As [`shampoo_factor_update`], and a short scratch ([`CudaError::Shape`]).
+pub fn shampoo_precondition(
+    dev: &Device,
+    (shape, b): (&[usize], u64),
+    x: &Buf,
+    out: &Buf,
+    roots: &[&Buf],
+    scratch: &Buf,
+) -> Result<()> {
+    const OP: &str = "shampoo_precondition";
+    let ((_, vn), _, blks) = checked_blocks(
+        OP,
+        shape,
+        b,
+        &[("x", x), ("out", out)],
+        Some(("root", roots)),
+    )?;
+    let need = shampoo_precondition_scratch_len(shape, b);
+    if scratch.len() < need || scratch.elem() != Elem::F32 {
+        return Err(CudaError::Shape {
+            op: OP,
+            operand: "scratch",
+            expected: need,
+            got: scratch.len(),
+        });
+    }
+    let mut k = 0;
+    for bl in &blks {
+        let (xb, ob) = (sub(x, vn, bl), sub(out, vn, bl));
+        if bl.vector {
+            let r = SubMatrix::whole(roots[k], Dims::new(bl.cols, bl.cols));
+            gemm_f32_sub(dev, xb, r, ob, false, false, 1.0, 0.0)?;
+        } else {
+            let w = SubMatrix::whole(scratch, Dims::new(bl.rows, bl.cols));
+            let rl = SubMatrix::whole(roots[k], Dims::new(bl.rows, bl.rows));
+            let rr = SubMatrix::whole(roots[k + 1], Dims::new(bl.cols, bl.cols));
+            gemm_f32_sub(dev, rl, xb, w, true, false, 1.0, 0.0)?;
+            gemm_f32_sub(dev, w, rr, ob, false, false, 1.0, 0.0)?;
+        }
+        k += bl.sides().len();
+    }
+    Ok(())
+}
+
+/// Scratch elements (f32) of [`graft`]: the per-block f64 norm partials and scales
+/// (`schedule::reserve::graft_scratch_len`).
+pub fn graft_scratch_len(shape: &[usize], b: u64) -> usize {
+    schedule::reserve::graft_scratch_len(shape, b)
+}
+
+/// Plan op `Graft` (Adam grafting per block): `out_b = x_b · ‖graft_b‖ / (‖x_b‖ + 1e-16)` with
+/// the Frobenius norms and the scale in f64 (partial sums per block in a fixed order: the
+/// result is deterministic), each element rounded once; `out = graft` at step `t = 1`. All
+/// f32 row-major in the merged view of `shape`, blocked by `b`; `scratch` at least
+/// [`graft_scratch_len`] f32 elements. Semantics: `optim::graft`.
+///
+/// # Errors
+/// As [`shampoo_precondition`].
+#[allow(clippy::too_many_arguments)]
+pub fn graft(
+    dev: &Device,
+    t: u64,
+    (shape, b): (&[usize], u64),
+    x: &Buf,
+    graft: &Buf,
+    out: &Buf,
+    scratch: &Buf,
+) -> Result<()> {
+    const OP: &str = "graft";
+    let bufs = [("x", x), ("graft", graft), ("out", out)];
+    let ((vm, vn), bsz, blks) = checked_blocks(OP, shape, b, &bufs, None)?;
+    let numel = vm * vn;
+    if numel == 0 {
+        return Ok(());
+    }
+    if t <= 1 {
+        return dev.copy(out, graft, crate::StreamKind::Compute);
+    }
+    let need = graft_scratch_len(shape, b);
+    if scratch.len() < need || scratch.elem() != Elem::F32 {
+        return Err(CudaError::Shape {
+            op: OP,
+            operand: "scratch",
+            expected: need,
+            got: scratch.len(),
+        });
+    }
+    let n = blks.len();
+    let mut carve = Carve { scratch, off: 0 };
+    let partials = carve
+        .take(4 * n * GRAFT_CHUNKS)?
+        .reinterpret(Elem::F64, 2 * n * GRAFT_CHUNKS)?;
+    let scale = carve.take(2 * n)?.reinterpret(Elem::F64, n)?;
+    let (vmi, vni) = (int(OP, "rows", vm)?, int(OP, "cols", vn)?);
+    let bszi = int(OP, "block size", bsz.min(vm.max(vn)))?;
+    let nbci = int(OP, "blocks", vn.div_ceil(bsz))?;
+    let nblocks = int(OP, "blocks", n)?;
+    let args = Args::new()
+        .buf(x)
+        .buf(graft)
+        .buf(&partials)
+        .i32(vmi)
+        .i32(vni)
+        .i32(bszi)
+        .i32(nbci)
+        .i32(nblocks);
+    let grid_y = n.min(65_535) as u32;
+    dev.launch(
+        "shampoo_graft_partials",
+        (GRAFT_CHUNKS as u32, grid_y, 1),
+        (256, 1, 1),
+        args,
+    )?;
+    let args = Args::new()
+        .buf(&partials)
+        .buf(&scale)
+        .i32(nblocks)
+        .i32(GRAFT_CHUNKS as i32);
+    dev.launch(
+        "shampoo_graft_scale",
+        (dev.grid_for(n), 1, 1),
+        (256, 1, 1),
+        args,
+    )?;
+    let args = Args::new()
+        .buf(x)
+        .buf(&scale)
+        .buf(out)
+        .i64(numel as i64)
+        .i32(vni)
+        .i32(bszi)
+        .i32(nbci);
+    dev.launch(
+        "shampoo_graft_apply",
+        (dev.grid_for(numel), 1, 1),
+        (256, 1, 1),
+        args,
+    )
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ mod cases_loss;
 mod cases_optim;
 mod cases_refresh;
 mod cases_shampoo;
+mod cases_shampoo_composed;
 
 use crate::device::{Device, HostElem};
 use crate::error::{CudaError, Result, Tier};
@@ -239,6 +240,7 @@ fn registry() -> Vec<Case> {
     v.extend(cases_optim::cases());
     v.extend(cases_kl_shampoo::cases());
     v.extend(cases_shampoo::cases());
+    v.extend(cases_shampoo_composed::cases());
     v.extend(cases_refresh::cases());
     v.extend(cases_inverse_root::cases());
     v
