@@ -98,10 +98,15 @@ if [[ $checks == 1 ]]; then
   done
   # Shampoo's step composed on the GPU (`--skip-rule shampoo-update`: shampoo_factor_update,
   # shampoo_precondition, graft and the generated rule kernels) against the CPU engine's.
-  stamp "tiny-shampoo composed train-match"
-  timeout 150 $B selftest --device cuda --no-kernels --cache-dir "$TC" --train-match $S/tiny-shampoo.asteria \
-    --skip-rule shampoo-update --inject-cpu-refreshes > "$out/selftest-tiny-shampoo-composed-match.txt" 2>&1
-  echo "tiny-shampoo composed train-match fp32 rc=$?"; tail -n 2 "$out/selftest-tiny-shampoo-composed-match.txt"
+  # Both steps composed on the GPU (`--skip-rule`: Shampoo's shampoo_factor_update,
+  # shampoo_precondition, graft; KL-Shampoo's kl_scale, kl_factor_update; `project` and the
+  # generated rule kernels) against the CPU engine's.
+  for t in tiny-shampoo tiny-kl-shampoo; do
+    stamp "$t composed train-match"
+    timeout 150 $B selftest --device cuda --no-kernels --cache-dir "$TC" --train-match $S/$t.asteria \
+      --skip-rule "${t#tiny-}-update" --inject-cpu-refreshes > "$out/selftest-$t-composed-match.txt" 2>&1
+    echo "$t composed train-match fp32 rc=$?"; tail -n 2 "$out/selftest-$t-composed-match.txt"
+  done
   # Shampoo's inverse roots computed on the GPU too (not injected; a root does not depend on the
   # eigenvectors' signs or order, so at epsilon 1e-4 the GPU's and the CPU's agree to rounding).
   stamp "tiny-shampoo train-match, GPU roots"

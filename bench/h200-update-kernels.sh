@@ -14,33 +14,37 @@
 # `soap_update` (`--apply-rule soap-update`) and as a CUDA target compiles it by default (the
 # composed step: `project`, the generated rule kernels), STEPS steps each (default 40), one after
 # the other, then summarize.py's rows (statistics skip 10 steps). ~2 minutes.
-# With --shampoo-steps [STEPS] the same for Shampoo (staleness 5) on GPT-2 124M, hand-written
-# `shampoo_update` (the default) against the composed step (`--skip-rule shampoo-update`:
-# `shampoo_factor_update`, the moment rules, `shampoo_precondition`, `graft`, the step rule),
-# each with `--profile events` (the optimizer ops' GPU times beside the whole step, whose median
-# the inverse roots dominate), STEPS steps each (default 20).
-# Usage: bench/h200-update-kernels.sh OUT_DIR [--soap-steps [STEPS] | --shampoo-steps [STEPS]]
+# With --composed-steps [STEPS] the same for Shampoo and KL-Shampoo (staleness 5) on GPT-2 124M,
+# the hand-written op (the default: `shampoo_update`, `kl_shampoo_update`) against the composed
+# step (`--skip-rule shampoo-update`: `shampoo_factor_update`, the moment rules,
+# `shampoo_precondition`, `graft`, the step rule; `--skip-rule kl-shampoo-update`: the momentum
+# rule, `project`, `kl_scale`, `project` back, the step rule, `kl_factor_update`), each with
+# `--profile events` (the optimizer ops' GPU times beside the whole step, whose median Shampoo's
+# inverse roots dominate), STEPS steps each (default 20).
+# Usage: bench/h200-update-kernels.sh OUT_DIR [--soap-steps [STEPS] | --composed-steps [STEPS]]
 set -uo pipefail
-usage="usage: bench/h200-update-kernels.sh OUT_DIR [--soap-steps [STEPS] | --shampoo-steps [STEPS]]"
+usage="usage: bench/h200-update-kernels.sh OUT_DIR [--soap-steps [STEPS] | --composed-steps [STEPS]]"
 [[ $# -ge 1 ]] || { echo "$usage" >&2; exit 2; }
 out="$1"; mkdir -p "$out"
 here="$(dirname "${BASH_SOURCE[0]}")"
 NAME=h200-update-kernels; source "$here/gpu-env.sh"
-if [[ ${2:-} == --shampoo-steps ]]; then
+if [[ ${2:-} == --composed-steps ]]; then
   steps="${3:-20}"
   [[ $steps =~ ^[0-9]+$ && $steps -gt 5 ]] || { echo "$usage (STEPS > 5)" >&2; exit 2; }
-  rows=()
-  for v in hand-written composed; do
-    flags=(); [[ $v == composed ]] && flags=(--skip-rule shampoo-update)
-    stamp "gpt2-124m Shampoo $v"
-    timeout 240 $B train "$S/gpt2-124m-shampoo.asteria" --steps "$steps" --set target.staleness=5 --quiet \
-      --profile events --cache-dir "$TC" ${flags[@]+"${flags[@]}"} --metrics "$out/gpt2-124m-shampoo-$v.jsonl" \
-      > "$out/gpt2-124m-shampoo-$v.txt" 2>&1
-    echo "rc=$? $(grep -oE 'median step [0-9.]+ ms|peak used [0-9.]+ GiB' "$out/gpt2-124m-shampoo-$v.txt" | tr '\n' ' ')"
-    grep -E "shampoo|graft|elementwise_update|optimizer" "$out/gpt2-124m-shampoo-$v.txt" | head -n 12
-    rows+=("asteria Shampoo S5 $v=$out/gpt2-124m-shampoo-$v.jsonl:$out/gpt2-124m-shampoo-$v.txt")
+  for o in shampoo kl-shampoo; do
+    rows=()
+    for v in hand-written composed; do
+      flags=(); [[ $v == composed ]] && flags=(--skip-rule "$o-update")
+      stamp "gpt2-124m $o $v"
+      f="$out/gpt2-124m-$o-$v"
+      timeout 240 $B train "$S/gpt2-124m-$o.asteria" --steps "$steps" --set target.staleness=5 --quiet \
+        --profile events --cache-dir "$TC" ${flags[@]+"${flags[@]}"} --metrics "$f.jsonl" > "$f.txt" 2>&1
+      echo "rc=$? $(grep -oE 'median step [0-9.]+ ms|peak used [0-9.]+ GiB' "$f.txt" | tr '\n' ' ')"
+      grep -E "^\| optimizer/" "$f.txt" | head -n 8
+      rows+=("asteria $o S5 $v=$f.jsonl:$f.txt")
+    done
+    python3 "$here/summarize.py" --skip 5 "${rows[@]}" | tee "$out/summary-$o-gpt2-124m.md"
   done
-  python3 "$here/summarize.py" --skip 5 "${rows[@]}" | tee "$out/summary-shampoo-gpt2-124m.md"
   stamp done
   exit 0
 fi

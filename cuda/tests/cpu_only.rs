@@ -182,6 +182,8 @@ const PLAN_OPS: &[&str] = &[
     "shampoo_precondition",
     "graft",
     "project",
+    "kl_scale",
+    "kl_factor_update",
 ];
 
 #[test]

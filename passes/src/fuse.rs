@@ -215,9 +215,8 @@ struct Candidate {
 impl Fuse {
     /// The rules `--skip-rule` and `--apply-rule` may name: the instruction selections of
     /// composed optimizer steps (the same semantics as the composition, its own rounding),
-    /// e.g. to measure a hand-written op against its composition. SOAP's and Shampoo's
-    /// compositions run on both engines; KL-Shampoo's on the CPU engine only (a CUDA target
-    /// with a composed KL-Shampoo step is a compile error).
+    /// e.g. to measure a hand-written op against its composition. Every composition runs on
+    /// both engines.
     pub const SKIPPABLE_RULES: [&'static str; 3] =
         ["soap-update", "shampoo-update", "kl-shampoo-update"];
 
@@ -736,17 +735,6 @@ impl Pass for Fuse {
         };
         self.rewrite(module, target)?;
         self.composed_updates(module)?;
-        // The CUDA engine runs SOAP's and Shampoo's composed ops, not KL-Shampoo's yet.
-        let composed_kl = module.section(Section::Optimizer).any(|i| {
-            matches!(&module.inst(i).op, Op::ElementwiseUpdate { rule } if rule.optimizer == "kl_shampoo")
-        });
-        if composed_kl && matches!(module.config.target, TargetConfig::Cuda { .. }) {
-            return Err(invalid(
-                "a composed KL-Shampoo step (`--skip-rule kl-shampoo-update`, or a parameter the \
-                 rule could not select; the fuse report says which) runs on the CPU engine only: \
-                 the CUDA engine has no kl_scale / kl_factor_update kernels yet",
-            ));
-        }
         self.bf16_outputs(module, target);
         self.bf16_casts(module, target);
         self.sum_rows_casts(module);

@@ -198,6 +198,21 @@ pub fn graft_scratch_len(shape: &[usize], b: u64) -> usize {
     (4 * n * SHAMPOO_GRAFT_CHUNKS).next_multiple_of(64) + 2 * n
 }
 
+/// Scratch elements (f32) of the CUDA engine's `KlScale`: `1/√D` of each side (64-element
+/// aligned regions).
+pub fn kl_scale_scratch_len(m: usize, n: usize) -> usize {
+    m.next_multiple_of(64) + n.next_multiple_of(64)
+}
+
+/// Scratch elements (f32) of the CUDA engine's `KlFactorUpdate` on `[m, n]` with a left and / or
+/// right basis: `1/√D` and the new estimates of each side, one `[m, n]` work matrix and one
+/// per basis (64-element aligned regions).
+pub fn kl_factor_update_scratch_len(m: usize, n: usize, left: bool, right: bool) -> usize {
+    let r = |x: usize| x.next_multiple_of(64);
+    let bases = usize::from(left) + usize::from(right);
+    2 * (r(m) + r(n)) + (1 + bases) * r(m * n)
+}
+
 /// The estimate for `plan` on its target (zero for the CPU engine), given the bytes of its
 /// device arenas (`device_bytes`, from memory planning).
 pub fn engine_reserve(plan: &Plan, device_bytes: usize) -> EngineReserve {
@@ -275,6 +290,20 @@ pub fn engine_reserve(plan: &Plan, device_bytes: usize) -> EngineReserve {
                 let (m, n) = dims(*param);
                 let (l, r) = (basis_left.is_some(), basis_right.is_some());
                 Some(kl_shampoo_update_scratch_len(m, n, l, r) * 4)
+            }
+            Op::KlScale { x, .. } => {
+                let (m, n) = dims(*x);
+                Some(kl_scale_scratch_len(m, n) * 4)
+            }
+            Op::KlFactorUpdate {
+                grad,
+                basis_left,
+                basis_right,
+                ..
+            } => {
+                let (m, n) = dims(*grad);
+                let (l, r) = (basis_left.is_some(), basis_right.is_some());
+                Some(kl_factor_update_scratch_len(m, n, l, r) * 4)
             }
             Op::ShampooPrecondition {
                 x,

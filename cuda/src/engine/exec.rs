@@ -134,13 +134,48 @@ impl CudaEngine {
                 let (x, g, o) = (self.b(*x), self.b(*graft), self.b(*out));
                 sh::graft(dev, t, blocking, x, g, o, s)?;
             }
-            // Refused at set-up (`check_fused`): a composed KL-Shampoo step runs on the CPU
-            // engine.
-            Op::KlScale { .. } | Op::KlFactorUpdate { .. } => {
-                return Err(CudaError::Invalid {
-                    op: op.name(),
-                    what: "a composed KL-Shampoo step runs on the CPU engine only".into(),
-                })
+            // KL-Shampoo's composed step (`--skip-rule kl-shampoo-update`): `ops::kl_shampoo`.
+            Op::KlScale {
+                x,
+                out,
+                eig_left,
+                eig_right,
+                eps,
+            } => {
+                let (m, n) = self.dims(*x);
+                let eig = (self.b(*eig_left), self.b(*eig_right));
+                kl::kl_scale(dev, t, *eps, self.b(*x), self.b(*out), eig, m, n, s)?;
+            }
+            Op::KlFactorUpdate {
+                grad,
+                factor_left,
+                factor_right,
+                basis_left,
+                basis_right,
+                eig_left,
+                eig_right,
+                shampoo_beta,
+                init_factor,
+                max_clamp_value,
+            } => {
+                let (m, n) = self.dims(*grad);
+                let side = |factor: &Option<BufferId>, basis: &Option<BufferId>, eig: BufferId| {
+                    kl::KlSide {
+                        factor: factor.map(|f| self.b(f)),
+                        basis: basis.map(|q| self.b(q)),
+                        eig: self.b(eig),
+                    }
+                };
+                let hp = kl::FactorHyper {
+                    shampoo_beta: *shampoo_beta,
+                    init_factor: *init_factor,
+                    max_clamp_value: *max_clamp_value,
+                };
+                let (l, r) = (
+                    side(factor_left, basis_left, *eig_left),
+                    side(factor_right, basis_right, *eig_right),
+                );
+                kl::kl_factor_update(dev, t, &hp, self.b(*grad), l, r, m, n, s)?;
             }
             Op::BlockCopy { src, dst, row, col } => {
                 let (n, (r, c)) = (self.dims(*src).1, self.dims(*dst));

@@ -33,20 +33,6 @@ fn check_fused(
             ));
         }
     }
-    if let Some(o) = plan
-        .optimizer
-        .iter()
-        .find(|o| matches!(o, Op::KlScale { .. } | Op::KlFactorUpdate { .. }))
-    {
-        let at = o.operands().first().map(|x| plan.buffer(x.1).name.clone());
-        return refuse(format!(
-            "`{}` ({}): a composed KL-Shampoo step that `fuse` did not make one op (the fuse \
-             report says why; `--skip-pass fuse` leaves every step composed) runs on the CPU \
-             engine only",
-            o.name(),
-            at.unwrap_or_default()
-        ));
-    }
     for o in plan.forward.iter().chain(&plan.backward) {
         if let Op::Attention {
             qkv,
@@ -171,6 +157,18 @@ fn scratch_need(
             max_preconditioner_dim,
             ..
         } => sh::shampoo_precondition_scratch_len(shape(*x), *max_preconditioner_dim),
+        Op::KlScale { x, .. } => kl::kl_scale_scratch_len(rows(*x), cols(*x)),
+        Op::KlFactorUpdate {
+            grad,
+            basis_left,
+            basis_right,
+            ..
+        } => kl::kl_factor_update_scratch_len(
+            rows(*grad),
+            cols(*grad),
+            basis_left.is_some(),
+            basis_right.is_some(),
+        ),
         Op::Graft {
             x,
             max_preconditioner_dim,

@@ -170,25 +170,19 @@ pub fn kl_shampoo_update(
             got: scratch.len(),
         });
     }
-    let (mi, ni) = (int(OP, "m", m)?, int(OP, "n", n)?);
+    // The kernels' `int` range, checked before anything is enqueued.
+    let _ = (int(OP, "m", m)?, int(OP, "n", n)?);
     if mn == 0 {
         return Ok(());
     }
     let dm = Dims::new(m, n);
-    let b = hp.shampoo_beta;
-    // The factor EMAs' weights (1 − β)/n and (1 − β)/m, rounded once.
-    let (wl, wr) = ((1.0 - b) / n as f64, (1.0 - b) / m as f64);
+    let factors = FactorHyper {
+        shampoo_beta: hp.shampoo_beta,
+        init_factor: hp.init_factor,
+        max_clamp_value: hp.max_clamp_value,
+    };
     if t <= 1 {
-        // β = 0: cuBLAS does not read the factors' previous contents.
-        if let Some(f) = left.factor {
-            gemm_f32(dev, grad, dm, grad, dm, f, false, true, wl as f32, 0.0)?;
-        }
-        if let Some(f) = right.factor {
-            gemm_f32(dev, grad, dm, grad, dm, f, true, false, wr as f32, 0.0)?;
-        }
-        let init = (hp.init_factor as f32).to_bits();
-        dev.fill_bits32(left.eig, init)?;
-        return dev.fill_bits32(right.eig, init);
+        return init_factors(dev, &factors, grad, left, right, m, n);
     }
 
     let mut carve = Carve { scratch, off: 0 };
@@ -197,16 +191,11 @@ pub fn kl_shampoo_update(
         .slice(0, 2 * SUMSQ_BLOCKS)?
         .reinterpret(Elem::F64, SUMSQ_BLOCKS)?;
     let divisor = head.slice(2 * SUMSQ_BLOCKS, 1)?;
-    let (s_l, s_r) = (carve.take(m)?, carve.take(n)?);
-    let (d_l, d_r) = (carve.take(m)?, carve.take(n)?);
-    let x = carve.take(mn)?;
-    let bases = usize::from(ql.is_some()) + usize::from(qr.is_some());
-    let work = (0..bases)
-        .map(|_| carve.take(mn))
-        .collect::<Result<Vec<Buf>>>()?;
+    let fw = FactorWork::carve(&mut carve, ql.is_some(), qr.is_some(), m, n)?;
     let elementwise = (dev.grid_for(mn), 1, 1);
 
-    // Momentum, and 1/√D of the estimates the step started with.
+    // Momentum, then the estimates and factors (which leave 1/√D of the estimates the step
+    // started with in s_L, s_R).
     let args = Args::new()
         .buf(exp_avg)
         .buf(grad)
@@ -214,7 +203,176 @@ pub fn kl_shampoo_update(
         .f32(hp.beta1 as f32)
         .f32((1.0 - hp.beta1) as f32);
     dev.launch("kl_momentum", elementwise, (256, 1, 1), args)?;
-    for (d, s, len) in [(left.eig, &s_l, mi), (right.eig, &s_r, ni)] {
+    update_factors(dev, &factors, grad, left, right, m, n, &fw)?;
+    let (x, work) = (&fw.x, &fw.work);
+
+    // P = (Q_Lᵀ M Q_R) · r/(1 + r·ε) into x (never in place: without bases the input is M).
+    let mt = project(dev, ql, qr, exp_avg, work, false, m, n)?;
+    precondition(dev, &mt, x, (&fw.s_l, &fw.s_r), hp.eps, m, n)?;
+
+    // U = Q_L P Q_Rᵀ and the step. Without the RMS normalisation the last GEMM applies it:
+    // W ← α·(…) + β·W with α = −lr·(1 − lr·wd), β = 1 − lr·wd.
+    let decay = 1.0 - lr * hp.weight_decay;
+    if !hp.normalize_grads {
+        let (alpha, beta) = ((-lr * decay) as f32, decay as f32);
+        let (dmm, dnn) = (Dims::new(m, m), Dims::new(n, n));
+        match (ql, qr) {
+            (Some(l), Some(r)) => {
+                let y = project(dev, Some(l), None, x, work, true, m, n)?;
+                return gemm_f32(dev, &y, dm, r, dnn, param, false, true, alpha, beta);
+            }
+            (Some(l), None) => {
+                return gemm_f32(dev, l, dmm, x, dm, param, false, false, alpha, beta)
+            }
+            (None, Some(r)) => {
+                return gemm_f32(dev, x, dm, r, dnn, param, false, true, alpha, beta)
+            }
+            // No GEMM to fuse into: the update kernel below.
+            (None, None) => {}
+        }
+    }
+    let u = project(dev, ql, qr, x, work, true, m, n)?;
+    if hp.normalize_grads {
+        sumsq_partials(dev, &u, &partials, 0)?;
+        let args = Args::new()
+            .buf(&partials)
+            .i32(SUMSQ_BLOCKS as i32)
+            .i64(mn as i64)
+            .buf(&divisor);
+        dev.launch("rms_finalize", (1, 1, 1), (256, 1, 1), args)?;
+    }
+    let args = Args::new()
+        .buf(param)
+        .buf(&u)
+        .i64(mn as i64)
+        .f32(lr as f32)
+        .opt(hp.normalize_grads.then_some(&divisor))
+        .f32(decay as f32);
+    dev.launch("kl_apply", elementwise, (256, 1, 1), args)
+}
+
+/// The hyperparameters of the factor and estimate updates.
+#[derive(Clone, Copy, Debug)]
+pub struct FactorHyper {
+    /// β of the factor and estimate EMAs.
+    pub shampoo_beta: f64,
+    /// The estimates' value at `t = 1`.
+    pub init_factor: f64,
+    /// The clamp's `max_clamp_value` (`optim::kl_eig_floor`).
+    pub max_clamp_value: f64,
+}
+
+/// The scratch of the estimate and factor updates: `1/√D` of each side's old estimates, the new
+/// estimates, the `[m, n]` work matrix `x` and one `[m, n]` matrix per basis.
+struct FactorWork {
+    s_l: Buf,
+    s_r: Buf,
+    d_l: Buf,
+    d_r: Buf,
+    x: Buf,
+    work: Vec<Buf>,
+}
+
+impl FactorWork {
+    /// Carved from `carve` in this order.
+    fn carve(carve: &mut Carve<'_>, left: bool, right: bool, m: usize, n: usize) -> Result<Self> {
+        let (s_l, s_r) = (carve.take(m)?, carve.take(n)?);
+        let (d_l, d_r) = (carve.take(m)?, carve.take(n)?);
+        let x = carve.take(m * n)?;
+        let bases = usize::from(left) + usize::from(right);
+        let work = (0..bases)
+            .map(|_| carve.take(m * n))
+            .collect::<Result<Vec<Buf>>>()?;
+        Ok(FactorWork {
+            s_l,
+            s_r,
+            d_l,
+            d_r,
+            x,
+            work,
+        })
+    }
+}
+
+/// The first step's factors `S_L = (1 − β)/n·G Gᵀ`, `S_R = (1 − β)/m·Gᵀ G` (the sides that
+/// have one) and estimates `D = init_factor`.
+fn init_factors(
+    dev: &Device,
+    hp: &FactorHyper,
+    grad: &Buf,
+    left: KlSide<'_>,
+    right: KlSide<'_>,
+    m: usize,
+    n: usize,
+) -> Result<()> {
+    let dm = Dims::new(m, n);
+    let b = hp.shampoo_beta;
+    let (wl, wr) = ((1.0 - b) / n as f64, (1.0 - b) / m as f64);
+    // β = 0: cuBLAS does not read the factors' previous contents.
+    if let Some(f) = left.factor {
+        gemm_f32(dev, grad, dm, grad, dm, f, false, true, wl as f32, 0.0)?;
+    }
+    if let Some(f) = right.factor {
+        gemm_f32(dev, grad, dm, grad, dm, f, true, false, wr as f32, 0.0)?;
+    }
+    let init = (hp.init_factor as f32).to_bits();
+    dev.fill_bits32(left.eig, init)?;
+    dev.fill_bits32(right.eig, init)
+}
+
+/// `out = x · r/(1 + r·ε)`, `r_ij = s_L_i s_R_j` (`kl_precondition`; `x` and `out` distinct).
+fn precondition(
+    dev: &Device,
+    x: &Buf,
+    out: &Buf,
+    (s_l, s_r): (&Buf, &Buf),
+    eps: f64,
+    m: usize,
+    n: usize,
+) -> Result<()> {
+    const OP: &str = "kl_precondition";
+    let args = Args::new()
+        .buf(x)
+        .buf(out)
+        .buf(s_l)
+        .buf(s_r)
+        .i32(int(OP, "m", m)?)
+        .i32(int(OP, "n", n)?)
+        .f32(eps as f32);
+    dev.launch(
+        "kl_precondition",
+        (dev.grid_for(m * n), 1, 1),
+        (256, 1, 1),
+        args,
+    )
+}
+
+/// One step's (`t > 1`) estimate and factor updates from the bases and estimates as they are
+/// (module docs): `1/√D` of the old estimates into `fw.s_l`, `fw.s_r` (left there for the
+/// caller), the new clamped estimates (staged in `fw.d_l`, `fw.d_r`) installed, then the
+/// factor EMAs through `fw.x` and `fw.work`.
+#[allow(clippy::too_many_arguments)]
+fn update_factors(
+    dev: &Device,
+    hp: &FactorHyper,
+    grad: &Buf,
+    left: KlSide<'_>,
+    right: KlSide<'_>,
+    m: usize,
+    n: usize,
+    fw: &FactorWork,
+) -> Result<()> {
+    let (s_l, s_r, x, work) = (&fw.s_l, &fw.s_r, &fw.x, fw.work.as_slice());
+    let (d_l, d_r) = (&fw.d_l, &fw.d_r);
+    const OP: &str = "kl_factor_update";
+    let (mi, ni) = (int(OP, "m", m)?, int(OP, "n", n)?);
+    let (ql, qr) = (left.basis, right.basis);
+    let dm = Dims::new(m, n);
+    let b = hp.shampoo_beta;
+    // The factor EMAs' weights (1 − β)/n and (1 − β)/m, rounded once.
+    let (wl, wr) = ((1.0 - b) / n as f64, (1.0 - b) / m as f64);
+    let elementwise = (dev.grid_for(m * n), 1, 1);
+    for (d, s, len) in [(left.eig, s_l, mi), (right.eig, s_r, ni)] {
         let args = Args::new().buf(d).buf(s).i32(len);
         dev.launch(
             "kl_inv_sqrt",
@@ -226,7 +384,7 @@ pub fn kl_shampoo_update(
 
     // Eigenvalue estimates from Gt = Q_Lᵀ G Q_R and the old D (both computed before either is
     // installed). With a left basis, A = Q_Lᵀ G stays in work[0] for S_R below.
-    let gt = project(dev, ql, qr, grad, &work, false, m, n)?;
+    let gt = project(dev, ql, qr, grad, work, false, m, n)?;
     let (beta, w) = (b as f32, (1.0 - b) as f32);
     let floor = |d: usize| optim::kl_eig_floor(d, hp.max_clamp_value) as f32;
     let args = Args::new()
@@ -269,7 +427,7 @@ pub fn kl_shampoo_update(
     let scale = |src: &Buf, row: Option<&Buf>, col: Option<&Buf>| {
         let args = Args::new()
             .buf(src)
-            .buf(&x)
+            .buf(x)
             .opt(row)
             .opt(col)
             .i32(mi)
@@ -282,66 +440,137 @@ pub fn kl_shampoo_update(
             (Some(_), Some(a)) => a,
             _ => grad,
         };
-        scale(a, Some(&s_l), None)?;
-        gemm_f32(dev, &x, dm, &x, dm, f, true, false, wr as f32, beta)?;
+        scale(a, Some(s_l), None)?;
+        gemm_f32(dev, x, dm, x, dm, f, true, false, wr as f32, beta)?;
     }
     if let Some(f) = left.factor {
-        let g_qr = project(dev, None, qr, grad, &work, false, m, n)?;
-        scale(&g_qr, None, Some(&s_r))?;
-        gemm_f32(dev, &x, dm, &x, dm, f, false, true, wl as f32, beta)?;
+        let g_qr = project(dev, None, qr, grad, work, false, m, n)?;
+        scale(&g_qr, None, Some(s_r))?;
+        gemm_f32(dev, x, dm, x, dm, f, false, true, wl as f32, beta)?;
     }
+    Ok(())
+}
 
-    // P = (Q_Lᵀ M Q_R) · r/(1 + r·ε) into x (never in place: without bases the input is M).
-    let mt = project(dev, ql, qr, exp_avg, &work, false, m, n)?;
-    let args = Args::new()
-        .buf(&mt)
-        .buf(&x)
-        .buf(&s_l)
-        .buf(&s_r)
-        .i32(mi)
-        .i32(ni)
-        .f32(hp.eps as f32);
-    dev.launch("kl_precondition", elementwise, (256, 1, 1), args)?;
+/// Scratch elements (f32) of [`kl_scale`]: `1/√D` of each side.
+pub fn kl_scale_scratch_len(m: usize, n: usize) -> usize {
+    schedule::reserve::kl_scale_scratch_len(m, n)
+}
 
-    // U = Q_L P Q_Rᵀ and the step. Without the RMS normalisation the last GEMM applies it:
-    // W ← α·(…) + β·W with α = −lr·(1 − lr·wd), β = 1 − lr·wd.
-    let decay = 1.0 - lr * hp.weight_decay;
-    if !hp.normalize_grads {
-        let (alpha, beta) = ((-lr * decay) as f32, decay as f32);
-        let (dmm, dnn) = (Dims::new(m, m), Dims::new(n, n));
-        match (ql, qr) {
-            (Some(l), Some(r)) => {
-                let y = project(dev, Some(l), None, &x, &work, true, m, n)?;
-                return gemm_f32(dev, &y, dm, r, dnn, param, false, true, alpha, beta);
-            }
-            (Some(l), None) => {
-                return gemm_f32(dev, l, dmm, &x, dm, param, false, false, alpha, beta)
-            }
-            (None, Some(r)) => {
-                return gemm_f32(dev, &x, dm, r, dnn, param, false, true, alpha, beta)
-            }
-            // No GEMM to fuse into: the update kernel below.
-            (None, None) => {}
+/// Plan op `KlScale` (KL-Shampoo's composed step): `out = x ⊘ (√(D_L D_Rᵀ) + ε)` for `x`
+/// `[m, n]` f32 with the estimates `eig_left` `[m]`, `eig_right` `[n]`, computed as
+/// `x·(r/(1 + r·ε))`, `r = (1/√D_L[i])(1/√D_R[j])` (`kl_inv_sqrt`, `kl_precondition`); zero
+/// at `t ≤ 1`. `x` and `out` distinct; `scratch` at least [`kl_scale_scratch_len`] f32
+/// elements. Semantics: `optim::kl_scale`.
+///
+/// # Errors
+/// Operands of the wrong length or dtype, a short scratch ([`CudaError::Shape`],
+/// [`CudaError::Operand`]); sizes beyond `int`; launch failures.
+#[allow(clippy::too_many_arguments)]
+pub fn kl_scale(
+    dev: &Device,
+    t: u64,
+    eps: f64,
+    x: &Buf,
+    out: &Buf,
+    (eig_left, eig_right): (&Buf, &Buf),
+    m: usize,
+    n: usize,
+    scratch: &Buf,
+) -> Result<()> {
+    const OP: &str = "kl_scale";
+    x.expect(OP, "x", Elem::F32, m * n)?;
+    out.expect(OP, "out", Elem::F32, m * n)?;
+    eig_left.expect(OP, "eig_left", Elem::F32, m)?;
+    eig_right.expect(OP, "eig_right", Elem::F32, n)?;
+    let need = kl_scale_scratch_len(m, n);
+    if scratch.len() < need || scratch.elem() != Elem::F32 {
+        return Err(CudaError::Shape {
+            op: OP,
+            operand: "scratch",
+            expected: need,
+            got: scratch.len(),
+        });
+    }
+    let (mi, ni) = (int(OP, "m", m)?, int(OP, "n", n)?);
+    if m * n == 0 {
+        return Ok(());
+    }
+    if t <= 1 {
+        return dev.zero(out);
+    }
+    let mut carve = Carve { scratch, off: 0 };
+    let (s_l, s_r) = (carve.take(m)?, carve.take(n)?);
+    for (d, s, len) in [(eig_left, &s_l, mi), (eig_right, &s_r, ni)] {
+        let args = Args::new().buf(d).buf(s).i32(len);
+        dev.launch(
+            "kl_inv_sqrt",
+            (dev.grid_for(len as usize), 1, 1),
+            (256, 1, 1),
+            args,
+        )?;
+    }
+    precondition(dev, x, out, (&s_l, &s_r), eps, m, n)
+}
+
+/// Scratch elements (f32) of [`kl_factor_update`]: `1/√D` and the new estimates of each side,
+/// a work matrix and one more per basis (`schedule::reserve::kl_factor_update_scratch_len`).
+pub fn kl_factor_update_scratch_len(m: usize, n: usize, left: bool, right: bool) -> usize {
+    schedule::reserve::kl_factor_update_scratch_len(m, n, left, right)
+}
+
+/// Plan op `KlFactorUpdate` (after KL-Shampoo's composed step): at `t ≤ 1` the factors from
+/// `grad` `[m, n]` and the estimates `init_factor`; later the clamped estimate EMAs and the
+/// factor EMAs from the bases and estimates as they are (the step of this `t` read them
+/// before), exactly as [`kl_shampoo_update`] computes them. Operands as there; `scratch` at
+/// least [`kl_factor_update_scratch_len`] f32 elements. Semantics: `optim::kl_factor_update`.
+///
+/// # Errors
+/// As [`kl_shampoo_update`].
+#[allow(clippy::too_many_arguments)]
+pub fn kl_factor_update(
+    dev: &Device,
+    t: u64,
+    hp: &FactorHyper,
+    grad: &Buf,
+    left: KlSide<'_>,
+    right: KlSide<'_>,
+    m: usize,
+    n: usize,
+    scratch: &Buf,
+) -> Result<()> {
+    const OP: &str = "kl_factor_update";
+    grad.expect(OP, "grad", Elem::F32, m * n)?;
+    for (side, d, [fname, qname, ename]) in [
+        (&left, m, ["factor_left", "basis_left", "eig_left"]),
+        (&right, n, ["factor_right", "basis_right", "eig_right"]),
+    ] {
+        if let Some(f) = side.factor {
+            f.expect(OP, fname, Elem::F32, d * d)?;
         }
+        if let Some(q) = side.basis {
+            q.expect(OP, qname, Elem::F32, d * d)?;
+        }
+        side.eig.expect(OP, ename, Elem::F32, d)?;
     }
-    let u = project(dev, ql, qr, &x, &work, true, m, n)?;
-    if hp.normalize_grads {
-        sumsq_partials(dev, &u, &partials, 0)?;
-        let args = Args::new()
-            .buf(&partials)
-            .i32(SUMSQ_BLOCKS as i32)
-            .i64(mn as i64)
-            .buf(&divisor);
-        dev.launch("rms_finalize", (1, 1, 1), (256, 1, 1), args)?;
+    let (l, r) = (left.basis.is_some(), right.basis.is_some());
+    let need = kl_factor_update_scratch_len(m, n, l, r);
+    if scratch.len() < need || scratch.elem() != Elem::F32 {
+        return Err(CudaError::Shape {
+            op: OP,
+            operand: "scratch",
+            expected: need,
+            got: scratch.len(),
+        });
     }
-    let args = Args::new()
-        .buf(param)
-        .buf(&u)
-        .i64(mn as i64)
-        .f32(lr as f32)
-        .opt(hp.normalize_grads.then_some(&divisor))
-        .f32(decay as f32);
-    dev.launch("kl_apply", elementwise, (256, 1, 1), args)
+    let _ = (int(OP, "m", m)?, int(OP, "n", n)?);
+    if m * n == 0 {
+        return Ok(());
+    }
+    if t <= 1 {
+        return init_factors(dev, hp, grad, left, right, m, n);
+    }
+    let fw = FactorWork::carve(&mut Carve { scratch, off: 0 }, l, r, m, n)?;
+    update_factors(dev, hp, grad, left, right, m, n, &fw)
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@
 mod cases;
 mod cases_attention;
 mod cases_inverse_root;
+mod cases_kl_composed;
 mod cases_kl_shampoo;
 mod cases_loss;
 mod cases_optim;
@@ -239,6 +240,7 @@ fn registry() -> Vec<Case> {
     let mut v = cases::cases();
     v.extend(cases_optim::cases());
     v.extend(cases_kl_shampoo::cases());
+    v.extend(cases_kl_composed::cases());
     v.extend(cases_shampoo::cases());
     v.extend(cases_shampoo_composed::cases());
     v.extend(cases_refresh::cases());
