@@ -90,7 +90,8 @@ pub struct Placement {
 /// The refresh shadows' move to pinned host memory.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ShadowDecision {
-    /// Device bytes freed.
+    /// Device bytes freed: the shadows of the GPU-side refreshes, less the side stream's
+    /// staging set that pinned shadows need.
     pub device_bytes: usize,
     /// Pinned host bytes they take there.
     pub pinned_bytes: usize,
@@ -248,6 +249,8 @@ pub fn place(
         let m = plan_memory(p).device_bytes();
         m + engine_reserve(p, m).total()
     };
+    // Decided afresh on every run (a plan placed before starts from the device).
+    plan.memory.pinned_refresh_shadows = false;
     placement.device_need = device_need(plan);
     placement.reserve = engine_reserve(plan, plan_memory(plan).device_bytes());
     let cap = budgets.device.map_or(usize::MAX, |b| b as usize);
@@ -255,16 +258,19 @@ pub fn place(
         return Ok(placement);
     }
     let host_ok = !desc.unified_memory;
-    // Refresh shadows first (see the module docs).
-    let shadow_bytes = schedule::reserve::refresh_shadow_device_bytes(plan);
-    if host_ok && shadow_bytes > 0 {
+    // Refresh shadows first (see the module docs), when pinning them frees device bytes: the
+    // shadows of GPU-side refreshes leave, the side stream's staging set comes.
+    if host_ok && schedule::reserve::refresh_shadow_device_bytes(plan) > 0 {
         let mut trial = plan.clone();
         trial.memory.pinned_refresh_shadows = true;
+        let freed = engine_reserve(plan, 0)
+            .refresh
+            .saturating_sub(engine_reserve(&trial, 0).refresh);
         let pinned_bytes = schedule::reserve::refresh_pinned_bytes(&trial);
-        if budgets.host.is_none_or(|h| pinned_bytes as u64 <= h) {
+        if freed > 0 && budgets.host.is_none_or(|h| pinned_bytes as u64 <= h) {
             plan.memory.pinned_refresh_shadows = true;
             placement.shadows = Some(ShadowDecision {
-                device_bytes: shadow_bytes,
+                device_bytes: freed,
                 pinned_bytes,
                 copy_ms: desc.host_tier_ms(schedule::reserve::pinned_shadow_copy_bytes_per_step(
                     plan,

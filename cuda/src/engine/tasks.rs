@@ -13,14 +13,18 @@
 //! flight is not waited for).
 //!
 //! **In the background** (S > 0), the shadow state and the double buffer:
-//! - at launch the factor (and, for `gpu_side`, the basis) is copied on the compute stream into
-//!   the task's device snapshot: the factor keeps accumulating while the refresh runs, and the
-//!   side-stream work is enqueued later by another thread, so it must not read live state (the
-//!   host path's copy-out is enqueued at once, behind the same event);
-//! - `gpu_side`: the side stream (above the compute stream's priority) waits for that copy,
-//!   computes the candidate basis and permutation into the task's [`RefreshSlot`] (the back
-//!   buffer) through its own cuSOLVER and cuBLAS handles, copies the status words into pinned
-//!   host memory and records the task's `done` event. That work is enqueued by a dedicated
+//! - at launch the factor is copied on the compute stream into the task's snapshot (device
+//!   memory, or pinned host memory when the plan pins the shadows,
+//!   `schedule::MemoryPlan::pinned_refresh_shadows`): the factor keeps accumulating while the
+//!   refresh runs, and the side-stream work is enqueued later by another thread, so it must not
+//!   read the live factor (the host path's copy-out is enqueued at once, behind the same
+//!   event). The basis is read live: only this task's own install writes it, and the task's
+//!   next launch comes after that install;
+//! - `gpu_side`: the side stream (above the compute stream's priority) waits for that copy
+//!   (a pinned snapshot: uploads it into its staging buffer first), computes the candidate
+//!   basis and permutation into the task's [`RefreshSlot`] (the back buffer; pinned: through the
+//!   staging slot, then downloaded) through its own cuSOLVER and cuBLAS handles, copies the
+//!   status words into pinned host memory and records the task's `done` event. That work is enqueued by a dedicated
 //!   launcher thread, not the engine thread: cuSOLVER's `Sgeqrf` / `Sorgqr` block the calling
 //!   host thread until their GPU work is done (~100 ms of host time per step for GPT-2 124M at
 //!   S = 5 on an H200, which serialised the refreshes with the step when called from the
@@ -390,8 +394,10 @@ impl Refreshes {
         let mut pools = Vec::with_capacity(pool_sizes.len());
         let mut pinned_bytes = 0;
         if dev_bytes + pin_bytes > 0 {
-            let mut da = dev
-                .arena("refresh-shadows", Tier::Device, dev_bytes.max(1))
+            // No device arena when every shadow is pinned (the reserve counts none).
+            let mut da = (dev_bytes > 0)
+                .then(|| dev.arena("refresh-shadows", Tier::Device, dev_bytes))
+                .transpose()
                 .map_err(e("allocating refresh shadows"))?;
             let mut pa = dev
                 .arena("refresh-shadows-pinned", Tier::PinnedHost, pin_bytes)
@@ -409,7 +415,15 @@ impl Refreshes {
                         }
                     };
                     let on_host = gpu && pinned;
-                    let a = if on_host { &mut pa } else { &mut da };
+                    let a = match (on_host, da.as_mut()) {
+                        (true, _) => &mut pa,
+                        (false, Some(da)) => da,
+                        (false, None) => {
+                            return Err(EngineError::Unsupported(
+                                "internal: a device refresh shadow without its arena".into(),
+                            ))
+                        }
+                    };
                     let snapshot = a.buf(Elem::F32, d * d).map_err(c)?;
                     let slot = RefreshSlot::carve(a, d).map_err(c)?;
                     free.push(Shadow {
@@ -430,7 +444,7 @@ impl Refreshes {
             }
             bytes += dev_bytes + pin_bytes;
             pinned_bytes = pin_bytes;
-            arenas.push(da);
+            arenas.extend(da);
             arenas.push(pa);
         }
         let mut held = Vec::with_capacity(tasks.len());
