@@ -55,6 +55,30 @@ pub fn kl_shampoo_update_scratch_len(m: usize, n: usize, left: bool, right: bool
     schedule::reserve::kl_shampoo_update_scratch_len(m, n, left, right)
 }
 
+/// Errors unless each side's factor and basis (when present) are `[d, d]` f32 and its
+/// estimates `[d]` f32 (`d = m` on the left, `n` on the right).
+fn check_sides(
+    op: &'static str,
+    left: &KlSide<'_>,
+    right: &KlSide<'_>,
+    m: usize,
+    n: usize,
+) -> Result<()> {
+    for (side, d, [fname, qname, ename]) in [
+        (left, m, ["factor_left", "basis_left", "eig_left"]),
+        (right, n, ["factor_right", "basis_right", "eig_right"]),
+    ] {
+        if let Some(f) = side.factor {
+            f.expect(op, fname, Elem::F32, d * d)?;
+        }
+        if let Some(q) = side.basis {
+            q.expect(op, qname, Elem::F32, d * d)?;
+        }
+        side.eig.expect(op, ename, Elem::F32, d)?;
+    }
+    Ok(())
+}
+
 /// Carves 64-element-aligned regions off the front of a scratch buffer.
 struct Carve<'a> {
     scratch: &'a Buf,
@@ -148,28 +172,10 @@ pub fn kl_shampoo_update(
     for (name, b) in [("param", param), ("grad", grad), ("exp_avg", exp_avg)] {
         b.expect(OP, name, Elem::F32, mn)?;
     }
-    for (side, d, [fname, qname, ename]) in [
-        (&left, m, ["factor_left", "basis_left", "eig_left"]),
-        (&right, n, ["factor_right", "basis_right", "eig_right"]),
-    ] {
-        if let Some(f) = side.factor {
-            f.expect(OP, fname, Elem::F32, d * d)?;
-        }
-        if let Some(q) = side.basis {
-            q.expect(OP, qname, Elem::F32, d * d)?;
-        }
-        side.eig.expect(OP, ename, Elem::F32, d)?;
-    }
+    check_sides(OP, &left, &right, m, n)?;
     let (ql, qr) = (left.basis, right.basis);
     let need = kl_shampoo_update_scratch_len(m, n, ql.is_some(), qr.is_some());
-    if scratch.len() < need || scratch.elem() != Elem::F32 {
-        return Err(CudaError::Shape {
-            op: OP,
-            operand: "scratch",
-            expected: need,
-            got: scratch.len(),
-        });
-    }
+    super::check_scratch(OP, scratch, need)?;
     // The kernels' `int` range, checked before anything is enqueued.
     let _ = (int(OP, "m", m)?, int(OP, "n", n)?);
     if mn == 0 {
@@ -483,14 +489,7 @@ pub fn kl_scale(
     eig_left.expect(OP, "eig_left", Elem::F32, m)?;
     eig_right.expect(OP, "eig_right", Elem::F32, n)?;
     let need = kl_scale_scratch_len(m, n);
-    if scratch.len() < need || scratch.elem() != Elem::F32 {
-        return Err(CudaError::Shape {
-            op: OP,
-            operand: "scratch",
-            expected: need,
-            got: scratch.len(),
-        });
-    }
+    super::check_scratch(OP, scratch, need)?;
     let (mi, ni) = (int(OP, "m", m)?, int(OP, "n", n)?);
     if m * n == 0 {
         return Ok(());
@@ -540,28 +539,10 @@ pub fn kl_factor_update(
 ) -> Result<()> {
     const OP: &str = "kl_factor_update";
     grad.expect(OP, "grad", Elem::F32, m * n)?;
-    for (side, d, [fname, qname, ename]) in [
-        (&left, m, ["factor_left", "basis_left", "eig_left"]),
-        (&right, n, ["factor_right", "basis_right", "eig_right"]),
-    ] {
-        if let Some(f) = side.factor {
-            f.expect(OP, fname, Elem::F32, d * d)?;
-        }
-        if let Some(q) = side.basis {
-            q.expect(OP, qname, Elem::F32, d * d)?;
-        }
-        side.eig.expect(OP, ename, Elem::F32, d)?;
-    }
+    check_sides(OP, &left, &right, m, n)?;
     let (l, r) = (left.basis.is_some(), right.basis.is_some());
     let need = kl_factor_update_scratch_len(m, n, l, r);
-    if scratch.len() < need || scratch.elem() != Elem::F32 {
-        return Err(CudaError::Shape {
-            op: OP,
-            operand: "scratch",
-            expected: need,
-            got: scratch.len(),
-        });
-    }
+    super::check_scratch(OP, scratch, need)?;
     let _ = (int(OP, "m", m)?, int(OP, "n", n)?);
     if m * n == 0 {
         return Ok(());

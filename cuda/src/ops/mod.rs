@@ -26,6 +26,19 @@ pub(crate) fn int(op: &'static str, what: &'static str, v: usize) -> Result<i32>
     Ok(v as i32)
 }
 
+/// Errors ([`CudaError::Shape`]) unless `scratch` is f32 with at least `need` elements.
+pub(crate) fn check_scratch(op: &'static str, scratch: &crate::Buf, need: usize) -> Result<()> {
+    if scratch.len() < need || scratch.elem() != crate::Elem::F32 {
+        return Err(CudaError::Shape {
+            op,
+            operand: "scratch",
+            expected: need,
+            got: scratch.len(),
+        });
+    }
+    Ok(())
+}
+
 /// Threads for a one-block-per-row kernel over rows of `c` elements: `c` rounded up to a warp,
 /// between 32 and 1024.
 pub(crate) fn row_threads(c: usize) -> u32 {

@@ -171,14 +171,7 @@ pub fn shampoo_update(
     }
     let moment = hp.beta1 != 0.0;
     let need = shampoo_update_scratch_len(shape, bsz, moment, hp.grafting);
-    if scratch.len() < need || scratch.elem() != Elem::F32 {
-        return Err(CudaError::Shape {
-            op: OP,
-            operand: "scratch",
-            expected: need,
-            got: scratch.len(),
-        });
-    }
+    super::check_scratch(OP, scratch, need)?;
     let (vmi, vni) = (int(OP, "rows", vm)?, int(OP, "cols", vn)?);
     let nbc = vn.div_ceil(bsz);
     let (bszi, nbci) = (
@@ -456,14 +449,7 @@ pub fn shampoo_precondition(
         Some(("root", roots)),
     )?;
     let need = shampoo_precondition_scratch_len(shape, b);
-    if scratch.len() < need || scratch.elem() != Elem::F32 {
-        return Err(CudaError::Shape {
-            op: OP,
-            operand: "scratch",
-            expected: need,
-            got: scratch.len(),
-        });
-    }
+    super::check_scratch(OP, scratch, need)?;
     let mut k = 0;
     for bl in &blks {
         let (xb, ob) = (sub(x, vn, bl), sub(out, vn, bl));
@@ -517,14 +503,7 @@ pub fn graft(
         return dev.copy(out, graft, crate::StreamKind::Compute);
     }
     let need = graft_scratch_len(shape, b);
-    if scratch.len() < need || scratch.elem() != Elem::F32 {
-        return Err(CudaError::Shape {
-            op: OP,
-            operand: "scratch",
-            expected: need,
-            got: scratch.len(),
-        });
-    }
+    super::check_scratch(OP, scratch, need)?;
     let n = blks.len();
     let mut carve = Carve { scratch, off: 0 };
     let partials = carve
