@@ -602,10 +602,11 @@ impl Device {
         Ok(())
     }
 
-    /// Copies a `rows × cols` f32 block between row-major matrices in device memory on the
-    /// compute stream, one `cuMemcpy2DAsync`: element (i, j) of the block is `src[(src_row + i)
-    /// · src_n + src_col + j]` and goes to `dst[(dst_row + i) · dst_n + dst_col + j]` (plan ops
-    /// `BlockCopy` / `BlockWrite`).
+    /// Copies a `rows × cols` f32 block between row-major matrices on the compute stream, one
+    /// `cuMemcpy2DAsync`: element (i, j) of the block is `src[(src_row + i) · src_n + src_col +
+    /// j]` and goes to `dst[(dst_row + i) · dst_n + dst_col + j]` (plan ops `BlockCopy` /
+    /// `BlockWrite`; the refresh swap's chunks). Either matrix may be device or pinned host
+    /// memory (a pinned one is addressed through unified addressing).
     ///
     /// # Errors
     /// [`CudaError::Shape`] when the block does not fit either buffer; the driver's status.
@@ -634,17 +635,24 @@ impl Device {
             return Ok(());
         }
         self.ctx.bind_to_thread()?;
+        let kind = |b: &Buf| {
+            if b.tier() == crate::Tier::Device {
+                sys::CUmemorytype::CU_MEMORYTYPE_DEVICE
+            } else {
+                sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED
+            }
+        };
         let p = sys::CUDA_MEMCPY2D_st {
             srcXInBytes: src_col * 4,
             srcY: src_row,
-            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcMemoryType: kind(src),
             srcHost: std::ptr::null(),
             srcDevice: src.ptr(),
             srcArray: std::ptr::null_mut(),
             srcPitch: src_n * 4,
             dstXInBytes: dst_col * 4,
             dstY: dst_row,
-            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstMemoryType: kind(dst),
             dstHost: std::ptr::null_mut(),
             dstDevice: dst.ptr(),
             dstArray: std::ptr::null_mut(),

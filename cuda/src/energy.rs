@@ -155,3 +155,21 @@ fn sample(nvml: &Nvml, index: u32, joules: &Mutex<f64>, stop: &AtomicBool) {
         (last_t, last_w) = (now, w);
     }
 }
+
+/// GPU memory this process holds on the GPU at PCI bus id `pci_bus_id`, as NVML reports it
+/// (`nvmlDeviceGetComputeRunningProcesses`: arenas, context, kernel modules and library
+/// workspaces together, in bytes); `None` when NVML is missing, the process is not listed
+/// (a PID namespace NVML does not see into) or the driver does not report per-process memory.
+pub fn process_gpu_bytes(pci_bus_id: &str) -> Option<u64> {
+    let nvml = Nvml::init().ok()?;
+    let dev = nvml.device_by_pci_bus_id(pci_bus_id).ok()?;
+    let me = std::process::id();
+    dev.running_compute_processes()
+        .ok()?
+        .into_iter()
+        .find(|p| p.pid == me)
+        .and_then(|p| match p.used_gpu_memory {
+            nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => Some(b),
+            nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => None,
+        })
+}

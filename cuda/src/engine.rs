@@ -97,7 +97,15 @@ fn flash_math(
 /// was made: the backward reads it only while that generation still matches.
 struct SavedQkv {
     qkv16: Buf,
-    gen: Option<u64>,
+    /// Its slot in [`CudaEngine::saved_slots`].
+    slot: usize,
+}
+
+/// One slot of the attention-saved arena, shared by qkv copies live at disjoint times.
+struct SavedSlot {
+    qkv16: Buf,
+    /// The qkv whose copy the slot holds, and that qkv's write generation when it was made.
+    holds: Option<(BufferId, u64)>,
 }
 
 /// Options of a [`CudaEngine`] that are not part of the plan: everything here changes how a
@@ -161,6 +169,8 @@ pub struct CudaEngine {
     write_gen: Vec<u64>,
     /// Per saving attention's qkv buffer, the bf16 copy its forward made for the backward.
     saved_qkv: HashMap<BufferId, SavedQkv>,
+    /// The attention-saved arena's slots.
+    saved_slots: Vec<SavedSlot>,
     scratch: Buf,
     stats: EngineStats,
     last_tokens: Vec<i32>,

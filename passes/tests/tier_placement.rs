@@ -105,8 +105,13 @@ fn three_targets_place_the_same_model_differently() {
     assert_eq!(p_free.memory.arena_bytes(ArenaKind::Host), 0);
     assert_eq!(p_free.memory.arena_bytes(ArenaKind::Nvme), 0);
     assert!(p_free.memory.device_bytes() > 24 * GIB);
-    // H200 at 24 GiB: moments to pinned host memory, the device under the budget.
-    assert!(p_h200.memory.device_bytes() <= 24 * GIB);
+    // H200 at 24 GiB: moments to pinned host memory, the device under the budget with the
+    // engine's own bytes and the CUDA context counted.
+    assert_eq!(
+        d_h200.reserve.context,
+        schedule::reserve::CUDA_CONTEXT_BYTES
+    );
+    assert!(p_h200.memory.device_bytes() + d_h200.reserve.total() <= 24 * GIB);
     assert!(p_h200.memory.arena_bytes(ArenaKind::Host) > 0);
     assert_eq!(p_h200.memory.arena_bytes(ArenaKind::Nvme), 0);
     assert!(d_h200.host_note.is_none());
@@ -291,8 +296,9 @@ fn copies_in_run_one_offloaded_update_ahead_into_bytes_of_their_own() {
             (!staged.is_empty()).then_some((i, staged))
         })
         .collect();
-    // (41 since the refresh shadows move to pinned memory first.)
-    assert!(users.len() > 30, "{} offloaded updates", users.len());
+    // (41 once the refresh shadows moved to pinned memory first; 28 since the refresh swap
+    // works in chunks and saved attention copies share slots, with the CUDA context counted.)
+    assert!(users.len() > 20, "{} offloaded updates", users.len());
     let range = |id: BufferId| {
         let s = plan.memory.slot(id).expect("slot");
         assert_eq!(s.arena, ArenaKind::Activations, "{}", plan.buffer(id).name);
@@ -318,5 +324,25 @@ fn copies_in_run_one_offloaded_update_ahead_into_bytes_of_their_own() {
                 );
             }
         }
+    }
+}
+
+/// The bf16 qkv copies that saving attentions keep for their backward share slots of the
+/// engine's attention-saved arena when they are live at disjoint times: under `rematerialize =
+/// layers` each layer's recomputed attention makes its copy just before its backward, so one
+/// slot serves all 24 layers; without it every forward copy lives until the backward.
+#[test]
+fn saved_attention_copies_share_one_slot_under_rematerialize_layers() {
+    let plain = soap_plan(|s| s);
+    let remat = soap_plan(|s| s.replace("train {", "train {\n  rematerialize = layers"));
+    let qkv_bf16 = 4 * 1024 * 3 * 2048 * 2;
+    for (plan, slots) in [(&plain, 24usize), (&remat, 1)] {
+        let want = schedule::reserve::saved_attention_qkvs(plan);
+        let (slot_of, lens) = schedule::reserve::saved_attention_slots(plan);
+        assert_eq!(want.len(), 24);
+        assert_eq!(slot_of.len(), 24);
+        assert_eq!(lens.len(), slots, "{slot_of:?}");
+        let reserve = schedule::reserve::engine_reserve(plan, 0);
+        assert_eq!(reserve.attention_saved, slots * qkv_bf16);
     }
 }

@@ -2,7 +2,9 @@
 //! them: what `tier-placement` and `memory-planning` add to the plan's device arenas before
 //! comparing them with the `gpu_memory` budget.
 //!
-//! The CUDA engine owns four kinds of device memory besides the plan's arenas: the bf16 copies
+//! A CUDA process holds the context, kernel modules and library workspaces
+//! ([`CUDA_CONTEXT_BYTES`]), and the CUDA engine owns four kinds of device memory besides the
+//! plan's arenas: the bf16 copies
 //! of qkv that saving tensor-core attentions keep for their backward (exact here: the engine
 //! sizes its arena with [`saved_attention_qkvs`]), the refresh machinery (cuSOLVER work,
 //! the swap buffers, one shadow per asynchronous refresh), the bf16 shadows of SOAP's
@@ -27,9 +29,18 @@ fn aligned(bytes: usize) -> usize {
     bytes.div_ceil(ALIGN) * ALIGN
 }
 
+/// Device bytes a CUDA process holds outside the engine's arenas: the context, the loaded
+/// kernel modules (NVRTC images, cuBLAS/cuBLASLt/cuSOLVER's own) and the libraries' handles and
+/// workspaces. Measured on the H200 (CUDA 13): 0.87 GiB beside the LLaMA 1.44B plan's arenas
+/// (`GPU peak used` 24.74 GiB against 23.87 GiB of arenas); counted as 1 GiB so that a
+/// `gpu_memory` budget bounds what `nvidia-smi` shows for the process.
+pub const CUDA_CONTEXT_BYTES: usize = 1 << 30;
+
 /// The engine's device bytes beyond the plan's arenas, by kind (bytes).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct EngineReserve {
+    /// The CUDA context, kernel modules and library workspaces ([`CUDA_CONTEXT_BYTES`]).
+    pub context: usize,
     /// bf16 qkv copies of the saving attentions.
     pub attention_saved: usize,
     /// Refresh work, swap buffers and asynchronous refresh shadows.
@@ -46,7 +57,7 @@ pub struct EngineReserve {
 impl EngineReserve {
     /// All of it (bytes).
     pub fn total(&self) -> usize {
-        self.attention_saved + self.refresh + self.basis_shadows + self.scratch
+        self.context + self.attention_saved + self.refresh + self.basis_shadows + self.scratch
     }
 
     /// `attention-saved 1.12 GiB, refresh 0 B, ...` for reports.
@@ -60,7 +71,8 @@ impl EngineReserve {
             }
         };
         format!(
-            "attention-saved {}, refresh {}, basis shadows {}, scratch {}",
+            "context {}, attention-saved {}, refresh {}, basis shadows {}, scratch {}",
+            b(self.context),
             b(self.attention_saved),
             b(self.refresh),
             b(self.basis_shadows),
@@ -87,6 +99,53 @@ pub fn saved_attention_qkvs(plan: &Plan) -> Vec<(BufferId, usize)> {
         }
     }
     out
+}
+
+/// The attention-saved arena's slots: for each qkv of [`saved_attention_qkvs`] (same order) the
+/// slot its bf16 copy goes to, and each slot's elements. A copy is live from the first saving
+/// attention that writes it to the last attention backward that reads that qkv (in the order
+/// forward, then backward); copies live at disjoint times share a slot (greedy by start, the
+/// slot free longest first). Under `rematerialize = layers` each layer's copy is made by its
+/// recomputed attention just before its backward: one slot serves every layer. Without it the
+/// forward's copies all live until the backward: one slot each.
+pub fn saved_attention_slots(plan: &Plan) -> (Vec<usize>, Vec<usize>) {
+    let want = saved_attention_qkvs(plan);
+    let ops: Vec<&Op> = plan.forward.iter().chain(&plan.backward).collect();
+    let span = |qkv: BufferId| {
+        let start = ops
+            .iter()
+            .position(|o| matches!(o, Op::Attention { qkv: q, lse: Some(_), .. } if *q == qkv));
+        let end = ops
+            .iter()
+            .rposition(|o| matches!(o, Op::AttentionBackward { qkv: q, .. } if *q == qkv));
+        let start = start.unwrap_or(0);
+        (start, end.unwrap_or(start).max(start))
+    };
+    let mut order: Vec<usize> = (0..want.len()).collect();
+    order.sort_by_key(|&i| (span(want[i].0).0, i));
+    let mut slot_of = vec![0usize; want.len()];
+    // Per slot: elements, and the end of its last copy's span.
+    let mut slots: Vec<(usize, usize)> = Vec::new();
+    for i in order {
+        let (start, end) = span(want[i].0);
+        let n = want[i].1;
+        let free = slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.1 < start)
+            .min_by_key(|(j, s)| (s.1, *j))
+            .map(|(j, _)| j);
+        let j = match free {
+            Some(j) => j,
+            None => {
+                slots.push((0, 0));
+                slots.len() - 1
+            }
+        };
+        slots[j] = (slots[j].0.max(n), end);
+        slot_of[i] = j;
+    }
+    (slot_of, slots.into_iter().map(|s| s.0).collect())
 }
 
 /// f32 elements the CUDA engine reserves for each bf16 work matrix of `len` elements (aligned
@@ -219,9 +278,10 @@ pub fn engine_reserve(plan: &Plan, device_bytes: usize) -> EngineReserve {
     let TargetPlan::Cuda { precision, .. } = plan.target else {
         return EngineReserve::default();
     };
-    let attention_saved = saved_attention_qkvs(plan)
+    let attention_saved = saved_attention_slots(plan)
+        .1
         .iter()
-        .map(|(_, n)| aligned(n * 2))
+        .map(|n| aligned(n * 2))
         .sum();
     let mut basis_shadows = 0;
     if precision == Precision::Bf16 {
@@ -329,6 +389,7 @@ pub fn engine_reserve(plan: &Plan, device_bytes: usize) -> EngineReserve {
         .max()
         .unwrap_or(0);
     EngineReserve {
+        context: CUDA_CONTEXT_BYTES,
         attention_saved,
         refresh: refresh_bytes(plan),
         basis_shadows,
@@ -506,20 +567,19 @@ pub const STATUS_WORDS: usize = 8;
 
 /// The CUDA engine's refresh allocations (`cuda/src/engine/tasks.rs` `Refreshes::new`): per
 /// GPU refresher 8 `d×d` f32 work matrices and cuSOLVER's workspace, the output slot, the swap
-/// buffers (`d²` + two moments, plus a third when moments live off the device; the moments of
-/// SOAP refreshes only: a [`RefreshMethod::Qr`] refresh installs its basis alone), the
+/// buffers (`d²` and two chunks of [`swap_chunk_len`], sized by the moments of SOAP refreshes
+/// only: a [`RefreshMethod::Qr`] refresh installs its basis alone), the
 /// shadow pools of the asynchronous refreshes ([`refresh_pools`]; on the device unless
 /// [`crate::MemoryPlan::pinned_refresh_shadows`]), and with pinned shadows the side stream's
 /// device staging (one factor and one output slot of the largest side).
 fn refresh_bytes(plan: &Plan) -> usize {
     let f32s = |n: usize| aligned(n * 4);
     let (mut max_dim, mut max_mn, mut side_dim) = (0usize, 0usize, None::<usize>);
-    let (mut any_gpu, mut any_async, mut offloaded) = (false, false, false);
+    let (mut any_gpu, mut any_async) = (false, false);
     for t in &plan.host_tasks {
         let HostTask::EigenbasisRefresh {
             factor,
             exp_avg,
-            exp_avg_sq,
             staleness,
             placement,
             method,
@@ -529,9 +589,6 @@ fn refresh_bytes(plan: &Plan) -> usize {
         max_dim = max_dim.max(d);
         if *method == RefreshMethod::Soap {
             max_mn = max_mn.max(plan.buffer(*exp_avg).numel());
-            offloaded |= [exp_avg, exp_avg_sq]
-                .iter()
-                .any(|&&b| plan.memory.tier(b).is_some_and(|k| !k.on_device()));
         }
         let gpu = *placement == Placement::GpuSide;
         any_gpu |= gpu;
@@ -559,9 +616,21 @@ fn refresh_bytes(plan: &Plan) -> usize {
             bytes += d * d * 4 + ALIGN + (d * d + d + STATUS_WORDS) * 4 + 3 * ALIGN;
         }
     }
-    if any_gpu || any_async || offloaded {
-        let moments = if offloaded { 3 } else { 2 };
-        bytes += f32s(max_dim * max_dim) + moments * f32s(max_mn);
+    if any_gpu || any_async {
+        let chunk = swap_chunk_len(max_dim, max_mn).max(max_dim.max(1));
+        bytes += (max_dim.max(1).pow(2) + 2 * chunk) * 4 + 3 * ALIGN;
     }
     bytes
+}
+
+/// Elements of the refresh swap's chunk buffers at most ([`swap_chunk_len`]): 4 Mi f32, 16 MiB
+/// each, one `[2048, 2048]` block.
+pub const SWAP_CHUNK: usize = 1 << 22;
+
+/// Elements of each of the CUDA engine's two refresh-swap chunk buffers for the largest factor
+/// side `max_dim` and the largest SOAP moment `max_mn` (elements): the swap re-projects and
+/// permutes a moment a block of whole rows or columns at a time, so it needs the whole moment
+/// only when that is smaller than [`SWAP_CHUNK`], and at least one line (`max_dim`).
+pub fn swap_chunk_len(max_dim: usize, max_mn: usize) -> usize {
+    max_mn.min(SWAP_CHUNK).max(max_dim).max(1)
 }

@@ -488,8 +488,8 @@ impl CudaEngine {
                             &sv,
                         )?;
                         let gen = self.write_gen[qkv.index()];
-                        if let Some(sv) = self.saved_qkv.get_mut(qkv) {
-                            sv.gen = Some(gen);
+                        if let Some(slot) = self.saved_qkv.get(qkv).map(|sv| sv.slot) {
+                            self.saved_slots[slot].holds = Some((*qkv, gen));
                         }
                     }
                     (Some(_), ..) => {
@@ -518,14 +518,15 @@ impl CudaEngine {
             } => {
                 let d = attn_dims(*batch, *seq_len, *n_heads, self.dims(*qkv).1);
                 let math = flash_math(self.attention, &d, self.precision);
-                // The forward's bf16 qkv, if made from the qkv these buffers hold now (a bf16
-                // plan qkv is always current).
+                // The forward's bf16 qkv, if made from the qkv these buffers hold now and
+                // its slot still holds it (a bf16 plan qkv is always current).
                 let qkv16 = if self.b(*qkv).elem() == Elem::BF16 {
                     Some(self.b(*qkv).clone())
                 } else {
+                    let now = Some((*qkv, self.write_gen[qkv.index()]));
                     self.saved_qkv
                         .get(qkv)
-                        .filter(|sv| sv.gen == Some(self.write_gen[qkv.index()]))
+                        .filter(|sv| self.saved_slots[sv.slot].holds == now)
                         .map(|sv| sv.qkv16.clone())
                 };
                 let saved = match (fwd_out, lse, qkv16, math) {

@@ -2,7 +2,9 @@
 //! scratch, bf16 shadows and saved attention copies (`with_device`), the CPU engine's
 //! initialisation (`init_buffers`), and the buffer and memory accessors.
 use super::profile::ProfileRows;
-use super::{attn_dims, cuda_err, dims2, flash_math, tasks, CudaEngine, CudaOptions, SavedQkv};
+use super::{
+    attn_dims, cuda_err, dims2, flash_math, tasks, CudaEngine, CudaOptions, SavedQkv, SavedSlot,
+};
 use crate::device::Device;
 use crate::error::{CudaError, Tier};
 use crate::memory::{Arena, Buf, Elem, BUF_ALIGN};
@@ -429,23 +431,36 @@ impl CudaEngine {
             });
         }
 
-        // The bf16 qkv copies of the saving attentions (plan `Attention { lse: Some(..) }`).
+        // The bf16 qkv copies of the saving attentions (plan `Attention { lse: Some(..) }`),
+        // in slots shared by copies live at disjoint times
+        // (`schedule::reserve::saved_attention_slots`).
         let mut saved_qkv = HashMap::new();
         let mut saved_arena = None;
+        let mut saved_slots = Vec::new();
         // Forward and backward: `rematerialize = layers` reruns saving attentions in the
         // backward program.
         let want = schedule::reserve::saved_attention_qkvs(&plan);
         if !want.is_empty() {
-            let bytes: usize = want.iter().map(|(_, n)| aligned(n * 2)).sum();
+            let (slot_of, lens) = schedule::reserve::saved_attention_slots(&plan);
+            let bytes: usize = lens.iter().map(|n| aligned(n * 2)).sum();
             let mut sa = dev
                 .arena("attention-saved", Tier::Device, bytes)
                 .map_err(e("allocating the attention-saved arena"))?;
             arenas.push(("attention-saved".to_string(), bytes));
-            for (qkv, n) in want {
-                let qkv16 = sa
-                    .buf(Elem::BF16, n)
+            for &n in &lens {
+                saved_slots.push(SavedSlot {
+                    qkv16: sa
+                        .buf(Elem::BF16, n)
+                        .map_err(e("carving a saved bf16 qkv"))?,
+                    holds: None,
+                });
+            }
+            for ((qkv, n), slot) in want.into_iter().zip(slot_of) {
+                let qkv16 = saved_slots[slot]
+                    .qkv16
+                    .slice(0, n)
                     .map_err(e("carving a saved bf16 qkv"))?;
-                saved_qkv.insert(qkv, SavedQkv { qkv16, gen: None });
+                saved_qkv.insert(qkv, SavedQkv { qkv16, slot });
             }
             saved_arena = Some(sa);
         }
@@ -512,6 +527,7 @@ impl CudaEngine {
             shadow_casts: 0,
             write_gen: vec![0; n_bufs],
             saved_qkv,
+            saved_slots,
             scratch,
             refreshes,
             stats: EngineStats {
@@ -557,20 +573,35 @@ impl CudaEngine {
     }
 
     /// The plan's device budget (`gpu_memory`), enforced once everything is allocated and before
-    /// anything runs: over it, an error naming the arenas (the plan's and the engine's own),
-    /// largest first.
+    /// anything runs, on the engine's arenas plus the process's memory outside them (the CUDA
+    /// context and libraries, `schedule::reserve::CUDA_CONTEXT_BYTES`): over it, an error
+    /// naming the arenas (the plan's and the engine's own) and that, largest first.
     fn check_budget(&self) -> Result<(), EngineError> {
         let Some(budget) = self.plan.memory.budgets.device else {
             return Ok(());
         };
         // This engine's own device allocations (another engine or a self-test on the same
-        // device does not count against this plan's budget).
-        let used =
-            (self.dev.memory_report().device_reserved.0).saturating_sub(self.reserved_before);
+        // device does not count against this plan's budget), plus what the process holds
+        // outside every arena (context, kernel modules, library workspaces): NVML's count for
+        // this process less all its arenas when NVML lists it, else the compiler's estimate.
+        let reserved = self.dev.memory_report().device_reserved.0;
+        let arenas = reserved.saturating_sub(self.reserved_before);
+        let (outside, source) = match crate::energy::process_gpu_bytes(&self.dev.info().pci_bus_id)
+        {
+            Some(b) => ((b as usize).saturating_sub(reserved), "measured by NVML"),
+            None => (schedule::reserve::CUDA_CONTEXT_BYTES, "estimated"),
+        };
+        let used = arenas + outside;
+        let gib = |b: usize| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+        tracing::info!(
+            "device budget {}: engine arenas {} + context and libraries {} ({source})",
+            gib(budget as usize),
+            gib(arenas),
+            gib(outside)
+        );
         if used as u64 <= budget {
             return Ok(());
         }
-        let gib = |b: usize| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
         // Device arenas only: the host tier's pinned arena and the NVMe tier's pinned bounce
         // slots do not count against the budget.
         let mut list: Vec<(String, usize)> = self
@@ -583,6 +614,7 @@ impl CudaEngine {
             "refresh work and shadows".into(),
             self.refresh_bytes - self.refreshes.pinned_bytes,
         ));
+        list.push((format!("context and libraries ({source})"), outside));
         list.sort_by(|a, b| b.1.cmp(&a.1));
         let named: Vec<String> = list
             .iter()

@@ -9,60 +9,75 @@ use crate::memory::{Buf, Elem};
 use crate::StreamKind;
 
 /// Work buffers of [`apply`] on the compute stream: the basis change `C` (`[d, d]`; when
-/// `d² > m·n` it holds the `[m, n]` intermediate of the two-step re-projection instead) and the
-/// new moments (`[m·n]` each), sized for the largest task; with `staged`, a third `[m·n]`
-/// buffer that brings a moment kept in pinned host memory (the plan's host tier) onto the
-/// device for the swap's GEMMs and permutation.
+/// `d² > m·n` it holds one chunk's intermediate of the two-step re-projection instead) and two
+/// chunk buffers (`chunk` f32 each) that every moment passes through, a block of whole rows
+/// (side 1) or whole columns (side 0) at a time: gathered from the moment (device or pinned
+/// host memory, the plan's host tier), transformed, scattered back. `chunk` is
+/// `schedule::reserve::swap_chunk_len` of the largest task, at least one line of the largest
+/// side: the swap no longer needs buffers the size of the largest moment (at LLaMA 1.44B the
+/// embedding's 393 MiB, three times).
 pub(crate) struct SwapWork {
     c: Buf,
-    e_new: Buf,
-    v_new: Buf,
-    staged: Option<Buf>,
+    a: Buf,
+    b: Buf,
+    chunk: usize,
 }
 
 impl SwapWork {
-    /// Bytes [`SwapWork::new`] allocates.
-    pub(crate) fn bytes(max_dim: usize, max_mn: usize, staged: bool) -> usize {
-        let moments = if staged { 3 } else { 2 };
-        (max_dim.max(1).pow(2) + moments * max_mn.max(1)) * 4 + 4 * crate::memory::BUF_ALIGN
+    /// Bytes [`SwapWork::new`] allocates for `max_dim` and `chunk`.
+    pub(crate) fn bytes(max_dim: usize, chunk: usize) -> usize {
+        let d = max_dim.max(1);
+        (d * d + 2 * chunk.max(d)) * 4 + 3 * crate::memory::BUF_ALIGN
     }
 
-    /// One device arena for the largest factor side `max_dim` and moment size `max_mn`;
-    /// `staged` when some task's moments are off the device.
-    pub(crate) fn new(
-        dev: &Device,
-        max_dim: usize,
-        max_mn: usize,
-        staged: bool,
-    ) -> Result<SwapWork> {
-        let (d, mn) = (max_dim.max(1), max_mn.max(1));
-        let bytes = Self::bytes(d, mn, staged);
-        let mut arena = dev.arena("refresh-swap", crate::Tier::Device, bytes)?;
+    /// One device arena for the largest factor side `max_dim`, with chunk buffers of `chunk`
+    /// elements (raised to `max_dim`, one line of the largest side).
+    pub(crate) fn new(dev: &Device, max_dim: usize, chunk: usize) -> Result<SwapWork> {
+        let d = max_dim.max(1);
+        let chunk = chunk.max(d);
+        let mut arena = dev.arena("refresh-swap", crate::Tier::Device, Self::bytes(d, chunk))?;
         Ok(SwapWork {
             c: arena.buf(Elem::F32, d * d)?,
-            e_new: arena.buf(Elem::F32, mn)?,
-            v_new: arena.buf(Elem::F32, mn)?,
-            staged: if staged {
-                Some(arena.buf(Elem::F32, mn)?)
-            } else {
-                None
-            },
+            a: arena.buf(Elem::F32, chunk)?,
+            b: arena.buf(Elem::F32, chunk)?,
+            chunk,
         })
     }
+}
 
-    /// `moment` itself when it is device memory, else a copy of it in the staging buffer
-    /// (enqueued on the compute stream).
-    fn on_device(&self, dev: &Device, moment: &Buf, mn: usize) -> Result<Buf> {
-        if moment.tier() == crate::Tier::Device {
-            return Ok(moment.clone());
-        }
-        let staged = self.staged.as_ref().ok_or_else(|| CudaError::Invalid {
-            op: "refresh_apply",
-            what: "a moment in pinned host memory but no staging buffer".into(),
-        })?;
-        let staged = staged.slice(0, mn)?;
-        dev.copy(&staged, moment, StreamKind::Compute)?;
-        Ok(staged)
+/// The lines of a `[m, n]` moment that the swap of side `side` transforms independently (the
+/// columns for side 0, whose rows the basis rotates; the rows for side 1), chunked: yields
+/// `(first, count)` with `count · line ≤ chunk`.
+fn chunks(side: u8, m: usize, n: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
+    let (lines, line) = if side == 0 { (n, m) } else { (m, n) };
+    let per = (chunk / line.max(1)).clamp(1, lines.max(1));
+    (0..lines)
+        .step_by(per)
+        .map(move |first| (first, per.min(lines - first)))
+}
+
+/// Copies lines `first..first + count` of the `[m, n]` moment `x` into the contiguous chunk
+/// `to` (`[m, count]` for side 0, `[count, n]` for side 1), or back with `back`.
+#[allow(clippy::too_many_arguments)]
+fn move_lines(
+    dev: &Device,
+    x: &Buf,
+    chunk: &Buf,
+    side: u8,
+    m: usize,
+    n: usize,
+    (first, count): (usize, usize),
+    back: bool,
+) -> Result<()> {
+    let (chunk_n, rows, cols, row, col) = if side == 0 {
+        (count, m, count, 0, first)
+    } else {
+        (n, count, n, first, 0)
+    };
+    if back {
+        dev.copy_block_f32(x, (n, row, col), chunk, (chunk_n, 0, 0), rows, cols)
+    } else {
+        dev.copy_block_f32(chunk, (chunk_n, 0, 0), x, (n, row, col), rows, cols)
     }
 }
 
@@ -93,14 +108,15 @@ pub(crate) fn install_basis(dev: &Device, q_new: &Buf, basis: &Buf, d: usize) ->
 /// Installs a computed SOAP refresh (the swap of the double buffer), on the compute stream:
 /// for an init, `basis ← q`; else `exp_avg` re-projected into the new eigenbasis (side 0:
 /// `E ← Q_newᵀ Q_old E`, side 1: `E ← E Q_oldᵀ Q_new`), `exp_avg_sq` permuted along the side by
-/// `idx`, then basis and moments overwritten (`optim::refresh_apply`, up to rounding). For a
-/// side `d` no longer than the other dimension `o` the basis change `C = Q_oldᵀ Q_new` is formed
-/// first (`2d³ + 2d²o` flops), else the moment goes through the old and new bases one after the
-/// other (`4d²o`, as the reference SOAP's project-back / project does). GEMMs run with `math`:
-/// fp32, or TF32 for the optimizer of a `precision = bf16` plan. Moments in pinned host
-/// memory (the plan's host tier) are copied onto the device one at a time through the staging
-/// buffer and the results copied back, all on the compute stream. The caller has made the
-/// compute stream wait for the refresh and checked its [`verdict`](super::verdict).
+/// `idx`, then the basis overwritten (`optim::refresh_apply`, up to rounding). For a side `d`
+/// no longer than the other dimension `o` the basis change `C = Q_oldᵀ Q_new` is formed first
+/// (`2d³ + 2d²o` flops), else the moment goes through the old and new bases one after the
+/// other (`4d²o`, as the reference SOAP's project-back / project does). Both transform each
+/// column (side 0) or row (side 1) of a moment on its own, so the moments go through
+/// [`SwapWork`]'s chunk buffers a block of lines at a time (gathered, transformed, scattered
+/// back in place; device or pinned host memory alike). GEMMs run with `math`: fp32, or TF32
+/// for the optimizer of a `precision = bf16` plan. The caller has made the compute stream wait
+/// for the refresh and checked its [`verdict`](super::verdict).
 ///
 /// # Errors
 /// Shape errors (caller bugs) and CUDA / cuBLAS call failures.
@@ -131,7 +147,7 @@ pub(crate) fn apply(
         }
     };
     let (dd, mn) = (d * d, m * n);
-    if dd > work.c.len() || mn > work.e_new.len() || q_new.len() < dd || idx.len() < d {
+    if dd > work.c.len() || d > work.chunk || q_new.len() < dd || idx.len() < d {
         return Err(CudaError::Invalid {
             op: OP,
             what: format!("[{m}, {n}] side {side} exceeds the swap buffers"),
@@ -142,7 +158,6 @@ pub(crate) fn apply(
     if init {
         return dev.copy(basis, &q_new, StreamKind::Compute);
     }
-    // The moments may be device or pinned host memory (`SwapWork::on_device` stages them).
     for (name, b) in [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)] {
         if b.elem() != Elem::F32 || b.len() != mn {
             return Err(CudaError::Operand {
@@ -153,53 +168,69 @@ pub(crate) fn apply(
             });
         }
     }
-    let exp_avg_out = exp_avg;
     let prev = dev.set_gemm_math(math);
     let r = (|| {
-        let (e_new, v_new) = (work.e_new.slice(0, mn)?, work.v_new.slice(0, mn)?);
-        let exp_avg_in = work.on_device(dev, exp_avg, mn)?;
-        let exp_avg = &exp_avg_in;
         let sq = Dims::new(d, d);
-        let e = Dims::new(m, n);
-        if d * d <= mn {
-            // C = Q_oldᵀ Q_new, then one GEMM on the moment.
+        let direct = dd <= mn;
+        if direct {
+            // C = Q_oldᵀ Q_new, then one GEMM per chunk.
             let c = work.c.slice(0, dd)?;
             gemm_f32(dev, basis, sq, &q_new, sq, &c, true, false, 1.0, 0.0)?;
-            if side == 0 {
-                gemm_f32(dev, &c, sq, exp_avg, e, &e_new, true, false, 1.0, 0.0)?;
+        }
+        for lines in chunks(side, m, n, work.chunk) {
+            let len = lines.1 * if side == 0 { m } else { n };
+            let (x, y) = (work.a.slice(0, len)?, work.b.slice(0, len)?);
+            let e = if side == 0 {
+                Dims::new(m, lines.1)
             } else {
-                gemm_f32(dev, exp_avg, e, &c, sq, &e_new, false, false, 1.0, 0.0)?;
-            }
-        } else {
-            // Back to the parameter's coordinates with Q_old, then into Q_new; `c` (d² > m·n
-            // elements) holds the intermediate.
-            let tmp = work.c.slice(0, mn)?;
-            if side == 0 {
-                gemm_f32(dev, basis, sq, exp_avg, e, &tmp, false, false, 1.0, 0.0)?;
-                gemm_f32(dev, &q_new, sq, &tmp, e, &e_new, true, false, 1.0, 0.0)?;
+                Dims::new(lines.1, n)
+            };
+            move_lines(dev, exp_avg, &x, side, m, n, lines, false)?;
+            if direct {
+                let c = work.c.slice(0, dd)?;
+                if side == 0 {
+                    gemm_f32(dev, &c, sq, &x, e, &y, true, false, 1.0, 0.0)?;
+                } else {
+                    gemm_f32(dev, &x, e, &c, sq, &y, false, false, 1.0, 0.0)?;
+                }
             } else {
-                gemm_f32(dev, exp_avg, e, basis, sq, &tmp, false, true, 1.0, 0.0)?;
-                gemm_f32(dev, &tmp, e, &q_new, sq, &e_new, false, false, 1.0, 0.0)?;
+                // Back to the parameter's coordinates with Q_old, then into Q_new; `c` (d² >
+                // m·n elements) holds the intermediate.
+                let tmp = work.c.slice(0, len)?;
+                if side == 0 {
+                    gemm_f32(dev, basis, sq, &x, e, &tmp, false, false, 1.0, 0.0)?;
+                    gemm_f32(dev, &q_new, sq, &tmp, e, &y, true, false, 1.0, 0.0)?;
+                } else {
+                    gemm_f32(dev, &x, e, basis, sq, &tmp, false, true, 1.0, 0.0)?;
+                    gemm_f32(dev, &tmp, e, &q_new, sq, &y, false, false, 1.0, 0.0)?;
+                }
             }
+            move_lines(dev, exp_avg, &y, side, m, n, lines, true)?;
         }
         let kernel = if side == 0 {
             "permute_rows"
         } else {
             "permute_cols"
         };
-        // The new exp_avg leaves e_new before the staging buffer takes exp_avg_sq.
-        dev.copy(&exp_avg_out, &e_new, StreamKind::Compute)?;
-        let exp_avg_sq_in = work.on_device(dev, exp_avg_sq, mn)?;
         let idx = idx.slice(0, d)?;
-        let args = Args::new()
-            .buf(&exp_avg_sq_in)
-            .buf(&idx)
-            .buf(&v_new)
-            .i32(m as i32)
-            .i32(n as i32);
-        dev.launch(kernel, (dev.grid_for(mn), 1, 1), (256, 1, 1), args)?;
-        dev.copy(basis, &q_new, StreamKind::Compute)?;
-        dev.copy(exp_avg_sq, &v_new, StreamKind::Compute)
+        for lines in chunks(side, m, n, work.chunk) {
+            let (rows, cols) = if side == 0 {
+                (m, lines.1)
+            } else {
+                (lines.1, n)
+            };
+            let (x, y) = (work.a.slice(0, rows * cols)?, work.b.slice(0, rows * cols)?);
+            move_lines(dev, exp_avg_sq, &x, side, m, n, lines, false)?;
+            let args = Args::new()
+                .buf(&x)
+                .buf(&idx)
+                .buf(&y)
+                .i32(rows as i32)
+                .i32(cols as i32);
+            dev.launch(kernel, (dev.grid_for(rows * cols), 1, 1), (256, 1, 1), args)?;
+            move_lines(dev, exp_avg_sq, &y, side, m, n, lines, true)?;
+        }
+        dev.copy(basis, &q_new, StreamKind::Compute)
     })();
     dev.set_gemm_math(prev);
     r

@@ -13,6 +13,9 @@
 //!   the new basis (columns sign-aligned to the reference), the permutation (exact), and the
 //!   moments after [`crate::refresh::apply`]: `exp_avg` re-projected (signs aligned) and
 //!   `exp_avg_sq` permuted, against `optim::refresh_compute` + `refresh_apply` in float64.
+//! - `eigenbasis_refresh_swap_pinned_moments` / `_chunked`: the swap with its moments in pinned
+//!   host memory or on the device, through chunk buffers a third of a moment each (the last
+//!   chunk shorter), as the engine swaps a moment larger than its chunk.
 //! - The QR refresh's method, the tensor-core Rayleigh–Cholesky QR, in
 //!   `eigenbasis_refresh_rayleigh_tc` (and `eigenbasis_refresh_tf32_swap`, the same with the
 //!   swap's GEMMs in TF32), and its Householder fallback run on its own in
@@ -100,8 +103,8 @@ pub(crate) fn cases() -> Vec<Case> {
                     move |cx| qr_refresh(cx, side, m, n, qr, math, Factor::Plain),
                 ));
             }
-            // Moments in pinned host memory (a plan's host tier): the swap stages them on the
-            // device and writes the results back.
+            // Moments in pinned host memory (a plan's host tier), in several chunks: the swap
+            // gathers each block of lines onto the device and scatters the results back.
             v.push(case(
                 "eigenbasis_refresh_swap_pinned_moments",
                 format!("side={side} m={m} n={n}"),
@@ -116,6 +119,23 @@ pub(crate) fn cases() -> Vec<Case> {
                         QrMethod::RayleighCholeskyTc,
                         GemmMath::Fp32,
                         Factor::PinnedMoments,
+                    )
+                },
+            ));
+            v.push(case(
+                "eigenbasis_refresh_swap_chunked",
+                format!("side={side} m={m} n={n}"),
+                TOL_REFRESH,
+                big,
+                move |cx| {
+                    qr_refresh(
+                        cx,
+                        side,
+                        m,
+                        n,
+                        QrMethod::RayleighCholeskyTc,
+                        GemmMath::Fp32,
+                        Factor::ChunkedMoments,
                     )
                 },
             ));
@@ -432,7 +452,7 @@ fn qr_refresh(
 ) -> Result<Outcome> {
     let d = if side == 0 { m } else { n };
     let (u, _, f) = match kind {
-        Factor::Plain | Factor::PinnedMoments => factor(cx, d)?,
+        Factor::Plain | Factor::PinnedMoments | Factor::ChunkedMoments => factor(cx, d)?,
         Factor::Rotated => rotated_factor(cx, d, 2.0)?,
         Factor::Indefinite => {
             // λ₀ − 6 ∈ [−5, −1]: distinct from the others, and F U stays well conditioned.
@@ -450,7 +470,14 @@ fn qr_refresh(
     let dev = cx.dev;
     let (r, _arena, slot) = refresher(cx, d, qr)?;
     let pinned = kind == Factor::PinnedMoments;
-    let work = SwapWork::new(dev, d, m * n, pinned)?;
+    // The engine's chunk for this task; a pinned- or chunked-moments case takes about a third
+    // of the moment per chunk (whole lines, the last chunk shorter) so that several chunks go through.
+    let chunk = if pinned || kind == Factor::ChunkedMoments {
+        d + m * n / 3
+    } else {
+        schedule::reserve::swap_chunk_len(d, m * n)
+    };
+    let work = SwapWork::new(dev, d, chunk)?;
     let (fb, qb) = (cx.up(&narrow(&f))?, cx.up(&narrow(&u))?);
     let mut _pinned_arena = None;
     let (eab, easb) = if pinned {
@@ -713,8 +740,10 @@ enum Factor {
     Rotated,
     /// [`factor`] with one eigenvalue moved below zero.
     Indefinite,
-    /// [`factor`], with the moments in pinned host memory.
+    /// [`factor`], with the moments in pinned host memory, swapped in several chunks.
     PinnedMoments,
+    /// [`factor`], with the moments in device memory, swapped in several chunks.
+    ChunkedMoments,
 }
 
 /// A factor that is zero outside its leading `r × r` block and the identity as stored basis,

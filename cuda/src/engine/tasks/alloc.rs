@@ -77,18 +77,10 @@ impl Refreshes {
             }
             None => None,
         };
-        // Moments in the plan's host tier go through a staging buffer at the swap.
-        let staged = tasks.iter().filter(soap).any(|t| {
-            [t.exp_avg, t.exp_avg_sq]
-                .iter()
-                .any(|&b| plan.memory.tier(b).is_some_and(|k| !k.on_device()))
-        });
         let swap = if any_gpu || any_async {
-            bytes += SwapWork::bytes(max_dim, max_mn, staged);
-            Some(
-                SwapWork::new(dev, max_dim, max_mn, staged)
-                    .map_err(e("allocating the swap buffers"))?,
-            )
+            let chunk = schedule::reserve::swap_chunk_len(max_dim, max_mn);
+            bytes += SwapWork::bytes(max_dim, chunk);
+            Some(SwapWork::new(dev, max_dim, chunk).map_err(e("allocating the swap buffers"))?)
         } else {
             None
         };
