@@ -113,7 +113,7 @@ pub const FAMILIES: &[Family] = &[
             "cast_f32_bf16"
         ]
     ),
-    family!("rope", ["rope_table", "rope_rotate"]),
+    family!("rope", ["rope_table", "rope_rotate", "rope_rotate_bf16"]),
     family!(
         "attention",
         [

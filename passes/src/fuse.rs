@@ -55,7 +55,8 @@
 //!   memory plan keeps both alive until the backward.
 //! - **`bf16-output`** (an analysis, CUDA with `precision = bf16` only): the output of a
 //!   `layer_norm` (rows of at most `schedule::BF16_LAYERNORM_MAX_C`), `rms_norm`, `gelu`,
-//!   `swi_glu`, `mat_mul` (the bf16 GEMM rounds its fp32 result in the epilogue), `mat_mul_bias`
+//!   `swi_glu`, `rope` (LLaMA's rotated qkv), `mat_mul` (the bf16 GEMM rounds its fp32 result in
+//!   the epilogue), `mat_mul_bias`
 //!   (rows of a multiple of 8; its bias is then cast to bf16 too, as PyTorch's autocast
 //!   does: cuBLASLt's bias epilogue reads the bias in the output's type), `attention`
 //!   (heads of at most `schedule::BF16_ATTENTION_MAX_HEAD_DIM`, the tensor-core kernels) or
@@ -67,7 +68,8 @@
 //!   the loss kernels read bf16, statistics in fp32) or as the saved `fwd_out` of an
 //!   `attention_backward` (read in bf16 by the tensor-core backward), or as the `qkv` of
 //!   `attention` / `attention_backward` or the `dout` of `attention_backward` where the
-//!   tensor-core kernels run (GPT's `qkv`: no per-call cast, no saved bf16 copy) becomes `bf16`:
+//!   tensor-core kernels run (GPT's `qkv`, LLaMA's rotated qkv: no per-call cast, no saved
+//!   bf16 copy; the same bits, since those kernels read a bf16 copy rounded the same way) becomes `bf16`:
 //!   the producer writes bf16 directly, the buffer takes half the bytes and no f32 copy exists.
 //!   It is not an e-graph rewrite: it changes a value's type on a condition over *all* of its
 //!   readers, which a term rewrite (local by nature) cannot see.
@@ -470,6 +472,7 @@ impl Fuse {
                         Op::Gelu
                         | Op::SwiGlu
                         | Op::RmsNorm { .. }
+                        | Op::Rope { .. }
                         | Op::MatMul { .. }
                         | Op::CrossEntropyBackward => true,
                         // The bias epilogue rounds in the GEMM (cuBLASLt, bf16 D): rows of a

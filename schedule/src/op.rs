@@ -41,7 +41,7 @@ pub fn operand_dtypes(op: &str, operand: &str) -> &'static [DType] {
         ("attention_backward", "qkv" | "dout") => EITHER,
         ("swi_glu" | "swi_glu_backward", "x") => EITHER,
         ("cross_entropy" | "cross_entropy_backward", "logits") => EITHER,
-        ("layer_norm" | "rms_norm" | "gelu" | "swi_glu" | "attention", "out") => EITHER,
+        ("layer_norm" | "rms_norm" | "gelu" | "swi_glu" | "rope" | "attention", "out") => EITHER,
         ("attention_backward", "fwd_out") => EITHER,
         ("cross_entropy_backward", "dlogits") => EITHER,
         ("cast", "out") | ("sum_rows_cast", "out_bf16") => &[DType::Bf16],

@@ -840,7 +840,16 @@ fn rope(
     sign: f32,
     scratch: &Buf,
 ) -> Result<()> {
-    let total = same_len(op, &[("x", x), ("out", out)])?;
+    // A forward may write bf16 (`rope_rotate_bf16`); x and a backward's dx are f32.
+    let bf16_out = sign > 0.0 && out.elem() == Elem::BF16;
+    let total = x.len();
+    x.expect(op, "x", Elem::F32, total)?;
+    out.expect(
+        op,
+        "out",
+        if bf16_out { Elem::BF16 } else { Elem::F32 },
+        total,
+    )?;
     let bad = d.width == 0
         || total % d.width != 0
         || d.seq_len == 0
@@ -884,11 +893,17 @@ fn rope(
         .i32(int(op, "head_dim", d.head_dim)?)
         .i32(int(op, "rotated_cols", d.rotated_cols)?)
         .f32(sign);
-    dev.launch("rope_rotate", (dev.grid_for(work), 1, 1), (256, 1, 1), args)
+    let kernel = if bf16_out {
+        "rope_rotate_bf16"
+    } else {
+        "rope_rotate"
+    };
+    dev.launch(kernel, (dev.grid_for(work), 1, 1), (256, 1, 1), args)
 }
 
-/// Plan op `Rope` (rotate-half layout, angle `p·theta^(−2i/head_dim)`). x, out f32
-/// `[N, width]`; `scratch` f32 of at least [`rope_scratch_len`] (the angle table, computed in
+/// Plan op `Rope` (rotate-half layout, angle `p·theta^(−2i/head_dim)`). x f32 `[N, width]`, out
+/// f32 or bf16 (round to nearest even: the plan makes it bf16 where only the tensor-core
+/// attention reads it); `scratch` f32 of at least [`rope_scratch_len`] (the angle table, computed in
 /// f64 and rounded to f32 as the CPU engine's).
 pub fn rope_forward(dev: &Device, x: &Buf, out: &Buf, d: &RopeDims, scratch: &Buf) -> Result<()> {
     rope(dev, "rope", x, out, d, 1.0, scratch)

@@ -599,6 +599,35 @@ fn rope(v: &mut Vec<Case>) {
                 Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
             }));
         }
+        // The bf16 output (a rotated qkv that only the tensor-core attention reads): against
+        // the CPU engine, and bit for bit the f32 kernel's result rounded to nearest even (the
+        // copy the attention would otherwise make).
+        v.push(case("rope_bf16", size.clone(), TOL_BF16, big, move |cx| {
+            let x = cx.normal(rows * width, 0.0, 1.0);
+            let xb = cx.up(&x)?;
+            let (o32, o16) = (cx.out(rows * width)?, cx.raw(Elem::BF16, rows * width)?);
+            let sb = cx.out(g::rope_scratch_len(seq_len, head_dim))?;
+            g::rope_forward(cx.dev, &xb, &o32, &gd, &sb)?;
+            let ms = cx.timed(|| g::rope_forward(cx.dev, &xb, &o16, &gd, &sb))?;
+            let mut r = vec![0.0; rows * width];
+            c::rope::rope_forward(&wide(&x), &mut r, &cd).map_err(cpu)?;
+            let got = down_bf16(cx, &o16)?;
+            let same = cx
+                .down(&o32)?
+                .iter()
+                .zip(&got)
+                .all(|(&f, &b)| half::bf16::from_f32(f).to_f32().to_bits() == b.to_bits());
+            Ok(Outcome {
+                errs: vec![
+                    ("out", rel_err(&got, &r)),
+                    (
+                        "bits of the rounded f32 kernel",
+                        if same { 0.0 } else { f64::INFINITY },
+                    ),
+                ],
+                gpu_ms: ms,
+            })
+        }));
     }
 }
 
