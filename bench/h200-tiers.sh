@@ -8,14 +8,16 @@
 #   and under `24GiB` without recomputation, with `rematerialize = selective` and with `layers`
 #   (the refresh shadows in pinned host memory, then the moments of the largest matrices;
 #   refresh swaps re-project host-tier moments through a device staging buffer), under `16GiB`
-#   with `layers` (a compile error: the report names the consumers), and under `gpu_memory =
+#   with `layers` (the moments and then gradients in pinned host memory: the gradients are
+#   copied out during the backward and back in for their updates), and under `gpu_memory =
 #   30GiB` with only 4 GiB of host memory, the rest of the offloaded moments in the NVMe tier
 #   (a file in /tmp; STEPS steps: ~2.5 s of NVMe copies a step), the others SOAP_STEPS steps
 #   each with the validation loss at the end;
 # - row `train-match`: the CPU-vs-GPU train-matches (fp32) of the tiered tiny AdamW spec and of
 #   tiny-soap under a budget that puts the embedding's moments (a refresh task's) in the host
 #   tier, and of examples/tiny-tiers.asteria (AdamW) and its SOAP variant with moments in the
-#   host and NVMe tiers (the NVMe file in /tmp);
+#   host and NVMe tiers (the NVMe file in /tmp), and of tiny-tiers under a budget that also
+#   streams two gradients to host memory (`tiny-tiers-gpu-grads`: the clip from partial sums);
 # - row `pinned-shadows`: tiny-soap at staleness 2 on the GPU, unconstrained against budgets that
 #   pin the refresh shadows (bit for bit) and move moments too, and at staleness 0.
 # Each run prints its GPU peak, arenas and MFU; summarize.py puts them side by side.
@@ -99,6 +101,8 @@ sed -e 's/^  staleness = 1/  staleness = 0/' "$out/tiny-tiers-soap-nvme-s1.aster
 cp examples/tiny-tiers.asteria "$out/tiny-tiers-nvme.asteria"
 sed -e 's/^  memory = 5MiB.*/  gpu_memory = 1029MiB\n  precision = fp32/' -e 's/^  host_memory = 1MiB.*/  host_memory = 64MiB/' \
     -e '/^  nvme/d' -e 's/^target cpu {/target cuda {/' examples/tiny-tiers.asteria > "$out/tiny-tiers-gpu.asteria"
+# 1053000 KiB: the largest budget (500 KiB steps) at which gradients leave too (two of them).
+sed -e 's/^  gpu_memory = 1029MiB/  gpu_memory = 1053000KiB/' "$out/tiny-tiers-gpu.asteria" > "$out/tiny-tiers-gpu-grads.asteria"
 sed -e 's/^target cpu {/target cuda {\n  precision = fp32\n  gpu_memory = 1485MiB\n  host_memory = 256MiB/' \
     -e 's/^  staleness = 0 .*/  staleness = 0/' examples/tiny-soap.asteria > "$out/tiny-soap-tiers-gpu.asteria"
 # SOAP's matches inject the CPU's eigenbases as each refresh is installed (two correct
@@ -106,7 +110,7 @@ sed -e 's/^target cpu {/target cuda {\n  precision = fp32\n  gpu_memory = 1485Mi
 # for near-equal eigenvalues: every factor of the first step is rank-deficient; BENCHMARKS.md,
 # correctness checks). At staleness 1 the match runs with `refresh_swap = deadline`, so both
 # engines install each result at its bound and the injection lands at the same step.
-for m in "tiny-tiers-gpu|" "tiny-soap-tiers-gpu|--inject-cpu-refreshes" "tiny-tiers-nvme|--compare-state" \
+for m in "tiny-tiers-gpu|" "tiny-tiers-gpu-grads|--compare-state" "tiny-soap-tiers-gpu|--inject-cpu-refreshes" "tiny-tiers-nvme|--compare-state" \
          "tiny-tiers-soap-nvme-s1|--refresh host --steps 12 --inject-cpu-refreshes" \
          "tiny-tiers-soap-nvme-s0|--refresh gpu --steps 12 --inject-cpu-refreshes"; do
   IFS='|' read -r name extra <<< "$m"

@@ -293,6 +293,61 @@ fn a_tiered_run_is_bit_identical_to_the_untiered_run() {
     assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0);
 }
 
+/// Gradients that the backward writes and only the optimizer reads leave the device when the
+/// moments are not enough (ZeRO-Offload's streaming): the backward sums each one's squares into the
+/// clip's partials and copies it to pinned host memory after its last write; the optimizer
+/// brings it back, scales it by the clip's factor and updates. The run is bit-identical to the
+/// untiered one, with the in-place clip (SOAP, Lion) and with the clip fused into the update
+/// (AdamW's `grad_scale`).
+#[test]
+fn gradients_streamed_to_host_memory_keep_the_run_bit_identical() {
+    for opt in [Opt::AdamW, Opt::Soap, Opt::Lion] {
+        let plain = compile(config(opt, Budgets::default())).expect("untiered");
+        let need = plain.memory.device_bytes() as u64;
+        let (l0, p0, m0) = train(plain, 5);
+        // The largest budget (in 64 KiB steps below the need) at which gradients leave.
+        let mut budget = need;
+        let plan = loop {
+            budget -= 64 << 10;
+            let b = Budgets {
+                device: Some(budget),
+                ..Default::default()
+            };
+            match compile(config(opt, b)) {
+                Ok(p) if p.backward.iter().any(|o| matches!(o, Op::CopyOut { .. })) => break p,
+                Ok(_) => {}
+                Err(e) => panic!("{opt:?}: no placement streamed gradients before: {e}"),
+            }
+        };
+        plan.verify().expect("verifies");
+        assert!(plan.memory.device_bytes() as u64 <= budget, "{opt:?}: fits");
+        let n = |ops: &[Op], name: &str| ops.iter().filter(|o| o.name() == name).count();
+        let grads_out = n(&plan.backward, "copy_out");
+        let clip_grads = plan.params.len();
+        assert_eq!(n(&plan.backward, "grad_sum_squares"), clip_grads, "{opt:?}");
+        let clip = plan
+            .optimizer
+            .iter()
+            .find(|o| o.name() == "clip_grad_norm")
+            .expect("clip");
+        assert!(
+            matches!(clip, Op::ClipGradNorm { grads, partials: Some(_), scale: Some(_), .. } if grads.is_empty()),
+            "{opt:?}: the clip reads partials: {clip:?}"
+        );
+        // Each streamed gradient comes back once; none is written back from the optimizer.
+        let ins_of_grads = plan
+            .optimizer
+            .iter()
+            .filter(|o| matches!(o, Op::CopyIn { src, .. } if plan.buffer(*src).name.ends_with(".host")))
+            .count();
+        assert_eq!(ins_of_grads, grads_out, "{opt:?}");
+        let (l, p, m) = train(plan, 5);
+        assert_eq!(l, l0, "{opt:?}: losses");
+        assert_eq!(p, p0, "{opt:?}: parameters");
+        assert_eq!(m, m0, "{opt:?}: moments");
+    }
+}
+
 fn nvme_file(dir: &std::path::Path) -> std::path::PathBuf {
     let files: Vec<_> = std::fs::read_dir(dir)
         .expect("dir")

@@ -55,9 +55,20 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
             _ => None,
         })
         .collect();
+    // Host copies of the gradients that leave the device during the backward (copy-out
+    // destinations there), also on their own line.
+    let spilled: Vec<usize> = plan
+        .backward
+        .iter()
+        .filter_map(|o| match o {
+            schedule::Op::CopyOut { dst, .. } => Some(dst.index()),
+            _ => None,
+        })
+        .collect();
     let staged_bytes_of = |class: BufferClass| -> usize {
         staged
             .iter()
+            .chain(&spilled)
             .map(|&i| &plan.buffers[i])
             .filter(|b| b.class == class)
             .map(|b| b.size_bytes())
@@ -104,6 +115,17 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
             "staging",
             staging,
             human_bytes(staging)
+        );
+    }
+    let spill: usize = spilled.iter().map(|&i| plan.buffers[i].size_bytes()).sum();
+    if spill > 0 {
+        total += spill;
+        let _ = writeln!(
+            o,
+            "  {:<17} {:>14} B  {:>11}  per step (gradients streamed to pinned host memory in the backward)",
+            "gradient (host)",
+            spill,
+            human_bytes(spill)
         );
     }
     let _ = writeln!(

@@ -339,6 +339,7 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                     None
                 },
                 max_norm: *max_norm,
+                partials: None,
             },
             Op::AdamW {
                 lr,

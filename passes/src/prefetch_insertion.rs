@@ -78,18 +78,26 @@ impl Pass for PrefetchInsertion {
 /// docs). Returns the numbers of copy-ins and copy-outs. Errors when an offloaded buffer is
 /// used outside the optimizer program (not a placement this version makes).
 pub fn insert_prefetches(plan: &mut Plan) -> Result<(usize, usize), PassError> {
-    let offloaded: Vec<BufferId> = (0..plan.buffers.len())
-        .map(|i| BufferId(i as u32))
-        .filter(|&id| {
-            plan.memory
-                .tier(id)
-                .is_some_and(|t| matches!(t, ArenaKind::Host | ArenaKind::Nvme))
-        })
-        .collect();
+    let offloaded_now = |plan: &Plan| -> Vec<BufferId> {
+        (0..plan.buffers.len())
+            .map(|i| BufferId(i as u32))
+            .filter(|&id| {
+                plan.memory
+                    .tier(id)
+                    .is_some_and(|t| matches!(t, ArenaKind::Host | ArenaKind::Nvme))
+            })
+            .collect()
+    };
+    let offloaded = offloaded_now(plan);
     if offloaded.is_empty() {
         return Ok((0, 0));
     }
+    let (homes, spill_outs) = spill_gradients(plan, &offloaded)?;
+    let offloaded = offloaded_now(plan);
     for op in plan.forward.iter().chain(&plan.backward) {
+        if matches!(op, Op::CopyOut { .. }) {
+            continue; // a gradient's copy to its host home (`spill_gradients`)
+        }
         if let Some((_, id)) = op
             .operands()
             .into_iter()
@@ -153,10 +161,13 @@ pub fn insert_prefetches(plan: &mut Plan) -> Result<(usize, usize), PassError> {
     }
     let mut out_after: HashMap<usize, Vec<BufferId>> = HashMap::new();
     for (&id, &l) in &last_write {
-        out_after.entry(l).or_default().push(id);
+        // A gradient's staging copy is clipped in place, not state: it dies with the step.
+        if !homes.contains(&id) {
+            out_after.entry(l).or_default().push(id);
+        }
     }
     let old = std::mem::take(&mut plan.optimizer);
-    let (mut ins, mut outs) = (0, 0);
+    let (mut ins, mut outs) = (0, spill_outs);
     for (i, op) in old.into_iter().enumerate() {
         if let Some(list) = issue_at.get_mut(&i) {
             list.sort();
@@ -216,4 +227,213 @@ fn replace_operands(op: &Op, map: &HashMap<BufferId, BufferId>) -> Result<Op, Pa
         }
     }
     serde_json::from_value(v).map_err(bug)
+}
+
+/// Gradients leaving the device (ZeRO-Offload's gradient streaming): every offloaded buffer
+/// that the backward writes is a gradient placed in the host tier by `tier-placement`. Its
+/// plan buffer stays the backward's device output (step-local again); a new buffer
+/// `<grad>.host` takes its host slot, and
+/// - in the backward, right after the gradient's last write: a [`Op::GradSumSquares`] into
+///   the clip's partials (for every gradient the clip reads, offloaded or not), then a
+///   [`Op::CopyOut`] to `<grad>.host` — its device bytes are free once the copy completes;
+/// - the optimizer program's [`Op::ClipGradNorm`] reads the partials instead of the
+///   gradients and writes its factor to a `scale` buffer; where it scaled the gradients in
+///   place, a [`Op::ScaleByScalar`] does it before each gradient's first use (the same bits);
+/// - the optimizer's uses read `<grad>.host`, which the caller stages like any offloaded
+///   state (a copy in before its first use; none back: the clipped copy is not state).
+///
+/// Returns the homes and the number of copies out added. Errors on a gradient offloaded to
+/// the NVMe tier (streamed every step, it goes to pinned host memory only).
+fn spill_gradients(
+    plan: &mut Plan,
+    offloaded: &[BufferId],
+) -> Result<(Vec<BufferId>, usize), PassError> {
+    let written_in_backward = |plan: &Plan, id: BufferId| {
+        plan.backward
+            .iter()
+            .any(|op| op.accesses().iter().any(|&(_, b, a)| b == id && a.writes()))
+    };
+    let grads: Vec<BufferId> = offloaded
+        .iter()
+        .copied()
+        .filter(|&id| written_in_backward(plan, id))
+        .collect();
+    if grads.is_empty() {
+        return Ok((Vec::new(), 0));
+    }
+    let invalid = |message: String| PassError::Invalid {
+        pass: "prefetch-insertion",
+        message,
+    };
+    // Homes: the gradients' host slots; the gradients go back to the activations arena
+    // (`memory-planning` gives them bytes by liveness).
+    let mut home: HashMap<BufferId, BufferId> = HashMap::new();
+    for &g in &grads {
+        let slot = plan.memory.slots[g.index()];
+        if slot.arena != ArenaKind::Host {
+            return Err(invalid(format!(
+                "the gradient `{}` is placed in the `{}` tier; gradients leave the device for \
+                 pinned host memory only",
+                plan.buffer(g).name,
+                slot.arena
+            )));
+        }
+        let b = plan.buffer(g).clone();
+        let h = BufferId(plan.buffers.len() as u32);
+        plan.buffers.push(Buffer {
+            name: format!("{}.host", b.name),
+            init: Init::Zeros,
+            ..b
+        });
+        plan.memory.slots.push(slot);
+        plan.memory.slots[g.index()] = BufferSlot {
+            arena: ArenaKind::Activations,
+            offset: 0,
+        };
+        home.insert(g, h);
+    }
+    // The clip, in its partials form.
+    let clip_at = plan
+        .optimizer
+        .iter()
+        .position(|op| matches!(op, Op::ClipGradNorm { .. }));
+    let mut scale_before_use: Option<(BufferId, Vec<BufferId>)> = None;
+    let mut sums: Vec<(BufferId, usize)> = Vec::new(); // (gradient, slot)
+    let mut partials = None;
+    if let Some(at) = clip_at {
+        let Op::ClipGradNorm {
+            grads: clip_grads,
+            norm,
+            scale,
+            max_norm,
+            partials: None,
+        } = plan.optimizer[at].clone()
+        else {
+            return Err(invalid(
+                "the clip already reads partial sums: gradients were offloaded twice".into(),
+            ));
+        };
+        let class = plan.buffer(norm).class;
+        let p = BufferId(plan.buffers.len() as u32);
+        plan.buffers.push(Buffer {
+            name: "grad_norm_partials".into(),
+            shape: vec![2 * schedule::reserve::SUMSQ_BLOCKS * clip_grads.len().max(1)],
+            dtype: schedule::DType::F32,
+            class,
+            init: Init::Zeros,
+        });
+        plan.memory.slots.push(BufferSlot {
+            arena: ArenaKind::Persistent,
+            offset: 0,
+        });
+        partials = Some(p);
+        let s = match scale {
+            Some(s) => s,
+            None => {
+                let s = BufferId(plan.buffers.len() as u32);
+                plan.buffers.push(Buffer {
+                    name: "grad_clip_scale".into(),
+                    shape: vec![1],
+                    dtype: schedule::DType::F32,
+                    class,
+                    init: Init::Zeros,
+                });
+                plan.memory.slots.push(BufferSlot {
+                    arena: ArenaKind::Activations,
+                    offset: 0,
+                });
+                if max_norm.is_some() {
+                    scale_before_use = Some((s, clip_grads.clone()));
+                }
+                s
+            }
+        };
+        plan.optimizer[at] = Op::ClipGradNorm {
+            grads: Vec::new(),
+            norm,
+            scale: Some(s),
+            max_norm,
+            partials: Some(p),
+        };
+        sums = clip_grads.iter().copied().zip(0..).collect();
+    }
+    // The backward: sums of squares and copies out after each gradient's last write.
+    let last_write = |plan: &Plan, id: BufferId| {
+        plan.backward
+            .iter()
+            .rposition(|op| op.accesses().iter().any(|&(_, b, a)| b == id && a.writes()))
+    };
+    let mut after: HashMap<Option<usize>, Vec<Op>> = HashMap::new();
+    for &(g, slot) in &sums {
+        if let Some(p) = partials {
+            after
+                .entry(last_write(plan, g))
+                .or_default()
+                .push(Op::GradSumSquares {
+                    grad: g,
+                    partials: p,
+                    slot,
+                });
+        }
+    }
+    let mut outs = 0;
+    for &g in &grads {
+        after
+            .entry(last_write(plan, g))
+            .or_default()
+            .push(Op::CopyOut {
+                src: g,
+                dst: home[&g],
+            });
+        outs += 1;
+    }
+    let old = std::mem::take(&mut plan.backward);
+    // A clip gradient the backward never writes (its zeros): summed at the start.
+    plan.backward
+        .extend(after.remove(&None).unwrap_or_default());
+    for (i, op) in old.into_iter().enumerate() {
+        plan.backward.push(op);
+        if let Some(list) = after.remove(&Some(i)) {
+            plan.backward.extend(list);
+        }
+    }
+    // The optimizer: uses of a gradient read its home (staged by the caller); the in-place
+    // clip's scaling before each gradient's first use after the clip.
+    let old = std::mem::take(&mut plan.optimizer);
+    let mut pending: Vec<BufferId> = Vec::new();
+    let scale_op = |g: BufferId, s: BufferId| Op::ScaleByScalar {
+        x: home.get(&g).copied().unwrap_or(g),
+        scale: s,
+    };
+    for (i, op) in old.into_iter().enumerate() {
+        let op = replace_operands(&op, &home)?;
+        if let Some((s, gs)) = &scale_before_use {
+            if Some(i) > clip_at {
+                let uses: Vec<BufferId> = op.operands().iter().map(|&(_, b)| b).collect::<Vec<_>>();
+                for &g in pending
+                    .iter()
+                    .filter(|&&g| uses.contains(&home.get(&g).copied().unwrap_or(g)))
+                {
+                    plan.optimizer.push(scale_op(g, *s));
+                }
+                pending.retain(|&g| !uses.contains(&home.get(&g).copied().unwrap_or(g)));
+            }
+            let is_clip = Some(i) == clip_at;
+            plan.optimizer.push(op);
+            if is_clip {
+                // Gradients on the device are scaled right after the clip, as the in-place
+                // clip did; offloaded ones where they come back.
+                for &g in gs {
+                    if home.contains_key(&g) {
+                        pending.push(g);
+                    } else {
+                        plan.optimizer.push(scale_op(g, *s));
+                    }
+                }
+            }
+        } else {
+            plan.optimizer.push(op);
+        }
+    }
+    Ok((home.values().copied().collect(), outs))
 }

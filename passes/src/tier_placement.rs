@@ -289,12 +289,20 @@ pub fn place(
             desc.name
         ));
     }
-    let mut candidates = candidates(plan);
-    // Largest first; ties in buffer order.
-    candidates.sort_by(|&a, &b| {
-        let (x, y) = (plan.buffer(a).size_bytes(), plan.buffer(b).size_bytes());
-        y.cmp(&x).then(a.cmp(&b))
-    });
+    // Moments first, then gradients (when the host tier is there for them); each group
+    // largest first, ties in buffer order.
+    let (mut candidates, mut grads) = candidates(plan);
+    let by_size = |v: &mut Vec<BufferId>| {
+        v.sort_by(|&a, &b| {
+            let (x, y) = (plan.buffer(a).size_bytes(), plan.buffer(b).size_bytes());
+            y.cmp(&x).then(a.cmp(&b))
+        })
+    };
+    by_size(&mut candidates);
+    by_size(&mut grads);
+    if host_ok {
+        candidates.extend(grads);
+    }
     // Greedy on the estimate: freeing a tensor's persistent bytes.
     let mut excess = device_need(plan).saturating_sub(cap);
     let mut chosen: Vec<BufferId> = Vec::new();
@@ -343,9 +351,36 @@ pub fn place(
 }
 
 /// The tensors this version may offload: f32 moments touched by the optimizer program (and by
-/// refresh swaps) only.
-fn candidates(plan: &Plan) -> Vec<BufferId> {
+/// refresh swaps) only; and, second, f32 gradients that the backward writes and only the
+/// optimizer program reads (streamed to pinned host memory as they are finished).
+fn candidates(plan: &Plan) -> (Vec<BufferId>, Vec<BufferId>) {
     let n = plan.buffers.len();
+    let mut in_forward = vec![false; n];
+    let mut by_backward = vec![false; n];
+    for op in &plan.forward {
+        for (_, id) in op.operands() {
+            if let Some(o) = in_forward.get_mut(id.index()) {
+                *o = true;
+            }
+        }
+    }
+    for op in &plan.backward {
+        for (_, id, a) in op.accesses() {
+            if a.writes() {
+                if let Some(w) = by_backward.get_mut(id.index()) {
+                    *w = true;
+                }
+            }
+        }
+    }
+    let mut in_tasks = vec![false; n];
+    for t in &plan.host_tasks {
+        for (_, id) in t.operands() {
+            if let Some(o) = in_tasks.get_mut(id.index()) {
+                *o = true;
+            }
+        }
+    }
     let mut outside = vec![false; n];
     for op in plan.forward.iter().chain(&plan.backward) {
         for (_, id) in op.operands() {
@@ -374,7 +409,7 @@ fn candidates(plan: &Plan) -> Vec<BufferId> {
             }
         }
     }
-    (0..n)
+    let moments = (0..n)
         .filter(|&i| {
             let b = &plan.buffers[i];
             matches!(b.class, BufferClass::ExpAvg | BufferClass::ExpAvgSq)
@@ -383,7 +418,20 @@ fn candidates(plan: &Plan) -> Vec<BufferId> {
                 && !outside[i]
         })
         .map(|i| BufferId(i as u32))
-        .collect()
+        .collect();
+    let grads = (0..n)
+        .filter(|&i| {
+            let b = &plan.buffers[i];
+            b.class == BufferClass::Gradient
+                && b.dtype == schedule::DType::F32
+                && used[i]
+                && by_backward[i]
+                && !in_forward[i]
+                && !in_tasks[i]
+        })
+        .map(|i| BufferId(i as u32))
+        .collect();
+    (moments, grads)
 }
 
 /// Predicted copy time per step (ms) of `bytes` of moments in `tier` on `desc`: the host tier's
@@ -425,6 +473,7 @@ fn assign(
     let (mut host, mut nvme) = (0usize, 0usize);
     for &c in chosen {
         let bytes = plan.buffer(c).size_bytes();
+        let gradient = plan.buffer(c).class == BufferClass::Gradient;
         let (tier, offset, copy_ms) = if host_ok && host.saturating_add(bytes) <= host_cap {
             let at = host;
             host = align_up(host.saturating_add(bytes), 256);
@@ -433,7 +482,7 @@ fn assign(
                 at,
                 tier_copy_ms(desc, ArenaKind::Host, bytes),
             )
-        } else if nvme.saturating_add(bytes) <= nvme_cap {
+        } else if !gradient && nvme.saturating_add(bytes) <= nvme_cap {
             let at = nvme;
             nvme = align_up(nvme.saturating_add(bytes), NVME_ALIGN);
             (
@@ -442,7 +491,11 @@ fn assign(
                 tier_copy_ms(desc, ArenaKind::Nvme, bytes),
             )
         } else {
-            let why = if budgets.nvme_dir.is_none() {
+            let why = if gradient {
+                "and gradients (streamed out and back every step) go to pinned host memory \
+                 only"
+                    .to_string()
+            } else if budgets.nvme_dir.is_none() {
                 "and the spec names no `nvme` directory".to_string()
             } else {
                 format!(
@@ -524,7 +577,7 @@ fn over_budget(plan: &Plan, budgets: &Budgets, need: usize, moved: &[BufferId]) 
         pass: "tier-placement",
         message: format!(
             "the device budget {} cannot be met: the plan needs {} on the device, and \
-             offloading every movable tensor (the optimizer moments, {}, after the refresh shadows) is not enough; the \
+             offloading every movable tensor (the optimizer moments and the gradients, {}, after the refresh shadows) is not enough; the \
              largest device consumers: {}; raise the budget, or lower batch_size or seq_len \
              (or set `rematerialize = layers` in the train block when activations are among \
              them)",

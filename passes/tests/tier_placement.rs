@@ -368,3 +368,100 @@ fn saved_attention_copies_share_one_slot_under_rematerialize_layers() {
         assert_eq!(reserve.attention_saved, slots * qkv_bf16);
     }
 }
+
+/// LLaMA 1.44B SOAP under `gpu_memory = 16GiB` with `rematerialize = layers`: the moments are
+/// not enough (30.9 GiB needed with everything on the device, 10.7 GiB of moments), so the
+/// pass also streams gradients to pinned host memory during the backward — the plan fits the
+/// budget with the engine's own bytes, the clip reads partial sums, and each streamed
+/// gradient is copied out after its last backward write and in before its first optimizer
+/// use. Without a budget no gradient moves.
+#[test]
+fn sixteen_gib_streams_gradients_to_host_memory_after_the_moments() {
+    const GIB: usize = 1 << 30;
+    let plan = soap_plan(|s| {
+        s.replacen("target cuda {", "target cuda {\n  gpu_memory = 16GiB", 1)
+            .replacen("train {", "train {\n  rematerialize = layers", 1)
+    });
+    let device = plan.memory.device_bytes();
+    let reserve = schedule::reserve::engine_reserve(&plan, device).total();
+    assert!(device + reserve <= 16 * GIB, "{device} + {reserve}");
+    let outs: Vec<_> = plan
+        .backward
+        .iter()
+        .filter_map(|o| match o {
+            schedule::Op::CopyOut { src, dst } => Some((*src, *dst)),
+            _ => None,
+        })
+        .collect();
+    assert!(!outs.is_empty(), "gradients leave the device");
+    for &(g, home) in &outs {
+        let (gb, hb) = (plan.buffer(g), plan.buffer(home));
+        assert_eq!(gb.class, schedule::BufferClass::Gradient, "{}", gb.name);
+        assert_eq!(plan.memory.tier(home), Some(ArenaKind::Host), "{}", hb.name);
+        assert_eq!(plan.memory.tier(g), Some(ArenaKind::Activations));
+        // Copied in once in the optimizer, scaled by the clip's factor before any other use.
+        let pos_in = plan
+            .optimizer
+            .iter()
+            .position(|o| matches!(o, schedule::Op::CopyIn { src, .. } if *src == home))
+            .expect("copied back in");
+        let staged = match &plan.optimizer[pos_in] {
+            schedule::Op::CopyIn { dst, .. } => *dst,
+            _ => unreachable!(),
+        };
+        let first_use = plan.optimizer[pos_in + 1..]
+            .iter()
+            .find(|o| o.operands().iter().any(|&(_, b)| b == staged))
+            .expect("used");
+        assert_eq!(first_use.name(), "scale_by_scalar", "{}", gb.name);
+    }
+    // The moments moved first: what stays is what the pass took back once gradients had
+    // left (keeping a tensor's moments on the device also saves their staging bytes).
+    let moments_left: usize = plan
+        .buffers
+        .iter()
+        .enumerate()
+        .filter(|(i, b)| {
+            matches!(
+                b.class,
+                schedule::BufferClass::ExpAvg | schedule::BufferClass::ExpAvgSq
+            ) && plan.memory.tier(schedule::BufferId(*i as u32)) == Some(ArenaKind::Persistent)
+        })
+        .map(|(_, b)| b.size_bytes())
+        .sum();
+    let moments: usize = plan
+        .buffers
+        .iter()
+        .filter(|b| {
+            matches!(
+                b.class,
+                schedule::BufferClass::ExpAvg | schedule::BufferClass::ExpAvgSq
+            ) && !b.name.ends_with(".staged")
+        })
+        .map(|b| b.size_bytes())
+        .sum();
+    assert!(
+        moments_left * 10 < moments,
+        "{moments_left} of {moments} bytes of moments stayed"
+    );
+    let clip = plan
+        .optimizer
+        .iter()
+        .find(|o| o.name() == "clip_grad_norm")
+        .expect("clip");
+    assert!(matches!(
+        clip,
+        schedule::Op::ClipGradNorm { grads, partials: Some(_), .. } if grads.is_empty()
+    ));
+    assert_eq!(
+        plan.backward
+            .iter()
+            .filter(|o| o.name() == "grad_sum_squares")
+            .count(),
+        plan.params.len()
+    );
+    plan.verify().expect("verifies");
+    let free = soap_plan(|s| s);
+    assert!(!free.backward.iter().any(|o| o.name() == "copy_out"));
+    assert!(!free.backward.iter().any(|o| o.name() == "grad_sum_squares"));
+}

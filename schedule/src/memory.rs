@@ -314,6 +314,10 @@ impl Op {
             }
             (Op::ClipGradNorm { scale: None, .. }, "grads") => Access::ReadWrite,
             (Op::ClipGradNorm { .. }, "scale") => Access::Write,
+            // Each writes its own slot and keeps the others: the buffer persists (a few
+            // hundred KiB).
+            (Op::GradSumSquares { .. }, "partials") => Access::ReadWrite,
+            (Op::ScaleByScalar { .. }, "x") => Access::ReadWrite,
             (Op::Attention { .. }, "lse") => Access::Write,
             (Op::AdamW { .. } | Op::SoapUpdate { .. }, "param" | "exp_avg" | "exp_avg_sq") => {
                 Access::ReadWrite
@@ -889,6 +893,7 @@ pub(crate) mod tests {
             norm: BufferId(6),
             scale: None,
             max_norm: Some(1.0),
+            partials: None,
         };
         assert_eq!(
             acc(&clip),
@@ -900,6 +905,7 @@ pub(crate) mod tests {
             norm: BufferId(6),
             scale: Some(BufferId(7)),
             max_norm: Some(1.0),
+            partials: None,
         };
         assert_eq!(
             acc(&clip),

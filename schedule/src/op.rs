@@ -689,13 +689,37 @@ pub enum Op {
     /// are and the factor (`max_norm / norm`, else 1) is written there instead, for the updates
     /// that read it as their `grad_scale`. A non-finite norm makes the engine skip the rest of
     /// the optimizer program this step.
+    ///
+    /// With `partials` (f32 `[2 · SUMSQ_BLOCKS · k]`, written by one [`Op::GradSumSquares`] per
+    /// gradient during the backward: the `prefetch-insertion` pass's form when gradients
+    /// leave the device) `grads` is empty, the norm is the square root of the sum of the
+    /// `k` gradients' partial sums (f64, in slot order: the same value as from the gradients),
+    /// and `scale` is required: the gradients are scaled where they come back
+    /// ([`Op::ScaleByScalar`]) or read it as their `grad_scale`.
     ClipGradNorm {
         grads: Vec<BufferId>,
         norm: BufferId,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         scale: Option<BufferId>,
         max_norm: Option<f64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        partials: Option<BufferId>,
     },
+    /// The sum of squares of the f32 gradient `grad`, accumulated in f64, written to slot
+    /// `slot` of `partials` (f32 `[2 · SUMSQ_BLOCKS · k]`: slot `i` is the `SUMSQ_BLOCKS` f64
+    /// words from f64 index `i · SUMSQ_BLOCKS`; how an engine splits its sum over them is its
+    /// own, the slot's total is the gradient's sum of squares). Issued right after the
+    /// gradient's last write in the backward, so that the gradient can leave the device
+    /// before the [`Op::ClipGradNorm`] that reads `partials`.
+    GradSumSquares {
+        grad: BufferId,
+        partials: BufferId,
+        slot: usize,
+    },
+    /// `x ← x · scale[0]` in place (f32 `x`, f32 `[1]` `scale`): a gradient clipped where it
+    /// comes back to the device, by the factor a partials-form [`Op::ClipGradNorm`] wrote
+    /// (the bits an in-place clip would have stored).
+    ScaleByScalar { x: BufferId, scale: BufferId },
     /// AdamW (Loshchilov & Hutter; PyTorch `torch.optim.AdamW`) on one parameter, in place,
     /// with bias correction at the engine's 1-based step t and lr = `lr ·` schedule multiplier.
     /// With `grad_scale` (f32 `[1]`, a `ClipGradNorm`'s `scale`) the update reads

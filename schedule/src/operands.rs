@@ -32,6 +32,8 @@ impl Op {
             Op::CrossEntropy { .. } => "cross_entropy",
             Op::CrossEntropyBackward { .. } => "cross_entropy_backward",
             Op::ClipGradNorm { .. } => "clip_grad_norm",
+            Op::GradSumSquares { .. } => "grad_sum_squares",
+            Op::ScaleByScalar { .. } => "scale_by_scalar",
             Op::AdamW { .. } => "adam_w",
             Op::SoapUpdate { .. } => "soap_update",
             Op::SoapFactorUpdate { .. } => "soap_factor_update",
@@ -166,12 +168,21 @@ impl Op {
                 ("dlogits", *dlogits),
             ]),
             Op::ClipGradNorm {
-                grads, norm, scale, ..
+                grads,
+                norm,
+                scale,
+                partials,
+                ..
             } => {
                 v.extend(grads.iter().map(|g| ("grads", *g)));
                 v.push(("norm", *norm));
                 v.extend(scale.map(|s| ("scale", s)));
+                opt(&mut v, "partials", partials);
             }
+            Op::GradSumSquares { grad, partials, .. } => {
+                v.extend([("grad", *grad), ("partials", *partials)])
+            }
+            Op::ScaleByScalar { x, scale } => v.extend([("x", *x), ("scale", *scale)]),
             Op::AdamW {
                 param,
                 grad,

@@ -9,7 +9,8 @@ use crate::{ArenaKind, BufferId, Op, Plan, PlanError};
 /// re-projects where they live); every copy moves between an offloaded buffer
 /// and a device buffer; a staging buffer (a `CopyIn` destination) is written first by its
 /// `CopyIn` — no op touches it before the copy has brought its bytes — and, when an op writes
-/// it, a `CopyOut` to its home follows the last such write.
+/// it, a `CopyOut` to its home follows the last such write (except a gradient's staging
+/// copy: the gradient that left the device in the backward is not state).
 pub(crate) fn verify_tiers(plan: &Plan) -> Result<(), PlanError> {
     let m = &plan.memory;
     let b = &m.budgets;
@@ -132,8 +133,24 @@ pub(crate) fn verify_tiers(plan: &Plan) -> Result<(), PlanError> {
             }
         }
     }
+    // A gradient's staging copy (its home is a gradient that left the device during the
+    // backward) is clipped in place and dies with the step: nothing to write back.
+    let mut gradient_staging = vec![false; n];
+    for (_, op) in plan.step_ops() {
+        if let Op::CopyIn { src, dst } = op {
+            if plan.buffer(*src).class == crate::BufferClass::Gradient {
+                if let Some(g) = gradient_staging.get_mut(dst.index()) {
+                    *g = true;
+                }
+            }
+        }
+    }
     for i in 0..n {
-        if copied_in[i].is_some() && last_write[i].is_some() && copied_out[i].is_none() {
+        if copied_in[i].is_some()
+            && last_write[i].is_some()
+            && copied_out[i].is_none()
+            && !gradient_staging[i]
+        {
             return Err(invalid(format!(
                 "the staging buffer `{}` is written but never copied back to its home",
                 plan.buffers[i].name

@@ -136,6 +136,29 @@ impl Checker<'_> {
         }
         Ok(())
     }
+    /// A gradient-norm partials buffer (f32 `[2 · SUMSQ_BLOCKS · k]`, k ≥ 1) and, when given,
+    /// a slot of it (`slot < k`).
+    fn partials(&self, id: BufferId, slot: Option<usize>) -> Result<(), PlanError> {
+        let words = 2 * crate::reserve::SUMSQ_BLOCKS;
+        let len = match *self.shape("partials", id) {
+            [n] if n >= words && n % words == 0 => n,
+            _ => {
+                return Err(self.fail(
+                    "partials",
+                    id,
+                    format!("must be 1-D with a positive multiple of {words} elements"),
+                ))
+            }
+        };
+        if let Some(s) = slot.filter(|&s| s >= len / words) {
+            return Err(self.fail(
+                "partials",
+                id,
+                format!("has {} slots; slot {s} is outside it", len / words),
+            ));
+        }
+        Ok(())
+    }
     fn is_bf16(&self, id: BufferId) -> bool {
         self.plan.buffers[id.index()].dtype == DType::Bf16
     }
@@ -485,14 +508,26 @@ impl Checker<'_> {
                 }
             }
             Op::ClipGradNorm {
+                grads,
                 norm,
                 scale,
                 max_norm,
-                ..
+                partials,
             } => {
                 self.dims("norm", *norm, &[1])?;
                 if let Some(s) = scale {
                     self.dims("scale", *s, &[1])?;
+                }
+                if let Some(p) = partials {
+                    if !grads.is_empty() || scale.is_none() {
+                        return Err(self.fail(
+                            "partials",
+                            *p,
+                            "reads the gradients' sums of squares instead of the gradients: \
+                             `grads` must be empty and a `scale` output given",
+                        ));
+                    }
+                    self.partials(*p, None)?;
                 }
                 if let Some(m) = max_norm {
                     if !(m.is_finite() && *m > 0.0) {
@@ -503,6 +538,8 @@ impl Checker<'_> {
                     }
                 }
             }
+            Op::GradSumSquares { partials, slot, .. } => self.partials(*partials, Some(*slot))?,
+            Op::ScaleByScalar { scale, .. } => self.dims("scale", *scale, &[1])?,
             Op::AdamW {
                 param,
                 grad,

@@ -200,6 +200,38 @@ mod tests {
         cx.plan.expect("a plan")
     }
 
+    /// The plan of examples/tiny-tiers.asteria under the largest device budget (64 KiB steps)
+    /// at which gradients leave the device in the backward: copies out during the backward,
+    /// copies in of gradients and moments in the optimizer.
+    fn streamed_gradient_plan() -> Plan {
+        let spec = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../examples/tiny-tiers.asteria");
+        let mut budget = 6 << 20;
+        loop {
+            budget -= 64 << 10;
+            let mut config = frontend::load_spec(&spec).expect("examples/tiny-tiers.asteria loads");
+            if let ir::config::TargetConfig::Cpu { budgets, .. } = &mut config.target {
+                budgets.device = Some(budget);
+                budgets.nvme_dir = None;
+                budgets.nvme = None;
+                budgets.host = None;
+            }
+            let mut module = ir::Module::new(config);
+            let mut pm = passes::PassManager::new(passes::PassOptions::default()).expect("passes");
+            let (cx, _) = pm
+                .run(&mut module, None, &mut Vec::new())
+                .expect("a budget above the parameters compiles");
+            let plan = cx.plan.expect("a plan");
+            if plan
+                .backward
+                .iter()
+                .any(|o| matches!(o, Op::CopyOut { .. }))
+            {
+                return plan;
+            }
+        }
+    }
+
     /// Replays the step on three in-order streams with `order`'s events and returns the first
     /// pair (earlier, later) of conflicting ops on different streams that the events leave
     /// unordered. `known[p][s]` = the latest position of stream s known finished when op p
@@ -262,7 +294,13 @@ mod tests {
 
     #[test]
     fn every_conflicting_pair_of_streams_is_ordered_by_an_event() {
-        let plan = tiered_plan();
+        for plan in [tiered_plan(), streamed_gradient_plan()] {
+            every_conflict_ordered(&plan);
+        }
+    }
+
+    fn every_conflict_ordered(plan: &Plan) {
+        let plan = plan.clone();
         let order = CopyOrder::new(&plan);
         assert!(order.active, "the tiny tiered plan has copies");
         let copies = plan

@@ -592,12 +592,46 @@ impl CudaEngine {
                     v,
                 )?;
             }
+            Op::GradSumSquares {
+                grad,
+                partials,
+                slot,
+            } => loss::grad_sum_squares(dev, self.b(*grad), self.b(*partials), *slot)?,
+            Op::ScaleByScalar { x, scale } => {
+                loss::scale_by_scalar(dev, self.b(*x), self.b(*scale))?
+            }
+            Op::ClipGradNorm {
+                norm,
+                scale: Some(scale),
+                max_norm,
+                partials: Some(partials),
+                ..
+            } => {
+                loss::clip_grad_norm_partials(
+                    dev,
+                    self.b(*partials),
+                    self.b(*norm),
+                    self.b(*scale),
+                    *max_norm,
+                )?;
+                let v = dev.download::<f32>(self.b(*norm))?;
+                return Ok(Some(v.first().map_or(f64::NAN, |&x| f64::from(x))));
+            }
             Op::ClipGradNorm {
                 grads,
                 norm,
                 scale,
                 max_norm,
+                partials,
             } => {
+                if partials.is_some() {
+                    return Err(CudaError::Invalid {
+                        op: "clip_grad_norm",
+                        what: "partials without a scale output (the plan verifier refuses this)"
+                            .into(),
+                    }
+                    .into());
+                }
                 let gs: Vec<&Buf> = grads.iter().map(|g| self.b(*g)).collect();
                 let scale = scale.map(|b| self.b(b));
                 loss::clip_grad_norm(dev, &gs, self.b(*norm), scale, *max_norm, s)?;

@@ -200,6 +200,66 @@ pub(crate) fn sumsq_partials(dev: &Device, x: &Buf, partials: &Buf, slot: usize)
     )
 }
 
+/// Plan op `GradSumSquares`: the f64 partial sums of `Σ grad_i²` into slot `slot` of the plan
+/// buffer `partials` (f32 `[2·SUMSQ_BLOCKS·k]`, read as f64 `[SUMSQ_BLOCKS·k]`): the partials
+/// [`clip_grad_norm`] computes for its `slot`-th gradient, so that [`clip_grad_norm_partials`]
+/// finds the same norm.
+pub fn grad_sum_squares(dev: &Device, grad: &Buf, partials: &Buf, slot: usize) -> Result<()> {
+    let p64 = partials_f64(partials)?;
+    sumsq_partials(dev, grad, &p64, slot)
+}
+
+fn partials_f64(partials: &Buf) -> Result<Buf> {
+    if partials.elem() != Elem::F32 || partials.len() % (2 * SUMSQ_BLOCKS) != 0 {
+        return Err(CudaError::Shape {
+            op: "grad_sum_squares",
+            operand: "partials",
+            expected: 2 * SUMSQ_BLOCKS,
+            got: partials.len(),
+        });
+    }
+    partials.reinterpret(Elem::F64, partials.len() / 2)
+}
+
+/// Plan op `ClipGradNorm` with `partials`: `norm[0]` and `scale[0]` as [`clip_grad_norm`]
+/// writes them with `scale_out`, from the gradients' partial sums that
+/// [`grad_sum_squares`] wrote (the same kernel, so the same bits).
+pub fn clip_grad_norm_partials(
+    dev: &Device,
+    partials: &Buf,
+    norm: &Buf,
+    scale: &Buf,
+    max_norm: Option<f64>,
+) -> Result<()> {
+    const OP: &str = "clip_grad_norm";
+    norm.expect(OP, "norm", Elem::F32, 1)?;
+    scale.expect(OP, "scale", Elem::F32, 1)?;
+    let p64 = partials_f64(partials)?;
+    let count = int(OP, "partials", p64.len())?;
+    let args = Args::new()
+        .buf(&p64)
+        .i32(count)
+        .buf(norm)
+        .buf(scale)
+        .f64(max_norm.unwrap_or(-1.0));
+    dev.launch("grad_norm_finalize", (1, 1, 1), (1024, 1, 1), args)
+}
+
+/// Plan op `ScaleByScalar`: `x ← x · scale[0]` (f32 `x`, f32 `[1]` `scale` on the device), the
+/// in-place clip's kernel.
+pub fn scale_by_scalar(dev: &Device, x: &Buf, scale: &Buf) -> Result<()> {
+    x.expect("scale_by_scalar", "x", Elem::F32, x.len())?;
+    scale.expect("scale_by_scalar", "scale", Elem::F32, 1)?;
+    let n = x.len();
+    let args = Args::new().buf(x).buf(scale).i64(n as i64);
+    dev.launch(
+        "scale_by_device_scalar",
+        (dev.grid_for(n), 1, 1),
+        (256, 1, 1),
+        args,
+    )
+}
+
 /// Plan op `ClipGradNorm`: `norm[0] = √(Σ_g Σ_i g_i²)` (f64 accumulation); when `max_norm` is
 /// set and the norm is finite and above it, every gradient is scaled by `max_norm / norm` on
 /// the GPU (no host round trip) — or, with `scale_out` (f32 `[1]`), that factor (1 when not

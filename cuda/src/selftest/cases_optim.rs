@@ -12,6 +12,7 @@ pub(crate) fn cases() -> Vec<Case> {
     let mut v = Vec::new();
     clip(&mut v);
     clip_into_adamw(&mut v);
+    clip_from_partials(&mut v);
     adamw(&mut v);
     update_rules(&mut v);
     composed_soap(&mut v);
@@ -401,6 +402,70 @@ fn clip_into_adamw(v: &mut Vec<Case>) {
                 ms,
             ))
         }));
+    }
+}
+
+/// Gradients streamed to host memory (`prefetch-insertion`): each gradient's sum of squares
+/// into its slot of the plan's partials buffer (`grad_sum_squares`), the clip from those
+/// partials (`clip_grad_norm_partials`) and the scaling where each gradient comes back
+/// (`scale_by_scalar`), against the clip reading the gradients and scaling them in place —
+/// the same norm and the same gradient bits (clipping and not; awkward lengths).
+fn clip_from_partials(v: &mut Vec<Case>) {
+    for (clip_to, label) in [(Some(0.5), "clip to 0.5·norm"), (None, "no clipping")] {
+        let sizes = [3usize, 783 * 50 + 1, 4096 * 783];
+        let size = format!("{sizes:?} {label}");
+        v.push(case(
+            "clip_grad_norm_partials",
+            size,
+            0.0,
+            false,
+            move |cx| {
+                let grads: Vec<Vec<f32>> = sizes.iter().map(|&n| cx.normal(n, 0.0, 1.0)).collect();
+                let wides: Vec<Vec<f64>> = grads.iter().map(|g| wide(g)).collect();
+                let ref_norm = engine::cpu::clip::global_norm(
+                    &wides.iter().map(Vec::as_slice).collect::<Vec<_>>(),
+                );
+                let max = clip_to.map(|f| f * ref_norm);
+                // In place, from the gradients.
+                let direct = grads
+                    .iter()
+                    .map(|g| cx.up(g))
+                    .collect::<Result<Vec<Buf>>>()?;
+                let (norm0, norm1, scale) = (cx.out(1)?, cx.out(1)?, cx.out(1)?);
+                let scratch = cx.out(gloss::clip_grad_norm_scratch_len(sizes.len()))?;
+                let refs: Vec<&Buf> = direct.iter().collect();
+                gloss::clip_grad_norm(cx.dev, &refs, &norm0, None, max, &scratch)?;
+                // From partials, the slots written in reverse order (as a backward finishes them).
+                let streamed = grads
+                    .iter()
+                    .map(|g| cx.up(g))
+                    .collect::<Result<Vec<Buf>>>()?;
+                let partials = cx.out(2 * schedule::reserve::SUMSQ_BLOCKS * sizes.len())?;
+                let ms = cx.timed(|| {
+                    for (i, g) in streamed.iter().enumerate().rev() {
+                        gloss::grad_sum_squares(cx.dev, g, &partials, i)?;
+                    }
+                    gloss::clip_grad_norm_partials(cx.dev, &partials, &norm1, &scale, max)?;
+                    if max.is_some() {
+                        for g in &streamed {
+                            gloss::scale_by_scalar(cx.dev, g, &scale)?;
+                        }
+                    }
+                    Ok(())
+                })?;
+                let bits =
+                    |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                let mut same = bits(&cx.down(&norm0)?, &cx.down(&norm1)?);
+                for (a, b) in direct.iter().zip(&streamed) {
+                    same &= bits(&cx.down(a)?, &cx.down(b)?);
+                }
+                Ok(super::cases::one(
+                    "norm, gradient bits",
+                    if same { 0.0 } else { 1.0 },
+                    ms,
+                ))
+            },
+        ));
     }
 }
 

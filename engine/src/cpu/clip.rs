@@ -3,7 +3,7 @@ use super::Float;
 use rayon::prelude::*;
 
 /// Sum of squares of one slice, accumulated in f64 over fixed chunks (deterministic).
-fn sum_sq<T: Float>(g: &[T]) -> f64 {
+pub fn sum_sq<T: Float>(g: &[T]) -> f64 {
     let parts: Vec<f64> = g
         .par_chunks(1 << 15)
         .map(|c| c.iter().fold(0.0f64, |a, &v| a + v.to_f64() * v.to_f64()))

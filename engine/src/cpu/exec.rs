@@ -426,11 +426,68 @@ pub(crate) fn exec_op<T: Float + Real>(
             })?;
         }
         // With `scale`: the factor `clip_to` would apply, written instead of applied.
+        // The gradients' sums of squares, each in its slot's first f64 (the others zero):
+        // the norm below adds them in slot order, as `clip::global_norm` adds the gradients'.
+        Op::GradSumSquares {
+            grad,
+            partials,
+            slot,
+        } => {
+            let words = 2 * schedule::reserve::SUMSQ_BLOCKS;
+            st.with_outs(loc, &[("partials", *partials)], &[*grad], |s, o| {
+                let sum = clip::sum_sq(s.f(*grad)?);
+                let part = o[0]
+                    .get_mut(slot * words..(slot + 1) * words)
+                    .ok_or_else(|| optim_err(loc, format!("partials slot {slot} out of range")))?;
+                part.iter_mut().for_each(|x| *x = T::zero());
+                T::put_f64(part, sum);
+                Ok(())
+            })?;
+        }
+        Op::ClipGradNorm {
+            norm,
+            scale,
+            max_norm,
+            partials: Some(partials),
+            ..
+        } => {
+            let words = 2 * schedule::reserve::SUMSQ_BLOCKS;
+            let scale = scale
+                .ok_or_else(|| optim_err(loc, "clip_grad_norm: partials without a scale output"))?;
+            let outs = [("norm", *norm), ("scale", scale)];
+            let total = st.with_outs(loc, &outs, &[*partials], |s, o| {
+                let total = s
+                    .f(*partials)?
+                    .chunks(words)
+                    .map(|c| T::get_f64(c))
+                    .sum::<f64>()
+                    .sqrt();
+                let factor = max_norm.map_or(1.0, |m| clip::clip_factor(total, m));
+                o[0].iter_mut()
+                    .for_each(|x| *x = <T as Float>::from_f64(total));
+                o[1].iter_mut()
+                    .for_each(|x| *x = <T as Float>::from_f64(factor));
+                Ok(total)
+            })?;
+            return Ok(OpOutcome::GradNorm(total));
+        }
+        // `x · scale`, the values an in-place clip by that factor stores (`clip::scaled`).
+        Op::ScaleByScalar { x, scale } => {
+            let f = st
+                .f(*scale)?
+                .first()
+                .copied()
+                .ok_or_else(|| optim_err(loc, "scale_by_scalar: empty scale"))?;
+            let v = st.f_mut(*x)?;
+            let scaled = clip::scaled(v, f);
+            *v = scaled;
+        }
         Op::ClipGradNorm {
             grads,
             norm,
             scale: Some(scale),
             max_norm,
+            partials: None,
         } => {
             let outs = [("norm", *norm), ("scale", *scale)];
             let total = st.with_outs(loc, &outs, grads, |s, o| {
@@ -453,6 +510,7 @@ pub(crate) fn exec_op<T: Float + Real>(
             norm,
             scale: None,
             max_norm,
+            partials: None,
         } => {
             let mut outs: Vec<(&'static str, BufferId)> =
                 grads.iter().map(|&g| ("grads", g)).collect();

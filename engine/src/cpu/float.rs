@@ -52,9 +52,21 @@ pub trait Float:
     fn exp_shift_sum(xs: &mut [Self], shift: Self) -> Self;
     /// Largest element (NaNs are ignored; `−∞` for an empty slice). Vectorized for `f32`.
     fn max_of(xs: &[Self]) -> Self;
+    /// Stores the f64 `x` exactly at the start of `out` (an `f32` store: its bits in two
+    /// words, as the CUDA engine's f64 partial sums sit in an f32 plan buffer; `f64`: one).
+    /// `out` has at least two elements.
+    fn put_f64(out: &mut [Self], x: f64);
+    /// The f64 [`Float::put_f64`] stored at the start of `v`.
+    fn get_f64(v: &[Self]) -> f64;
 }
 
 impl Float for f64 {
+    fn put_f64(out: &mut [Self], x: f64) {
+        out[0] = x;
+    }
+    fn get_f64(v: &[Self]) -> f64 {
+        v[0]
+    }
     fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
         None
     }
@@ -107,6 +119,14 @@ impl Float for f64 {
 }
 
 impl Float for f32 {
+    fn put_f64(out: &mut [Self], x: f64) {
+        let b = x.to_bits();
+        out[0] = f32::from_bits(b as u32);
+        out[1] = f32::from_bits((b >> 32) as u32);
+    }
+    fn get_f64(v: &[Self]) -> f64 {
+        f64::from_bits(u64::from(v[0].to_bits()) | (u64::from(v[1].to_bits()) << 32))
+    }
     fn as_f32_mut(v: &mut [Self]) -> Option<&mut [f32]> {
         Some(v)
     }

@@ -486,6 +486,7 @@ fn optimizer(g: &Gpt, bufs: &mut Vec<Buffer>, params: &[ParamRef]) -> (Vec<Op>, 
         norm,
         scale: None,
         max_norm: Some(1.0),
+        partials: None,
     }];
     let mut tasks = vec![];
     for (p, (name, shape)) in params.iter().zip(info) {
