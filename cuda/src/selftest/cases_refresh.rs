@@ -103,42 +103,34 @@ pub(crate) fn cases() -> Vec<Case> {
                     move |cx| qr_refresh(cx, side, m, n, qr, math, Factor::Plain),
                 ));
             }
-            // Moments in pinned host memory (a plan's host tier), in several chunks: the swap
-            // gathers each block of lines onto the device and scatters the results back.
-            v.push(case(
-                "eigenbasis_refresh_swap_pinned_moments",
-                format!("side={side} m={m} n={n}"),
-                TOL_REFRESH,
-                big,
-                move |cx| {
-                    qr_refresh(
-                        cx,
-                        side,
-                        m,
-                        n,
-                        QrMethod::RayleighCholeskyTc,
-                        GemmMath::Fp32,
-                        Factor::PinnedMoments,
-                    )
-                },
-            ));
-            v.push(case(
-                "eigenbasis_refresh_swap_chunked",
-                format!("side={side} m={m} n={n}"),
-                TOL_REFRESH,
-                big,
-                move |cx| {
-                    qr_refresh(
-                        cx,
-                        side,
-                        m,
-                        n,
-                        QrMethod::RayleighCholeskyTc,
-                        GemmMath::Fp32,
-                        Factor::ChunkedMoments,
-                    )
-                },
-            ));
+            // Moments in pinned host memory (a plan's host tier), and device moments, in
+            // several chunks: the swap gathers each block of lines onto the device (or reads
+            // it in place) and scatters the results back.
+            for (kernel, factor) in [
+                (
+                    "eigenbasis_refresh_swap_pinned_moments",
+                    Factor::PinnedMoments,
+                ),
+                ("eigenbasis_refresh_swap_chunked", Factor::ChunkedMoments),
+            ] {
+                v.push(case(
+                    kernel,
+                    format!("side={side} m={m} n={n}"),
+                    TOL_REFRESH,
+                    big,
+                    move |cx| {
+                        qr_refresh(
+                            cx,
+                            side,
+                            m,
+                            n,
+                            QrMethod::RayleighCholeskyTc,
+                            GemmMath::Fp32,
+                            factor,
+                        )
+                    },
+                ));
+            }
             // A stored basis that is a rotation away from the eigenbasis and eigenvalues over
             // two decades: L of the Rayleigh–Cholesky QR is far from the identity.
             for (kernel, qr) in [
