@@ -10,6 +10,10 @@
 //!   engines);
 //! - a [`schedule::Op::CopyOut`] follows the last op that writes it.
 //!
+//! A gradient that `tier-placement` moved to the host tier leaves during the backward instead
+//! (`spill_gradients`): a copy out to `<grad>.host` after its last backward write, the
+//! clip from partial sums, and the staging above for its uses in the optimizer program.
+//!
 //! The staging buffers are step-local (the first op touching each is its copy): the
 //! `memory-planning` pass gives them bytes of the activations arena only from their copy in to
 //! their copy out — the pinned staging pool, sized by liveness. [`schedule::Plan::verify`]
@@ -75,8 +79,9 @@ impl Pass for PrefetchInsertion {
 }
 
 /// Adds the staging buffers and copies for every offloaded buffer of `plan` (see the module
-/// docs). Returns the numbers of copy-ins and copy-outs. Errors when an offloaded buffer is
-/// used outside the optimizer program (not a placement this version makes).
+/// docs). Returns the numbers of copy-ins and copy-outs. Errors when an offloaded buffer other
+/// than a gradient is used outside the optimizer program, or a gradient was placed on NVMe
+/// (not placements this version makes).
 pub fn insert_prefetches(plan: &mut Plan) -> Result<(usize, usize), PassError> {
     let offloaded_now = |plan: &Plan| -> Vec<BufferId> {
         (0..plan.buffers.len())

@@ -22,9 +22,14 @@
 //! - **Candidates** are the moments (`exp_avg`, `exp_avg_sq`, of AdamW and of SOAP's rotated
 //!   Adam), which only the optimizer program touches, once per step: one copy in and one copy
 //!   out per step (a SOAP refresh swap also re-projects them, every `precondition_frequency`
-//!   steps, where they live). Parameters (read by the forward, the backward and the casts) and
-//!   the Kronecker factors and eigenbases (read and written by the refreshes) stay on the
-//!   device in this version.
+//!   steps, where they live). Then, when every moment is not enough, the **gradients** that
+//!   the backward writes and only the optimizer program reads (ZeRO-Offload's streaming:
+//!   `prefetch-insertion` copies each out right after its last backward write, so the copy
+//!   overlaps the rest of the backward, and back in before its update; the global-norm clip
+//!   then reads per-gradient partial sums, [`schedule::Op::GradSumSquares`]), to pinned host
+//!   memory only (never NVMe: they move every step). Parameters (read by the forward, the
+//!   backward and the casts) and the Kronecker factors and eigenbases (read and written by
+//!   the refreshes) stay on the device in this version.
 //! - **Cost** per candidate: its per-step copy time over the tier's link (pinned host memory:
 //!   the host↔GPU bandwidth of the target description, each way, the copies in and out
 //!   running at once on a GPU's two copy engines; NVMe: the drive's read plus write
