@@ -4,7 +4,7 @@
 # --checks: the kernel self-test (`--quick`, or only the shampoo_update and kl_shampoo_update cases
 #   with --quick-checks), the CPU-vs-GPU train-matches (CPU refreshes injected; fp32 and
 #   the production bf16 path; Shampoo's bf16 match at epsilon 1e-4) of tiny-kl-shampoo,
-#   tiny-shampoo and a blocked tiny-soap (block_size 128), tiny-shampoo at epsilon 1e-4 with its
+#   tiny-shampoo and a blocked tiny-soap (max_preconditioner_dim 128), tiny-shampoo at epsilon 1e-4 with its
 #   inverse roots computed on the GPU (not injected),
 #   and tiny-kl-shampoo / tiny-shampoo on the GPU at staleness 0 and 5 (400 steps each,
 #   bench/check_staleness.py).
@@ -29,8 +29,11 @@
 #   tenth step there). Step statistics skip the first 12 steps of every run. Without --checks
 #   or --runs both parts run. --no-soap leaves asteria's SOAP rows out of --runs (they are in
 #   BENCHMARKS.md's scale table; ~1 minute less). --models LIST (comma-separated, default
-#   gpt2-124m,llama-1.4b) and --optimizers LIST (of adamw,soap,kl-shampoo,shampoo; a reference
-#   runs beside kl-shampoo and shampoo) narrow --runs to the rows a call has time for.
+#   gpt2-124m,llama-1.4b) and --optimizers LIST (of adamw,soap,kl-shampoo,shampoo,soap-blocked; a
+#   reference runs beside kl-shampoo and shampoo) narrow --runs to the rows a call has time for.
+#   soap-blocked is MODEL-soap.asteria with `max_preconditioner_dim = 2048`: every side wider
+#   than 2048 (LLaMA's 5632-wide MLP, the vocabulary side) preconditioned in blocks of 2048
+#   instead of left unrotated.
 set -uo pipefail
 usage="usage: bench/h200-second-order.sh OUT_DIR [STEPS [TORCH_STEPS [TORCH_STEPS_1.4B]]] [--checks] [--quick-checks] [--runs] [--no-soap] [--models LIST] [--optimizers LIST]"
 pos=(); checks=0; quick=0; runs=0; opts="adamw soap kl-shampoo shampoo"; models="gpt2-124m llama-1.4b"
@@ -53,7 +56,7 @@ for a in "$@"; do
 done
 [[ ${#pos[@]} -ge 1 && -z $next ]] || { echo "$usage" >&2; exit 2; }
 for o in $opts; do
-  [[ " adamw soap kl-shampoo shampoo " == *" $o "* ]] || { echo "unknown optimizer '$o' (adamw, soap, kl-shampoo, shampoo)" >&2; exit 2; }
+  [[ " adamw soap kl-shampoo shampoo soap-blocked " == *" $o "* ]] || { echo "unknown optimizer '$o' (adamw, soap, kl-shampoo, shampoo, soap-blocked)" >&2; exit 2; }
 done
 [[ $checks == 0 && $runs == 0 ]] && { checks=1; runs=1; }
 out="${pos[0]}"; steps="${pos[1]:-40}"; torch_steps="${pos[2]:-40}"; torch_steps_big="${pos[3]:-25}"
@@ -76,7 +79,7 @@ if [[ $checks == 1 ]]; then
   echo "selftest rc=$?"; grep -E "passed, |^(PASS|FAIL)" "$out/selftest.txt" | tail -3
   grep -E "FAIL" "$out/selftest.txt" | head -5
   # Blocked SOAP: tiny-soap with blocks of 128 (its 256-wide MLP sides and the vocabulary side).
-  sed -e 's/^  max_precond_dim = 10000.*/  max_precond_dim = 10000\n  block_size = 128/' \
+  sed -e 's/^  max_precond_dim = 10000.*/  max_precond_dim = 10000\n  max_preconditioner_dim = 128/' \
     $S/tiny-soap.asteria > $S/tiny-soap-blocked.asteria
   # Shampoo at epsilon 1e-4 for the matches across precisions and eigensolvers: at the spec's
   # 1e-8 the inverse roots' null-space part (the factors of the first steps are rank-deficient)
@@ -136,7 +139,7 @@ fi
 summary() { # MODEL
   local m=$1 rows=() r f
   for r in "asteria AdamW:$m-adamw" "asteria SOAP S5:$m-soap" "asteria KL-Shampoo S5:$m-kl-shampoo" \
-           "asteria Shampoo S5:$m-shampoo" "reference KL-Shampoo (KLOpt bf16):$m-torch-kl" \
+           "asteria Shampoo S5:$m-shampoo" "asteria SOAP blocked 2048 S5:$m-soap-blocked" "reference KL-Shampoo (KLOpt bf16):$m-torch-kl" \
            "reference Shampoo (DistributedShampoo):$m-torch-shampoo"; do
     f="${r##*:}"
     [[ -s "$out/$f.jsonl" ]] && rows+=("${r%:*}=$out/$f.jsonl:$out/$f.txt")
@@ -151,7 +154,9 @@ if [[ $runs == 1 ]]; then
     [[ -f $S/$m-adamw.asteria ]] || { echo "unknown model '$m': no $S/$m-adamw.asteria" >&2; exit 2; }
     for o in $opts; do
       stamp "$m-$o"
-      timeout 240 $B train "$S/$m-$o.asteria" --steps "$steps" --set target.staleness=5 --quiet --cache-dir "$TC" \
+      spec="$S/$m-$o.asteria"; extra=()
+      [[ $o == soap-blocked ]] && { spec="$S/$m-soap.asteria"; extra=(--set optimizer.max_preconditioner_dim=2048); }
+      timeout 240 $B train "$spec" ${extra[@]+"${extra[@]}"} --steps "$steps" --set target.staleness=5 --quiet --cache-dir "$TC" \
         --metrics "$out/$m-$o.jsonl" > "$out/$m-$o.txt" 2>&1
       echo "$m-$o rc=$? $(grep -oE 'median step [0-9.]+ ms|peak used [0-9.]+ GiB' "$out/$m-$o.txt" | tr '\n' ' ')"
     done

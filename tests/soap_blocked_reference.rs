@@ -1,4 +1,4 @@
-//! Blocked SOAP (`optimizer soap { block_size = 16 }`) through the real plan path against
+//! Blocked SOAP (`optimizer soap { max_preconditioner_dim = 16 }`) through the real plan path against
 //! `soap.py` applied independently to each block.
 //!
 //! The plan is compiled by the full pass pipeline from a one-layer GPT-2 config (vocab 256,

@@ -471,6 +471,8 @@ const ALIASES: &[(&str, &str)] = &[
     ("hidden_size", "d_model"),
     ("vocab_size", "vocab"),
     ("block_size", "context"),
+    // Blocked SOAP's key before it took Distributed Shampoo's name.
+    ("block_size", "max_preconditioner_dim"),
     ("context_length", "context"),
     ("max_seq_len", "context"),
     ("warmup_steps", "warmup"),

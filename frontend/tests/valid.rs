@@ -201,11 +201,15 @@ fn shampoo_takes_the_reference_defaults() {
     assert!(common::render(&e).contains("grafting"));
 }
 
-/// `block_size` turns on blocked SOAP (absent: `soap.py`'s behaviour); below 8 it names its
-/// range; AdamW refuses it as a SOAP key.
+/// `max_preconditioner_dim` turns on blocked SOAP (absent: `soap.py`'s behaviour); below 8 it
+/// names its range; AdamW refuses it; the former key `block_size` is refused with its location.
 #[test]
 fn soap_block_size() {
-    let c = parse(&spec("optimizer soap { block_size = 2048 }", "")).expect("valid");
+    let c = parse(&spec(
+        "optimizer soap { max_preconditioner_dim = 2048 }",
+        "",
+    ))
+    .expect("valid");
     let OptimizerConfig::Soap(s) = c.optimizer else {
         panic!("not soap")
     };
@@ -215,10 +219,14 @@ fn soap_block_size() {
         panic!("not soap")
     };
     assert_eq!(s.block_size, None);
-    let e = parse(&spec("optimizer soap { block_size = 4 }", "")).expect_err("range");
+    let e = parse(&spec("optimizer soap { max_preconditioner_dim = 4 }", "")).expect_err("range");
     assert!(common::render(&e).contains("8..=1_048_576"));
-    let e = parse(&spec("optimizer adamw { block_size = 64 }", "")).expect_err("soap key");
+    let e =
+        parse(&spec("optimizer adamw { max_preconditioner_dim = 64 }", "")).expect_err("soap key");
     assert!(common::render(&e).contains("SOAP"));
+    let e = parse(&spec("optimizer soap { block_size = 2048 }", "")).expect_err("renamed key");
+    let r = common::render(&e);
+    assert!(r.contains("did you mean `max_preconditioner_dim`?"), "{r}");
 }
 
 #[test]

@@ -442,8 +442,8 @@ fn soap_param(
     Ok(())
 }
 
-/// Blocked SOAP (`block_size`): a 2-D parameter wider than `block_size` on a side is cut into
-/// blocks of at most `block_size` rows and columns (Distributed Shampoo's `multi_dim_split`,
+/// Blocked SOAP (`max_preconditioner_dim`, the IR's `block_size`): a 2-D parameter wider than
+/// `block_size` on a side is cut into blocks of at most `block_size` rows and columns (Distributed Shampoo's `multi_dim_split`,
 /// `schedule::blocking`, without merging), each a SOAP parameter of its own (`soap.py` on the
 /// block): per step `block_copy` cuts the block out of the parameter and of its gradient, the
 /// block's SOAP ops run on those copies, and `block_write` puts the updated block back.
@@ -622,8 +622,8 @@ impl Pass for ExpandOptimizer {
                 return Err(PassError::Invalid {
                     pass: "expand-optimizer",
                     message: format!(
-                        "block_size = {b} cuts the model into {total} SOAP blocks, more than {}; \
-                         raise block_size",
+                        "max_preconditioner_dim = {b} cuts the model into {total} SOAP blocks, more \
+                         than {}; raise max_preconditioner_dim",
                         ir::limits::SHAMPOO_BLOCKS
                     ),
                 });

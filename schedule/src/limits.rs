@@ -327,11 +327,6 @@ pub const SPEC_KEYS: &[(&str, &str, Limit)] = &[
         "max_preconditioner_dim",
         Limit::Int(MAX_PRECONDITIONER_DIM),
     ),
-    (
-        "optimizer",
-        "block_size",
-        Limit::Int(MAX_PRECONDITIONER_DIM),
-    ),
     ("optimizer", "grafting_beta2", Limit::Float(BETA)),
     ("optimizer", "grafting_epsilon", Limit::Float(EPS)),
     ("data", "batch_size", Limit::Int(BATCH_SIZE)),

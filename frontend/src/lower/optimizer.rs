@@ -36,7 +36,7 @@ const SOAP_KEYS: &[&str] = &[
     "max_precond_dim",
     "correct_bias",
     "normalize_grads",
-    "block_size",
+    "max_preconditioner_dim",
 ];
 
 const KL_SHAMPOO_KEYS: &[&str] = &[
@@ -204,9 +204,14 @@ pub(crate) fn optimizer(c: &mut Checker, b: &Block) -> Option<OptimizerConfig> {
         max_precond_dim: c.uint_or(&f, "max_precond_dim", limits::MAX_PRECOND_DIM, 10000),
         correct_bias: c.bool_or(&f, "correct_bias", true),
         normalize_grads: c.bool_or(&f, "normalize_grads", false),
-        block_size: f
-            .get("block_size")
-            .map(|_| c.uint_or(&f, "block_size", limits::MAX_PRECONDITIONER_DIM, 2048)),
+        block_size: f.get("max_preconditioner_dim").map(|_| {
+            c.uint_or(
+                &f,
+                "max_preconditioner_dim",
+                limits::MAX_PRECONDITIONER_DIM,
+                2048,
+            )
+        }),
     };
     kind.map(|_| OptimizerConfig::Soap(config))
 }
