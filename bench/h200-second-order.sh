@@ -31,9 +31,9 @@
 #   BENCHMARKS.md's scale table; ~1 minute less). --models LIST (comma-separated, default
 #   gpt2-124m,llama-1.4b) and --optimizers LIST (of adamw,soap,kl-shampoo,shampoo,soap-blocked; a
 #   reference runs beside kl-shampoo and shampoo) narrow --runs to the rows a call has time for.
-#   soap-blocked is MODEL-soap.asteria with `max_preconditioner_dim = 2048`: every side wider
-#   than 2048 (LLaMA's 5632-wide MLP, the vocabulary side) preconditioned in blocks of 2048
-#   instead of left unrotated.
+#   soap-blocked is MODEL-soap.asteria with `max_precond_dim = 10000, max_preconditioner_dim =
+#   2048`: every side wider than 2048 and at most 10000 (LLaMA's 5632-wide MLP) preconditioned
+#   in blocks of 2048 instead of left unrotated; the vocabulary side stays unrotated.
 set -uo pipefail
 usage="usage: bench/h200-second-order.sh OUT_DIR [STEPS [TORCH_STEPS [TORCH_STEPS_1.4B]]] [--checks] [--quick-checks] [--runs] [--no-soap] [--models LIST] [--optimizers LIST]"
 pos=(); checks=0; quick=0; runs=0; opts="adamw soap kl-shampoo shampoo"; models="gpt2-124m llama-1.4b"
@@ -155,7 +155,7 @@ if [[ $runs == 1 ]]; then
     for o in $opts; do
       stamp "$m-$o"
       spec="$S/$m-$o.asteria"; extra=()
-      [[ $o == soap-blocked ]] && { spec="$S/$m-soap.asteria"; extra=(--set optimizer.max_preconditioner_dim=2048); }
+      [[ $o == soap-blocked ]] && { spec="$S/$m-soap.asteria"; extra=(--set optimizer.max_precond_dim=10000 --set optimizer.max_preconditioner_dim=2048); }
       timeout 240 $B train "$spec" ${extra[@]+"${extra[@]}"} --steps "$steps" --set target.staleness=5 --quiet --cache-dir "$TC" \
         --metrics "$out/$m-$o.jsonl" > "$out/$m-$o.txt" 2>&1
       echo "$m-$o rc=$? $(grep -oE 'median step [0-9.]+ ms|peak used [0-9.]+ GiB' "$out/$m-$o.txt" | tr '\n' ' ')"

@@ -6,10 +6,14 @@
 //! engine in float64 with synchronous refreshes; each step sets every gradient buffer to a
 //! deterministic random gradient, runs the optimizer program (lr multiplier varying with the
 //! step) and the host refresh tasks. Parameter shapes and the blocks the test expects
-//! (`block_size` rows and columns per block, the remainder last, as Distributed Shampoo's
-//! `multi_dim_split`): `wpe` [37, 20] → rows 16, 16, 5 × columns 16, 4 (6 blocks); `wte`
-//! [256, 20] → 16 × (16, 4) (32 blocks); `c_attn` [20, 60] → (16, 4) × (16, 16, 16, 12);
-//! `c_fc` [20, 40], `mlp.c_proj` [40, 20] and `attn.c_proj` [20, 20] alike (62 blocks in all).
+//! (each side longer than `BLOCK` and at most `max_precond_dim` cut into pieces of `BLOCK`, the
+//! remainder last, as Distributed Shampoo's `multi_dim_split`; a side over `max_precond_dim`
+//! kept whole, unrotated as `soap.py` leaves it): at `max_precond_dim = 10000` `wpe` [37, 20] →
+//! rows 16, 16, 5 × columns 16, 4 (6 blocks); `wte` [256, 20] → 16 × (16, 4) (32 blocks);
+//! `c_attn` [20, 60] → (16, 4) × (16, 16, 16, 12); `c_fc` [20, 40], `mlp.c_proj` [40, 20] and
+//! `attn.c_proj` [20, 20] alike (62 blocks in all); at `max_precond_dim = 40` `wte`'s 256 rows
+//! and `c_attn`'s 60 columns stay whole: `wte` → [256, 16] and [256, 4], `c_attn` → [16, 60]
+//! and [4, 60] (26 blocks in all).
 //! 1-D parameters (biases and norm weights of 20, 40, 60) are not blocked, whatever their
 //! length (asteria blocks 2-D parameters only): each is one `soap.py` parameter. The plan's
 //! per-block moments (`{param}.b{k}.exp_avg`) are checked to have exactly the test's block
@@ -25,8 +29,8 @@
 //!
 //! Two configurations, 25 steps each: (a) the defaults (betas 0.95, shampoo_beta 0.95, weight
 //! decay 0.01, bias correction) with `precondition_frequency = 4` and every block side
-//! rotated; (b) `max_precond_dim = 12` (the 16-wide block sides stay unrotated, the 4, 5, 8
-//! and 12 ones rotate), `normalize_grads` (by each block's RMS), no bias correction, betas
+//! rotated; (b) `max_precond_dim = 40` (`wte`'s 256-long and `c_attn`'s 60-long sides whole
+//! and unrotated, every other side cut and rotated), `normalize_grads` (by each block's RMS), no bias correction, betas
 //! (0.9, 0.99), shampoo_beta 0.9, `precondition_frequency = 3`. Bound: every parameter within
 //! 1e-6 relative (max |Δ| / max |reference|) after every step. Eigenvector sign and order:
 //! as in `soap_reference.rs`, the step-1 gradient of every block is zero past row (column)
@@ -105,10 +109,16 @@ fn compile(config: Config) -> Plan {
     cx.plan.expect("plan")
 }
 
-/// `(start, len)` of the blocks of a side of length `n`: `BLOCK` each, the remainder last.
-fn chunks(n: usize) -> Vec<(usize, usize)> {
-    (0..n.div_ceil(BLOCK))
-        .map(|i| (i * BLOCK, BLOCK.min(n - i * BLOCK)))
+/// `(start, len)` of the pieces of a side of length `n`: `BLOCK` each, the remainder last, if
+/// the side is cut (longer than `BLOCK`, at most `max_precond_dim`); else the whole side.
+fn chunks(n: usize, max_precond_dim: usize) -> Vec<(usize, usize)> {
+    let b = if n > BLOCK && n <= max_precond_dim {
+        BLOCK
+    } else {
+        n
+    };
+    (0..n.div_ceil(b))
+        .map(|i| (i * b, b.min(n - i * b)))
         .collect()
 }
 
@@ -179,7 +189,11 @@ fn lr_multiplier(t: u64) -> f64 {
 /// Runs the plan of `soap` (with `block_size` or without) for `STEPS` steps on the test's
 /// gradients; with `reference`, checks every parameter against `soap.py` per block after every
 /// step and returns the worst relative error. Returns it and the final parameters.
-fn run(soap: &SoapConfig, reference: bool) -> (f64, Vec<(String, Vec<f64>)>) {
+fn run(
+    soap: &SoapConfig,
+    reference: bool,
+    expected_blocks: usize,
+) -> (f64, Vec<(String, Vec<f64>)>) {
     let plan = compile(config(soap.clone()));
     let opts = EngineOptions {
         synchronous_refresh: true,
@@ -197,13 +211,12 @@ fn run(soap: &SoapConfig, reference: bool) -> (f64, Vec<(String, Vec<f64>)>) {
                 [m, n] => (m, n, false),
                 _ => panic!("{}: unexpected shape {:?}", b.name, b.shape),
             };
-            let blocked = !one_d && (m > BLOCK || n > BLOCK);
-            let whole = vec![(0, m)];
-            let (rows, cols) = if blocked {
-                (chunks(m), chunks(n))
+            let (rows, cols) = if one_d {
+                (vec![(0, m)], vec![(0, n)])
             } else {
-                (whole, vec![(0, n)])
+                (chunks(m, mpd), chunks(n, mpd))
             };
+            let blocked = rows.len() * cols.len() > 1;
             let blocks = rows
                 .iter()
                 .flat_map(|&(r0, r)| cols.iter().map(move |&(c0, c)| (r0, c0, r, c)))
@@ -250,7 +263,10 @@ fn run(soap: &SoapConfig, reference: bool) -> (f64, Vec<(String, Vec<f64>)>) {
         .filter(|p| p.blocks.len() > 1)
         .map(|p| p.blocks.len())
         .sum();
-    assert_eq!(n_blocks, 62, "blocks of the blocked parameters");
+    assert_eq!(
+        n_blocks, expected_blocks,
+        "blocks of the blocked parameters"
+    );
     let mut w_ref: Vec<Vec<f64>> = params
         .iter()
         .map(|p| e.buffer(&p.name).expect("param"))
@@ -322,8 +338,9 @@ fn run(soap: &SoapConfig, reference: bool) -> (f64, Vec<(String, Vec<f64>)>) {
 
 /// Runs blocked SOAP against the per-block reference, then the same config unblocked, and
 /// checks that blocking changed the blocked parameters by far more than the tolerance.
-fn check(soap: SoapConfig, label: &str) {
-    let (worst, blocked) = run(&soap, true);
+/// `blocks`: the blocks of the blocked parameters the config must make.
+fn check(soap: SoapConfig, label: &str, blocks: usize) {
+    let (worst, blocked) = run(&soap, true, blocks);
     eprintln!("{label}: worst rel err over {STEPS} steps, every parameter: {worst:e}");
     let (_, unblocked) = run(
         &SoapConfig {
@@ -331,6 +348,7 @@ fn check(soap: SoapConfig, label: &str) {
             ..soap
         },
         false,
+        blocks,
     );
     let diff = blocked
         .iter()
@@ -363,7 +381,7 @@ fn soap_config() -> SoapConfig {
 
 #[test]
 fn blocked_soap_is_soap_py_per_block() {
-    check(soap_config(), "defaults");
+    check(soap_config(), "defaults", 62);
 }
 
 #[test]
@@ -374,11 +392,12 @@ fn blocked_soap_is_soap_py_per_block_with_unrotated_sides_and_normalized_grads()
             beta2: 0.99,
             shampoo_beta: 0.9,
             precondition_frequency: 3,
-            max_precond_dim: 12,
+            max_precond_dim: 40,
             correct_bias: false,
             normalize_grads: true,
             ..soap_config()
         },
-        "max_precond_dim 12, normalized",
+        "max_precond_dim 40, normalized",
+        26,
     );
 }

@@ -118,9 +118,10 @@ pub struct SoapConfig {
     pub correct_bias: bool,
     /// Normalize the update by its RMS (default false).
     pub normalize_grads: bool,
-    /// Blocked SOAP: a 2-D parameter with a side longer than this is cut into blocks of at
-    /// most this many rows and columns, each preconditioned as its own parameter (default
-    /// none: `soap.py`'s behaviour, sides over `max_precond_dim` stay unrotated).
+    /// Blocked SOAP (the spec's `max_preconditioner_dim`): a side of a 2-D parameter longer
+    /// than this and at most `max_precond_dim` is cut into pieces of this many rows or columns,
+    /// each block preconditioned as its own parameter; a side over `max_precond_dim` stays
+    /// whole and unrotated (default none: `soap.py`'s behaviour, no side cut).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_size: Option<usize>,
 }

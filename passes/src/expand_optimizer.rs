@@ -442,12 +442,17 @@ fn soap_param(
     Ok(())
 }
 
-/// Blocked SOAP (`max_preconditioner_dim`, the IR's `block_size`): a 2-D parameter wider than
-/// `block_size` on a side is cut into blocks of at most `block_size` rows and columns (Distributed Shampoo's `multi_dim_split`,
-/// `schedule::blocking`, without merging), each a SOAP parameter of its own (`soap.py` on the
-/// block): per step `block_copy` cuts the block out of the parameter and of its gradient, the
-/// block's SOAP ops run on those copies, and `block_write` puts the updated block back.
-/// Returns the number of blocks, or `None` when the parameter is not blocked.
+/// Blocked SOAP (`max_preconditioner_dim`, the IR's `block_size`): a side of a 2-D parameter
+/// longer than `block_size` and at most `max_precond_dim` is cut into pieces of `block_size`
+/// (the remainder last; Distributed Shampoo's `multi_dim_split`, `schedule::blocking`, without
+/// merging); a side longer than `max_precond_dim` stays whole and unrotated, as `soap.py`
+/// leaves it (LLaMA's vocabulary side at `max_precond_dim = 10000`: rotating a side whose
+/// gradient rows are mostly zero, the embedding's unseen tokens, spreads the projections'
+/// rounding over every row, and LLaMA 1.44B diverged so at blocks of 2048). Each block is a SOAP
+/// parameter of its own (`soap.py` on the block): per step `block_copy` cuts the block out of
+/// the parameter and of its gradient, the block's SOAP ops run on those copies, and
+/// `block_write` puts the updated block back. Returns the number of blocks, or `None` when no
+/// side is cut.
 fn blocked_soap(
     module: &mut Module,
     c: &ir::config::SoapConfig,
@@ -462,11 +467,15 @@ fn blocked_soap(
     let [rows, cols] = ty.shape[..] else {
         return Ok(None);
     };
-    if rows <= b && cols <= b {
+    let cut = |n: usize| n > b && n <= c.max_precond_dim;
+    if !cut(rows) && !cut(cols) {
         return Ok(None);
     }
     let (n_factors, n_unrotated) = counters;
-    let chunks = |n: usize| (0..n.div_ceil(b)).map(move |i| (i * b, b.min(n - i * b)));
+    let chunks = |n: usize| {
+        let b = if cut(n) { b } else { n };
+        (0..n.div_ceil(b)).map(move |i| (i * b, b.min(n - i * b)))
+    };
     let mut count = 0;
     for (r0, r) in chunks(rows) {
         for (c0, k) in chunks(cols) {
@@ -608,13 +617,26 @@ impl Pass for ExpandOptimizer {
         }
         if let OptimizerConfig::Soap(ir::config::SoapConfig {
             block_size: Some(b),
+            max_precond_dim,
             ..
         }) = &opt
         {
             let total: usize = pairs
                 .iter()
                 .map(|&(p, _)| match module.value(p).ty.shape[..] {
-                    [r, k] if r > *b || k > *b => r.div_ceil(*b) * k.div_ceil(*b),
+                    [r, k] => {
+                        let pieces = |n: usize| {
+                            if n > *b && n <= *max_precond_dim {
+                                n.div_ceil(*b)
+                            } else {
+                                1
+                            }
+                        };
+                        match pieces(r) * pieces(k) {
+                            1 => 0,
+                            n => n,
+                        }
+                    }
                     _ => 0,
                 })
                 .sum();
