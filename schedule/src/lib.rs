@@ -22,6 +22,7 @@ pub mod memory;
 mod op;
 mod operands;
 mod options;
+mod plan_error;
 mod ranges;
 pub mod reserve;
 mod tiers;
@@ -39,7 +40,7 @@ pub use op::{
 pub use options::{
     AttentionKernel, Eigensolver, Profile, RefreshPlacement, RefreshSwap, Rematerialize,
 };
-pub use verify::PlanError;
+pub use plan_error::PlanError;
 
 /// Whether an `EigenbasisRefresh` with `frequency` and stagger `offset` does work at the end of
 /// 1-based step `t`: the initial eigendecomposition at t = 1, then QR refreshes at t > 1 with

@@ -150,9 +150,9 @@ mod tests {
             let h = hyper(wd);
             let (mr, sr) = rules(&h).expect("rules");
             let program = |r: &ElementwiseRule| {
-                let u = update_rule(r).unwrap();
+                let u = update_rule(r).expect("test inputs are valid");
                 let (expr, _) = simplify(&u.expr);
-                Program::new(&UpdateRule { expr, ..u }).unwrap()
+                Program::new(&UpdateRule { expr, ..u }).expect("test inputs are valid")
             };
             let (mp, sp) = (program(&mr), program(&sr));
             let hp = KlShampooParams {
@@ -196,19 +196,20 @@ mod tests {
                     m,
                     n,
                 )
-                .unwrap();
+                .expect("test inputs are valid");
                 // The composition.
                 let (mut pp, mut gg, mut mom) = (p2.clone(), g.clone(), vec![f32::NAN; m * n]);
                 mp.run(
                     &mut [&mut pp, &mut gg, &mut ea2, &mut mom],
                     &step_scalars::<f32>(&mr, lr_t, t),
                 )
-                .unwrap();
+                .expect("test inputs are valid");
                 let x = crate::project(&mom, ql.as_deref(), qr.as_deref(), m, n);
-                let y = crate::kl_scale(t, h.eps, &x, (&el2, &er2), m, n).unwrap();
+                let y = crate::kl_scale(t, h.eps, &x, (&el2, &er2), m, n)
+                    .expect("test inputs are valid");
                 let mut u = crate::project_back(&y, ql.as_deref(), qr.as_deref(), m, n);
                 sp.run(&mut [&mut p2, &mut u], &step_scalars::<f32>(&sr, lr_t, t))
-                    .unwrap();
+                    .expect("test inputs are valid");
                 crate::kl_factor_update(
                     t,
                     &hp,
@@ -217,7 +218,7 @@ mod tests {
                     m,
                     n,
                 )
-                .unwrap();
+                .expect("test inputs are valid");
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 let at = format!("{m}x{n} left {left} right {right} t={t}");
                 assert_eq!(bits(&p), bits(&p2), "param, {at}");
@@ -233,7 +234,7 @@ mod tests {
     #[test]
     fn normalize_grads_is_refused_and_hyper_round_trips() {
         let mut h = hyper(0.01);
-        let (mr, sr) = rules(&h).unwrap();
+        let (mr, sr) = rules(&h).expect("test inputs are valid");
         assert_eq!(hyper_of(&mr), Some(h));
         assert_eq!(hyper_of(&sr), Some(h));
         h.normalize_grads = true;

@@ -189,9 +189,9 @@ mod tests {
         for (shape, h) in cases {
             let (mr, sr) = rules(&h).expect("rules");
             let program = |r: &ElementwiseRule| {
-                let u = update_rule(r).unwrap();
+                let u = update_rule(r).expect("test inputs are valid");
                 let (expr, _) = simplify(&u.expr);
-                Program::new(&UpdateRule { expr, ..u }).unwrap()
+                Program::new(&UpdateRule { expr, ..u }).expect("test inputs are valid")
             };
             let (mp, sp) = (mr.as_ref().map(program), program(&sr));
             let b = h.max_preconditioner_dim as usize;
@@ -229,7 +229,7 @@ mod tests {
                 crate::shampoo_update(
                     t, &hp, lr_t, &mut p, &g, &mut ea, graft_sq, shape, &mut fm, &rr,
                 )
-                .unwrap();
+                .expect("test inputs are valid");
                 // The composition.
                 let mut fm2: Vec<&mut [f32]> = fs2.iter_mut().map(|f| f.as_mut_slice()).collect();
                 crate::shampoo_factor_update(
@@ -239,7 +239,7 @@ mod tests {
                     &g,
                     &mut fm2,
                 )
-                .unwrap();
+                .expect("test inputs are valid");
                 let (mut gbar, mut pg) = (g.clone(), vec![f32::NAN; n]);
                 if let (Some(mp), Some(mr)) = (&mp, &mr) {
                     let (mut pp, mut gg) = (p2.clone(), g.clone());
@@ -257,14 +257,15 @@ mod tests {
                         tensors.push(&mut pg);
                     }
                     mp.run(&mut tensors, &step_scalars::<f32>(mr, lr_t, t))
-                        .unwrap();
+                        .expect("test inputs are valid");
                 }
-                let mut dir = crate::shampoo_precondition((shape, b), &gbar, &rr).unwrap();
+                let mut dir = crate::shampoo_precondition((shape, b), &gbar, &rr)
+                    .expect("test inputs are valid");
                 if h.grafting {
-                    dir = crate::graft(t, (shape, b), &dir, &pg).unwrap();
+                    dir = crate::graft(t, (shape, b), &dir, &pg).expect("test inputs are valid");
                 }
                 sp.run(&mut [&mut p2, &mut dir], &step_scalars::<f32>(&sr, lr_t, t))
-                    .unwrap();
+                    .expect("test inputs are valid");
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&p), bits(&p2), "param, {shape:?} t={t}");
                 assert_eq!(bits(&ea), bits(&ea2), "exp_avg, {shape:?} t={t}");
@@ -279,10 +280,11 @@ mod tests {
     #[test]
     fn hyper_round_trips_and_beta1_zero_without_grafting_has_no_moments() {
         let h = hyper(0.9, 1.0, 0.01, true, true, 1024);
-        let (mr, sr) = rules(&h).unwrap();
+        let (mr, sr) = rules(&h).expect("test inputs are valid");
         assert_eq!(hyper_of(&mr.expect("moments")), Some(h));
         assert_eq!(hyper_of(&sr), Some(h));
-        let (mr, _) = rules(&hyper(0.0, 1.0, 0.0, true, false, 1024)).unwrap();
+        let (mr, _) =
+            rules(&hyper(0.0, 1.0, 0.0, true, false, 1024)).expect("test inputs are valid");
         assert!(mr.is_none());
     }
 }

@@ -169,9 +169,9 @@ mod tests {
             let (mr, sr) = rules(&h).expect("rules");
             // As the plan runs them: after `simplify`.
             let program = |r: &ElementwiseRule| {
-                let u = update_rule(r).unwrap();
+                let u = update_rule(r).expect("test inputs are valid");
                 let (expr, _) = simplify(&u.expr);
-                Program::new(&UpdateRule { expr, ..u }).unwrap()
+                Program::new(&UpdateRule { expr, ..u }).expect("test inputs are valid")
             };
             let (mp, sp) = (program(&mr), program(&sr));
             let hp = SoapParams {
@@ -206,7 +206,7 @@ mod tests {
                     m,
                     n,
                 )
-                .unwrap();
+                .expect("test inputs are valid");
                 let mut gp = crate::project(&g, ql.as_deref(), qr.as_deref(), m, n);
                 let mut u = vec![f32::NAN; m * n];
                 let mut pp = p2.clone();
@@ -214,10 +214,10 @@ mod tests {
                     &mut [&mut pp, &mut gp, &mut ea2, &mut eas2, &mut u],
                     &step_scalars::<f32>(&mr, lr_t, t),
                 )
-                .unwrap();
+                .expect("test inputs are valid");
                 let mut nn = crate::project_back(&u, ql.as_deref(), qr.as_deref(), m, n);
                 sp.run(&mut [&mut p2, &mut nn], &step_scalars::<f32>(&sr, lr_t, t))
-                    .unwrap();
+                    .expect("test inputs are valid");
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&p), bits(&p2), "param, {m}x{n} t={t}");
                 assert_eq!(bits(&ea), bits(&ea2), "exp_avg, {m}x{n} t={t}");
@@ -229,7 +229,7 @@ mod tests {
     #[test]
     fn normalize_grads_is_refused_and_hyper_round_trips() {
         let mut h = hyper(0.01, true);
-        let (mr, sr) = rules(&h).unwrap();
+        let (mr, sr) = rules(&h).expect("test inputs are valid");
         assert_eq!(hyper_of(&mr), Some(h));
         assert_eq!(hyper_of(&sr), Some(h));
         h.normalize_grads = true;
