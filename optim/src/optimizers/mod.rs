@@ -20,13 +20,14 @@ use schedule::limits::FloatRange;
 use schedule::{BufferClass, ElementwiseRule, StepScalar};
 use std::collections::HashMap;
 
+mod adabelief;
 pub mod kl_shampoo;
 mod lion;
 pub mod shampoo;
 pub mod soap;
 
 /// Every optimizer defined by an element-wise rule, by spec name.
-pub const DEFINITIONS: &[&Definition] = &[&lion::LION];
+pub const DEFINITIONS: &[&Definition] = &[&lion::LION, &adabelief::ADABELIEF];
 
 /// The definition named `name`.
 pub fn find(name: &str) -> Option<&'static Definition> {
