@@ -233,7 +233,8 @@ fn malformed_shards_are_refused_before_training_naming_the_file() {
         (magic, "has magic 20240521, expected 20240520"),
         (
             big,
-            "holds token id 300 at token 77, but the model's vocab is 256",
+            "holds token id 300 at token 77, but the model's vocab is 256 (ids must be < vocab): \
+             set `vocab = 301` or more",
         ),
     ] {
         std::fs::write(&bad, &bytes).expect("write");

@@ -87,7 +87,10 @@ pub struct SpecFlags {
 /// Options of commands that execute a plan.
 #[derive(clap::Args, Clone, Debug)]
 pub struct RunFlags {
-    /// Override the number of training steps (1..=1_000_000_000).
+    /// Stop after this many training steps (1..=1_000_000_000). The learning-rate schedule
+    /// stays the spec's (warmup and cosine decay over `train.steps`), so a run cut short has
+    /// the same steps as the full run up to there, and steps past `train.steps` hold the
+    /// schedule's floor; `--set train.steps=N` rescales the schedule instead.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1_000_000_000))]
     pub steps: Option<u64>,
     /// Write per-step and per-evaluation metrics as JSON lines to this file.
@@ -226,14 +229,14 @@ enum Command {
         /// Where to write the JSON description (stdout when absent).
         #[arg(short, long, value_name = "FILE.json")]
         output: Option<PathBuf>,
-        /// Matrix sizes to measure.
-        #[arg(long, value_delimiter = ',', default_value = "64,128,256,512,1024")]
+        /// Matrix sizes to measure (each 1..=16384).
+        #[arg(long, value_delimiter = ',', default_value = "64,128,256,512,1024", value_parser = matrix_size)]
         sizes: Vec<usize>,
-        /// Worker threads (default: all cores).
-        #[arg(long)]
+        /// Worker threads (default: all cores; 1..=4096).
+        #[arg(long, value_parser = count)]
         threads: Option<usize>,
-        /// Repetitions per measurement (median reported).
-        #[arg(long, default_value_t = 3)]
+        /// Repetitions per measurement (median reported; 1..=4096).
+        #[arg(long, default_value_t = 3, value_parser = count)]
         reps: usize,
         /// Also measure a GPU (`cuda`): refresh times through the engine's cuSOLVER refresher,
         /// pinned host→device bandwidth and the bf16 GEMM rate; the description then places
@@ -379,14 +382,14 @@ enum BenchCommand {
     },
     /// Host eigensolvers (faer, lapack) on random symmetric matrices: median ms per eigh.
     Eigh {
-        /// Matrix sizes.
-        #[arg(long, value_delimiter = ',', default_value = "512,1024,2048")]
+        /// Matrix sizes (each 1..=16384).
+        #[arg(long, value_delimiter = ',', default_value = "512,1024,2048", value_parser = matrix_size)]
         sizes: Vec<usize>,
-        /// Thread counts.
-        #[arg(long, value_delimiter = ',', default_value = "2")]
+        /// Thread counts (each 1..=4096).
+        #[arg(long, value_delimiter = ',', default_value = "2", value_parser = count)]
         threads: Vec<usize>,
-        /// Repetitions per measurement (the median is reported).
-        #[arg(long, default_value_t = 3)]
+        /// Repetitions per measurement (the median is reported; 1..=4096).
+        #[arg(long, default_value_t = 3, value_parser = count)]
         reps: usize,
     },
 }
@@ -551,5 +554,22 @@ fn main() -> ExitCode {
             note!("{text}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// A measured matrix side `n` (of `n × n` factors): 1..=16384.
+fn matrix_size(s: &str) -> Result<usize, String> {
+    in_range(s, 1, 16384)
+}
+
+/// A thread or repetition count: 1..=4096.
+fn count(s: &str) -> Result<usize, String> {
+    in_range(s, 1, 4096)
+}
+
+fn in_range(s: &str, lo: usize, hi: usize) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if (lo..=hi).contains(&n) => Ok(n),
+        _ => Err(format!("expected a whole number in {lo}..={hi}, got `{s}`")),
     }
 }

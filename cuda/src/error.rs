@@ -26,7 +26,7 @@ pub enum CudaError {
     /// machine, or it is not on the loader's path.
     #[error(
         "no CUDA driver: {lib} could not be loaded (this machine has no NVIDIA driver, or it is not on \
-         LD_LIBRARY_PATH); the CPU backend (`--device cpu`) needs none"
+         LD_LIBRARY_PATH); the CPU engine (`target cpu`, or `--device cpu` where a command takes it) needs none"
     )]
     NoDriver {
         /// The library that was looked for.

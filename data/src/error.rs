@@ -80,8 +80,10 @@ pub enum DataError {
     /// A token shard holds a token id the model cannot embed (`token >= vocab`).
     #[error(
         "token shard {} holds token id {token} at token {position}, but the model's vocab is \
-         {vocab} (ids must be < vocab): the shard's GPT-2 tokens need `vocab = 50257` or more",
-        path.display()
+         {vocab} (ids must be < vocab): set `vocab = {}` or more, or use shards of the model's \
+         tokenizer (GPT-2 BPE ids go up to 50256)",
+        path.display(),
+        *token as usize + 1
     )]
     ShardTokenOutOfRange {
         /// The shard.

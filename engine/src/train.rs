@@ -761,8 +761,9 @@ pub fn train_with<E: StepExecutor>(
     pb.finish_and_clear();
     summary.steps = steps;
     let total_s: f64 = step_ms.iter().sum::<f64>() / 1e3;
+    // The steps this process ran (a resumed run starts after its checkpoint's step).
     summary.tokens_per_s = if total_s > 0.0 {
-        tokens_per_step * steps as f64 / total_s
+        tokens_per_step * step_ms.len() as f64 / total_s
     } else {
         0.0
     };

@@ -79,6 +79,64 @@ pub fn interpolate(table: &[(usize, f64)], n: usize) -> Option<f64> {
 }
 
 impl TargetDescription {
+    /// Checks a description read from a file before a pass predicts anything with it: at least
+    /// one host core; every rate (GB/s, TFLOP/s) positive and finite; every time table's sizes
+    /// positive and ascending and its times positive and finite; the host tables (`eigh`,
+    /// QR) not empty; the side-stream interference in `[0, 1]`.
+    ///
+    /// # Errors
+    /// The first field that is out of range, by name, with the allowed range.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.host_cores == 0 {
+            return Err("host_cores = 0: at least one host core (1 or more)".into());
+        }
+        let rate = |name: &str, v: Option<f64>| match v {
+            Some(x) if !(x.is_finite() && x > 0.0) => {
+                Err(format!("{name} = {x}: a positive, finite rate"))
+            }
+            _ => Ok(()),
+        };
+        rate("host_gpu_gbps", self.host_gpu_gbps)?;
+        rate("gpu_fp32_tflops", self.gpu_fp32_tflops)?;
+        rate("train_tflops", Some(self.train_tflops))?;
+        rate("nvme_read_gbps", self.nvme_read_gbps)?;
+        rate("nvme_write_gbps", self.nvme_write_gbps)?;
+        if !(0.0..=1.0).contains(&self.side_stream_interference) {
+            return Err(format!(
+                "side_stream_interference = {}: a fraction in [0, 1]",
+                self.side_stream_interference
+            ));
+        }
+        let tables: [(&str, &[(usize, f64)], bool); 5] = [
+            ("host_eigh_ms", &self.host_eigh_ms, true),
+            ("host_qr_ms", &self.host_qr_ms, true),
+            ("gpu_eigh_ms", &self.gpu_eigh_ms, false),
+            ("gpu_qr_ms", &self.gpu_qr_ms, false),
+            ("host_inverse_root_ms", &self.host_inverse_root_ms, false),
+        ];
+        for (name, t, required) in tables {
+            if required && t.is_empty() {
+                return Err(format!(
+                    "{name} is empty: at least one (size, ms) measurement"
+                ));
+            }
+            for (i, &(n, ms)) in t.iter().enumerate() {
+                if n == 0 || !(ms.is_finite() && ms > 0.0) {
+                    return Err(format!(
+                        "{name}[{i}] = ({n}, {ms}): a size of 1 or more and a positive, finite time"
+                    ));
+                }
+                if i > 0 && n <= t[i - 1].0 {
+                    return Err(format!(
+                        "{name}: sizes must ascend ({} then {n})",
+                        t[i - 1].0
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// A built-in description by name: `h200`, `gh200`, `gb10`, `cpu`.
     pub fn builtin(name: &str) -> Option<TargetDescription> {
         // Measured on the H200 host (16 cores, driver 580) with `asteria calibrate --device

@@ -98,11 +98,14 @@ pub fn target_description(target: &TargetConfig) -> Result<TargetDescription, Pa
     };
     let text = std::fs::read_to_string(name)
         .map_err(|e| bad(format!("cannot read calibration file {name}: {e}")))?;
-    serde_json::from_str(&text).map_err(|e| {
+    let desc: TargetDescription = serde_json::from_str(&text).map_err(|e| {
         bad(format!(
             "calibration file {name} is not a target description: {e}"
         ))
-    })
+    })?;
+    desc.validate()
+        .map_err(|e| bad(format!("calibration file {name}: {e}")))?;
+    Ok(desc)
 }
 
 /// Computes the decisions for `module` on `desc` without changing the module.

@@ -263,7 +263,8 @@ fn calibration(c: &mut Checker, v: &Value, base_dir: &Path) -> Option<String> {
         ValueKind::Ident(name) => {
             c.push(
                 unknown_name("calibration", name, v.span, CALIBRATIONS).with_help(format!(
-                    "use a built-in target, or quote a calibration file path: \"{name}\""
+                    "use a built-in target ({}), or quote a calibration file path: \"{name}\"",
+                    CALIBRATIONS.join(", ")
                 )),
             );
             None
