@@ -353,6 +353,63 @@ fn calibrate_names_its_devices_and_needs_a_driver_for_cuda() {
     }
 }
 
+/// A calibration file is checked before a pass predicts with it: a measured one compiles; the
+/// same file with a negative training rate, no host cores or descending sizes is one error
+/// naming the field and the range; `calibrate --sizes 0` is refused by the CLI.
+#[test]
+fn calibration_files_are_validated_before_they_are_used() {
+    let o = asteria(&["calibrate", "--sizes", "0"]);
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(flat(&o).contains("1..=16384"), "{}", flat(&o));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let good = dir.path().join("good.json");
+    let o = asteria(&[
+        "calibrate",
+        "--sizes",
+        "16,32",
+        "--reps",
+        "1",
+        "-o",
+        good.to_str().expect("utf8"),
+    ]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let desc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&good).expect("read")).expect("json");
+    let spec = tiny_with(
+        dir.path(),
+        "t.asteria",
+        "\ntarget cpu {",
+        "\ntarget cpu {\n  calibration = \"c.json\"",
+    );
+    let compile = || asteria(&["compile", spec.to_str().expect("utf8")]);
+    std::fs::write(dir.path().join("c.json"), desc.to_string()).expect("write");
+    assert!(compile().status.success(), "{:?}", text(&compile()));
+    for (field, value, says) in [
+        (
+            "train_tflops",
+            serde_json::json!(-1.0),
+            "train_tflops = -1: a positive, finite rate",
+        ),
+        ("host_cores", serde_json::json!(0), "host_cores = 0"),
+        (
+            "host_qr_ms",
+            serde_json::json!([[32, 1.0], [16, 1.0]]),
+            "host_qr_ms: sizes must ascend (32 then 16)",
+        ),
+    ] {
+        let mut bad = desc.clone();
+        bad[field] = value;
+        std::fs::write(dir.path().join("c.json"), bad.to_string()).expect("write");
+        let o = compile();
+        assert_eq!(o.status.code(), Some(1), "{field}: {:?}", text(&o));
+        let err = flat(&o);
+        assert!(
+            err.contains(says) && err.contains("c.json"),
+            "{field}: {err}"
+        );
+    }
+}
+
 // --- Hostile input (issue 15): each gets one clear message, fast, and never a panic. ---
 
 /// `examples/tiny.asteria` with `from` replaced by `to`, written into `dir` as `name`.
