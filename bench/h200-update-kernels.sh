@@ -67,7 +67,7 @@ if [[ ${2:-} == --soap-steps ]]; then
   exit 0
 fi
 stamp selftest
-$B selftest --device cuda --quick --train-match $S/tiny.asteria --train-match $S/tiny-lion.asteria \
+$B selftest --device cuda --quick --train-match $S/tiny.asteria --train-match $S/tiny-lion.asteria --train-match $S/tiny-adabelief.asteria \
   --steps 20 --cache-dir "$TC" > "$out/selftest.txt" 2>&1; echo "selftest rc=$?"
 grep -E "passed|PASS|FAIL" "$out/selftest.txt" | tail -4
 # SOAP's step composed (`--skip-rule soap-update`: `project`, the moments rule with its result,
