@@ -538,7 +538,7 @@ fn a_corpus_smaller_than_one_batch_names_both_sizes() {
         err.contains("the validation split has 300 tokens, fewer than one batch of 16 × 64 tokens"),
         "{err}"
     );
-    assert!(err.contains("corpus has 3001 tokens"), "{err}");
+    assert!(err.contains("both splits together: 3001 tokens"), "{err}");
 }
 
 #[test]

@@ -150,7 +150,7 @@ pub enum DataError {
 
     /// A train or validation split is too short for one window of `seq_len + 1` tokens.
     #[error(
-        "{split} split has {tokens} tokens, needs at least seq_len + 1 = {needed} (corpus has {corpus_tokens} tokens)"
+        "{split} split has {tokens} tokens, needs at least seq_len + 1 = {needed} (both splits together: {corpus_tokens} tokens)"
     )]
     SplitTooShort {
         /// "train" or "validation".
@@ -166,7 +166,7 @@ pub enum DataError {
     /// A train or validation split holds fewer tokens than one batch.
     #[error(
         "the {split} split has {tokens} tokens, fewer than one batch of {batch} × {seq_len} \
-         tokens (+1 for the last target) (corpus has {corpus_tokens} tokens); use a larger \
+         tokens (+1 for the last target) (both splits together: {corpus_tokens} tokens); use a larger \
          corpus, a smaller `batch_size` or `seq_len`{hint}"
     )]
     SmallerThanBatch {
