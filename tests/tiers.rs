@@ -414,6 +414,10 @@ fn a_budget_no_placement_meets_is_a_compile_error_naming_the_largest_consumers()
     assert!(text.contains("cannot be met"), "{text}");
     assert!(text.contains("1.00 MiB"), "names the budget: {text}");
     assert!(
+        text.contains("still leaves") && text.contains("staging buffers"),
+        "says what offloading everything leaves on the device: {text}"
+    );
+    assert!(
         text.contains("largest device consumers: %"),
         "names the largest consumers: {text}"
     );

@@ -320,18 +320,29 @@ pub fn place(
     }
     // Then exact: with the staging copies in place, add more until the device fits; take
     // back the smallest ones that are not needed.
-    let fits = |chosen: &[BufferId]| -> Result<Option<usize>, PassError> {
+    let trial_need = |chosen: &[BufferId]| -> Result<usize, PassError> {
         let mut trial = plan.clone();
         assign(&mut trial, chosen, budgets, desc, host_ok, &mut Vec::new())?;
         insert_prefetches(&mut trial)?;
-        let need = device_need(&trial);
+        Ok(device_need(&trial))
+    };
+    let fits = |chosen: &[BufferId]| -> Result<Option<usize>, PassError> {
+        let need = trial_need(chosen)?;
         Ok((need <= cap).then_some(need))
     };
     let mut rest = candidates.iter().skip(chosen.len());
     while fits(&chosen)?.is_none() {
         match rest.next() {
             Some(&c) => chosen.push(c),
-            None => return Err(over_budget(plan, budgets, placement.device_need, &chosen)),
+            None => {
+                let left = trial_need(&chosen)?;
+                return Err(over_budget(
+                    plan,
+                    budgets,
+                    (placement.device_need, left),
+                    &chosen,
+                ));
+            }
         }
     }
     let mut by_size = chosen.clone();
@@ -553,8 +564,15 @@ fn assign(
     Ok(())
 }
 
-/// The error when the device budget cannot be met: budget, need, the largest consumers.
-fn over_budget(plan: &Plan, budgets: &Budgets, need: usize, moved: &[BufferId]) -> PassError {
+/// The error when the device budget cannot be met: budget, need (everything on the device,
+/// and what stays there with every movable tensor offloaded, staging buffers included), the
+/// largest consumers.
+fn over_budget(
+    plan: &Plan,
+    budgets: &Budgets,
+    (need, left): (usize, usize),
+    moved: &[BufferId],
+) -> PassError {
     let mut sizes: Vec<(usize, String)> = plan
         .buffers
         .iter()
@@ -582,15 +600,17 @@ fn over_budget(plan: &Plan, budgets: &Budgets, need: usize, moved: &[BufferId]) 
         pass: "tier-placement",
         message: format!(
             "the device budget {} cannot be met: the plan needs {} on the device, and \
-             offloading every movable tensor (the optimizer moments and the gradients, {}, after the refresh shadows) is not enough; the \
-             largest device consumers: {}; raise the budget, or lower batch_size or seq_len \
-             (or set `rematerialize = layers` in the train block when activations are among \
-             them)",
+             offloading every movable tensor (the optimizer moments and the gradients, {}, after \
+             the refresh shadows) still leaves {} there, the staging buffers that bring them \
+             back for their updates included; the largest device consumers: {}; raise the \
+             budget, or lower batch_size or seq_len (or set `rematerialize = layers` in the \
+             train block when activations are among them)",
             budgets
                 .device
                 .map_or("(none)".to_string(), |b| human_bytes(b as usize)),
             human_bytes(need),
             human_bytes(moved_bytes),
+            human_bytes(left),
             largest.join(", ")
         ),
     }
