@@ -137,7 +137,7 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
     );
     let _ = writeln!(
         o,
-        "  peak live step-local tensors (with buffer reuse): {}",
+        "  peak live step-local tensors (with buffer reuse; the liveness pass, before tier placement): {}",
         human_bytes(liveness.peak_step_bytes)
     );
     let m = passes::memory_planning::MemorySummary::of(&plan);

@@ -554,10 +554,20 @@ impl Plan {
 
     /// The largest number of bytes of transient buffers live at one step position — a lower
     /// bound on the size of any valid activations arena (`residency` from
-    /// [`Plan::residency`]).
+    /// [`Plan::residency`]). Buffers whose slot `tier-placement` put in the host or NVMe arena
+    /// (streamed gradients' homes) are not on the device and not counted.
     pub fn peak_live_bytes(&self, residency: &[Residency]) -> usize {
+        let off_device = |i: usize| {
+            self.memory
+                .slots
+                .get(i)
+                .is_some_and(|s| matches!(s.arena, ArenaKind::Host | ArenaKind::Nvme))
+        };
         let mut delta = vec![0i128; self.step_len() + 1];
-        for (b, r) in self.buffers.iter().zip(residency) {
+        for (i, (b, r)) in self.buffers.iter().zip(residency).enumerate() {
+            if off_device(i) {
+                continue;
+            }
             if let Residency::Transient(live) = r {
                 if live.last < self.step_len() {
                     delta[live.first] += b.size_bytes() as i128;
