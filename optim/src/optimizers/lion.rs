@@ -40,7 +40,7 @@ pub const LION: Definition = Definition {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::optimizers::{step_scalars, update_rule};
+    use crate::optimizers::{reference, reference::rel, step_scalars, update_rule};
     use crate::update::{simplify, Program, UpdateRule};
 
     /// Lion against a float64 re-implementation of Algorithm 2: the simplified rule run in
@@ -56,20 +56,13 @@ mod tests {
         assert!(report.after < report.before, "{report:?}");
         let prog = Program::new(&UpdateRule { expr, ..r }).expect("program");
         let n = 513;
-        let mut state = 7u64;
-        let mut normal = || {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64 - 0.5
-        };
-        let mut p: Vec<f64> = (0..n).map(|_| normal()).collect();
+        let mut uniform = reference::uniform(7);
+        let mut p: Vec<f64> = (0..n).map(|_| uniform()).collect();
         let mut m = vec![0.0f64; n];
         let (mut p64, mut m64) = (p.clone(), m.clone());
         for t in 1..=25u64 {
             let lr_t = 1e-4 * (t as f64 / 25.0);
-            let mut grad: Vec<f64> = (0..n).map(|_| normal()).collect();
+            let mut grad: Vec<f64> = (0..n).map(|_| uniform()).collect();
             for i in 0..n {
                 let c = beta1 * m64[i] + (1.0 - beta1) * grad[i];
                 let sign = if c > 0.0 {
@@ -86,14 +79,6 @@ mod tests {
             let mut refs: Vec<&mut [f64]> = vec![&mut p, &mut grad, &mut m];
             prog.run(&mut refs, &scalars).expect("run");
         }
-        let rel = |a: &[f64], b: &[f64]| {
-            let num = a
-                .iter()
-                .zip(b)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0.0, f64::max);
-            num / b.iter().map(|y| y.abs()).fold(0.0, f64::max)
-        };
         assert!(rel(&p, &p64) <= 1e-6, "p {}", rel(&p, &p64));
         assert!(rel(&m, &m64) <= 1e-6, "m {}", rel(&m, &m64));
     }

@@ -203,6 +203,32 @@ pub fn step_scalars<T: crate::Real>(rule: &ElementwiseRule, lr_t: f64, t: u64) -
         .collect()
 }
 
+/// What the float64 reference tests of the rule-defined optimizers share.
+#[cfg(test)]
+pub(crate) mod reference {
+    /// A deterministic stream of uniform values in [-0.5, 0.5) (splitmix64) from `seed`.
+    pub fn uniform(seed: u64) -> impl FnMut() -> f64 {
+        let mut state = seed;
+        move || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64 - 0.5
+        }
+    }
+
+    /// max |a − b| / max |b|.
+    pub fn rel(a: &[f64], b: &[f64]) -> f64 {
+        let num = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max);
+        num / b.iter().map(|y| y.abs()).fold(0.0, f64::max)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
