@@ -62,8 +62,7 @@ pub const ADABELIEF: Definition = Definition {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::optimizers::{reference, reference::rel, step_scalars, update_rule};
-    use crate::update::{simplify, Program, UpdateRule};
+    use crate::optimizers::{reference, reference::rel, step_scalars};
 
     /// AdaBelief against a float64 re-implementation of the reference's step (Algorithm 2 with
     /// decoupled weight decay and ε added to `s` in place): the simplified rule run in f64, 25
@@ -73,12 +72,7 @@ mod tests {
     #[test]
     fn adabelief_follows_its_reference_algorithm() {
         let (beta1, beta2, eps, wd) = (0.9f32 as f64, 0.999f32 as f64, 1e-16f32 as f64, 0.1);
-        let hyper = [("weight_decay".to_string(), wd)];
-        let rule = ADABELIEF.plan_rule(&hyper).expect("rule");
-        let r = update_rule(&rule).expect("update rule");
-        let (expr, report) = simplify(&r.expr);
-        assert!(report.after < report.before, "{report:?}");
-        let prog = Program::new(&UpdateRule { expr, ..r }).expect("program");
+        let (rule, prog) = reference::simplified(&ADABELIEF, wd);
         let n = 517;
         let mut uniform = reference::uniform(11);
         let mut p: Vec<f64> = (0..n).map(|_| uniform()).collect();

@@ -40,8 +40,7 @@ pub const LION: Definition = Definition {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::optimizers::{reference, reference::rel, step_scalars, update_rule};
-    use crate::update::{simplify, Program, UpdateRule};
+    use crate::optimizers::{reference, reference::rel, step_scalars};
 
     /// Lion against a float64 re-implementation of Algorithm 2: the simplified rule run in
     /// f64, 25 steps with a warmup-like lr schedule, ≤ 1e-6 relative. (The rule's constants are
@@ -49,12 +48,7 @@ mod tests {
     #[test]
     fn lion_follows_its_reference_algorithm() {
         let (beta1, beta2, wd) = (0.9, 0.99, 0.1);
-        let hyper = [("weight_decay".to_string(), wd)];
-        let rule = LION.plan_rule(&hyper).expect("rule");
-        let r = update_rule(&rule).expect("update rule");
-        let (expr, report) = simplify(&r.expr);
-        assert!(report.after < report.before, "{report:?}");
-        let prog = Program::new(&UpdateRule { expr, ..r }).expect("program");
+        let (rule, prog) = reference::simplified(&LION, wd);
         let n = 513;
         let mut uniform = reference::uniform(7);
         let mut p: Vec<f64> = (0..n).map(|_| uniform()).collect();

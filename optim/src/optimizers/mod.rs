@@ -218,6 +218,23 @@ pub(crate) mod reference {
         }
     }
 
+    /// `def`'s plan rule at `weight_decay = wd` and its program as the plan runs it, after
+    /// `simplify` (which must shrink it: constants folded, shared subterms found).
+    pub fn simplified(
+        def: &super::Definition,
+        wd: f64,
+    ) -> (schedule::ElementwiseRule, crate::update::Program) {
+        let rule = def
+            .plan_rule(&[("weight_decay".to_string(), wd)])
+            .expect("rule");
+        let r = super::update_rule(&rule).expect("update rule");
+        let (expr, report) = crate::update::simplify(&r.expr);
+        assert!(report.after < report.before, "{report:?}");
+        let prog =
+            crate::update::Program::new(&crate::update::UpdateRule { expr, ..r }).expect("program");
+        (rule, prog)
+    }
+
     /// max |a − b| / max |b|.
     pub fn rel(a: &[f64], b: &[f64]) -> f64 {
         let num = a
