@@ -92,6 +92,7 @@ fn cuda_bf16() -> TargetConfig {
         eigensolver: Default::default(),
         attention: Default::default(),
         refresh_placement: Default::default(),
+        weight_casts: Default::default(),
         budgets: Default::default(),
     }
 }
@@ -312,6 +313,7 @@ fn cuda_fp32() -> TargetConfig {
             attention,
             refresh_placement,
             budgets,
+            weight_casts,
             ..
         } => TargetConfig::Cuda {
             device,
@@ -321,6 +323,7 @@ fn cuda_fp32() -> TargetConfig {
             eigensolver,
             attention,
             refresh_placement,
+            weight_casts,
             budgets,
         },
         other => other,
@@ -380,10 +383,11 @@ fn bf16_outputs_train_within_bf16_tolerance() {
                 b.dtype == schedule::DType::Bf16 && !casts.contains(&schedule::BufferId(*i as u32))
             })
             .count();
-        // Per block ln_1, ln_2, attention, gelu, qkv and the attention's output gradient
-        // (read only by the tensor-core attention); ln_f; logits and dlogits; every other GEMM
-        // operand is cast (the CPU engine rounds the casts as the GPU does).
-        assert_eq!(bf16, 2 * 6 + 3);
+        // Per block ln_1, ln_2, attention, gelu, qkv, the attention's output gradient (read
+        // only by the tensor-core attention), fc and GELU's output gradient (read only by GELU
+        // and its backward); ln_f; logits and dlogits; every other GEMM operand is cast (the CPU
+        // engine rounds the casts as the GPU does).
+        assert_eq!(bf16, 2 * 8 + 3);
         assert!(!casts.is_empty());
         assert_eq!(count(&fused, "mat_mul_bias"), 8);
         let (a, b) = (train(fused, 6), train(unfused, 6));

@@ -95,6 +95,7 @@ fn cuda_bf16() -> TargetConfig {
         eigensolver: Default::default(),
         attention: Default::default(),
         refresh_placement: Default::default(),
+        weight_casts: Default::default(),
         budgets: Default::default(),
     }
 }

@@ -90,15 +90,26 @@ pub const FAMILIES: &[Family] = &[
     family!(
         "activations",
         [
-            "gelu_forward",
-            "gelu_forward_bf16",
-            "gelu_backward",
-            "swiglu_forward",
-            "swiglu_forward_bf16",
-            "swiglu_forward_bf16x",
-            "swiglu_forward_bf16x_bf16",
-            "swiglu_backward",
-            "swiglu_backward_bf16x"
+            "gelu_forward_ff",
+            "gelu_forward_fb",
+            "gelu_forward_bf",
+            "gelu_forward_bb",
+            "gelu_backward_ff",
+            "gelu_backward_fb",
+            "gelu_backward_bf",
+            "gelu_backward_bb",
+            "swiglu_forward_ff",
+            "swiglu_forward_fb",
+            "swiglu_forward_bf",
+            "swiglu_forward_bb",
+            "swiglu_backward_fff",
+            "swiglu_backward_ffb",
+            "swiglu_backward_fbf",
+            "swiglu_backward_fbb",
+            "swiglu_backward_bff",
+            "swiglu_backward_bfb",
+            "swiglu_backward_bbf",
+            "swiglu_backward_bbb"
         ]
     ),
     family!(

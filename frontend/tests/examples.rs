@@ -201,6 +201,7 @@ fn gpt2_124m() {
             eigensolver: ir::Eigensolver::Faer,
             attention: ir::AttentionKernel::Auto,
             refresh_placement: ir::RefreshPlacement::Auto,
+            weight_casts: ir::WeightCasts::Auto,
             budgets: Default::default(),
         }
     );

@@ -293,12 +293,13 @@ fn cuda_target_and_threads_none() {
             eigensolver: ir::Eigensolver::Faer,
             attention: ir::AttentionKernel::Auto,
             refresh_placement: ir::RefreshPlacement::Auto,
+            weight_casts: ir::WeightCasts::Auto,
             budgets: Default::default(),
         }
     );
     let c = parse(&spec(
         "optimizer adamw { }",
-        "target cuda { attention = gemm refresh_placement = host eigensolver = lapack precision = fp32 }",
+        "target cuda { attention = gemm refresh_placement = host eigensolver = lapack precision = fp32 weight_casts = twice }",
     ))
     .expect("valid");
     assert_eq!(
@@ -311,6 +312,7 @@ fn cuda_target_and_threads_none() {
             eigensolver: ir::Eigensolver::Lapack,
             attention: ir::AttentionKernel::Gemm,
             refresh_placement: ir::RefreshPlacement::Host,
+            weight_casts: ir::WeightCasts::Twice,
             budgets: Default::default(),
         }
     );

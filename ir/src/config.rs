@@ -314,6 +314,10 @@ pub enum TargetConfig {
         /// cost model decides per factor).
         #[serde(default)]
         refresh_placement: crate::RefreshPlacement,
+        /// How often weights are cast to bf16 per step (`weight_casts = auto | once | twice`,
+        /// default auto; [`crate::WeightCasts`]).
+        #[serde(default)]
+        weight_casts: crate::WeightCasts,
         /// Memory budgets (`gpu_memory`, `host_memory`, `nvme`, `nvme_memory`; default none).
         #[serde(default, skip_serializing_if = "crate::Budgets::is_empty")]
         budgets: crate::Budgets,

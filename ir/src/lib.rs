@@ -19,7 +19,7 @@ pub use schedule::{limits, PLAN_FORMAT};
 pub use schedule::{
     AttentionKernel, Budgets, BufferClass, DType, Eigensolver, Init, InverseRoot, KlShampooHyper,
     Placement, Precision, RefreshMethod, RefreshPlacement, RefreshSwap, Rematerialize,
-    ShampooHyper, SoapHyper,
+    ShampooHyper, SoapHyper, WeightCasts,
 };
 pub use types::TensorType;
 pub use verifier::{verify, VerifierError};

@@ -55,15 +55,17 @@
 //!   memory plan keeps both alive until the backward.
 //! - **`bf16-output`** (an analysis, CUDA with `precision = bf16` only): the output of a
 //!   `layer_norm` (rows of at most `schedule::BF16_LAYERNORM_MAX_C`), `rms_norm`, `gelu`,
-//!   `swi_glu`, `rope` (LLaMA's rotated qkv), `mat_mul` (the bf16 GEMM rounds its fp32 result in
-//!   the epilogue), `mat_mul_bias`
+//!   `swi_glu`, `swi_glu_backward`, `rope` (LLaMA's rotated qkv), `rope_backward`, `mat_mul`
+//!   (the bf16 GEMM rounds its fp32 result in the epilogue), `mat_mul_bias`
 //!   (rows of a multiple of 8; its bias is then cast to bf16 too, as PyTorch's autocast
 //!   does: cuBLASLt's bias epilogue reads the bias in the output's type), `attention`
 //!   (heads of at most `schedule::BF16_ATTENTION_MAX_HEAD_DIM`, the tensor-core kernels) or
 //!   `cross_entropy_backward` whose every reader reads it as a GEMM operand (`a` / `b` of
 //!   `mat_mul` / `mat_mul_bias`, which read bf16 under that precision anyway), as the input
-//!   `x` of `swi_glu` / `swi_glu_backward` (LLaMA's `fc`, the largest activation: the SwiGLU
-//!   kernels read bf16 and compute in fp32), as the `logits` of `cross_entropy` /
+//!   `x` of `swi_glu` / `gelu` and their backwards, or the `dout` of `swi_glu_backward` /
+//!   `gelu_backward` (the MLP's `fc`, the largest activation, and the gradient a GEMM hands the
+//!   activation's backward: the activation kernels read bf16 and compute in fp32, as PyTorch's
+//!   autocast runs them on bf16 tensors), as the `logits` of `cross_entropy` /
 //!   `cross_entropy_backward` when that backward writes a bf16 gradient (the LM head's output:
 //!   the loss kernels read bf16, statistics in fp32) or as the saved `fwd_out` of an
 //!   `attention_backward` (read in bf16 by the tensor-core backward), or as the `qkv` of
@@ -78,11 +80,15 @@
 //!   and the `bias` of a `mat_mul_bias` with a bf16 output,
 //!   gets a `cast` to a bf16 value, inserted just before its first GEMM reader in each section
 //!   (forward, backward); those GEMMs read the cast. The bf16 copies are plan buffers like any
-//!   other, step-local and placed by the memory planner — a weight's copy lives from its cast to
-//!   its last GEMM in that section, not across the step — so no engine keeps copies of its
-//!   own, and the plan shows every rounding. A weight is cast twice per step (forward and
-//!   backward): a read of its f32 bytes and a write of half as many, against keeping a copy
-//!   alive from the forward to the backward (what PyTorch's autocast does).
+//!   other, step-local and placed by the memory planner, so no engine keeps copies of its
+//!   own, and the plan shows every rounding. How often a parameter is cast is the spec's
+//!   `weight_casts` ([`ir::WeightCasts`], [`Fuse::weight_casts_once`]): `once` (the default
+//!   unless a `gpu_memory` budget or rematerialisation asks for memory) casts it in the forward
+//!   and the backward GEMMs read that copy, alive from the forward to its last backward GEMM (as
+//!   PyTorch's autocast keeps its casts: 2 bytes per weight element at the activation peak);
+//!   `twice` casts again in the backward, each copy alive only around its section's GEMMs (a
+//!   read of the f32 weight and a write of half as many bytes more per step). Both read the
+//!   same bits.
 //! - **`sum-rows-cast`** (after `bf16-cast`, so where casts exist: CUDA with `precision =
 //!   bf16`): a `sum_rows x` (a bias gradient) and a `cast x` of the same value in one
 //!   section become one `sum_rows_cast x` that defines both (the column sums and the bf16
@@ -160,6 +166,10 @@ pub struct FuseReport {
     pub bf16_outputs: Vec<(String, &'static str)>,
     /// `bf16-cast`: `(f32 value, its bf16 cast, section)`.
     pub bf16_casts: Vec<(String, String, &'static str)>,
+    /// Whether weights were cast once per step (`None`: no bf16 GEMMs).
+    pub weight_casts_once: Option<bool>,
+    /// Forward casts of parameters that backward GEMMs read too (`weight_casts = once`).
+    pub kept_casts: Vec<(ValueId, String)>,
     /// `sum-rows-cast`: `(x, column sums, bf16 copy)` names.
     pub sum_rows_casts: Vec<(String, String, String)>,
     /// `clip-into-update`: the clip's `scale` and how many updates read it, or why not.
@@ -471,8 +481,10 @@ impl Fuse {
                         }
                         Op::Gelu
                         | Op::SwiGlu
+                        | Op::SwiGluBackward
                         | Op::RmsNorm { .. }
                         | Op::Rope { .. }
+                        | Op::RopeBackward { .. }
                         | Op::MatMul { .. }
                         | Op::CrossEntropyBackward => true,
                         // The bias epilogue rounds in the GEMM (cuBLASLt, bf16 D): rows of a
@@ -517,9 +529,10 @@ impl Fuse {
                                 // qkv; dout, qkv and the saved forward output.
                                 Op::Attention { .. } => i == 0 && tc(r),
                                 Op::AttentionBackward { .. } => i == 2 || (i < 2 && tc(r)),
-                                // SwiGLU's forward reads x at 0, its backward at 1.
-                                Op::SwiGlu => i == 0,
-                                Op::SwiGluBackward => i == 1,
+                                // The activation kernels read x (and the backward's dout,
+                                // at 0) in either dtype.
+                                Op::SwiGlu | Op::Gelu => i == 0,
+                                Op::SwiGluBackward | Op::GeluBackward => i < 2,
                                 // The logits, where the backward writes a bf16 gradient.
                                 Op::CrossEntropy => i == 0,
                                 Op::CrossEntropyBackward => {
@@ -548,12 +561,49 @@ impl Fuse {
         }
     }
 
+    /// Whether `bf16-cast` casts each weight once per step ([`ir::WeightCasts`]): `once`, or
+    /// `auto` without a `gpu_memory` budget and without rematerialisation.
+    pub fn weight_casts_once(config: &ir::config::Config) -> bool {
+        match &config.target {
+            TargetConfig::Cuda {
+                weight_casts,
+                budgets,
+                ..
+            } => match weight_casts {
+                ir::WeightCasts::Once => true,
+                ir::WeightCasts::Twice => false,
+                ir::WeightCasts::Auto => {
+                    budgets.device.is_none() && config.train.rematerialize == ir::Rematerialize::Off
+                }
+            },
+            TargetConfig::Cpu { .. } => false,
+        }
+    }
+
     /// `bf16-cast`: a bf16 `cast` of every f32 GEMM operand, once per section, before its first
-    /// GEMM reader there (see the module docs).
+    /// GEMM reader there; with `once` ([`Fuse::weight_casts_once`]) a parameter's forward cast
+    /// also serves its backward GEMMs (see the module docs).
     fn bf16_casts(&mut self, m: &mut Module, target: FuseTarget) {
         if !target.bf16_gemms {
             return;
         }
+        let once = Fuse::weight_casts_once(&m.config);
+        self.report.weight_casts_once = Some(once);
+        let params: std::collections::HashSet<ValueId> = m
+            .section(Section::State)
+            .filter(|&i| {
+                matches!(
+                    m.inst(i).op,
+                    Op::State {
+                        class: ir::BufferClass::Parameter,
+                        ..
+                    }
+                )
+            })
+            .map(|i| m.inst(i).results[0])
+            .collect();
+        // The forward's casts of parameters, which the backward reads under `once`.
+        let mut kept: HashMap<ValueId, ValueId> = HashMap::new();
         for (section, label) in [
             (Section::Forward, "forward"),
             (Section::Backward, "backward"),
@@ -562,7 +612,10 @@ impl Fuse {
                 .section(section)
                 .filter(|&i| matches!(m.inst(i).op, Op::MatMul { .. } | Op::MatMulBias { .. }))
                 .collect();
-            let mut casts: HashMap<ValueId, ValueId> = HashMap::new();
+            let mut casts: HashMap<ValueId, ValueId> = match section {
+                Section::Backward if once => kept.clone(),
+                _ => HashMap::new(),
+            };
             for g in gemms {
                 let inst = m.inst(g).clone();
                 let mut args = inst.args.clone();
@@ -580,7 +633,15 @@ impl Fuse {
                         continue;
                     }
                     let cast = match casts.get(arg) {
-                        Some(&c) => c,
+                        Some(&c) => {
+                            if section == Section::Backward
+                                && kept.get(arg) == Some(&c)
+                                && !self.report.kept_casts.iter().any(|k| k.0 == c)
+                            {
+                                self.report.kept_casts.push((c, m.display_value(c)));
+                            }
+                            c
+                        }
                         None => {
                             let ty = ir::TensorType {
                                 dtype: DType::Bf16,
@@ -594,6 +655,9 @@ impl Fuse {
                                 label,
                             ));
                             casts.insert(*arg, c);
+                            if section == Section::Forward && params.contains(arg) {
+                                kept.insert(*arg, c);
+                            }
                             c
                         }
                     };
@@ -719,6 +783,25 @@ impl Fuse {
             m.replace_inst(u, op, &args);
         }
         self.report.clip_into_update = Some(Ok((m.display_value(scale), updates.len())));
+    }
+}
+
+/// The spelling of the spec's `weight_casts`, with what `auto` chose.
+fn weight_casts_name(config: &ir::config::Config) -> String {
+    match &config.target {
+        TargetConfig::Cuda {
+            weight_casts: ir::WeightCasts::Auto,
+            ..
+        } => format!(
+            "auto: {}",
+            if Fuse::weight_casts_once(config) {
+                "no gpu_memory budget, no rematerialisation"
+            } else {
+                "a gpu_memory budget or rematerialisation"
+            }
+        ),
+        TargetConfig::Cuda { weight_casts, .. } => weight_casts.name().to_string(),
+        TargetConfig::Cpu { .. } => "-".to_string(),
     }
 }
 
@@ -857,8 +940,26 @@ impl Pass for Fuse {
         for (value, op) in &r.bf16_outputs {
             s.push_str(&format!("; bf16-output: {value} ({op})\n"));
         }
+        if let Some(once) = r.weight_casts_once {
+            s.push_str(&match once {
+                true => format!(
+                    "; bf16-cast: weights cast once per step (weight_casts {}): {} forward \
+                     copies kept for the backward\n",
+                    weight_casts_name(&module.config),
+                    r.kept_casts.len()
+                ),
+                false => format!(
+                    "; bf16-cast: weights cast in the forward and again in the backward \
+                     (weight_casts {})\n",
+                    weight_casts_name(&module.config)
+                ),
+            });
+        }
         for (value, cast, section) in &r.bf16_casts {
             s.push_str(&format!("; bf16-cast: {cast} = cast {value} ({section})\n"));
+        }
+        for (_, cast) in &r.kept_casts {
+            s.push_str(&format!("; bf16-cast: {cast} kept for the backward\n"));
         }
         match &r.clip_into_update {
             Some(Ok((scale, n))) => s.push_str(&format!(

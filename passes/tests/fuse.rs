@@ -118,8 +118,18 @@ fn attention_saved_reads_the_forward_of_the_same_qkv_and_geometry() {
 }
 
 fn compile(spec: &str, skip_fuse: bool) -> (ir::Module, schedule::Plan) {
+    compile_with(spec, skip_fuse, |_| {})
+}
+
+/// [`compile`] with the spec's configuration changed by `edit` first.
+fn compile_with(
+    spec: &str,
+    skip_fuse: bool,
+    edit: impl FnOnce(&mut ir::config::Config),
+) -> (ir::Module, schedule::Plan) {
     let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(spec);
-    let config = frontend::load_spec(&path).expect("spec");
+    let mut config = frontend::load_spec(&path).expect("spec");
+    edit(&mut config);
     let mut m = ir::Module::new(config);
     let mut pm = PassManager::new(PassOptions {
         skip: if skip_fuse {
@@ -202,10 +212,12 @@ fn gpt2_124m_lowers_to_fused_ops_and_bf16_buffers() {
         .map(|(_, b)| b.name.as_str())
         .collect();
     // Per block ln_1, ln_2, attn, gelu, qkv (the c_attn GEMM's bias epilogue rounds it: only
-    // the tensor-core attention and its backward read it) and the attention's output gradient
-    // (read only by the attention backward); plus ln_f, the LM head's logits (read by the
-    // cross-entropy and its backward, which writes a bf16 gradient) and dlogits.
-    assert_eq!(bf16.len(), 12 * 6 + 3, "{bf16:?}");
+    // the tensor-core attention and its backward read it), the attention's output gradient
+    // (read only by the attention backward), fc (the c_fc GEMM's output, read only by GELU and
+    // its backward) and d.gelu (the GEMM's gradient that only GELU's backward reads); plus ln_f,
+    // the LM head's logits (read by the cross-entropy and its backward, which writes a bf16
+    // gradient) and dlogits.
+    assert_eq!(bf16.len(), 12 * 8 + 3, "{bf16:?}");
     assert!(bf16.contains(&"d.logits") && bf16.contains(&"h11.gelu") && bf16.contains(&"logits"));
     assert!(bf16.contains(&"h0.qkv") && bf16.contains(&"d.h0.attn"));
     // So no attention keeps a bf16 copy of its qkv of its own.
@@ -226,14 +238,13 @@ fn gpt2_124m_lowers_to_fused_ops_and_bf16_buffers() {
         })
         .count();
     assert_eq!(saved, 12);
-    assert!(
-        !bf16.iter().any(|n| n.ends_with(".fc")),
-        "gelu_backward reads fc"
-    );
+    assert!(bf16.contains(&"h3.fc") && bf16.contains(&"d.h3.gelu"));
+    // GELU's input gradient stays f32: the c_fc bias gradient sums it.
+    assert!(!bf16.contains(&"d.h3.fc"));
     assert_gemm_operands_bf16(&plan);
-    // bf16-cast: the 49 GEMM weights (4 per block and the tied LM head) are cast once in the
-    // forward and once in the backward, and the 12 qkv biases (their GEMM writes bf16) in the
-    // forward; f32 activation gradients read by GEMMs add more.
+    // bf16-cast (`weight_casts = auto`, no budget: once): the 49 GEMM weights (4 per block and
+    // the tied LM head) are cast once, in the forward, and the backward GEMMs read those
+    // copies; the 24 qkv and fc biases (their GEMMs write bf16) are cast in the forward.
     let param_casts = |section: &[schedule::Op], rank: usize| {
         section
             .iter()
@@ -247,18 +258,92 @@ fn gpt2_124m_lowers_to_fused_ops_and_bf16_buffers() {
             .count()
     };
     assert_eq!(param_casts(&plan.forward, 2), 49);
-    assert_eq!(param_casts(&plan.backward, 2), 49);
-    assert_eq!(param_casts(&plan.forward, 1), 12);
+    assert_eq!(param_casts(&plan.backward, 2), 0);
+    assert_eq!(param_casts(&plan.forward, 1), 24);
     assert_eq!(param_casts(&plan.backward, 1), 0);
     // The four activation gradients per block that GEMMs read are also summed for a bias
     // gradient: all 48 come from sum_rows_cast, none from a cast of their own.
-    assert_eq!(casts, 98 + 12, "{casts} casts");
+    assert_eq!(casts, 49 + 24, "{casts} casts");
+    // Every backward GEMM that reads a weight reads the forward's copy of it.
+    let weight_copies: Vec<schedule::BufferId> = plan
+        .forward
+        .iter()
+        .filter_map(|o| match o {
+            schedule::Op::Cast { x, out }
+                if plan.buffer(*x).class == schedule::BufferClass::Parameter =>
+            {
+                Some(*out)
+            }
+            _ => None,
+        })
+        .collect();
+    let backward_weight_reads = plan
+        .backward
+        .iter()
+        .filter(|o| match o {
+            schedule::Op::MatMul { a, b, .. } => {
+                weight_copies.contains(a) || weight_copies.contains(b)
+            }
+            _ => false,
+        })
+        .count();
+    // Per block the four dX GEMMs, and the tied LM head's.
+    assert_eq!(backward_weight_reads, 49);
     assert!(
         plan.memory.total_bytes() < unfused.memory.total_bytes(),
         "fused {} vs unfused {} bytes",
         plan.memory.total_bytes(),
         unfused.memory.total_bytes()
     );
+}
+
+/// `weight_casts`: `twice` casts every GEMM weight again in the backward (the copies live only
+/// around their section's GEMMs), and so does `auto` under a `gpu_memory` budget or with
+/// rematerialisation; `once` keeps the forward's copies for the backward, which raises the
+/// activation arena (2 bytes per weight element at most) and removes 49 casts per step.
+#[test]
+fn weight_casts_once_or_twice_per_step() {
+    let backward_casts = |plan: &schedule::Plan| {
+        plan.backward
+            .iter()
+            .filter(|o| {
+                matches!(o, schedule::Op::Cast { x, .. }
+                    if plan.buffer(*x).class == schedule::BufferClass::Parameter)
+            })
+            .count()
+    };
+    let set = |w: ir::WeightCasts| {
+        move |c: &mut ir::config::Config| {
+            if let ir::config::TargetConfig::Cuda { weight_casts, .. } = &mut c.target {
+                *weight_casts = w;
+            }
+        }
+    };
+    let spec = "../examples/gpt2-124m.asteria";
+    let (_, once) = compile_with(spec, false, set(ir::WeightCasts::Once));
+    let (_, twice) = compile_with(spec, false, set(ir::WeightCasts::Twice));
+    assert_eq!(backward_casts(&once), 0);
+    assert_eq!(backward_casts(&twice), 49);
+    let arena = |p: &schedule::Plan| p.memory.total_bytes();
+    assert!(
+        arena(&once) > arena(&twice),
+        "once {} vs twice {}",
+        arena(&once),
+        arena(&twice)
+    );
+    // auto: once without a budget, twice under one or with rematerialisation.
+    let (_, auto) = compile(spec, false);
+    assert_eq!(backward_casts(&auto), 0);
+    let (_, budget) = compile_with(spec, false, |c| {
+        if let ir::config::TargetConfig::Cuda { budgets, .. } = &mut c.target {
+            budgets.device = Some(120 << 30);
+        }
+    });
+    assert_eq!(backward_casts(&budget), 49);
+    let (_, remat) = compile_with(spec, false, |c| {
+        c.train.rematerialize = ir::Rematerialize::Selective;
+    });
+    assert_eq!(backward_casts(&remat), 49);
 }
 
 /// Every GEMM of the forward and backward reads two bf16 plan buffers.

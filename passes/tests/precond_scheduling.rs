@@ -32,6 +32,7 @@ fn gpt2_124m_soap(staleness: u32, calibration: &str) -> ir::Module {
         eigensolver: ir::Eigensolver::Faer,
         attention: ir::AttentionKernel::Auto,
         refresh_placement: ir::RefreshPlacement::Auto,
+        weight_casts: Default::default(),
         budgets: Default::default(),
     };
     let mut m = ir::Module::new(config);
@@ -233,6 +234,7 @@ fn inverse_root_refreshes_follow_the_placement_policy() {
                 eigensolver: ir::Eigensolver::Faer,
                 attention: ir::AttentionKernel::Auto,
                 refresh_placement: policy,
+                weight_casts: Default::default(),
                 budgets: Default::default(),
             };
             let mut m = ir::Module::new(config);
@@ -310,6 +312,7 @@ fn shampoo_inverse_roots_balance_host_pool_and_side_stream() {
         eigensolver: ir::Eigensolver::Faer,
         attention: ir::AttentionKernel::Auto,
         refresh_placement: ir::RefreshPlacement::Auto,
+        weight_casts: Default::default(),
         budgets: Default::default(),
     };
     let mut m = ir::Module::new(config);

@@ -39,6 +39,7 @@ pub use op::{
 };
 pub use options::{
     AttentionKernel, Eigensolver, Profile, RefreshPlacement, RefreshSwap, Rematerialize,
+    WeightCasts,
 };
 pub use plan_error::PlanError;
 

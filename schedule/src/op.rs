@@ -25,8 +25,10 @@ pub const BF16_ATTENTION_MAX_HEAD_DIM: usize = 128;
 /// `mat_mul_bias.out` with its `bias` (both bf16 or both f32: cuBLASLt's epilogue reads the
 /// bias in the output's type; the sum is formed in fp32 and rounded once), the `qkv` of `attention` /
 /// `attention_backward` and the `dout` of `attention_backward` (heads of at most
-/// [`BF16_ATTENTION_MAX_HEAD_DIM`]: the tensor-core kernels read bf16 anyway), the SwiGLU
-/// input `x` of `swi_glu` / `swi_glu_backward` it feeds, and the `logits` of `cross_entropy` /
+/// [`BF16_ATTENTION_MAX_HEAD_DIM`]: the tensor-core kernels read bf16 anyway), the input `x`
+/// of `swi_glu` / `gelu` and their backwards, the `dout` of `swi_glu_backward` /
+/// `gelu_backward` (a bf16 GEMM's output), the `dx` of `swi_glu_backward` / `rope_backward`
+/// (read only by bf16 GEMMs), and the `logits` of `cross_entropy` /
 /// `cross_entropy_backward` (a bf16 `logits` needs a bf16 `dlogits`); `cast.out` is always
 /// bf16 (its `x` f32). Everything else is f32.
 pub fn operand_dtypes(op: &str, operand: &str) -> &'static [DType] {
@@ -39,7 +41,9 @@ pub fn operand_dtypes(op: &str, operand: &str) -> &'static [DType] {
         ("mat_mul_bias", "bias") => EITHER,
         ("attention", "qkv") => EITHER,
         ("attention_backward", "qkv" | "dout") => EITHER,
-        ("swi_glu" | "swi_glu_backward", "x") => EITHER,
+        ("swi_glu" | "swi_glu_backward" | "gelu" | "gelu_backward", "x") => EITHER,
+        ("swi_glu_backward" | "gelu_backward", "dout") => EITHER,
+        ("swi_glu_backward" | "rope_backward", "dx") => EITHER,
         ("cross_entropy" | "cross_entropy_backward", "logits") => EITHER,
         ("layer_norm" | "rms_norm" | "gelu" | "swi_glu" | "rope" | "attention", "out") => EITHER,
         ("attention_backward", "fwd_out") => EITHER,

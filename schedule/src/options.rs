@@ -129,6 +129,24 @@ named_option! {
 }
 
 named_option! {
+    /// How often a weight is rounded to bf16 for the GEMMs under `precision = bf16` (spec key
+    /// `weight_casts` of `target cuda`): the `fuse` pass's `bf16-cast` rule places the casts. The
+    /// copies hold the same bits either way; the choice trades memory traffic for memory.
+    WeightCasts {
+        /// `once` unless the run trades time for memory already: a `gpu_memory` budget, or
+        /// `rematerialize` other than `off` (then `twice`). The default.
+        Auto = "auto",
+        /// Cast each weight once per step, in the forward, and keep the bf16 copy alive until
+        /// its last GEMM in the backward (as PyTorch's autocast keeps its casts): 2 bytes per
+        /// weight element more at the activation peak, one pass over the fp32 weights fewer.
+        Once = "once",
+        /// Cast each weight in the forward and again in the backward: each copy lives only
+        /// around its GEMMs.
+        Twice = "twice",
+    } default Auto
+}
+
+named_option! {
     /// A measurement switch of the CUDA engine (CLI `--profile`): per-op GPU times, printed at
     /// the end of the run. It changes the run's timing, never what it computes.
     Profile {

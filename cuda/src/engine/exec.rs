@@ -405,9 +405,6 @@ impl CudaEngine {
             }
             Op::Add { a, b, out } => nn::add(dev, self.b(*a), self.b(*b), self.b(*out))?,
             Op::Cast { x, out } => gemm::cast_f32_to_bf16(dev, self.b(*x), self.b(*out))?,
-            Op::Gelu { x, out } if self.b(*out).elem() == Elem::BF16 => {
-                nn::gelu_forward_bf16(dev, self.b(*x), self.b(*out))?;
-            }
             Op::Gelu { x, out } => nn::gelu_forward(dev, self.b(*x), self.b(*out))?,
             Op::GeluBackward { dout, x, dx } => {
                 nn::gelu_backward(dev, self.b(*dout), self.b(*x), self.b(*dx))?

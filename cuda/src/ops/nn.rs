@@ -599,48 +599,84 @@ fn same_len(op: &'static str, bufs: &[(&'static str, &Buf)]) -> Result<usize> {
     Ok(n)
 }
 
-/// Plan op `Gelu` (tanh approximation, GPT-2). Same shapes.
+/// f32 or bf16: the dtype of an activation kernel's operand (the kernels read bf16 inputs and
+/// round bf16 outputs to nearest even; their math is fp32).
+fn f32_or_bf16(op: &'static str, what: &'static str, b: &Buf, len: usize) -> Result<bool> {
+    let bf16 = b.elem() == Elem::BF16;
+    b.expect(op, what, if bf16 { Elem::BF16 } else { Elem::F32 }, len)?;
+    Ok(bf16)
+}
+
+/// One kernel name per dtype combination, in operand order (false = f32, true = bf16): the
+/// suffix letters of `activations.cu` (`f`, `b`).
+fn by_dtypes<const N: usize>(names: &[&'static str], bf16: [bool; N]) -> &'static str {
+    let i = bf16.iter().fold(0usize, |acc, &b| acc * 2 + usize::from(b));
+    names[i]
+}
+
+/// Plan op `Gelu` (tanh approximation, GPT-2): x and out of the same length, each f32 or bf16
+/// (a bf16 x is a bf16 GEMM's output, a bf16 out is read only by bf16 GEMMs; the plan's
+/// `bf16-output` decides), math in fp32.
+///
+/// # Errors
+/// Lengths that differ, an operand neither f32 nor bf16, launch failures.
 pub fn gelu_forward(dev: &Device, x: &Buf, out: &Buf) -> Result<()> {
-    let n = same_len("gelu", &[("x", x), ("out", out)])?;
-    dev.launch(
-        "gelu_forward",
-        (dev.grid_for(n), 1, 1),
-        (256, 1, 1),
-        Args::new().buf(x).buf(out).i64(n as i64),
-    )
-}
-
-/// [`gelu_forward`] with a bf16 output ([`Elem::BF16`], round to nearest even), for an
-/// activation that only bf16 GEMMs read.
-pub fn gelu_forward_bf16(dev: &Device, x: &Buf, out: &Buf) -> Result<()> {
-    x.expect("gelu_bf16", "x", Elem::F32, x.len())?;
-    out.expect("gelu_bf16", "out", Elem::BF16, x.len())?;
+    const OP: &str = "gelu";
     let n = x.len();
+    let kernel = by_dtypes(
+        &[
+            "gelu_forward_ff",
+            "gelu_forward_fb",
+            "gelu_forward_bf",
+            "gelu_forward_bb",
+        ],
+        [f32_or_bf16(OP, "x", x, n)?, f32_or_bf16(OP, "out", out, n)?],
+    );
     dev.launch(
-        "gelu_forward_bf16",
+        kernel,
         (dev.grid_for(n), 1, 1),
         (256, 1, 1),
         Args::new().buf(x).buf(out).i64(n as i64),
     )
 }
 
-/// Plan op `GeluBackward`: `dx = dout · gelu′(x)`.
+/// Plan op `GeluBackward`: `dx = dout · gelu′(x)`; dout and x f32 or bf16 (as
+/// [`gelu_forward`]), dx f32, all of one length.
+///
+/// # Errors
+/// As [`gelu_forward`].
 pub fn gelu_backward(dev: &Device, dout: &Buf, x: &Buf, dx: &Buf) -> Result<()> {
-    let n = same_len("gelu_backward", &[("dout", dout), ("x", x), ("dx", dx)])?;
+    const OP: &str = "gelu_backward";
+    let n = dx.len();
+    dx.expect(OP, "dx", Elem::F32, n)?;
+    let kernel = by_dtypes(
+        &[
+            "gelu_backward_ff",
+            "gelu_backward_fb",
+            "gelu_backward_bf",
+            "gelu_backward_bb",
+        ],
+        [
+            f32_or_bf16(OP, "dout", dout, n)?,
+            f32_or_bf16(OP, "x", x, n)?,
+        ],
+    );
     let args = Args::new().buf(dout).buf(x).buf(dx).i64(n as i64);
-    dev.launch("gelu_backward", (dev.grid_for(n), 1, 1), (256, 1, 1), args)
+    dev.launch(kernel, (dev.grid_for(n), 1, 1), (256, 1, 1), args)
 }
 
 /// Plan op `SwiGlu`: x `[N, 2f]` = `[gate | up]`, `out[n, k] = silu(gate) · up`, out `[N, f]`;
-/// x f32 or bf16 (a bf16 GEMM's output), out f32 or bf16 (round to nearest even; the plan makes
-/// it bf16 where only bf16 GEMMs read it); the math is fp32.
+/// x and out each f32 or bf16 (as [`gelu_forward`]); the math is fp32.
+///
+/// # Errors
+/// Lengths that do not match `f`, an operand neither f32 nor bf16, aliasing, launch failures.
 pub fn swiglu_forward(dev: &Device, x: &Buf, out: &Buf, f: usize) -> Result<()> {
     const OP: &str = "swi_glu";
     let n = rows_of(OP, "out", out.len(), f)?;
-    let x16 = x.elem() == Elem::BF16;
-    x.expect(OP, "x", if x16 { Elem::BF16 } else { Elem::F32 }, 2 * n * f)?;
-    let bf16 = out.elem() == Elem::BF16;
-    out.expect(OP, "out", if bf16 { Elem::BF16 } else { Elem::F32 }, n * f)?;
+    let dtypes = [
+        f32_or_bf16(OP, "x", x, 2 * n * f)?,
+        f32_or_bf16(OP, "out", out, n * f)?,
+    ];
     no_alias(OP, x, out)?;
     let total = n * f;
     let args = Args::new()
@@ -648,28 +684,32 @@ pub fn swiglu_forward(dev: &Device, x: &Buf, out: &Buf, f: usize) -> Result<()> 
         .buf(out)
         .i64(total as i64)
         .i32(int(OP, "F", f)?);
-    dev.launch(
-        match (x16, bf16) {
-            (false, false) => "swiglu_forward",
-            (false, true) => "swiglu_forward_bf16",
-            (true, false) => "swiglu_forward_bf16x",
-            (true, true) => "swiglu_forward_bf16x_bf16",
-        },
-        (dev.grid_for(total), 1, 1),
-        (256, 1, 1),
-        args,
-    )
+    let kernel = by_dtypes(
+        &[
+            "swiglu_forward_ff",
+            "swiglu_forward_fb",
+            "swiglu_forward_bf",
+            "swiglu_forward_bb",
+        ],
+        dtypes,
+    );
+    dev.launch(kernel, (dev.grid_for(total), 1, 1), (256, 1, 1), args)
 }
 
-/// Plan op `SwiGluBackward`: dout f32 `[N, f]`, x `[N, 2f]` f32 or bf16 (as the forward read
-/// it), dx f32 `[N, 2f]`.
+/// Plan op `SwiGluBackward`: dout `[N, f]`, x `[N, 2f]` (as the forward read it), dx `[N, 2f]`,
+/// each f32 or bf16 (a bf16 dout is a bf16 GEMM's output, a bf16 dx is read only by bf16 GEMMs);
+/// the math is fp32.
+///
+/// # Errors
+/// As [`swiglu_forward`].
 pub fn swiglu_backward(dev: &Device, dout: &Buf, x: &Buf, dx: &Buf, f: usize) -> Result<()> {
     const OP: &str = "swi_glu_backward";
     let n = rows_of(OP, "dout", dout.len(), f)?;
-    dout.expect(OP, "dout", Elem::F32, n * f)?;
-    let x16 = x.elem() == Elem::BF16;
-    x.expect(OP, "x", if x16 { Elem::BF16 } else { Elem::F32 }, 2 * n * f)?;
-    dx.expect(OP, "dx", Elem::F32, 2 * n * f)?;
+    let dtypes = [
+        f32_or_bf16(OP, "dout", dout, n * f)?,
+        f32_or_bf16(OP, "x", x, 2 * n * f)?,
+        f32_or_bf16(OP, "dx", dx, 2 * n * f)?,
+    ];
     no_alias(OP, x, dx)?;
     let total = n * f;
     let args = Args::new()
@@ -678,16 +718,20 @@ pub fn swiglu_backward(dev: &Device, dout: &Buf, x: &Buf, dx: &Buf, f: usize) ->
         .buf(dx)
         .i64(total as i64)
         .i32(int(OP, "F", f)?);
-    dev.launch(
-        if x16 {
-            "swiglu_backward_bf16x"
-        } else {
-            "swiglu_backward"
-        },
-        (dev.grid_for(total), 1, 1),
-        (256, 1, 1),
-        args,
-    )
+    let kernel = by_dtypes(
+        &[
+            "swiglu_backward_fff",
+            "swiglu_backward_ffb",
+            "swiglu_backward_fbf",
+            "swiglu_backward_fbb",
+            "swiglu_backward_bff",
+            "swiglu_backward_bfb",
+            "swiglu_backward_bbf",
+            "swiglu_backward_bbb",
+        ],
+        dtypes,
+    );
+    dev.launch(kernel, (dev.grid_for(total), 1, 1), (256, 1, 1), args)
 }
 
 /// Plan op `Add`: `out = a + b`, same lengths.

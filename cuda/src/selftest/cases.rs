@@ -2,7 +2,7 @@
 use super::{cpu, rel_err, wide, Case, Ctx, Outcome, TOL_BF16, TOL_F32};
 use crate::error::Result;
 use crate::gemm::Dims;
-use crate::memory::Elem;
+use crate::memory::{Buf, Elem};
 use crate::ops::nn as g;
 use engine::cpu as c;
 
@@ -341,116 +341,101 @@ fn norms(v: &mut Vec<Case>) {
     }
 }
 
+/// A device operand of `n` values drawn N(mean, std²), f32 or bf16, and the values the kernel
+/// reads (rounded to bf16 for a bf16 operand): the reference computes from those.
+fn operand(cx: &mut Ctx<'_>, n: usize, mean: f64, std: f64, bf16: bool) -> Result<(Buf, Vec<f32>)> {
+    let x = cx.normal(n, mean, std);
+    let x32 = cx.up(&x)?;
+    if !bf16 {
+        return Ok((x32, x));
+    }
+    let xb = cx.raw(Elem::BF16, n)?;
+    crate::gemm::cast_f32_to_bf16(cx.dev, &x32, &xb)?;
+    Ok((xb, x.iter().map(|&v| schedule::round_to_bf16(v)).collect()))
+}
+
+/// An output of `n` values, f32 (NaN-filled) or bf16.
+fn result(cx: &mut Ctx<'_>, n: usize, bf16: bool) -> Result<Buf> {
+    if bf16 {
+        cx.raw(Elem::BF16, n)
+    } else {
+        cx.out(n)
+    }
+}
+
+/// The values of an output made by [`result`].
+fn read(cx: &Ctx<'_>, b: &Buf, bf16: bool) -> Result<Vec<f32>> {
+    if bf16 {
+        down_bf16(cx, b)
+    } else {
+        cx.down(b)
+    }
+}
+
+/// GELU and SwiGLU, forward and backward, in every dtype combination of their operands (the
+/// plan's `bf16-output` makes GEMM outputs and GEMM-only inputs bf16; the size column names the
+/// operands and their dtypes in order, `f` f32 and `b` bf16, as the kernel names do): against the CPU
+/// engine's kernels in float64 on the values the GPU kernel read; a bf16 output at bf16
+/// tolerance.
 fn activations(v: &mut Vec<Case>) {
+    const TWO: [&str; 4] = ["ff", "fb", "bf", "bb"];
+    const THREE: [&str; 8] = ["fff", "ffb", "fbf", "fbb", "bff", "bfb", "bbf", "bbb"];
+    let tol = |bf16_out: bool| if bf16_out { TOL_BF16 } else { TOL_F32 };
     for (n, big) in [(3, false), (783 * 50, false), (4096 * 783, true)] {
         let size = format!("n={n}");
-        v.push(case("gelu", size.clone(), TOL_F32, big, move |cx| {
-            let x = cx.normal(n, 0.0, 3.0);
-            let (xb, ob) = (cx.up(&x)?, cx.out(n)?);
-            let ms = cx.timed(|| g::gelu_forward(cx.dev, &xb, &ob))?;
-            let mut r = vec![0.0; n];
-            c::elementwise::gelu(&wide(&x), &mut r).map_err(cpu)?;
-            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
-        }));
-        v.push(case("gelu_bf16", size.clone(), TOL_BF16, big, move |cx| {
-            let x = cx.normal(n, 0.0, 3.0);
-            let (xb, ob) = (cx.up(&x)?, cx.raw(Elem::BF16, n)?);
-            let ms = cx.timed(|| g::gelu_forward_bf16(cx.dev, &xb, &ob))?;
-            let mut r = vec![0.0; n];
-            c::elementwise::gelu(&wide(&x), &mut r).map_err(cpu)?;
-            Ok(one("out", rel_err(&down_bf16(cx, &ob)?, &r), ms))
-        }));
-        v.push(case("gelu_backward", size, TOL_F32, big, move |cx| {
-            let x = cx.normal(n, 0.0, 3.0);
-            let dout = cx.normal(n, 0.0, 1.0);
-            let (xb, gb, ob) = (cx.up(&x)?, cx.up(&dout)?, cx.out(n)?);
-            let ms = cx.timed(|| g::gelu_backward(cx.dev, &gb, &xb, &ob))?;
-            let mut r = vec![0.0; n];
-            c::elementwise::gelu_backward(&wide(&dout), &wide(&x), &mut r).map_err(cpu)?;
-            Ok(one("dx", rel_err(&cx.down(&ob)?, &r), ms))
-        }));
+        for (i, dt) in TWO.into_iter().enumerate() {
+            let (xh, oh) = (i & 2 != 0, i & 1 != 0);
+            let size = format!("{size} x,out {dt}");
+            v.push(case("gelu", size, tol(oh), big, move |cx| {
+                let (xb, x) = operand(cx, n, 0.0, 3.0, xh)?;
+                let ob = result(cx, n, oh)?;
+                let ms = cx.timed(|| g::gelu_forward(cx.dev, &xb, &ob))?;
+                let mut r = vec![0.0; n];
+                c::elementwise::gelu(&wide(&x), &mut r).map_err(cpu)?;
+                Ok(one("out", rel_err(&read(cx, &ob, oh)?, &r), ms))
+            }));
+        }
+        for (i, dt) in TWO.into_iter().enumerate() {
+            let (dh, xh) = (i & 2 != 0, i & 1 != 0);
+            let size = format!("{size} dout,x {dt}");
+            v.push(case("gelu_backward", size, TOL_F32, big, move |cx| {
+                let (xb, x) = operand(cx, n, 0.0, 3.0, xh)?;
+                let (gb, dout) = operand(cx, n, 0.0, 1.0, dh)?;
+                let ob = cx.out(n)?;
+                let ms = cx.timed(|| g::gelu_backward(cx.dev, &gb, &xb, &ob))?;
+                let mut r = vec![0.0; n];
+                c::elementwise::gelu_backward(&wide(&dout), &wide(&x), &mut r).map_err(cpu)?;
+                Ok(one("dx", rel_err(&cx.down(&ob)?, &r), ms))
+            }));
+        }
     }
     for (rows, f, big) in [(3, 50, false), (50, 783, false), (783, 4096, true)] {
         let size = format!("N={rows} F={f}");
-        v.push(case("swi_glu", size.clone(), TOL_F32, big, move |cx| {
-            let x = cx.normal(rows * 2 * f, 0.0, 3.0);
-            let (xb, ob) = (cx.up(&x)?, cx.out(rows * f)?);
-            let ms = cx.timed(|| g::swiglu_forward(cx.dev, &xb, &ob, f))?;
-            let mut r = vec![0.0; rows * f];
-            c::elementwise::swiglu(&wide(&x), &mut r, f).map_err(cpu)?;
-            Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
-        }));
-        v.push(case(
-            "swi_glu_bf16",
-            size.clone(),
-            TOL_BF16,
-            big,
-            move |cx| {
-                let x = cx.normal(rows * 2 * f, 0.0, 3.0);
-                let (xb, ob) = (cx.up(&x)?, cx.raw(Elem::BF16, rows * f)?);
+        for (i, dt) in TWO.into_iter().enumerate() {
+            let (xh, oh) = (i & 2 != 0, i & 1 != 0);
+            let size = format!("{size} x,out {dt}");
+            v.push(case("swi_glu", size, tol(oh), big, move |cx| {
+                let (xb, x) = operand(cx, rows * 2 * f, 0.0, 3.0, xh)?;
+                let ob = result(cx, rows * f, oh)?;
                 let ms = cx.timed(|| g::swiglu_forward(cx.dev, &xb, &ob, f))?;
                 let mut r = vec![0.0; rows * f];
                 c::elementwise::swiglu(&wide(&x), &mut r, f).map_err(cpu)?;
-                Ok(one("out", rel_err(&down_bf16(cx, &ob)?, &r), ms))
-            },
-        ));
-        // A bf16 x (LLaMA's fc, a bf16 GEMM's output): the reference reads the same rounded x.
-        for bf16_out in [false, true] {
-            let kernel = if bf16_out {
-                "swi_glu_bf16x_bf16"
-            } else {
-                "swi_glu_bf16x"
-            };
-            let tol = if bf16_out { TOL_BF16 } else { TOL_F32 };
-            v.push(case(kernel, size.clone(), tol, big, move |cx| {
-                let x = cx.normal(rows * 2 * f, 0.0, 3.0);
-                let x16: Vec<f32> = x.iter().map(|&v| schedule::round_to_bf16(v)).collect();
-                let (x32b, xb) = (cx.up(&x)?, cx.raw(Elem::BF16, rows * 2 * f)?);
-                crate::gemm::cast_f32_to_bf16(cx.dev, &x32b, &xb)?;
-                let ob = if bf16_out {
-                    cx.raw(Elem::BF16, rows * f)?
-                } else {
-                    cx.out(rows * f)?
-                };
-                let ms = cx.timed(|| g::swiglu_forward(cx.dev, &xb, &ob, f))?;
-                let mut r = vec![0.0; rows * f];
-                c::elementwise::swiglu(&wide(&x16), &mut r, f).map_err(cpu)?;
-                let got = if bf16_out {
-                    down_bf16(cx, &ob)?
-                } else {
-                    cx.down(&ob)?
-                };
-                Ok(one("out", rel_err(&got, &r), ms))
+                Ok(one("out", rel_err(&read(cx, &ob, oh)?, &r), ms))
             }));
         }
-        v.push(case(
-            "swi_glu_backward_bf16x",
-            size.clone(),
-            TOL_F32,
-            big,
-            move |cx| {
-                let x = cx.normal(rows * 2 * f, 0.0, 3.0);
-                let x16: Vec<f32> = x.iter().map(|&v| schedule::round_to_bf16(v)).collect();
-                let dout = cx.normal(rows * f, 0.0, 1.0);
-                let (x32b, xb) = (cx.up(&x)?, cx.raw(Elem::BF16, rows * 2 * f)?);
-                crate::gemm::cast_f32_to_bf16(cx.dev, &x32b, &xb)?;
-                let (gb, ob) = (cx.up(&dout)?, cx.out(rows * 2 * f)?);
+        for (i, dt) in THREE.into_iter().enumerate() {
+            let (dh, xh, oh) = (i & 4 != 0, i & 2 != 0, i & 1 != 0);
+            let size = format!("{size} dout,x,dx {dt}");
+            v.push(case("swi_glu_backward", size, tol(oh), big, move |cx| {
+                let (xb, x) = operand(cx, rows * 2 * f, 0.0, 3.0, xh)?;
+                let (gb, dout) = operand(cx, rows * f, 0.0, 1.0, dh)?;
+                let ob = result(cx, rows * 2 * f, oh)?;
                 let ms = cx.timed(|| g::swiglu_backward(cx.dev, &gb, &xb, &ob, f))?;
                 let mut r = vec![0.0; rows * 2 * f];
-                c::elementwise::swiglu_backward(&wide(&dout), &wide(&x16), &mut r, f)
-                    .map_err(cpu)?;
-                Ok(one("dx", rel_err(&cx.down(&ob)?, &r), ms))
-            },
-        ));
-        v.push(case("swi_glu_backward", size, TOL_F32, big, move |cx| {
-            let x = cx.normal(rows * 2 * f, 0.0, 3.0);
-            let dout = cx.normal(rows * f, 0.0, 1.0);
-            let (xb, gb, ob) = (cx.up(&x)?, cx.up(&dout)?, cx.out(rows * 2 * f)?);
-            let ms = cx.timed(|| g::swiglu_backward(cx.dev, &gb, &xb, &ob, f))?;
-            let mut r = vec![0.0; rows * 2 * f];
-            c::elementwise::swiglu_backward(&wide(&dout), &wide(&x), &mut r, f).map_err(cpu)?;
-            Ok(one("dx", rel_err(&cx.down(&ob)?, &r), ms))
-        }));
+                c::elementwise::swiglu_backward(&wide(&dout), &wide(&x), &mut r, f).map_err(cpu)?;
+                Ok(one("dx", rel_err(&read(cx, &ob, oh)?, &r), ms))
+            }));
+        }
     }
 }
 

@@ -327,6 +327,10 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
         ("precision", "`precision` applies to `target cuda` only"),
         ("attention", "`attention` applies to `target cuda` only"),
         (
+            "weight_casts",
+            "`weight_casts` applies to `target cuda` only (the CPU engine computes in fp32)",
+        ),
+        (
             "refresh_placement",
             "`refresh_placement` applies to `target cuda` only (the CPU engine refreshes on its host pool)",
         ),
@@ -354,6 +358,7 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
                 "eigensolver",
                 "attention",
                 "refresh_placement",
+                "weight_casts",
                 "gpu_memory",
                 "host_memory",
                 "nvme",
@@ -381,6 +386,7 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
                 "eigensolver",
                 "attention",
                 "refresh_placement",
+                "weight_casts",
                 "memory",
                 "gpu_memory",
                 "host_memory",
@@ -419,6 +425,7 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
                 "refresh_placement",
                 ir::RefreshPlacement::NAMES,
             ),
+            weight_casts: named_option(c, &f, "weight_casts", ir::WeightCasts::NAMES),
             budgets,
         }),
         _ => {
