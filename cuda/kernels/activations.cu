@@ -20,6 +20,34 @@ __device__ __forceinline__ float ld_f(const __nv_bfloat16* p, long long i) { ret
 __device__ __forceinline__ void st_f(float* p, long long i, float v) { p[i] = v; }
 __device__ __forceinline__ void st_f(__nv_bfloat16* p, long long i, float v) { p[i] = __float2bfloat16_rn(v); }
 
+// Four consecutive elements at p + i (i a multiple of 4, p 4-element aligned: al4): one
+// 16-byte (f32) or 8-byte (bf16) access each way.
+__device__ __forceinline__ void ld4(const float* p, long long i, float (&v)[4]) {
+    const float4 q = *reinterpret_cast<const float4*>(p + i);
+    v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+}
+__device__ __forceinline__ void ld4(const __nv_bfloat16* p, long long i, float (&v)[4]) {
+    const uint2 q = *reinterpret_cast<const uint2*>(p + i);
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q.x));
+    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q.y));
+    v[0] = a.x; v[1] = a.y; v[2] = b.x; v[3] = b.y;
+}
+__device__ __forceinline__ void st4(float* p, long long i, const float (&v)[4]) {
+    *reinterpret_cast<float4*>(p + i) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void st4(__nv_bfloat16* p, long long i, const float (&v)[4]) {
+    const __nv_bfloat162 a = __floats2bfloat162_rn(v[0], v[1]);
+    const __nv_bfloat162 b = __floats2bfloat162_rn(v[2], v[3]);
+    uint2 q;
+    q.x = *reinterpret_cast<const unsigned*>(&a);
+    q.y = *reinterpret_cast<const unsigned*>(&b);
+    *reinterpret_cast<uint2*>(p + i) = q;
+}
+template <typename T>
+__device__ __forceinline__ bool al4(const T* p) {
+    return ((unsigned long long)p % (4 * sizeof(T))) == 0;
+}
+
 // Kernel-name suffixes below give the operands' dtypes in order, `f` f32 and `b` bf16 (a bf16
 // input is a bf16 GEMM's output; a bf16 output is read only by bf16 GEMMs, rounded to nearest
 // even: the bits of an f32 result cast afterwards). The math is fp32 in every variant.
@@ -27,7 +55,17 @@ __device__ __forceinline__ void st_f(__nv_bfloat16* p, long long i, float v) { p
 // out = 0.5 x (1 + tanh u) = x sigmoid(2u). Suffix: x, out.
 template <typename TX, typename TO>
 __device__ __forceinline__ void gelu_fwd(const TX* __restrict__ x, TO* __restrict__ out, long long n) {
-    for (long long i = gtid(); i < n; i += gstride()) {
+    // Groups of four where the operands allow it (the plan's arenas align every buffer), then
+    // the rest one by one.
+    const long long n4 = (al4(x) && al4(out)) ? n / 4 : 0;
+    for (long long g = gtid(); g < n4; g += gstride()) {
+        float v[4];
+        ld4(x, 4 * g, v);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) v[k] *= gelu_s(v[k]);
+        st4(out, 4 * g, v);
+    }
+    for (long long i = 4 * n4 + gtid(); i < n; i += gstride()) {
         const float v = ld_f(x, i);
         st_f(out, i, v * gelu_s(v));
     }
@@ -48,15 +86,23 @@ extern "C" __global__ void gelu_forward_bb(const __nv_bfloat16* __restrict__ x, 
 // dx = dout * (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)) with t = tanh u,
 // written with s = sigmoid(2u): 0.5 (1 + t) = s, 1 - t^2 = 4 s (1 - s). dx f32 (GPT's MLP
 // gradient also feeds the bias gradient's column sums). Suffix: dout, x.
+__device__ __forceinline__ float gelu_grad(float v) {
+    const float s = gelu_s(v);
+    return s + 2.0f * v * s * (1.0f - s) * GELU_S * (1.0f + 3.0f * GELU_C * v * v);
+}
 template <typename TD, typename TX>
 __device__ __forceinline__ void gelu_bwd(const TD* __restrict__ dout, const TX* __restrict__ x, float* __restrict__ dx,
                                          long long n) {
-    for (long long i = gtid(); i < n; i += gstride()) {
-        const float v = ld_f(x, i);
-        const float s = gelu_s(v);
-        const float g = s + 2.0f * v * s * (1.0f - s) * GELU_S * (1.0f + 3.0f * GELU_C * v * v);
-        dx[i] = ld_f(dout, i) * g;
+    const long long n4 = (al4(dout) && al4(x) && al4(dx)) ? n / 4 : 0;
+    for (long long g = gtid(); g < n4; g += gstride()) {
+        float v[4], d[4];
+        ld4(x, 4 * g, v);
+        ld4(dout, 4 * g, d);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) d[k] *= gelu_grad(v[k]);
+        st4(dx, 4 * g, d);
     }
+    for (long long i = 4 * n4 + gtid(); i < n; i += gstride()) dx[i] = ld_f(dout, i) * gelu_grad(ld_f(x, i));
 }
 extern "C" __global__ void gelu_backward_ff(const float* __restrict__ dout, const float* __restrict__ x,
                                    float* __restrict__ dx, long long n) {
@@ -78,7 +124,19 @@ extern "C" __global__ void gelu_backward_bb(const __nv_bfloat16* __restrict__ do
 // x [rows, 2f] = [gate | up]; out[r, k] = silu(gate) * up, out [rows, f]. Suffix: x, out.
 template <typename TX, typename TO>
 __device__ __forceinline__ void swiglu_fwd(const TX* __restrict__ x, TO* __restrict__ out, long long total, int f) {
-    for (long long i = gtid(); i < total; i += gstride()) {
+    // Groups of four along a row where f allows it and the operands are aligned.
+    const long long n4 = (f % 4 == 0 && al4(x) && al4(out)) ? total / 4 : 0;
+    for (long long g = gtid(); g < n4; g += gstride()) {
+        const long long i = 4 * g, r = i / f;
+        const int k = (int)(i - r * f);
+        float gt[4], up[4];
+        ld4(x, r * 2 * f + k, gt);
+        ld4(x, r * 2 * f + f + k, up);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) gt[e] = gt[e] * sigmoidf_(gt[e]) * up[e];
+        st4(out, i, gt);
+    }
+    for (long long i = 4 * n4 + gtid(); i < total; i += gstride()) {
         const long long r = i / f;
         const int k = (int)(i - r * f);
         const float g = ld_f(x, r * 2 * f + k);
@@ -108,7 +166,24 @@ extern "C" __global__ void swiglu_forward_bb(const __nv_bfloat16* __restrict__ x
 template <typename TD, typename TX, typename TO>
 __device__ __forceinline__ void swiglu_bwd(const TD* __restrict__ dout, const TX* __restrict__ x,
                                            TO* __restrict__ dx, long long total, int f) {
-    for (long long i = gtid(); i < total; i += gstride()) {
+    const long long n4 = (f % 4 == 0 && al4(dout) && al4(x) && al4(dx)) ? total / 4 : 0;
+    for (long long g4 = gtid(); g4 < n4; g4 += gstride()) {
+        const long long i = 4 * g4, r = i / f;
+        const int k = (int)(i - r * f);
+        float gt[4], up[4], d[4], dg[4], du[4];
+        ld4(x, r * 2 * f + k, gt);
+        ld4(x, r * 2 * f + f + k, up);
+        ld4(dout, i, d);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float s = sigmoidf_(gt[e]);
+            dg[e] = d[e] * up[e] * s * (1.0f + gt[e] * (1.0f - s));
+            du[e] = d[e] * gt[e] * s;
+        }
+        st4(dx, r * 2 * f + k, dg);
+        st4(dx, r * 2 * f + f + k, du);
+    }
+    for (long long i = 4 * n4 + gtid(); i < total; i += gstride()) {
         const long long r = i / f;
         const int k = (int)(i - r * f);
         const float g = ld_f(x, r * 2 * f + k);

@@ -190,12 +190,53 @@ extern "C" __global__ void xent_backward_bf16(const float* __restrict__ logits, 
 }
 
 // bf16 logits (the LM head's bf16 GEMM rounds its fp32 result; PyTorch's autocast head does
-// the same): the statistics, loss and gradient are computed in fp32 from the bf16 values, one
-// element per thread and step (coalesced 2-byte loads; the head's output is half the bytes).
+// the same): the statistics, loss and gradient are computed in fp32 from the bf16 values. Rows
+// are read 8 values (16 bytes) a thread per step from the row's first 16-byte boundary on, one
+// rescale of the running sum per 8 values; the < 8 elements before it and after the last whole
+// group one by one.
+
+// Elements of x before its first 16-byte boundary (x is 2-byte aligned), at most v.
+__device__ __forceinline__ int xent_head(const __nv_bfloat16* x, int v) {
+    const int h = (int)(((16u - ((unsigned)(unsigned long long)x & 15u)) & 15u) >> 1);
+    return h < v ? h : v;
+}
+
+// The eight bf16 values of q, in memory order.
+__device__ __forceinline__ void xent_unpack8(uint4 q, float (&f)[8]) {
+    const unsigned w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float2 t = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[k]));
+        f[2 * k] = t.x;
+        f[2 * k + 1] = t.y;
+    }
+}
+
+// (m, s) += eight values: one rescale for the eight.
+__device__ __forceinline__ void xent_add8(float& m, float& s, const float (&f)[8]) {
+    const float mx = fmaxf(fmaxf(fmaxf(f[0], f[1]), fmaxf(f[2], f[3])), fmaxf(fmaxf(f[4], f[5]), fmaxf(f[6], f[7])));
+    const float mm = fmaxf(m, mx);
+    const float e = ((xent_exp(f[0], mm) + xent_exp(f[1], mm)) + (xent_exp(f[2], mm) + xent_exp(f[3], mm))) +
+                    ((xent_exp(f[4], mm) + xent_exp(f[5], mm)) + (xent_exp(f[6], mm) + xent_exp(f[7], mm)));
+    s = s * xent_scale(m, mm) + e;
+    m = mm;
+}
+
 __device__ void xent_row_stats(const __nv_bfloat16* __restrict__ x, int v, float* m_out, float* s_out) {
     const int tid = threadIdx.x;
+    const int head = xent_head(x, v);
+    const int nvec = (v - head) >> 3;
+    const int rest = head + 8 * nvec;
     float m = XENT_NEG_INF, s = 0.0f;
-    for (int j = tid; j < v; j += blockDim.x) xent_add1(m, s, __bfloat162float(x[j]));
+    if (tid < head) xent_add1(m, s, __bfloat162float(x[tid]));
+    if (tid < v - rest) xent_add1(m, s, __bfloat162float(x[rest + tid]));
+    const uint4* xv = reinterpret_cast<const uint4*>(x + head);
+#pragma unroll 2
+    for (int i = tid; i < nvec; i += blockDim.x) {
+        float f[8];
+        xent_unpack8(xv[i], f);
+        xent_add8(m, s, f);
+    }
     xent_block_merge(m, s, m_out, s_out);
 }
 
@@ -249,6 +290,36 @@ extern "C" __global__ void xent_backward_bf16x_bf16(const __nv_bfloat16* __restr
     float m, s;
     xent_row_stats(x, v, &m, &s);
     const float k = inv_n / s;
-    for (int j = threadIdx.x; j < v; j += blockDim.x)
+    const int tid = threadIdx.x;
+    const int head = xent_head(x, v);
+    if (head != xent_head(d, v)) {
+        // logits and dlogits differ in 16-byte alignment: one by one (still coalesced).
+        for (int j = tid; j < v; j += blockDim.x)
+            d[j] = __float2bfloat16_rn(xent_exp(__bfloat162float(x[j]), m) * k - (j == t ? inv_n : 0.0f));
+        return;
+    }
+    const int nvec = (v - head) >> 3;
+    const int rest = head + 8 * nvec;
+    if (tid < head) d[tid] = __float2bfloat16_rn(xent_exp(__bfloat162float(x[tid]), m) * k - (tid == t ? inv_n : 0.0f));
+    if (tid < v - rest) {
+        const int j = rest + tid;
         d[j] = __float2bfloat16_rn(xent_exp(__bfloat162float(x[j]), m) * k - (j == t ? inv_n : 0.0f));
+    }
+    const uint4* xv = reinterpret_cast<const uint4*>(x + head);
+    uint4* dv = reinterpret_cast<uint4*>(d + head);
+#pragma unroll 2
+    for (int i = tid; i < nvec; i += blockDim.x) {
+        float f[8];
+        xent_unpack8(__ldcs(xv + i), f);
+        const int j = head + 8 * i;
+        unsigned w[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float a = xent_exp(f[2 * e], m) * k - (j + 2 * e == t ? inv_n : 0.0f);
+            const float b = xent_exp(f[2 * e + 1], m) * k - (j + 2 * e + 1 == t ? inv_n : 0.0f);
+            const __nv_bfloat162 p = __floats2bfloat162_rn(a, b);
+            w[e] = *reinterpret_cast<const unsigned*>(&p);
+        }
+        __stcs(dv + i, make_uint4(w[0], w[1], w[2], w[3]));
+    }
 }

@@ -634,7 +634,7 @@ pub fn gelu_forward(dev: &Device, x: &Buf, out: &Buf) -> Result<()> {
     );
     dev.launch(
         kernel,
-        (dev.grid_for(n), 1, 1),
+        (dev.grid_for(n.div_ceil(4)), 1, 1),
         (256, 1, 1),
         Args::new().buf(x).buf(out).i64(n as i64),
     )
@@ -662,7 +662,7 @@ pub fn gelu_backward(dev: &Device, dout: &Buf, x: &Buf, dx: &Buf) -> Result<()> 
         ],
     );
     let args = Args::new().buf(dout).buf(x).buf(dx).i64(n as i64);
-    dev.launch(kernel, (dev.grid_for(n), 1, 1), (256, 1, 1), args)
+    dev.launch(kernel, (dev.grid_for(n.div_ceil(4)), 1, 1), (256, 1, 1), args)
 }
 
 /// Plan op `SwiGlu`: x `[N, 2f]` = `[gate | up]`, `out[n, k] = silu(gate) · up`, out `[N, f]`;
@@ -693,7 +693,7 @@ pub fn swiglu_forward(dev: &Device, x: &Buf, out: &Buf, f: usize) -> Result<()> 
         ],
         dtypes,
     );
-    dev.launch(kernel, (dev.grid_for(total), 1, 1), (256, 1, 1), args)
+    dev.launch(kernel, (dev.grid_for(total.div_ceil(4)), 1, 1), (256, 1, 1), args)
 }
 
 /// Plan op `SwiGluBackward`: dout `[N, f]`, x `[N, 2f]` (as the forward read it), dx `[N, 2f]`,
@@ -731,7 +731,7 @@ pub fn swiglu_backward(dev: &Device, dout: &Buf, x: &Buf, dx: &Buf, f: usize) ->
         ],
         dtypes,
     );
-    dev.launch(kernel, (dev.grid_for(total), 1, 1), (256, 1, 1), args)
+    dev.launch(kernel, (dev.grid_for(total.div_ceil(4)), 1, 1), (256, 1, 1), args)
 }
 
 /// Plan op `Add`: `out = a + b`, same lengths.
