@@ -384,10 +384,11 @@ fn bf16_outputs_train_within_bf16_tolerance() {
             })
             .count();
         // Per block ln_1, ln_2, attention, gelu, qkv, the attention's output gradient (read
-        // only by the tensor-core attention), fc and GELU's output gradient (read only by GELU
-        // and its backward); ln_f; logits and dlogits; every other GEMM operand is cast (the CPU
-        // engine rounds the casts as the GPU does).
-        assert_eq!(bf16, 2 * 8 + 3);
+        // only by the tensor-core attention), fc, GELU's output gradient (read only by GELU and
+        // its backward) and its input gradient (read by GEMMs and the bias gradient's sums);
+        // ln_f; logits and dlogits; every other GEMM operand is cast (the CPU engine rounds the
+        // casts as the GPU does).
+        assert_eq!(bf16, 2 * 9 + 3);
         assert!(!casts.is_empty());
         assert_eq!(count(&fused, "mat_mul_bias"), 8);
         let (a, b) = (train(fused, 6), train(unfused, 6));

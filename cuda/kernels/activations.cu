@@ -84,14 +84,13 @@ extern "C" __global__ void gelu_forward_bb(const __nv_bfloat16* __restrict__ x, 
 }
 
 // dx = dout * (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)) with t = tanh u,
-// written with s = sigmoid(2u): 0.5 (1 + t) = s, 1 - t^2 = 4 s (1 - s). dx f32 (GPT's MLP
-// gradient also feeds the bias gradient's column sums). Suffix: dout, x.
+// written with s = sigmoid(2u): 0.5 (1 + t) = s, 1 - t^2 = 4 s (1 - s). Suffix: dout, x, dx.
 __device__ __forceinline__ float gelu_grad(float v) {
     const float s = gelu_s(v);
     return s + 2.0f * v * s * (1.0f - s) * GELU_S * (1.0f + 3.0f * GELU_C * v * v);
 }
-template <typename TD, typename TX>
-__device__ __forceinline__ void gelu_bwd(const TD* __restrict__ dout, const TX* __restrict__ x, float* __restrict__ dx,
+template <typename TD, typename TX, typename TO>
+__device__ __forceinline__ void gelu_bwd(const TD* __restrict__ dout, const TX* __restrict__ x, TO* __restrict__ dx,
                                          long long n) {
     const long long n4 = (al4(dout) && al4(x) && al4(dx)) ? n / 4 : 0;
     for (long long g = gtid(); g < n4; g += gstride()) {
@@ -102,22 +101,38 @@ __device__ __forceinline__ void gelu_bwd(const TD* __restrict__ dout, const TX* 
         for (int k = 0; k < 4; ++k) d[k] *= gelu_grad(v[k]);
         st4(dx, 4 * g, d);
     }
-    for (long long i = 4 * n4 + gtid(); i < n; i += gstride()) dx[i] = ld_f(dout, i) * gelu_grad(ld_f(x, i));
+    for (long long i = 4 * n4 + gtid(); i < n; i += gstride()) st_f(dx, i, ld_f(dout, i) * gelu_grad(ld_f(x, i)));
 }
-extern "C" __global__ void gelu_backward_ff(const float* __restrict__ dout, const float* __restrict__ x,
+extern "C" __global__ void gelu_backward_fff(const float* __restrict__ dout, const float* __restrict__ x,
                                    float* __restrict__ dx, long long n) {
     gelu_bwd(dout, x, dx, n);
 }
-extern "C" __global__ void gelu_backward_fb(const float* __restrict__ dout, const __nv_bfloat16* __restrict__ x,
+extern "C" __global__ void gelu_backward_ffb(const float* __restrict__ dout, const float* __restrict__ x,
+                                   __nv_bfloat16* __restrict__ dx, long long n) {
+    gelu_bwd(dout, x, dx, n);
+}
+extern "C" __global__ void gelu_backward_fbf(const float* __restrict__ dout, const __nv_bfloat16* __restrict__ x,
                                    float* __restrict__ dx, long long n) {
     gelu_bwd(dout, x, dx, n);
 }
-extern "C" __global__ void gelu_backward_bf(const __nv_bfloat16* __restrict__ dout, const float* __restrict__ x,
+extern "C" __global__ void gelu_backward_fbb(const float* __restrict__ dout, const __nv_bfloat16* __restrict__ x,
+                                   __nv_bfloat16* __restrict__ dx, long long n) {
+    gelu_bwd(dout, x, dx, n);
+}
+extern "C" __global__ void gelu_backward_bff(const __nv_bfloat16* __restrict__ dout, const float* __restrict__ x,
                                    float* __restrict__ dx, long long n) {
     gelu_bwd(dout, x, dx, n);
 }
-extern "C" __global__ void gelu_backward_bb(const __nv_bfloat16* __restrict__ dout, const __nv_bfloat16* __restrict__ x,
+extern "C" __global__ void gelu_backward_bfb(const __nv_bfloat16* __restrict__ dout, const float* __restrict__ x,
+                                   __nv_bfloat16* __restrict__ dx, long long n) {
+    gelu_bwd(dout, x, dx, n);
+}
+extern "C" __global__ void gelu_backward_bbf(const __nv_bfloat16* __restrict__ dout, const __nv_bfloat16* __restrict__ x,
                                    float* __restrict__ dx, long long n) {
+    gelu_bwd(dout, x, dx, n);
+}
+extern "C" __global__ void gelu_backward_bbb(const __nv_bfloat16* __restrict__ dout, const __nv_bfloat16* __restrict__ x,
+                                   __nv_bfloat16* __restrict__ dx, long long n) {
     gelu_bwd(dout, x, dx, n);
 }
 

@@ -46,6 +46,58 @@ extern "C" __global__ void sum_rows(const float* __restrict__ x, float* __restri
     }
 }
 
+// sum_rows over bf16 x (a bias gradient summed from an activation gradient that only bf16 GEMMs
+// and these sums read, as PyTorch's autocast sums a linear's bf16 output gradient), the sums in
+// fp32: the same slabs, row lanes and order as sum_rows. Each thread owns V consecutive columns,
+// read as one 8-byte load when V = 4 (c a multiple of 4, x 8-byte aligned: the launcher checks).
+template <int V>
+__device__ __forceinline__ void sum_rows_bf16x_impl(const __nv_bfloat16* __restrict__ x, float* __restrict__ out, int n,
+                                                    int c, int rows_per_slab) {
+    __shared__ float s[16][32 * V + 1];
+    const int j0 = (blockIdx.x * 32 + threadIdx.x) * V;
+    const long long r0 = (long long)blockIdx.y * rows_per_slab;
+    const long long r1 = min((long long)n, r0 + rows_per_slab);
+    float acc[V];
+#pragma unroll
+    for (int v = 0; v < V; ++v) acc[v] = 0.0f;
+    if (j0 < c) {
+#pragma unroll 4
+        for (long long r = r0 + threadIdx.y; r < r1; r += blockDim.y) {
+            if (V == 4) {
+                const uint2 q = *reinterpret_cast<const uint2*>(x + r * c + j0);
+                const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q.x));
+                const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q.y));
+                acc[0] += a.x;
+                acc[1 % V] += a.y;
+                acc[2 % V] += b.x;
+                acc[3 % V] += b.y;
+            } else {
+                acc[0] += __bfloat162float(x[r * c + j0]);
+            }
+        }
+    }
+#pragma unroll
+    for (int v = 0; v < V; ++v) s[threadIdx.y][threadIdx.x * V + v] = acc[v];
+    __syncthreads();
+    if (threadIdx.y == 0) {
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            if (j0 + v >= c) break;
+            float t = 0.0f;
+            for (int y = 0; y < (int)blockDim.y; ++y) t += s[y][threadIdx.x * V + v];
+            out[(long long)blockIdx.y * c + j0 + v] = t;
+        }
+    }
+}
+extern "C" __global__ void sum_rows_bf16x(const __nv_bfloat16* __restrict__ x, float* __restrict__ out, int n, int c,
+                                          int rows_per_slab) {
+    sum_rows_bf16x_impl<1>(x, out, n, c, rows_per_slab);
+}
+extern "C" __global__ void sum_rows_bf16x4(const __nv_bfloat16* __restrict__ x, float* __restrict__ out, int n, int c,
+                                           int rows_per_slab) {
+    sum_rows_bf16x_impl<4>(x, out, n, c, rows_per_slab);
+}
+
 // Stage 1 of plan op `SumRowsCast`: sum_rows's slab partials (the same rows per slab, the same
 // 16 row lanes, each lane's rows added in the same order and the lanes combined in the same
 // order, so every column sum is bit-identical to sum_rows's) and, for every element read,

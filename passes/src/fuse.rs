@@ -55,7 +55,8 @@
 //!   memory plan keeps both alive until the backward.
 //! - **`bf16-output`** (an analysis, CUDA with `precision = bf16` only): the output of a
 //!   `layer_norm` (rows of at most `schedule::BF16_LAYERNORM_MAX_C`), `rms_norm`, `gelu`,
-//!   `swi_glu`, `swi_glu_backward`, `rope` (LLaMA's rotated qkv), `rope_backward`, `mat_mul`
+//!   `swi_glu`, `swi_glu_backward`, `gelu_backward`, `rope` (LLaMA's rotated qkv),
+//!   `rope_backward`, `mat_mul`
 //!   (the bf16 GEMM rounds its fp32 result in the epilogue), `mat_mul_bias`
 //!   (rows of a multiple of 8; its bias is then cast to bf16 too, as PyTorch's autocast
 //!   does: cuBLASLt's bias epilogue reads the bias in the output's type), `attention`
@@ -65,7 +66,9 @@
 //!   `x` of `swi_glu` / `gelu` and their backwards, or the `dout` of `swi_glu_backward` /
 //!   `gelu_backward` (the MLP's `fc`, the largest activation, and the gradient a GEMM hands the
 //!   activation's backward: the activation kernels read bf16 and compute in fp32, as PyTorch's
-//!   autocast runs them on bf16 tensors), as the `logits` of `cross_entropy` /
+//!   autocast runs them on bf16 tensors), as the `x` of a `sum_rows` (GPT's c_fc bias
+//!   gradient, summed in fp32 from the bf16 gradient as autocast's linear backward does), as
+//!   the `logits` of `cross_entropy` /
 //!   `cross_entropy_backward` when that backward writes a bf16 gradient (the LM head's output:
 //!   the loss kernels read bf16, statistics in fp32) or as the saved `fwd_out` of an
 //!   `attention_backward` (read in bf16 by the tensor-core backward), or as the `qkv` of
@@ -482,6 +485,7 @@ impl Fuse {
                         Op::Gelu
                         | Op::SwiGlu
                         | Op::SwiGluBackward
+                        | Op::GeluBackward
                         | Op::RmsNorm { .. }
                         | Op::Rope { .. }
                         | Op::RopeBackward { .. }
@@ -533,6 +537,8 @@ impl Fuse {
                                 // at 0) in either dtype.
                                 Op::SwiGlu | Op::Gelu => i == 0,
                                 Op::SwiGluBackward | Op::GeluBackward => i < 2,
+                                // A bias gradient's column sums (fp32 sums of the bf16 values).
+                                Op::SumRows => i == 0,
                                 // The logits, where the backward writes a bf16 gradient.
                                 Op::CrossEntropy => i == 0,
                                 Op::CrossEntropyBackward => {

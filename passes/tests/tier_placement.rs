@@ -221,16 +221,20 @@ fn refresh_pools_hold_what_can_be_in_flight() {
 fn refresh_shadows_leave_the_device_before_any_moment() {
     use schedule::reserve::{engine_reserve, refresh_pinned_bytes, refresh_shadow_device_bytes};
     const GIB: usize = 1 << 30;
+    // `weight_casts = twice` in all three: `auto` would pick `once` without a budget and
+    // `twice` under one, and that difference alone would meet a budget just below the free need.
     let budget = |b: &str| {
         let b = b.to_string();
         move |src: String| {
             src.replace(
                 "target cuda {",
-                &format!("target cuda {{\n  gpu_memory = {b}\n  host_memory = 96GiB"),
+                &format!(
+                    "target cuda {{\n  weight_casts = twice\n  gpu_memory = {b}\n  host_memory = 96GiB"
+                ),
             )
         }
     };
-    let free = soap_plan(|s| s);
+    let free = soap_plan(|s| s.replace("target cuda {", "target cuda {\n  weight_casts = twice"));
     assert!(!free.memory.pinned_refresh_shadows);
     let on_device = refresh_shadow_device_bytes(&free);
     assert!(on_device > GIB, "{on_device} bytes of shadows");

@@ -27,8 +27,9 @@ pub const BF16_ATTENTION_MAX_HEAD_DIM: usize = 128;
 /// `attention_backward` and the `dout` of `attention_backward` (heads of at most
 /// [`BF16_ATTENTION_MAX_HEAD_DIM`]: the tensor-core kernels read bf16 anyway), the input `x`
 /// of `swi_glu` / `gelu` and their backwards, the `dout` of `swi_glu_backward` /
-/// `gelu_backward` (a bf16 GEMM's output), the `dx` of `swi_glu_backward` / `rope_backward`
-/// (read only by bf16 GEMMs), and the `logits` of `cross_entropy` /
+/// `gelu_backward` (a bf16 GEMM's output), the `dx` of `swi_glu_backward` / `gelu_backward` /
+/// `rope_backward` (read only by bf16 GEMMs and column sums), the `x` of `sum_rows` (a bias
+/// gradient summed in fp32 from such a bf16 gradient), and the `logits` of `cross_entropy` /
 /// `cross_entropy_backward` (a bf16 `logits` needs a bf16 `dlogits`); `cast.out` is always
 /// bf16 (its `x` f32). Everything else is f32.
 pub fn operand_dtypes(op: &str, operand: &str) -> &'static [DType] {
@@ -43,7 +44,8 @@ pub fn operand_dtypes(op: &str, operand: &str) -> &'static [DType] {
         ("attention_backward", "qkv" | "dout") => EITHER,
         ("swi_glu" | "swi_glu_backward" | "gelu" | "gelu_backward", "x") => EITHER,
         ("swi_glu_backward" | "gelu_backward", "dout") => EITHER,
-        ("swi_glu_backward" | "rope_backward", "dx") => EITHER,
+        ("swi_glu_backward" | "gelu_backward" | "rope_backward", "dx") => EITHER,
+        ("sum_rows", "x") => EITHER,
         ("cross_entropy" | "cross_entropy_backward", "logits") => EITHER,
         ("layer_norm" | "rms_norm" | "gelu" | "swi_glu" | "rope" | "attention", "out") => EITHER,
         ("attention_backward", "fwd_out") => EITHER,

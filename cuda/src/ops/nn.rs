@@ -640,29 +640,39 @@ pub fn gelu_forward(dev: &Device, x: &Buf, out: &Buf) -> Result<()> {
     )
 }
 
-/// Plan op `GeluBackward`: `dx = dout · gelu′(x)`; dout and x f32 or bf16 (as
-/// [`gelu_forward`]), dx f32, all of one length.
+/// Plan op `GeluBackward`: `dx = dout · gelu′(x)`; dout, x and dx f32 or bf16 (as
+/// [`gelu_forward`]; a bf16 dx is read only by bf16 GEMMs and the bias gradient's column
+/// sums), all of one length.
 ///
 /// # Errors
 /// As [`gelu_forward`].
 pub fn gelu_backward(dev: &Device, dout: &Buf, x: &Buf, dx: &Buf) -> Result<()> {
     const OP: &str = "gelu_backward";
     let n = dx.len();
-    dx.expect(OP, "dx", Elem::F32, n)?;
     let kernel = by_dtypes(
         &[
-            "gelu_backward_ff",
-            "gelu_backward_fb",
-            "gelu_backward_bf",
-            "gelu_backward_bb",
+            "gelu_backward_fff",
+            "gelu_backward_ffb",
+            "gelu_backward_fbf",
+            "gelu_backward_fbb",
+            "gelu_backward_bff",
+            "gelu_backward_bfb",
+            "gelu_backward_bbf",
+            "gelu_backward_bbb",
         ],
         [
             f32_or_bf16(OP, "dout", dout, n)?,
             f32_or_bf16(OP, "x", x, n)?,
+            f32_or_bf16(OP, "dx", dx, n)?,
         ],
     );
     let args = Args::new().buf(dout).buf(x).buf(dx).i64(n as i64);
-    dev.launch(kernel, (dev.grid_for(n.div_ceil(4)), 1, 1), (256, 1, 1), args)
+    dev.launch(
+        kernel,
+        (dev.grid_for(n.div_ceil(4)), 1, 1),
+        (256, 1, 1),
+        args,
+    )
 }
 
 /// Plan op `SwiGlu`: x `[N, 2f]` = `[gate | up]`, `out[n, k] = silu(gate) · up`, out `[N, f]`;
@@ -693,7 +703,12 @@ pub fn swiglu_forward(dev: &Device, x: &Buf, out: &Buf, f: usize) -> Result<()> 
         ],
         dtypes,
     );
-    dev.launch(kernel, (dev.grid_for(total.div_ceil(4)), 1, 1), (256, 1, 1), args)
+    dev.launch(
+        kernel,
+        (dev.grid_for(total.div_ceil(4)), 1, 1),
+        (256, 1, 1),
+        args,
+    )
 }
 
 /// Plan op `SwiGluBackward`: dout `[N, f]`, x `[N, 2f]` (as the forward read it), dx `[N, 2f]`,
@@ -731,7 +746,12 @@ pub fn swiglu_backward(dev: &Device, dout: &Buf, x: &Buf, dx: &Buf, f: usize) ->
         ],
         dtypes,
     );
-    dev.launch(kernel, (dev.grid_for(total.div_ceil(4)), 1, 1), (256, 1, 1), args)
+    dev.launch(
+        kernel,
+        (dev.grid_for(total.div_ceil(4)), 1, 1),
+        (256, 1, 1),
+        args,
+    )
 }
 
 /// Plan op `Add`: `out = a + b`, same lengths.
@@ -783,13 +803,19 @@ pub fn sum_rows_scratch_len(n: usize, c: usize) -> usize {
 pub fn sum_rows(dev: &Device, x: &Buf, out: &Buf, c: usize, scratch: &Buf) -> Result<()> {
     const OP: &str = "sum_rows";
     let n = rows_of(OP, "x", x.len(), c)?;
-    x.expect(OP, "x", Elem::F32, n * c)?;
+    let bf16 = f32_or_bf16(OP, "x", x, n * c)?;
     out.expect(OP, "out", Elem::F32, c)?;
     let len = sum_rows_scratch_len(n, c);
     let scratch = scratch.slice(0, len)?;
     scratch.expect(OP, "scratch", Elem::F32, len)?;
     let (slabs, rows) = sum_rows_slabs(n);
-    let grid = slab_grid(c, slabs);
+    // bf16 x: four columns a thread where c and x's alignment allow it.
+    let (kernel, per_thread) = match (bf16, c % 4 == 0 && x.ptr() % 8 == 0) {
+        (false, _) => ("sum_rows", 1),
+        (true, true) => ("sum_rows_bf16x4", 4),
+        (true, false) => ("sum_rows_bf16x", 1),
+    };
+    let grid = slab_grid(c.div_ceil(per_thread), slabs);
     let args = |dst: &Buf| -> Result<Args> {
         Ok(Args::new()
             .buf(x)
@@ -800,9 +826,9 @@ pub fn sum_rows(dev: &Device, x: &Buf, out: &Buf, c: usize, scratch: &Buf) -> Re
     };
     if slabs == 1 {
         // One slab: its sums are the result.
-        return dev.launch("sum_rows", grid, COL_BLOCK, args(out)?);
+        return dev.launch(kernel, grid, COL_BLOCK, args(out)?);
     }
-    dev.launch("sum_rows", grid, COL_BLOCK, args(&scratch)?)?;
+    dev.launch(kernel, grid, COL_BLOCK, args(&scratch)?)?;
     add_slab_partials(dev, OP, &scratch, None, out, None, c, slabs)
 }
 

@@ -395,17 +395,17 @@ fn activations(v: &mut Vec<Case>) {
                 Ok(one("out", rel_err(&read(cx, &ob, oh)?, &r), ms))
             }));
         }
-        for (i, dt) in TWO.into_iter().enumerate() {
-            let (dh, xh) = (i & 2 != 0, i & 1 != 0);
-            let size = format!("{size} dout,x {dt}");
-            v.push(case("gelu_backward", size, TOL_F32, big, move |cx| {
+        for (i, dt) in THREE.into_iter().enumerate() {
+            let (dh, xh, oh) = (i & 4 != 0, i & 2 != 0, i & 1 != 0);
+            let size = format!("{size} dout,x,dx {dt}");
+            v.push(case("gelu_backward", size, tol(oh), big, move |cx| {
                 let (xb, x) = operand(cx, n, 0.0, 3.0, xh)?;
                 let (gb, dout) = operand(cx, n, 0.0, 1.0, dh)?;
-                let ob = cx.out(n)?;
+                let ob = result(cx, n, oh)?;
                 let ms = cx.timed(|| g::gelu_backward(cx.dev, &gb, &xb, &ob))?;
                 let mut r = vec![0.0; n];
                 c::elementwise::gelu_backward(&wide(&dout), &wide(&x), &mut r).map_err(cpu)?;
-                Ok(one("dx", rel_err(&cx.down(&ob)?, &r), ms))
+                Ok(one("dx", rel_err(&read(cx, &ob, oh)?, &r), ms))
             }));
         }
     }
@@ -498,6 +498,18 @@ fn sum_rows_case(v: &mut Vec<Case>, n: usize, ch: usize, big: bool) {
     v.push(case("sum_rows", size, TOL_F32, big, move |cx| {
         let x = cx.normal(n * ch, 0.3, 1.0);
         let (xb, ob) = (cx.up(&x)?, cx.out(ch)?);
+        let sb = cx.out(g::sum_rows_scratch_len(n, ch))?;
+        let ms = cx.timed(|| g::sum_rows(cx.dev, &xb, &ob, ch, &sb))?;
+        let mut r = vec![0.0; ch];
+        c::elementwise::sum_rows(&wide(&x), &mut r, ch).map_err(cpu)?;
+        Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
+    }));
+    // bf16 x (GPT's c_fc bias gradient): fp32 sums of the bf16 values, four columns a thread
+    // where C is a multiple of 4.
+    let size = format!("N={n} C={ch} x bf16");
+    v.push(case("sum_rows", size, TOL_F32, big, move |cx| {
+        let (xb, x) = operand(cx, n * ch, 0.3, 1.0, true)?;
+        let ob = cx.out(ch)?;
         let sb = cx.out(g::sum_rows_scratch_len(n, ch))?;
         let ms = cx.timed(|| g::sum_rows(cx.dev, &xb, &ob, ch, &sb))?;
         let mut r = vec![0.0; ch];
