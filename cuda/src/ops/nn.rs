@@ -910,8 +910,9 @@ fn rope(
     sign: f32,
     scratch: &Buf,
 ) -> Result<()> {
-    // A forward may write bf16 (`rope_rotate_bf16`); x and a backward's dx are f32.
-    let bf16_out = sign > 0.0 && out.elem() == Elem::BF16;
+    // The forward's out and the backward's dx may be bf16 (`rope_rotate_bf16`: where only the
+    // tensor-core attention or bf16 GEMMs read them); x is f32.
+    let bf16_out = out.elem() == Elem::BF16;
     let total = x.len();
     x.expect(op, "x", Elem::F32, total)?;
     out.expect(

@@ -625,6 +625,23 @@ fn rope(v: &mut Vec<Case>) {
                 gpu_ms: ms,
             })
         }));
+        // The backward's bf16 dx (LLaMA's qkv gradient, read only by bf16 GEMMs).
+        v.push(case(
+            "rope_backward",
+            format!("{size} dx bf16"),
+            TOL_BF16,
+            big,
+            move |cx| {
+                let x = cx.normal(rows * width, 0.0, 1.0);
+                let xb = cx.up(&x)?;
+                let o16 = cx.raw(Elem::BF16, rows * width)?;
+                let sb = cx.out(g::rope_scratch_len(seq_len, head_dim))?;
+                let ms = cx.timed(|| g::rope_backward(cx.dev, &xb, &o16, &gd, &sb))?;
+                let mut r = vec![0.0; rows * width];
+                c::rope::rope_backward(&wide(&x), &mut r, &cd).map_err(cpu)?;
+                Ok(one("dx", rel_err(&down_bf16(cx, &o16)?, &r), ms))
+            },
+        ));
     }
 }
 
