@@ -635,6 +635,11 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 eigensolver: *eigensolver,
                 attention: *attention,
                 refresh_placement: *refresh_placement,
+                weight_casts: if c.weight_casts_once() {
+                    schedule::WeightCasts::Once
+                } else {
+                    schedule::WeightCasts::Twice
+                },
             },
         },
         memory,

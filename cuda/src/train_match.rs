@@ -153,14 +153,15 @@ fn rel(c: f64, g: f64) -> f64 {
 /// Either engine's error, as text (no device, bad plan, data).
 pub fn train_match(plan: &Plan, opts: &MatchOptions) -> Result<MatchReport, String> {
     let mut plan = plan.clone();
-    let (device, eigensolver, attention, staleness) = match plan.target {
+    let (device, eigensolver, attention, staleness, weight_casts) = match plan.target {
         TargetPlan::Cuda {
             device,
             eigensolver,
             attention,
             staleness,
+            weight_casts,
             ..
-        } => (device, eigensolver, attention, staleness),
+        } => (device, eigensolver, attention, staleness, weight_casts),
         TargetPlan::Cpu {
             eigensolver,
             staleness,
@@ -171,7 +172,8 @@ pub fn train_match(plan: &Plan, opts: &MatchOptions) -> Result<MatchReport, Stri
             // allocations exceed it before any buffer exists. The match compares the plan's
             // placement and copies as compiled, so the GPU engine runs it without that budget.
             plan.memory.budgets.device = None;
-            (0, eigensolver, AttentionKernel::Auto, staleness)
+            let twice = schedule::WeightCasts::Twice;
+            (0, eigensolver, AttentionKernel::Auto, staleness, twice)
         }
     };
     // The plan's staleness bound stays: with `refresh_swap = deadline` both engines install
@@ -184,6 +186,7 @@ pub fn train_match(plan: &Plan, opts: &MatchOptions) -> Result<MatchReport, Stri
         eigensolver,
         attention,
         refresh_placement: RefreshPlacement::Auto,
+        weight_casts,
     };
     plan.force_refresh_placement(opts.refresh);
     // Injection copies the CPU engine's result at the step it is installed, which must be the

@@ -324,6 +324,29 @@ pub enum TargetConfig {
     },
 }
 
+impl Config {
+    /// Whether the `fuse` pass casts each weight once per step (`weight_casts = once`, or
+    /// `auto` on a CUDA target without a `gpu_memory` budget and with `rematerialize = off`);
+    /// false on the CPU target (no bf16 GEMMs) and for `twice`.
+    pub fn weight_casts_once(&self) -> bool {
+        match &self.target {
+            TargetConfig::Cuda {
+                weight_casts,
+                budgets,
+                ..
+            } => match weight_casts {
+                crate::WeightCasts::Once => true,
+                crate::WeightCasts::Twice => false,
+                crate::WeightCasts::Auto => {
+                    budgets.device.is_none()
+                        && self.train.rematerialize == crate::Rematerialize::Off
+                }
+            },
+            TargetConfig::Cpu { .. } => false,
+        }
+    }
+}
+
 impl TargetConfig {
     /// The preconditioner staleness bound in steps.
     pub fn staleness(&self) -> u32 {

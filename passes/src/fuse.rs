@@ -570,20 +570,7 @@ impl Fuse {
     /// Whether `bf16-cast` casts each weight once per step ([`ir::WeightCasts`]): `once`, or
     /// `auto` without a `gpu_memory` budget and without rematerialisation.
     pub fn weight_casts_once(config: &ir::config::Config) -> bool {
-        match &config.target {
-            TargetConfig::Cuda {
-                weight_casts,
-                budgets,
-                ..
-            } => match weight_casts {
-                ir::WeightCasts::Once => true,
-                ir::WeightCasts::Twice => false,
-                ir::WeightCasts::Auto => {
-                    budgets.device.is_none() && config.train.rematerialize == ir::Rematerialize::Off
-                }
-            },
-            TargetConfig::Cpu { .. } => false,
-        }
+        config.weight_casts_once()
     }
 
     /// `bf16-cast`: a bf16 `cast` of every f32 GEMM operand, once per section, before its first

@@ -340,7 +340,17 @@ pub enum TargetPlan {
         /// The refresh placement policy `precond-scheduling` applied (each refresh's own
         /// [`Placement`] is what runs; [`Plan::verify`] checks they agree).
         refresh_placement: RefreshPlacement,
+        /// How often `fuse` cast each weight to bf16 per step: `once` or `twice` (the spec's
+        /// `weight_casts`, `auto` resolved; the casts themselves are ops of the programs).
+        /// Informational for the engine, which runs the casts the programs hold.
+        #[serde(default = "default_weight_casts")]
+        weight_casts: WeightCasts,
     },
+}
+
+/// Plans written before `weight_casts` existed cast every weight twice per step.
+fn default_weight_casts() -> WeightCasts {
+    WeightCasts::Twice
 }
 
 impl TargetPlan {
@@ -372,7 +382,7 @@ impl TargetPlan {
     }
 
     /// One line naming the target and every option value, e.g.
-    /// `target cuda: device 0, precision bf16, attention auto, staleness 5, refresh_placement
+    /// `target cuda: device 0, precision bf16, attention auto, weight_casts once, staleness 5, refresh_placement
     /// auto, eigensolver faer`.
     pub fn options_line(&self) -> String {
         match self {
@@ -391,9 +401,11 @@ impl TargetPlan {
                 eigensolver,
                 attention,
                 refresh_placement,
+                weight_casts,
             } => format!(
                 "target cuda: device {device}, precision {}, attention {attention}, \
-                 staleness {staleness}, refresh_placement {refresh_placement}, eigensolver {eigensolver}",
+                 weight_casts {weight_casts}, staleness {staleness}, refresh_placement \
+                 {refresh_placement}, eigensolver {eigensolver}",
                 match precision {
                     Precision::Bf16 => "bf16",
                     Precision::Fp32 => "fp32",
