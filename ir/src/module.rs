@@ -318,6 +318,23 @@ impl Module {
         &self.values[id.index()]
     }
 
+    /// The trainable parameters: the values of the `state parameter` instructions, in
+    /// declaration order.
+    pub fn parameters(&self) -> Vec<ValueId> {
+        self.section(Section::State)
+            .filter(|&i| {
+                matches!(
+                    self.inst(i).op,
+                    Op::State {
+                        class: crate::BufferClass::Parameter,
+                        ..
+                    }
+                )
+            })
+            .map(|i| self.inst(i).results[0])
+            .collect()
+    }
+
     /// Number of values ever created.
     pub fn num_values(&self) -> usize {
         self.values.len()

@@ -4,7 +4,7 @@
 //! gradient of every parameter with `grad_of`. Only values that depend on a parameter get
 //! gradients; the seed is d loss / d loss = 1 (folded into `cross_entropy_backward`).
 use crate::{Pass, PassContext, PassError};
-use ir::{BufferClass, Module, Op, Section, TensorType, ValueId};
+use ir::{Module, Op, Section, TensorType, ValueId};
 use std::collections::{HashMap, HashSet};
 
 /// The `autodiff` pass.
@@ -69,19 +69,7 @@ impl Pass for Autodiff {
             });
         }
         let loss = module.inst(loss_marker).args[0];
-        let params: Vec<ValueId> = module
-            .section(Section::State)
-            .filter(|&i| {
-                matches!(
-                    module.inst(i).op,
-                    Op::State {
-                        class: BufferClass::Parameter,
-                        ..
-                    }
-                )
-            })
-            .map(|i| module.inst(i).results[0])
-            .collect();
+        let params: Vec<ValueId> = module.parameters();
         // Values that depend on a parameter (need a gradient).
         let mut active: HashSet<ValueId> = params.iter().copied().collect();
         for &i in &forward {

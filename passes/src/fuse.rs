@@ -582,19 +582,7 @@ impl Fuse {
         }
         let once = Fuse::weight_casts_once(&m.config);
         self.report.weight_casts_once = Some(once);
-        let params: std::collections::HashSet<ValueId> = m
-            .section(Section::State)
-            .filter(|&i| {
-                matches!(
-                    m.inst(i).op,
-                    Op::State {
-                        class: ir::BufferClass::Parameter,
-                        ..
-                    }
-                )
-            })
-            .map(|i| m.inst(i).results[0])
-            .collect();
+        let params: std::collections::HashSet<ValueId> = m.parameters().into_iter().collect();
         // The forward's casts of parameters, which the backward reads under `once`.
         let mut kept: HashMap<ValueId, ValueId> = HashMap::new();
         for (section, label) in [

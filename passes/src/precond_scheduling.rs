@@ -112,17 +112,9 @@ pub fn target_description(target: &TargetConfig) -> Result<TargetDescription, Pa
 pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
     let staleness = module.config.target.staleness();
     let params: usize = module
-        .section(Section::State)
-        .filter(|&i| {
-            matches!(
-                module.inst(i).op,
-                Op::State {
-                    class: ir::BufferClass::Parameter,
-                    ..
-                }
-            )
-        })
-        .map(|i| module.value(module.inst(i).results[0]).ty.numel())
+        .parameters()
+        .into_iter()
+        .map(|v| module.value(v).ty.numel())
         .sum();
     let tokens = module.config.data.batch_size * module.config.data.seq_len;
     let step_ms = desc.predicted_step_ms(params, tokens).max(1e-3);
