@@ -17,7 +17,15 @@ pub fn compile_spec(
     for n in &checked.notes {
         note!("note: {n}");
     }
-    let config = checked.config;
+    compile_config(checked.config, flags)
+}
+
+/// Runs the pass pipeline over a checked configuration (as [`compile_spec`] does after
+/// loading the spec). Errors: a pass's error.
+pub fn compile_config(
+    config: ir::config::Config,
+    flags: &PassFlags,
+) -> Result<(Plan, passes::liveness::Liveness)> {
     let mut module = ir::Module::new(config);
     let options = PassOptions {
         print_before: flags.print_before.clone(),
@@ -636,9 +644,60 @@ pub struct SelftestArgs {
     pub state_tol: f64,
     pub inject_cpu_refreshes: bool,
     pub match_precision: String,
+    pub match_target: String,
     pub skip_pass: Vec<String>,
     pub skip_rule: Vec<String>,
     pub nccl: bool,
+}
+
+/// The configuration of a train-match under `--match-target cuda`: the spec's target replaced
+/// by `target cuda { device = ordinal  precision = ... }` with the spec's staleness,
+/// eigensolver and host/NVMe budgets (a CPU `memory` budget sized the CPU engine's working set
+/// and is dropped), everything else at its default. The passes then build the plan that
+/// `asteria train` runs on that GPU (bf16 casts and bf16-stored activations where the
+/// precision is bf16), and the CPU engine runs that same plan, its bf16 buffers rounded to
+/// bf16 as the GPU stores them.
+fn retarget_cuda(
+    mut config: ir::config::Config,
+    ordinal: usize,
+    precision: schedule::Precision,
+) -> ir::config::Config {
+    use ir::config::TargetConfig;
+    let (staleness, eigensolver, mut budgets, calibration) = match &config.target {
+        TargetConfig::Cpu {
+            staleness,
+            eigensolver,
+            budgets,
+            ..
+        } => (*staleness, *eigensolver, budgets.clone(), None),
+        TargetConfig::Cuda {
+            staleness,
+            eigensolver,
+            budgets,
+            calibration,
+            ..
+        } => (
+            *staleness,
+            *eigensolver,
+            budgets.clone(),
+            calibration.clone(),
+        ),
+    };
+    if matches!(config.target, TargetConfig::Cpu { .. }) {
+        budgets.device = None;
+    }
+    config.target = TargetConfig::Cuda {
+        device: ordinal as u32,
+        staleness,
+        precision,
+        calibration,
+        eigensolver,
+        attention: Default::default(),
+        refresh_placement: Default::default(),
+        weight_casts: Default::default(),
+        budgets,
+    };
+    config
 }
 
 /// `asteria selftest --device cuda`: the kernel self-test and the CPU-vs-GPU training checks.
@@ -677,13 +736,26 @@ pub fn selftest(a: &SelftestArgs) -> Result<()> {
         "bf16" => schedule::Precision::Bf16,
         other => return Err(miette!("--match-precision: `{other}` is not fp32 or bf16")),
     };
+    if !matches!(a.match_target.as_str(), "spec" | "cuda") {
+        return Err(miette!(
+            "--match-target: `{}` is not spec or cuda",
+            a.match_target
+        ));
+    }
     for spec in &a.train_match {
         let flags = PassFlags {
             skip_pass: a.skip_pass.clone(),
             skip_rule: a.skip_rule.clone(),
             ..PassFlags::default()
         };
-        let (plan, _) = compile_spec(spec, &flags, &[])?;
+        let (plan, _) = match a.match_target.as_str() {
+            "spec" => compile_spec(spec, &flags, &[])?,
+            _ => {
+                let spec_config = frontend::load_spec(spec).map_err(miette::Report::new)?;
+                let config = retarget_cuda(spec_config, a.ordinal, precision);
+                compile_config(config, &flags)?
+            }
+        };
         let opts = cuda::train_match::MatchOptions {
             steps: a.steps,
             tol: a.tol,

@@ -317,6 +317,13 @@ enum Command {
         /// bf16 (the production path against the fp32 CPU engine; pass a looser --tol, e.g. 0.02).
         #[arg(long, default_value = "fp32")]
         match_precision: String,
+        /// Train-match: the plan both engines run. `spec`: the spec as written (a CPU spec's
+        /// plan; with --match-precision bf16 only its GEMMs run in bf16 on the GPU). `cuda`:
+        /// the spec recompiled for `target cuda` at --match-precision, the plan `asteria train`
+        /// runs on the GPU (bf16 weight copies, bf16-stored activations and gradients); the CPU
+        /// engine runs the same plan, rounding those buffers to bf16 as the GPU stores them.
+        #[arg(long, default_value = "spec", value_parser = ["spec", "cuda"])]
+        match_target: String,
         /// Train-match: compile the specs without this optional pass (repeatable): `fuse`
         /// leaves every optimizer step composed (a SOAP step's `project` and rules with
         /// results run on both engines) and the model ops unfused.
@@ -506,6 +513,7 @@ fn main() -> ExitCode {
             state_tol,
             inject_cpu_refreshes,
             match_precision,
+            match_target,
             skip_pass,
             skip_rule,
             nccl,
@@ -526,6 +534,7 @@ fn main() -> ExitCode {
             state_tol,
             inject_cpu_refreshes,
             match_precision,
+            match_target,
             skip_pass,
             skip_rule,
             nccl,

@@ -19,40 +19,67 @@ extern "C" __global__ void bias_add(const float* __restrict__ x, const float* __
     for (long long i = gtid(); i < total; i += gstride()) out[i] = x[i] + bias[i % c];
 }
 
-// Stage 1 of the column sums (plan op `SumRows`): for the slab of rows
+// Stage 1 of the column sums (plan ops `SumRows`, `SumRowsCast`): for the slab of rows
 // [s * rows_per_slab, min(n, (s+1) * rows_per_slab)), s = blockIdx.y, writes
 // out[s * c + j] = sum over the slab of x[r, j]. With one slab the launcher passes the result
 // as out; with several, per-slab partials that `layernorm_backward_params_finalize` (layernorm
-// family) adds in slab order. Block (32, 16): threadIdx.x picks the column inside a 32-wide
-// tile (blockIdx.x), threadIdx.y strides the slab's rows; the 16 row-lane sums are combined in
-// a fixed order (deterministic).
-extern "C" __global__ void sum_rows(const float* __restrict__ x, float* __restrict__ out, int n, int c,
-                                    int rows_per_slab) {
-    __shared__ float s[16][33];
-    const int j = blockIdx.x * 32 + threadIdx.x;
-    const long long r0 = (long long)blockIdx.y * rows_per_slab;
-    const long long r1 = min((long long)n, r0 + rows_per_slab);
-    float acc = 0.0f;
-    if (j < c) {
-#pragma unroll 4
-        for (long long r = r0 + threadIdx.y; r < r1; r += blockDim.y) acc += x[r * c + j];
+// family) adds in slab order. Block (32, 16); grid (ceil(c / (32 * V)), slabs): each thread
+// owns V consecutive columns of a 32 * V-wide tile (blockIdx.x), threadIdx.y strides the slab's
+// rows, and the 16 row-lane sums are combined in a fixed order (deterministic). Every variant
+// adds the same values in the same order, so its column sums are bit-identical to sum_rows's:
+//   sum_rows          f32 x, V = 1;
+//   sum_rows_bf16x(4) bf16 x (a bias gradient summed from an activation gradient that only bf16
+//                     GEMMs and these sums read, as PyTorch's autocast sums a linear's bf16
+//                     output gradient), fp32 sums; V = 4 reads 8 bytes a row;
+//   sum_rows_cast(4)  f32 x, and for every element read out_bf16[r, j] = bf16(x[r, j]) (round
+//                     to nearest even, as cast_f32_bf16); V = 4 reads a float4 a row.
+// V = 4 needs c a multiple of 4 and x (and out_bf16) aligned to the vector: the launcher checks.
+
+// The V values of x at element k (f32 or bf16 x), as floats.
+template <int V>
+__device__ __forceinline__ void sr_load(const float* __restrict__ x, long long k, float (&q)[V]) {
+    if (V == 4) {
+        const float4 f = *reinterpret_cast<const float4*>(x + k);
+        q[0] = f.x;
+        q[1 % V] = f.y;
+        q[2 % V] = f.z;
+        q[3 % V] = f.w;
+    } else {
+        q[0] = x[k];
     }
-    s[threadIdx.y][threadIdx.x] = acc;
-    __syncthreads();
-    if (threadIdx.y == 0 && j < c) {
-        float t = 0.0f;
-        for (int y = 0; y < (int)blockDim.y; ++y) t += s[y][threadIdx.x];
-        out[(long long)blockIdx.y * c + j] = t;
+}
+template <int V>
+__device__ __forceinline__ void sr_load(const __nv_bfloat16* __restrict__ x, long long k, float (&q)[V]) {
+    if (V == 4) {
+        const uint2 u = *reinterpret_cast<const uint2*>(x + k);
+        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+        const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+        q[0] = a.x;
+        q[1 % V] = a.y;
+        q[2 % V] = b.x;
+        q[3 % V] = b.y;
+    } else {
+        q[0] = __bfloat162float(x[k]);
+    }
+}
+// o[k .. k + V) = bf16(q), round to nearest even.
+template <int V>
+__device__ __forceinline__ void sr_store_bf16(__nv_bfloat16* __restrict__ o, long long k, const float (&q)[V]) {
+    if (V == 4) {
+        __nv_bfloat162 lo = __floats2bfloat162_rn(q[0], q[1 % V]), hi = __floats2bfloat162_rn(q[2 % V], q[3 % V]);
+        uint2 u;
+        u.x = *reinterpret_cast<unsigned*>(&lo);
+        u.y = *reinterpret_cast<unsigned*>(&hi);
+        *reinterpret_cast<uint2*>(o + k) = u;
+    } else {
+        o[k] = __float2bfloat16_rn(q[0]);
     }
 }
 
-// sum_rows over bf16 x (a bias gradient summed from an activation gradient that only bf16 GEMMs
-// and these sums read, as PyTorch's autocast sums a linear's bf16 output gradient), the sums in
-// fp32: the same slabs, row lanes and order as sum_rows. Each thread owns V consecutive columns,
-// read as one 8-byte load when V = 4 (c a multiple of 4, x 8-byte aligned: the launcher checks).
-template <int V>
-__device__ __forceinline__ void sum_rows_bf16x_impl(const __nv_bfloat16* __restrict__ x, float* __restrict__ out, int n,
-                                                    int c, int rows_per_slab) {
+template <int V, typename T, bool CAST>
+__device__ __forceinline__ void sum_rows_slab(const T* __restrict__ x, float* __restrict__ out,
+                                              __nv_bfloat16* __restrict__ out_bf16, int n, int c,
+                                              int rows_per_slab) {
     __shared__ float s[16][32 * V + 1];
     const int j0 = (blockIdx.x * 32 + threadIdx.x) * V;
     const long long r0 = (long long)blockIdx.y * rows_per_slab;
@@ -63,17 +90,11 @@ __device__ __forceinline__ void sum_rows_bf16x_impl(const __nv_bfloat16* __restr
     if (j0 < c) {
 #pragma unroll 4
         for (long long r = r0 + threadIdx.y; r < r1; r += blockDim.y) {
-            if (V == 4) {
-                const uint2 q = *reinterpret_cast<const uint2*>(x + r * c + j0);
-                const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q.x));
-                const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q.y));
-                acc[0] += a.x;
-                acc[1 % V] += a.y;
-                acc[2 % V] += b.x;
-                acc[3 % V] += b.y;
-            } else {
-                acc[0] += __bfloat162float(x[r * c + j0]);
-            }
+            float q[V];
+            sr_load<V>(x, r * c + j0, q);
+#pragma unroll
+            for (int v = 0; v < V; ++v) acc[v] += q[v];
+            if (CAST) sr_store_bf16<V>(out_bf16, r * c + j0, q);
         }
     }
 #pragma unroll
@@ -88,74 +109,26 @@ __device__ __forceinline__ void sum_rows_bf16x_impl(const __nv_bfloat16* __restr
             out[(long long)blockIdx.y * c + j0 + v] = t;
         }
     }
+}
+extern "C" __global__ void sum_rows(const float* __restrict__ x, float* __restrict__ out, int n, int c,
+                                    int rows_per_slab) {
+    sum_rows_slab<1, float, false>(x, out, nullptr, n, c, rows_per_slab);
 }
 extern "C" __global__ void sum_rows_bf16x(const __nv_bfloat16* __restrict__ x, float* __restrict__ out, int n, int c,
                                           int rows_per_slab) {
-    sum_rows_bf16x_impl<1>(x, out, n, c, rows_per_slab);
+    sum_rows_slab<1, __nv_bfloat16, false>(x, out, nullptr, n, c, rows_per_slab);
 }
 extern "C" __global__ void sum_rows_bf16x4(const __nv_bfloat16* __restrict__ x, float* __restrict__ out, int n, int c,
                                            int rows_per_slab) {
-    sum_rows_bf16x_impl<4>(x, out, n, c, rows_per_slab);
-}
-
-// Stage 1 of plan op `SumRowsCast`: sum_rows's slab partials (the same rows per slab, the same
-// 16 row lanes, each lane's rows added in the same order and the lanes combined in the same
-// order, so every column sum is bit-identical to sum_rows's) and, for every element read,
-// out_bf16[r, j] = bf16(x[r, j]) (round to nearest even, as cast_f32_bf16). Block (32, 16);
-// grid (ceil(c / (32 * V)), slabs): each thread owns V consecutive columns, read as one float4
-// when V = 4 (c a multiple of 4, x 16- and out_bf16 8-byte aligned: the launcher checks).
-template <int V>
-__device__ __forceinline__ void sum_rows_cast_impl(const float* __restrict__ x, float* __restrict__ out,
-                                                   __nv_bfloat16* __restrict__ out_bf16, int n, int c,
-                                                   int rows_per_slab) {
-    __shared__ float s[16][32 * V + 1];
-    const int j0 = (blockIdx.x * 32 + threadIdx.x) * V;
-    const long long r0 = (long long)blockIdx.y * rows_per_slab;
-    const long long r1 = min((long long)n, r0 + rows_per_slab);
-    float acc[V];
-#pragma unroll
-    for (int v = 0; v < V; ++v) acc[v] = 0.0f;
-    if (j0 < c) {
-#pragma unroll 4
-        for (long long r = r0 + threadIdx.y; r < r1; r += blockDim.y) {
-            if (V == 4) {
-                const float4 q = *reinterpret_cast<const float4*>(x + r * c + j0);
-                acc[0] += q.x;
-                acc[1 % V] += q.y;
-                acc[2 % V] += q.z;
-                acc[3 % V] += q.w;
-                __nv_bfloat162 lo = __floats2bfloat162_rn(q.x, q.y), hi = __floats2bfloat162_rn(q.z, q.w);
-                uint2 u;
-                u.x = *reinterpret_cast<unsigned*>(&lo);
-                u.y = *reinterpret_cast<unsigned*>(&hi);
-                *reinterpret_cast<uint2*>(out_bf16 + r * c + j0) = u;
-            } else {
-                const float q = x[r * c + j0];
-                acc[0] += q;
-                out_bf16[r * c + j0] = __float2bfloat16_rn(q);
-            }
-        }
-    }
-#pragma unroll
-    for (int v = 0; v < V; ++v) s[threadIdx.y][threadIdx.x * V + v] = acc[v];
-    __syncthreads();
-    if (threadIdx.y == 0) {
-#pragma unroll
-        for (int v = 0; v < V; ++v) {
-            if (j0 + v >= c) break;
-            float t = 0.0f;
-            for (int y = 0; y < (int)blockDim.y; ++y) t += s[y][threadIdx.x * V + v];
-            out[(long long)blockIdx.y * c + j0 + v] = t;
-        }
-    }
+    sum_rows_slab<4, __nv_bfloat16, false>(x, out, nullptr, n, c, rows_per_slab);
 }
 extern "C" __global__ void sum_rows_cast(const float* __restrict__ x, float* __restrict__ out,
                                          __nv_bfloat16* __restrict__ out_bf16, int n, int c, int rows_per_slab) {
-    sum_rows_cast_impl<1>(x, out, out_bf16, n, c, rows_per_slab);
+    sum_rows_slab<1, float, true>(x, out, out_bf16, n, c, rows_per_slab);
 }
 extern "C" __global__ void sum_rows_cast4(const float* __restrict__ x, float* __restrict__ out,
                                           __nv_bfloat16* __restrict__ out_bf16, int n, int c, int rows_per_slab) {
-    sum_rows_cast_impl<4>(x, out, out_bf16, n, c, rows_per_slab);
+    sum_rows_slab<4, float, true>(x, out, out_bf16, n, c, rows_per_slab);
 }
 
 // x *= *scale (a device scalar, e.g. the clip factor written by grad_norm_finalize).

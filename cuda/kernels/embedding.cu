@@ -21,14 +21,20 @@ extern "C" __global__ void embedding_forward(const float* __restrict__ table, co
 
 // The gradient of the table, bitwise reproducible: every table row sums its tokens' rows of dout
 // in increasing token order (float atomics would add them in an unspecified order). Three
-// launches on one stream, with `span` int [2 * vocab] scratch and dtable zeroed first:
+// launches on one stream, with `span` int [2 * vocab] scratch:
 // embedding_backward_span_init: span = (INT_MAX, -1) per table row;
 // embedding_backward_span: per token, the first and last position of its id (integer atomics:
 //   their results do not depend on the order); an id outside [0, vocab) records its row in
 //   status[0] and is skipped;
-// embedding_backward_rows: one block per table row v with tokens, over [first, last] in chunks
-//   of blockDim.x positions (blockDim.x <= 1024): the chunk's hits are flagged in shared memory
-//   and added in position order, each thread owning the columns j = threadIdx.x (mod blockDim.x).
+// embedding_backward_rows: writes every table row (zeros where no token has its id), so dtable
+//   needs no clearing first. Grid (vocab, column tiles), block of EMB_T threads (a multiple of
+//   32, <= 1024); thread t of tile y owns the columns y * 4 * EMB_T + t + u * EMB_T, u < 4, and
+//   keeps their sums in registers. The block walks [first, last] in chunks of EMB_T positions:
+//   each chunk's hits are compacted in position order into shared memory (warp ballots and a
+//   prefix over the warps' counts), then every thread adds the hit rows of its columns. The loads
+//   of successive hit rows are independent, so a frequent token's many rows stream in together
+//   (the block-serial version, one read-modify-write of the table row per hit, took 0.97 ms for
+//   7 ids over 5003 tokens of 1025 columns).
 extern "C" __global__ void embedding_backward_span_init(int* __restrict__ span, int vocab) {
     for (long long v = (long long)blockIdx.x * blockDim.x + threadIdx.x; v < vocab;
          v += (long long)gridDim.x * blockDim.x) {
@@ -50,25 +56,48 @@ extern "C" __global__ void embedding_backward_span(const int* __restrict__ ids, 
     }
 }
 
+#define EMB_COLS 4
 extern "C" __global__ void embedding_backward_rows(const float* __restrict__ dout, const int* __restrict__ ids,
                                                    const int* __restrict__ span, float* __restrict__ dtable,
                                                    int c) {
-    __shared__ unsigned char hit[1024];
+    __shared__ int pos[1024];
+    __shared__ int warp_hits[32];
     const int v = blockIdx.x;
     const int first = span[2 * (long long)v], last = span[2 * (long long)v + 1];
-    if (last < first) return;
-    float* d = dtable + (long long)v * c;
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, warps = blockDim.x >> 5;
+    const int j0 = blockIdx.y * EMB_COLS * blockDim.x + t;
+    float acc[EMB_COLS];
+#pragma unroll
+    for (int u = 0; u < EMB_COLS; ++u) acc[u] = 0.0f;
     for (int base = first; base <= last; base += blockDim.x) {
-        const int i = base + threadIdx.x;
+        const int i = base + t;
         const bool h = i <= last && ids[i] == v;
-        hit[threadIdx.x] = h;
-        if (!__syncthreads_or(h)) continue;
-        const int end = min((int)blockDim.x, last - base + 1);
-        for (int k = 0; k < end; ++k) {
-            if (!hit[k]) continue;
-            const float* g = dout + (long long)(base + k) * c;
-            for (int j = threadIdx.x; j < c; j += blockDim.x) d[j] += g[j];
+        const unsigned m = __ballot_sync(0xffffffffu, h);
+        if (lane == 0) warp_hits[warp] = __popc(m);
+        __syncthreads();
+        int before = 0, total = 0;
+        for (int w = 0; w < warps; ++w) {
+            const int k = warp_hits[w];
+            before += w < warp ? k : 0;
+            total += k;
+        }
+        if (h) pos[before + __popc(m & ((1u << lane) - 1u))] = i;
+        __syncthreads();
+#pragma unroll 4
+        for (int k = 0; k < total; ++k) {
+            const float* g = dout + (long long)pos[k] * c;
+#pragma unroll
+            for (int u = 0; u < EMB_COLS; ++u) {
+                const int j = j0 + u * blockDim.x;
+                if (j < c) acc[u] += g[j];
+            }
         }
         __syncthreads();
+    }
+    float* d = dtable + (long long)v * c;
+#pragma unroll
+    for (int u = 0; u < EMB_COLS; ++u) {
+        const int j = j0 + u * blockDim.x;
+        if (j < c) d[j] = acc[u];
     }
 }

@@ -6,9 +6,10 @@
 //
 // Rows of c <= 32 * 64 = 2048 take the warp-per-row kernels (`*_w8` .. `*_w64`): one warp owns
 // a row, lane l holds x[l], x[l + 32], ... in registers (V values, c <= 32 * V), reductions are
-// warp shuffles only, and a 256-thread block covers 8 rows. Wider rows take the block-per-row
-// kernels `layernorm_forward` / `layernorm_backward_dx`. dweight/dbias come from a two-stage
-// column reduction: `layernorm_backward_params` sums slabs of rows per column into partials,
+// warp shuffles only. The warp backward (`layernorm_backward_w*`) also sums its slab's
+// dweight/dbias partials in the same pass. Wider rows take the block-per-row kernels
+// `layernorm_forward` / `layernorm_backward_dx`, whose dweight/dbias come from a separate pass,
+// `layernorm_backward_params` (slabs of rows per column into partials). Either way
 // `layernorm_backward_params_finalize` adds the partials in slab order. No atomics anywhere:
 // every result is deterministic for a given (n, c). The `layernorm_forward_bf16_w*` kernels
 // write a bf16 output instead (for an output only bf16 GEMMs read).
@@ -83,59 +84,96 @@ __device__ __forceinline__ void ln_forward_warp(const float* __restrict__ x, con
     }
 }
 
-// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dout * weight; one warp per row.
-// The row statistics and the combination run in float64 (inputs and dx stay f32): for short
-// rows the f32 formula cancels badly (an f32 emulation at c = 3 gave norm-wise errors up to
-// 1e-4 against float64; in float64 ~1e-7), and the kernel is memory-bound either way.
-// Writes the row's mean and rstd to stats[2*row], stats[2*row+1] for layernorm_backward_params.
+// Fused warp-per-row backward: dx and the slab's dweight/dbias partials in one pass over dout
+// and x (the separate column-sum pass read both again: 5 row-sized transfers per LayerNorm
+// instead of 3).
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dout * weight, one warp per row. The
+// row statistics and the combination run in float64 (inputs and dx stay f32): for short rows
+// the f32 formula cancels badly (an f32 emulation at c = 3 gave norm-wise errors up to 1e-4
+// against float64; in float64 ~1e-7), and the kernel is memory-bound either way.
+// Slabs: block s = blockIdx.x (LN_BWD_WARPS warps) owns rows [s * rows_per_slab,
+// min(n, (s + 1) * rows_per_slab)); warp w takes the slab's rows w, w + LN_BWD_WARPS, ... in
+// increasing order and adds dout * xhat and dout of each column into its own accumulators in
+// dynamic shared memory (float [LN_BWD_WARPS][2][c]); then the block adds the warps'
+// accumulators in warp order into pw[s * c + j] and pb[s * c + j] (pb may be null).
+// layernorm_backward_params_finalize adds the slabs in order: deterministic for (n, c).
+#define LN_BWD_WARPS 4
 template <int V>
-__device__ __forceinline__ void ln_backward_dx_warp(const float* __restrict__ dout, const float* __restrict__ x,
-                                                    const float* __restrict__ weight, float* __restrict__ dx,
-                                                    float* __restrict__ stats, int n, int c, float eps) {
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= n) return;
-    const int lane = threadIdx.x & 31;
-    const float* dr = dout + (long long)row * c;
-    const float* xr = x + (long long)row * c;
-    float xv[V], gv[V];
-    // Issue both rows' loads before the reductions so they stream in together.
-    double s = 0.0;
+__device__ __forceinline__ void ln_backward_warp(const float* __restrict__ dout, const float* __restrict__ x,
+                                                 const float* __restrict__ weight, float* __restrict__ dx,
+                                                 float* __restrict__ pw, float* __restrict__ pb, int n, int c,
+                                                 float eps, int rows_per_slab) {
+    extern __shared__ float ln_acc[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float* aw = ln_acc + (long long)(2 * warp) * c;
+    float* ab = aw + c;
 #pragma unroll
     for (int i = 0; i < V; ++i) {
         const int j = i * 32 + lane;
-        gv[i] = j < c ? dr[j] * weight[j] : 0.0f;
-        xv[i] = j < c ? xr[j] : 0.0f;
-        s += (double)xv[i];
+        if (j < c) {
+            aw[j] = 0.0f;
+            ab[j] = 0.0f;
+        }
     }
-    const double mean = warp_sum_d(s) / (double)c;
-    // xv becomes the deviation x - mean, subtracted in float64 and kept as f32 (a relative
-    // rounding of 6e-8 per element; the cancellation is in the subtraction, not the storage),
-    // so that no float64 copy of the row stays live in registers.
-    double q = 0.0;
+    const long long r0 = (long long)blockIdx.x * rows_per_slab;
+    const long long r1 = min((long long)n, r0 + rows_per_slab);
+    for (long long row = r0 + warp; row < r1; row += LN_BWD_WARPS) {
+        const float* dr = dout + row * c;
+        const float* xr = x + row * c;
+        float xv[V], dv[V];
+        // Issue both rows' loads before the reductions so they stream in together.
+        double s = 0.0;
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-        const int j = i * 32 + lane;
-        xv[i] = j < c ? (float)((double)xv[i] - mean) : 0.0f;
-        q += (double)xv[i] * (double)xv[i];
-    }
-    const double rstd = 1.0 / sqrt(warp_sum_d(q) / (double)c + (double)eps);
-    double sg = 0.0, sgx = 0.0;
+        for (int i = 0; i < V; ++i) {
+            const int j = i * 32 + lane;
+            dv[i] = j < c ? dr[j] : 0.0f;
+            xv[i] = j < c ? xr[j] : 0.0f;
+            s += (double)xv[i];
+        }
+        const double mean = warp_sum_d(s) / (double)c;
+        // xv becomes the deviation x - mean, subtracted in float64 and kept as f32 (a relative
+        // rounding of 6e-8 per element; the cancellation is in the subtraction, not the
+        // storage), so that no float64 copy of the row stays live in registers.
+        double q = 0.0;
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-        sg += (double)gv[i];
-        sgx += (double)gv[i] * (double)xv[i];
-    }
-    const double mg = warp_sum_d(sg) / (double)c;
-    const double mgx = warp_sum_d(sgx) / (double)c * rstd;
-    float* d = dx + (long long)row * c;
+        for (int i = 0; i < V; ++i) {
+            const int j = i * 32 + lane;
+            xv[i] = j < c ? (float)((double)xv[i] - mean) : 0.0f;
+            q += (double)xv[i] * (double)xv[i];
+        }
+        const double rstd = 1.0 / sqrt(warp_sum_d(q) / (double)c + (double)eps);
+        double sg = 0.0, sgx = 0.0;
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-        const int j = i * 32 + lane;
-        if (j < c) d[j] = (float)(rstd * ((double)gv[i] - mg - (double)xv[i] * rstd * mgx));
+        for (int i = 0; i < V; ++i) {
+            const int j = i * 32 + lane;
+            const double g = j < c ? (double)(dv[i] * weight[j]) : 0.0;
+            sg += g;
+            sgx += g * (double)xv[i];
+        }
+        const double mg = warp_sum_d(sg) / (double)c;
+        const double mgx = warp_sum_d(sgx) / (double)c * rstd;
+        float* d = dx + row * c;
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            const int j = i * 32 + lane;
+            if (j < c) {
+                const double g = (double)(dv[i] * weight[j]);
+                d[j] = (float)(rstd * (g - mg - (double)xv[i] * rstd * mgx));
+                aw[j] += dv[i] * (float)((double)xv[i] * rstd);
+                ab[j] += dv[i];
+            }
+        }
     }
-    if (lane == 0) {
-        stats[2 * (long long)row] = (float)mean;
-        stats[2 * (long long)row + 1] = (float)rstd;
+    __syncthreads();
+    for (int j = threadIdx.x; j < c; j += blockDim.x) {
+        float tw = 0.0f, tb = 0.0f;
+        for (int w = 0; w < LN_BWD_WARPS; ++w) {
+            tw += ln_acc[(long long)(2 * w) * c + j];
+            tb += ln_acc[(long long)(2 * w + 1) * c + j];
+        }
+        const long long o = (long long)blockIdx.x * c + j;
+        pw[o] = tw;
+        if (pb) pb[o] = tb;
     }
 }
 
@@ -195,9 +233,9 @@ extern "C" __global__ void layernorm_backward_dx(const float* __restrict__ dout,
     }
 }
 
-// Warp-per-row kernels, V values per lane (c <= 32 * V). Block of 256 threads = 8 rows;
-// grid ceil(n / 8). The dx kernels up to V = 24 are held to 128 registers (two blocks per SM,
-// as before their float64 statistics; no spills at those widths).
+// Warp-per-row kernels, V values per lane (c <= 32 * V). Forward: block of 256 threads = 8
+// rows, grid ceil(n / 8). Backward: block of LN_BWD_WARPS warps = one slab of rows, grid =
+// slabs, 2 * LN_BWD_WARPS * c floats of dynamic shared memory.
 extern "C" __global__ void layernorm_forward_w8(const float* __restrict__ x, const float* __restrict__ weight,
                                                 const float* __restrict__ bias, float* __restrict__ out, int n,
                                                 int c, float eps) {
@@ -224,30 +262,35 @@ extern "C" __global__ void layernorm_forward_w64(const float* __restrict__ x, co
     ln_forward_warp<64>(x, weight, bias, out, n, c, eps);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) layernorm_backward_dx_w8(const float* __restrict__ dout, const float* __restrict__ x,
-                                                    const float* __restrict__ weight, float* __restrict__ dx,
-                                                    float* __restrict__ stats, int n, int c, float eps) {
-    ln_backward_dx_warp<8>(dout, x, weight, dx, stats, n, c, eps);
+extern "C" __global__ void __launch_bounds__(32 * LN_BWD_WARPS) layernorm_backward_w8(
+    const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ weight,
+    float* __restrict__ dx, float* __restrict__ pw, float* __restrict__ pb, int n, int c, float eps,
+    int rows_per_slab) {
+    ln_backward_warp<8>(dout, x, weight, dx, pw, pb, n, c, eps, rows_per_slab);
 }
-extern "C" __global__ void __launch_bounds__(256, 2) layernorm_backward_dx_w16(const float* __restrict__ dout, const float* __restrict__ x,
-                                                     const float* __restrict__ weight, float* __restrict__ dx,
-                                                     float* __restrict__ stats, int n, int c, float eps) {
-    ln_backward_dx_warp<16>(dout, x, weight, dx, stats, n, c, eps);
+extern "C" __global__ void __launch_bounds__(32 * LN_BWD_WARPS) layernorm_backward_w16(
+    const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ weight,
+    float* __restrict__ dx, float* __restrict__ pw, float* __restrict__ pb, int n, int c, float eps,
+    int rows_per_slab) {
+    ln_backward_warp<16>(dout, x, weight, dx, pw, pb, n, c, eps, rows_per_slab);
 }
-extern "C" __global__ void __launch_bounds__(256, 2) layernorm_backward_dx_w24(const float* __restrict__ dout, const float* __restrict__ x,
-                                                     const float* __restrict__ weight, float* __restrict__ dx,
-                                                     float* __restrict__ stats, int n, int c, float eps) {
-    ln_backward_dx_warp<24>(dout, x, weight, dx, stats, n, c, eps);
+extern "C" __global__ void __launch_bounds__(32 * LN_BWD_WARPS) layernorm_backward_w24(
+    const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ weight,
+    float* __restrict__ dx, float* __restrict__ pw, float* __restrict__ pb, int n, int c, float eps,
+    int rows_per_slab) {
+    ln_backward_warp<24>(dout, x, weight, dx, pw, pb, n, c, eps, rows_per_slab);
 }
-extern "C" __global__ void layernorm_backward_dx_w32(const float* __restrict__ dout, const float* __restrict__ x,
-                                                     const float* __restrict__ weight, float* __restrict__ dx,
-                                                     float* __restrict__ stats, int n, int c, float eps) {
-    ln_backward_dx_warp<32>(dout, x, weight, dx, stats, n, c, eps);
+extern "C" __global__ void __launch_bounds__(32 * LN_BWD_WARPS) layernorm_backward_w32(
+    const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ weight,
+    float* __restrict__ dx, float* __restrict__ pw, float* __restrict__ pb, int n, int c, float eps,
+    int rows_per_slab) {
+    ln_backward_warp<32>(dout, x, weight, dx, pw, pb, n, c, eps, rows_per_slab);
 }
-extern "C" __global__ void layernorm_backward_dx_w64(const float* __restrict__ dout, const float* __restrict__ x,
-                                                     const float* __restrict__ weight, float* __restrict__ dx,
-                                                     float* __restrict__ stats, int n, int c, float eps) {
-    ln_backward_dx_warp<64>(dout, x, weight, dx, stats, n, c, eps);
+extern "C" __global__ void __launch_bounds__(32 * LN_BWD_WARPS) layernorm_backward_w64(
+    const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ weight,
+    float* __restrict__ dx, float* __restrict__ pw, float* __restrict__ pb, int n, int c, float eps,
+    int rows_per_slab) {
+    ln_backward_warp<64>(dout, x, weight, dx, pw, pb, n, c, eps, rows_per_slab);
 }
 
 // Stage 1 of dweight/dbias: for the slab of rows [s * rows_per_slab, min(n, (s+1) * rows_per_slab)),
@@ -289,19 +332,38 @@ extern "C" __global__ void layernorm_backward_params(const float* __restrict__ d
 }
 
 // Stage 2: dweight[j] = sum_s pw[s * c + j], dbias[j] = sum_s pb[s * c + j] (dbias, pb may be
-// null), slabs added in order (deterministic). Grid-stride over j.
+// null). Block (32, 8) over a 32-column tile (blockIdx.x): row lane y adds the slabs
+// [y * k, min(slabs, (y + 1) * k)), k = ceil(slabs / 8), in order, then lane 0 adds the 8 lane
+// sums in order (deterministic; 8 independent load streams per column instead of one chain of
+// `slabs` dependent loads).
 extern "C" __global__ void layernorm_backward_params_finalize(const float* __restrict__ pw,
                                                               const float* __restrict__ pb,
                                                               float* __restrict__ dweight, float* __restrict__ dbias,
                                                               int c, int slabs) {
-    for (long long j = gtid(); j < c; j += gstride()) {
-        float tw = 0.0f, tb = 0.0f;
-        for (int s = 0; s < slabs; ++s) {
+    __shared__ float s_w[8][33];
+    __shared__ float s_b[8][33];
+    const int j = blockIdx.x * 32 + threadIdx.x;
+    const int k = (slabs + 7) / 8;
+    const int s0 = threadIdx.y * k, s1 = min(slabs, s0 + k);
+    float tw = 0.0f, tb = 0.0f;
+    if (j < c) {
+#pragma unroll 4
+        for (int s = s0; s < s1; ++s) {
             tw += pw[(long long)s * c + j];
             if (pb) tb += pb[(long long)s * c + j];
         }
-        dweight[j] = tw;
-        if (dbias) dbias[j] = tb;
+    }
+    s_w[threadIdx.y][threadIdx.x] = tw;
+    s_b[threadIdx.y][threadIdx.x] = tb;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < c) {
+        float w = 0.0f, b = 0.0f;
+        for (int y = 0; y < 8; ++y) {
+            w += s_w[y][threadIdx.x];
+            b += s_b[y][threadIdx.x];
+        }
+        dweight[j] = w;
+        if (dbias) dbias[j] = b;
     }
 }
 

@@ -49,9 +49,13 @@ pub fn embedding_backward_scratch_len(vocab: usize) -> usize {
     2 * vocab
 }
 
+/// Columns each thread of `embedding_backward_rows` sums (`EMB_COLS` in `kernels/embedding.cu`).
+const EMB_COLS: usize = 4;
+
 /// Plan op `EmbeddingBackward`: `dtable = 0; dtable[ids[n], :] += dout[n, :]`, each table row
 /// the sum of its tokens' rows in increasing token order (bitwise reproducible: no float
-/// atomics; `embedding_backward_rows` in `kernels/embedding.cu`). dout `[N, c]` f32, ids `[N]`
+/// atomics; `embedding_backward_rows` in `kernels/embedding.cu` writes every row, zeros where
+/// no token has its id, with its sums in registers). dout `[N, c]` f32, ids `[N]`
 /// i32, dtable `[vocab, c]` f32, `scratch` at least [`embedding_backward_scratch_len`]
 /// elements. An id outside `[0, vocab)` is skipped and recorded in the device status word.
 ///
@@ -73,8 +77,7 @@ pub fn embedding_backward(
     ids.expect(OP, "ids", Elem::I32, n)?;
     dout.expect(OP, "dout", Elem::F32, n * c)?;
     let span = scratch.slice(0, embedding_backward_scratch_len(vocab))?;
-    dev.zero(dtable)?;
-    if n == 0 || vocab == 0 {
+    if vocab == 0 || c == 0 {
         return Ok(());
     }
     let (n32, v32, c32) = (int(OP, "N", n)?, int(OP, "V", vocab)?, int(OP, "C", c)?);
@@ -96,10 +99,14 @@ pub fn embedding_backward(
             .i32(v32)
             .buf(dev.status()),
     )?;
+    // Threads of a block: enough for the row's columns at EMB_COLS each, at most 256; more
+    // column tiles past 4 · 256 columns.
+    let threads = row_threads(c.div_ceil(EMB_COLS)).min(256);
+    let tiles = c.div_ceil(EMB_COLS * threads as usize);
     dev.launch(
         "embedding_backward_rows",
-        (vocab as u32, 1, 1),
-        (row_threads(c).min(256), 1, 1),
+        (v32 as u32, int(OP, "column tiles", tiles)? as u32, 1),
+        (threads, 1, 1),
         Args::new()
             .buf(dout)
             .buf(ids)
@@ -196,14 +203,29 @@ pub fn add_positional_backward(
 }
 
 /// Warp-per-row LayerNorm kernels by values per lane `V` (rows of `c ≤ 32·V`):
-/// `(V, forward, backward dx)`. Wider rows take the block-per-row kernels.
+/// `(V, forward, fused backward)`. Wider rows take the block-per-row kernels.
 const LN_WARP_KERNELS: [(usize, &str, &str); 5] = [
-    (8, "layernorm_forward_w8", "layernorm_backward_dx_w8"),
-    (16, "layernorm_forward_w16", "layernorm_backward_dx_w16"),
-    (24, "layernorm_forward_w24", "layernorm_backward_dx_w24"),
-    (32, "layernorm_forward_w32", "layernorm_backward_dx_w32"),
-    (64, "layernorm_forward_w64", "layernorm_backward_dx_w64"),
+    (8, "layernorm_forward_w8", "layernorm_backward_w8"),
+    (16, "layernorm_forward_w16", "layernorm_backward_w16"),
+    (24, "layernorm_forward_w24", "layernorm_backward_w24"),
+    (32, "layernorm_forward_w32", "layernorm_backward_w32"),
+    (64, "layernorm_forward_w64", "layernorm_backward_w64"),
 ];
+
+/// Warps (rows in flight) per block of the fused warp-per-row backward (`LN_BWD_WARPS` in
+/// `kernels/layernorm.cu`); each keeps `2·c` f32 column sums in shared memory.
+const LN_BWD_WARPS: usize = 4;
+/// Most slabs (blocks) of the fused warp-per-row backward: two blocks of 4 warps per H200 SM,
+/// and at most `256 · 2c` f32 partials for the finalize to add.
+const LN_BWD_MAX_SLABS: usize = 256;
+
+/// `(slabs, rows per slab)` of the fused warp-per-row LayerNorm backward over `n` rows: at most
+/// [`LN_BWD_MAX_SLABS`] slabs of at least one row. Depends on `n` only, so the summation
+/// order of dweight/dbias (and the result) is reproducible.
+fn ln_bwd_slabs(n: usize) -> (usize, usize) {
+    let rows = n.div_ceil(LN_BWD_MAX_SLABS).max(1);
+    (n.div_ceil(rows).max(1), rows)
+}
 
 /// Rows (= warps) per 256-thread block of the warp-per-row LayerNorm kernels.
 const LN_WARP_ROWS: usize = 8;
@@ -394,24 +416,29 @@ fn add_slab_partials(
         .i32(int(op, "slabs", slabs)?);
     dev.launch(
         "layernorm_backward_params_finalize",
-        (c.div_ceil(256) as u32, 1, 1),
-        (256, 1, 1),
+        (c.div_ceil(32) as u32, 1, 1),
+        (32, 8, 1),
         args,
     )
 }
 
-/// Scratch elements (f32) of [`layernorm_backward`] over `n_rows` rows of `c`: row mean and
-/// rstd (`2N`), then the per-slab dweight/dbias column partials (`2 · slabs · c`, slabs of
-/// [`ln_param_slabs`]).
+/// Scratch elements (f32) of [`layernorm_backward`] over `n_rows` rows of `c`: the slabs'
+/// dweight and dbias partials, and for rows wider than [`LAYERNORM_WARP_MAX_C`] (the
+/// block-per-row kernels) also each row's mean and rstd.
 pub fn layernorm_backward_scratch_len(n_rows: usize, c: usize) -> usize {
-    2 * n_rows + 2 * ln_param_slabs(n_rows, c).0 * c
+    if ln_warp_kernels(c).is_some() {
+        2 * ln_bwd_slabs(n_rows).0 * c
+    } else {
+        2 * n_rows + 2 * ln_param_slabs(n_rows, c).0 * c
+    }
 }
 
 /// Plan op `LayerNormBackward`: dx `[N, c]` and dweight/dbias `[c]` (overwritten; dbias
 /// optional), all f32, statistics recomputed from `x`. `scratch` f32 of at least
-/// [`layernorm_backward_scratch_len`]. dx: one warp per row for `c ≤`
-/// [`LAYERNORM_WARP_MAX_C`], else one block per row; dweight/dbias: column sums over slabs of
-/// rows into partials, then the partials added in slab order. No atomics: deterministic.
+/// [`layernorm_backward_scratch_len`]. Rows of `c ≤` [`LAYERNORM_WARP_MAX_C`]: one fused pass,
+/// a warp per row, each block summing its slab's dweight/dbias partials; wider rows: one block
+/// per row for dx, then a column-sum pass over slabs of rows. The partials are then added in
+/// slab order. No atomics: deterministic.
 /// Errors: [`CudaError::Shape`] on a length mismatch, [`CudaError::Operand`] on a wrong
 /// dtype or memory tier, [`CudaError::Invalid`] when the scratch is too short or `N`/`c`
 /// exceed the kernels' `int` range.
@@ -441,6 +468,32 @@ pub fn layernorm_backward(
     let len = layernorm_backward_scratch_len(n, c);
     let scratch = scratch.slice(0, len)?;
     scratch.expect(OP, "scratch", Elem::F32, len)?;
+    if let Some((_, kernel)) = ln_warp_kernels(c) {
+        let (slabs, rows) = ln_bwd_slabs(n);
+        let pw = scratch.slice(0, slabs * c)?;
+        let pb = scratch.slice(slabs * c, slabs * c)?;
+        let smem = 2 * LN_BWD_WARPS * c * std::mem::size_of::<f32>();
+        let args = Args::new()
+            .buf(dout)
+            .buf(x)
+            .buf(weight)
+            .buf(dx)
+            .buf(&pw)
+            .opt(dbias.map(|_| &pb))
+            .i32(int(OP, "N", n)?)
+            .i32(int(OP, "C", c)?)
+            .f32(eps as f32)
+            .i32(int(OP, "rows per slab", rows)?);
+        dev.launch_smem(
+            kernel,
+            (slabs as u32, 1, 1),
+            ((32 * LN_BWD_WARPS) as u32, 1, 1),
+            int(OP, "shared memory", smem)? as u32,
+            args,
+        )?;
+        let pb = dbias.map(|_| &pb);
+        return add_slab_partials(dev, OP, &pw, pb, dweight, dbias, c, slabs);
+    }
     let stats = scratch.slice(0, 2 * n)?;
     if n > 0 {
         let args = Args::new()
@@ -452,9 +505,12 @@ pub fn layernorm_backward(
             .i32(int(OP, "N", n)?)
             .i32(int(OP, "C", c)?)
             .f32(eps as f32);
-        let warp = ln_warp_kernels(c).map(|(_, b)| b);
-        let (kernel, grid, block) = ln_row_launch(n, c, warp, "layernorm_backward_dx");
-        dev.launch(kernel, grid, block, args)?;
+        dev.launch(
+            "layernorm_backward_dx",
+            (n as u32, 1, 1),
+            (row_threads(c), 1, 1),
+            args,
+        )?;
     }
     let (slabs, rows) = ln_param_slabs(n, c);
     let grid = slab_grid(c, slabs);
@@ -1003,7 +1059,7 @@ mod tests {
         );
         assert_eq!(
             ln_warp_kernels(256).map(|k| k.1),
-            Some("layernorm_backward_dx_w8")
+            Some("layernorm_backward_w8")
         );
         assert_eq!(
             ln_warp_kernels(257).map(|k| k.0),
@@ -1019,7 +1075,7 @@ mod tests {
         );
         assert_eq!(
             ln_warp_kernels(LAYERNORM_WARP_MAX_C).map(|k| k.1),
-            Some("layernorm_backward_dx_w64")
+            Some("layernorm_backward_w64")
         );
         assert_eq!(ln_warp_kernels(LAYERNORM_WARP_MAX_C + 1), None);
         let (k, grid, block) = ln_row_launch(1001, 768, Some("w"), "fallback");
@@ -1039,13 +1095,25 @@ mod tests {
                 let (slabs, rows) = ln_param_slabs(n, c);
                 assert!((1..=COL_MAX_SLABS).contains(&slabs), "n={n} c={c}");
                 assert!(slabs * rows >= n && (slabs - 1) * rows < n, "n={n} c={c}");
-                if slabs > 1 {
+                if slabs > 1 && c > LAYERNORM_WARP_MAX_C {
                     // Partials live in the scratch after the 2N statistics.
                     assert!(2 * n + 2 * slabs * c <= layernorm_backward_scratch_len(n, c));
                     assert!(slabs <= n.div_ceil(COL_SLAB_MIN_ROWS), "n={n} c={c}");
                 }
+                // The fused warp-per-row backward: its slabs cover the rows, at most
+                // LN_BWD_MAX_SLABS, and their partials fit the scratch.
+                let (slabs, rows) = ln_bwd_slabs(n);
+                assert!((1..=LN_BWD_MAX_SLABS).contains(&slabs), "n={n}");
+                assert!(slabs * rows >= n && (slabs - 1) * rows < n, "n={n}");
+                if c <= LAYERNORM_WARP_MAX_C {
+                    assert!(2 * slabs * c <= layernorm_backward_scratch_len(n, c));
+                }
             }
         }
+        assert_eq!(ln_bwd_slabs(16384), (256, 64));
+        assert_eq!(ln_bwd_slabs(4096), (256, 16));
+        assert_eq!(ln_bwd_slabs(5003), (251, 20));
+        assert_eq!(ln_bwd_slabs(0), (1, 1));
     }
 
     #[test]
