@@ -97,7 +97,7 @@ __device__ __forceinline__ void ln_forward_warp(const float* __restrict__ x, con
 // dynamic shared memory (float [LN_BWD_WARPS][2][c]); then the block adds the warps'
 // accumulators in warp order into pw[s * c + j] and pb[s * c + j] (pb may be null).
 // layernorm_backward_params_finalize adds the slabs in order: deterministic for (n, c).
-#define LN_BWD_WARPS 4
+#define LN_BWD_WARPS 8
 template <int V>
 __device__ __forceinline__ void ln_backward_warp(const float* __restrict__ dout, const float* __restrict__ x,
                                                  const float* __restrict__ weight, float* __restrict__ dx,
@@ -121,36 +121,36 @@ __device__ __forceinline__ void ln_backward_warp(const float* __restrict__ dout,
         const float* dr = dout + row * c;
         const float* xr = x + row * c;
         float xv[V], dv[V];
-        // Issue both rows' loads before the reductions so they stream in together.
-        double s = 0.0;
+        // Issue both rows' loads before the reductions so they stream in together. Two rounds
+        // of warp sums, each of two independent values: (sum x, sum g), then (sum (x - mean)^2,
+        // sum g (x - mean)).
+        double s = 0.0, sg = 0.0;
 #pragma unroll
         for (int i = 0; i < V; ++i) {
             const int j = i * 32 + lane;
             dv[i] = j < c ? dr[j] : 0.0f;
             xv[i] = j < c ? xr[j] : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            const int j = i * 32 + lane;
             s += (double)xv[i];
+            sg += j < c ? (double)(dv[i] * weight[j]) : 0.0;
         }
         const double mean = warp_sum_d(s) / (double)c;
+        const double mg = warp_sum_d(sg) / (double)c;
         // xv becomes the deviation x - mean, subtracted in float64 and kept as f32 (a relative
         // rounding of 6e-8 per element; the cancellation is in the subtraction, not the
         // storage), so that no float64 copy of the row stays live in registers.
-        double q = 0.0;
+        double q = 0.0, sgx = 0.0;
 #pragma unroll
         for (int i = 0; i < V; ++i) {
             const int j = i * 32 + lane;
             xv[i] = j < c ? (float)((double)xv[i] - mean) : 0.0f;
             q += (double)xv[i] * (double)xv[i];
+            sgx += j < c ? (double)(dv[i] * weight[j]) * (double)xv[i] : 0.0;
         }
         const double rstd = 1.0 / sqrt(warp_sum_d(q) / (double)c + (double)eps);
-        double sg = 0.0, sgx = 0.0;
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-            const int j = i * 32 + lane;
-            const double g = j < c ? (double)(dv[i] * weight[j]) : 0.0;
-            sg += g;
-            sgx += g * (double)xv[i];
-        }
-        const double mg = warp_sum_d(sg) / (double)c;
         const double mgx = warp_sum_d(sgx) / (double)c * rstd;
         float* d = dx + row * c;
 #pragma unroll
@@ -262,25 +262,25 @@ extern "C" __global__ void layernorm_forward_w64(const float* __restrict__ x, co
     ln_forward_warp<64>(x, weight, bias, out, n, c, eps);
 }
 
-extern "C" __global__ void __launch_bounds__(32 * LN_BWD_WARPS) layernorm_backward_w8(
+extern "C" __global__ void __launch_bounds__(32 * LN_BWD_WARPS, 2) layernorm_backward_w8(
     const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ weight,
     float* __restrict__ dx, float* __restrict__ pw, float* __restrict__ pb, int n, int c, float eps,
     int rows_per_slab) {
     ln_backward_warp<8>(dout, x, weight, dx, pw, pb, n, c, eps, rows_per_slab);
 }
-extern "C" __global__ void __launch_bounds__(32 * LN_BWD_WARPS) layernorm_backward_w16(
+extern "C" __global__ void __launch_bounds__(32 * LN_BWD_WARPS, 2) layernorm_backward_w16(
     const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ weight,
     float* __restrict__ dx, float* __restrict__ pw, float* __restrict__ pb, int n, int c, float eps,
     int rows_per_slab) {
     ln_backward_warp<16>(dout, x, weight, dx, pw, pb, n, c, eps, rows_per_slab);
 }
-extern "C" __global__ void __launch_bounds__(32 * LN_BWD_WARPS) layernorm_backward_w24(
+extern "C" __global__ void __launch_bounds__(32 * LN_BWD_WARPS, 2) layernorm_backward_w24(
     const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ weight,
     float* __restrict__ dx, float* __restrict__ pw, float* __restrict__ pb, int n, int c, float eps,
     int rows_per_slab) {
     ln_backward_warp<24>(dout, x, weight, dx, pw, pb, n, c, eps, rows_per_slab);
 }
-extern "C" __global__ void __launch_bounds__(32 * LN_BWD_WARPS) layernorm_backward_w32(
+extern "C" __global__ void __launch_bounds__(32 * LN_BWD_WARPS, 2) layernorm_backward_w32(
     const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ weight,
     float* __restrict__ dx, float* __restrict__ pw, float* __restrict__ pb, int n, int c, float eps,
     int rows_per_slab) {

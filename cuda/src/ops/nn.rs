@@ -214,16 +214,20 @@ const LN_WARP_KERNELS: [(usize, &str, &str); 5] = [
 
 /// Warps (rows in flight) per block of the fused warp-per-row backward (`LN_BWD_WARPS` in
 /// `kernels/layernorm.cu`); each keeps `2·c` f32 column sums in shared memory.
-const LN_BWD_WARPS: usize = 4;
-/// Most slabs (blocks) of the fused warp-per-row backward: two blocks of 4 warps per H200 SM,
-/// and at most `256 · 2c` f32 partials for the finalize to add.
-const LN_BWD_MAX_SLABS: usize = 256;
+const LN_BWD_WARPS: usize = 8;
+/// Most slabs (blocks) of the fused warp-per-row backward: ~4 blocks of 8 warps per H200 SM
+/// at N = 16384, and at most `512 · 2c` f32 partials for the finalize to add.
+const LN_BWD_MAX_SLABS: usize = 512;
+/// Fewest rows per slab of the fused backward (two per warp), so that zeroing and adding a
+/// block's column sums stays small beside its rows.
+const LN_BWD_MIN_ROWS: usize = 16;
 
 /// `(slabs, rows per slab)` of the fused warp-per-row LayerNorm backward over `n` rows: at most
-/// [`LN_BWD_MAX_SLABS`] slabs of at least one row. Depends on `n` only, so the summation
-/// order of dweight/dbias (and the result) is reproducible.
+/// [`LN_BWD_MAX_SLABS`] slabs of at least [`LN_BWD_MIN_ROWS`] rows (one slab when `n` is
+/// smaller). Depends on `n` only, so the summation order of dweight/dbias (and the result)
+/// is reproducible.
 fn ln_bwd_slabs(n: usize) -> (usize, usize) {
-    let rows = n.div_ceil(LN_BWD_MAX_SLABS).max(1);
+    let rows = n.div_ceil(LN_BWD_MAX_SLABS).max(LN_BWD_MIN_ROWS);
     (n.div_ceil(rows).max(1), rows)
 }
 
@@ -1110,10 +1114,11 @@ mod tests {
                 }
             }
         }
-        assert_eq!(ln_bwd_slabs(16384), (256, 64));
+        assert_eq!(ln_bwd_slabs(16384), (512, 32));
         assert_eq!(ln_bwd_slabs(4096), (256, 16));
-        assert_eq!(ln_bwd_slabs(5003), (251, 20));
-        assert_eq!(ln_bwd_slabs(0), (1, 1));
+        assert_eq!(ln_bwd_slabs(5003), (313, 16));
+        assert_eq!(ln_bwd_slabs(10), (1, 16));
+        assert_eq!(ln_bwd_slabs(0), (1, 16));
     }
 
     #[test]
