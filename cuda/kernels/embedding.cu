@@ -83,7 +83,7 @@ extern "C" __global__ void embedding_backward_rows(const float* __restrict__ dou
         }
         if (h) pos[before + __popc(m & ((1u << lane) - 1u))] = i;
         __syncthreads();
-#pragma unroll 8
+#pragma unroll 4
         for (int k = 0; k < total; ++k) {
             const float* g = dout + (long long)pos[k] * c;
 #pragma unroll

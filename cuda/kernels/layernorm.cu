@@ -103,6 +103,10 @@ __device__ __forceinline__ void ln_backward_warp(const float* __restrict__ dout,
                                                  const float* __restrict__ weight, float* __restrict__ dx,
                                                  float* __restrict__ pw, float* __restrict__ pb, int n, int c,
                                                  float eps, int rows_per_slab) {
+    // RELOAD (the widest rows): dout is not kept in registers but read again from the cache
+    // in each loop (one DRAM read; 64 more registers a lane would spill).
+    constexpr bool RELOAD = V > 32;
+    constexpr int DV = RELOAD ? 1 : V;
     extern __shared__ float ln_acc[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float* aw = ln_acc + (long long)(2 * warp) * c;
@@ -120,22 +124,27 @@ __device__ __forceinline__ void ln_backward_warp(const float* __restrict__ dout,
     for (long long row = r0 + warp; row < r1; row += LN_BWD_WARPS) {
         const float* dr = dout + row * c;
         const float* xr = x + row * c;
-        float xv[V], dv[V];
+        float xv[V], dv[DV];
+        // dout[row, i * 32 + lane] (0 past the row's end).
+        auto g_of = [&](int i) -> float {
+            const int j = i * 32 + lane;
+            return RELOAD ? (j < c ? dr[j] : 0.0f) : dv[RELOAD ? 0 : i];
+        };
         // Issue both rows' loads before the reductions so they stream in together. Two rounds
         // of warp sums, each of two independent values: (sum x, sum g), then (sum (x - mean)^2,
-        // sum g (x - mean)).
+        // sum g (x - mean)), g = dout * weight.
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            const int j = i * 32 + lane;
+            if (!RELOAD) dv[RELOAD ? 0 : i] = j < c ? dr[j] : 0.0f;
+            xv[i] = j < c ? xr[j] : 0.0f;
+        }
         double s = 0.0, sg = 0.0;
 #pragma unroll
         for (int i = 0; i < V; ++i) {
             const int j = i * 32 + lane;
-            dv[i] = j < c ? dr[j] : 0.0f;
-            xv[i] = j < c ? xr[j] : 0.0f;
-        }
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-            const int j = i * 32 + lane;
             s += (double)xv[i];
-            sg += j < c ? (double)(dv[i] * weight[j]) : 0.0;
+            sg += j < c ? (double)(g_of(i) * weight[j]) : 0.0;
         }
         const double mean = warp_sum_d(s) / (double)c;
         const double mg = warp_sum_d(sg) / (double)c;
@@ -148,7 +157,7 @@ __device__ __forceinline__ void ln_backward_warp(const float* __restrict__ dout,
             const int j = i * 32 + lane;
             xv[i] = j < c ? (float)((double)xv[i] - mean) : 0.0f;
             q += (double)xv[i] * (double)xv[i];
-            sgx += j < c ? (double)(dv[i] * weight[j]) * (double)xv[i] : 0.0;
+            sgx += j < c ? (double)(g_of(i) * weight[j]) * (double)xv[i] : 0.0;
         }
         const double rstd = 1.0 / sqrt(warp_sum_d(q) / (double)c + (double)eps);
         const double mgx = warp_sum_d(sgx) / (double)c * rstd;
@@ -157,10 +166,11 @@ __device__ __forceinline__ void ln_backward_warp(const float* __restrict__ dout,
         for (int i = 0; i < V; ++i) {
             const int j = i * 32 + lane;
             if (j < c) {
-                const double g = (double)(dv[i] * weight[j]);
+                const float gi = g_of(i);
+                const double g = (double)(gi * weight[j]);
                 d[j] = (float)(rstd * (g - mg - (double)xv[i] * rstd * mgx));
-                aw[j] += dv[i] * (float)((double)xv[i] * rstd);
-                ab[j] += dv[i];
+                aw[j] += gi * (float)((double)xv[i] * rstd);
+                ab[j] += gi;
             }
         }
     }
@@ -286,7 +296,7 @@ extern "C" __global__ void __launch_bounds__(32 * LN_BWD_WARPS, 2) layernorm_bac
     int rows_per_slab) {
     ln_backward_warp<32>(dout, x, weight, dx, pw, pb, n, c, eps, rows_per_slab);
 }
-extern "C" __global__ void __launch_bounds__(32 * LN_BWD_WARPS) layernorm_backward_w64(
+extern "C" __global__ void __launch_bounds__(32 * LN_BWD_WARPS, 1) layernorm_backward_w64(
     const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ weight,
     float* __restrict__ dx, float* __restrict__ pw, float* __restrict__ pb, int n, int c, float eps,
     int rows_per_slab) {
