@@ -167,7 +167,7 @@ pub enum Limit {
 pub fn human_size(bytes: u128) -> String {
     for (unit, shift) in [("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)] {
         let m = 1u128 << shift;
-        if bytes >= m && bytes % m == 0 {
+        if bytes >= m && bytes.is_multiple_of(m) {
             return format!("{}{unit}", bytes / m);
         }
     }
