@@ -2,7 +2,10 @@
 
 usage: trace_summary.py TRACE.json [SKIP_STEPS]
 
-Per GPU stream: slices and busy milliseconds; for the side stream's preconditioner refreshes:
+Per GPU stream: slices and busy milliseconds; where the compute stream sat idle, by the host phase
+(the innermost host span: forward, backward, optimizer, host tasks, synchronize, step) that was
+open in the middle of each gap — the time the GPU waited for the host; for the side stream's
+preconditioner refreshes:
 how many, their GPU time, how much of it overlaps the compute stream's busy time (the refreshes
 running under training, off the critical path) and how many step boundaries they cross. Steps are
 the host's `step` slices; the first SKIP_STEPS (default 2) are left out (first eigendecompositions,
@@ -59,6 +62,30 @@ def main() -> int:
         print(f"| {s} | {len(sl)} | {busy:.1f} | {busy / n:.2f} |")
     side = streams.get("side", [])
     compute = merge([(a, b) for a, b, _ in streams.get("compute", [])])
+    # Host spans (B/E pairs per thread, or X slices) of the engine's phases.
+    phases, opened = [], {}
+    for e in ev:
+        if e.get("pid", 1) >= 2 or "name" not in e:
+            continue
+        key = (e.get("pid"), e.get("tid"), e["name"])
+        if e.get("ph") == "B":
+            opened.setdefault(key, []).append(e["ts"])
+        elif e.get("ph") == "E" and opened.get(key):
+            phases.append((opened[key].pop(), e["ts"], e["name"]))
+        elif e.get("ph") == "X":
+            phases.append((e["ts"], e["ts"] + e.get("dur", 0), e["name"]))
+    idle = {}
+    for (_, a), (b, _) in zip(compute, compute[1:]):
+        if b <= a or a < t0 or b > t1:
+            continue
+        mid = (a + b) / 2
+        open_at = [p for p in phases if p[0] <= mid <= p[1]]
+        name = min(open_at, key=lambda p: p[1] - p[0])[2] if open_at else "(no host span)"
+        idle[name] = idle.get(name, 0.0) + (b - a)
+    if idle:
+        print("\n| compute stream idle during host phase | ms | ms per step |\n|---|---|---|")
+        for name, us in sorted(idle.items(), key=lambda kv: -kv[1]):
+            print(f"| {name} | {us / 1e3:.1f} | {us / 1e3 / n:.2f} |")
     if side:
         total = sum(b - a for a, b, _ in side)
         under = sum(overlap(a, b, compute) for a, b, _ in side)

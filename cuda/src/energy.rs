@@ -2,12 +2,17 @@
 //! other CUDA libraries): joules since the meter was opened, for the training loop's per-step
 //! `energy_j` / `step_j` metrics and the run summary's joules per token.
 //!
-//! Two sources, the first that works:
+//! Two sources, the first that works, each read by a background thread (never on the thread
+//! that launches the GPU's work):
 //! - **counter**: `nvmlDeviceGetTotalEnergyConsumption`, the board's energy counter in mJ
-//!   (Volta and newer): exact over any window, read at step boundaries.
-//! - **sampled**: where the counter is not supported, `nvmlDeviceGetPowerUsage` (mW) read by a
-//!   background thread every [`SAMPLE_PERIOD`] and integrated (trapezoids); accurate to the
-//!   power's variation within a period.
+//!   (Volta and newer), read every [`COUNTER_PERIOD`]. Exact over any window between two
+//!   readings; a step's joules are the difference of the latest readings at its boundaries, each
+//!   at most a period plus one read old. The read itself takes ~3 ms on the H200 (median of 50,
+//!   up to 15 ms; 2026-12-04): read at every step boundary on the training thread it delayed
+//!   each step's first launch by that much.
+//! - **sampled**: where the counter is not supported, `nvmlDeviceGetPowerUsage` (mW) read every
+//!   [`SAMPLE_PERIOD`] and integrated (trapezoids); accurate to the power's variation within a
+//!   period.
 //!
 //! The reading is the whole board's: other processes on the same GPU count too. The meter
 //! never changes what runs; a GPU or driver without NVML gives no meter (the run says so).
@@ -19,23 +24,27 @@ use std::time::{Duration, Instant};
 /// Period of the power sampler (the fallback source).
 pub const SAMPLE_PERIOD: Duration = Duration::from_millis(20);
 
+/// Period of the energy-counter reader (sleep between reads).
+pub const COUNTER_PERIOD: Duration = Duration::from_millis(10);
+
+/// Which NVML reading the meter's thread takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Source {
-    /// Counter reading (mJ) when the meter was opened.
+    /// The energy counter; its reading (mJ) when the meter was opened.
     Counter { start_mj: u64 },
-    /// Integrated joules, shared with the sampler thread.
-    Sampled {
-        joules: Arc<Mutex<f64>>,
-        stop: Arc<AtomicBool>,
-        thread: Option<std::thread::JoinHandle<()>>,
-    },
+    /// Power, integrated.
+    Sampled,
 }
 
 /// Energy of one GPU since [`EnergyMeter::open`].
 pub struct EnergyMeter {
-    nvml: Arc<Nvml>,
-    index: u32,
     source: Source,
     name: String,
+    /// Joules since the meter was opened, as the thread last read them (`None` until a
+    /// reading succeeded).
+    joules: Arc<Mutex<Option<f64>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for EnergyMeter {
@@ -46,11 +55,12 @@ impl std::fmt::Debug for EnergyMeter {
 
 impl EnergyMeter {
     /// Opens NVML and the GPU at PCI bus id `pci_bus_id` (`"00000000:19:00.0"`, what
-    /// [`crate::DeviceInfo::pci_bus_id`] holds: CUDA ordinals and NVML indices may differ).
+    /// [`crate::DeviceInfo::pci_bus_id`] holds: CUDA ordinals and NVML indices may differ),
+    /// and starts the reader thread.
     ///
     /// # Errors
-    /// A message: NVML cannot be loaded or initialised, no device has that bus id, or neither
-    /// the energy counter nor the power reading is supported.
+    /// A message: NVML cannot be loaded or initialised, no device has that bus id, neither
+    /// the energy counter nor the power reading is supported, or the thread cannot start.
     pub fn open(pci_bus_id: &str) -> Result<Self, String> {
         let nvml = Nvml::init().map_err(|e| format!("NVML: {e}"))?;
         // The device handle borrows `nvml`: read what is needed, then let it go.
@@ -69,55 +79,46 @@ impl EnergyMeter {
                 dev.power_usage(),
             )
         };
-        let nvml = Arc::new(nvml);
-        let source = match (counter, power) {
-            (Ok(start_mj), _) => Source::Counter { start_mj },
-            (Err(_), Ok(_)) => {
-                let joules = Arc::new(Mutex::new(0.0));
-                let stop = Arc::new(AtomicBool::new(false));
-                let (n, j, s) = (Arc::clone(&nvml), Arc::clone(&joules), Arc::clone(&stop));
-                let thread = std::thread::Builder::new()
-                    .name("nvml-power".into())
-                    .spawn(move || sample(&n, index, &j, &s))
-                    .map_err(|e| format!("starting the power sampler: {e}"))?;
-                Source::Sampled {
-                    joules,
-                    stop,
-                    thread: Some(thread),
-                }
-            }
+        let (source, first) = match (counter, power) {
+            (Ok(start_mj), _) => (Source::Counter { start_mj }, Some(0.0)),
+            (Err(_), Ok(_)) => (Source::Sampled, Some(0.0)),
             (Err(c), Err(p)) => {
                 return Err(format!(
                     "NVML: {name} reports neither its energy counter ({c}) nor its power ({p})"
                 ))
             }
         };
+        let joules = Arc::new(Mutex::new(first));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (j, st) = (Arc::clone(&joules), Arc::clone(&stop));
+        let thread = std::thread::Builder::new()
+            .name("nvml-energy".into())
+            .spawn(move || read_loop(&nvml, index, source, &j, &st))
+            .map_err(|e| format!("starting the energy reader: {e}"))?;
         Ok(EnergyMeter {
-            nvml,
-            index,
             source,
             name,
+            joules,
+            stop,
+            thread: Some(thread),
         })
     }
 
-    /// Joules since [`EnergyMeter::open`]; `None` when a reading fails (the caller records
-    /// no energy for that step).
+    /// Joules since [`EnergyMeter::open`], as the reader thread last read them (no NVML call
+    /// here); `None` when no reading has succeeded (the caller records no energy then).
     pub fn joules(&self) -> Option<f64> {
-        match &self.source {
-            Source::Counter { start_mj } => {
-                let dev = self.nvml.device_by_index(self.index).ok()?;
-                let now = dev.total_energy_consumption().ok()?;
-                Some(now.saturating_sub(*start_mj) as f64 / 1e3)
-            }
-            Source::Sampled { joules, .. } => joules.lock().ok().map(|j| *j),
-        }
+        self.joules.lock().ok().and_then(|j| *j)
     }
 
-    /// `"NVIDIA H200, NVML energy counter"` (or `power sampled every 20 ms`).
+    /// `"NVIDIA H200, NVML energy counter read every 10 ms"` (or `power sampled every 20 ms`).
     pub fn describe(&self) -> String {
         match self.source {
-            Source::Counter { .. } => format!("{}, NVML energy counter", self.name),
-            Source::Sampled { .. } => format!(
+            Source::Counter { .. } => format!(
+                "{}, NVML energy counter read every {} ms",
+                self.name,
+                COUNTER_PERIOD.as_millis()
+            ),
+            Source::Sampled => format!(
                 "{}, NVML power sampled every {} ms",
                 self.name,
                 SAMPLE_PERIOD.as_millis()
@@ -128,31 +129,55 @@ impl EnergyMeter {
 
 impl Drop for EnergyMeter {
     fn drop(&mut self) {
-        if let Source::Sampled { stop, thread, .. } = &mut self.source {
-            stop.store(true, Ordering::SeqCst);
-            if let Some(t) = thread.take() {
-                let _ = t.join();
-            }
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
         }
     }
 }
 
-/// The sampler thread: integrates power (trapezoids over measured intervals) until `stop`.
-fn sample(nvml: &Nvml, index: u32, joules: &Mutex<f64>, stop: &AtomicBool) {
-    let read = || -> Option<f64> {
+/// The reader thread, until `stop`: the counter's joules since `start_mj` every
+/// [`COUNTER_PERIOD`], or power integrated (trapezoids over measured intervals) every
+/// [`SAMPLE_PERIOD`]. A failed reading leaves the last value.
+fn read_loop(
+    nvml: &Nvml,
+    index: u32,
+    source: Source,
+    joules: &Mutex<Option<f64>>,
+    stop: &AtomicBool,
+) {
+    let power = || -> Option<f64> {
         let d = nvml.device_by_index(index).ok()?;
         d.power_usage().ok().map(|mw| mw as f64 / 1e3)
     };
-    let (mut last_t, mut last_w) = (Instant::now(), read().unwrap_or(0.0));
+    let first_w = match source {
+        Source::Sampled => power().unwrap_or(0.0),
+        Source::Counter { .. } => 0.0,
+    };
+    let (mut last_t, mut last_w) = (Instant::now(), first_w);
     while !stop.load(Ordering::SeqCst) {
-        std::thread::sleep(SAMPLE_PERIOD);
-        let Some(w) = read() else { continue };
-        let now = Instant::now();
-        let dt = now.duration_since(last_t).as_secs_f64();
-        if let Ok(mut j) = joules.lock() {
-            *j += 0.5 * (w + last_w) * dt;
+        match source {
+            Source::Counter { start_mj } => {
+                let now = nvml
+                    .device_by_index(index)
+                    .ok()
+                    .and_then(|d| d.total_energy_consumption().ok());
+                if let (Some(mj), Ok(mut j)) = (now, joules.lock()) {
+                    *j = Some(mj.saturating_sub(start_mj) as f64 / 1e3);
+                }
+                std::thread::sleep(COUNTER_PERIOD);
+            }
+            Source::Sampled => {
+                std::thread::sleep(SAMPLE_PERIOD);
+                let Some(w) = power() else { continue };
+                let now = Instant::now();
+                let dt = now.duration_since(last_t).as_secs_f64();
+                if let Ok(mut j) = joules.lock() {
+                    *j = Some(j.unwrap_or(0.0) + 0.5 * (w + last_w) * dt);
+                }
+                (last_t, last_w) = (now, w);
+            }
         }
-        (last_t, last_w) = (now, w);
     }
 }
 
