@@ -962,3 +962,61 @@ pub fn plot(
     note!("wrote {}", output.display());
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use schedule::{DType, Precision, TargetPlan};
+
+    /// The GPU-free half of `selftest --match-target cuda`: the tiny CPU spec recompiled for
+    /// `target cuda` at bf16 is the plan the GPU trains (bf16 weight copies and bf16-stored
+    /// activations, which the CPU spec's plan has none of; staleness kept), and the CPU engine
+    /// trains that same plan, its losses within bf16 rounding of the fp32 plan's.
+    #[test]
+    fn match_target_cuda_compiles_the_gpu_plan_and_the_cpu_engine_trains_it() {
+        let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/tiny.asteria");
+        let flags = PassFlags::default();
+        let config = frontend::load_spec(&spec).expect("tiny spec");
+        let (gpu_plan, _) =
+            compile_config(retarget_cuda(config, 0, Precision::Bf16), &flags).expect("compile");
+        assert!(matches!(
+            gpu_plan.target,
+            TargetPlan::Cuda {
+                precision: Precision::Bf16,
+                staleness: 0,
+                ..
+            }
+        ));
+        let bf16 = |p: &Plan| p.buffers.iter().filter(|b| b.dtype == DType::Bf16).count();
+        let (cpu_plan, _) = compile_spec(&spec, &flags, &[]).expect("compile");
+        assert_eq!(
+            bf16(&cpu_plan),
+            0,
+            "the CPU spec's plan stores nothing in bf16"
+        );
+        assert!(bf16(&gpu_plan) > 10, "bf16 buffers: {}", bf16(&gpu_plan));
+        let opts = engine::TrainOptions {
+            steps: Some(3),
+            quiet: true,
+            ..Default::default()
+        };
+        let mut losses = Vec::new();
+        for plan in [&cpu_plan, &gpu_plan] {
+            let mut cpu = engine::CpuEngine::<f32>::new(plan.clone(), opts.engine.clone())
+                .expect("CPU engine");
+            let s = engine::train_with(&mut cpu, &opts).expect("train");
+            losses.push(s.train_losses);
+        }
+        assert_eq!(losses[0].len(), 3);
+        for (a, b) in losses[0].iter().zip(&losses[1]) {
+            assert!(
+                b.is_finite() && (a - b).abs() <= 1e-2 * a.abs(),
+                "{a} vs {b}"
+            );
+        }
+        assert_ne!(
+            losses[0], losses[1],
+            "the bf16 plan rounds what the fp32 one does not"
+        );
+    }
+}
