@@ -5,7 +5,7 @@ use super::{attn_dims, flash_math, CudaEngine};
 use crate::error::CudaError;
 use crate::gemm::{self, Dims};
 use crate::memory::{Buf, Elem};
-use crate::ops::{attention as at, kl_shampoo as kl, loss, nn, optim as op, shampoo as sh};
+use crate::ops::{attention as at, kl_shampoo as kl, loss, nn, norm, optim as op, shampoo as sh};
 use schedule::{BufferId, Op};
 
 impl CudaEngine {
@@ -220,7 +220,7 @@ impl CudaEngine {
             } if self.b(*out).elem() == Elem::BF16 => {
                 let c = self.dims(*x).1;
                 let bias = bias.map(|b| self.b(b));
-                nn::layernorm_forward_bf16(
+                norm::layernorm_forward_bf16(
                     dev,
                     self.b(*x),
                     self.b(*weight),
@@ -239,7 +239,7 @@ impl CudaEngine {
             } => {
                 let c = self.dims(*x).1;
                 let bias = bias.map(|b| self.b(b));
-                nn::layernorm_forward(
+                norm::layernorm_forward(
                     dev,
                     self.b(*x),
                     self.b(*weight),
@@ -260,7 +260,7 @@ impl CudaEngine {
             } => {
                 let c = self.dims(*x).1;
                 let dbias = dbias.map(|b| self.b(b));
-                nn::layernorm_backward(
+                norm::layernorm_backward(
                     dev,
                     self.b(*dout),
                     self.b(*x),
@@ -280,7 +280,7 @@ impl CudaEngine {
                 eps,
             } => {
                 let c = self.dims(*x).1;
-                nn::rmsnorm_forward(dev, self.b(*x), self.b(*weight), self.b(*out), c, *eps)?;
+                norm::rmsnorm_forward(dev, self.b(*x), self.b(*weight), self.b(*out), c, *eps)?;
             }
             Op::RmsNormBackward {
                 dout,
@@ -291,7 +291,7 @@ impl CudaEngine {
                 eps,
             } => {
                 let c = self.dims(*x).1;
-                nn::rmsnorm_backward(
+                norm::rmsnorm_backward(
                     dev,
                     self.b(*dout),
                     self.b(*x),

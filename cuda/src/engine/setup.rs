@@ -8,7 +8,7 @@ use super::{
 use crate::device::Device;
 use crate::error::{CudaError, Tier};
 use crate::memory::{Arena, Buf, Elem, BUF_ALIGN};
-use crate::ops::{attention as at, kl_shampoo as kl, loss, nn, optim as op, shampoo as sh};
+use crate::ops::{attention as at, kl_shampoo as kl, loss, nn, norm, optim as op, shampoo as sh};
 use engine::{EngineError, EngineStats};
 use schedule::{
     ArenaKind, AttentionKernel, BufferId, DType, Init, Op, Plan, Precision, Profile, TargetPlan,
@@ -77,9 +77,9 @@ fn scratch_need(
     let rows = |id: BufferId| dims2(shape(id)).0;
     let cols = |id: BufferId| dims2(shape(id)).1;
     match op {
-        Op::LayerNormBackward { x, .. } => nn::layernorm_backward_scratch_len(rows(*x), cols(*x)),
+        Op::LayerNormBackward { x, .. } => norm::layernorm_backward_scratch_len(rows(*x), cols(*x)),
         Op::EmbeddingBackward { dtable, .. } => nn::embedding_backward_scratch_len(rows(*dtable)),
-        Op::RmsNormBackward { x, .. } => nn::rmsnorm_backward_scratch_len(rows(*x), cols(*x)),
+        Op::RmsNormBackward { x, .. } => norm::rmsnorm_backward_scratch_len(rows(*x), cols(*x)),
         Op::Rope {
             seq_len, head_dim, ..
         }
@@ -888,7 +888,7 @@ mod fusion_tests {
 
     #[test]
     fn the_compilers_bf16_limits_are_this_engines_kernel_limits() {
-        assert_eq!(schedule::BF16_LAYERNORM_MAX_C, nn::LAYERNORM_WARP_MAX_C);
+        assert_eq!(schedule::BF16_LAYERNORM_MAX_C, norm::LAYERNORM_WARP_MAX_C);
         let d = |head: usize| at::AttnDims {
             batch: 1,
             seq_len: 8,

@@ -9,6 +9,7 @@ pub mod attention;
 pub mod kl_shampoo;
 pub mod loss;
 pub mod nn;
+pub mod norm;
 pub mod optim;
 pub mod shampoo;
 

@@ -4,6 +4,7 @@ use crate::error::Result;
 use crate::gemm::Dims;
 use crate::memory::{Buf, Elem};
 use crate::ops::nn as g;
+use crate::ops::norm as gn;
 use engine::cpu as c;
 
 /// Registers a case.
@@ -182,7 +183,7 @@ fn layer_norm_cases(v: &mut Vec<Case>, n: usize, ch: usize, bias: bool, big: boo
         ("layer_norm", Elem::F32, TOL_F32),
         ("layer_norm_bf16", Elem::BF16, TOL_BF16),
     ] {
-        if elem == Elem::BF16 && ch > g::LAYERNORM_WARP_MAX_C {
+        if elem == Elem::BF16 && ch > gn::LAYERNORM_WARP_MAX_C {
             continue;
         }
         v.push(case(name, size.clone(), tol, big, move |cx| {
@@ -196,8 +197,8 @@ fn layer_norm_cases(v: &mut Vec<Case>, n: usize, ch: usize, bias: bool, big: boo
             };
             let bias_b = bias.then_some(&bb);
             let ms = cx.timed(|| match elem {
-                Elem::BF16 => g::layernorm_forward_bf16(cx.dev, &xb, &wb, bias_b, &ob, ch, eps),
-                _ => g::layernorm_forward(cx.dev, &xb, &wb, bias_b, &ob, ch, eps),
+                Elem::BF16 => gn::layernorm_forward_bf16(cx.dev, &xb, &wb, bias_b, &ob, ch, eps),
+                _ => gn::layernorm_forward(cx.dev, &xb, &wb, bias_b, &ob, ch, eps),
             })?;
             let mut r = vec![0.0; n * ch];
             let bw = wide(&bv);
@@ -228,10 +229,10 @@ fn layer_norm_cases(v: &mut Vec<Case>, n: usize, ch: usize, bias: bool, big: boo
             let dout = cx.normal(n * ch, 0.0, 1.0);
             let (xb, wb, gb) = (cx.up(&x)?, cx.up(&w)?, cx.up(&dout)?);
             let (dxb, dwb, dbb) = (cx.out(n * ch)?, cx.out(ch)?, cx.out(ch)?);
-            let sb = cx.out(g::layernorm_backward_scratch_len(n, ch))?;
+            let sb = cx.out(gn::layernorm_backward_scratch_len(n, ch))?;
             let dbias = bias.then_some(&dbb);
             let ms = cx.timed(|| {
-                g::layernorm_backward(cx.dev, &gb, &xb, &wb, &dxb, &dwb, dbias, ch, eps, &sb)
+                gn::layernorm_backward(cx.dev, &gb, &xb, &wb, &dxb, &dwb, dbias, ch, eps, &sb)
             })?;
             let (mut dx, mut dw, mut db) = (vec![0.0; n * ch], vec![0.0; ch], vec![0.0; ch]);
             let db_ref = if bias { Some(db.as_mut_slice()) } else { None };
@@ -248,7 +249,7 @@ fn layer_norm_cases(v: &mut Vec<Case>, n: usize, ch: usize, bias: bool, big: boo
             .map_err(cpu)?;
             let first = [cx.down(&dxb)?, cx.down(&dwb)?, cx.down(&dbb)?];
             // Bitwise reproducible: a second run gives the same bits (an error of 1 otherwise).
-            g::layernorm_backward(cx.dev, &gb, &xb, &wb, &dxb, &dwb, dbias, ch, eps, &sb)?;
+            gn::layernorm_backward(cx.dev, &gb, &xb, &wb, &dxb, &dwb, dbias, ch, eps, &sb)?;
             let second = [cx.down(&dxb)?, cx.down(&dwb)?, cx.down(&dbb)?];
             let same = first
                 .iter()
@@ -302,7 +303,7 @@ fn norms(v: &mut Vec<Case>) {
             let x = cx.normal(n * ch, 0.5, 2.0);
             let w = cx.normal(ch, 1.0, 0.1);
             let (xb, wb, ob) = (cx.up(&x)?, cx.up(&w)?, cx.out(n * ch)?);
-            let ms = cx.timed(|| g::rmsnorm_forward(cx.dev, &xb, &wb, &ob, ch, eps))?;
+            let ms = cx.timed(|| gn::rmsnorm_forward(cx.dev, &xb, &wb, &ob, ch, eps))?;
             let mut r = vec![0.0; n * ch];
             c::norms::rmsnorm_forward(&wide(&x), &wide(&w), &mut r, ch, eps).map_err(cpu)?;
             Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
@@ -316,7 +317,7 @@ fn norms(v: &mut Vec<Case>) {
                 let x = cx.normal(n * ch, 0.5, 2.0);
                 let w = cx.normal(ch, 1.0, 0.1);
                 let (xb, wb, ob) = (cx.up(&x)?, cx.up(&w)?, cx.raw(Elem::BF16, n * ch)?);
-                let ms = cx.timed(|| g::rmsnorm_forward(cx.dev, &xb, &wb, &ob, ch, eps))?;
+                let ms = cx.timed(|| gn::rmsnorm_forward(cx.dev, &xb, &wb, &ob, ch, eps))?;
                 let mut r = vec![0.0; n * ch];
                 c::norms::rmsnorm_forward(&wide(&x), &wide(&w), &mut r, ch, eps).map_err(cpu)?;
                 Ok(one("out", rel_err(&down_bf16(cx, &ob)?, &r), ms))
@@ -328,9 +329,9 @@ fn norms(v: &mut Vec<Case>) {
             let dout = cx.normal(n * ch, 0.0, 1.0);
             let (xb, wb, gb) = (cx.up(&x)?, cx.up(&w)?, cx.up(&dout)?);
             let (dxb, dwb) = (cx.out(n * ch)?, cx.out(ch)?);
-            let sb = cx.out(g::rmsnorm_backward_scratch_len(n, ch))?;
+            let sb = cx.out(gn::rmsnorm_backward_scratch_len(n, ch))?;
             let ms =
-                cx.timed(|| g::rmsnorm_backward(cx.dev, &gb, &xb, &wb, &dxb, &dwb, ch, eps, &sb))?;
+                cx.timed(|| gn::rmsnorm_backward(cx.dev, &gb, &xb, &wb, &dxb, &dwb, ch, eps, &sb))?;
             let (mut dx, mut dw) = (vec![0.0; n * ch], vec![0.0; ch]);
             c::norms::rmsnorm_backward(
                 &wide(&dout),
