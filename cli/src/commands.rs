@@ -650,52 +650,60 @@ pub struct SelftestArgs {
     pub nccl: bool,
 }
 
-/// The configuration of a train-match under `--match-target cuda`: the spec's target replaced
-/// by `target cuda { device = ordinal  precision = ... }` with the spec's staleness,
-/// eigensolver and host/NVMe budgets (a CPU `memory` budget sized the CPU engine's working set
-/// and is dropped), everything else at its default. The passes then build the plan that
-/// `asteria train` runs on that GPU (bf16 casts and bf16-stored activations where the
-/// precision is bf16), and the CPU engine runs that same plan, its bf16 buffers rounded to
-/// bf16 as the GPU stores them.
+/// The configuration of a train-match under `--match-target cuda`: the spec compiled for
+/// `target cuda` on device `ordinal` at `precision` (`--match-precision`). A CUDA spec keeps
+/// every other key of its target (attention, refresh placement, weight casts, budgets, ...);
+/// a CPU spec becomes `target cuda` with its staleness, eigensolver and host/NVMe budgets (its
+/// `memory` budget sized the CPU engine's working set and is dropped) and every other key at
+/// its default. The passes then build the plan that `asteria train` runs on that GPU (bf16
+/// casts and bf16-stored activations where the precision is bf16), and the CPU engine runs
+/// that same plan, its bf16 buffers rounded to bf16 as the GPU stores them.
 fn retarget_cuda(
     mut config: ir::config::Config,
     ordinal: usize,
     precision: schedule::Precision,
 ) -> ir::config::Config {
     use ir::config::TargetConfig;
-    let (staleness, eigensolver, mut budgets, calibration) = match &config.target {
+    config.target = match config.target {
+        TargetConfig::Cuda {
+            staleness,
+            calibration,
+            eigensolver,
+            attention,
+            refresh_placement,
+            weight_casts,
+            budgets,
+            ..
+        } => TargetConfig::Cuda {
+            device: ordinal as u32,
+            staleness,
+            precision,
+            calibration,
+            eigensolver,
+            attention,
+            refresh_placement,
+            weight_casts,
+            budgets,
+        },
         TargetConfig::Cpu {
             staleness,
             eigensolver,
-            budgets,
+            mut budgets,
             ..
-        } => (*staleness, *eigensolver, budgets.clone(), None),
-        TargetConfig::Cuda {
-            staleness,
-            eigensolver,
-            budgets,
-            calibration,
-            ..
-        } => (
-            *staleness,
-            *eigensolver,
-            budgets.clone(),
-            calibration.clone(),
-        ),
-    };
-    if matches!(config.target, TargetConfig::Cpu { .. }) {
-        budgets.device = None;
-    }
-    config.target = TargetConfig::Cuda {
-        device: ordinal as u32,
-        staleness,
-        precision,
-        calibration,
-        eigensolver,
-        attention: Default::default(),
-        refresh_placement: Default::default(),
-        weight_casts: Default::default(),
-        budgets,
+        } => {
+            budgets.device = None;
+            TargetConfig::Cuda {
+                device: ordinal as u32,
+                staleness,
+                precision,
+                calibration: None,
+                eigensolver,
+                attention: Default::default(),
+                refresh_placement: Default::default(),
+                weight_casts: Default::default(),
+                budgets,
+            }
+        }
     };
     config
 }
@@ -1018,5 +1026,34 @@ mod tests {
             losses[0], losses[1],
             "the bf16 plan rounds what the fp32 one does not"
         );
+    }
+
+    /// A CUDA spec keeps every key of its target under `--match-target cuda` but the device
+    /// ordinal and the precision.
+    #[test]
+    fn match_target_cuda_keeps_a_cuda_specs_target_keys() {
+        use ir::config::TargetConfig;
+        let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/gpt2-124m.asteria");
+        let mut config = frontend::load_spec(&spec).expect("gpt2-124m spec");
+        let TargetConfig::Cuda {
+            attention,
+            weight_casts,
+            staleness,
+            ..
+        } = &mut config.target
+        else {
+            panic!("examples/gpt2-124m.asteria targets cuda");
+        };
+        *attention = ir::AttentionKernel::Gemm;
+        *weight_casts = ir::WeightCasts::Twice;
+        *staleness = 3;
+        let mut want = config.target.clone();
+        if let TargetConfig::Cuda {
+            device, precision, ..
+        } = &mut want
+        {
+            (*device, *precision) = (1, Precision::Fp32);
+        }
+        assert_eq!(retarget_cuda(config, 1, Precision::Fp32).target, want);
     }
 }

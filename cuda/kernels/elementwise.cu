@@ -23,7 +23,7 @@ extern "C" __global__ void bias_add(const float* __restrict__ x, const float* __
 // [s * rows_per_slab, min(n, (s+1) * rows_per_slab)), s = blockIdx.y, writes
 // out[s * c + j] = sum over the slab of x[r, j]. With one slab the launcher passes the result
 // as out; with several, per-slab partials that `layernorm_backward_params_finalize` (layernorm
-// family) adds in slab order. Block (32, 16); grid (ceil(c / (32 * V)), slabs): each thread
+// family) adds in a fixed order. Block (32, 16); grid (ceil(c / (32 * V)), slabs): each thread
 // owns V consecutive columns of a 32 * V-wide tile (blockIdx.x), threadIdx.y strides the slab's
 // rows, and the 16 row-lane sums are combined in a fixed order (deterministic). Every variant
 // adds the same values in the same order, so its column sums are bit-identical to sum_rows's:

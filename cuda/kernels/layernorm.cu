@@ -10,7 +10,7 @@
 // dweight/dbias partials in the same pass. Wider rows take the block-per-row kernels
 // `layernorm_forward` / `layernorm_backward_dx`, whose dweight/dbias come from a separate pass,
 // `layernorm_backward_params` (slabs of rows per column into partials). Either way
-// `layernorm_backward_params_finalize` adds the partials in slab order. No atomics anywhere:
+// `layernorm_backward_params_finalize` adds the partials in a fixed order. No atomics anywhere:
 // every result is deterministic for a given (n, c). The `layernorm_forward_bf16_w*` kernels
 // write a bf16 output instead (for an output only bf16 GEMMs read).
 
@@ -290,7 +290,7 @@ extern "C" __global__ void __launch_bounds__(32 * LN_BWD_WARPS, 2) layernorm_bac
     int rows_per_slab) {
     ln_backward_warp<24>(dout, x, weight, dx, pw, pb, n, c, eps, rows_per_slab);
 }
-extern "C" __global__ void __launch_bounds__(32 * LN_BWD_WARPS, 2) layernorm_backward_w32(
+extern "C" __global__ void __launch_bounds__(32 * LN_BWD_WARPS) layernorm_backward_w32(
     const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ weight,
     float* __restrict__ dx, float* __restrict__ pw, float* __restrict__ pb, int n, int c, float eps,
     int rows_per_slab) {

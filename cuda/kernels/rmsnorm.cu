@@ -50,7 +50,7 @@ extern "C" __global__ void rmsnorm_backward_dx(const float* __restrict__ dout, c
 
 // dweight partials: part[slab * c + j] = sum over the slab's rows n of dout[n,j] * x[n,j] * rinv[n],
 // rows [slab * rows_per_slab, min(n, (slab + 1) * rows_per_slab)), slab = blockIdx.y. Block
-// (32, 16) column tiles, fixed order; the partials are added in slab order by
+// (32, 16) column tiles, fixed order; the partials are added in a fixed order by
 // `layernorm_backward_params_finalize` (with one slab, part is dweight itself). Before, one
 // slab of all N rows gave ceil(c / 32) blocks (64 at c = 2048): too few to stream the two
 // [N, c] operands at the memory's rate.

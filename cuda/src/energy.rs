@@ -27,6 +27,17 @@ pub const SAMPLE_PERIOD: Duration = Duration::from_millis(20);
 /// Period of the energy-counter reader (sleep between reads).
 pub const COUNTER_PERIOD: Duration = Duration::from_millis(10);
 
+/// A reading older than this is no reading: the reads have been failing (or the thread has
+/// stopped), and a step would otherwise be credited with zero joules.
+pub const STALE_AFTER: Duration = Duration::from_millis(500);
+
+/// The reader thread's last successful reading: joules since the meter was opened, and when.
+#[derive(Clone, Copy, Debug)]
+struct Reading {
+    joules: f64,
+    at: Instant,
+}
+
 /// Which NVML reading the meter's thread takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Source {
@@ -40,9 +51,8 @@ enum Source {
 pub struct EnergyMeter {
     source: Source,
     name: String,
-    /// Joules since the meter was opened, as the thread last read them (`None` until a
-    /// reading succeeded).
-    joules: Arc<Mutex<Option<f64>>>,
+    /// The thread's last successful reading (the counter's at open to start with).
+    joules: Arc<Mutex<Reading>>,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -79,16 +89,19 @@ impl EnergyMeter {
                 dev.power_usage(),
             )
         };
-        let (source, first) = match (counter, power) {
-            (Ok(start_mj), _) => (Source::Counter { start_mj }, Some(0.0)),
-            (Err(_), Ok(_)) => (Source::Sampled, Some(0.0)),
+        let source = match (counter, power) {
+            (Ok(start_mj), _) => Source::Counter { start_mj },
+            (Err(_), Ok(_)) => Source::Sampled,
             (Err(c), Err(p)) => {
                 return Err(format!(
                     "NVML: {name} reports neither its energy counter ({c}) nor its power ({p})"
                 ))
             }
         };
-        let joules = Arc::new(Mutex::new(first));
+        let joules = Arc::new(Mutex::new(Reading {
+            joules: 0.0,
+            at: Instant::now(),
+        }));
         let stop = Arc::new(AtomicBool::new(false));
         let (j, st) = (Arc::clone(&joules), Arc::clone(&stop));
         let thread = std::thread::Builder::new()
@@ -105,9 +118,11 @@ impl EnergyMeter {
     }
 
     /// Joules since [`EnergyMeter::open`], as the reader thread last read them (no NVML call
-    /// here); `None` when no reading has succeeded (the caller records no energy then).
+    /// here); `None` when its last successful reading is older than [`STALE_AFTER`] (the
+    /// caller records no energy for that step then).
     pub fn joules(&self) -> Option<f64> {
-        self.joules.lock().ok().and_then(|j| *j)
+        let r = *self.joules.lock().ok()?;
+        (r.at.elapsed() <= STALE_AFTER).then_some(r.joules)
     }
 
     /// `"NVIDIA H200, NVML energy counter read every 10 ms"` (or `power sampled every 20 ms`).
@@ -138,14 +153,9 @@ impl Drop for EnergyMeter {
 
 /// The reader thread, until `stop`: the counter's joules since `start_mj` every
 /// [`COUNTER_PERIOD`], or power integrated (trapezoids over measured intervals) every
-/// [`SAMPLE_PERIOD`]. A failed reading leaves the last value.
-fn read_loop(
-    nvml: &Nvml,
-    index: u32,
-    source: Source,
-    joules: &Mutex<Option<f64>>,
-    stop: &AtomicBool,
-) {
+/// [`SAMPLE_PERIOD`]. A failed reading leaves the last one, which [`EnergyMeter::joules`]
+/// stops reporting once it is [`STALE_AFTER`] old.
+fn read_loop(nvml: &Nvml, index: u32, source: Source, joules: &Mutex<Reading>, stop: &AtomicBool) {
     let power = || -> Option<f64> {
         let d = nvml.device_by_index(index).ok()?;
         d.power_usage().ok().map(|mw| mw as f64 / 1e3)
@@ -163,7 +173,10 @@ fn read_loop(
                     .ok()
                     .and_then(|d| d.total_energy_consumption().ok());
                 if let (Some(mj), Ok(mut j)) = (now, joules.lock()) {
-                    *j = Some(mj.saturating_sub(start_mj) as f64 / 1e3);
+                    *j = Reading {
+                        joules: mj.saturating_sub(start_mj) as f64 / 1e3,
+                        at: Instant::now(),
+                    };
                 }
                 std::thread::sleep(COUNTER_PERIOD);
             }
@@ -173,7 +186,10 @@ fn read_loop(
                 let now = Instant::now();
                 let dt = now.duration_since(last_t).as_secs_f64();
                 if let Ok(mut j) = joules.lock() {
-                    *j = Some(j.unwrap_or(0.0) + 0.5 * (w + last_w) * dt);
+                    *j = Reading {
+                        joules: j.joules + 0.5 * (w + last_w) * dt,
+                        at: now,
+                    };
                 }
                 (last_t, last_w) = (now, w);
             }

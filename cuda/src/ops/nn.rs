@@ -230,8 +230,8 @@ pub(super) fn slab_grid(c: usize, slabs: usize) -> Dim3 {
 }
 
 /// Stage 2 of the column reductions: `out_a[j] = Σ_s part_a[s·c + j]` and, when given,
-/// `out_b[j] = Σ_s part_b[s·c + j]`, the slabs added in order (kernel
-/// `layernorm_backward_params_finalize`). Deterministic.
+/// `out_b[j] = Σ_s part_b[s·c + j]` (kernel `layernorm_backward_params_finalize`: 8 groups of
+/// consecutive slabs, each summed in order, then the groups added in order). Deterministic.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn add_slab_partials(
     dev: &Device,

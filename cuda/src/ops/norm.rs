@@ -184,19 +184,30 @@ fn ln_param_slabs(n: usize, _c: usize) -> (usize, usize) {
 /// dweight and dbias partials, and for rows wider than [`LAYERNORM_WARP_MAX_C`] (the
 /// block-per-row kernels) also each row's mean and rstd.
 pub fn layernorm_backward_scratch_len(n_rows: usize, c: usize) -> usize {
+    let two_pass = 2 * n_rows + 2 * ln_param_slabs(n_rows, c).0 * c;
     if ln_warp_kernels(c).is_some() {
-        2 * ln_bwd_slabs(n_rows).0 * c
+        // The fused pass, or the two-pass fallback where the device's shared memory per
+        // block is too small for the fused kernel's column sums (see `ln_bwd_smem`).
+        two_pass.max(2 * ln_bwd_slabs(n_rows).0 * c)
     } else {
-        2 * n_rows + 2 * ln_param_slabs(n_rows, c).0 * c
+        two_pass
     }
+}
+
+/// Dynamic shared memory (bytes) of the fused warp-per-row backward over rows of `c`: each of
+/// its [`LN_BWD_WARPS`] warps keeps `2·c` f32 column sums (128 KiB at c = 2048; an H100/H200
+/// allows 227 KiB a block, an sm_86/89/12x GPU ~99 KiB).
+fn ln_bwd_smem(c: usize) -> usize {
+    2 * LN_BWD_WARPS * c * std::mem::size_of::<f32>()
 }
 
 /// Plan op `LayerNormBackward`: dx `[N, c]` and dweight/dbias `[c]` (overwritten; dbias
 /// optional), all f32, statistics recomputed from `x`. `scratch` f32 of at least
 /// [`layernorm_backward_scratch_len`]. Rows of `c ≤` [`LAYERNORM_WARP_MAX_C`]: one fused pass,
-/// a warp per row, each block summing its slab's dweight/dbias partials; wider rows: one block
-/// per row for dx, then a column-sum pass over slabs of rows. The partials are then added in
-/// slab order. No atomics: deterministic.
+/// a warp per row, each block summing its slab's dweight/dbias partials (where the device
+/// allows the block [`ln_bwd_smem`] bytes of shared memory); wider rows (or less shared
+/// memory): one block per row for dx, then a column-sum pass over slabs of rows. The partials
+/// are then added in a fixed order. No atomics: deterministic.
 /// Errors: [`CudaError::Shape`] on a length mismatch, [`CudaError::Operand`] on a wrong
 /// dtype or memory tier, [`CudaError::Invalid`] when the scratch is too short or `N`/`c`
 /// exceed the kernels' `int` range.
@@ -226,11 +237,12 @@ pub fn layernorm_backward(
     let len = layernorm_backward_scratch_len(n, c);
     let scratch = scratch.slice(0, len)?;
     scratch.expect(OP, "scratch", Elem::F32, len)?;
-    if let Some((_, kernel)) = ln_warp_kernels(c) {
+    let smem = ln_bwd_smem(c);
+    let fused = ln_warp_kernels(c).filter(|_| smem <= dev.info().max_shared_per_block_optin);
+    if let Some((_, kernel)) = fused {
         let (slabs, rows) = ln_bwd_slabs(n);
         let pw = scratch.slice(0, slabs * c)?;
         let pb = scratch.slice(slabs * c, slabs * c)?;
-        let smem = 2 * LN_BWD_WARPS * c * std::mem::size_of::<f32>();
         let args = Args::new()
             .buf(dout)
             .buf(x)
@@ -343,7 +355,7 @@ pub fn rmsnorm_backward_scratch_len(n_rows: usize, c: usize) -> usize {
 
 /// Plan op `RmsNormBackward`: dx `[N, c]`, dweight `[c]` (overwritten). `scratch` f32 of at
 /// least [`rmsnorm_backward_scratch_len`]. dx: one block per row; dweight: a two-stage column
-/// reduction (slabs of rows into partials, then the partials added in slab order), so the
+/// reduction (slabs of rows into partials, then the partials added in a fixed order), so the
 /// result is deterministic for a given `(N, c)`.
 #[allow(clippy::too_many_arguments)]
 pub fn rmsnorm_backward(
@@ -454,7 +466,7 @@ mod tests {
                 let (slabs, rows) = ln_param_slabs(n, c);
                 assert!((1..=COL_MAX_SLABS).contains(&slabs), "n={n} c={c}");
                 assert!(slabs * rows >= n && (slabs - 1) * rows < n, "n={n} c={c}");
-                if slabs > 1 && c > LAYERNORM_WARP_MAX_C {
+                if slabs > 1 {
                     // Partials live in the scratch after the 2N statistics.
                     assert!(2 * n + 2 * slabs * c <= layernorm_backward_scratch_len(n, c));
                     assert!(slabs <= n.div_ceil(COL_SLAB_MIN_ROWS), "n={n} c={c}");

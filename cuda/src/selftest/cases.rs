@@ -170,7 +170,7 @@ pub(super) fn down_bf16(cx: &super::Ctx<'_>, b: &crate::Buf) -> Result<Vec<f32>>
 
 /// The `layer_norm` and `layer_norm_backward` cases of one size. `N` and `c` pick the paths
 /// (see `ops::norm`): rows of `c ≤ 2048` take the fused warp-per-row backward (8, 16, 24, 32 or
-/// 64 values a lane; dweight/dbias partials of `min(N, 256)` slabs in the same pass), wider
+/// 64 values a lane; dweight/dbias partials of `min(⌈N / 16⌉, 512)` slabs in the same pass), wider
 /// rows the block-per-row dx and a column-sum pass over `min(⌈N / 64⌉, 64)` slabs; the
 /// partials are then added in slab order. Outputs and scratch NaN-poisoned; the backward runs
 /// twice and must give the same bits.
