@@ -664,47 +664,35 @@ fn retarget_cuda(
     precision: schedule::Precision,
 ) -> ir::config::Config {
     use ir::config::TargetConfig;
-    config.target = match config.target {
-        TargetConfig::Cuda {
-            staleness,
-            calibration,
-            eigensolver,
-            attention,
-            refresh_placement,
-            weight_casts,
-            budgets,
-            ..
-        } => TargetConfig::Cuda {
-            device: ordinal as u32,
-            staleness,
+    if let TargetConfig::Cpu {
+        staleness,
+        eigensolver,
+        budgets,
+        ..
+    } = &config.target
+    {
+        let mut budgets = budgets.clone();
+        budgets.device = None;
+        config.target = TargetConfig::Cuda {
+            device: 0,
+            staleness: *staleness,
             precision,
-            calibration,
-            eigensolver,
-            attention,
-            refresh_placement,
-            weight_casts,
+            calibration: None,
+            eigensolver: *eigensolver,
+            attention: Default::default(),
+            refresh_placement: Default::default(),
+            weight_casts: Default::default(),
             budgets,
-        },
-        TargetConfig::Cpu {
-            staleness,
-            eigensolver,
-            mut budgets,
-            ..
-        } => {
-            budgets.device = None;
-            TargetConfig::Cuda {
-                device: ordinal as u32,
-                staleness,
-                precision,
-                calibration: None,
-                eigensolver,
-                attention: Default::default(),
-                refresh_placement: Default::default(),
-                weight_casts: Default::default(),
-                budgets,
-            }
-        }
-    };
+        };
+    }
+    if let TargetConfig::Cuda {
+        device,
+        precision: p,
+        ..
+    } = &mut config.target
+    {
+        (*device, *p) = (ordinal as u32, precision);
+    }
     config
 }
 

@@ -180,6 +180,31 @@ fn ln_param_slabs(n: usize, _c: usize) -> (usize, usize) {
     col_slabs(n, COL_MAX_SLABS)
 }
 
+/// Launches a block-per-row dx kernel of a norm's backward (`layernorm_backward_dx`,
+/// `rmsnorm_backward_dx`): `bufs` = dout, x `[N, c]`, weight `[c]`, dx `[N, c]` and the
+/// per-row statistics it writes, then N, c, eps; one block of `row_threads(c)` per row; nothing
+/// for `n = 0`.
+fn dx_block_per_row(
+    dev: &Device,
+    op: &'static str,
+    kernel: &'static str,
+    bufs: [&Buf; 5],
+    n: usize,
+    c: usize,
+    eps: f64,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let args = bufs
+        .iter()
+        .fold(Args::new(), |a, b| a.buf(b))
+        .i32(int(op, "N", n)?)
+        .i32(int(op, "C", c)?)
+        .f32(eps as f32);
+    dev.launch(kernel, (n as u32, 1, 1), (row_threads(c), 1, 1), args)
+}
+
 /// Scratch elements (f32) of [`layernorm_backward`] over `n_rows` rows of `c`: the slabs'
 /// dweight and dbias partials, and for rows wider than [`LAYERNORM_WARP_MAX_C`] (the
 /// block-per-row kernels) also each row's mean and rstd.
@@ -265,23 +290,8 @@ pub fn layernorm_backward(
         return add_slab_partials(dev, OP, &pw, pb, dweight, dbias, c, slabs);
     }
     let stats = scratch.slice(0, 2 * n)?;
-    if n > 0 {
-        let args = Args::new()
-            .buf(dout)
-            .buf(x)
-            .buf(weight)
-            .buf(dx)
-            .buf(&stats)
-            .i32(int(OP, "N", n)?)
-            .i32(int(OP, "C", c)?)
-            .f32(eps as f32);
-        dev.launch(
-            "layernorm_backward_dx",
-            (n as u32, 1, 1),
-            (row_threads(c), 1, 1),
-            args,
-        )?;
-    }
+    let bufs = [dout, x, weight, dx, &stats];
+    dx_block_per_row(dev, OP, "layernorm_backward_dx", bufs, n, c, eps)?;
     let (slabs, rows) = ln_param_slabs(n, c);
     let grid = slab_grid(c, slabs);
     let slab_args = |pw: &Buf, pb: Option<&Buf>| -> Result<Args> {
@@ -380,23 +390,8 @@ pub fn rmsnorm_backward(
     let scratch = scratch.slice(0, len)?;
     scratch.expect(OP, "scratch", Elem::F32, len)?;
     let rinv = scratch.slice(0, n)?;
-    if n > 0 {
-        let args = Args::new()
-            .buf(dout)
-            .buf(x)
-            .buf(weight)
-            .buf(dx)
-            .buf(&rinv)
-            .i32(int(OP, "N", n)?)
-            .i32(int(OP, "C", c)?)
-            .f32(eps as f32);
-        dev.launch(
-            "rmsnorm_backward_dx",
-            (n as u32, 1, 1),
-            (row_threads(c), 1, 1),
-            args,
-        )?;
-    }
+    let bufs = [dout, x, weight, dx, &rinv];
+    dx_block_per_row(dev, OP, "rmsnorm_backward_dx", bufs, n, c, eps)?;
     let (slabs, rows) = sum_rows_slabs(n);
     let args = |dst: &Buf| -> Result<Args> {
         Ok(Args::new()
