@@ -68,6 +68,7 @@ fn config(target: TargetConfig, soap: bool) -> Config {
             rematerialize: Default::default(),
             max_skipped_steps: Some(10),
             refresh_swap: Default::default(),
+            grad_accum: 1,
         },
         target,
     }

@@ -46,6 +46,7 @@ fn config(family: Family) -> Config {
             rematerialize: Default::default(),
             max_skipped_steps: Some(10),
             refresh_swap: Default::default(),
+            grad_accum: 1,
         },
         target: TargetConfig::Cpu {
             threads: Some(1),

@@ -71,6 +71,7 @@ fn config(family: Family, target: TargetConfig, soap: bool, remat: Rematerialize
             rematerialize: remat,
             max_skipped_steps: Some(10),
             refresh_swap: Default::default(),
+            grad_accum: 1,
         },
         target,
     }

@@ -89,6 +89,7 @@ fn config(soap: SoapConfig) -> Config {
             rematerialize: Default::default(),
             max_skipped_steps: Some(10),
             refresh_swap: Default::default(),
+            grad_accum: 1,
         },
         target: TargetConfig::Cpu {
             threads: Some(2),

@@ -129,6 +129,7 @@ fn config(opt: Opt, budgets: Budgets) -> Config {
             rematerialize: Default::default(),
             max_skipped_steps: Some(10),
             refresh_swap: Default::default(),
+            grad_accum: 1,
         },
         target: TargetConfig::Cpu {
             threads: Some(2),

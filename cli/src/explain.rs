@@ -19,18 +19,27 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
         .iter()
         .map(|p| plan.buffer(p.param).numel())
         .sum();
-    let tokens = plan.data.batch_size * plan.data.seq_len;
+    let micro = plan.train.grad_accum.max(1) as usize;
+    let tokens = plan.data.batch_size * plan.data.seq_len * micro;
     let tier = match plan.target {
         TargetPlan::Cpu { .. } => "cpu",
         TargetPlan::Cuda { .. } => "gpu",
     };
     let _ = writeln!(
         o,
-        "plan `{}`: {} parameters in {} tensors, {} tokens per step",
+        "plan `{}`: {} parameters in {} tensors, {} tokens per step{}",
         plan.name,
         params,
         plan.params.len(),
-        tokens
+        tokens,
+        if micro > 1 {
+            format!(
+                " ({micro} micro-batches of {} x {}, gradients accumulated)",
+                plan.data.batch_size, plan.data.seq_len
+            )
+        } else {
+            String::new()
+        }
     );
     let offloaded = plan
         .memory

@@ -608,6 +608,7 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
             rematerialize: c.train.rematerialize,
             max_skipped_steps: c.train.max_skipped_steps,
             refresh_swap: c.train.refresh_swap,
+            grad_accum: c.train.grad_accum,
         },
         target: match &c.target {
             TargetConfig::Cpu {

@@ -147,6 +147,26 @@ extern "C" __global__ void scale_by_device_scalar(float* __restrict__ x, const f
     for (long long i = 4 * n4 + gtid(); i < n; i += gstride()) x[i] *= s;
 }
 
+// Gradient accumulation over micro-batches: total = s * micro (first) or total + s * micro,
+// each operation rounded once (no fused multiply-add: the CPU engine's bits).
+extern "C" __global__ void grad_accumulate(const float* __restrict__ micro, float* __restrict__ total, float s,
+                                           int first, long long n) {
+    const long long n4 = (asteria_aligned(micro, 16) && asteria_aligned(total, 16)) ? n / 4 : 0;
+    for (long long i = gtid(); i < n4; i += gstride()) {
+        const float4 m = reinterpret_cast<const float4*>(micro)[i];
+        float4 t = first ? make_float4(0.f, 0.f, 0.f, 0.f) : reinterpret_cast<float4*>(total)[i];
+        t.x = first ? __fmul_rn(m.x, s) : __fadd_rn(t.x, __fmul_rn(m.x, s));
+        t.y = first ? __fmul_rn(m.y, s) : __fadd_rn(t.y, __fmul_rn(m.y, s));
+        t.z = first ? __fmul_rn(m.z, s) : __fadd_rn(t.z, __fmul_rn(m.z, s));
+        t.w = first ? __fmul_rn(m.w, s) : __fadd_rn(t.w, __fmul_rn(m.w, s));
+        reinterpret_cast<float4*>(total)[i] = t;
+    }
+    for (long long i = 4 * n4 + gtid(); i < n; i += gstride()) {
+        const float v = __fmul_rn(micro[i], s);
+        total[i] = first ? v : __fadd_rn(total[i], v);
+    }
+}
+
 // out = bf16(x), round to nearest even.
 extern "C" __global__ void cast_f32_bf16(const float* __restrict__ x, __nv_bfloat16* __restrict__ out, long long n) {
     // float4 in, four bf16 (8 bytes) out, where x is 16- and out 8-byte aligned.

@@ -498,8 +498,9 @@ impl StepExecutor for CudaEngine {
         Ok(v.first().map_or(f64::NAN, |&x| f64::from(x)))
     }
 
-    fn backward(&mut self) -> Result<(), EngineError> {
-        self.run("backward", 0, 1.0).map(|_| ())
+    fn backward(&mut self, micro: u64) -> Result<(), EngineError> {
+        // `t` of the backward's ops: the micro-batch (`GradAccumulate` stores on 0, adds after).
+        self.run("backward", micro, 1.0).map(|_| ())
     }
 
     fn optimizer_step(&mut self, t: u64, lr_multiplier: f64) -> Result<bool, EngineError> {

@@ -127,6 +127,7 @@ pub const FAMILIES: &[Family] = &[
             "sum_rows_cast",
             "sum_rows_cast4",
             "scale_by_device_scalar",
+            "grad_accumulate",
             "cast_f32_bf16"
         ]
     ),

@@ -270,6 +270,8 @@ struct Lockstep<'a> {
     tol: f64,
     /// GPU loss of the last forward not yet followed by a backward.
     pending: Option<f64>,
+    /// The GPU's losses of the current step's micro-batches.
+    gpu_micro: Vec<f64>,
     gpu_train: Vec<f64>,
     gpu_eval: Vec<f64>,
     log: Vec<String>,
@@ -536,15 +538,21 @@ impl StepExecutor for Lockstep<'_> {
         }
         Ok(c)
     }
-    fn backward(&mut self) -> Result<(), EngineError> {
-        self.cpu.backward()?;
-        StepExecutor::backward(self.gpu)?;
+    fn backward(&mut self, micro: u64) -> Result<(), EngineError> {
+        self.cpu.backward_micro(micro)?;
+        StepExecutor::backward(self.gpu, micro)?;
         if let Some(g) = self.pending.take() {
-            self.gpu_train.push(g);
+            self.gpu_micro.push(g);
         }
         Ok(())
     }
     fn optimizer_step(&mut self, t: u64, lr_multiplier: f64) -> Result<bool, EngineError> {
+        // The step's loss: the mean of its micro-batches' (as the training loop takes it).
+        if !self.gpu_micro.is_empty() {
+            let n = self.gpu_micro.len() as f64;
+            self.gpu_train.push(self.gpu_micro.iter().sum::<f64>() / n);
+            self.gpu_micro.clear();
+        }
         let c = self.cpu.optimizer_step(t, lr_multiplier)?;
         let g = StepExecutor::optimizer_step(self.gpu, t, lr_multiplier)?;
         if c != g {
@@ -606,6 +614,7 @@ fn lockstep_match(
         injected: 0,
         tol: opts.state_tol,
         pending: None,
+        gpu_micro: Vec::new(),
         gpu_train: Vec::new(),
         gpu_eval: Vec::new(),
         log: vec![format!(

@@ -260,8 +260,10 @@ pub trait StepExecutor {
     fn load_batch(&mut self, tokens: &[i32], targets: &[i32]) -> Result<(), EngineError>;
     /// Runs the forward program; returns the mean loss in nats.
     fn forward(&mut self) -> Result<f64, EngineError>;
-    /// Runs the backward program.
-    fn backward(&mut self) -> Result<(), EngineError>;
+    /// Runs the backward program for micro-batch `micro` (0-based) of the step: with
+    /// `train.grad_accum` ≥ 2 its `GradAccumulate` ops store the micro-batch's gradient on
+    /// micro-batch 0 and add it on the others (`micro` is 0 without accumulation).
+    fn backward(&mut self, micro: u64) -> Result<(), EngineError>;
     /// Runs the optimizer program for 1-based step `t` with the schedule's lr multiplier;
     /// `false` when the step was skipped (non-finite gradient norm).
     fn optimizer_step(&mut self, t: u64, lr_multiplier: f64) -> Result<bool, EngineError>;
@@ -375,8 +377,8 @@ impl<T: crate::cpu::Float + optim::Real> StepExecutor for CpuEngine<T> {
     fn forward(&mut self) -> Result<f64, EngineError> {
         CpuEngine::forward(self)
     }
-    fn backward(&mut self) -> Result<(), EngineError> {
-        CpuEngine::backward(self)
+    fn backward(&mut self, micro: u64) -> Result<(), EngineError> {
+        CpuEngine::backward_micro(self, micro)
     }
     fn optimizer_step(&mut self, t: u64, lr_multiplier: f64) -> Result<bool, EngineError> {
         CpuEngine::optimizer_step(self, t, lr_multiplier)
@@ -509,7 +511,8 @@ pub fn train_with<E: StepExecutor>(
     };
     let mut metrics = Metrics::open(opts.metrics_path.as_deref(), resumed_ckpt.is_some())?;
     let (b, t) = (plan.data.batch_size, plan.data.seq_len);
-    let tokens_per_step = (b * t) as f64;
+    let micro_batches = plan.train.grad_accum.max(1);
+    let tokens_per_step = (b * t) as f64 * micro_batches as f64;
     let (mut x, mut y) = (vec![0i32; b * t], vec![0i32; b * t]);
     let evals = plan.train.eval_interval > 0 && plan.train.eval_batches > 0;
     let peak = peak_lr(plan);
@@ -591,9 +594,14 @@ pub fn train_with<E: StepExecutor>(
     say(
         &pb,
         format!(
-            "training steps {first}..={steps} on {}: {b} x {t} = {} tokens/step; corpus {} train / {} val tokens",
+            "training steps {first}..={steps} on {}: {}{b} x {t} = {} tokens/step; corpus {} train / {} val tokens",
             engine.describe(),
-            b * t,
+            if micro_batches > 1 {
+                format!("{micro_batches} micro-batches of ")
+            } else {
+                String::new()
+            },
+            micro_batches as usize * b * t,
             summary.train_tokens,
             summary.val_tokens
         ),
@@ -618,7 +626,7 @@ pub fn train_with<E: StepExecutor>(
                 engine,
                 root,
                 step,
-                step,
+                step * micro_batches,
                 plan.train.seed,
                 opts.checkpoint_keep,
             )
@@ -635,10 +643,16 @@ pub fn train_with<E: StepExecutor>(
         let _step_span = tracing::info_span!("step", step).entered();
         let start = Instant::now();
         let joules_before = engine.energy_j();
-        sampler.next_train_batch(b, t, &mut bx, &mut by)?;
-        engine.load_batch(&bx, &by)?;
-        let loss = tracing::info_span!("forward").in_scope(|| engine.forward())?;
-        tracing::info_span!("backward").in_scope(|| engine.backward())?;
+        // The step's micro-batches: consecutive batches, their gradients accumulated by the
+        // backward program, the loss their mean.
+        let mut loss_sum = 0.0;
+        for micro in 0..micro_batches {
+            sampler.next_train_batch(b, t, &mut bx, &mut by)?;
+            engine.load_batch(&bx, &by)?;
+            loss_sum += tracing::info_span!("forward", micro).in_scope(|| engine.forward())?;
+            tracing::info_span!("backward", micro).in_scope(|| engine.backward(micro))?;
+        }
+        let loss = loss_sum / micro_batches as f64;
         let mult = plan.train.lr_multiplier(step);
         let opt_start = Instant::now();
         let stepped =

@@ -84,6 +84,7 @@ fn plan(m: usize, bufs: Vec<(&str, Vec<usize>, DType, BufferClass)>, forward: Ve
             rematerialize: Default::default(),
             max_skipped_steps: Some(10),
             refresh_swap: Default::default(),
+            grad_accum: 1,
         },
         target: TargetPlan::Cpu {
             threads: Some(2),

@@ -602,3 +602,19 @@ fn refresh_swap_defaults_to_finished_and_a_typo_lists_the_allowed_ones() {
         Some("did you mean `deadline`?"),
     );
 }
+
+#[test]
+fn grad_accum_out_of_range_is_located() {
+    let src = edit("steps = 10", "steps = 10  grad_accum = 0");
+    assert_error(
+        &src,
+        16,
+        28,
+        "`grad_accum` = 0 is outside the allowed range 1..=65_536",
+        None,
+    );
+    let src = edit("steps = 10", "steps = 10  grad_accum = 100000");
+    let errs = errors(&src);
+    assert_eq!(errs.len(), 1, "{errs:#?}");
+    assert_eq!((errs[0].0, errs[0].1), (16, 28));
+}

@@ -74,6 +74,7 @@ fn tiny_train() -> TrainConfig {
         rematerialize: Default::default(),
         max_skipped_steps: Some(10),
         refresh_swap: Default::default(),
+        grad_accum: 1,
     }
 }
 

@@ -77,6 +77,7 @@ fn defaults() {
         rematerialize: Default::default(),
         max_skipped_steps: Some(10),
         refresh_swap: Default::default(),
+        grad_accum: 1,
     };
     assert_eq!(c.train, train);
     assert_eq!(

@@ -264,6 +264,15 @@ pub struct TrainConfig {
     /// default finished).
     #[serde(default)]
     pub refresh_swap: crate::RefreshSwap,
+    /// `grad_accum = N` (default 1, range `limits::GRAD_ACCUM`): micro-batches of
+    /// `batch_size × seq_len` tokens per optimizer step, their gradients averaged (the
+    /// `accumulate-gradients` pass).
+    #[serde(default = "one")]
+    pub grad_accum: u64,
+}
+
+fn one() -> u64 {
+    1
 }
 
 fn default_max_skipped_steps() -> Option<u64> {

@@ -2,10 +2,11 @@
 //!
 //! The pipeline (in order; names are identical in the CLI flags, file names, dump headers and
 //! timing lines): `expand-model`, `autodiff`, `expand-optimizer`, `fuse`, `rematerialize`, `liveness`,
-//! `precond-scheduling`, `lower`, `tier-placement`, `prefetch-insertion`, `memory-planning` (the
-//! last three work on the plan).
+//! `precond-scheduling`, `lower`, `accumulate-gradients`, `tier-placement`, `prefetch-insertion`, `memory-planning` (the
+//! last four work on the plan).
 #![deny(missing_docs)]
 
+pub mod accumulate_gradients;
 pub mod autodiff;
 pub mod budget;
 pub mod cost_model;

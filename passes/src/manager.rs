@@ -69,6 +69,7 @@ impl PassManager {
             Box::new(crate::liveness::LivenessPass),
             Box::new(crate::precond_scheduling::PrecondScheduling::default()),
             Box::new(crate::lower::Lower),
+            Box::new(crate::accumulate_gradients::AccumulateGradients),
             Box::new(crate::tier_placement::TierPlacement::default()),
             Box::new(crate::prefetch_insertion::PrefetchInsertion::default()),
             Box::new(crate::memory_planning::MemoryPlanning),

@@ -116,7 +116,10 @@ pub fn plan_refreshes(module: &Module, desc: &TargetDescription) -> Schedule {
         .into_iter()
         .map(|v| module.value(v).ty.numel())
         .sum();
-    let tokens = module.config.data.batch_size * module.config.data.seq_len;
+    // Every micro-batch of the step (`grad_accum`) runs the forward and backward.
+    let tokens = module.config.data.batch_size
+        * module.config.data.seq_len
+        * module.config.train.grad_accum.max(1) as usize;
     let step_ms = desc.predicted_step_ms(params, tokens).max(1e-3);
     // (instruction, d, frequency, factor name, method `inverse_root`: Shampoo's inverse root,
     // with its own costs).

@@ -201,7 +201,10 @@ pub fn insert_prefetches(plan: &mut Plan) -> Result<(usize, usize), PassError> {
 
 /// `op` with every operand found in `map` replaced by its image (through the op's JSON form:
 /// the fields named by [`Op::operands`] hold plain integers, or lists of them).
-fn replace_operands(op: &Op, map: &HashMap<BufferId, BufferId>) -> Result<Op, PassError> {
+pub(crate) fn replace_operands(
+    op: &Op,
+    map: &HashMap<BufferId, BufferId>,
+) -> Result<Op, PassError> {
     let hits: Vec<(&'static str, BufferId)> = op
         .operands()
         .into_iter()

@@ -435,10 +435,13 @@ fn candidates(plan: &Plan) -> (Vec<BufferId>, Vec<BufferId>) {
         })
         .map(|i| BufferId(i as u32))
         .collect();
+    // Accumulated gradients live across the step's micro-batches: none leaves the device.
+    let streamable = plan.train.grad_accum <= 1;
     let grads = (0..n)
         .filter(|&i| {
             let b = &plan.buffers[i];
-            b.class == BufferClass::Gradient
+            streamable
+                && b.class == BufferClass::Gradient
                 && b.dtype == schedule::DType::F32
                 && used[i]
                 && by_backward[i]

@@ -289,10 +289,21 @@ pub struct TrainPlan {
     /// before the key existed gets the default, [`RefreshSwap::Finished`]).
     #[serde(default)]
     pub refresh_swap: RefreshSwap,
+    /// Micro-batches per optimizer step (spec key `grad_accum`, range [`limits::GRAD_ACCUM`];
+    /// a plan written before the key existed gets 1): the engine runs the forward and backward
+    /// programs this many times on consecutive batches before the optimizer program, and the
+    /// backward's [`Op::GradAccumulate`] ops average their gradients. Tokens per optimizer step
+    /// are `grad_accum · batch_size · seq_len`.
+    #[serde(default = "one")]
+    pub grad_accum: u64,
 }
 
 fn default_max_skipped_steps() -> Option<u64> {
     Some(limits::DEFAULT_MAX_SKIPPED_STEPS)
+}
+
+fn one() -> u64 {
+    1
 }
 
 impl TrainPlan {
@@ -498,7 +509,7 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// Model FLOPs of one training step, the numerator of MFU (PaLM's definition, Chowdhery et
+    /// Model FLOPs of one training step (all its micro-batches), the numerator of MFU (PaLM's definition, Chowdhery et
     /// al. 2022, appendix B): `2·m·k·n` for every GEMM of the forward program and twice that
     /// for its two backward GEMMs (input and weight gradients: the usual `6·N` per token), plus
     /// causal self-attention counted unmasked — `4·B·T²·C` for the scores and the weighted sum
@@ -549,7 +560,8 @@ impl Plan {
                 _ => {}
             }
         }
-        flops
+        // The forward and backward run once per micro-batch.
+        flops * self.train.grad_accum.max(1) as f64
     }
 
     /// Serializes to pretty JSON.

@@ -257,6 +257,8 @@ pub const GRAD_CLIP: FloatRange = FloatRange::above(0.0, 1e6);
 pub const EVAL_INTERVAL: IntRange = IntRange::new(0, 1_000_000_000);
 /// `eval_batches`: batches per validation.
 pub const EVAL_BATCHES: IntRange = IntRange::new(1, 100_000);
+/// `grad_accum`: micro-batches per optimizer step (gradient accumulation).
+pub const GRAD_ACCUM: IntRange = IntRange::new(1, 65_536);
 /// `seed`: any 64-bit value.
 pub const SEED: IntRange = IntRange::new(0, u64::MAX);
 /// `max_skipped_steps`: consecutive optimizer steps skipped for a non-finite gradient norm

@@ -318,6 +318,8 @@ impl Op {
             // hundred KiB).
             (Op::GradSumSquares { .. }, "partials") => Access::ReadWrite,
             (Op::ScaleByScalar { .. }, "x") => Access::ReadWrite,
+            // Read-modify-write on every micro-batch but the first: the total persists.
+            (Op::GradAccumulate { .. }, "total") => Access::ReadWrite,
             (Op::Attention { .. }, "lse") => Access::Write,
             (Op::AdamW { .. } | Op::SoapUpdate { .. }, "param" | "exp_avg" | "exp_avg_sq") => {
                 Access::ReadWrite
@@ -826,6 +828,7 @@ pub(crate) mod tests {
                 rematerialize: Default::default(),
                 max_skipped_steps: Some(10),
                 refresh_swap: Default::default(),
+                grad_accum: 1,
             },
             target: TargetPlan::Cpu {
                 threads: Some(1),

@@ -722,6 +722,18 @@ pub enum Op {
         partials: BufferId,
         slot: usize,
     },
+    /// Gradient accumulation over the micro-batches of one optimizer step
+    /// (`train.grad_accum`, the `accumulate-gradients` pass): `total ← scale · micro` on the
+    /// step's first micro-batch and `total ← total + scale · micro` on the others (f32, equal
+    /// shapes; `scale` = 1 / micro-batches, so `total` is the mean of the micro-batches'
+    /// gradients). Issued in the backward right after `micro`'s last write; the engine knows
+    /// which micro-batch it runs (`StepExecutor::backward`'s index). `total` is the
+    /// parameter's gradient that the optimizer program reads.
+    GradAccumulate {
+        micro: BufferId,
+        total: BufferId,
+        scale: f64,
+    },
     /// `x ← x · scale[0]` in place (f32 `x`, f32 `[1]` `scale`): a gradient clipped where it
     /// comes back to the device, by the factor a partials-form [`Op::ClipGradNorm`] wrote
     /// (the bits an in-place clip would have stored).

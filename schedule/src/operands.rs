@@ -34,6 +34,7 @@ impl Op {
             Op::ClipGradNorm { .. } => "clip_grad_norm",
             Op::GradSumSquares { .. } => "grad_sum_squares",
             Op::ScaleByScalar { .. } => "scale_by_scalar",
+            Op::GradAccumulate { .. } => "grad_accumulate",
             Op::AdamW { .. } => "adam_w",
             Op::SoapUpdate { .. } => "soap_update",
             Op::SoapFactorUpdate { .. } => "soap_factor_update",
@@ -183,6 +184,9 @@ impl Op {
                 v.extend([("grad", *grad), ("partials", *partials)])
             }
             Op::ScaleByScalar { x, scale } => v.extend([("x", *x), ("scale", *scale)]),
+            Op::GradAccumulate { micro, total, .. } => {
+                v.extend([("micro", *micro), ("total", *total)])
+            }
             Op::AdamW {
                 param,
                 grad,

@@ -72,6 +72,7 @@ impl Plan {
             limits::EVAL_INTERVAL,
         )?;
         int("train.eval_batches", t.eval_batches, limits::EVAL_BATCHES)?;
+        int("train.grad_accum", t.grad_accum, limits::GRAD_ACCUM)?;
         if let Some(n) = t.max_skipped_steps {
             int("train.max_skipped_steps", n, limits::MAX_SKIPPED_STEPS)?;
         }

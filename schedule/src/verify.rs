@@ -469,6 +469,19 @@ impl Checker<'_> {
             }
             Op::GradSumSquares { partials, slot, .. } => self.partials(*partials, Some(*slot))?,
             Op::ScaleByScalar { scale, .. } => self.dims("scale", *scale, &[1])?,
+            Op::GradAccumulate {
+                micro,
+                total,
+                scale,
+            } => {
+                self.same(("micro", *micro), ("total", *total))?;
+                if !(scale.is_finite() && *scale > 0.0 && *scale <= 1.0) {
+                    return Err(PlanError::Invalid(format!(
+                        "{}: scale must be in (0, 1] (1 / micro-batches), got {scale}",
+                        self.location
+                    )));
+                }
+            }
             Op::AdamW {
                 param,
                 grad,
@@ -955,6 +968,18 @@ impl Plan {
         ] {
             for (i, op) in prog.iter().enumerate() {
                 let location = format!("{section}[{i}] ({})", op.name());
+                if let Op::GradAccumulate { scale, .. } = op {
+                    // Only the backward runs once per micro-batch; its scale averages them.
+                    let want = 1.0 / self.train.grad_accum as f64;
+                    if section != "backward" || self.train.grad_accum < 2 || *scale != want {
+                        return Err(PlanError::Invalid(format!(
+                            "{location}: gradient accumulation belongs in the backward of a \
+                             plan with train.grad_accum >= 2, with scale 1 / grad_accum \
+                             ({want}); this plan has grad_accum {} and scale {scale}",
+                            self.train.grad_accum
+                        )));
+                    }
+                }
                 for (name, id) in op.operands() {
                     in_range(&location, name, id)?;
                 }

@@ -597,6 +597,12 @@ impl CudaEngine {
             Op::ScaleByScalar { x, scale } => {
                 loss::scale_by_scalar(dev, self.b(*x), self.b(*scale))?
             }
+            // `t` is the backward's micro-batch (`CudaEngine::backward`).
+            Op::GradAccumulate {
+                micro,
+                total,
+                scale,
+            } => loss::grad_accumulate(dev, self.b(*micro), self.b(*total), *scale, t == 0)?,
             Op::ClipGradNorm {
                 norm,
                 scale: Some(scale),

@@ -245,6 +245,33 @@ pub fn clip_grad_norm_partials(
     dev.launch("grad_norm_finalize", (1, 1, 1), (1024, 1, 1), args)
 }
 
+/// Plan op `GradAccumulate`: `total ← scale · micro` when `first`, else `total ← total + scale
+/// · micro` (f32, equal lengths; the product and the sum each rounded once, as the CPU
+/// engine's loop: `__fmul_rn`, `__fadd_rn`). `scale` is 1 / micro-batches.
+pub fn grad_accumulate(
+    dev: &Device,
+    micro: &Buf,
+    total: &Buf,
+    scale: f64,
+    first: bool,
+) -> Result<()> {
+    let n = total.len();
+    total.expect("grad_accumulate", "total", Elem::F32, n)?;
+    micro.expect("grad_accumulate", "micro", Elem::F32, n)?;
+    let args = Args::new()
+        .buf(micro)
+        .buf(total)
+        .f32(scale as f32)
+        .i32(i32::from(first))
+        .i64(n as i64);
+    dev.launch(
+        "grad_accumulate",
+        (dev.grid_for(n), 1, 1),
+        (256, 1, 1),
+        args,
+    )
+}
+
 /// Plan op `ScaleByScalar`: `x ← x · scale[0]` (f32 `x`, f32 `[1]` `scale` on the device), the
 /// in-place clip's kernel.
 pub fn scale_by_scalar(dev: &Device, x: &Buf, scale: &Buf) -> Result<()> {

@@ -13,6 +13,7 @@ pub(crate) fn cases() -> Vec<Case> {
     clip(&mut v);
     clip_into_adamw(&mut v);
     clip_from_partials(&mut v);
+    grad_accumulate(&mut v);
     adamw(&mut v);
     update_rules(&mut v);
     composed_soap(&mut v);
@@ -461,6 +462,57 @@ fn clip_from_partials(v: &mut Vec<Case>) {
                 }
                 Ok(super::cases::one(
                     "norm, gradient bits",
+                    if same { 0.0 } else { 1.0 },
+                    ms,
+                ))
+            },
+        ));
+    }
+}
+
+/// Gradient accumulation over micro-batches (`grad_accumulate`, the plan's `GradAccumulate`):
+/// three micro-batch gradients folded in with scale 1/3 (store on the first, add after)
+/// against the CPU engine's loop (`engine::cpu::exec`: product and sum each rounded once), bit
+/// for bit, at awkward lengths (the float4 body and the scalar tail).
+fn grad_accumulate(v: &mut Vec<Case>) {
+    for n in [1usize, 4099, 783 * 4096 + 3] {
+        v.push(case(
+            "grad_accumulate",
+            format!("n={n} micro-batches=3"),
+            0.0,
+            false,
+            move |cx| {
+                let k = 3;
+                let scale = 1.0 / k as f64;
+                let micros: Vec<Vec<f32>> = (0..k).map(|_| cx.normal(n, 0.0, 1.0)).collect();
+                let bufs = micros
+                    .iter()
+                    .map(|m| cx.up(m))
+                    .collect::<Result<Vec<Buf>>>()?;
+                // Garbage in the total before the first micro-batch: it must be overwritten.
+                let garbage = cx.normal(n, 5.0, 1.0);
+                let total = cx.up(&garbage)?;
+                let ms = cx.timed(|| {
+                    for (i, b) in bufs.iter().enumerate() {
+                        gloss::grad_accumulate(cx.dev, b, &total, scale, i == 0)?;
+                    }
+                    Ok(())
+                })?;
+                let s = scale as f32;
+                let mut want = vec![0f32; n];
+                for (i, m) in micros.iter().enumerate() {
+                    for (w, &x) in want.iter_mut().zip(m) {
+                        let p = x * s;
+                        *w = if i == 0 { p } else { *w + p };
+                    }
+                }
+                let got = cx.down(&total)?;
+                let same = got
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                Ok(super::cases::one(
+                    "total bits",
                     if same { 0.0 } else { 1.0 },
                     ms,
                 ))

@@ -711,8 +711,15 @@ impl<T: Float + Real> CpuEngine<T> {
     /// Runs the backward program (writes every parameter's gradient). Call after
     /// [`forward`](Self::forward) on the same batch.
     pub fn backward(&mut self) -> Result<(), EngineError> {
+        self.backward_micro(0)
+    }
+
+    /// Runs the backward program for micro-batch `micro` (0-based) of a step: with
+    /// `train.grad_accum` ≥ 2 its `GradAccumulate` ops store the gradient on micro-batch 0 and
+    /// add it on the others. [`backward`](Self::backward) is micro-batch 0.
+    pub fn backward_micro(&mut self, micro: u64) -> Result<(), EngineError> {
         let program = std::mem::take(&mut self.plan.backward);
-        let r = self.run("backward", &program, 0, 1.0);
+        let r = self.run("backward", &program, micro, 1.0);
         self.plan.backward = program;
         r.map(|_| ())
     }

@@ -26,7 +26,8 @@ fn optim_err(loc: Loc, e: impl std::fmt::Display) -> EngineError {
     }
 }
 
-/// Executes one op. `t` (1-based) and `lr_multiplier` are only used by optimizer ops.
+/// Executes one op. `t` is the 1-based step for optimizer ops and the 0-based micro-batch for
+/// the backward's `GradAccumulate`; `lr_multiplier` is only used by optimizer ops.
 pub(crate) fn exec_op<T: Float + Real>(
     st: &mut Store<T>,
     op: &Op,
@@ -470,6 +471,24 @@ pub(crate) fn exec_op<T: Float + Real>(
                 Ok(total)
             })?;
             return Ok(OpOutcome::GradNorm(total));
+        }
+        // Gradient accumulation: `t` is the 0-based micro-batch in the backward.
+        Op::GradAccumulate {
+            micro,
+            total,
+            scale,
+        } => {
+            let s = <T as Float>::from_f64(*scale);
+            let first = t == 0;
+            st.with_outs(loc, &[("total", *total)], &[*micro], |s2, o| {
+                let m = s2.f(*micro)?;
+                for (acc, &x) in o[0].iter_mut().zip(m) {
+                    // Two roundings, as the CUDA kernel (`__fmul_rn`, `__fadd_rn`).
+                    let scaled = x * s;
+                    *acc = if first { scaled } else { *acc + scaled };
+                }
+                Ok(())
+            })?;
         }
         // `x · scale`, the values an in-place clip by that factor stores (`clip::scaled`).
         Op::ScaleByScalar { x, scale } => {

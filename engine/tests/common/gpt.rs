@@ -447,6 +447,7 @@ pub fn plan(g: &Gpt) -> Plan {
             rematerialize: Default::default(),
             max_skipped_steps: Some(10),
             refresh_swap: Default::default(),
+            grad_accum: 1,
         },
         target: TargetPlan::Cpu {
             threads: g.threads,

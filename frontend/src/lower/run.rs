@@ -32,6 +32,7 @@ const TRAIN_KEYS: &[&str] = &[
     "rematerialize",
     "max_skipped_steps",
     "refresh_swap",
+    "grad_accum",
 ];
 const TARGETS: &[&str] = &["cpu", "cuda"];
 
@@ -249,6 +250,7 @@ pub(crate) fn train(c: &mut Checker, b: &Block) -> TrainConfig {
         rematerialize: named_option(c, &f, "rematerialize", ir::Rematerialize::NAMES),
         max_skipped_steps,
         refresh_swap: named_option(c, &f, "refresh_swap", ir::RefreshSwap::NAMES),
+        grad_accum: c.uint_or(&f, "grad_accum", limits::GRAD_ACCUM, 1),
     }
 }
 

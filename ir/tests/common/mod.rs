@@ -49,6 +49,7 @@ pub fn config() -> Config {
             rematerialize: Default::default(),
             max_skipped_steps: Some(10),
             refresh_swap: Default::default(),
+            grad_accum: 1,
         },
         target: TargetConfig::Cpu {
             threads: None,

@@ -1,0 +1,161 @@
+//! `accumulate-gradients`: gradient accumulation over micro-batches (`train { grad_accum = N }`).
+//! With N ≥ 2 every parameter's gradient buffer `grad.W` becomes the step's total, and the
+//! backward program writes a new step-local buffer `grad.W.micro` instead; right after the
+//! last backward op that touches it, an [`Op::GradAccumulate`] adds `micro / N` into the
+//! total (storing it on the step's first micro-batch). The engine runs forward and backward
+//! N times on consecutive batches, then the optimizer program, which reads the totals
+//! unchanged — so clipping, every optimizer, refreshes and checkpoints see one averaged
+//! gradient per step, as with one batch of N × `batch_size` sequences (the same mean up to the
+//! order of additions).
+//!
+//! Memory: the totals are read before they are written on all micro-batches but the first, so
+//! they persist (`schedule::memory`'s rules) — one extra f32 copy of the gradients beside
+//! the micro-batch's step-local ones, which live only from their first backward write to their
+//! accumulation. Activations are those of one micro-batch. With N = 1 the plan is unchanged.
+//!
+//! Works on the plan (after `lower`, before `tier-placement`): `--print-after
+//! accumulate-gradients` lists the backward program with its accumulations.
+use crate::prefetch_insertion::replace_operands;
+use crate::{Pass, PassContext, PassError};
+use ir::Module;
+use schedule::{Buffer, BufferClass, BufferId, Init, Op, Plan};
+use std::collections::HashMap;
+
+/// The `accumulate-gradients` pass.
+#[derive(Default)]
+pub struct AccumulateGradients;
+
+impl Pass for AccumulateGradients {
+    fn name(&self) -> &'static str {
+        "accumulate-gradients"
+    }
+
+    fn run(&mut self, _module: &mut Module, cx: &mut PassContext) -> Result<String, PassError> {
+        let plan = cx.plan.as_mut().ok_or_else(|| PassError::Invalid {
+            pass: "accumulate-gradients",
+            message: "no plan: run `lower` first".into(),
+        })?;
+        let n = plan.train.grad_accum;
+        if n <= 1 {
+            return Ok("grad_accum = 1: one batch per step, nothing accumulated".into());
+        }
+        let k = accumulate(plan)?;
+        Ok(format!(
+            "{k} gradient(s) accumulated over {n} micro-batches of {} x {} tokens",
+            plan.data.batch_size, plan.data.seq_len
+        ))
+    }
+
+    fn dump_after(&self, _module: &Module, cx: &PassContext) -> String {
+        let Some(plan) = &cx.plan else {
+            return "; plan after accumulate-gradients: none".into();
+        };
+        let mut s = format!(
+            "; backward program after accumulate-gradients (grad_accum = {}; runs once per \
+             micro-batch)\n",
+            plan.train.grad_accum
+        );
+        for (i, op) in plan.backward.iter().enumerate() {
+            let names: Vec<String> = op
+                .operands()
+                .iter()
+                .map(|(f, id)| format!("{f}=%{}", plan.buffer(*id).name))
+                .collect();
+            let scale = match op {
+                Op::GradAccumulate { scale, .. } => format!(" scale={scale}"),
+                _ => String::new(),
+            };
+            s.push_str(&format!(
+                ";   backward[{i}] {} {}{scale}\n",
+                op.name(),
+                names.join(" ")
+            ));
+        }
+        s
+    }
+}
+
+fn invalid(message: String) -> PassError {
+    PassError::Invalid {
+        pass: "accumulate-gradients",
+        message,
+    }
+}
+
+/// Rewrites `plan` for `plan.train.grad_accum` micro-batches (module docs); returns how many
+/// gradients are accumulated.
+///
+/// # Errors
+/// The plan already accumulates, or a parameter's gradient is touched outside the backward
+/// and optimizer programs (the forward, a host task), or not written by the backward.
+pub fn accumulate(plan: &mut Plan) -> Result<usize, PassError> {
+    if plan
+        .backward
+        .iter()
+        .any(|op| matches!(op, Op::GradAccumulate { .. }))
+    {
+        return Err(invalid("the backward program already accumulates".into()));
+    }
+    let scale = 1.0 / plan.train.grad_accum as f64;
+    let mut micro: HashMap<BufferId, BufferId> = HashMap::new();
+    // Accumulations to issue after backward op i.
+    let mut after: HashMap<usize, Vec<(BufferId, BufferId)>> = HashMap::new();
+    let grads: Vec<BufferId> = plan.params.iter().map(|p| p.grad).collect();
+    for g in grads {
+        let name = plan.buffer(g).name.clone();
+        if plan
+            .forward
+            .iter()
+            .any(|op| op.operands().iter().any(|&(_, id)| id == g))
+            || plan
+                .host_tasks
+                .iter()
+                .any(|t| t.operands().iter().any(|&(_, id)| id == g))
+        {
+            return Err(invalid(format!(
+                "gradient `{name}` is used outside the backward and optimizer programs"
+            )));
+        }
+        let Some(last) = plan
+            .backward
+            .iter()
+            .rposition(|op| op.operands().iter().any(|&(_, id)| id == g))
+        else {
+            return Err(invalid(format!(
+                "gradient `{name}` is not written by the backward program"
+            )));
+        };
+        let b = plan.buffer(g).clone();
+        if b.dtype != schedule::DType::F32 {
+            return Err(invalid(format!("gradient `{name}` is not f32")));
+        }
+        let m = BufferId(plan.buffers.len() as u32);
+        plan.buffers.push(Buffer {
+            name: format!("{name}.micro"),
+            class: BufferClass::Gradient,
+            init: Init::Zeros,
+            ..b
+        });
+        micro.insert(g, m);
+        after.entry(last).or_default().push((m, g));
+    }
+    let old = std::mem::take(&mut plan.backward);
+    for (i, op) in old.into_iter().enumerate() {
+        plan.backward.push(replace_operands(&op, &micro)?);
+        if let Some(list) = after.get(&i) {
+            for &(m, g) in list {
+                plan.backward.push(Op::GradAccumulate {
+                    micro: m,
+                    total: g,
+                    scale,
+                });
+            }
+        }
+    }
+    // One place per buffer again (what `lower` left; `memory-planning` shares them later),
+    // keeping the spec's budgets.
+    let unshared = schedule::MemoryPlan::unshared(&plan.buffers);
+    plan.memory.slots = unshared.slots;
+    plan.memory.arenas = unshared.arenas;
+    Ok(micro.len())
+}

@@ -1,0 +1,245 @@
+//! Gradient accumulation (`train { grad_accum = N }`, the `accumulate-gradients` pass) on the
+//! CPU engine: N micro-batches of B sequences train like one batch of N·B (the same rows in the
+//! same order: the sampler draws rows one after another), the plan's accumulators persist while
+//! the micro-batch gradients are step-local, poisoning the shared arena changes no bit, and a
+//! resumed run replays its data position (N batches a step).
+use engine::{train_with, CpuEngine, EngineOptions, TrainOptions, TrainSummary};
+use passes::{PassManager, PassOptions};
+use schedule::{BufferClass, Op, Plan, Residency};
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// `spec` with `batch_size` and `grad_accum` set, compiled by the whole pipeline.
+fn compile(spec: &str, batch: usize, grad_accum: u64) -> Plan {
+    let path = root().join(spec);
+    let mut config =
+        frontend::load_spec(&path).unwrap_or_else(|e| panic!("{}: {e:?}", path.display()));
+    config.data.batch_size = batch;
+    config.train.grad_accum = grad_accum;
+    config.train.eval_interval = 0;
+    config.train.eval_batches = 1;
+    let mut module = ir::Module::new(config);
+    let mut pm = PassManager::new(PassOptions::default()).expect("pass manager");
+    let (cx, _) = pm
+        .run(&mut module, None, &mut std::io::sink())
+        .expect("pipeline");
+    let plan = cx.plan.expect("plan");
+    plan.verify().expect("the plan verifies");
+    plan
+}
+
+fn run(
+    plan: &Plan,
+    steps: u64,
+    poison: bool,
+    cache: &Path,
+) -> (TrainSummary, Vec<(String, Vec<f64>)>) {
+    let opts = TrainOptions {
+        steps: Some(steps),
+        cache_dir: Some(cache.to_path_buf()),
+        quiet: true,
+        engine: EngineOptions {
+            poison_transients: poison,
+            ..EngineOptions::default()
+        },
+        ..TrainOptions::default()
+    };
+    let mut e = CpuEngine::<f32>::new(plan.clone(), opts.engine.clone()).expect("engine");
+    let s = train_with(&mut e, &opts).expect("training runs");
+    (s, e.params())
+}
+
+/// Largest |a − b| / max(|a|, |b|, floor) over two runs' parameters.
+fn max_param_rel(a: &[(String, Vec<f64>)], b: &[(String, Vec<f64>)], floor: f64) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let mut worst = 0.0f64;
+    for ((na, x), (nb, y)) in a.iter().zip(b) {
+        assert_eq!(na, nb);
+        for (p, q) in x.iter().zip(y) {
+            worst = worst.max((p - q).abs() / p.abs().max(q.abs()).max(floor));
+        }
+    }
+    worst
+}
+
+/// Two micro-batches of 8 sequences against one batch of 16: the same losses (and, with
+/// `params_tol`, parameters) up to the order of additions (the mean of two means of 512 tokens
+/// against one mean of 1024; gradients summed in another order). SOAP's parameters are not
+/// compared: the Kronecker factors of the first steps are nearly degenerate, and factors
+/// apart in the last bits get different (equally correct) eigenbases, which move single
+/// coordinates by O(lr) (as in the CPU↔GPU train-match, `cuda::train_match`).
+fn check_matches_one_batch(spec: &str, steps: u64, tol: f64, params_tol: Option<f64>) {
+    let cache = tempfile::tempdir().expect("tempdir");
+    let one = compile(spec, 16, 1);
+    let two = compile(spec, 8, 2);
+    let (a, pa) = run(&one, steps, false, cache.path());
+    let (b, pb) = run(&two, steps, false, cache.path());
+    assert_eq!(a.train_losses.len(), b.train_losses.len());
+    for (i, (x, y)) in a.train_losses.iter().zip(&b.train_losses).enumerate() {
+        let rel = (x - y).abs() / x.abs();
+        assert!(
+            rel < tol,
+            "{spec}: step {} loss {x} (one batch of 16) against {y} (2 x 8): {rel:.2e}",
+            i + 1
+        );
+    }
+    // Tokens per second count every micro-batch's tokens.
+    assert!(b.tokens_per_s > 0.0);
+    // Relative to the init scale (std 0.02): Adam moves coordinates whose gradient is near
+    // zero by ±lr on rounding noise, which a relative measure of tiny values would magnify.
+    let rel = max_param_rel(&pa, &pb, 0.02);
+    if let Some(ptol) = params_tol {
+        assert!(rel < ptol, "{spec}: parameters apart by {rel:.2e}");
+    }
+    // Not a no-op: the accumulated run is not the one-batch plan.
+    assert!(two.backward.len() > one.backward.len());
+    eprintln!(
+        "{spec}: {steps} steps, losses {:?} against {:?}; parameters within {rel:.1e}",
+        a.train_losses, b.train_losses
+    );
+}
+
+#[test]
+fn two_micro_batches_train_like_one_batch_adamw() {
+    check_matches_one_batch("examples/tiny.asteria", 5, 1e-5, Some(1e-4));
+}
+
+#[test]
+fn two_micro_batches_train_like_one_batch_soap() {
+    check_matches_one_batch("examples/tiny-soap.asteria", 5, 1e-5, None);
+}
+
+#[test]
+fn two_micro_batches_train_like_one_batch_llama_soap() {
+    check_matches_one_batch("examples/tiny-llama-soap.asteria", 4, 1e-5, None);
+}
+
+#[test]
+fn accumulation_ops_and_residency() {
+    let one = compile("examples/tiny.asteria", 8, 1);
+    assert!(
+        !one.backward
+            .iter()
+            .any(|op| matches!(op, Op::GradAccumulate { .. })),
+        "grad_accum = 1 adds nothing"
+    );
+    let plan = compile("examples/tiny.asteria", 8, 3);
+    let residency = plan.residency();
+    let mut seen = 0;
+    for (i, op) in plan.backward.iter().enumerate() {
+        let Op::GradAccumulate {
+            micro,
+            total,
+            scale,
+        } = op
+        else {
+            continue;
+        };
+        seen += 1;
+        assert_eq!(*scale, 1.0 / 3.0);
+        assert!(
+            plan.params.iter().any(|p| p.grad == *total),
+            "total is a parameter's gradient"
+        );
+        assert_eq!(
+            plan.buffer(*micro).name,
+            format!("{}.micro", plan.buffer(*total).name)
+        );
+        assert_eq!(plan.buffer(*micro).class, BufferClass::Gradient);
+        assert!(
+            matches!(residency[total.index()], Residency::Persistent(_)),
+            "the total lives across micro-batches"
+        );
+        // The micro-batch gradient dies at its accumulation, right after its last write.
+        let pos = plan.step_position_of("backward", i);
+        match residency[micro.index()] {
+            Residency::Transient(r) => assert_eq!(r.last, pos),
+            Residency::Persistent(why) => panic!("micro gradient persists: {why:?}"),
+        }
+        // Nothing after it in the backward touches the micro-batch gradient.
+        assert!(plan.backward[i + 1..]
+            .iter()
+            .all(|o| o.operands().iter().all(|&(_, id)| id != *micro)));
+    }
+    assert_eq!(seen, plan.params.len());
+    // The optimizer program reads the totals only.
+    for op in &plan.optimizer {
+        for (_, id) in op.operands() {
+            assert!(!plan.buffer(id).name.ends_with(".micro"), "{}", op.name());
+        }
+    }
+    // Model FLOPs count every micro-batch.
+    let flops1 = compile("examples/tiny.asteria", 8, 1).model_flops_per_step();
+    assert!((plan.model_flops_per_step() / flops1 - 3.0).abs() < 1e-12);
+    // A hand-edited plan whose accumulation does not average its micro-batches is refused.
+    let mut bad = plan.clone();
+    if let Some(Op::GradAccumulate { scale, .. }) = bad
+        .backward
+        .iter_mut()
+        .find(|o| matches!(o, Op::GradAccumulate { .. }))
+    {
+        *scale = 0.5;
+    }
+    let e = bad.verify().expect_err("scale 1/2 with grad_accum 3");
+    assert!(e.to_string().contains("1 / grad_accum"), "{e}");
+    let mut bad = plan.clone();
+    bad.train.grad_accum = 1;
+    assert!(bad.verify().is_err(), "accumulation in a one-batch plan");
+}
+
+#[test]
+fn poisoned_accumulation_is_bit_identical() {
+    let cache = tempfile::tempdir().expect("tempdir");
+    for spec in ["examples/tiny.asteria", "examples/tiny-soap.asteria"] {
+        let plan = compile(spec, 4, 3);
+        let (a, pa) = run(&plan, 3, false, cache.path());
+        let (b, pb) = run(&plan, 3, true, cache.path());
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a.train_losses), bits(&b.train_losses), "{spec}");
+        assert!(a.train_losses.iter().all(|l| l.is_finite()));
+        for ((n, x), (_, y)) in pa.iter().zip(&pb) {
+            assert_eq!(bits(x), bits(y), "{spec}: `{n}` differs when poisoned");
+        }
+    }
+}
+
+#[test]
+fn resumed_accumulating_run_replays_its_data_position() {
+    let cache = tempfile::tempdir().expect("tempdir");
+    let ck = tempfile::tempdir().expect("tempdir");
+    let plan = compile("examples/tiny.asteria", 4, 2);
+    let (full, pfull) = run(&plan, 4, false, cache.path());
+    let base = TrainOptions {
+        cache_dir: Some(cache.path().to_path_buf()),
+        quiet: true,
+        ..TrainOptions::default()
+    };
+    let mut e = CpuEngine::<f32>::new(plan.clone(), EngineOptions::default()).expect("engine");
+    train_with(
+        &mut e,
+        &TrainOptions {
+            steps: Some(2),
+            checkpoint_dir: Some(ck.path().to_path_buf()),
+            ..base.clone()
+        },
+    )
+    .expect("first half");
+    let mut e = CpuEngine::<f32>::new(plan.clone(), EngineOptions::default()).expect("engine");
+    let second = train_with(
+        &mut e,
+        &TrainOptions {
+            steps: Some(4),
+            resume: Some(ck.path().to_path_buf()),
+            ..base
+        },
+    )
+    .expect("resumed half");
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&full.train_losses[2..]), bits(&second.train_losses));
+    for ((n, x), (_, y)) in pfull.iter().zip(&e.params()) {
+        assert_eq!(bits(x), bits(y), "`{n}` differs after resuming");
+    }
+}
