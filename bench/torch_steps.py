@@ -15,13 +15,16 @@ lr 3e-3, betas (0.9, 0.98), frequency 10.
 `distributed_shampoo` package directory, found where soap.py is; never commit it) on every
 parameter, as bench/specs/*-shampoo.asteria: lr 6e-4 (124M) / 3e-4 (the rest), betas (0.95, 0.95), epsilon 1e-8,
 weight decay 0.01 (decoupled), blocks of 1024, frequency 10, Adam grafting (0.999, 1e-10).
-Usage (GPU host, PyTorch with CUDA): python3 torch_steps.py {adamw|soap|kl|shampoo} STEPS OUT.jsonl [--tf32] [--compile] [--mpd N] [--model M]
+Usage (GPU host, PyTorch with CUDA): python3 torch_steps.py {adamw|soap|kl|shampoo} STEPS OUT.jsonl [--tf32] [--compile] [--mpd N] [--model M] [--accum N]
   Writes OUT.jsonl, one line per step; prints the peak GPU memory. ~15 s plus STEPS steps
   (soap at 10000 in fp32: ~0.2 s a step).
   --tf32: torch.backends.cuda.matmul.allow_tf32 = True (fp32 matmuls on TF32 tensor cores, as
           asteria's `precision = bf16` runs SOAP's per-step GEMMs).
   --compile: the model's forward through torch.compile (default mode), as torch_baseline's
           compile row; the compilation happens in the first steps, which summarize.py skips.
+  --accum N: gradient accumulation, N micro-batches (each the model's batch, the same random
+          tokens) of (loss / N).backward() before each clip and optimizer step, as asteria's
+          `train { grad_accum = N }`; tokens/s count every micro-batch.
   --mpd N: SOAP's max_precond_dim (2048 is the paper's setting: dimensions above it,
           here the 2304/3072 sides and the vocabulary, stay unrotated).
   --model M: gpt2-124m (default, batch 16), gpt-0.9b (d 2048, 16 layers, batch 4), llama-1.4b
@@ -37,6 +40,9 @@ torch = tb.torch
 
 argv = sys.argv[1:]
 mpd = 10000
+accum = 1
+if "--accum" in argv:
+    k = argv.index("--accum"); accum = int(argv[k + 1]); del argv[k:k + 2]
 if "--mpd" in argv:
     k = argv.index("--mpd"); mpd = int(argv[k + 1]); del argv[k:k + 2]
 import torch_models
@@ -81,13 +87,22 @@ torch.cuda.reset_peak_memory_stats()
 with open(out, "w") as f:
     for i in range(1, steps + 1):
         torch.cuda.synchronize(); t = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = fwd(x, y)
-        loss.backward()
+        if accum == 1:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = fwd(x, y)
+            loss.backward()
+        else:
+            total = 0.0
+            for _ in range(accum):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = fwd(x, y) / accum
+                loss.backward()
+                total += loss.detach()
+            loss = total
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step(); opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize(); dt = (time.perf_counter() - t) * 1e3
-        f.write(json.dumps({"step": i, "loss": loss.item(), "step_ms": dt, "tokens_per_s": B * T / (dt / 1e3)}) + "\n")
+        f.write(json.dumps({"step": i, "loss": loss.item(), "step_ms": dt, "tokens_per_s": accum * B * T / (dt / 1e3)}) + "\n")
 free, total = torch.cuda.mem_get_info()
 print("GPU peak used %.2f GiB" % (torch.cuda.max_memory_allocated() / 2**30))
 # What the whole GPU held at the end (context + the caching allocator's reserve), the measure
@@ -95,5 +110,5 @@ print("GPU peak used %.2f GiB" % (torch.cuda.max_memory_allocated() / 2**30))
 print("device used at end %.2f GiB; allocator reserved peak %.2f GiB" % (
     (total - free) / 2**30, torch.cuda.max_memory_reserved() / 2**30))
 print(json.dumps({"what": "torch_steps", "model": model_name, "opt": opt_name, "max_precond_dim": mpd, "tf32": torch.backends.cuda.matmul.allow_tf32,
-                  "compile": "--compile" in sys.argv,
+                  "compile": "--compile" in sys.argv, "accum": accum,
                   "steps": steps, "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2**30}))

@@ -14,13 +14,20 @@ fn root() -> PathBuf {
 
 /// `spec` with `batch_size` and `grad_accum` set, compiled by the whole pipeline.
 fn compile(spec: &str, batch: usize, grad_accum: u64) -> Plan {
+    compile_with(spec, |c| {
+        c.data.batch_size = batch;
+        c.train.grad_accum = grad_accum;
+    })
+}
+
+/// `spec` changed by `edit` (and without evaluations), compiled by the whole pipeline.
+fn compile_with(spec: &str, edit: impl FnOnce(&mut ir::config::Config)) -> Plan {
     let path = root().join(spec);
     let mut config =
         frontend::load_spec(&path).unwrap_or_else(|e| panic!("{}: {e:?}", path.display()));
-    config.data.batch_size = batch;
-    config.train.grad_accum = grad_accum;
     config.train.eval_interval = 0;
     config.train.eval_batches = 1;
+    edit(&mut config);
     let mut module = ir::Module::new(config);
     let mut pm = PassManager::new(PassOptions::default()).expect("pass manager");
     let (cx, _) = pm
@@ -241,5 +248,95 @@ fn resumed_accumulating_run_replays_its_data_position() {
     assert_eq!(bits(&full.train_losses[2..]), bits(&second.train_losses));
     for ((n, x), (_, y)) in pfull.iter().zip(&e.params()) {
         assert_eq!(bits(x), bits(y), "`{n}` differs after resuming");
+    }
+}
+
+/// Offload tiers with accumulation: `examples/tiny-tiers.asteria` (moments in the host and
+/// NVMe tiers) at `grad_accum = 2` trains bit for bit like the same plan without budgets, and
+/// a budget that streams gradients to the host tier without accumulation streams none with
+/// it (the totals live across micro-batches; `tier-placement` moves moments instead).
+#[test]
+fn accumulation_with_offload_tiers_is_bit_identical_and_keeps_gradients_on_the_device() {
+    let cache = tempfile::tempdir().expect("tempdir");
+    let tiered = compile_with("examples/tiny-tiers.asteria", |c| c.train.grad_accum = 2);
+    let offloaded = tiered
+        .memory
+        .slots
+        .iter()
+        .filter(|s| !s.arena.on_device())
+        .count();
+    assert!(offloaded > 0, "the spec's budgets offload moments");
+    let plain = compile_with("examples/tiny-tiers.asteria", |c| {
+        c.train.grad_accum = 2;
+        set_budgets(c, ir::Budgets::default());
+    });
+    let (a, pa) = run(&tiered, 4, false, cache.path());
+    let (b, pb) = run(&plain, 4, false, cache.path());
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&a.train_losses), bits(&b.train_losses));
+    for ((n, x), (_, y)) in pa.iter().zip(&pb) {
+        assert_eq!(
+            bits(x),
+            bits(y),
+            "`{n}` differs between tiered and untiered"
+        );
+    }
+    // The largest budget (in 64 KiB steps below the need) at which the one-batch plan
+    // streams gradients (tests/tiers.rs) streams none with accumulation.
+    let with_budget = |accum: u64, bytes: u64| {
+        let path = root().join("examples/tiny-tiers.asteria");
+        let mut config = frontend::load_spec(&path).expect("spec");
+        config.train.grad_accum = accum;
+        set_budgets(
+            &mut config,
+            ir::Budgets {
+                device: Some(bytes),
+                ..Default::default()
+            },
+        );
+        let mut module = ir::Module::new(config);
+        let mut pm = PassManager::new(PassOptions::default()).expect("pass manager");
+        pm.run(&mut module, None, &mut std::io::sink())
+            .ok()
+            .and_then(|(cx, _)| cx.plan)
+    };
+    let need = compile_with("examples/tiny-tiers.asteria", |c| {
+        set_budgets(c, ir::Budgets::default())
+    })
+    .memory
+    .device_bytes() as u64;
+    let streams = |p: &Plan| p.backward.iter().any(|o| matches!(o, Op::CopyOut { .. }));
+    // Without accumulation some budget below the need streams gradients (tests/tiers.rs);
+    // with it, no budget down to where nothing fits does (moments go to the host tier, then
+    // the compile error names the largest consumers).
+    let walk = |accum: u64| -> (usize, usize) {
+        let (mut compiled, mut streaming) = (0, 0);
+        let mut budget = need;
+        while budget > need / 4 {
+            budget -= 64 << 10;
+            if let Some(p) = with_budget(accum, budget) {
+                compiled += 1;
+                if streams(&p) {
+                    streaming += 1;
+                    p.verify().expect("verifies");
+                }
+            }
+        }
+        (compiled, streaming)
+    };
+    let (_, streaming_one) = walk(1);
+    assert!(
+        streaming_one > 0,
+        "some budget streams gradients without accumulation"
+    );
+    let (compiled, streaming) = walk(2);
+    assert!(compiled > 0);
+    assert_eq!(streaming, 0, "an accumulated gradient left the device");
+}
+
+fn set_budgets(c: &mut ir::config::Config, b: ir::Budgets) {
+    match &mut c.target {
+        ir::config::TargetConfig::Cpu { budgets, .. }
+        | ir::config::TargetConfig::Cuda { budgets, .. } => *budgets = b,
     }
 }

@@ -36,7 +36,7 @@ fn a_run_prints_the_options_it_uses_and_cli_overrides_are_recorded() {
     let first = stderr(&o).lines().next().unwrap_or_default().to_string();
     assert_eq!(
         first,
-        "target cpu: threads all, staleness 0, eigensolver faer; train: rematerialize off, max_skipped_steps 10, refresh_swap finished"
+        "target cpu: threads all, staleness 0, eigensolver faer; train: rematerialize off, max_skipped_steps 10, refresh_swap finished, grad_accum 1"
     );
     // An unknown value names the allowed ones; a measurement switch for the GPU is refused on
     // a CPU plan instead of being ignored.

@@ -177,13 +177,14 @@ fn execute(plan: &Plan, run: &RunFlags) -> Result<()> {
         .solver(&plan)
         .map_err(|e| miette!("plan `{}`: {e}", plan.name))?;
     note!(
-        "{}; train: rematerialize {}, max_skipped_steps {}, refresh_swap {}",
+        "{}; train: rematerialize {}, max_skipped_steps {}, refresh_swap {}, grad_accum {}",
         plan.target.options_line(),
         plan.train.rematerialize,
         plan.train
             .max_skipped_steps
             .map_or("none".to_string(), |n| n.to_string()),
-        plan.train.refresh_swap
+        plan.train.refresh_swap,
+        plan.train.grad_accum
     );
     let plan = &plan;
     if let TargetPlan::Cuda { .. } = plan.target {

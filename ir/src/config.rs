@@ -267,12 +267,16 @@ pub struct TrainConfig {
     /// `grad_accum = N` (default 1, range `limits::GRAD_ACCUM`): micro-batches of
     /// `batch_size × seq_len` tokens per optimizer step, their gradients averaged (the
     /// `accumulate-gradients` pass).
-    #[serde(default = "one")]
+    #[serde(default = "one", skip_serializing_if = "is_one")]
     pub grad_accum: u64,
 }
 
 fn one() -> u64 {
     1
+}
+
+fn is_one(n: &u64) -> bool {
+    *n == 1
 }
 
 fn default_max_skipped_steps() -> Option<u64> {

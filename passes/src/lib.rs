@@ -1,9 +1,9 @@
 //! asteria's compiler passes and the [`PassManager`] that runs them.
 //!
 //! The pipeline (in order; names are identical in the CLI flags, file names, dump headers and
-//! timing lines): `expand-model`, `autodiff`, `expand-optimizer`, `fuse`, `rematerialize`, `liveness`,
-//! `precond-scheduling`, `lower`, `accumulate-gradients`, `tier-placement`, `prefetch-insertion`, `memory-planning` (the
-//! last four work on the plan).
+//! timing lines): `expand-model`, `autodiff`, `expand-optimizer`, `fuse`, `rematerialize`,
+//! `liveness`, `precond-scheduling`, `lower`, `accumulate-gradients`, `tier-placement`,
+//! `prefetch-insertion`, `memory-planning` (the last four work on the plan).
 #![deny(missing_docs)]
 
 pub mod accumulate_gradients;

@@ -294,7 +294,7 @@ pub struct TrainPlan {
     /// programs this many times on consecutive batches before the optimizer program, and the
     /// backward's [`Op::GradAccumulate`] ops average their gradients. Tokens per optimizer step
     /// are `grad_accum · batch_size · seq_len`.
-    #[serde(default = "one")]
+    #[serde(default = "one", skip_serializing_if = "is_one")]
     pub grad_accum: u64,
 }
 
@@ -304,6 +304,10 @@ fn default_max_skipped_steps() -> Option<u64> {
 
 fn one() -> u64 {
     1
+}
+
+fn is_one(n: &u64) -> bool {
+    *n == 1
 }
 
 impl TrainPlan {
@@ -509,8 +513,8 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// Model FLOPs of one training step (all its micro-batches), the numerator of MFU (PaLM's definition, Chowdhery et
-    /// al. 2022, appendix B): `2·m·k·n` for every GEMM of the forward program and twice that
+    /// Model FLOPs of one training step (all its micro-batches), the numerator of MFU (PaLM's
+    /// definition, Chowdhery et al. 2022, appendix B): `2·m·k·n` for every GEMM of the forward program and twice that
     /// for its two backward GEMMs (input and weight gradients: the usual `6·N` per token), plus
     /// causal self-attention counted unmasked — `4·B·T²·C` for the scores and the weighted sum
     /// of the forward, twice that for the backward (`12·L·C·T` per token). Counted from the

@@ -342,6 +342,7 @@ pub const SPEC_KEYS: &[(&str, &str, Limit)] = &[
     ("train", "eval_batches", Limit::Int(EVAL_BATCHES)),
     ("train", "seed", Limit::Int(SEED)),
     ("train", "max_skipped_steps", Limit::Int(MAX_SKIPPED_STEPS)),
+    ("train", "grad_accum", Limit::Int(GRAD_ACCUM)),
     ("target", "threads", Limit::Int(THREADS)),
     ("target", "staleness", Limit::Int(STALENESS)),
     ("target", "device", Limit::Int(DEVICE)),
