@@ -218,6 +218,7 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 trans_a: *trans_a,
                 trans_b: *trans_b,
                 accumulate: false,
+                micro_accumulate: None,
             },
             Op::MatMulBias { trans_a, trans_b } => P::MatMulBias {
                 a: arg(0)?,

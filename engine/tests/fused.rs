@@ -133,6 +133,7 @@ fn mat_mul_bias_is_bit_identical_to_mat_mul_then_bias_add() {
                 trans_a: ta,
                 trans_b: tb,
                 accumulate: false,
+                micro_accumulate: None,
             },
             Op::BiasAdd {
                 x: B(3),
@@ -191,6 +192,7 @@ fn bf16_outputs_hold_rounded_values_and_gemms_read_them_exactly() {
             trans_a: false,
             trans_b: true,
             accumulate: false,
+            micro_accumulate: None,
         });
         ops
     };
@@ -280,6 +282,7 @@ fn a_saving_attention_writes_the_base_2_log_sum_exp_of_its_scaled_scores() {
                 trans_a: false,
                 trans_b: true,
                 accumulate: false,
+                micro_accumulate: None,
             },
         ]
     };
@@ -347,6 +350,7 @@ fn sum_rows_cast_is_sum_rows_and_cast() {
                 trans_a: false,
                 trans_b: true,
                 accumulate: false,
+                micro_accumulate: None,
             });
             ops
         };

@@ -1,8 +1,12 @@
 //! `accumulate-gradients`: gradient accumulation over micro-batches (`train { grad_accum = N }`).
-//! With N ≥ 2 every parameter's gradient buffer `grad.W` becomes the step's total, and the
-//! backward program writes a new step-local buffer `grad.W.micro` instead; right after the
-//! last backward op that touches it, an [`Op::GradAccumulate`] adds `micro / N` into the
-//! total (storing it on the step's first micro-batch). The engine runs forward and backward
+//! With N ≥ 2 every parameter's gradient buffer `grad.W` becomes the step's total. Where one
+//! GEMM alone writes it (the weights of linear layers: most of the bytes), that
+//! [`Op::MatMul`] gets `micro_accumulate = 1/N` and accumulates into the total itself (cuBLAS
+//! β = 0 on the first micro-batch, 1 after): no extra buffer and no extra pass over the
+//! gradient. Otherwise the backward program writes a new step-local buffer `grad.W.micro`
+//! instead, and right after the last backward op that touches it an [`Op::GradAccumulate`]
+//! adds `micro / N` into the total (storing it on the step's first micro-batch). Both round
+//! the product, then the scaled sum, on the CPU engine: the same bits either way. The engine runs forward and backward
 //! N times on consecutive batches, then the optimizer program, which reads the totals
 //! unchanged — so clipping, every optimizer, refreshes and checkpoints see one averaged
 //! gradient per step, as with one batch of N × `batch_size` sequences (the same mean up to the
@@ -41,8 +45,13 @@ impl Pass for AccumulateGradients {
         }
         let k = accumulate(plan)?;
         Ok(format!(
-            "{k} gradient(s) accumulated over {n} micro-batches of {} x {} tokens",
-            plan.data.batch_size, plan.data.seq_len
+            "{} gradient(s) accumulated over {n} micro-batches of {} x {} tokens: {} in their \
+             GEMM, {} by grad_accumulate",
+            k.in_gemm + k.added,
+            plan.data.batch_size,
+            plan.data.seq_len,
+            k.in_gemm,
+            k.added
         ))
     }
 
@@ -62,7 +71,11 @@ impl Pass for AccumulateGradients {
                 .map(|(f, id)| format!("{f}=%{}", plan.buffer(*id).name))
                 .collect();
             let scale = match op {
-                Op::GradAccumulate { scale, .. } => format!(" scale={scale}"),
+                Op::GradAccumulate { scale, .. }
+                | Op::MatMul {
+                    micro_accumulate: Some(scale),
+                    ..
+                } => format!(" scale={scale}"),
                 _ => String::new(),
             };
             s.push_str(&format!(
@@ -82,13 +95,12 @@ fn invalid(message: String) -> PassError {
     }
 }
 
-/// Rewrites `plan` for `plan.train.grad_accum` micro-batches (module docs); returns how many
-/// gradients are accumulated.
+/// Rewrites `plan` for `plan.train.grad_accum` micro-batches (module docs).
 ///
 /// # Errors
 /// The plan already accumulates, or a parameter's gradient is touched outside the backward
 /// and optimizer programs (the forward, a host task), or not written by the backward.
-pub fn accumulate(plan: &mut Plan) -> Result<usize, PassError> {
+pub fn accumulate(plan: &mut Plan) -> Result<Accumulated, PassError> {
     if plan
         .backward
         .iter()
@@ -101,6 +113,7 @@ pub fn accumulate(plan: &mut Plan) -> Result<usize, PassError> {
     // Accumulations to issue after backward op i.
     let mut after: HashMap<usize, Vec<(BufferId, BufferId)>> = HashMap::new();
     let grads: Vec<BufferId> = plan.params.iter().map(|p| p.grad).collect();
+    let mut fused = 0;
     for g in grads {
         let name = plan.buffer(g).name.clone();
         if plan
@@ -128,6 +141,30 @@ pub fn accumulate(plan: &mut Plan) -> Result<usize, PassError> {
         let b = plan.buffer(g).clone();
         if b.dtype != schedule::DType::F32 {
             return Err(invalid(format!("gradient `{name}` is not f32")));
+        }
+        // A gradient only one GEMM writes (every linear layer's weight): the GEMM
+        // accumulates itself (cuBLAS β), with no micro-batch buffer and no extra pass.
+        let touching = plan
+            .backward
+            .iter()
+            .filter(|op| op.operands().iter().any(|&(_, id)| id == g))
+            .count();
+        if touching == 1 {
+            if let Op::MatMul {
+                a,
+                b: rhs,
+                out,
+                accumulate: false,
+                micro_accumulate: micro_acc @ None,
+                ..
+            } = &mut plan.backward[last]
+            {
+                if *out == g && *a != g && *rhs != g {
+                    *micro_acc = Some(scale);
+                    fused += 1;
+                    continue;
+                }
+            }
         }
         let m = BufferId(plan.buffers.len() as u32);
         plan.buffers.push(Buffer {
@@ -157,5 +194,17 @@ pub fn accumulate(plan: &mut Plan) -> Result<usize, PassError> {
     let unshared = schedule::MemoryPlan::unshared(&plan.buffers);
     plan.memory.slots = unshared.slots;
     plan.memory.arenas = unshared.arenas;
-    Ok(micro.len())
+    Ok(Accumulated {
+        in_gemm: fused,
+        added: micro.len(),
+    })
+}
+
+/// What [`accumulate`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Accumulated {
+    /// Gradients whose only backward GEMM accumulates itself (`MatMul::micro_accumulate`).
+    pub in_gemm: usize,
+    /// Gradients written to a micro-batch buffer and added by a `GradAccumulate`.
+    pub added: usize,
 }

@@ -17,17 +17,18 @@ fn examples() -> Vec<PathBuf> {
 
 #[test]
 fn every_example_compiles_and_round_trips_after_every_pass() {
-    // Each example as written and with `rematerialize = layers` (recomputed `.remat` values in
-    // the backward section).
+    // Each example as written, with `rematerialize = layers` (recomputed `.remat` values in
+    // the backward section), and with `grad_accum = 2` (the plan's accumulation ops).
     let specs = examples()
         .into_iter()
-        .flat_map(|s| [(s.clone(), false), (s, true)]);
-    for (spec, remat) in specs {
+        .flat_map(|s| [(s.clone(), false, 1), (s.clone(), true, 1), (s, false, 2)]);
+    for (spec, remat, grad_accum) in specs {
         let mut config =
             frontend::load_spec(&spec).unwrap_or_else(|e| panic!("{}: {e:?}", spec.display()));
         if remat {
             config.train.rematerialize = ir::Rematerialize::Layers;
         }
+        config.train.grad_accum = grad_accum;
         let mut module = ir::Module::new(config);
         for pass in PassManager::pass_names() {
             if pass == "lower" {
@@ -64,15 +65,27 @@ fn every_example_compiles_and_round_trips_after_every_pass() {
         let (cx, timings) = pm
             .run(&mut m, None, &mut std::io::sink())
             .expect("pipeline runs");
-        assert_eq!(timings.len(), 12);
+        assert_eq!(timings.len(), 13);
         assert_eq!(timings[3].pass, "simplify");
         assert_eq!(timings[4].pass, "fuse");
         assert_eq!(timings[5].pass, "rematerialize");
-        assert_eq!(timings[11].pass, "memory-planning");
+        assert_eq!(timings[9].pass, "accumulate-gradients");
+        assert_eq!(timings[12].pass, "memory-planning");
         let plan = cx.plan.expect("plan");
         plan.verify().expect("plan verifies");
         let back = schedule::Plan::from_json(&plan.to_json()).expect("plan JSON round trips");
         assert_eq!(back, plan);
+        let accumulating = plan.backward.iter().any(|op| {
+            matches!(
+                op,
+                schedule::Op::GradAccumulate { .. }
+                    | schedule::Op::MatMul {
+                        micro_accumulate: Some(_),
+                        ..
+                    }
+            )
+        });
+        assert_eq!(accumulating, grad_accum > 1, "{}", spec.display());
     }
 }
 

@@ -305,8 +305,15 @@ impl Op {
 
     fn access_of(&self, operand: &str) -> Access {
         match (self, operand) {
-            (Op::MatMul { accumulate, .. }, "out") => {
-                if *accumulate {
+            (
+                Op::MatMul {
+                    accumulate,
+                    micro_accumulate,
+                    ..
+                },
+                "out",
+            ) => {
+                if *accumulate || micro_accumulate.is_some() {
                     Access::ReadWrite
                 } else {
                     Access::Write
@@ -774,6 +781,7 @@ pub(crate) mod tests {
                     trans_a: false,
                     trans_b: true,
                     accumulate: false,
+                    micro_accumulate: None,
                 },
                 Op::CrossEntropy {
                     logits: b(5),
@@ -794,6 +802,7 @@ pub(crate) mod tests {
                     trans_a: true,
                     trans_b: false,
                     accumulate: false,
+                    micro_accumulate: None,
                 },
             ],
             optimizer: vec![Op::AdamW {

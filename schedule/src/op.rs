@@ -564,6 +564,12 @@ pub enum Op {
     /// `out = op(a) · op(b)` (+ `out` if `accumulate`), op = transpose when the flag is set.
     /// a `[M, K]` (or `[K, M]`), b `[K, P]` (or `[P, K]`), out `[M, P]`.
     /// A linear layer `y = x Wᵀ` is `a = x, b = W, trans_b = true`.
+    ///
+    /// `micro_accumulate = Some(s)` (the `accumulate-gradients` pass, on a parameter gradient's
+    /// only backward write; `accumulate` false): gradient accumulation in the GEMM —
+    /// `out = s · op(a)op(b)` on the step's first micro-batch and `out = out + s ·
+    /// op(a)op(b)` after (cuBLAS α = s, β = 0 or 1; the CPU engine rounds the product, then
+    /// the scaled sum, as [`Op::GradAccumulate`] does). f32 `out`.
     MatMul {
         a: BufferId,
         b: BufferId,
@@ -571,6 +577,8 @@ pub enum Op {
         trans_a: bool,
         trans_b: bool,
         accumulate: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        micro_accumulate: Option<f64>,
     },
     /// A GEMM with a bias epilogue (the `fuse` pass's fusion of a `MatMul` and the `BiasAdd`
     /// of its product): `out[m, :] = (op(a) · op(b))[m, :] + bias`, the product rounded to f32

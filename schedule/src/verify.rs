@@ -245,11 +245,21 @@ impl Checker<'_> {
                 }
                 self.dims("out", *out, &[m, p])?;
                 if let Op::MatMul {
-                    accumulate: true, ..
+                    accumulate,
+                    micro_accumulate,
+                    ..
                 } = op
                 {
-                    if self.plan.buffer(*out).dtype != DType::F32 {
+                    if (*accumulate || micro_accumulate.is_some())
+                        && self.plan.buffer(*out).dtype != DType::F32
+                    {
                         return Err(self.fail("out", *out, "must be f32 to accumulate into"));
+                    }
+                    if *accumulate && micro_accumulate.is_some() {
+                        return Err(PlanError::Invalid(format!(
+                            "{}: `accumulate` and `micro_accumulate` exclude each other",
+                            self.location
+                        )));
                     }
                 }
                 let (da, db) = (self.plan.buffer(*a).dtype, self.plan.buffer(*b).dtype);
@@ -968,7 +978,15 @@ impl Plan {
         ] {
             for (i, op) in prog.iter().enumerate() {
                 let location = format!("{section}[{i}] ({})", op.name());
-                if let Op::GradAccumulate { scale, .. } = op {
+                let micro_scale = match op {
+                    Op::GradAccumulate { scale, .. } => Some(scale),
+                    Op::MatMul {
+                        micro_accumulate: Some(scale),
+                        ..
+                    } => Some(scale),
+                    _ => None,
+                };
+                if let Some(scale) = micro_scale {
                     // Only the backward runs once per micro-batch; its scale averages them.
                     let want = 1.0 / self.train.grad_accum as f64;
                     if section != "backward" || self.train.grad_accum < 2 || *scale != want {

@@ -310,27 +310,27 @@ impl CudaEngine {
                 trans_a,
                 trans_b,
                 accumulate,
+                micro_accumulate,
             } => {
                 let (ar, ac) = self.dims(*a);
                 let (br, bc) = self.dims(*b);
                 let (ad, bd) = (Dims::new(ar, ac), Dims::new(br, bc));
+                // out = α·op(a)op(b) + β·out: α = 1, β = 1 when accumulating; gradient
+                // accumulation (`t` is the micro-batch): α = scale, β = 0 on the first
+                // micro-batch and 1 after.
+                let (alpha, beta) = match micro_accumulate {
+                    Some(s) => (*s as f32, if t == 0 { 0.0 } else { 1.0 }),
+                    None => (1.0, if *accumulate { 1.0 } else { 0.0 }),
+                };
                 if self.bf16_operands(*a, *b)? {
                     let (sa, sb) = (self.gemm_operand(*a)?, self.gemm_operand(*b)?);
                     let out = self.b(*out);
-                    gemm::matmul_bf16(
-                        &self.dev,
-                        &sa,
-                        ad,
-                        &sb,
-                        bd,
-                        out,
-                        *trans_a,
-                        *trans_b,
-                        *accumulate,
+                    gemm::gemm_bf16(
+                        &self.dev, &sa, ad, &sb, bd, out, *trans_a, *trans_b, alpha, beta,
                     )?;
                 } else {
                     let (a, b, out) = (self.b(*a), self.b(*b), self.b(*out));
-                    gemm::matmul(dev, a, ad, b, bd, out, *trans_a, *trans_b, *accumulate)?;
+                    gemm::gemm_f32(dev, a, ad, b, bd, out, *trans_a, *trans_b, alpha, beta)?;
                 }
             }
             Op::MatMulBias {

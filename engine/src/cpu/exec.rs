@@ -216,21 +216,43 @@ pub(crate) fn exec_op<T: Float + Real>(
             trans_a,
             trans_b,
             accumulate,
+            micro_accumulate,
         } => {
             let (ar, ac) = st.dims2(*a);
             let (br, bc) = st.dims2(*b);
             st.with_outs(loc, &[("out", *out)], &[*a, *b], |s, o| {
                 let (ad, bd) = (Dims { rows: ar, cols: ac }, Dims { rows: br, cols: bc });
+                let Some(scale) = micro_accumulate else {
+                    return matmul(
+                        s.f(*a)?,
+                        ad,
+                        s.f(*b)?,
+                        bd,
+                        &mut o[0],
+                        *trans_a,
+                        *trans_b,
+                        *accumulate,
+                    );
+                };
+                // Gradient accumulation (`t` is the micro-batch): the product rounded, then
+                // scaled and added as `GradAccumulate` does — the same bits as the unfused pair.
+                let mut product = vec![<T as Float>::from_f64(0.0); o[0].len()];
                 matmul(
                     s.f(*a)?,
                     ad,
                     s.f(*b)?,
                     bd,
-                    &mut o[0],
+                    &mut product,
                     *trans_a,
                     *trans_b,
-                    *accumulate,
-                )
+                    false,
+                )?;
+                let sc = <T as Float>::from_f64(*scale);
+                for (acc, &x) in o[0].iter_mut().zip(&product) {
+                    let scaled = x * sc;
+                    *acc = if t == 0 { scaled } else { *acc + scaled };
+                }
+                Ok(())
             })?;
         }
         Op::MatMulBias {

@@ -80,6 +80,7 @@ impl B {
             trans_a: ta,
             trans_b: tb,
             accumulate: acc,
+            micro_accumulate: None,
         }
     }
 }
