@@ -6,21 +6,21 @@
 #   and CPU-vs-GPU train-matches of tiny AdamW (fp32), tiny-soap (fp32, CPU eigenbases
 #   injected) and tiny-llama-soap (the production bf16 plan, `--match-target cuda`), each with
 #   `grad_accum = 3`;
-# - asteria AdamW and SOAP at `grad_accum = ACCUM` (ACCUM x 4 x 1024 tokens per optimizer step)
-#   and at 1, each beside PyTorch eager AdamW with the same accumulation
-#   (`torch_steps.py --accum`), and the reference soap.py (TF32, max_precond_dim 2048) at ACCUM.
+# - asteria AdamW and SOAP at each `grad_accum` of ACCUMS (N x 4 x 1024 tokens per optimizer
+#   step), each beside PyTorch eager AdamW with the same accumulation (`torch_steps.py
+#   --accum`), and the reference soap.py (TF32, max_precond_dim 2048) at the first of ACCUMS.
 # SOAP's per-step work (factor accumulation, projections, refreshes) is per optimizer step, so
 # its share of the step falls as ACCUM grows; the summaries give "mean vs asteria AdamW mean".
 #
 # Needs: the repository root as working directory, .gpu/ from bench/prepare-gpu, an NVIDIA GPU
 # with ~45 GiB free, CUDA 13 under $CUDA_HOME, PyTorch.
-# Writes into OUT_DIR: per run NAME.jsonl and NAME.txt, the checks' logs, summary-accum-N.md,
-# summary-accum-1.md, summary-ref.md, and OUT_DIR.tgz. ~6 minutes.
-# Usage: bench/h200-accum.sh OUT_DIR [ACCUM [STEPS]]   (defaults 4 and 30; statistics skip 10
-# steps of asteria's runs; PyTorch runs 20 steps)
+# Writes into OUT_DIR: per run NAME.jsonl and NAME.txt, the checks' logs, summary-accum-N.md
+# per N, summary-ref.md, and OUT_DIR.tgz. ~9 minutes with the defaults.
+# Usage: bench/h200-accum.sh OUT_DIR [ACCUMS [STEPS]]   (defaults 8,1 and 30: comma-separated
+# accumulations; statistics skip 10 steps of asteria's runs; PyTorch runs 20 steps)
 set -uo pipefail
-[[ $# -ge 1 ]] || { echo "usage: bench/h200-accum.sh OUT_DIR [ACCUM [STEPS]]" >&2; exit 2; }
-out="$1"; accum="${2:-4}"; steps="${3:-30}"
+[[ $# -ge 1 ]] || { echo "usage: bench/h200-accum.sh OUT_DIR [ACCUMS [STEPS]]" >&2; exit 2; }
+out="$1"; IFS=, read -ra accums <<< "${2:-8,1}"; steps="${3:-30}"; accum="${accums[0]}"
 mkdir -p "$out"
 here="$(dirname "${BASH_SOURCE[0]}")"
 NAME=h200-accum; source "$here/gpu-env.sh"
@@ -42,7 +42,7 @@ match match-tiny "$out/tiny-accum.asteria"
 match match-tiny-soap "$out/tiny-soap-accum.asteria" --inject-cpu-refreshes
 match match-tiny-llama-soap-bf16 "$out/tiny-llama-soap-accum.asteria" --match-target cuda --match-precision bf16 --tol 1e-3
 m=llama-1.4b
-for g in "$accum" 1; do
+for g in "${accums[@]}"; do
   rows=()
   for k in adamw soap; do
     stamp "$k grad_accum $g"
