@@ -59,6 +59,33 @@ fn run(
     (s, e.params())
 }
 
+/// One step of `plan` from its initial state: the global gradient norm (before clipping) and
+/// the tokens per step of the metrics (`tokens_per_s · step_ms`).
+fn first_step(plan: &Plan, cache: &Path) -> (f64, f64) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let metrics = dir.path().join("m.jsonl");
+    let opts = TrainOptions {
+        steps: Some(1),
+        cache_dir: Some(cache.to_path_buf()),
+        quiet: true,
+        metrics_path: Some(metrics.clone()),
+        ..TrainOptions::default()
+    };
+    let mut e = CpuEngine::<f32>::new(plan.clone(), opts.engine.clone()).expect("engine");
+    train_with(&mut e, &opts).expect("training runs");
+    let norm = e.stats().last_grad_norm.expect("the plan clips: a norm");
+    let text = std::fs::read_to_string(&metrics).expect("metrics");
+    let line: serde_json::Value = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v.get("loss").is_some())
+        .expect("a step record");
+    let tokens = line["tokens_per_s"].as_f64().expect("tokens_per_s")
+        * line["step_ms"].as_f64().expect("step_ms")
+        / 1e3;
+    (norm, tokens)
+}
+
 /// Largest |a − b| / max(|a|, |b|, floor) over two runs' parameters.
 fn max_param_rel(a: &[(String, Vec<f64>)], b: &[(String, Vec<f64>)], floor: f64) -> f64 {
     assert_eq!(a.len(), b.len());
@@ -93,8 +120,20 @@ fn check_matches_one_batch(spec: &str, steps: u64, tol: f64, params_tol: Option<
             i + 1
         );
     }
-    // Tokens per second count every micro-batch's tokens.
-    assert!(b.tokens_per_s > 0.0);
+    // The averaged gradient itself (not only the scale-invariant updates): the first step's
+    // global norm, before clipping, is the one-batch plan's; and the metrics count every
+    // micro-batch's tokens.
+    let (na, ta) = first_step(&one, cache.path());
+    let (nb, tb) = first_step(&two, cache.path());
+    assert!(
+        (na - nb).abs() / na < tol,
+        "{spec}: gradient norm {na} (one batch) against {nb} (2 x 8)"
+    );
+    let t = (one.data.batch_size * one.data.seq_len) as f64;
+    assert!(
+        (ta - t).abs() < 1e-6 * t && (tb - t).abs() < 1e-6 * t,
+        "{spec}: tokens/step {ta}, {tb}"
+    );
     // Relative to the init scale (std 0.02): Adam moves coordinates whose gradient is near
     // zero by ±lr on rounding noise, which a relative measure of tiny values would magnify.
     let rel = max_param_rel(&pa, &pb, 0.02);
@@ -214,6 +253,33 @@ fn accumulation_ops_and_residency() {
     let mut bad = plan.clone();
     bad.train.grad_accum = 1;
     assert!(bad.verify().is_err(), "accumulation in a one-batch plan");
+    // A plan that says it accumulates but would overwrite a gradient on every micro-batch.
+    let mut bad = compile("examples/tiny.asteria", 8, 1);
+    bad.train.grad_accum = 3;
+    let e = bad.verify().expect_err("grad_accum 3 without accumulation");
+    assert!(
+        e.to_string().contains("not accumulated exactly once"),
+        "{e}"
+    );
+    let mut bad = plan.clone();
+    if let Some(Op::MatMul {
+        micro_accumulate, ..
+    }) = bad.backward.iter_mut().find(|o| {
+        matches!(
+            o,
+            Op::MatMul {
+                micro_accumulate: Some(_),
+                ..
+            }
+        )
+    }) {
+        *micro_accumulate = None;
+    }
+    let e = bad.verify().expect_err("one weight not accumulated");
+    assert!(
+        e.to_string().contains("not accumulated exactly once"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -358,4 +424,48 @@ fn set_budgets(c: &mut ir::config::Config, b: ir::Budgets) {
         ir::config::TargetConfig::Cpu { budgets, .. }
         | ir::config::TargetConfig::Cuda { budgets, .. } => *budgets = b,
     }
+}
+
+/// A run resumed under another `grad_accum` continues from its checkpoint's data position:
+/// 2 steps of 2 micro-batches, then 2 steps of 1, have drawn 6 batches.
+#[test]
+fn resuming_under_another_grad_accum_keeps_the_data_position() {
+    let cache = tempfile::tempdir().expect("tempdir");
+    let ck = tempfile::tempdir().expect("tempdir");
+    let base = TrainOptions {
+        cache_dir: Some(cache.path().to_path_buf()),
+        quiet: true,
+        checkpoint_dir: Some(ck.path().to_path_buf()),
+        ..TrainOptions::default()
+    };
+    let two = compile("examples/tiny.asteria", 4, 2);
+    let mut e = CpuEngine::<f32>::new(two, EngineOptions::default()).expect("engine");
+    train_with(
+        &mut e,
+        &TrainOptions {
+            steps: Some(2),
+            ..base.clone()
+        },
+    )
+    .expect("two steps of 2 micro-batches");
+    assert_eq!(
+        engine::checkpoint::load(ck.path())
+            .expect("load")
+            .meta
+            .batches,
+        4
+    );
+    let one = compile("examples/tiny.asteria", 4, 1);
+    let mut e = CpuEngine::<f32>::new(one, EngineOptions::default()).expect("engine");
+    train_with(
+        &mut e,
+        &TrainOptions {
+            steps: Some(4),
+            resume: Some(ck.path().to_path_buf()),
+            ..base
+        },
+    )
+    .expect("two more steps of 1");
+    let meta = engine::checkpoint::load(ck.path()).expect("load").meta;
+    assert_eq!((meta.step, meta.batches), (4, 6));
 }

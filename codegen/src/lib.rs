@@ -609,7 +609,8 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
             rematerialize: c.train.rematerialize,
             max_skipped_steps: c.train.max_skipped_steps,
             refresh_swap: c.train.refresh_swap,
-            grad_accum: c.train.grad_accum,
+            // Set by the `accumulate-gradients` pass with the ops that implement it.
+            grad_accum: 1,
         },
         target: match &c.target {
             TargetConfig::Cpu {

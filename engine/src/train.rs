@@ -620,13 +620,18 @@ pub fn train_with<E: StepExecutor>(
     let reserve = usize::try_from(steps).map_or(1 << 16, |s| s.min(1 << 16));
     let mut step_ms = Vec::with_capacity(reserve);
     let mut optimizer_ms = Vec::with_capacity(reserve);
+    let (base_step, base_batches) = resumed_ckpt
+        .as_ref()
+        .map_or((0, 0), |c| (c.meta.step, c.meta.batches));
     let checkpoint = |engine: &mut E, step: u64| -> Result<Option<PathBuf>, EngineError> {
         match &opts.checkpoint_dir {
             Some(root) => crate::checkpoint::save(
                 engine,
                 root,
                 step,
-                step * micro_batches,
+                // The data position: a resumed run continues from its checkpoint's (written
+                // with the same or another `grad_accum`).
+                base_batches + (step - base_step) * micro_batches,
                 plan.train.seed,
                 opts.checkpoint_keep,
             )

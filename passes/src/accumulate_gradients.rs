@@ -34,16 +34,16 @@ impl Pass for AccumulateGradients {
         "accumulate-gradients"
     }
 
-    fn run(&mut self, _module: &mut Module, cx: &mut PassContext) -> Result<String, PassError> {
+    fn run(&mut self, module: &mut Module, cx: &mut PassContext) -> Result<String, PassError> {
         let plan = cx.plan.as_mut().ok_or_else(|| PassError::Invalid {
             pass: "accumulate-gradients",
             message: "no plan: run `lower` first".into(),
         })?;
-        let n = plan.train.grad_accum;
+        let n = module.config.train.grad_accum;
         if n <= 1 {
             return Ok("grad_accum = 1: one batch per step, nothing accumulated".into());
         }
-        let k = accumulate(plan)?;
+        let k = accumulate(plan, n)?;
         Ok(format!(
             "{} gradient(s) accumulated over {n} micro-batches of {} x {} tokens: {} in their \
              GEMM, {} by grad_accumulate",
@@ -95,20 +95,24 @@ fn invalid(message: String) -> PassError {
     }
 }
 
-/// Rewrites `plan` for `plan.train.grad_accum` micro-batches (module docs).
+/// Rewrites the one-batch `plan` for `micro_batches` (≥ 2) micro-batches a step and records
+/// the number in `plan.train.grad_accum` (module docs).
 ///
 /// # Errors
-/// The plan already accumulates, or a parameter's gradient is touched outside the backward
-/// and optimizer programs (the forward, a host task), or not written by the backward.
-pub fn accumulate(plan: &mut Plan) -> Result<Accumulated, PassError> {
-    if plan
-        .backward
-        .iter()
-        .any(|op| matches!(op, Op::GradAccumulate { .. }))
-    {
-        return Err(invalid("the backward program already accumulates".into()));
+/// The plan already accumulates, fewer than 2 micro-batches, or a parameter's gradient is
+/// touched outside the backward and optimizer programs (the forward, a host task), or not
+/// written by the backward.
+pub fn accumulate(plan: &mut Plan, micro_batches: u64) -> Result<Accumulated, PassError> {
+    if plan.train.grad_accum != 1 {
+        return Err(invalid("the plan already accumulates".into()));
     }
-    let scale = 1.0 / plan.train.grad_accum as f64;
+    if micro_batches < 2 {
+        return Err(invalid(format!(
+            "{micro_batches} micro-batches: nothing to accumulate"
+        )));
+    }
+    plan.train.grad_accum = micro_batches;
+    let scale = 1.0 / micro_batches as f64;
     let mut micro: HashMap<BufferId, BufferId> = HashMap::new();
     // Accumulations to issue after backward op i.
     let mut after: HashMap<usize, Vec<(BufferId, BufferId)>> = HashMap::new();
