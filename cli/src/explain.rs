@@ -104,6 +104,8 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
         total += b;
         let life = if is_persistent(class) {
             "persistent"
+        } else if class == BufferClass::Gradient && micro > 1 {
+            "per step (the totals live across its micro-batches)"
         } else {
             "per step"
         };
