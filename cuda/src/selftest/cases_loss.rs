@@ -229,6 +229,57 @@ pub(super) fn matmul(v: &mut Vec<Case>) {
             Ok(one("out", rel_err(&cx.down(&ob)?, &r), ms))
         }));
     }
+    // Gradient accumulation in the weight-gradient GEMM (`MatMul::micro_accumulate`): three
+    // micro-batches into one total, α = 1/3, β = 0 on the first (the total starts as garbage)
+    // and 1 after, as the engine launches them; bf16 and fp32 operands, against the float64
+    // sum of the three products over 3.
+    for (m, k, p, ta, tb, bf16, big) in [
+        (783, 1024, 50, true, false, true, false),
+        (50, 783, 257, true, false, false, false),
+        (2048, 4096, 2048, true, false, true, true),
+    ] {
+        let size = format!(
+            "in the GEMM: M={m} K={k} P={p} ta={} tb={} {} x 3 micro-batches",
+            ta as u8,
+            tb as u8,
+            if bf16 { "bf16" } else { "fp32" }
+        );
+        let tol = if bf16 { TOL_BF16 } else { TOL_F32 };
+        v.push(case("grad_accumulate", size, tol, big, move |cx| {
+            let ad = if ta { Dims::new(k, m) } else { Dims::new(m, k) };
+            let bd = if tb { Dims::new(p, k) } else { Dims::new(k, p) };
+            let (cad, cbd) = (cpu_dims(ad), cpu_dims(bd));
+            let garbage = cx.normal(m * p, 3.0, 1.0);
+            let ob = cx.up(&garbage)?;
+            let mut want = vec![0.0; m * p];
+            let mut ms = 0.0;
+            for micro in 0..3 {
+                let (a, b) = (cx.normal(m * k, 0.0, 1.0), cx.normal(k * p, 0.0, 1.0));
+                let (a32, b32) = (cx.up(&a)?, cx.up(&b)?);
+                let beta = if micro == 0 { 0.0 } else { 1.0 };
+                let alpha = (1.0f64 / 3.0) as f32;
+                ms += if bf16 {
+                    let (a16, b16) = (cx.raw(Elem::BF16, a.len())?, cx.raw(Elem::BF16, b.len())?);
+                    gemm::cast_f32_to_bf16(cx.dev, &a32, &a16)?;
+                    gemm::cast_f32_to_bf16(cx.dev, &b32, &b16)?;
+                    cx.timed(|| {
+                        gemm::gemm_bf16(cx.dev, &a16, ad, &b16, bd, &ob, ta, tb, alpha, beta)
+                    })?
+                } else {
+                    cx.timed(|| {
+                        gemm::gemm_f32(cx.dev, &a32, ad, &b32, bd, &ob, ta, tb, alpha, beta)
+                    })?
+                };
+                let mut prod = vec![0.0; m * p];
+                c::matmul::matmul(&wide(&a), cad, &wide(&b), cbd, &mut prod, ta, tb, false)
+                    .map_err(cpu)?;
+                for (w, x) in want.iter_mut().zip(&prod) {
+                    *w += x / 3.0;
+                }
+            }
+            Ok(one("total", rel_err(&cx.down(&ob)?, &want), ms))
+        }));
+    }
     // bf16 output (SOAP's chained eigenbasis projections): the GEMM rounds its fp32 result to
     // bf16 in the epilogue; odd shapes, every transpose combination.
     for (m, k, p, ta, tb, big) in [
