@@ -16,6 +16,7 @@
 //! live ranges (module [`memory`]); [`Plan::verify`] rejects an unsafe placement.
 #![deny(missing_docs)]
 
+mod accumulation;
 pub mod blocking;
 pub mod limits;
 pub mod memory;
