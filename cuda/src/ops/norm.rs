@@ -419,30 +419,22 @@ mod tests {
 
     #[test]
     fn layernorm_warp_kernel_widths() {
-        assert_eq!(
-            ln_warp_kernels(1).map(|k| k.0),
-            Some("layernorm_forward_w8")
-        );
-        assert_eq!(
-            ln_warp_kernels(256).map(|k| k.1),
-            Some("layernorm_backward_w8")
-        );
-        assert_eq!(
-            ln_warp_kernels(257).map(|k| k.0),
-            Some("layernorm_forward_w16")
-        );
-        assert_eq!(
-            ln_warp_kernels(768).map(|k| k.0),
-            Some("layernorm_forward_w24")
-        );
-        assert_eq!(
-            ln_warp_kernels(783).map(|k| k.0),
-            Some("layernorm_forward_w32")
-        );
-        assert_eq!(
-            ln_warp_kernels(LAYERNORM_WARP_MAX_C).map(|k| k.1),
-            Some("layernorm_backward_w64")
-        );
+        // (width, forward kernel, backward kernel) at the edges of each width class.
+        for (c, fwd, bwd) in [
+            (1, "layernorm_forward_w8", "layernorm_backward_w8"),
+            (256, "layernorm_forward_w8", "layernorm_backward_w8"),
+            (257, "layernorm_forward_w16", "layernorm_backward_w16"),
+            (768, "layernorm_forward_w24", "layernorm_backward_w24"),
+            (783, "layernorm_forward_w32", "layernorm_backward_w32"),
+            (
+                LAYERNORM_WARP_MAX_C,
+                "layernorm_forward_w64",
+                "layernorm_backward_w64",
+            ),
+        ] {
+            let k = ln_warp_kernels(c).expect("a warp kernel");
+            assert_eq!((k.0, k.1), (fwd, bwd), "c = {c}");
+        }
         assert_eq!(ln_warp_kernels(LAYERNORM_WARP_MAX_C + 1), None);
         let (k, grid, block) = ln_row_launch(1001, 768, Some("w"), "fallback");
         assert_eq!((k, grid, block), ("w", (126, 1, 1), (256, 1, 1)));
