@@ -280,6 +280,51 @@ fn accumulation_ops_and_residency() {
         e.to_string().contains("not accumulated exactly once"),
         "{e}"
     );
+    // An accumulation whose micro-batch buffer is its total, or is never written before it.
+    let first_add = |p: &Plan| {
+        p.backward
+            .iter()
+            .position(|o| matches!(o, Op::GradAccumulate { .. }))
+            .expect("a grad_accumulate")
+    };
+    let mut bad = plan.clone();
+    let i = first_add(&bad);
+    if let Op::GradAccumulate { micro, total, .. } = &mut bad.backward[i] {
+        *micro = *total;
+    }
+    let e = bad.verify().expect_err("micro == total");
+    assert!(e.to_string().contains("both the micro-batch"), "{e}");
+    let mut bad = plan.clone();
+    let i = first_add(&bad);
+    let op = bad.backward.remove(i);
+    bad.backward.insert(0, op);
+    let e = bad.verify().expect_err("micro never written before");
+    assert!(
+        e.to_string().contains("no earlier backward op writes"),
+        "{e}"
+    );
+    // A micro-accumulating GEMM that reads its own output (β = 1 would alias).
+    let mut bad = plan.clone();
+    if let Some(Op::MatMul { a, out, .. }) = bad.backward.iter_mut().find(|o| {
+        matches!(
+            o,
+            Op::MatMul {
+                micro_accumulate: Some(_),
+                ..
+            }
+        )
+    }) {
+        *a = *out;
+    }
+    assert!(bad.verify().is_err(), "a GEMM reading its own total");
+    // Tier copies in the backward would run once per micro-batch.
+    let mut bad = plan.clone();
+    let g = bad.params[0].grad;
+    bad.backward.push(Op::CopyOut { src: g, dst: g });
+    let e = bad
+        .verify()
+        .expect_err("a copy in the backward of an accumulating plan");
+    assert!(e.to_string().contains("optimizer program"), "{e}");
 }
 
 #[test]

@@ -5,8 +5,10 @@
 //! β = 0 on the first micro-batch, 1 after): no extra buffer and no extra pass over the
 //! gradient. Otherwise the backward program writes a new step-local buffer `grad.W.micro`
 //! instead, and right after the last backward op that touches it an [`Op::GradAccumulate`]
-//! adds `micro / N` into the total (storing it on the step's first micro-batch). Both round
-//! the product, then the scaled sum, on the CPU engine: the same bits either way. The engine runs forward and backward
+//! adds `micro / N` into the total (storing it on the step's first micro-batch). On the CPU
+//! engine both round the product, then the scaled sum: the same bits either way (cuBLAS
+//! applies α and β in its own epilogue, so on the GPU the two forms agree to rounding, not
+//! bit for bit). The engine runs forward and backward
 //! N times on consecutive batches, then the optimizer program, which reads the totals
 //! unchanged — so clipping, every optimizer, refreshes and checkpoints see one averaged
 //! gradient per step, as with one batch of N × `batch_size` sequences (the same mean up to the

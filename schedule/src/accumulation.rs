@@ -43,6 +43,23 @@ impl Plan {
         if self.train.grad_accum < 2 {
             return Ok(());
         }
+        // Tier copies run once per program run: in the forward or backward they would run
+        // once per micro-batch, and nothing orders a micro-batch's backward copies before the
+        // next micro-batch's forward on the GPU's copy streams.
+        for (section, program) in [("forward", &self.forward), ("backward", &self.backward)] {
+            if let Some((i, op)) = program
+                .iter()
+                .enumerate()
+                .find(|(_, o)| matches!(o, Op::CopyIn { .. } | Op::CopyOut { .. }))
+            {
+                return Err(PlanError::Invalid(format!(
+                    "{section}[{i}] ({}): with train.grad_accum = {} tier copies belong in the \
+                     optimizer program (the {section} runs once per micro-batch)",
+                    op.name(),
+                    self.train.grad_accum
+                )));
+            }
+        }
         for p in &self.params {
             let g = p.grad;
             let name = &self.buffer(g).name;
@@ -63,6 +80,7 @@ impl Plan {
             };
             match touching[..] {
                 [(i, op)] if accumulates(op) => {
+                    self.check_accumulation_operands(i, op, name)?;
                     if let Op::GradAccumulate { micro, .. } = op {
                         if let Some((j, later)) = self.backward[i + 1..]
                             .iter()
@@ -89,6 +107,44 @@ impl Plan {
                     )))
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// The operands of `op`, the accumulation at `backward[i]` into gradient `name`: a
+    /// `GradAccumulate`'s micro-batch buffer is another buffer than its total and is written
+    /// earlier in the backward (else it would add bytes left from an earlier use of the
+    /// arena); a micro-accumulating `MatMul` reads neither operand from its output (β = 1
+    /// would read and write the same bytes).
+    fn check_accumulation_operands(&self, i: usize, op: &Op, name: &str) -> Result<(), PlanError> {
+        match op {
+            Op::GradAccumulate { micro, total, .. } => {
+                if micro == total {
+                    return Err(PlanError::Invalid(format!(
+                        "backward[{i}] (grad_accumulate): `{name}` is both the micro-batch \
+                         buffer and the total"
+                    )));
+                }
+                let written = self.backward[..i].iter().any(|o| {
+                    o.accesses()
+                        .iter()
+                        .any(|&(_, id, a)| id == *micro && a.writes())
+                });
+                if !written {
+                    return Err(PlanError::Invalid(format!(
+                        "backward[{i}] (grad_accumulate): `{}` is accumulated into `{name}` \
+                         but no earlier backward op writes it",
+                        self.buffer(*micro).name
+                    )));
+                }
+            }
+            Op::MatMul { a, b, out, .. } if a == out || b == out => {
+                return Err(PlanError::Invalid(format!(
+                    "backward[{i}] (mat_mul): the micro-accumulating product into `{name}` \
+                     reads its own output"
+                )));
+            }
+            _ => {}
         }
         Ok(())
     }

@@ -230,12 +230,14 @@ pub(super) fn matmul(v: &mut Vec<Case>) {
         }));
     }
     // Gradient accumulation in the weight-gradient GEMM (`MatMul::micro_accumulate`): three
-    // micro-batches into one total, α = 1/3, β = 0 on the first (the total starts as garbage)
-    // and 1 after, as the engine launches them; bf16 and fp32 operands, against the float64
-    // sum of the three products over 3.
+    // micro-batches into one total, α = 1/3, β = 0 on the first (the total starts as NaN: β
+    // = 0 must not read it, and any leak makes the error infinite) and 1 after, as the engine
+    // launches them; bf16 and fp32 operands, both transposes the weight gradients use,
+    // against the float64 sum of the three products over 3.
     for (m, k, p, ta, tb, bf16, big) in [
         (783, 1024, 50, true, false, true, false),
         (50, 783, 257, true, false, false, false),
+        (257, 50, 783, false, true, true, false),
         (2048, 4096, 2048, true, false, true, true),
     ] {
         let size = format!(
@@ -249,8 +251,7 @@ pub(super) fn matmul(v: &mut Vec<Case>) {
             let ad = if ta { Dims::new(k, m) } else { Dims::new(m, k) };
             let bd = if tb { Dims::new(p, k) } else { Dims::new(k, p) };
             let (cad, cbd) = (cpu_dims(ad), cpu_dims(bd));
-            let garbage = cx.normal(m * p, 3.0, 1.0);
-            let ob = cx.up(&garbage)?;
+            let ob = cx.up(&vec![f32::NAN; m * p])?;
             let mut want = vec![0.0; m * p];
             let mut ms = 0.0;
             for micro in 0..3 {
