@@ -323,6 +323,42 @@ fn run_executes_a_compiled_plan_and_writes_metrics() {
     );
 }
 
+/// A plan compiled from a spec with a relative corpus path records it absolute: `run`
+/// finds the corpus from any working directory.
+#[test]
+fn a_compiled_plan_runs_from_another_working_directory() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let plan = dir.path().join("plan.json");
+    let o = asteria(&[
+        "compile",
+        "examples/tiny.asteria",
+        "--set",
+        "data.corpus=../README.md",
+        "--set",
+        "data.seq_len=16",
+        "-o",
+        plan.to_str().expect("utf8"),
+    ]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan).expect("plan")).expect("json");
+    let path = json["data"]["corpus"]["paths"][0].as_str().expect("a path");
+    assert!(Path::new(path).is_absolute(), "{path}");
+    let o = Command::new(env!("CARGO_BIN_EXE_asteria"))
+        .args([
+            "run",
+            plan.to_str().expect("utf8"),
+            "--steps",
+            "1",
+            "--quiet",
+        ])
+        .current_dir(dir.path())
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("asteria runs");
+    assert!(o.status.success(), "{:?}", text(&o));
+}
+
 #[test]
 fn calibrate_names_its_devices_and_needs_a_driver_for_cuda() {
     let out = asteria(&[
@@ -763,6 +799,77 @@ fn train_checkpoints_on_sigint_and_resumes() {
     let o = asteria(&["train", spec_s, "--quiet", "--resume", ck_s, "--steps", "1"]);
     assert!(!o.status.success());
     assert!(text(&o).1.contains("raise --steps"), "{:?}", text(&o));
+}
+
+/// A `--checkpoint-dir` that cannot hold checkpoints (a file, a folder that cannot be
+/// created) stops the run before its first step, not at its first checkpoint; a run says
+/// which checkpoints it wrote, and a resume says which one it loaded and names a newer
+/// `step-N` directory it skipped because it is not a complete checkpoint.
+#[test]
+fn checkpoint_dir_is_checked_before_training_and_resumes_say_what_they_load() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spec = bytes_spec(
+        dir.path(),
+        "d_model = 32 layers = 1 heads = 2",
+        "steps = 4 eval_interval = 0",
+    );
+    let spec_s = spec.to_str().expect("utf8");
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "not a directory").expect("write");
+    let metrics = dir.path().join("m.jsonl");
+    for bad in [file.clone(), file.join("below")] {
+        let o = asteria(&[
+            "train",
+            spec_s,
+            "--checkpoint-dir",
+            bad.to_str().expect("utf8"),
+            "--metrics",
+            metrics.to_str().expect("utf8"),
+        ]);
+        let (_, err) = text(&o);
+        assert!(!o.status.success(), "{err}");
+        assert!(err.contains("--checkpoint-dir"), "{err}");
+        assert!(
+            !err.contains("first step done"),
+            "failed after training: {err}"
+        );
+        let steps = std::fs::read_to_string(&metrics).unwrap_or_default();
+        assert!(!steps.contains("\"loss\""), "a step ran: {steps}");
+    }
+    let ck = dir.path().join("ck");
+    let ck_s = ck.to_str().expect("utf8");
+    let o = asteria(&[
+        "train",
+        spec_s,
+        "--checkpoint-dir",
+        ck_s,
+        "--checkpoint-every",
+        "2",
+    ]);
+    let (_, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    for step in ["step-000000002", "step-000000004"] {
+        assert!(
+            err.contains(&format!("checkpoint {}", ck.join(step).display())),
+            "{err}"
+        );
+    }
+    // The newest loses its meta.json: the resume takes step 2 and says so.
+    std::fs::remove_file(ck.join("step-000000004").join("meta.json")).expect("rm");
+    let o = asteria(&["train", spec_s, "--resume", ck_s, "--steps", "5"]);
+    let (_, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "resumed from {} (after step 2",
+            ck.join("step-000000002").display()
+        )),
+        "{err}"
+    );
+    assert!(
+        err.contains("step-000000004 is newer but not a complete checkpoint"),
+        "{err}"
+    );
 }
 
 /// `kill -9` while a checkpoint is being written (its `step-N.tmp-PID` directory exists, the

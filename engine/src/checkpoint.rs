@@ -397,6 +397,57 @@ fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>, EngineError> {
     Ok(out)
 }
 
+/// Checks before a run's first step that checkpoints can be written into `root`: creates it
+/// (and its parents) when missing, and writes and removes a probe file in it, so that a bad
+/// `--checkpoint-dir` stops the run at its start rather than at its first checkpoint.
+///
+/// # Errors
+/// [`EngineError::Checkpoint`] naming `root`: not a directory, cannot be created, not
+/// writable.
+pub fn prepare_root(root: &Path) -> Result<(), EngineError> {
+    if root.exists() && !root.is_dir() {
+        return Err(err(format!(
+            "--checkpoint-dir {} exists and is not a directory",
+            root.display()
+        )));
+    }
+    std::fs::create_dir_all(root).map_err(|e| {
+        err(format!(
+            "--checkpoint-dir {}: cannot create it: {e}",
+            root.display()
+        ))
+    })?;
+    let probe = root.join(format!(".asteria-write-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"probe").map_err(|e| {
+        err(format!(
+            "--checkpoint-dir {}: cannot write into it: {e}",
+            root.display()
+        ))
+    })?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+/// The `step-N` directories of `root` newer than the checkpoint `chosen` that are not
+/// complete checkpoints (no `meta.json`): a resume that takes the newest complete one names
+/// them. Empty when `root` is itself a checkpoint or cannot be read.
+pub fn incomplete_newer(root: &Path, chosen_step: u64) -> Vec<PathBuf> {
+    let Ok(rd) = std::fs::read_dir(root) else {
+        return Vec::new();
+    };
+    let mut out: Vec<(u64, PathBuf)> = rd
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            let step = name.strip_prefix("step-")?.parse::<u64>().ok()?;
+            (step > chosen_step && e.path().is_dir() && !e.path().join(META).is_file())
+                .then(|| (step, e.path()))
+        })
+        .collect();
+    out.sort();
+    out.into_iter().map(|(_, p)| p).collect()
+}
+
 /// The newest complete checkpoint in `dir`, or `dir` itself when it is one.
 ///
 /// # Errors

@@ -509,6 +509,10 @@ pub fn train_with<E: StepExecutor>(
         Some(dir) => Some(crate::checkpoint::load(dir)?),
         None => None,
     };
+    // A bad --checkpoint-dir stops the run now, not after the steps before its first save.
+    if let Some(root) = &opts.checkpoint_dir {
+        crate::checkpoint::prepare_root(root)?;
+    }
     let mut metrics = Metrics::open(opts.metrics_path.as_deref(), resumed_ckpt.is_some())?;
     let (b, t) = (plan.data.batch_size, plan.data.seq_len);
     let micro_batches = plan.train.grad_accum.max(1);
@@ -606,6 +610,25 @@ pub fn train_with<E: StepExecutor>(
             summary.val_tokens
         ),
     );
+    if let Some(ckpt) = &resumed_ckpt {
+        say(
+            &pb,
+            format!(
+                "resumed from {} (after step {}, {} batches drawn)",
+                ckpt.dir.display(),
+                ckpt.meta.step,
+                ckpt.meta.batches
+            ),
+        );
+        if let Some(root) = opts.resume.as_deref().filter(|r| *r != ckpt.dir.as_path()) {
+            for skipped in crate::checkpoint::incomplete_newer(root, ckpt.meta.step) {
+                tracing::warn!(
+                    "{} is newer but not a complete checkpoint (no meta.json): skipped",
+                    skipped.display()
+                );
+            }
+        }
+    }
     if let Some(src) = engine.energy_source() {
         say(
             &pb,
@@ -773,10 +796,14 @@ pub fn train_with<E: StepExecutor>(
             }));
         }
         if due && step != steps {
-            checkpoint(engine, step)?;
+            if let Some(dir) = checkpoint(engine, step)? {
+                say(&pb, format!("checkpoint {}", dir.display()));
+            }
         }
     }
-    checkpoint(engine, steps)?;
+    if let Some(dir) = checkpoint(engine, steps)? {
+        say(&pb, format!("checkpoint {}", dir.display()));
+    }
     pb.finish_and_clear();
     summary.steps = steps;
     let total_s: f64 = step_ms.iter().sum::<f64>() / 1e3;

@@ -158,7 +158,14 @@ fn shard_list(c: &mut Checker, key: &str, v: &Value, base_dir: &Path) -> Vec<Str
             "a shard path or pattern string (`\"DIR/*train*.bin\"`) or a list of them",
         ),
     }
-    paths
+    paths.into_iter().map(absolute).collect()
+}
+
+/// `p` (resolved against the spec's folder) as an absolute path, so that a compiled plan runs
+/// from any working directory: the current directory is prepended to a relative `p`; `..`
+/// and symbolic links are kept as written. `p` itself when the current directory is unknown.
+fn absolute(p: String) -> String {
+    std::path::absolute(&p).map_or(p, |a| a.display().to_string())
 }
 
 /// `corpus = builtin | "path" | ["path", ...]`; files must exist and be readable, a directory
@@ -192,7 +199,9 @@ fn corpus(c: &mut Checker, v: &Value, base_dir: &Path) -> CorpusConfig {
         ValueKind::List(items) => items.iter().for_each(|item| check(c, item)),
         _ => c.wrong_type("corpus", v, "`builtin`, a path string or a list of paths"),
     }
-    CorpusConfig::Files { paths }
+    CorpusConfig::Files {
+        paths: paths.into_iter().map(absolute).collect(),
+    }
 }
 
 /// `train { ... }`.
@@ -274,7 +283,7 @@ fn calibration(c: &mut Checker, v: &Value, base_dir: &Path) -> Option<String> {
         ValueKind::Str(p) => {
             let path = base_dir.join(p);
             if path.is_file() {
-                Some(path.display().to_string())
+                Some(absolute(path.display().to_string()))
             } else {
                 c.push(
                     SpecError::new(
@@ -404,7 +413,7 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
         .get("calibration")
         .and_then(|e| calibration(c, &e.value, base_dir));
     let eigensolver = named_option(c, &f, "eigensolver", ir::Eigensolver::NAMES);
-    let budgets = budgets(c, &f, kind == Some("cuda"));
+    let budgets = budgets(c, &f, kind == Some("cuda"), base_dir);
     match kind? {
         "cuda" => Some(TargetConfig::Cuda {
             device: c.uint_or(&f, "device", limits::DEVICE, 0),
@@ -451,7 +460,7 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
 /// The memory budgets of a `target` block: `gpu_memory` (cuda) or `memory` (cpu), `host_memory`,
 /// `nvme` (a directory, resolved when the run starts) and `nvme_memory`, sizes with units
 /// (`24GiB`). `nvme_memory` needs `nvme`.
-fn budgets(c: &mut Checker, f: &Fields, cuda: bool) -> ir::Budgets {
+fn budgets(c: &mut Checker, f: &Fields, cuda: bool, base_dir: &Path) -> ir::Budgets {
     let device_key = if cuda { "gpu_memory" } else { "memory" };
     let device = f
         .get(device_key)
@@ -465,7 +474,10 @@ fn budgets(c: &mut Checker, f: &Fields, cuda: bool) -> ir::Budgets {
     let nvme_dir = match f.get("nvme").map(|e| &e.value) {
         None => None,
         Some(v) => match &v.kind {
-            ValueKind::Str(s) if !s.trim().is_empty() => Some(s.clone()),
+            // Against the spec's folder, as every path of a spec, and absolute in the plan.
+            ValueKind::Str(s) if !s.trim().is_empty() => {
+                Some(absolute(base_dir.join(s).display().to_string()))
+            }
             _ => {
                 c.wrong_type(
                     "nvme",
