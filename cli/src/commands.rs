@@ -186,6 +186,26 @@ fn execute(plan: &Plan, run: &RunFlags) -> Result<()> {
         plan.train.refresh_swap,
         plan.train.grad_accum
     );
+    // The budgets, and what `tier-placement` moved under them.
+    let budgets = plan.memory.budgets.describe(match plan.target {
+        TargetPlan::Cuda { .. } => "gpu_memory",
+        TargetPlan::Cpu { .. } => "memory",
+    });
+    if !budgets.is_empty() {
+        let moved = |kind: schedule::ArenaKind| {
+            (0..plan.buffers.len())
+                .filter(|&i| plan.memory.tier(schedule::BufferId(i as u32)) == Some(kind))
+                .count()
+        };
+        note!(
+            "budgets: {budgets}; tier-placement moved {} tensor(s) to host memory ({}), {} to \
+             nvme ({})",
+            moved(schedule::ArenaKind::Host),
+            schedule::limits::human_size(plan.memory.arena_bytes(schedule::ArenaKind::Host) as u128),
+            moved(schedule::ArenaKind::Nvme),
+            schedule::limits::human_size(plan.memory.arena_bytes(schedule::ArenaKind::Nvme) as u128),
+        );
+    }
     let plan = &plan;
     if let TargetPlan::Cuda { .. } = plan.target {
         return execute_cuda(plan, &opts, run.profile, run.trace.is_some());

@@ -367,6 +367,13 @@ fn budgets_need_units_and_the_right_target() {
     assert_eq!(b.host, Some(512_000_000));
     assert_eq!(b.nvme, Some(2 << 40));
     assert_eq!(b.nvme_dir.as_deref(), Some("/tmp"));
+    // `none` is no budget (what `--set target.memory=none` writes to remove one).
+    let src = BASE.replace(
+        "target cpu {",
+        "target cpu {\n  memory = none\n  host_memory = none\n  nvme = none\n  nvme_memory = none",
+    );
+    let c = common::parse(&src).expect("none budgets");
+    assert!(c.target.budgets().is_empty(), "{:?}", c.target.budgets());
 }
 
 /// `optimizer kl-shampoo { }`: one located error that gives the spelling to use, and no

@@ -169,6 +169,27 @@ impl Budgets {
     pub fn is_empty(&self) -> bool {
         *self == Budgets::default()
     }
+
+    /// The budgets as the spec keys that set them, e.g. `gpu_memory 24.00 GiB, host_memory
+    /// 96.00 GiB, nvme /mnt/nvme (no limit)`; `device_key` is the target's name of the device
+    /// budget (`gpu_memory` or `memory`). Empty when none is set.
+    pub fn describe(&self, device_key: &str) -> String {
+        let size = |b: u64| crate::limits::human_size(u128::from(b));
+        let mut parts = Vec::new();
+        if let Some(d) = self.device {
+            parts.push(format!("{device_key} {}", size(d)));
+        }
+        if let Some(h) = self.host {
+            parts.push(format!("host_memory {}", size(h)));
+        }
+        if let Some(dir) = &self.nvme_dir {
+            parts.push(format!(
+                "nvme {dir} ({})",
+                self.nvme.map_or("no limit".to_string(), size)
+            ));
+        }
+        parts.join(", ")
+    }
 }
 
 /// The memory plan of a [`Plan`]: its arenas and the slot of every buffer. Written by the

@@ -458,20 +458,20 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
 }
 
 /// The memory budgets of a `target` block: `gpu_memory` (cuda) or `memory` (cpu), `host_memory`,
-/// `nvme` (a directory, resolved when the run starts) and `nvme_memory`, sizes with units
-/// (`24GiB`). `nvme_memory` needs `nvme`.
+/// `nvme` (a directory, against the spec's folder; checked when the run starts) and
+/// `nvme_memory`, sizes with units (`24GiB`); `none` for any of them is no budget.
+/// `nvme_memory` needs `nvme`.
 fn budgets(c: &mut Checker, f: &Fields, cuda: bool, base_dir: &Path) -> ir::Budgets {
     let device_key = if cuda { "gpu_memory" } else { "memory" };
-    let device = f
-        .get(device_key)
-        .and_then(|e| c.size_value(device_key, &e.value, limits::MEMORY_BUDGET));
-    let host = f
-        .get("host_memory")
+    // `none` is no budget, as an absent key (so `--set target.gpu_memory=none` removes one).
+    let set = |key: &str| f.get(key).filter(|e| e.value.kind != ValueKind::None);
+    let device =
+        set(device_key).and_then(|e| c.size_value(device_key, &e.value, limits::MEMORY_BUDGET));
+    let host = set("host_memory")
         .and_then(|e| c.size_value("host_memory", &e.value, limits::MEMORY_BUDGET));
-    let nvme = f
-        .get("nvme_memory")
-        .and_then(|e| c.size_value("nvme_memory", &e.value, limits::NVME_BUDGET));
-    let nvme_dir = match f.get("nvme").map(|e| &e.value) {
+    let nvme =
+        set("nvme_memory").and_then(|e| c.size_value("nvme_memory", &e.value, limits::NVME_BUDGET));
+    let nvme_dir = match set("nvme").map(|e| &e.value) {
         None => None,
         Some(v) => match &v.kind {
             // Against the spec's folder, as every path of a spec, and absolute in the plan.
@@ -488,7 +488,7 @@ fn budgets(c: &mut Checker, f: &Fields, cuda: bool, base_dir: &Path) -> ir::Budg
             }
         },
     };
-    if let (Some(e), Some(_), None) = (f.get("nvme_memory"), nvme, f.get("nvme")) {
+    if let (Some(e), Some(_), None) = (set("nvme_memory"), nvme, set("nvme")) {
         c.push(
             SpecError::new(
                 "spec::missing-key",
