@@ -462,6 +462,28 @@ fn accumulation_with_offload_tiers_is_bit_identical_and_keeps_gradients_on_the_d
     let (compiled, streaming) = walk(2);
     assert!(compiled > 0);
     assert_eq!(streaming, 0, "an accumulated gradient left the device");
+    // A budget nothing meets says why gradients did not move.
+    let path = root().join("examples/tiny-tiers.asteria");
+    let mut config = frontend::load_spec(&path).expect("spec");
+    config.train.grad_accum = 2;
+    set_budgets(
+        &mut config,
+        ir::Budgets {
+            device: Some(need / 8),
+            ..Default::default()
+        },
+    );
+    let mut module = ir::Module::new(config);
+    let mut pm = PassManager::new(PassOptions::default()).expect("pass manager");
+    let e = pm
+        .run(&mut module, None, &mut std::io::sink())
+        .err()
+        .expect("an eighth of the need is too little");
+    let e = e.to_string();
+    assert!(
+        e.contains("gradients stay on the device under grad_accum = 2"),
+        "{e}"
+    );
 }
 
 fn set_budgets(c: &mut ir::config::Config, b: ir::Budgets) {

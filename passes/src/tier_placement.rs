@@ -599,15 +599,37 @@ fn over_budget(
         ));
     }
     let moved_bytes: usize = moved.iter().map(|&c| plan.buffer(c).size_bytes()).sum();
+    let grads_moved = moved
+        .iter()
+        .any(|&c| plan.buffer(c).class == BufferClass::Gradient);
+    let what = if grads_moved {
+        "the optimizer moments and the gradients"
+    } else {
+        "the optimizer moments"
+    };
+    let accumulating = if plan.train.grad_accum > 1 {
+        format!(
+            " (gradients stay on the device under grad_accum = {}: their totals live across \
+             the micro-batches)",
+            plan.train.grad_accum
+        )
+    } else {
+        String::new()
+    };
+    let after_shadows = if plan.memory.pinned_refresh_shadows {
+        ", after the refresh shadows"
+    } else {
+        ""
+    };
     PassError::Invalid {
         pass: "tier-placement",
         message: format!(
             "the device budget {} cannot be met: the plan needs {} on the device, and \
-             offloading every movable tensor (the optimizer moments and the gradients, {}, after \
-             the refresh shadows) still leaves {} there, the staging buffers that bring them \
-             back for their updates included; the largest device consumers: {}; raise the \
-             budget, or lower batch_size or seq_len (or set `rematerialize = layers` in the \
-             train block when activations are among them)",
+             offloading every movable tensor ({what}: {}{after_shadows}) still leaves {} \
+             there{accumulating}, the staging buffers that bring them back for their updates \
+             included; the largest \
+             device consumers: {}; raise the budget, or lower batch_size or seq_len (or set \
+             `rematerialize = layers` in the train block when activations are among them)",
             budgets
                 .device
                 .map_or("(none)".to_string(), |b| human_bytes(b as usize)),
