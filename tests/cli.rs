@@ -220,6 +220,20 @@ fn print_after_one_pass_and_unknown_pass() {
         out.contains("; soap-update: 28 composed SOAP steps"),
         "{out}"
     );
+    // Before a pass that works on the plan, the plan as it stands (not the IR).
+    let o = asteria(&[
+        "compile",
+        "examples/tiny.asteria",
+        "--print-before",
+        "memory-planning",
+    ]);
+    let (out, _) = text(&o);
+    assert!(o.status.success());
+    assert!(out.contains("; plan before memory-planning"), "{out}");
+    assert!(
+        out.contains("optimizer[0] ") && !out.contains("; IR before"),
+        "{out}"
+    );
     let o = asteria(&[
         "compile",
         "examples/tiny.asteria",

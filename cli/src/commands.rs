@@ -67,9 +67,30 @@ pub fn compile(
     flags: &PassFlags,
     overrides: &[String],
 ) -> Result<()> {
+    // `-o` naming the spec itself would replace the spec by its plan.
+    if let Some(path) = output {
+        let same = match (std::fs::canonicalize(spec), std::fs::canonicalize(path)) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        };
+        if same {
+            return Err(miette!(
+                "-o {} is the spec itself: writing the plan there would replace the spec; \
+                 name another file (e.g. {})",
+                path.display(),
+                path.with_extension("plan.json").display()
+            ));
+        }
+    }
     let (plan, _) = compile_spec(spec, flags, overrides)?;
     match output {
         Some(path) => {
+            // As --metrics: missing parent folders are created.
+            if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+                std::fs::create_dir_all(parent)
+                    .into_diagnostic()
+                    .wrap_err_with(|| format!("cannot create {}", parent.display()))?;
+            }
             std::fs::write(path, plan.to_json())
                 .into_diagnostic()
                 .wrap_err_with(|| format!("cannot write the plan to {}", path.display()))?;

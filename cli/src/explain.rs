@@ -196,38 +196,65 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
         "\nmemory per tier:\n  {tier:<6} {:>11}  ({note})",
         human_bytes(tier_bytes)
     );
+    let offloaded = plan.memory.arena_bytes(schedule::ArenaKind::Host) > 0
+        || plan.memory.arena_bytes(schedule::ArenaKind::Nvme) > 0
+        || plan.memory.pinned_refresh_shadows;
+    let desc = if offloaded {
+        let config = frontend::load_spec_with(spec, overrides)
+            .map_err(miette::Report::new)?
+            .config;
+        Some(
+            passes::precond_scheduling::target_description(&config.target)
+                .map_err(|e| miette!("{e}"))?,
+        )
+    } else {
+        None
+    };
+    let mut total_ms = 0.0;
     for kind in [schedule::ArenaKind::Host, schedule::ArenaKind::Nvme] {
         let bytes = plan.memory.arena_bytes(kind);
-        if bytes == 0 {
+        let Some(desc) = desc.as_ref().filter(|_| bytes > 0) else {
             continue;
-        }
+        };
         let ids: Vec<schedule::BufferId> = (0..plan.buffers.len())
             .map(|i| schedule::BufferId(i as u32))
             .filter(|&id| plan.memory.tier(id) == Some(kind))
             .collect();
-        let config = frontend::load_spec_with(spec, overrides)
-            .map_err(miette::Report::new)?
-            .config;
-        let desc = passes::precond_scheduling::target_description(&config.target)
-            .map_err(|e| miette!("{e}"))?;
         let moved: usize = ids.iter().map(|&id| plan.buffer(id).size_bytes()).sum();
-        let ms = passes::tier_placement::tier_copy_ms(&desc, kind, moved);
+        let ms = passes::tier_placement::tier_copy_ms(desc, kind, moved);
+        total_ms += ms;
+        // NVMe tensors take whole 1 MiB blocks: the arena exceeds their sum.
+        let blocks = if kind == schedule::ArenaKind::Nvme && moved != bytes {
+            format!(" of {} in whole 1 MiB blocks", human_bytes(moved))
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             o,
-            "  {:<6} {:>11}  ({} tensors offloaded by tier-placement; predicted copies {ms:.2} ms \
-             per step on `{}`)",
+            "  {:<6} {:>11}  ({} tensors{blocks} offloaded by tier-placement; predicted copies \
+             {ms:.2} ms per step on `{}`)",
             kind.name(),
             human_bytes(bytes),
             ids.len(),
             desc.name
         );
     }
-    if plan.memory.pinned_refresh_shadows {
+    if let Some(desc) = desc.as_ref().filter(|_| plan.memory.pinned_refresh_shadows) {
         let pinned = schedule::reserve::refresh_pinned_bytes(&plan);
+        let ms =
+            desc.host_tier_ms(schedule::reserve::pinned_shadow_copy_bytes_per_step(&plan) as usize);
+        total_ms += ms;
         let _ = writeln!(
             o,
-            "  pinned {:>11}  (refresh shadows, moved by tier-placement)",
+            "  pinned {:>11}  (refresh shadows, moved by tier-placement; predicted copies \
+             {ms:.2} ms per step)",
             human_bytes(pinned)
+        );
+    }
+    if offloaded {
+        let _ = writeln!(
+            o,
+            "  copies {total_ms:.2} ms per step predicted in all (`--print-after tier-placement`)"
         );
     }
     if let Some(budget) = plan.memory.budgets.device {

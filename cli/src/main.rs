@@ -42,14 +42,16 @@ struct Cli {
 pub struct PassFlags {
     /// Print the IR after this pass (repeatable): expand-model, autodiff, expand-optimizer,
     /// simplify (element-wise update rules), fuse, rematerialize, liveness, precond-scheduling,
-    /// lower (the plan JSON), tier-placement, prefetch-insertion, memory-planning (the memory
-    /// plan's arenas, peak live bytes and largest buffers).
+    /// lower (the plan JSON), accumulate-gradients (the backward with its accumulations),
+    /// tier-placement, prefetch-insertion, memory-planning (the memory plan's arenas, peak live
+    /// bytes and largest buffers).
     #[arg(long = "print-after", value_name = "PASS")]
     pub print_after: Vec<String>,
     /// Print the IR after every pass.
     #[arg(long = "print-after-all")]
     pub print_after_all: bool,
-    /// Print the IR before this pass (repeatable).
+    /// Print the IR before this pass (repeatable); before a pass after `lower`, the plan's
+    /// programs as they stand.
     #[arg(long = "print-before", value_name = "PASS")]
     pub print_before: Vec<String>,
     /// Verify the IR after every pass.
@@ -90,7 +92,8 @@ pub struct RunFlags {
     /// Stop after this many training steps (1..=1_000_000_000). The learning-rate schedule
     /// stays the spec's (warmup and cosine decay over `train.steps`), so a run cut short has
     /// the same steps as the full run up to there, and steps past `train.steps` hold the
-    /// schedule's floor; `--set train.steps=N` rescales the schedule instead.
+    /// schedule's floor; `--set train.steps=N` (on `train`, or on `compile` before `run`)
+    /// rescales the schedule instead.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1_000_000_000))]
     pub steps: Option<u64>,
     /// Write per-step and per-evaluation metrics as JSON lines to this file.

@@ -76,6 +76,10 @@ impl Diagnostic for SpecError {
     }
 
     fn labels(&self) -> Option<Box<dyn Iterator<Item = LabeledSpan> + '_>> {
+        // An error about the file as a whole (it cannot be read) points at no text.
+        if self.label.is_empty() && self.span.is_empty() && self.notes.is_empty() {
+            return None;
+        }
         let primary = LabeledSpan::new_primary_with_span(Some(self.label.clone()), self.span);
         let notes = self
             .notes

@@ -197,7 +197,7 @@ pub fn load_spec_with(path: &Path, overrides: &[String]) -> Result<Checked, Spec
                 "spec::unreadable",
                 Span::new(0, 0),
                 format!("cannot read spec file `{name}`: {e}"),
-                "unreadable",
+                "",
             );
             Err(SpecErrors::new(&name, String::new(), vec![err]))
         }

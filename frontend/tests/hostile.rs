@@ -376,6 +376,26 @@ fn budgets_need_units_and_the_right_target() {
     assert!(c.target.budgets().is_empty(), "{:?}", c.target.budgets());
 }
 
+/// `max_skipped_steps` set with `grad_clip = none`: valid, with a note that it cannot act
+/// (the skip test reads the clip's gradient norm); none without it or with a clip.
+#[test]
+fn max_skipped_steps_without_a_clip_is_noted() {
+    let notes = |train: &str| {
+        let src = BASE.replace("train {", &format!("train {{\n  {train}"));
+        frontend::check_spec("hostile.asteria", &src, &common::tests_dir(), &[])
+            .expect("valid")
+            .notes
+    };
+    let n = notes("grad_clip = none\n  max_skipped_steps = 3");
+    assert!(
+        n.iter()
+            .any(|x| x.contains("`max_skipped_steps = 3` has no effect")),
+        "{n:?}"
+    );
+    assert!(notes("grad_clip = none").is_empty());
+    assert!(notes("max_skipped_steps = 3").is_empty());
+}
+
 /// `optimizer kl-shampoo { }`: one located error that gives the spelling to use, and no
 /// cascade (no "unknown optimizer `kl`", no "expected `{`").
 #[test]

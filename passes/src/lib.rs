@@ -51,6 +51,10 @@ pub enum PassError {
         /// What is wrong.
         message: String,
     },
+    /// The pass-manager flags ask for something it cannot do (skip a pass that is not
+    /// skippable, an unknown `fuse` rule).
+    #[error("{0}")]
+    Options(String),
     /// The module's tensors need more memory than any target holds (see [`budget`]).
     #[error(
         "pass `{pass}`: the tensors of this spec need {total} with one place each, more than the \

@@ -95,13 +95,10 @@ impl PassManager {
             .iter()
             .find(|n| !Self::SKIPPABLE.contains(&n.as_str()))
         {
-            return Err(PassError::Invalid {
-                pass: "pass-manager",
-                message: format!(
-                    "pass `{n}` cannot be skipped (skippable: {})",
-                    Self::SKIPPABLE.join(", ")
-                ),
-            });
+            return Err(PassError::Options(format!(
+                "pass `{n}` cannot be skipped (skippable: {})",
+                Self::SKIPPABLE.join(", ")
+            )));
         }
         if let Some(r) = options
             .skip_rules
@@ -109,36 +106,29 @@ impl PassManager {
             .chain(&options.apply_rules)
             .find(|r| !crate::fuse::Fuse::SKIPPABLE_RULES.contains(&r.as_str()))
         {
-            return Err(PassError::Invalid {
-                pass: "pass-manager",
-                message: format!(
-                    "`fuse` has no skippable rule `{r}` (skippable: {})",
-                    crate::fuse::Fuse::SKIPPABLE_RULES.join(", ")
-                ),
-            });
+            return Err(PassError::Options(format!(
+                "`fuse` has no skippable rule `{r}` (skippable: {})",
+                crate::fuse::Fuse::SKIPPABLE_RULES.join(", ")
+            )));
         }
         if let Some(r) = options
             .apply_rules
             .iter()
             .find(|r| !crate::fuse::Fuse::APPLICABLE_RULES.contains(&r.as_str()))
         {
-            return Err(PassError::Invalid {
-                pass: "pass-manager",
-                message: format!(
-                    "`fuse` rule `{r}` applies on every target already (--apply-rule takes: {})",
-                    crate::fuse::Fuse::APPLICABLE_RULES.join(", ")
-                ),
-            });
+            return Err(PassError::Options(format!(
+                "`fuse` rule `{r}` applies on every target already (--apply-rule takes: {})",
+                crate::fuse::Fuse::APPLICABLE_RULES.join(", ")
+            )));
         }
         if let Some(r) = options
             .skip_rules
             .iter()
             .find(|r| options.apply_rules.contains(r))
         {
-            return Err(PassError::Invalid {
-                pass: "pass-manager",
-                message: format!("`fuse` rule `{r}` is both skipped and applied"),
-            });
+            return Err(PassError::Options(format!(
+                "`fuse` rule `{r}` is both skipped and applied"
+            )));
         }
         let mut passes = Self::default_passes();
         for p in &mut passes {
@@ -192,7 +182,15 @@ impl PassManager {
         for pass in &mut self.passes {
             let name = pass.name();
             if self.options.print_before.iter().any(|p| p == name) {
-                let _ = writeln!(out, "; IR before {name}\n{module}");
+                // Passes after `lower` work on the plan: show it as it stands.
+                match &cx.plan {
+                    Some(plan) => {
+                        let _ = writeln!(out, "{}", plan_listing(plan, name));
+                    }
+                    None => {
+                        let _ = writeln!(out, "; IR before {name}\n{module}");
+                    }
+                }
             }
             let _span = tracing::info_span!("pass", name).entered();
             let start = Instant::now();
@@ -226,4 +224,37 @@ impl PassManager {
         }
         Ok((cx, timings))
     }
+}
+
+/// `--print-before` of a pass that works on the plan: every op of the step's programs with its
+/// operands by name, then the memory plan's arenas and each host task.
+fn plan_listing(plan: &schedule::Plan, pass: &str) -> String {
+    use std::fmt::Write as _;
+    let mut s = format!("; plan before {pass}\n");
+    for (section, program) in [
+        ("forward", &plan.forward),
+        ("backward", &plan.backward),
+        ("optimizer", &plan.optimizer),
+    ] {
+        for (i, op) in program.iter().enumerate() {
+            let names: Vec<String> = op
+                .operands()
+                .iter()
+                .map(|(f, id)| format!("{f}=%{}", plan.buffer(*id).name))
+                .collect();
+            let _ = writeln!(s, ";   {section}[{i}] {} {}", op.name(), names.join(" "));
+        }
+    }
+    for t in &plan.host_tasks {
+        let names: Vec<String> = t
+            .operands()
+            .iter()
+            .map(|(f, id)| format!("{f}=%{}", plan.buffer(*id).name))
+            .collect();
+        let _ = writeln!(s, ";   host eigenbasis_refresh {}", names.join(" "));
+    }
+    for a in &plan.memory.arenas {
+        let _ = writeln!(s, "; arena {} {} bytes", a.kind.name(), a.bytes);
+    }
+    s
 }

@@ -248,6 +248,16 @@ pub(crate) fn train(c: &mut Checker, b: &Block) -> TrainConfig {
             n
         }
     };
+    // The skip test reads the gradient norm the global-norm clip computes.
+    if let (None, Some(n), Some(e)) = (grad_clip, max_skipped_steps, f.get("max_skipped_steps")) {
+        if e.value.kind != ValueKind::None {
+            c.notes.push(format!(
+                "`max_skipped_steps = {n}` has no effect with `grad_clip = none`: a step is \
+                 skipped when the clip's gradient norm is not finite, and without a clip no norm \
+                 is computed (non-finite gradients then reach the parameters)"
+            ));
+        }
+    }
     TrainConfig {
         steps: steps.unwrap_or(1),
         warmup_steps,
