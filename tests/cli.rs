@@ -1151,4 +1151,19 @@ fn set_overrides_are_checked_like_the_spec_and_recorded_in_the_plan() {
             }
         }
     }
+    // An argument that conflicts with a key of the spec: the argument's snippet, and the
+    // spec's key as a line of the hint (not every spec line between the two).
+    let o = asteria(&[
+        "compile",
+        "examples/tiny.asteria",
+        "--set",
+        "data.seq_len=128",
+    ]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("context set here: line 15"), "{err}");
+    assert!(
+        !err.contains("weight_decay"),
+        "the spec's lines in between: {err}"
+    );
 }

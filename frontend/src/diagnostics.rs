@@ -275,8 +275,15 @@ fn near(source: &str, a: Span, b: Span) -> bool {
     let brk = |c: char| c == '\n' || c == '\r';
     let start = source[..lo].rfind(brk).map_or(0, |k| k + 1);
     let end = source[hi..].find(brk).map_or(source.len(), |k| hi + k);
-    end - start <= MAX_CONTEXT && source[start..end].split(brk).all(|l| l.len() <= MAX_LINE)
+    end - start <= MAX_CONTEXT
+        && source[start..end].lines().count() <= MAX_CONTEXT_LINES
+        && source[start..end].split(brk).all(|l| l.len() <= MAX_LINE)
 }
+
+/// A note more than this many lines from its error (counting both) is a line of the hint:
+/// the snippet would show every line between them (a `--set` argument's error and the spec
+/// key it conflicts with are a whole spec apart).
+const MAX_CONTEXT_LINES: usize = 8;
 
 fn clip_text(s: &mut String) {
     if s.len() > MAX_TEXT {
