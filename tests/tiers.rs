@@ -349,6 +349,131 @@ fn gradients_streamed_to_host_memory_keep_the_run_bit_identical() {
     }
 }
 
+/// When the moments and the gradients are not enough, SOAP's Kronecker factors and eigenbases
+/// leave the device too (pinned host memory only): the optimizer program stages each once a
+/// step (a factor in and out around its accumulation, a basis in only: the step reads it), and
+/// the refreshes read and write them where they live. The run is bit-identical to the
+/// untiered one with synchronous refreshes (the reference path) and with refreshes in the
+/// background (S = 2: snapshots at launch, installs later).
+#[test]
+fn kronecker_factors_and_eigenbases_in_host_memory_keep_the_run_bit_identical() {
+    for (staleness, synchronous) in [(0u32, true), (2, false)] {
+        let cfg = |budgets: Budgets| {
+            let mut c = config(Opt::Soap, budgets);
+            if let TargetConfig::Cpu { staleness: s, .. } = &mut c.target {
+                *s = staleness;
+            }
+            // Installs at exactly S steps after launch: the same bases at the same steps in
+            // every run.
+            c.train.refresh_swap = ir::RefreshSwap::Deadline;
+            c
+        };
+        let run = |plan: Plan| {
+            let opts = EngineOptions {
+                threads: Some(2),
+                synchronous_refresh: synchronous,
+                ..EngineOptions::default()
+            };
+            let (x, y) = batch(&plan);
+            let mut e = CpuEngine::<f32>::new(plan, opts).expect("engine");
+            let losses: Vec<f64> = (1..=6)
+                .map(|t| step(&mut e, &x, &y, t).expect("step"))
+                .collect();
+            (losses, e.params())
+        };
+        let plain = compile(cfg(Budgets::default())).expect("untiered");
+        let need = plain.memory.device_bytes() as u64;
+        let (l0, p0) = run(plain);
+        let refresh_state = |p: &Plan| -> Vec<String> {
+            p.buffers
+                .iter()
+                .enumerate()
+                .filter(|(i, b)| {
+                    matches!(
+                        b.class,
+                        schedule::BufferClass::KroneckerFactor | schedule::BufferClass::Eigenbasis
+                    ) && p.memory.tier(schedule::BufferId(*i as u32)) == Some(ArenaKind::Host)
+                })
+                .map(|(_, b)| b.name.clone())
+                .collect()
+        };
+        // The smallest budget (64 KiB steps below the need) that compiles: every factor and
+        // basis the pass may move has left.
+        let mut budget = need;
+        let mut last = None;
+        loop {
+            let b = Budgets {
+                device: Some(budget - (64 << 10)),
+                ..Default::default()
+            };
+            match compile(cfg(b)) {
+                Ok(p) => {
+                    budget -= 64 << 10;
+                    last = Some(p);
+                }
+                Err(_) => break,
+            }
+        }
+        let plan = last.expect("some budget below the need compiles");
+        plan.verify().expect("verifies");
+        assert!(plan.memory.device_bytes() as u64 <= budget);
+        let kinds: Vec<schedule::BufferClass> = plan
+            .buffers
+            .iter()
+            .filter(|b| refresh_state(&plan).contains(&b.name))
+            .map(|b| b.class)
+            .collect();
+        assert!(
+            kinds.contains(&schedule::BufferClass::KroneckerFactor)
+                && kinds.contains(&schedule::BufferClass::Eigenbasis),
+            "{kinds:?}"
+        );
+        // Everything cheaper went first: every moment and gradient that can move has.
+        let moved = refresh_state(&plan);
+        for name in &moved {
+            let id = schedule::BufferId(
+                plan.buffers
+                    .iter()
+                    .position(|b| &b.name == name)
+                    .expect("buffer") as u32,
+            );
+            let home = |o: &Op| matches!(o, Op::CopyIn { src, .. } if *src == id);
+            assert_eq!(
+                plan.optimizer.iter().filter(|o| home(o)).count(),
+                1,
+                "{name}: staged once a step"
+            );
+            let written_back = plan
+                .optimizer
+                .iter()
+                .any(|o| matches!(o, Op::CopyOut { dst, .. } if *dst == id));
+            assert_eq!(
+                written_back,
+                plan.buffer(id).class == schedule::BufferClass::KroneckerFactor,
+                "{name}: a factor is written back, a basis is only read"
+            );
+        }
+        // A refresh reads a factor or writes a basis in host memory.
+        assert!(
+            plan.host_tasks
+                .iter()
+                .any(|t| t
+                    .operands()
+                    .iter()
+                    .any(|(f, id)| matches!(*f, "factor" | "basis")
+                        && plan.memory.tier(*id) == Some(ArenaKind::Host))),
+            "{moved:?}"
+        );
+        eprintln!(
+            "S = {staleness}: {} of the factors and bases in host memory",
+            moved.len()
+        );
+        let (l, p) = run(plan);
+        assert_eq!(l, l0, "S = {staleness}: losses ({moved:?} in host memory)");
+        assert_eq!(p, p0, "S = {staleness}: parameters");
+    }
+}
+
 fn nvme_file(dir: &std::path::Path) -> std::path::PathBuf {
     let files: Vec<_> = std::fs::read_dir(dir)
         .expect("dir")

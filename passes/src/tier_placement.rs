@@ -27,9 +27,16 @@
 //!   `prefetch-insertion` copies each out right after its last backward write, so the copy
 //!   overlaps the rest of the backward, and back in before its update; the global-norm clip
 //!   then reads per-gradient partial sums, [`schedule::Op::GradSumSquares`]), to pinned host
-//!   memory only (never NVMe: they move every step). Parameters (read by the forward, the
-//!   backward and the casts) and the Kronecker factors and eigenbases (read and written by
-//!   the refreshes) stay on the device in this version.
+//!   memory only (never NVMe: they move every step). Then, last, the **Kronecker factors and
+//!   eigenbases** of SOAP refreshes (pinned host memory only): the optimizer program stages
+//!   each once a step (a factor copied in and out around its accumulation, a basis copied in
+//!   only: the step reads it), and the refreshes read and write them where they live, between
+//!   steps (the CPU engine pages them in; the CUDA engine copies a factor's snapshot and reads
+//!   a host-tier basis in place through unified addressing, so those refreshes and swaps read
+//!   it over the host link — not in the cost model yet). Factors are candidates before bases
+//!   (the take-back of unneeded tensors, smallest first, may still keep a basis and return a
+//!   factor). Parameters
+//!   (read by the forward, the backward and the casts) stay on the device in this version.
 //! - **Cost** per candidate: its per-step copy time over the tier's link (pinned host memory:
 //!   the host↔GPU bandwidth of the target description, each way, the copies in and out
 //!   running at once on a GPU's two copy engines; NVMe: the drive's read plus write
@@ -296,7 +303,7 @@ pub fn place(
     }
     // Moments first, then gradients (when the host tier is there for them); each group
     // largest first, ties in buffer order.
-    let (mut candidates, mut grads) = candidates(plan);
+    let (mut candidates, mut grads, mut refresh) = candidates(plan);
     let by_size = |v: &mut Vec<BufferId>| {
         v.sort_by(|&a, &b| {
             let (x, y) = (plan.buffer(a).size_bytes(), plan.buffer(b).size_bytes());
@@ -305,8 +312,13 @@ pub fn place(
     };
     by_size(&mut candidates);
     by_size(&mut grads);
+    by_size(&mut refresh);
+    // Factors before bases: on the CUDA engine a refresh copies its factor (a snapshot) but
+    // reads its basis in place (its GEMMs and the swap's, over the host link).
+    refresh.sort_by_key(|&c| plan.buffer(c).class == BufferClass::Eigenbasis);
     if host_ok {
         candidates.extend(grads);
+        candidates.extend(refresh);
     }
     // Greedy on the estimate: freeing a tensor's persistent bytes.
     let mut excess = device_need(plan).saturating_sub(cap);
@@ -367,9 +379,11 @@ pub fn place(
 }
 
 /// The tensors this version may offload: f32 moments touched by the optimizer program (and by
-/// refresh swaps) only; and, second, f32 gradients that the backward writes and only the
-/// optimizer program reads (streamed to pinned host memory as they are finished).
-fn candidates(plan: &Plan) -> (Vec<BufferId>, Vec<BufferId>) {
+/// refresh swaps) only; second, f32 gradients that the backward writes and only the optimizer
+/// program reads (streamed to pinned host memory as they are finished); third, the Kronecker
+/// factors and eigenbases of SOAP refreshes, which only the optimizer program (once a step)
+/// and the refresh tasks (between steps, where the state lives) touch.
+fn candidates(plan: &Plan) -> (Vec<BufferId>, Vec<BufferId>, Vec<BufferId>) {
     let n = plan.buffers.len();
     let mut in_forward = vec![false; n];
     let mut by_backward = vec![false; n];
@@ -405,14 +419,24 @@ fn candidates(plan: &Plan) -> (Vec<BufferId>, Vec<BufferId>) {
             }
         }
     }
+    // A refresh's moments may move (its swap re-projects them where they live), and so may a
+    // SOAP refresh's factor and basis (the refresh reads and writes them where they live).
+    let mut refresh_state = vec![false; n];
     for t in &plan.host_tasks {
+        let schedule::HostTask::EigenbasisRefresh { method, .. } = t;
         for (field, id) in t.operands() {
-            // A refresh's moments may move (its swap re-projects them where they live); the
-            // factor and basis stay.
-            if matches!(field, "exp_avg" | "exp_avg_sq") {
-                continue;
+            let i = id.index();
+            match field {
+                "exp_avg" | "exp_avg_sq" => continue,
+                "factor" | "basis" if *method == schedule::RefreshMethod::Soap => {
+                    if let Some(r) = refresh_state.get_mut(i) {
+                        *r = true;
+                    }
+                    continue;
+                }
+                _ => {}
             }
-            if let Some(o) = outside.get_mut(id.index()) {
+            if let Some(o) = outside.get_mut(i) {
                 *o = true;
             }
         }
@@ -450,7 +474,20 @@ fn candidates(plan: &Plan) -> (Vec<BufferId>, Vec<BufferId>) {
         })
         .map(|i| BufferId(i as u32))
         .collect();
-    (moments, grads)
+    let refresh = (0..n)
+        .filter(|&i| {
+            let b = &plan.buffers[i];
+            matches!(
+                b.class,
+                BufferClass::KroneckerFactor | BufferClass::Eigenbasis
+            ) && b.dtype == schedule::DType::F32
+                && refresh_state[i]
+                && used[i]
+                && !outside[i]
+        })
+        .map(|i| BufferId(i as u32))
+        .collect();
+    (moments, grads, refresh)
 }
 
 /// Predicted copy time per step (ms) of `bytes` of moments in `tier` on `desc`: the host tier's
@@ -493,6 +530,10 @@ fn assign(
     for &c in chosen {
         let bytes = plan.buffer(c).size_bytes();
         let gradient = plan.buffer(c).class == BufferClass::Gradient;
+        let refresh = matches!(
+            plan.buffer(c).class,
+            BufferClass::KroneckerFactor | BufferClass::Eigenbasis
+        );
         let (tier, offset, copy_ms) = if host_ok && host.saturating_add(bytes) <= host_cap {
             let at = host;
             host = align_up(host.saturating_add(bytes), 256);
@@ -501,7 +542,7 @@ fn assign(
                 at,
                 tier_copy_ms(desc, ArenaKind::Host, bytes),
             )
-        } else if !gradient && nvme.saturating_add(bytes) <= nvme_cap {
+        } else if !gradient && !refresh && nvme.saturating_add(bytes) <= nvme_cap {
             let at = nvme;
             nvme = align_up(nvme.saturating_add(bytes), NVME_ALIGN);
             (
@@ -513,6 +554,10 @@ fn assign(
             let why = if gradient {
                 "and gradients (streamed out and back every step) go to pinned host memory \
                  only"
+                    .to_string()
+            } else if refresh {
+                "and Kronecker factors and eigenbases (read by the refreshes where they live) \
+                 go to pinned host memory only"
                     .to_string()
             } else if budgets.nvme_dir.is_none() {
                 "and the spec names no `nvme` directory".to_string()
@@ -602,10 +647,19 @@ fn over_budget(
     let grads_moved = moved
         .iter()
         .any(|&c| plan.buffer(c).class == BufferClass::Gradient);
-    let what = if grads_moved {
-        "the optimizer moments and the gradients"
-    } else {
-        "the optimizer moments"
+    let refresh_moved = moved.iter().any(|&c| {
+        matches!(
+            plan.buffer(c).class,
+            BufferClass::KroneckerFactor | BufferClass::Eigenbasis
+        )
+    });
+    let what = match (grads_moved, refresh_moved) {
+        (true, true) => {
+            "the optimizer moments, the gradients, the Kronecker factors and eigenbases"
+        }
+        (true, false) => "the optimizer moments and the gradients",
+        (false, true) => "the optimizer moments, the Kronecker factors and eigenbases",
+        (false, false) => "the optimizer moments",
     };
     let accumulating = if plan.train.grad_accum > 1 {
         format!(

@@ -469,3 +469,71 @@ fn sixteen_gib_streams_gradients_to_host_memory_after_the_moments() {
     assert!(!free.backward.iter().any(|o| o.name() == "copy_out"));
     assert!(!free.backward.iter().any(|o| o.name() == "grad_sum_squares"));
 }
+
+/// Under 12 GiB (with `rematerialize = layers`) the 1.44B SOAP plan fits only once its
+/// Kronecker factors and eigenbases leave the device too (the moments and gradients alone
+/// left 14.05 GiB there): they go to pinned host memory, each staged once a step (a factor in
+/// and out, a basis in only); the verifier refuses a factor or basis moved to NVMe.
+#[test]
+fn twelve_gib_moves_kronecker_factors_and_eigenbases_to_host_memory() {
+    const GIB: usize = 1 << 30;
+    let plan = soap_plan(|s| {
+        s.replacen(
+            "target cuda {",
+            "target cuda {\n  gpu_memory = 12GiB\n  host_memory = 96GiB",
+            1,
+        )
+        .replacen("train {", "train {\n  rematerialize = layers", 1)
+    });
+    plan.verify().expect("verifies");
+    let device = plan.memory.device_bytes();
+    let reserve = schedule::reserve::engine_reserve(&plan, device).total();
+    assert!(device + reserve <= 12 * GIB, "{device} + {reserve}");
+    let moved = |class: schedule::BufferClass| -> Vec<schedule::BufferId> {
+        (0..plan.buffers.len())
+            .map(|i| schedule::BufferId(i as u32))
+            .filter(|&id| {
+                plan.buffer(id).class == class && plan.memory.tier(id) == Some(ArenaKind::Host)
+            })
+            .collect()
+    };
+    let factors = moved(schedule::BufferClass::KroneckerFactor);
+    let bases = moved(schedule::BufferClass::Eigenbasis);
+    assert!(!factors.is_empty(), "factors moved");
+    for &id in factors.iter().chain(&bases) {
+        let ins = plan
+            .optimizer
+            .iter()
+            .filter(|o| matches!(o, schedule::Op::CopyIn { src, .. } if *src == id))
+            .count();
+        let outs = plan
+            .optimizer
+            .iter()
+            .filter(|o| matches!(o, schedule::Op::CopyOut { dst, .. } if *dst == id))
+            .count();
+        let factor = plan.buffer(id).class == schedule::BufferClass::KroneckerFactor;
+        assert_eq!(
+            (ins, outs),
+            (1, usize::from(factor)),
+            "{}",
+            plan.buffer(id).name
+        );
+    }
+    // A refresh's factor on NVMe is refused (the GPU reads it where it lives).
+    let mut bad = plan.clone();
+    let f = factors[0].index();
+    bad.memory.slots[f] = schedule::BufferSlot {
+        arena: ArenaKind::Nvme,
+        offset: 0,
+    };
+    bad.memory.budgets.nvme_dir = Some("/tmp".into());
+    bad.memory.arenas.push(schedule::ArenaPlan {
+        kind: ArenaKind::Nvme,
+        bytes: bad.buffers[f].size_bytes().next_multiple_of(1 << 20),
+    });
+    let e = bad.verify().expect_err("a factor on NVMe");
+    assert!(
+        e.to_string().contains("factor and basis in the host tier"),
+        "{e}"
+    );
+}

@@ -6,7 +6,7 @@ use crate::{ArenaKind, BufferId, Op, Plan, PlanError};
 /// The tier rules: arenas within their [`Budgets`]; an offloaded buffer (in the `host` or
 /// `nvme` arena) is persistent, touched by no op but [`Op::CopyIn`] (as `src`) and
 /// [`Op::CopyOut`] (as `dst`) and by no host task except as a refresh's moments (which the swap
-/// re-projects where they live); every copy moves between an offloaded buffer
+/// re-projects where they live) or a SOAP refresh's factor and basis in the host tier; every copy moves between an offloaded buffer
 /// and a device buffer; a staging buffer (a `CopyIn` destination) is written first by its
 /// `CopyIn` — no op touches it before the copy has brought its bytes — and, when an op writes
 /// it, a `CopyOut` to its home follows the last such write (except a gradient's staging
@@ -44,13 +44,23 @@ pub(crate) fn verify_tiers(plan: &Plan) -> Result<(), PlanError> {
     let tier = |id: BufferId| m.tier(id).unwrap_or(ArenaKind::Persistent);
     let name = |id: BufferId| &plan.buffer(id).name;
     for t in &plan.host_tasks {
+        let crate::HostTask::EigenbasisRefresh { method, .. } = t;
         for (field, id) in t.operands() {
-            // A refresh swap re-projects the moments where they live; the factor it reads and
-            // the basis it writes stay on the device.
-            if !tier(id).on_device() && !matches!(field, "exp_avg" | "exp_avg_sq") {
+            // A refresh swap re-projects the moments where they live; a SOAP refresh reads its
+            // factor and writes its basis where they live, which must be pinned host memory
+            // (the GPU reads it in place) when not the device.
+            let allowed = match field {
+                "exp_avg" | "exp_avg_sq" => true,
+                "factor" | "basis" => {
+                    *method == crate::RefreshMethod::Soap && tier(id) == ArenaKind::Host
+                }
+                _ => false,
+            };
+            if !tier(id).on_device() && !allowed {
                 return Err(invalid(format!(
                     "host task operand `{field}` `{}` is offloaded to the `{}` tier; only a \
-                     refresh's moments may be",
+                     refresh's moments may be, and a SOAP refresh's factor and basis in the \
+                     host tier",
                     name(id),
                     tier(id)
                 )));

@@ -46,7 +46,8 @@ struct HostRefresher<'a, T> {
     pool: &'a Arc<rayon::ThreadPool>,
     /// The host pool (refresh computations).
     host_pool: &'a Arc<rayon::ThreadPool>,
-    /// Offloaded moments, brought in around a swap's re-projection.
+    /// Offloaded state (moments; a SOAP refresh's factor and basis), brought in around the
+    /// refreshes that read or write it.
     tiers: &'a mut super::tiers::Tiers<T>,
 }
 
@@ -101,8 +102,8 @@ impl<T: Float + Real> RefreshBackend for HostRefresher<'_, T> {
     }
 
     fn launch(&mut self, task: &RefreshTask, t: u64) -> Result<Option<Job<T>>, EngineError> {
-        let factor = Arc::new(self.store.f(task.factor)?.to_vec());
-        let basis = Arc::new(self.store.f(task.basis)?.to_vec());
+        let factor = Arc::new(self.state(task, task.factor)?);
+        let basis = Arc::new(self.state(task, task.basis)?);
         Ok(Some(self.spawn(task, t, factor, basis)))
     }
 
@@ -129,6 +130,9 @@ impl<T: Float + Real> RefreshBackend for HostRefresher<'_, T> {
         if matches!(task.method, RefreshMethod::Qr | RefreshMethod::InverseRoot) {
             // The basis (or root) only: KL-Shampoo's momentum is not an operand, Shampoo has
             // none.
+            let paged = self
+                .tiers
+                .page_in(self.store, &[task.basis, task.factor], loc(task))?;
             let applied = self.store.with_outs(
                 loc(task),
                 &[("basis", task.basis)],
@@ -140,6 +144,7 @@ impl<T: Float + Real> RefreshBackend for HostRefresher<'_, T> {
                     Ok(refresh_apply(&result, q, &mut [], &mut [], m, n))
                 },
             );
+            self.tiers.page_out(self.store, &paged, loc(task))?;
             return task.outcome(applied?);
         }
         let outs = [
@@ -147,8 +152,8 @@ impl<T: Float + Real> RefreshBackend for HostRefresher<'_, T> {
             ("exp_avg", task.exp_avg),
             ("exp_avg_sq", task.exp_avg_sq),
         ];
-        let moments = [task.exp_avg, task.exp_avg_sq];
-        let paged = self.tiers.page_in(self.store, &moments, loc(task))?;
+        let state = [task.exp_avg, task.exp_avg_sq, task.basis, task.factor];
+        let paged = self.tiers.page_in(self.store, &state, loc(task))?;
         let applied = self
             .store
             .with_outs(loc(task), &outs, &[task.factor], |_, o| {
@@ -166,7 +171,7 @@ impl<T: Float + Real> HostRefresher<'_, T> {
     /// `refresh_compute` on the live factor and basis, on the host pool (first basis, S = 0).
     fn compute_inline(&self, task: &RefreshTask, t: u64, init: bool) -> JobOutput<T> {
         let (m, n) = self.store.dims2(task.exp_avg);
-        let (f, q) = match (self.store.f(task.factor), self.store.f(task.basis)) {
+        let (f, q) = match (self.state(task, task.factor), self.state(task, task.basis)) {
             (Ok(f), Ok(q)) => (f, q),
             (Err(e), _) | (_, Err(e)) => return Err(JobError::Lost(e.to_string())),
         };
@@ -174,8 +179,20 @@ impl<T: Float + Real> HostRefresher<'_, T> {
         let t_optim = task.optim_step(t, init);
         let task = *task;
         self.host_pool
-            .install(|| compute(solver, &task, t_optim, f, q, m, n))
+            .install(|| compute(solver, &task, t_optim, &f, &q, m, n))
             .map_err(JobError::Refresh)
+    }
+
+    /// The contents of `id`, an operand of `task`, wherever it lives (the working store, or
+    /// the host or NVMe tier where `tier-placement` moved it).
+    fn state(&self, task: &RefreshTask, id: schedule::BufferId) -> Result<Vec<T>, EngineError> {
+        if self.tiers.is_offloaded(id) {
+            let mut v = vec![T::zero(); self.store.shapes[id.index()].iter().product()];
+            self.tiers.read(id, &mut v, loc(task))?;
+            Ok(v)
+        } else {
+            Ok(self.store.f(id)?.to_vec())
+        }
     }
 
     /// The reference path ([`super::EngineOptions::synchronous_refresh`]): one
@@ -199,8 +216,8 @@ impl<T: Float + Real> HostRefresher<'_, T> {
             ("exp_avg", task.exp_avg),
             ("exp_avg_sq", task.exp_avg_sq),
         ];
-        let moments = [task.exp_avg, task.exp_avg_sq];
-        let paged = self.tiers.page_in(self.store, &moments, loc(task))?;
+        let state = [task.exp_avg, task.exp_avg_sq, task.basis, task.factor];
+        let paged = self.tiers.page_in(self.store, &state, loc(task))?;
         let outcome: Result<Result<RefreshOutcome, _>, EngineError> =
             self.store
                 .with_outs(loc(task), &outs, &[task.factor], |s, o| {
