@@ -27,16 +27,16 @@
 //!   `prefetch-insertion` copies each out right after its last backward write, so the copy
 //!   overlaps the rest of the backward, and back in before its update; the global-norm clip
 //!   then reads per-gradient partial sums, [`schedule::Op::GradSumSquares`]), to pinned host
-//!   memory only (never NVMe: they move every step). Then, last, the **Kronecker factors and
-//!   eigenbases** of SOAP refreshes (pinned host memory only): the optimizer program stages
-//!   each once a step (a factor copied in and out around its accumulation, a basis copied in
-//!   only: the step reads it), and the refreshes read and write them where they live, between
-//!   steps (the CPU engine pages them in; the CUDA engine copies a factor's snapshot and reads
-//!   a host-tier basis in place through unified addressing, so those refreshes and swaps read
-//!   it over the host link — not in the cost model yet). Factors are candidates before bases
-//!   (the take-back of unneeded tensors, smallest first, may still keep a basis and return a
-//!   factor). Parameters
-//!   (read by the forward, the backward and the casts) stay on the device in this version.
+//!   memory only (never NVMe: they move every step). Then, last and on the CPU target only,
+//!   the **Kronecker factors and eigenbases** of SOAP refreshes (the host tier only): the
+//!   optimizer program stages each once a step (a factor copied in and out around its
+//!   accumulation, a basis copied in only: the step reads it), and the refreshes read and
+//!   write them where they live, between steps (the CPU engine pages them in). The CUDA
+//!   engine's refresh and swap kernels need them on the device (they would have to stage
+//!   them first), so on a CUDA target they stay there in this version. Factors are
+//!   candidates before bases (the take-back of unneeded tensors, smallest first, may still
+//!   keep a basis and return a factor). Parameters (read by the forward, the backward and
+//!   the casts) stay on the device in this version.
 //! - **Cost** per candidate: its per-step copy time over the tier's link (pinned host memory:
 //!   the host↔GPU bandwidth of the target description, each way, the copies in and out
 //!   running at once on a GPU's two copy engines; NVMe: the drive's read plus write
@@ -313,12 +313,16 @@ pub fn place(
     by_size(&mut candidates);
     by_size(&mut grads);
     by_size(&mut refresh);
-    // Factors before bases: on the CUDA engine a refresh copies its factor (a snapshot) but
-    // reads its basis in place (its GEMMs and the swap's, over the host link).
+    // Factors before bases: a factor costs its copies only; a refresh also reads and writes
+    // its basis where it lives.
     refresh.sort_by_key(|&c| plan.buffer(c).class == BufferClass::Eigenbasis);
     if host_ok {
         candidates.extend(grads);
-        candidates.extend(refresh);
+        // The CUDA engine's refreshes read a factor and basis on the device (its refresh and
+        // swap kernels check their operands' tier): on a CUDA target they stay there.
+        if matches!(plan.target, schedule::TargetPlan::Cpu { .. }) {
+            candidates.extend(refresh);
+        }
     }
     // Greedy on the estimate: freeing a tensor's persistent bytes.
     let mut excess = device_need(plan).saturating_sub(cap);
