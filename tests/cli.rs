@@ -870,9 +870,35 @@ fn checkpoint_dir_is_checked_before_training_and_resumes_say_what_they_load() {
     }
     // The newest loses its meta.json: the resume takes step 2 and says so.
     std::fs::remove_file(ck.join("step-000000004").join("meta.json")).expect("rm");
-    let o = asteria(&["train", spec_s, "--resume", ck_s, "--steps", "5"]);
+    let resumed_metrics = dir.path().join("resumed.jsonl");
+    let o = asteria(&[
+        "train",
+        spec_s,
+        "--resume",
+        ck_s,
+        "--steps",
+        "5",
+        "--metrics",
+        resumed_metrics.to_str().expect("utf8"),
+    ]);
     let (_, err) = text(&o);
     assert!(o.status.success(), "{err}");
+    // The resumed run's `wall_s` continues from the checkpoint's, not from 0.
+    let at = engine::checkpoint::load(&ck.join("step-000000002"))
+        .expect("loads")
+        .meta
+        .wall_s
+        .expect("the checkpoint records the run's seconds");
+    let walls: Vec<f64> = std::fs::read_to_string(&resumed_metrics)
+        .expect("metrics")
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["wall_s"].as_f64())
+        .collect();
+    assert!(
+        !walls.is_empty() && walls.iter().all(|&w| w >= at),
+        "{at} {walls:?}"
+    );
     assert!(
         err.contains(&format!(
             "resumed from {} (after step 2",

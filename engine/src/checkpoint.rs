@@ -119,6 +119,10 @@ pub struct CheckpointMeta {
     pub consecutive_refresh_failures: Vec<u32>,
     /// Optimizer steps skipped for a non-finite gradient so far.
     pub skipped_steps: u64,
+    /// Seconds of the run (its metrics' `wall_s`, across earlier resumes) when this was
+    /// written: a resumed run's `wall_s` continues from it (absent in older checkpoints).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wall_s: Option<f64>,
     /// Refreshes in flight at the checkpoint (engines that replay them, the CPU engine's):
     /// their snapshots are in `in_flight.safetensors`.
     #[serde(default)]
@@ -243,7 +247,7 @@ pub fn step_dir_name(step: u64) -> String {
 }
 
 /// Writes the checkpoint of `engine` after step `step` (`batches` training batches drawn,
-/// sampler seed `seed`) into `root/step-N`, atomically, draining refreshes in flight first;
+/// sampler seed `seed`, `wall_s` seconds of the run so far) into `root/step-N`, atomically, draining refreshes in flight first;
 /// then removes the oldest others until `keep` checkpoints remain in `root` (the new one
 /// always stays). Returns the directory.
 ///
@@ -257,6 +261,7 @@ pub fn save<E: StepExecutor + ?Sized>(
     batches: u64,
     seed: u64,
     keep: usize,
+    wall_s: f64,
 ) -> Result<PathBuf, EngineError> {
     let in_flight = engine.checkpoint_refreshes(step)?;
     let plan = engine.plan().clone();
@@ -291,6 +296,7 @@ pub fn save<E: StepExecutor + ?Sized>(
         refresh_failures: stats.refresh_failures.clone(),
         consecutive_refresh_failures: stats.consecutive_refresh_failures.clone(),
         skipped_steps: stats.skipped_steps,
+        wall_s: Some(wall_s),
         in_flight: Vec::new(),
         tensors: metas,
         meta_crc32: None,

@@ -509,6 +509,11 @@ pub fn train_with<E: StepExecutor>(
         Some(dir) => Some(crate::checkpoint::load(dir)?),
         None => None,
     };
+    // The metrics' `wall_s`: seconds of the run, continuing a resumed checkpoint's.
+    let wall_base = resumed_ckpt
+        .as_ref()
+        .and_then(|c| c.meta.wall_s)
+        .unwrap_or(0.0);
     // A bad --checkpoint-dir stops the run now, not after the steps before its first save.
     if let Some(root) = &opts.checkpoint_dir {
         crate::checkpoint::prepare_root(root)?;
@@ -540,7 +545,7 @@ pub fn train_with<E: StepExecutor>(
         metrics.write(serde_json::json!({
             "step": step,
             "val_loss": v,
-            "wall_s": started.elapsed().as_secs_f64(),
+            "wall_s": wall_base + started.elapsed().as_secs_f64(),
             "energy_j": train_j,
         }))
     };
@@ -657,6 +662,7 @@ pub fn train_with<E: StepExecutor>(
                 base_batches + (step - base_step) * micro_batches,
                 plan.train.seed,
                 opts.checkpoint_keep,
+                wall_base + started.elapsed().as_secs_f64(),
             )
             .map(Some),
             None => Ok(None),
@@ -717,7 +723,7 @@ pub fn train_with<E: StepExecutor>(
             "refreshes_launched": host.launched,
             "refreshes_swapped": host.swapped,
             "max_swap_staleness": host.max_swap_staleness,
-            "wall_s": started.elapsed().as_secs_f64(),
+            "wall_s": wall_base + started.elapsed().as_secs_f64(),
             "step_j": step_j,
             "energy_j": train_j,
         }));
