@@ -46,3 +46,22 @@ pub fn plan_json(dir: &Path, spec: &str, extra: &[&str]) -> serde_json::Value {
     assert!(o.status.success(), "{:?}", text(&o));
     serde_json::from_str(&std::fs::read_to_string(&plan).expect("plan")).expect("json")
 }
+
+/// A tiny AdamW GPT-2 spec on the built-in corpus with the bytes tokenizer (batch 2 × 32, one
+/// thread), its model shape and train keys given, written into `dir`.
+pub fn bytes_spec(dir: &Path, model: &str, train: &str) -> PathBuf {
+    let spec = dir.join("tiny-bytes.asteria");
+    std::fs::write(
+        &spec,
+        format!(
+            "model gpt2 {{ vocab = 256 context = 32 {model} }}
+optimizer adamw {{ lr = 1e-3 }}
+data {{ corpus = builtin tokenizer = bytes batch_size = 2 seq_len = 32 val_fraction = 0.1 }}
+train {{ {train} }}
+target cpu {{ threads = 1 }}
+"
+        ),
+    )
+    .expect("write spec");
+    spec
+}
