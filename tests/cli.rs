@@ -265,6 +265,40 @@ fn explain_reports_bytes_per_class_and_ops() {
     }
 }
 
+/// `explain` on a CUDA spec names its device floor (everything tier-placement may move
+/// offloaded): a budget just above it compiles, one well below it fails naming a need at
+/// least that of the floor's neighbourhood.
+#[test]
+fn explain_names_the_device_floor_that_tier_placement_meets() {
+    let o = asteria(&["explain", "examples/gpt2-124m.asteria"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let line = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("floor"))
+        .unwrap_or_else(|| panic!("no floor line: {out}"));
+    let gib: f64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(line.contains("GiB"), "{line}");
+    let with = |g: f64| {
+        asteria(&[
+            "compile",
+            "examples/gpt2-124m.asteria",
+            "--set",
+            &format!("target.gpu_memory={g:.2}GiB"),
+        ])
+    };
+    let o = with(gib + 0.02);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let o = with(gib * 0.8);
+    let err = flat(&o);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains(&format!("still leaves {gib:.2} GiB")), "{err}");
+}
+
 #[test]
 fn bad_spec_fails_with_location_and_nonzero_exit() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -265,6 +265,49 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
             human_bytes(plan.memory.device_bytes())
         );
     }
+    // The smallest device budget this spec fits: the plan before placement, everything
+    // movable offloaded.
+    if let schedule::TargetPlan::Cuda { .. } = plan.target {
+        let config = frontend::load_spec_with(spec, overrides)
+            .map_err(miette::Report::new)?
+            .config;
+        let budgets = config.target.budgets().clone();
+        let desc = passes::precond_scheduling::target_description(&config.target)
+            .map_err(|e| miette!("{e}"))?;
+        // As compiled under some device budget (`weight_casts = auto` casts weights again in
+        // the backward then, for memory).
+        let mut config = config;
+        if let ir::config::TargetConfig::Cuda { budgets: b, .. } = &mut config.target {
+            b.device.get_or_insert(u64::MAX);
+        }
+        let mut module = ir::Module::new(config);
+        let mut pm =
+            passes::PassManager::new(passes::PassOptions::default()).map_err(|e| miette!("{e}"))?;
+        let (cx, _) = pm
+            .run(
+                &mut module,
+                Some("accumulate-gradients"),
+                &mut std::io::sink(),
+            )
+            .map_err(|e| miette!("{e}"))?;
+        if let Some(before) = cx.plan {
+            match passes::tier_placement::device_floor(&before, &budgets, &desc) {
+                Ok(floor) => {
+                    let _ = writeln!(
+                        o,
+                        "  floor  {:>11}  (on the device with everything tier-placement may move \
+                         offloaded, the engine's own included: any `gpu_memory` from here up \
+                         fits; a little below may too, keeping small tensors whose staging costs \
+                         more than they free; `rematerialize` lowers the activations)",
+                        human_bytes(floor)
+                    );
+                }
+                Err(e) => {
+                    let _ = writeln!(o, "  floor  not reachable with these budgets: {e}");
+                }
+            }
+        }
+    }
     let _ = writeln!(o, "\nops per step:");
     for (section, prog) in [
         ("forward", &plan.forward),

@@ -382,6 +382,43 @@ pub fn place(
     Ok(placement)
 }
 
+/// The device bytes of `plan` (as `lower` and `accumulate-gradients` leave it, before
+/// placement), the engine's own included, with the refresh shadows pinned and every tensor
+/// this pass may move offloaded (within `budgets`' host and NVMe limits, the staging buffers
+/// that bring them back included): what `asteria explain` reports as the floor. Every device
+/// budget from it up can be met (the pass offloads candidates until the device fits, at worst
+/// all of them); a little below it may be too, when keeping a small tensor saves more
+/// staging bytes than it takes.
+///
+/// # Errors
+/// When the host and NVMe budgets cannot hold every movable tensor (the floor is then not
+/// reachable with these budgets), or the prefetch rewrite fails.
+pub fn device_floor(
+    plan: &Plan,
+    budgets: &Budgets,
+    desc: &TargetDescription,
+) -> Result<usize, PassError> {
+    let mut trial = plan.clone();
+    let host_ok = !desc.unified_memory;
+    trial.memory.pinned_refresh_shadows =
+        host_ok && schedule::reserve::refresh_shadow_device_bytes(plan) > 0;
+    let (mut all, grads, refresh) = candidates(&trial);
+    if host_ok {
+        all.extend(grads);
+        if matches!(trial.target, schedule::TargetPlan::Cpu { .. }) {
+            all.extend(refresh);
+        }
+    }
+    let unlimited = Budgets {
+        device: None,
+        ..budgets.clone()
+    };
+    assign(&mut trial, &all, &unlimited, desc, host_ok, &mut Vec::new())?;
+    insert_prefetches(&mut trial)?;
+    let m = plan_memory(&trial).device_bytes();
+    Ok(m + engine_reserve(&trial, m).total())
+}
+
 /// The tensors this version may offload: f32 moments touched by the optimizer program (and by
 /// refresh swaps) only; second, f32 gradients that the backward writes and only the optimizer
 /// program reads (streamed to pinned host memory as they are finished); third, the Kronecker
