@@ -9,7 +9,8 @@
 #   (the refresh shadows in pinned host memory, then the moments of the largest matrices;
 #   refresh swaps re-project host-tier moments through a device staging buffer), under `16GiB`
 #   with `layers` (the moments and then gradients in pinned host memory: the gradients are
-#   copied out during the backward and back in for their updates), and under `gpu_memory =
+#   copied out during the backward and back in for their updates), under `12GiB` with `layers`
+#   (then the Kronecker factors and eigenbases too), and under `gpu_memory =
 #   30GiB` with only 4 GiB of host memory, the rest of the offloaded moments in the NVMe tier
 #   (a file in /tmp; STEPS steps: ~2.5 s of NVMe copies a step), the others SOAP_STEPS steps
 #   each with the validation loss at the end;
@@ -75,6 +76,7 @@ for spec in "llama-1.4b-adamw|unconstrained|||$steps" \
             "llama-1.4b-soap|soap-gpu24-selective|$(budget 24GiB)|rematerialize = selective; $dl|$soap_steps" \
             "llama-1.4b-soap|soap-gpu24-layers|$(budget 24GiB)|rematerialize = layers; $dl|$soap_steps" \
             "llama-1.4b-soap|soap-gpu16-layers|$(budget 16GiB)|rematerialize = layers; $dl|$soap_steps" \
+            "llama-1.4b-soap|soap-gpu12-layers|$(budget 12GiB)|rematerialize = layers; $dl|$soap_steps" \
             "llama-1.4b-soap|soap-gpu30-nvme|gpu_memory = 30GiB; host_memory = 4GiB; nvme = \"/tmp\"; nvme_memory = 20GiB||$steps" \
             "train-match|train-match|||"; do
   IFS='|' read -r base name target train n <<< "$spec"
@@ -98,6 +100,14 @@ stamp train-match
 sed -e 's/^optimizer adamw {/optimizer soap {\n  precondition_frequency = 3/' \
     -e 's/^  memory = 5MiB.*/  memory = 17MiB\n  staleness = 1/' examples/tiny-tiers.asteria > "$out/tiny-tiers-soap-nvme-s1.asteria"
 sed -e 's/^  staleness = 1/  staleness = 0/' "$out/tiny-tiers-soap-nvme-s1.asteria" > "$out/tiny-tiers-soap-nvme-s0.asteria"
+# SOAP with Kronecker factors and eigenbases in the host tier too (`memory = 7MiB`): the
+# optimizer stages them, refreshes read and write them where they live (the GPU's through its
+# refreshers' and swap's device copies), staleness 1 (host refreshes) and 0 (GPU refreshes).
+for s in 1 0; do
+  sed -e "s/^  staleness = 1/  staleness = $s/" -e 's/^  memory = 17MiB/  memory = 7MiB/' \
+      -e 's/^  host_memory = 1MiB.*/  host_memory = 64MiB/' -e '/^  nvme/d' \
+      "$out/tiny-tiers-soap-nvme-s1.asteria" > "$out/tiny-tiers-soap-fb-s$s.asteria"
+done
 cp examples/tiny-tiers.asteria "$out/tiny-tiers-nvme.asteria"
 sed -e 's/^  memory = 5MiB.*/  gpu_memory = 1029MiB\n  precision = fp32/' -e 's/^  host_memory = 1MiB.*/  host_memory = 64MiB/' \
     -e '/^  nvme/d' -e 's/^target cpu {/target cuda {/' examples/tiny-tiers.asteria > "$out/tiny-tiers-gpu.asteria"
@@ -112,7 +122,9 @@ sed -e 's/^target cpu {/target cuda {\n  precision = fp32\n  gpu_memory = 1485Mi
 # engines install each result at its bound and the injection lands at the same step.
 for m in "tiny-tiers-gpu|" "tiny-tiers-gpu-grads|--compare-state" "tiny-soap-tiers-gpu|--inject-cpu-refreshes" "tiny-tiers-nvme|--compare-state" \
          "tiny-tiers-soap-nvme-s1|--refresh host --steps 12 --inject-cpu-refreshes" \
-         "tiny-tiers-soap-nvme-s0|--refresh gpu --steps 12 --inject-cpu-refreshes"; do
+         "tiny-tiers-soap-nvme-s0|--refresh gpu --steps 12 --inject-cpu-refreshes" \
+         "tiny-tiers-soap-fb-s1|--refresh host --steps 12 --inject-cpu-refreshes" \
+         "tiny-tiers-soap-fb-s0|--refresh gpu --steps 12 --inject-cpu-refreshes"; do
   IFS='|' read -r name extra <<< "$m"
   $B compile "$out/$name.asteria" --print-after tier-placement > "$out/$name-placement.txt" 2>&1
   # shellcheck disable=SC2086  # extra is a list of flags

@@ -27,14 +27,15 @@
 //!   `prefetch-insertion` copies each out right after its last backward write, so the copy
 //!   overlaps the rest of the backward, and back in before its update; the global-norm clip
 //!   then reads per-gradient partial sums, [`schedule::Op::GradSumSquares`]), to pinned host
-//!   memory only (never NVMe: they move every step). Then, last and on the CPU target only,
-//!   the **Kronecker factors and eigenbases** of SOAP refreshes (the host tier only): the
-//!   optimizer program stages each once a step (a factor copied in and out around its
-//!   accumulation, a basis copied in only: the step reads it), and the refreshes read and
-//!   write them where they live, between steps (the CPU engine pages them in). The CUDA
-//!   engine's refresh and swap kernels need them on the device (they would have to stage
-//!   them first), so on a CUDA target they stay there in this version. Factors are
-//!   candidates before bases (the take-back of unneeded tensors, smallest first, may still
+//!   memory only (never NVMe: they move every step). Then, last, the **Kronecker factors
+//!   and eigenbases** of SOAP refreshes (the host tier only): the optimizer program stages
+//!   each once a step (a factor copied in and out around its accumulation, a basis copied in
+//!   only: the step reads it), and the refreshes read and write them where they live, between
+//!   steps (the CPU engine pages them in; the CUDA engine copies them into `[d, d]` device
+//!   copies of its refreshers and swap, which the device need counts from the first one
+//!   moved: `schedule::reserve::RefreshStaging`). A refresh's own copies (a factor and a basis
+//!   in at a refresh, a basis in and out at its swap, once per `precondition_frequency`
+//!   steps) are not priced. Factors are candidates before bases (the take-back of unneeded tensors, smallest first, may still
 //!   keep a basis and return a factor). Parameters (read by the forward, the backward and
 //!   the casts) stay on the device in this version.
 //! - **Cost** per candidate: its per-step copy time over the tier's link (pinned host memory:
@@ -318,11 +319,7 @@ pub fn place(
     refresh.sort_by_key(|&c| plan.buffer(c).class == BufferClass::Eigenbasis);
     if host_ok {
         candidates.extend(grads);
-        // The CUDA engine's refreshes read a factor and basis on the device (its refresh and
-        // swap kernels check their operands' tier): on a CUDA target they stay there.
-        if matches!(plan.target, schedule::TargetPlan::Cpu { .. }) {
-            candidates.extend(refresh);
-        }
+        candidates.extend(refresh);
     }
     // Greedy on the estimate: freeing a tensor's persistent bytes.
     let mut excess = device_need(plan).saturating_sub(cap);
@@ -346,29 +343,69 @@ pub fn place(
         let need = trial_need(chosen)?;
         Ok((need <= cap).then_some(need))
     };
-    let mut rest = candidates.iter().skip(chosen.len());
-    while fits(&chosen)?.is_none() {
-        match rest.next() {
-            Some(&c) => chosen.push(c),
-            None => {
-                let left = trial_need(&chosen)?;
-                return Err(over_budget(
-                    plan,
-                    budgets,
-                    (placement.device_need, left),
-                    &chosen,
-                ));
+    // Each trial rewrites and plans the whole step (~50 ms at 1.44B), so both searches are
+    // binary, on counts: offloading one more candidate never adds device bytes, and returning
+    // one more never removes any (up to the staging buffers' sharing of the activations arena,
+    // which is why every answer is the result of an exact trial).
+    if fits(&chosen)?.is_none() {
+        if fits(&candidates)?.is_none() {
+            let left = trial_need(&candidates)?;
+            return Err(over_budget(
+                plan,
+                budgets,
+                (placement.device_need, left),
+                &candidates,
+            ));
+        }
+        // The shortest prefix of the candidates that fits: `lo` does not, `hi` does.
+        let (mut lo, mut hi) = (chosen.len(), candidates.len());
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if fits(&candidates[..mid])?.is_some() {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        chosen = candidates[..hi].to_vec();
+    }
+    // Take back the smallest ones that are not needed: the most of them, smallest first, whose
+    // return still fits (`lo` returned fits, `hi` + 1 does not).
+    let mut by_size = chosen.clone();
+    by_size.sort_by_key(|&c| (plan.buffer(c).size_bytes(), c));
+    let without = |k: usize| -> Vec<BufferId> {
+        let back = &by_size[..k];
+        chosen
+            .iter()
+            .copied()
+            .filter(|c| !back.contains(c))
+            .collect()
+    };
+    let (mut lo, mut hi) = (0, by_size.len());
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(&without(mid))?.is_some() {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    let mut kept = without(lo);
+    // Then one at a time, while a tensor is no larger than the room left: returning it adds
+    // its bytes to the device, less at most its staging buffer's share of the activations.
+    if let Some(mut need) = fits(&kept)? {
+        for &c in &by_size[lo..] {
+            if align_up(plan.buffer(c).size_bytes(), 256) > cap - need {
+                break;
+            }
+            let trial: Vec<BufferId> = kept.iter().copied().filter(|&x| x != c).collect();
+            if let Some(n) = fits(&trial)? {
+                kept = trial;
+                need = n;
             }
         }
     }
-    let mut by_size = chosen.clone();
-    by_size.sort_by_key(|&c| (plan.buffer(c).size_bytes(), c));
-    for c in by_size {
-        let without: Vec<BufferId> = chosen.iter().copied().filter(|&x| x != c).collect();
-        if fits(&without)?.is_some() {
-            chosen = without;
-        }
-    }
+    chosen = kept;
     assign(
         plan,
         &chosen,
@@ -405,9 +442,7 @@ pub fn device_floor(
     let (mut all, grads, refresh) = candidates(&trial);
     if host_ok {
         all.extend(grads);
-        if matches!(trial.target, schedule::TargetPlan::Cpu { .. }) {
-            all.extend(refresh);
-        }
+        all.extend(refresh);
     }
     let unlimited = Budgets {
         device: None,

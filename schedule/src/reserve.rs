@@ -606,21 +606,75 @@ fn refresh_bytes(plan: &Plan) -> usize {
     // so that the device budget the pass plans against is one the engine's allocation meets.
     let refresher =
         |d: usize| f32s(8 * d * d + 3 * d) + 8 * ALIGN + f32s(1 + 6 * d + 9 * d * d / 2);
+    let staging = refresh_staging(plan);
+    let square = |d: usize| d.max(1).pow(2) * 4 + ALIGN;
     let mut bytes = refresh_shadow_device_bytes(plan);
     if any_gpu {
         bytes += refresher(max_dim) + f32s(max_dim * max_dim) + f32s(max_dim) + ALIGN;
+        bytes +=
+            (usize::from(staging.sync_factor) + usize::from(staging.sync_basis)) * square(max_dim);
     }
     if let Some(d) = side_dim {
         bytes += refresher(d);
         if plan.memory.pinned_refresh_shadows {
             bytes += d * d * 4 + ALIGN + (d * d + d + STATUS_WORDS) * 4 + 3 * ALIGN;
         }
+        if staging.side_basis {
+            bytes += square(d);
+        }
     }
     if any_gpu || any_async {
         let chunk = swap_chunk_len(max_dim, max_mn).max(max_dim.max(1));
         bytes += (max_dim.max(1).pow(2) + 2 * chunk) * 4 + 3 * ALIGN;
+        if staging.swap_basis {
+            bytes += square(max_dim);
+        }
     }
     bytes
+}
+
+/// Which of the CUDA engine's refresh machinery needs a device copy of a SOAP refresh's
+/// Kronecker factor or eigenbasis because `tier-placement` moved it to pinned host memory
+/// (its cuSOLVER and cuBLAS calls read device operands): each flag adds one `[d, d]` f32
+/// device buffer of that machinery's largest side `d` (the compute-stream refresher's and the
+/// swap's: the plan's largest factor; the side stream's: its largest GPU-side asynchronous
+/// factor), into which the refresh or swap copies the operand first.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RefreshStaging {
+    /// A `gpu_side` refresh on the compute stream (every first basis, and S = 0) reads an
+    /// offloaded factor.
+    pub sync_factor: bool,
+    /// ... or an offloaded basis (a QR refresh reads `Q_old`).
+    pub sync_basis: bool,
+    /// A side-stream refresh (S > 0, `gpu_side`) reads an offloaded basis live (its factor is
+    /// a snapshot on the device, or staged from pinned memory already).
+    pub side_basis: bool,
+    /// A swap re-projects moments with an offloaded basis (`C = Q_oldᵀ Q_new`) before it
+    /// overwrites it.
+    pub swap_basis: bool,
+}
+
+/// The [`RefreshStaging`] of `plan`: what its offloaded Kronecker factors and eigenbases need
+/// (all `false` when none left the device).
+pub fn refresh_staging(plan: &Plan) -> RefreshStaging {
+    let off = |id: BufferId| plan.memory.tier(id).is_some_and(|t| !t.on_device());
+    let mut s = RefreshStaging::default();
+    for t in &plan.host_tasks {
+        let HostTask::EigenbasisRefresh {
+            factor,
+            basis,
+            staleness,
+            placement,
+            method,
+            ..
+        } = t;
+        let gpu = *placement == Placement::GpuSide;
+        s.sync_factor |= gpu && off(*factor);
+        s.sync_basis |= gpu && off(*basis);
+        s.side_basis |= gpu && *staleness > 0 && off(*basis);
+        s.swap_basis |= *method == RefreshMethod::Soap && off(*basis);
+    }
+    s
 }
 
 /// Elements of the refresh swap's chunk buffers at most ([`swap_chunk_len`]): 4 Mi f32, 16 MiB

@@ -6,8 +6,7 @@ use crate::{ArenaKind, BufferId, Op, Plan, PlanError};
 /// The tier rules: arenas within their [`Budgets`]; an offloaded buffer (in the `host` or
 /// `nvme` arena) is persistent, touched by no op but [`Op::CopyIn`] (as `src`) and
 /// [`Op::CopyOut`] (as `dst`) and by no host task except as a refresh's moments (which the swap
-/// re-projects where they live) or, on the CPU target, a SOAP refresh's factor and basis in
-/// the host tier; every copy moves between an offloaded buffer
+/// re-projects where they live) or a SOAP refresh's factor and basis in the host tier; every copy moves between an offloaded buffer
 /// and a device buffer; a staging buffer (a `CopyIn` destination) is written first by its
 /// `CopyIn` — no op touches it before the copy has brought its bytes — and, when an op writes
 /// it, a `CopyOut` to its home follows the last such write (except a gradient's staging
@@ -48,15 +47,13 @@ pub(crate) fn verify_tiers(plan: &Plan) -> Result<(), PlanError> {
         let crate::HostTask::EigenbasisRefresh { method, .. } = t;
         for (field, id) in t.operands() {
             // A refresh swap re-projects the moments where they live; a SOAP refresh reads its
-            // factor and writes its basis where they live, which must be pinned host memory
-            // (the GPU reads it in place) when not the device.
+            // factor and writes its basis where they live, which must be the host tier when
+            // not the device (the CPU engine pages them in; the CUDA engine copies them into
+            // its refreshers' and swap's device copies, `reserve::RefreshStaging`).
             let allowed = match field {
                 "exp_avg" | "exp_avg_sq" => true,
-                // The CUDA engine's refresh kernels read them on the device.
                 "factor" | "basis" => {
-                    *method == crate::RefreshMethod::Soap
-                        && tier(id) == ArenaKind::Host
-                        && matches!(plan.target, crate::TargetPlan::Cpu { .. })
+                    *method == crate::RefreshMethod::Soap && tier(id) == ArenaKind::Host
                 }
                 _ => false,
             };
@@ -64,7 +61,7 @@ pub(crate) fn verify_tiers(plan: &Plan) -> Result<(), PlanError> {
                 return Err(invalid(format!(
                     "host task operand `{field}` `{}` is offloaded to the `{}` tier; only a \
                      refresh's moments may be, and a SOAP refresh's factor and basis in the \
-                     host tier of a CPU-target plan",
+                     host tier",
                     name(id),
                     tier(id)
                 )));

@@ -528,8 +528,25 @@ impl CudaEngine {
         };
         // Into device memory, or to the host (pinned shadows): either way in stream order
         // before the next write of the factor.
-        dev.copy(&sh.snapshot, self.b(task.factor), StreamKind::Compute)
-            .map_err(e)?;
+        let factor = self.b(task.factor);
+        if factor.tier() != Tier::Device && sh.snapshot.tier() != Tier::Device {
+            // A factor in the host tier into a pinned snapshot: host-to-host copies block the
+            // calling thread until the stream has drained, so the bytes go through the
+            // compute-stream refresher's device copy instead (two asynchronous copies).
+            let bounce = self
+                .refreshes
+                .sync
+                .as_ref()
+                .and_then(GpuRefresher::factor_stage)
+                .ok_or_else(|| EngineError::Unsupported("internal: no factor staging copy".into()))
+                .and_then(|b| b.slice(0, d * d).map_err(e))?;
+            dev.copy(&bounce, factor, StreamKind::Compute).map_err(e)?;
+            dev.copy(&sh.snapshot, &bounce, StreamKind::Compute)
+                .map_err(e)?;
+        } else {
+            dev.copy(&sh.snapshot, factor, StreamKind::Compute)
+                .map_err(e)?;
+        }
         let taken = dev.record(StreamKind::Compute, false).map_err(e)?;
         let (reply, rx) = mpsc::channel();
         let req = SideRequest {
@@ -577,8 +594,14 @@ impl CudaEngine {
         dev.wait(StreamKind::CopyOut, &taken).map_err(e)?;
         dev.copy(&hf, &sh.snapshot, StreamKind::CopyOut)
             .map_err(e)?;
-        dev.copy(&hq, self.b(task.basis), StreamKind::CopyOut)
-            .map_err(e)?;
+        // A basis in the host tier is read where it lives by the worker (a host-to-host copy
+        // would block this thread until the copy-out stream drained). Only this task's
+        // install writes it, enqueued on the compute stream before `taken`.
+        let basis = self.b(task.basis);
+        let basis_home = (basis.tier() != Tier::Device).then(|| basis.clone());
+        if basis_home.is_none() {
+            dev.copy(&hq, basis, StreamKind::CopyOut).map_err(e)?;
+        }
         let copied = dev.record(StreamKind::CopyOut, false).map_err(e)?;
         let solver = Arc::clone(&self.solver);
         let t_optim = task.optim_step(t, false);
@@ -590,7 +613,7 @@ impl CudaEngine {
                     JobError::Lost(format!("waiting for the factor snapshot: {err}"))
                 })?;
                 let f = pinned_slice::<f32>(&hf, d * d).to_vec();
-                let q = pinned_slice::<f32>(&hq, d * d).to_vec();
+                let q = pinned_slice::<f32>(basis_home.as_ref().unwrap_or(&hq), d * d).to_vec();
                 // One refresh per pool thread, each single-threaded: the throughput setting
                 // `asteria calibrate` measures for the cost model.
                 let result = optim::with_sequential(|| {

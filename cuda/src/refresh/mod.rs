@@ -88,6 +88,45 @@ pub enum RefreshFailure {
     },
 }
 
+/// `b` (`[d, d]` f32) where a refresh's kernels and GEMMs can read it: itself when it is in
+/// device memory, else (a Kronecker factor or eigenbasis that `tier-placement` moved to pinned
+/// host memory) copied on `stream` into the leading `d²` elements of `stage` first. `who` is
+/// the launcher and operand, for errors.
+///
+/// # Errors
+/// [`CudaError::Operand`] / [`CudaError::Shape`] when `b` is not `d²` f32, or is offloaded
+/// and no staging buffer was allocated for it (the plan and the engine's allocations
+/// disagree); the copy's status.
+pub(crate) fn device_operand(
+    dev: &Device,
+    who: (&'static str, &'static str),
+    b: &Buf,
+    stage: Option<&Buf>,
+    d: usize,
+    stream: StreamKind,
+) -> Result<Buf> {
+    let (op, operand) = who;
+    let dd = d * d;
+    let stage = match (b.tier(), stage) {
+        (crate::Tier::Device, _) | (_, None) => {
+            b.expect(op, operand, Elem::F32, dd)?;
+            return Ok(b.clone());
+        }
+        (_, Some(s)) => s,
+    };
+    if b.elem() != Elem::F32 || b.len() != dd {
+        return Err(CudaError::Operand {
+            op,
+            operand,
+            expected: format!("{dd} x f32"),
+            got: format!("{} x {}", b.len(), b.elem()),
+        });
+    }
+    let s = stage.slice(0, dd)?;
+    dev.copy(&s, b, stream)?;
+    Ok(s)
+}
+
 /// True when cuSOLVER (`libcusolver.so`) can be loaded.
 pub fn cusolver_present() -> bool {
     // SAFETY: only tries to dlopen the library.
@@ -149,6 +188,10 @@ pub(crate) struct GpuRefresher {
     /// The Rayleigh–Cholesky QR's own buffers.
     rc: rayleigh::RcWork,
     max_dim: usize,
+    /// Device copies of an offloaded Kronecker factor and eigenbasis (`[max_dim²]` f32 each;
+    /// [`GpuRefresher::stage_offloaded`]), `None` when the plan keeps them on the device.
+    stage_factor: Option<Buf>,
+    stage_basis: Option<Buf>,
     qr: QrMethod,
     /// Host ms spent enqueueing: checks/kernels, GEMMs, syevd, geqrf/potrf, orgqr/trsm.
     phase_ms: std::cell::Cell<[f64; 5]>,
@@ -300,6 +343,8 @@ impl GpuRefresher {
             est,
             rc,
             max_dim: d,
+            stage_factor: None,
+            stage_basis: None,
             qr: QrMethod::RayleighCholeskyTc,
             phase_ms: std::cell::Cell::new([0.0; 5]),
             cholesky_counts: std::cell::Cell::new((0, 0)),
@@ -371,6 +416,43 @@ impl GpuRefresher {
             )?;
         }
         Ok(l1.max(l2).max(l3).max(l4).max(1) as usize)
+    }
+
+    /// Gives the refresher a device copy (`[max_dim²]` f32, one arena) for a Kronecker factor
+    /// (`factor`) and / or an eigenbasis (`basis`) that the plan keeps in pinned host memory
+    /// (`schedule::reserve::RefreshStaging`): [`GpuRefresher::compute`] then copies such an
+    /// operand there on its own stream before it reads it. Returns the bytes allocated.
+    ///
+    /// # Errors
+    /// Allocation failures.
+    pub(crate) fn stage_offloaded(
+        &mut self,
+        dev: &Device,
+        factor: bool,
+        basis: bool,
+    ) -> Result<usize> {
+        let n = usize::from(factor) + usize::from(basis);
+        if n == 0 {
+            return Ok(0);
+        }
+        let dd = self.max_dim * self.max_dim;
+        let bytes = n * (dd * 4 + crate::memory::BUF_ALIGN);
+        let mut arena: Arena = dev.arena("refresh-staging", crate::Tier::Device, bytes)?;
+        if factor {
+            self.stage_factor = Some(arena.buf(Elem::F32, dd)?);
+        }
+        if basis {
+            self.stage_basis = Some(arena.buf(Elem::F32, dd)?);
+        }
+        Ok(bytes)
+    }
+
+    /// The device copy [`GpuRefresher::stage_offloaded`] allocated for an offloaded Kronecker
+    /// factor (`[max_dim²]` f32), if any. Its contents are only meaningful within one
+    /// operation on the refresher's stream: the engine also bounces a pinned factor's snapshot
+    /// into pinned memory through it, in that stream's order.
+    pub(crate) fn factor_stage(&self) -> Option<&Buf> {
+        self.stage_factor.as_ref()
     }
 
     /// Sets how QR refreshes orthonormalise: the self-test runs [`QrMethod::Householder`]
@@ -500,10 +582,29 @@ impl GpuRefresher {
                 ),
             });
         }
-        factor.expect(OP, "factor", Elem::F32, d * d)?;
-        basis.expect(OP, "basis", Elem::F32, d * d)?;
+        let factor = device_operand(
+            dev,
+            (OP, "factor"),
+            factor,
+            self.stage_factor.as_ref(),
+            d,
+            self.stream,
+        )?;
+        // The first basis does not read the stored one.
+        let basis = if init {
+            basis.clone()
+        } else {
+            device_operand(
+                dev,
+                (OP, "basis"),
+                basis,
+                self.stage_basis.as_ref(),
+                d,
+                self.stream,
+            )?
+        };
         slot.status.expect(OP, "status", Elem::I32, STATUS_WORDS)?;
-        self.enqueue(dev, init, method, d, factor, basis, slot)
+        self.enqueue(dev, init, method, d, &factor, &basis, slot)
     }
 
     #[allow(clippy::too_many_arguments)]

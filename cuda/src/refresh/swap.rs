@@ -15,34 +15,68 @@ use crate::StreamKind;
 /// host memory, the plan's host tier), transformed, scattered back. `chunk` is
 /// `schedule::reserve::swap_chunk_len` of the largest task, at least one line of the largest
 /// side: the swap no longer needs buffers the size of the largest moment (at LLaMA 1.44B the
-/// embedding's 393 MiB, three times).
+/// embedding's 393 MiB, three times). With `stage_basis`, a `[d, d]` device copy of an
+/// eigenbasis kept in pinned host memory (`tier-placement`), which the re-projection reads
+/// as `Q_old` (`schedule::reserve::RefreshStaging::swap_basis`).
 pub(crate) struct SwapWork {
     c: Buf,
     a: Buf,
     b: Buf,
+    q_old: Option<Buf>,
     chunk: usize,
 }
 
 impl SwapWork {
-    /// Bytes [`SwapWork::new`] allocates for `max_dim` and `chunk`.
-    pub(crate) fn bytes(max_dim: usize, chunk: usize) -> usize {
+    /// Bytes [`SwapWork::new`] allocates for `max_dim`, `chunk` and `stage_basis`.
+    pub(crate) fn bytes(max_dim: usize, chunk: usize, stage_basis: bool) -> usize {
         let d = max_dim.max(1);
-        (d * d + 2 * chunk.max(d)) * 4 + 3 * crate::memory::BUF_ALIGN
+        let stage = if stage_basis {
+            d * d * 4 + crate::memory::BUF_ALIGN
+        } else {
+            0
+        };
+        (d * d + 2 * chunk.max(d)) * 4 + 3 * crate::memory::BUF_ALIGN + stage
     }
 
     /// One device arena for the largest factor side `max_dim`, with chunk buffers of `chunk`
-    /// elements (raised to `max_dim`, one line of the largest side).
-    pub(crate) fn new(dev: &Device, max_dim: usize, chunk: usize) -> Result<SwapWork> {
+    /// elements (raised to `max_dim`, one line of the largest side), and with `stage_basis`
+    /// the device copy of an offloaded eigenbasis.
+    pub(crate) fn new(
+        dev: &Device,
+        max_dim: usize,
+        chunk: usize,
+        stage_basis: bool,
+    ) -> Result<SwapWork> {
         let d = max_dim.max(1);
         let chunk = chunk.max(d);
-        let mut arena = dev.arena("refresh-swap", crate::Tier::Device, Self::bytes(d, chunk))?;
+        let bytes = Self::bytes(d, chunk, stage_basis);
+        let mut arena = dev.arena("refresh-swap", crate::Tier::Device, bytes)?;
         Ok(SwapWork {
             c: arena.buf(Elem::F32, d * d)?,
             a: arena.buf(Elem::F32, chunk)?,
             b: arena.buf(Elem::F32, chunk)?,
+            q_old: if stage_basis {
+                Some(arena.buf(Elem::F32, d * d)?)
+            } else {
+                None
+            },
             chunk,
         })
     }
+}
+
+/// Checks that `basis` is a `[d, d]` f32 eigenbasis in device or pinned host memory (the
+/// swap writes it with a copy, which reads and writes either).
+fn check_basis(op: &'static str, basis: &Buf, dd: usize) -> Result<()> {
+    if basis.elem() != Elem::F32 || basis.len() != dd {
+        return Err(CudaError::Operand {
+            op,
+            operand: "basis",
+            expected: format!("{dd} x f32"),
+            got: format!("{} x {}", basis.len(), basis.elem()),
+        });
+    }
+    Ok(())
 }
 
 /// The lines of a `[m, n]` moment that the swap of side `side` transforms independently (the
@@ -93,7 +127,7 @@ fn move_lines(
 /// failures.
 pub(crate) fn install_basis(dev: &Device, q_new: &Buf, basis: &Buf, d: usize) -> Result<()> {
     const OP: &str = "refresh_install_basis";
-    basis.expect(OP, "basis", Elem::F32, d * d)?;
+    check_basis(OP, basis, d * d)?;
     if q_new.len() < d * d {
         return Err(CudaError::Shape {
             op: OP,
@@ -153,11 +187,21 @@ pub(crate) fn apply(
             what: format!("[{m}, {n}] side {side} exceeds the swap buffers"),
         });
     }
-    basis.expect(OP, "basis", Elem::F32, dd)?;
+    check_basis(OP, basis, dd)?;
     let q_new = q_new.slice(0, dd)?;
     if init {
         return dev.copy(basis, &q_new, StreamKind::Compute);
     }
+    // The GEMMs read `Q_old` on the device: an offloaded basis through the staging copy.
+    let home = basis;
+    let basis = &super::device_operand(
+        dev,
+        (OP, "basis"),
+        home,
+        work.q_old.as_ref(),
+        d,
+        StreamKind::Compute,
+    )?;
     for (name, b) in [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)] {
         if b.elem() != Elem::F32 || b.len() != mn {
             return Err(CudaError::Operand {
@@ -230,7 +274,7 @@ pub(crate) fn apply(
             dev.launch(kernel, (dev.grid_for(rows * cols), 1, 1), (256, 1, 1), args)?;
             move_lines(dev, exp_avg_sq, &y, side, m, n, lines, true)?;
         }
-        dev.copy(basis, &q_new, StreamKind::Compute)
+        dev.copy(home, &q_new, StreamKind::Compute)
     })();
     dev.set_gemm_math(prev);
     r

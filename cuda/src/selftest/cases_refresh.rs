@@ -16,6 +16,9 @@
 //! - `eigenbasis_refresh_swap_pinned_moments` / `_chunked`: the swap with its moments in pinned
 //!   host memory or on the device, through chunk buffers a third of a moment each (the last
 //!   chunk shorter), as the engine swaps a moment larger than its chunk.
+//! - `eigenbasis_refresh_swap_pinned_state`: the same with the factor and the stored basis in
+//!   pinned host memory too (Kronecker factors and eigenbases in a plan's host tier): the
+//!   refresher and the swap read them through their device staging copies.
 //! - The QR refresh's method, the tensor-core Rayleigh–Cholesky QR, in
 //!   `eigenbasis_refresh_rayleigh_tc` (and `eigenbasis_refresh_tf32_swap`, the same with the
 //!   swap's GEMMs in TF32), and its Householder fallback run on its own in
@@ -112,6 +115,9 @@ pub(crate) fn cases() -> Vec<Case> {
                     Factor::PinnedMoments,
                 ),
                 ("eigenbasis_refresh_swap_chunked", Factor::ChunkedMoments),
+                // Factor, basis and moments in pinned host memory (the plan's host tier):
+                // the refresher and the swap read factor and basis through device copies.
+                ("eigenbasis_refresh_swap_pinned_state", Factor::PinnedState),
             ] {
                 v.push(case(
                     kernel,
@@ -444,7 +450,9 @@ fn qr_refresh(
 ) -> Result<Outcome> {
     let d = if side == 0 { m } else { n };
     let (u, _, f) = match kind {
-        Factor::Plain | Factor::PinnedMoments | Factor::ChunkedMoments => factor(cx, d)?,
+        Factor::Plain | Factor::PinnedMoments | Factor::ChunkedMoments | Factor::PinnedState => {
+            factor(cx, d)?
+        }
         Factor::Rotated => rotated_factor(cx, d, 2.0)?,
         Factor::Indefinite => {
             // λ₀ − 6 ∈ [−5, −1]: distinct from the others, and F U stays well conditioned.
@@ -460,8 +468,10 @@ fn qr_refresh(
     let ea = cx.normal(m * n, 0.0, 1.0);
     let eas = cx.uniform(m * n, 0.1, 2.0);
     let dev = cx.dev;
-    let (r, _arena, slot) = refresher(cx, d, qr)?;
-    let pinned = kind == Factor::PinnedMoments;
+    let (mut r, _arena, slot) = refresher(cx, d, qr)?;
+    let all_pinned = kind == Factor::PinnedState;
+    r.stage_offloaded(dev, all_pinned, all_pinned)?;
+    let pinned = kind == Factor::PinnedMoments || all_pinned;
     // The engine's chunk for this task; a pinned- or chunked-moments case takes about a third
     // of the moment per chunk (whole lines, the last chunk shorter) so that several chunks go through.
     let chunk = if pinned || kind == Factor::ChunkedMoments {
@@ -469,19 +479,31 @@ fn qr_refresh(
     } else {
         schedule::reserve::swap_chunk_len(d, m * n)
     };
-    let work = SwapWork::new(dev, d, chunk)?;
-    let (fb, qb) = (cx.up(&narrow(&f))?, cx.up(&narrow(&u))?);
+    let work = SwapWork::new(dev, d, chunk, all_pinned)?;
     let mut _pinned_arena = None;
-    let (eab, easb) = if pinned {
-        let bytes = 2 * (m * n * 4 + crate::memory::BUF_ALIGN);
+    let (fb, qb, eab, easb) = if pinned {
+        let bytes = 2 * (m * n * 4 + d * d * 4 + 2 * crate::memory::BUF_ALIGN);
         let mut a = dev.arena("selftest-pinned", crate::Tier::PinnedHost, bytes)?;
         let (x, y) = (a.buf(Elem::F32, m * n)?, a.buf(Elem::F32, m * n)?);
         dev.upload(&x, &ea)?;
         dev.upload(&y, &eas)?;
+        let (fb, qb) = if all_pinned {
+            let (fp, qp) = (a.buf(Elem::F32, d * d)?, a.buf(Elem::F32, d * d)?);
+            dev.upload(&fp, &narrow(&f))?;
+            dev.upload(&qp, &narrow(&u))?;
+            (fp, qp)
+        } else {
+            (cx.up(&narrow(&f))?, cx.up(&narrow(&u))?)
+        };
         _pinned_arena = Some(a);
-        (x, y)
+        (fb, qb, x, y)
     } else {
-        (cx.up(&ea)?, cx.up(&eas)?)
+        (
+            cx.up(&narrow(&f))?,
+            cx.up(&narrow(&u))?,
+            cx.up(&ea)?,
+            cx.up(&eas)?,
+        )
     };
     dev.poison(&slot.q)?;
     let ms = cx.timed(|| {
@@ -736,6 +758,10 @@ enum Factor {
     PinnedMoments,
     /// [`factor`], with the moments in device memory, swapped in several chunks.
     ChunkedMoments,
+    /// [`factor`], with factor, stored basis and moments in pinned host memory (a plan whose
+    /// Kronecker factors and eigenbases `tier-placement` moved to the host tier): the
+    /// refresher and the swap copy factor and basis to the device first.
+    PinnedState,
 }
 
 /// A factor that is zero outside its leading `r × r` block and the identity as stored basis,

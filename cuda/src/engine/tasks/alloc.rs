@@ -33,11 +33,17 @@ impl Refreshes {
             .filter(|t| on_gpu(t) && t.staleness > 0)
             .map(|t| dim(plan, t))
             .max();
+        // Kronecker factors and eigenbases the plan keeps in pinned host memory: device copies
+        // in the refreshers and the swap (`schedule::reserve::RefreshStaging`).
+        let staging = schedule::reserve::refresh_staging(plan);
         let mut bytes = 0;
         let mut arenas = Vec::new();
         let (sync, sync_slot) = if any_gpu {
-            let (r, b) = GpuRefresher::new(dev, StreamKind::Compute, max_dim)
+            let (mut r, b) = GpuRefresher::new(dev, StreamKind::Compute, max_dim)
                 .map_err(e("setting up cuSOLVER refreshes"))?;
+            bytes += r
+                .stage_offloaded(dev, staging.sync_factor, staging.sync_basis)
+                .map_err(e("allocating the refresh staging copies"))?;
             bytes += b + RefreshSlot::bytes(max_dim);
             let mut a = dev
                 .arena("refresh-slot", Tier::Device, RefreshSlot::bytes(max_dim))
@@ -54,8 +60,13 @@ impl Refreshes {
         let pinned = plan.memory.pinned_refresh_shadows;
         let side = match side_dim {
             Some(d) => {
-                let (r, b) = GpuRefresher::new(dev, StreamKind::Side, d)
+                let (mut r, b) = GpuRefresher::new(dev, StreamKind::Side, d)
                     .map_err(e("setting up side-stream cuSOLVER refreshes"))?;
+                // Its factor is a device snapshot (or staged below); an offloaded basis is
+                // read live, through the refresher's copy.
+                bytes += r
+                    .stage_offloaded(dev, false, staging.side_basis)
+                    .map_err(e("allocating the side stream's basis copy"))?;
                 bytes += b;
                 let staging = if pinned {
                     let n = d * d * 4 + crate::memory::BUF_ALIGN + RefreshSlot::bytes(d);
@@ -79,8 +90,11 @@ impl Refreshes {
         };
         let swap = if any_gpu || any_async {
             let chunk = schedule::reserve::swap_chunk_len(max_dim, max_mn);
-            bytes += SwapWork::bytes(max_dim, chunk);
-            Some(SwapWork::new(dev, max_dim, chunk).map_err(e("allocating the swap buffers"))?)
+            bytes += SwapWork::bytes(max_dim, chunk, staging.swap_basis);
+            Some(
+                SwapWork::new(dev, max_dim, chunk, staging.swap_basis)
+                    .map_err(e("allocating the swap buffers"))?,
+            )
         } else {
             None
         };
