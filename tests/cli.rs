@@ -596,6 +596,29 @@ fn zero_steps_is_a_cli_error_not_a_nan_summary() {
     assert!(!err.contains("NaN"), "{err}");
 }
 
+/// A learning rate far too high: the run finishes (its checkpoints and metrics are the user's),
+/// and says that the loss rose instead of falling; a sane run says nothing of the kind.
+#[test]
+fn a_diverging_run_says_so() {
+    let o = asteria(&[
+        "train",
+        "examples/tiny.asteria",
+        "--steps",
+        "12",
+        "--set",
+        "optimizer.lr=10",
+    ]);
+    assert!(o.status.success(), "{}", flat(&o));
+    let err = flat(&o);
+    assert!(
+        err.contains("the training loss rose from") && err.contains("the run is diverging"),
+        "{err}"
+    );
+    let o = asteria(&["train", "examples/tiny.asteria", "--steps", "12"]);
+    assert!(o.status.success(), "{}", flat(&o));
+    assert!(!flat(&o).contains("diverg"), "{}", flat(&o));
+}
+
 #[test]
 fn a_corpus_smaller_than_one_batch_names_both_sizes() {
     let dir = tempfile::tempdir().expect("tempdir");

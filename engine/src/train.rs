@@ -110,7 +110,39 @@ impl TrainSummary {
     pub fn final_val_loss(&self) -> Option<f64> {
         self.val_losses.last().map(|v| v.1)
     }
+
+    /// Why the run looks diverged, if it does: the last step's training loss is not finite,
+    /// or, over at least [`DIVERGENCE_MIN_STEPS`] steps, the mean loss of the last tenth of
+    /// them (at least one step) ends above the first step's by more than 5%. A language
+    /// model's loss starts near `ln(vocab)` and falls; ending above that start means the
+    /// optimizer is making things worse. `None` for a run that looks sane.
+    pub fn divergence(&self) -> Option<String> {
+        let losses = &self.train_losses;
+        let (&first, &last) = (losses.first()?, losses.last()?);
+        if !last.is_finite() {
+            return Some(format!(
+                "the training loss is {last} at the last step: the run diverged; a lower \
+                 `optimizer.lr` or a `train.grad_clip` usually helps"
+            ));
+        }
+        if losses.len() < DIVERGENCE_MIN_STEPS || !first.is_finite() {
+            return None;
+        }
+        let k = (losses.len() / 10).max(1);
+        let tail = losses[losses.len() - k..].iter().sum::<f64>() / k as f64;
+        (tail > first * 1.05).then(|| {
+            format!(
+                "the training loss rose from {first:.4} (first step of this run) to {tail:.4} \
+                 (mean of the last {k} step(s)): the run is diverging; a lower `optimizer.lr` \
+                 or a `train.grad_clip` usually helps"
+            )
+        })
+    }
 }
+
+/// Fewest steps a run needs before [`TrainSummary::divergence`] compares its loss with the
+/// first step's (a few steps of a short run may rise before they fall).
+pub const DIVERGENCE_MIN_STEPS: usize = 10;
 
 impl std::fmt::Display for TrainSummary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -844,5 +876,42 @@ pub fn train_with<E: StepExecutor>(
         // A closed stderr (its reader exited) is not an error of the run.
         let _ = writeln!(std::io::stderr(), "{summary}");
     }
+    if let Some(why) = summary.divergence() {
+        tracing::warn!("{why}");
+    }
     Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TrainSummary;
+
+    fn run(losses: &[f64]) -> Option<String> {
+        TrainSummary {
+            train_losses: losses.to_vec(),
+            ..Default::default()
+        }
+        .divergence()
+    }
+
+    #[test]
+    fn a_loss_that_ends_above_its_start_or_not_finite_is_reported() {
+        let falling: Vec<f64> = (0..20).map(|i| 10.8 - 0.2 * f64::from(i)).collect();
+        assert_eq!(run(&falling), None);
+        // lr 10 on tiny: 10.8 at step 1, then over a thousand.
+        let mut rising = falling.clone();
+        rising.extend([40.0, 300.0, 1313.0]);
+        let why = run(&rising).expect("diverging");
+        assert!(
+            why.contains("rose from 10.8000") && why.contains("to 806.5000 (mean of the last 2"),
+            "{why}"
+        );
+        let mut nan = falling.clone();
+        nan.push(f64::NAN);
+        assert!(run(&nan).expect("NaN").contains("NaN at the last step"));
+        // Too short to judge a rise, but a NaN is a NaN.
+        assert_eq!(run(&[5.0, 6.0, 7.0]), None);
+        assert!(run(&[5.0, f64::INFINITY]).is_some());
+        assert_eq!(run(&[]), None);
+    }
 }
