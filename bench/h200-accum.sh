@@ -4,7 +4,8 @@
 # bf16; SOAP max_precond_dim 2048, staleness 5):
 # - checks first: the `grad_accumulate` kernel's self-test (bit for bit against the CPU loop),
 #   and CPU-vs-GPU train-matches of tiny AdamW (fp32), tiny-soap (fp32, CPU eigenbases
-#   injected) and tiny-llama-soap (the production bf16 plan, `--match-target cuda`), each with
+#   injected) and tiny-llama-soap (the production bf16 plan, `--match-target cuda`, CPU
+#   eigenbases injected: without, the eigensolvers' drift alone nears its 1e-3), each with
 #   `grad_accum = 3`;
 # - asteria AdamW and SOAP at each `grad_accum` of ACCUMS (N x 4 x 1024 tokens per optimizer
 #   step), each beside PyTorch eager AdamW with the same accumulation (`torch_steps.py
@@ -15,7 +16,7 @@
 # Needs: the repository root as working directory, .gpu/ from bench/prepare-gpu, an NVIDIA GPU
 # with ~45 GiB free, CUDA 13 under $CUDA_HOME, PyTorch.
 # Writes into OUT_DIR: per run NAME.jsonl and NAME.txt, the checks' logs, summary-accum-N.md
-# per N, summary-ref.md, and OUT_DIR.tgz. ~9 minutes with the defaults.
+# per N, summary-ref.md, and OUT_DIR.tgz. ~4 minutes with ACCUMS 8, ~6 with the defaults.
 # Usage: bench/h200-accum.sh OUT_DIR [ACCUMS [STEPS]]   (defaults 8,1 and 30: comma-separated
 # accumulations; statistics skip 10 steps of asteria's runs; PyTorch runs 20 steps)
 set -uo pipefail
@@ -40,7 +41,7 @@ match() { # name spec args...
 }
 match match-tiny "$out/tiny-accum.asteria"
 match match-tiny-soap "$out/tiny-soap-accum.asteria" --inject-cpu-refreshes
-match match-tiny-llama-soap-bf16 "$out/tiny-llama-soap-accum.asteria" --match-target cuda --match-precision bf16 --tol 1e-3
+match match-tiny-llama-soap-bf16 "$out/tiny-llama-soap-accum.asteria" --match-target cuda --match-precision bf16 --tol 1e-3 --inject-cpu-refreshes
 m=llama-1.4b
 for g in "${accums[@]}"; do
   rows=()
