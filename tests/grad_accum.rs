@@ -481,7 +481,7 @@ fn accumulation_with_offload_tiers_is_bit_identical_and_keeps_gradients_on_the_d
         .expect("an eighth of the need is too little");
     let e = e.to_string();
     assert!(
-        e.contains("gradients stay on the device under grad_accum = 2"),
+        e.contains("gradients and parameters stay on the device under grad_accum = 2"),
         "{e}"
     );
 }

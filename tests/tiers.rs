@@ -474,6 +474,83 @@ fn kronecker_factors_and_eigenbases_in_host_memory_keep_the_run_bit_identical() 
     }
 }
 
+/// Last of all, parameters (master weights) leave the device: pinned host memory only, read
+/// through a staging buffer of each program that reads them (a copy in before the forward's
+/// first use, another in the backward where it reads them, a third in the optimizer program,
+/// whose update is the one copied back). At the smallest budget that compiles, the run is
+/// bit-identical to the untiered one for AdamW and SOAP (losses, parameters, moments).
+#[test]
+fn parameters_in_host_memory_keep_the_run_bit_identical() {
+    for opt in [Opt::AdamW, Opt::Soap] {
+        let plain = compile(config(opt, Budgets::default())).expect("untiered");
+        let need = plain.memory.device_bytes() as u64;
+        let (l0, p0, m0) = train(plain, 4);
+        let mut budget = need;
+        let mut last = None;
+        loop {
+            let b = Budgets {
+                device: Some(budget - (64 << 10)),
+                ..Default::default()
+            };
+            match compile(config(opt, b)) {
+                Ok(p) => {
+                    budget -= 64 << 10;
+                    last = Some(p);
+                }
+                Err(_) => break,
+            }
+        }
+        let plan = last.expect("some budget below the need compiles");
+        plan.verify().expect("verifies");
+        assert!(plan.memory.device_bytes() as u64 <= budget);
+        let moved: Vec<schedule::BufferId> = plan
+            .params
+            .iter()
+            .map(|p| p.param)
+            .filter(|&id| plan.memory.tier(id) == Some(ArenaKind::Host))
+            .collect();
+        assert!(!moved.is_empty(), "{opt:?}: no parameter left the device");
+        for &id in &moved {
+            let name = &plan.buffer(id).name;
+            let ins = |ops: &[Op]| {
+                ops.iter()
+                    .filter(|o| matches!(o, Op::CopyIn { src, .. } if *src == id))
+                    .count()
+            };
+            let reads = |ops: &[Op]| {
+                ops.iter().any(|o| {
+                    !matches!(o, Op::CopyIn { .. } | Op::CopyOut { .. })
+                        && o.operands().iter().any(|&(_, b)| b == id)
+                })
+            };
+            // Every use reads a staging buffer; each program that used it copies it in once.
+            for (prog, ops) in [
+                ("forward", &plan.forward),
+                ("backward", &plan.backward),
+                ("optimizer", &plan.optimizer),
+            ] {
+                assert!(!reads(ops), "{opt:?}: {name} read in place in the {prog}");
+            }
+            assert_eq!(ins(&plan.forward), 1, "{opt:?}: {name} in the forward");
+            assert_eq!(ins(&plan.optimizer), 1, "{opt:?}: {name} in the optimizer");
+            assert!(ins(&plan.backward) <= 1, "{opt:?}: {name} in the backward");
+            let outs = plan
+                .step_ops()
+                .filter(|(_, o)| matches!(o, Op::CopyOut { dst, .. } if *dst == id))
+                .count();
+            assert_eq!(
+                outs, 1,
+                "{opt:?}: {name} written back once, by the optimizer"
+            );
+        }
+        eprintln!("{opt:?}: {} parameter(s) in host memory", moved.len());
+        let (l, p, m) = train(plan, 4);
+        assert_eq!(l, l0, "{opt:?}: losses");
+        assert_eq!(p, p0, "{opt:?}: parameters");
+        assert_eq!(m, m0, "{opt:?}: moments");
+    }
+}
+
 fn nvme_file(dir: &std::path::Path) -> std::path::PathBuf {
     let files: Vec<_> = std::fs::read_dir(dir)
         .expect("dir")

@@ -14,6 +14,13 @@
 //! (`spill_gradients`): a copy out to `<grad>.host` after its last backward write, the
 //! clip from partial sums, and the staging above for its uses in the optimizer program.
 //!
+//! A parameter that `tier-placement` moved is read by the forward and the backward too: each
+//! of those programs that reads it gets a staging buffer `<name>.staged.forward` /
+//! `.staged.backward` of its own, copied in by the same rule among that program's offloaded
+//! first uses, and never copied back (only the optimizer writes a parameter; one written by
+//! the forward or backward is refused). Copies in those programs need one forward and
+//! backward per step, so `tier-placement` moves no parameter under `grad_accum > 1`.
+//!
 //! The staging buffers are step-local (the first op touching each is its copy): the
 //! `memory-planning` pass gives them bytes of the activations arena only from their copy in to
 //! their copy out — the pinned staging pool, sized by liveness. [`schedule::Plan::verify`]
@@ -99,41 +106,38 @@ pub fn insert_prefetches(plan: &mut Plan) -> Result<(usize, usize), PassError> {
     }
     let (homes, spill_outs) = spill_gradients(plan, &offloaded)?;
     let offloaded = offloaded_now(plan);
+    // Offloaded buffers the forward or backward reads (parameters: written by the optimizer
+    // alone) come in once per program that reads them, through a staging buffer of that
+    // program; none may be written there.
     for op in plan.forward.iter().chain(&plan.backward) {
         if matches!(op, Op::CopyOut { .. }) {
             continue; // a gradient's copy to its host home (`spill_gradients`)
         }
-        if let Some((_, id)) = op
-            .operands()
+        if let Some((_, id, _)) = op
+            .accesses()
             .into_iter()
-            .find(|(_, id)| offloaded.contains(id))
+            .find(|&(_, id, a)| a.writes() && offloaded.contains(&id))
         {
             return Err(PassError::Invalid {
                 pass: "prefetch-insertion",
                 message: format!(
-                    "`{}` is offloaded but `{}` in the forward or backward program uses it; \
-                     only optimizer state is offloaded",
+                    "`{}` is offloaded but `{}` in the forward or backward program writes it; \
+                     only buffers those programs read (parameters) or gradients leave the \
+                     device",
                     plan.buffer(id).name,
                     op.name()
                 ),
             });
         }
     }
-    // Staging buffers.
+    let mut ins = 0;
+    for program in ["forward", "backward"] {
+        ins += stage_reads(plan, program, &offloaded)?;
+    }
+    // Staging buffers of the optimizer program.
     let mut staged: HashMap<BufferId, BufferId> = HashMap::new();
     for &id in &offloaded {
-        let b = plan.buffer(id).clone();
-        let s = BufferId(plan.buffers.len() as u32);
-        plan.buffers.push(Buffer {
-            name: format!("{}.staged", b.name),
-            init: Init::Zeros,
-            ..b
-        });
-        plan.memory.slots.push(BufferSlot {
-            arena: ArenaKind::Persistent,
-            offset: 0,
-        });
-        staged.insert(id, s);
+        staged.insert(id, staging_buffer(plan, id, "staged"));
     }
     // First and last use, and whether written, per offloaded buffer.
     let mut first: HashMap<BufferId, usize> = HashMap::new();
@@ -148,22 +152,7 @@ pub fn insert_prefetches(plan: &mut Plan) -> Result<(usize, usize), PassError> {
             }
         }
     }
-    // The ops that first use offloaded state, in order: the copy in for the j-th is issued
-    // before the (j - PREFETCH_DEPTH)-th (at the start of the program for the first ones), so
-    // that while one tensor is updated the next comes in and the previous goes out.
-    let mut users: Vec<usize> = first.values().copied().collect();
-    users.sort_unstable();
-    users.dedup();
-    let mut issue_at: HashMap<usize, Vec<BufferId>> = HashMap::new();
-    for (&id, &f) in &first {
-        let j = users.partition_point(|&u| u < f);
-        let at = if j >= PREFETCH_DEPTH {
-            users[j - PREFETCH_DEPTH]
-        } else {
-            0
-        };
-        issue_at.entry(at).or_default().push(id);
-    }
+    let mut issue_at = issue_points(&first);
     let mut out_after: HashMap<usize, Vec<BufferId>> = HashMap::new();
     for (&id, &l) in &last_write {
         // A gradient's staging copy is clipped in place, not state: it dies with the step.
@@ -172,7 +161,7 @@ pub fn insert_prefetches(plan: &mut Plan) -> Result<(usize, usize), PassError> {
         }
     }
     let old = std::mem::take(&mut plan.optimizer);
-    let (mut ins, mut outs) = (0, spill_outs);
+    let mut outs = spill_outs;
     for (i, op) in old.into_iter().enumerate() {
         if let Some(list) = issue_at.get_mut(&i) {
             list.sort();
@@ -197,6 +186,104 @@ pub fn insert_prefetches(plan: &mut Plan) -> Result<(usize, usize), PassError> {
         }
     }
     Ok((ins, outs))
+}
+
+/// A new step-local staging buffer `<name>.<suffix>` shaped like offloaded buffer `id` (its
+/// slot a placeholder until `memory-planning` gives it bytes of the activations arena).
+fn staging_buffer(plan: &mut Plan, id: BufferId, suffix: &str) -> BufferId {
+    let b = plan.buffer(id).clone();
+    let s = BufferId(plan.buffers.len() as u32);
+    plan.buffers.push(Buffer {
+        name: format!("{}.{suffix}", b.name),
+        init: Init::Zeros,
+        ..b
+    });
+    plan.memory.slots.push(BufferSlot {
+        arena: ArenaKind::Persistent,
+        offset: 0,
+    });
+    s
+}
+
+/// Where the copies in go, by the op index of their first use (`first`): the ops that first
+/// use offloaded buffers, in order; the copy in for the j-th is issued before the
+/// (j - [`PREFETCH_DEPTH`])-th (at the start of the program for the first ones), so that
+/// while one tensor is used the next comes in and the previous goes out.
+fn issue_points(first: &HashMap<BufferId, usize>) -> HashMap<usize, Vec<BufferId>> {
+    let mut users: Vec<usize> = first.values().copied().collect();
+    users.sort_unstable();
+    users.dedup();
+    let mut issue_at: HashMap<usize, Vec<BufferId>> = HashMap::new();
+    for (&id, &f) in first {
+        let j = users.partition_point(|&u| u < f);
+        let at = if j >= PREFETCH_DEPTH {
+            users[j - PREFETCH_DEPTH]
+        } else {
+            0
+        };
+        issue_at.entry(at).or_default().push(id);
+    }
+    issue_at
+}
+
+/// The forward or backward program (`program`) reading offloaded buffers (parameters, which
+/// only the optimizer writes): each gets a staging buffer `<name>.staged.<program>`, a
+/// [`Op::CopyIn`] issued as in the optimizer program ([`issue_points`]), and no copy out (the
+/// program does not write it; `insert_prefetches` refuses one that does). A gradient's copy to
+/// its host home is not a use. Returns the copies in added.
+fn stage_reads(plan: &mut Plan, program: &str, offloaded: &[BufferId]) -> Result<usize, PassError> {
+    let ops = match program {
+        "forward" => &plan.forward,
+        _ => &plan.backward,
+    };
+    let mut first: HashMap<BufferId, usize> = HashMap::new();
+    for (i, op) in ops.iter().enumerate() {
+        if matches!(op, Op::CopyOut { .. }) {
+            continue;
+        }
+        for (_, id) in op.operands() {
+            if offloaded.contains(&id) {
+                first.entry(id).or_insert(i);
+            }
+        }
+    }
+    if first.is_empty() {
+        return Ok(0);
+    }
+    let mut ids: Vec<BufferId> = first.keys().copied().collect();
+    ids.sort();
+    let mut staged: HashMap<BufferId, BufferId> = HashMap::new();
+    for id in ids {
+        staged.insert(id, staging_buffer(plan, id, &format!("staged.{program}")));
+    }
+    let mut issue_at = issue_points(&first);
+    let old = std::mem::take(match program {
+        "forward" => &mut plan.forward,
+        _ => &mut plan.backward,
+    });
+    let mut out = Vec::with_capacity(old.len() + staged.len());
+    for (i, op) in old.into_iter().enumerate() {
+        if let Some(list) = issue_at.get_mut(&i) {
+            list.sort();
+            for &id in list.iter() {
+                out.push(Op::CopyIn {
+                    src: id,
+                    dst: staged[&id],
+                });
+            }
+        }
+        // A spill's copy out names the gradient's home, not a staged buffer.
+        out.push(if matches!(op, Op::CopyOut { .. }) {
+            op
+        } else {
+            replace_operands(&op, &staged)?
+        });
+    }
+    match program {
+        "forward" => plan.forward = out,
+        _ => plan.backward = out,
+    }
+    Ok(staged.len())
 }
 
 /// `op` with every operand found in `map` replaced by its image (through the op's JSON form:

@@ -36,8 +36,10 @@
 //!   moved: `schedule::reserve::RefreshStaging`). A refresh's own copies (a factor and a basis
 //!   in at a refresh, a basis in and out at its swap, once per `precondition_frequency`
 //!   steps) are not priced. Factors are candidates before bases (the take-back of unneeded tensors, smallest first, may still
-//!   keep a basis and return a factor). Parameters (read by the forward, the backward and
-//!   the casts) stay on the device in this version.
+//!   keep a basis and return a factor). Last of all the **parameters** (pinned host memory
+//!   only, and not under `grad_accum > 1`): `prefetch-insertion` copies one in before its
+//!   first use in every program that reads it (the forward, the backward where it reads it,
+//!   the optimizer) and back after its update, so it costs a copy in per such program.
 //! - **Cost** per candidate: its per-step copy time over the tier's link (pinned host memory:
 //!   the host↔GPU bandwidth of the target description, each way, the copies in and out
 //!   running at once on a GPU's two copy engines; NVMe: the drive's read plus write
@@ -304,7 +306,12 @@ pub fn place(
     }
     // Moments first, then gradients (when the host tier is there for them); each group
     // largest first, ties in buffer order.
-    let (mut candidates, mut grads, mut refresh) = candidates(plan);
+    let Candidates {
+        moments: mut candidates,
+        mut grads,
+        mut refresh,
+        mut params,
+    } = candidates(plan);
     let by_size = |v: &mut Vec<BufferId>| {
         v.sort_by(|&a, &b| {
             let (x, y) = (plan.buffer(a).size_bytes(), plan.buffer(b).size_bytes());
@@ -314,12 +321,14 @@ pub fn place(
     by_size(&mut candidates);
     by_size(&mut grads);
     by_size(&mut refresh);
+    by_size(&mut params);
     // Factors before bases: a factor costs its copies only; a refresh also reads and writes
     // its basis where it lives.
     refresh.sort_by_key(|&c| plan.buffer(c).class == BufferClass::Eigenbasis);
     if host_ok {
         candidates.extend(grads);
         candidates.extend(refresh);
+        candidates.extend(params);
     }
     // Greedy on the estimate: freeing a tensor's persistent bytes.
     let mut excess = device_need(plan).saturating_sub(cap);
@@ -347,8 +356,23 @@ pub fn place(
     // binary, on counts: offloading one more candidate never adds device bytes, and returning
     // one more never removes any (up to the staging buffers' sharing of the activations arena,
     // which is why every answer is the result of an exact trial).
-    if fits(&chosen)?.is_none() {
-        if fits(&candidates)?.is_none() {
+    //
+    // Along the candidates' prefixes a trial does not fit, then fits, then fails (from the
+    // first tensor the host and NVMe budgets cannot hold on): the first prefix that does not
+    // "not fit" either fits, or its failure is the error, or none does and the budget cannot
+    // be met.
+    let not_fit = |k: usize| matches!(fits(&candidates[..k]), Ok(None));
+    if not_fit(chosen.len()) {
+        let (mut lo, mut hi) = (chosen.len(), candidates.len() + 1);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if not_fit(mid) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        if hi > candidates.len() {
             let left = trial_need(&candidates)?;
             return Err(over_budget(
                 plan,
@@ -357,16 +381,8 @@ pub fn place(
                 &candidates,
             ));
         }
-        // The shortest prefix of the candidates that fits: `lo` does not, `hi` does.
-        let (mut lo, mut hi) = (chosen.len(), candidates.len());
-        while hi - lo > 1 {
-            let mid = lo + (hi - lo) / 2;
-            if fits(&candidates[..mid])?.is_some() {
-                hi = mid;
-            } else {
-                lo = mid;
-            }
-        }
+        // Fits, or the assignment's own error.
+        fits(&candidates[..hi])?;
         chosen = candidates[..hi].to_vec();
     }
     // Take back the smallest ones that are not needed: the most of them, smallest first, whose
@@ -439,10 +455,16 @@ pub fn device_floor(
     let host_ok = !desc.unified_memory;
     trial.memory.pinned_refresh_shadows =
         host_ok && schedule::reserve::refresh_shadow_device_bytes(plan) > 0;
-    let (mut all, grads, refresh) = candidates(&trial);
+    let Candidates {
+        moments: mut all,
+        grads,
+        refresh,
+        params,
+    } = candidates(&trial);
     if host_ok {
         all.extend(grads);
         all.extend(refresh);
+        all.extend(params);
     }
     let unlimited = Budgets {
         device: None,
@@ -459,7 +481,7 @@ pub fn device_floor(
 /// program reads (streamed to pinned host memory as they are finished); third, the Kronecker
 /// factors and eigenbases of SOAP refreshes, which only the optimizer program (once a step)
 /// and the refresh tasks (between steps, where the state lives) touch.
-fn candidates(plan: &Plan) -> (Vec<BufferId>, Vec<BufferId>, Vec<BufferId>) {
+fn candidates(plan: &Plan) -> Candidates {
     let n = plan.buffers.len();
     let mut in_forward = vec![false; n];
     let mut by_backward = vec![false; n];
@@ -474,6 +496,16 @@ fn candidates(plan: &Plan) -> (Vec<BufferId>, Vec<BufferId>, Vec<BufferId>) {
         for (_, id, a) in op.accesses() {
             if a.writes() {
                 if let Some(w) = by_backward.get_mut(id.index()) {
+                    *w = true;
+                }
+            }
+        }
+    }
+    let mut written_outside = vec![false; n];
+    for op in plan.forward.iter().chain(&plan.backward) {
+        for (_, id, a) in op.accesses() {
+            if a.writes() {
+                if let Some(w) = written_outside.get_mut(id.index()) {
                     *w = true;
                 }
             }
@@ -563,7 +595,49 @@ fn candidates(plan: &Plan) -> (Vec<BufferId>, Vec<BufferId>, Vec<BufferId>) {
         })
         .map(|i| BufferId(i as u32))
         .collect();
-    (moments, grads, refresh)
+    // Parameters are read by the forward and backward too: each program that reads one copies
+    // it in again (`prefetch-insertion`), so they come last; the copies cross programs, which
+    // a step of accumulated micro-batches does not allow.
+    let params = (0..n)
+        .filter(|&i| {
+            let b = &plan.buffers[i];
+            streamable
+                && b.class == BufferClass::Parameter
+                && b.dtype == schedule::DType::F32
+                && used[i]
+                && !written_outside[i]
+                && !in_tasks[i]
+        })
+        .map(|i| BufferId(i as u32))
+        .collect();
+    Candidates {
+        moments,
+        grads,
+        refresh,
+        params,
+    }
+}
+
+/// The groups of tensors `tier-placement` may move, in the order it considers them
+/// ([`candidates`]).
+struct Candidates {
+    moments: Vec<BufferId>,
+    grads: Vec<BufferId>,
+    refresh: Vec<BufferId>,
+    params: Vec<BufferId>,
+}
+
+/// How many programs of the step read `id` (forward, backward, optimizer): the copies in a
+/// moved tensor costs per step (a parameter: one per program reading it).
+fn programs_reading(plan: &Plan, id: BufferId) -> usize {
+    [&plan.forward, &plan.backward, &plan.optimizer]
+        .iter()
+        .filter(|p| {
+            p.iter()
+                .any(|op| op.operands().iter().any(|&(_, b)| b == id))
+        })
+        .count()
+        .max(1)
 }
 
 /// Predicted copy time per step (ms) of `bytes` of moments in `tier` on `desc`: the host tier's
@@ -610,15 +684,18 @@ fn assign(
             plan.buffer(c).class,
             BufferClass::KroneckerFactor | BufferClass::Eigenbasis
         );
+        let param = plan.buffer(c).class == BufferClass::Parameter;
         let (tier, offset, copy_ms) = if host_ok && host.saturating_add(bytes) <= host_cap {
             let at = host;
             host = align_up(host.saturating_add(bytes), 256);
+            // A parameter comes in once per program that reads it (its one copy out overlaps).
+            let ins = if param { programs_reading(plan, c) } else { 1 };
             (
                 ArenaKind::Host,
                 at,
-                tier_copy_ms(desc, ArenaKind::Host, bytes),
+                ins as f64 * tier_copy_ms(desc, ArenaKind::Host, bytes),
             )
-        } else if !gradient && !refresh && nvme.saturating_add(bytes) <= nvme_cap {
+        } else if !gradient && !refresh && !param && nvme.saturating_add(bytes) <= nvme_cap {
             let at = nvme;
             nvme = align_up(nvme.saturating_add(bytes), NVME_ALIGN);
             (
@@ -634,6 +711,10 @@ fn assign(
             } else if refresh {
                 "and Kronecker factors and eigenbases (read by the refreshes where they live) \
                  go to pinned host memory only"
+                    .to_string()
+            } else if param {
+                "and parameters (copied in by every program that reads them) go to pinned \
+                 host memory only"
                     .to_string()
             } else if budgets.nvme_dir.is_none() {
                 "and the spec names no `nvme` directory".to_string()
@@ -729,18 +810,28 @@ fn over_budget(
             BufferClass::KroneckerFactor | BufferClass::Eigenbasis
         )
     });
-    let what = match (grads_moved, refresh_moved) {
-        (true, true) => {
-            "the optimizer moments, the gradients, the Kronecker factors and eigenbases"
-        }
-        (true, false) => "the optimizer moments and the gradients",
-        (false, true) => "the optimizer moments, the Kronecker factors and eigenbases",
-        (false, false) => "the optimizer moments",
+    let params_moved = moved
+        .iter()
+        .any(|&c| plan.buffer(c).class == BufferClass::Parameter);
+    let mut groups = vec!["the optimizer moments"];
+    if grads_moved {
+        groups.push("the gradients");
+    }
+    if refresh_moved {
+        groups.push("the Kronecker factors and eigenbases");
+    }
+    if params_moved {
+        groups.push("the parameters");
+    }
+    let what = match groups.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        _ => groups.join(""),
     };
     let accumulating = if plan.train.grad_accum > 1 {
         format!(
-            " (gradients stay on the device under grad_accum = {}: their totals live across \
-             the micro-batches)",
+            " (gradients and parameters stay on the device under grad_accum = {}: the \
+             gradients' totals live across the micro-batches, and every micro-batch reads the \
+             parameters)",
             plan.train.grad_accum
         )
     } else {
