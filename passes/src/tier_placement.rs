@@ -342,9 +342,17 @@ pub fn place(
     }
     // Then exact: with the staging copies in place, add more until the device fits; take
     // back the smallest ones that are not needed.
+    // The device need does not depend on which offload tier takes a tensor: the search runs
+    // without the host and NVMe limits, and the final assignment checks them (so a prefix
+    // that overflows `host_memory` before the take-back below is not a failure).
+    let search = Budgets {
+        host: None,
+        nvme: None,
+        ..budgets.clone()
+    };
     let trial_need = |chosen: &[BufferId]| -> Result<usize, PassError> {
         let mut trial = plan.clone();
-        assign(&mut trial, chosen, budgets, desc, host_ok, &mut Vec::new())?;
+        assign(&mut trial, chosen, &search, desc, host_ok, &mut Vec::new())?;
         insert_prefetches(&mut trial)?;
         Ok(device_need(&trial))
     };
@@ -677,7 +685,21 @@ fn assign(
         0
     };
     let (mut host, mut nvme) = (0usize, 0usize);
-    for &c in chosen {
+    // Tensors only pinned host memory may take (gradients, factors and bases, parameters)
+    // claim it first; moments fill what is left, then NVMe.
+    let host_only = |c: BufferId| {
+        !matches!(
+            plan.buffer(c).class,
+            BufferClass::ExpAvg | BufferClass::ExpAvgSq
+        )
+    };
+    let ordered: Vec<BufferId> = chosen
+        .iter()
+        .copied()
+        .filter(|&c| host_only(c))
+        .chain(chosen.iter().copied().filter(|&c| !host_only(c)))
+        .collect();
+    for c in ordered {
         let bytes = plan.buffer(c).size_bytes();
         let gradient = plan.buffer(c).class == BufferClass::Gradient;
         let refresh = matches!(

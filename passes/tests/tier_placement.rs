@@ -580,3 +580,64 @@ fn kronecker_factors_and_eigenbases_leave_the_device_last() {
         );
     }
 }
+
+/// The host budget is checked on the placement the pass ends with, not on the larger set its
+/// search passes through before it takes back what is not needed; and tensors only pinned host
+/// memory may take (gradients, Kronecker factors and eigenbases) claim it before the moments,
+/// which may go to NVMe. The 1.44B SOAP plan with `layers` under `gpu_memory = 12GiB` moves
+/// 18.24 GiB with an unlimited host tier: it compiles under `host_memory = 24GiB` (the
+/// search's prefix alone was more), and under 20 GiB with an NVMe directory (the moments that
+/// do not fit go there; without the directory it is an error naming the full host tier).
+#[test]
+fn host_budgets_are_checked_on_the_final_placement_host_only_tensors_first() {
+    let spec = |host: &'static str, nvme: bool| {
+        move |s: String| {
+            let extra = if nvme {
+                "\n  nvme = \"/tmp\"\n  nvme_memory = 40GiB"
+            } else {
+                ""
+            };
+            s.replacen(
+                "target cuda {",
+                &format!("target cuda {{\n  gpu_memory = 12GiB\n  host_memory = {host}{extra}"),
+                1,
+            )
+            .replacen("train {", "train {\n  rematerialize = layers", 1)
+        }
+    };
+    let plan = soap_plan(spec("24GiB", false));
+    plan.verify().expect("verifies");
+    assert!(plan.memory.arena_bytes(ArenaKind::Host) <= 24 << 30);
+    let plan = soap_plan(spec("20GiB", true));
+    plan.verify().expect("verifies");
+    let on = |kind: ArenaKind, class: schedule::BufferClass| {
+        (0..plan.buffers.len()).any(|i| {
+            plan.buffers[i].class == class
+                && plan.memory.tier(schedule::BufferId(i as u32)) == Some(kind)
+        })
+    };
+    assert!(
+        on(ArenaKind::Nvme, schedule::BufferClass::ExpAvg)
+            || on(ArenaKind::Nvme, schedule::BufferClass::ExpAvgSq)
+    );
+    assert!(on(ArenaKind::Host, schedule::BufferClass::KroneckerFactor));
+    // Without the directory the moments have nowhere to go.
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/specs/llama-1.4b-soap.asteria");
+    let src = std::fs::read_to_string(path)
+        .expect("spec")
+        .replace("corpus = \"../data/medium\"", "corpus = builtin");
+    let config = frontend::parse_spec("soap", &spec("20GiB", false)(src), &std::env::temp_dir())
+        .expect("valid spec");
+    let mut m = ir::Module::new(config);
+    let mut pm = PassManager::new(PassOptions::default()).expect("pm");
+    let err = pm
+        .run(&mut m, None, &mut std::io::sink())
+        .err()
+        .expect("20 GiB of host memory without NVMe is too little")
+        .to_string();
+    assert!(
+        err.contains("host_memory") && err.contains("no `nvme` directory"),
+        "{err}"
+    );
+}
