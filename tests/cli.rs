@@ -277,26 +277,33 @@ fn explain_names_the_device_floor_that_tier_placement_meets() {
         .lines()
         .find(|l| l.trim_start().starts_with("floor"))
         .unwrap_or_else(|| panic!("no floor line: {out}"));
-    let gib: f64 = line
+    // `floor  NMiB  (X.XX GiB: ...`: N is a budget to pass as printed.
+    let mib: u64 = line
         .split_whitespace()
         .nth(1)
+        .and_then(|v| v.strip_suffix("MiB"))
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("{line}"));
-    assert!(line.contains("GiB"), "{line}");
-    let with = |g: f64| {
+    let gib = line
+        .split('(')
+        .nth(1)
+        .and_then(|r| r.split(':').next())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(gib.ends_with("GiB"), "{line}");
+    let with = |m: u64| {
         asteria(&[
             "compile",
             "examples/gpt2-124m.asteria",
             "--set",
-            &format!("target.gpu_memory={g:.2}GiB"),
+            &format!("target.gpu_memory={m}MiB"),
         ])
     };
-    let o = with(gib + 0.02);
+    let o = with(mib);
     assert!(o.status.success(), "{:?}", text(&o));
-    let o = with(gib * 0.8);
+    let o = with(mib * 4 / 5);
     let err = flat(&o);
     assert!(!o.status.success(), "{err}");
-    assert!(err.contains(&format!("still leaves {gib:.2} GiB")), "{err}");
+    assert!(err.contains(&format!("still leaves {gib}")), "{err}");
 }
 
 #[test]

@@ -293,12 +293,16 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
         if let Some(before) = cx.plan {
             match passes::tier_placement::device_floor(&before, &budgets, &desc) {
                 Ok(floor) => {
+                    // Whole MiB, rounded up: a value to pass as `gpu_memory` as printed.
+                    let mib = floor.div_ceil(1 << 20);
                     let _ = writeln!(
                         o,
-                        "  floor  {:>11}  (on the device with everything tier-placement may move \
-                         offloaded, the engine's own included: any `gpu_memory` from here up \
-                         fits; a little below may too, keeping small tensors whose staging costs \
-                         more than they free; `rematerialize` lowers the activations)",
+                        "  floor  {:>11}  ({}: on the device with everything tier-placement may \
+                         move offloaded, the engine's own included: any `gpu_memory` from \
+                         {mib}MiB up fits; a little below may too, keeping small tensors whose \
+                         staging costs more than they free; `rematerialize` lowers the \
+                         activations)",
+                        format!("{mib}MiB"),
                         human_bytes(floor)
                     );
                 }

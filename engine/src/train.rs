@@ -116,13 +116,19 @@ impl TrainSummary {
     /// them (at least one step) ends above the first step's by more than 5%. A language
     /// model's loss starts near `ln(vocab)` and falls; ending above that start means the
     /// optimizer is making things worse. `None` for a run that looks sane.
-    pub fn divergence(&self) -> Option<String> {
+    /// `clipped`: the plan clips the gradients' global norm (the hint then suggests a lower
+    /// threshold rather than a clip).
+    pub fn divergence(&self, clipped: bool) -> Option<String> {
         let losses = &self.train_losses;
         let (&first, &last) = (losses.first()?, losses.last()?);
+        let hint = if clipped {
+            "a lower `optimizer.lr` (or a smaller `train.grad_clip`) usually helps"
+        } else {
+            "a lower `optimizer.lr` or a `train.grad_clip` usually helps"
+        };
         if !last.is_finite() {
             return Some(format!(
-                "the training loss is {last} at the last step: the run diverged; a lower \
-                 `optimizer.lr` or a `train.grad_clip` usually helps"
+                "the training loss is {last} at the last step: the run diverged; {hint}"
             ));
         }
         if losses.len() < DIVERGENCE_MIN_STEPS || !first.is_finite() {
@@ -130,11 +136,15 @@ impl TrainSummary {
         }
         let k = (losses.len() / 10).max(1);
         let tail = losses[losses.len() - k..].iter().sum::<f64>() / k as f64;
+        let over = if k == 1 {
+            "at the last step".to_string()
+        } else {
+            format!("the mean of the last {k} steps")
+        };
         (tail > first * 1.05).then(|| {
             format!(
-                "the training loss rose from {first:.4} (first step of this run) to {tail:.4} \
-                 (mean of the last {k} step(s)): the run is diverging; a lower `optimizer.lr` \
-                 or a `train.grad_clip` usually helps"
+                "the training loss rose from {first:.4} at the first step of this run to \
+                 {tail:.4} ({over}): the run is diverging; {hint}"
             )
         })
     }
@@ -876,8 +886,14 @@ pub fn train_with<E: StepExecutor>(
         // A closed stderr (its reader exited) is not an error of the run.
         let _ = writeln!(std::io::stderr(), "{summary}");
     }
-    if let Some(why) = summary.divergence() {
-        tracing::warn!("{why}");
+    let clipped = plan
+        .optimizer
+        .iter()
+        .any(|o| matches!(o, Op::ClipGradNorm { .. }));
+    if let Some(why) = summary.divergence(clipped) {
+        // A plain line like the summary's (also under `--quiet`: it is a warning).
+        tracing::debug!("{why}");
+        let _ = writeln!(std::io::stderr(), "warning: {why}");
     }
     Ok(summary)
 }
@@ -891,7 +907,7 @@ mod tests {
             train_losses: losses.to_vec(),
             ..Default::default()
         }
-        .divergence()
+        .divergence(true)
     }
 
     #[test]
@@ -903,9 +919,18 @@ mod tests {
         rising.extend([40.0, 300.0, 1313.0]);
         let why = run(&rising).expect("diverging");
         assert!(
-            why.contains("rose from 10.8000") && why.contains("to 806.5000 (mean of the last 2"),
+            why.contains("rose from 10.8000")
+                && why.contains("to 806.5000 (the mean of the last 2 steps)"),
             "{why}"
         );
+        assert!(why.contains("a smaller `train.grad_clip`"), "{why}");
+        let unclipped = TrainSummary {
+            train_losses: rising.clone(),
+            ..Default::default()
+        }
+        .divergence(false)
+        .expect("diverging");
+        assert!(unclipped.contains("or a `train.grad_clip`"), "{unclipped}");
         let mut nan = falling.clone();
         nan.push(f64::NAN);
         assert!(run(&nan).expect("NaN").contains("NaN at the last step"));

@@ -859,6 +859,15 @@ fn over_budget(
     } else {
         String::new()
     };
+    let remat = if plan.train.rematerialize == schedule::Rematerialize::Layers {
+        String::new()
+    } else {
+        format!(
+            " (or set `rematerialize = layers` in the train block, now `{}`: it recomputes \
+             each layer's activations in the backward)",
+            plan.train.rematerialize
+        )
+    };
     let after_shadows = if plan.memory.pinned_refresh_shadows {
         ", after the refresh shadows"
     } else {
@@ -871,8 +880,7 @@ fn over_budget(
              offloading every movable tensor ({what}: {}{after_shadows}) still leaves {} \
              there{accumulating}, the staging buffers that bring them back for their updates \
              included; the largest \
-             device consumers: {}; raise the budget, or lower batch_size or seq_len (or set \
-             `rematerialize = layers` in the train block when activations are among them)",
+             device consumers: {}; raise the budget, or lower batch_size or seq_len{remat}",
             budgets
                 .device
                 .map_or("(none)".to_string(), |b| human_bytes(b as usize)),
