@@ -57,8 +57,8 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
     );
     // Staging buffers (copies of offloaded state, step-local) are listed on their own line.
     let staged: Vec<usize> = plan
-        .optimizer
-        .iter()
+        .step_ops()
+        .map(|(_, o)| o)
         .filter_map(|o| match o {
             schedule::Op::CopyIn { dst, .. } => Some(dst.index()),
             _ => None,
