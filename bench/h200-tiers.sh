@@ -10,7 +10,8 @@
 #   refresh swaps re-project host-tier moments through a device staging buffer), under `16GiB`
 #   with `layers` (the moments and then gradients in pinned host memory: the gradients are
 #   copied out during the backward and back in for their updates), under `12GiB` with `layers`
-#   (then the Kronecker factors and eigenbases too), and under `gpu_memory =
+#   (then the Kronecker factors and eigenbases too), under `8GiB` with `layers` (then the
+#   parameters: copied in by the forward, the backward and the optimizer), and under `gpu_memory =
 #   30GiB` with only 4 GiB of host memory, the rest of the offloaded moments in the NVMe tier
 #   (a file in /tmp; STEPS steps: ~2.5 s of NVMe copies a step), the others SOAP_STEPS steps
 #   each with the validation loss at the end;
@@ -18,7 +19,8 @@
 #   tiny-soap under a budget that puts the embedding's moments (a refresh task's) in the host
 #   tier, and of examples/tiny-tiers.asteria (AdamW) and its SOAP variant with moments in the
 #   host and NVMe tiers (the NVMe file in /tmp), and of tiny-tiers under a budget that also
-#   streams two gradients to host memory (`tiny-tiers-gpu-grads`: the clip from partial sums);
+#   streams two gradients to host memory (`tiny-tiers-gpu-grads`: the clip from partial sums),
+#   and under budgets that move parameters too (`tiny-tiers-gpu-params`, AdamW and SOAP);
 # - row `pinned-shadows`: tiny-soap at staleness 2 on the GPU, unconstrained against budgets that
 #   pin the refresh shadows (bit for bit) and move moments too, and at staleness 0.
 # Each run prints its GPU peak, arenas and MFU; summarize.py puts them side by side.
@@ -77,6 +79,7 @@ for spec in "llama-1.4b-adamw|unconstrained|||$steps" \
             "llama-1.4b-soap|soap-gpu24-layers|$(budget 24GiB)|rematerialize = layers; $dl|$soap_steps" \
             "llama-1.4b-soap|soap-gpu16-layers|$(budget 16GiB)|rematerialize = layers; $dl|$soap_steps" \
             "llama-1.4b-soap|soap-gpu12-layers|$(budget 12GiB)|rematerialize = layers; $dl|$soap_steps" \
+            "llama-1.4b-soap|soap-gpu8-layers|$(budget 8GiB)|rematerialize = layers; $dl|$soap_steps" \
             "llama-1.4b-soap|soap-gpu30-nvme|gpu_memory = 30GiB; host_memory = 4GiB; nvme = \"/tmp\"; nvme_memory = 20GiB||$steps" \
             "train-match|train-match|||"; do
   IFS='|' read -r base name target train n <<< "$spec"
@@ -113,6 +116,12 @@ sed -e 's/^  memory = 5MiB.*/  gpu_memory = 1029MiB\n  precision = fp32/' -e 's/
     -e '/^  nvme/d' -e 's/^target cpu {/target cuda {/' examples/tiny-tiers.asteria > "$out/tiny-tiers-gpu.asteria"
 # 1053000 KiB: the largest budget (500 KiB steps) at which gradients leave too (two of them).
 sed -e 's/^  gpu_memory = 1029MiB/  gpu_memory = 1053000KiB/' "$out/tiny-tiers-gpu.asteria" > "$out/tiny-tiers-gpu-grads.asteria"
+# Parameters in pinned host memory too (the forward and backward copy them in through staging
+# buffers of their own): AdamW under 1027MiB, SOAP (frequency 3, CPU eigenbases injected) under
+# 1047MiB, the budgets at which parameters leave as well.
+sed -e 's/^  gpu_memory = 1029MiB/  gpu_memory = 1027MiB/' "$out/tiny-tiers-gpu.asteria" > "$out/tiny-tiers-gpu-params.asteria"
+sed -e 's/^  gpu_memory = 1029MiB/  gpu_memory = 1047MiB/' -e 's/^optimizer adamw {/optimizer soap {\n  precondition_frequency = 3/' \
+    "$out/tiny-tiers-gpu.asteria" > "$out/tiny-tiers-gpu-params-soap.asteria"
 sed -e 's/^target cpu {/target cuda {\n  precision = fp32\n  gpu_memory = 1485MiB\n  host_memory = 256MiB/' \
     -e 's/^  staleness = 0 .*/  staleness = 0/' examples/tiny-soap.asteria > "$out/tiny-soap-tiers-gpu.asteria"
 # SOAP's matches inject the CPU's eigenbases as each refresh is installed (two correct
@@ -120,7 +129,8 @@ sed -e 's/^target cpu {/target cuda {\n  precision = fp32\n  gpu_memory = 1485Mi
 # for near-equal eigenvalues: every factor of the first step is rank-deficient; BENCHMARKS.md,
 # correctness checks). At staleness 1 the match runs with `refresh_swap = deadline`, so both
 # engines install each result at its bound and the injection lands at the same step.
-for m in "tiny-tiers-gpu|" "tiny-tiers-gpu-grads|--compare-state" "tiny-soap-tiers-gpu|--inject-cpu-refreshes" "tiny-tiers-nvme|--compare-state" \
+for m in "tiny-tiers-gpu|" "tiny-tiers-gpu-grads|--compare-state" "tiny-tiers-gpu-params|--compare-state" \
+         "tiny-tiers-gpu-params-soap|--compare-state --inject-cpu-refreshes" "tiny-soap-tiers-gpu|--inject-cpu-refreshes" "tiny-tiers-nvme|--compare-state" \
          "tiny-tiers-soap-nvme-s1|--refresh host --steps 12 --inject-cpu-refreshes" \
          "tiny-tiers-soap-nvme-s0|--refresh gpu --steps 12 --inject-cpu-refreshes" \
          "tiny-tiers-soap-fb-s1|--refresh host --steps 12 --inject-cpu-refreshes" \
