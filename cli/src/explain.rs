@@ -258,11 +258,15 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
         );
     }
     if let Some(budget) = plan.memory.budgets.device {
+        let arenas = plan.memory.device_bytes();
+        let own = schedule::reserve::engine_reserve(&plan, arenas).total();
         let _ = writeln!(
             o,
-            "  device budget {} (planned device arenas {})",
+            "  device budget {} (needed: {}, the planned device arenas {} and the engine's own {})",
             human_bytes(budget as usize),
-            human_bytes(plan.memory.device_bytes())
+            human_bytes(arenas + own),
+            human_bytes(arenas),
+            human_bytes(own)
         );
     }
     // The smallest device budget this spec fits: the plan before placement, everything
