@@ -65,9 +65,12 @@ struct Params<'a> {
 
 impl<'a> Params<'a> {
     fn new(ckpt: &'a Checkpoint, plan: &schedule::Plan) -> Self {
+        // The plan's parameters, not every buffer of their class: a parameter moved off the
+        // device has step-local staging copies of that class too (`prefetch-insertion`).
         let shapes = plan
-            .buffers
+            .params
             .iter()
+            .map(|p| plan.buffer(p.param))
             .filter(|b| b.class == BufferClass::Parameter)
             .map(|b| (b.name.clone(), b.shape.clone()))
             .collect();

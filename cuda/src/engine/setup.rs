@@ -244,7 +244,8 @@ impl CudaEngine {
                 .memory
                 .arenas
                 .iter()
-                .filter(|a| a.kind != ArenaKind::Nvme)
+                // The host tier is pinned host memory, the NVMe tier a file.
+                .filter(|a| a.kind.on_device())
                 .fold(0u64, |t, a| t.saturating_add(a.bytes as u64));
             let place = format!("GPU {} ({})", dev.info().ordinal, dev.info().name);
             engine::fits::check_fits(&plan, &place, planned, free as u64)?;
