@@ -204,9 +204,25 @@ mod tests {
     /// at which gradients leave the device in the backward: copies out during the backward,
     /// copies in of gradients and moments in the optimizer.
     fn streamed_gradient_plan() -> Plan {
+        plan_below(6 << 20, |p| {
+            p.backward.iter().any(|o| matches!(o, Op::CopyOut { .. }))
+        })
+    }
+
+    /// The same under the largest budget at which parameters leave too: copies in during the
+    /// forward and the backward as well.
+    fn offloaded_parameter_plan() -> Plan {
+        plan_below(6 << 20, |p| {
+            p.forward.iter().any(|o| matches!(o, Op::CopyIn { .. }))
+        })
+    }
+
+    /// examples/tiny-tiers.asteria (host tier only) under the largest device budget, in 64
+    /// KiB steps below `start`, whose plan `wanted` accepts.
+    fn plan_below(start: u64, wanted: impl Fn(&Plan) -> bool) -> Plan {
         let spec = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("../examples/tiny-tiers.asteria");
-        let mut budget = 6 << 20;
+        let mut budget = start;
         loop {
             budget -= 64 << 10;
             let mut config = frontend::load_spec(&spec).expect("examples/tiny-tiers.asteria loads");
@@ -222,11 +238,7 @@ mod tests {
                 .run(&mut module, None, &mut Vec::new())
                 .expect("a budget above the parameters compiles");
             let plan = cx.plan.expect("a plan");
-            if plan
-                .backward
-                .iter()
-                .any(|o| matches!(o, Op::CopyOut { .. }))
-            {
+            if wanted(&plan) {
                 return plan;
             }
         }
@@ -294,7 +306,11 @@ mod tests {
 
     #[test]
     fn every_conflicting_pair_of_streams_is_ordered_by_an_event() {
-        for plan in [tiered_plan(), streamed_gradient_plan()] {
+        for plan in [
+            tiered_plan(),
+            streamed_gradient_plan(),
+            offloaded_parameter_plan(),
+        ] {
             every_conflict_ordered(&plan);
         }
     }
