@@ -231,6 +231,27 @@ fn budget_below(opt: Opt, short: u64) -> u64 {
     (need - short).div_ceil(MIB) * MIB
 }
 
+/// The plan `compile` gives under the smallest device budget, in 64 KiB steps below `need`,
+/// that compiles (every tensor the pass may move has left), verified and within its budget.
+fn smallest_budget_plan(
+    need: u64,
+    compile: impl Fn(Budgets) -> Result<Plan, Box<PassError>>,
+) -> Plan {
+    let mut budget = need;
+    let mut last = None;
+    while let Ok(p) = compile(Budgets {
+        device: Some(budget - (64 << 10)),
+        ..Default::default()
+    }) {
+        budget -= 64 << 10;
+        last = Some(p);
+    }
+    let plan = last.expect("some budget below the need compiles");
+    plan.verify().expect("verifies");
+    assert!(plan.memory.device_bytes() as u64 <= budget);
+    plan
+}
+
 fn copies(plan: &Plan) -> (usize, usize) {
     let n = |name| plan.optimizer.iter().filter(|o| o.name() == name).count();
     (n("copy_in"), n("copy_out"))
@@ -399,24 +420,7 @@ fn kronecker_factors_and_eigenbases_in_host_memory_keep_the_run_bit_identical() 
         };
         // The smallest budget (64 KiB steps below the need) that compiles: every factor and
         // basis the pass may move has left.
-        let mut budget = need;
-        let mut last = None;
-        loop {
-            let b = Budgets {
-                device: Some(budget - (64 << 10)),
-                ..Default::default()
-            };
-            match compile(cfg(b)) {
-                Ok(p) => {
-                    budget -= 64 << 10;
-                    last = Some(p);
-                }
-                Err(_) => break,
-            }
-        }
-        let plan = last.expect("some budget below the need compiles");
-        plan.verify().expect("verifies");
-        assert!(plan.memory.device_bytes() as u64 <= budget);
+        let plan = smallest_budget_plan(need, |b| compile(cfg(b)));
         let kinds: Vec<schedule::BufferClass> = plan
             .buffers
             .iter()
@@ -485,24 +489,7 @@ fn parameters_in_host_memory_keep_the_run_bit_identical() {
         let plain = compile(config(opt, Budgets::default())).expect("untiered");
         let need = plain.memory.device_bytes() as u64;
         let (l0, p0, m0) = train(plain, 4);
-        let mut budget = need;
-        let mut last = None;
-        loop {
-            let b = Budgets {
-                device: Some(budget - (64 << 10)),
-                ..Default::default()
-            };
-            match compile(config(opt, b)) {
-                Ok(p) => {
-                    budget -= 64 << 10;
-                    last = Some(p);
-                }
-                Err(_) => break,
-            }
-        }
-        let plan = last.expect("some budget below the need compiles");
-        plan.verify().expect("verifies");
-        assert!(plan.memory.device_bytes() as u64 <= budget);
+        let plan = smallest_budget_plan(need, |b| compile(config(opt, b)));
         let moved: Vec<schedule::BufferId> = plan
             .params
             .iter()
