@@ -191,6 +191,15 @@ pub fn insert_prefetches(plan: &mut Plan) -> Result<(usize, usize), PassError> {
 /// A new step-local staging buffer `<name>.<suffix>` shaped like offloaded buffer `id` (its
 /// slot a placeholder until `memory-planning` gives it bytes of the activations arena).
 fn staging_buffer(plan: &mut Plan, id: BufferId, suffix: &str) -> BufferId {
+    let placeholder = BufferSlot {
+        arena: ArenaKind::Persistent,
+        offset: 0,
+    };
+    copy_of(plan, id, suffix, placeholder)
+}
+
+/// A new zero-initialised buffer `<name>.<suffix>` shaped like `id`, in `slot`.
+fn copy_of(plan: &mut Plan, id: BufferId, suffix: &str, slot: BufferSlot) -> BufferId {
     let b = plan.buffer(id).clone();
     let s = BufferId(plan.buffers.len() as u32);
     plan.buffers.push(Buffer {
@@ -198,10 +207,7 @@ fn staging_buffer(plan: &mut Plan, id: BufferId, suffix: &str) -> BufferId {
         init: Init::Zeros,
         ..b
     });
-    plan.memory.slots.push(BufferSlot {
-        arena: ArenaKind::Persistent,
-        offset: 0,
-    });
+    plan.memory.slots.push(slot);
     s
 }
 
@@ -373,14 +379,7 @@ fn spill_gradients(
                 slot.arena
             )));
         }
-        let b = plan.buffer(g).clone();
-        let h = BufferId(plan.buffers.len() as u32);
-        plan.buffers.push(Buffer {
-            name: format!("{}.host", b.name),
-            init: Init::Zeros,
-            ..b
-        });
-        plan.memory.slots.push(slot);
+        let h = copy_of(plan, g, "host", slot);
         plan.memory.slots[g.index()] = BufferSlot {
             arena: ArenaKind::Activations,
             offset: 0,
