@@ -281,6 +281,7 @@ fn a_tiered_run_is_bit_identical_to_the_untiered_run() {
             host: Some(MIB),
             nvme_dir: Some(dir.path().display().to_string()),
             nvme: Some(64 * MIB),
+            ..Default::default()
         };
         let (l0, p0, m0) = train(plain, 5);
         assert!(l0[4] < l0[0], "{opt:?}: the loss falls: {l0:?}");
@@ -557,6 +558,7 @@ fn a_corrupt_or_truncated_nvme_file_stops_the_step_with_a_clear_error() {
             host: Some(MIB),
             nvme_dir: Some(dir.path().display().to_string()),
             nvme: None,
+            ..Default::default()
         };
         let plan = compile(config(Opt::AdamW, budgets)).expect("plan");
         assert!(plan.memory.arena_bytes(ArenaKind::Nvme) > 0);

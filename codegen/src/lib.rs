@@ -359,6 +359,7 @@ pub fn lower(module: &Module) -> Result<Plan, LowerError> {
                 beta2: *beta2,
                 eps: *eps,
                 weight_decay: *weight_decay,
+                on_host: false,
             },
             Op::SoapUpdate { hyper, left, right } => {
                 let mut rest = a[4..].iter();

@@ -67,6 +67,7 @@ mod copies;
 mod exec;
 pub mod gpu_trace;
 mod host_refresh;
+mod host_updates;
 mod nvme_tier;
 mod profile;
 mod setup;
@@ -155,6 +156,9 @@ fn attn_dims(batch: usize, seq_len: usize, n_heads: usize, qkv_cols: usize) -> a
 /// The CUDA interpreter of a [`Plan`]. See the module docs.
 pub struct CudaEngine {
     plan: Plan,
+    // Dropped before the buffers: its worker writes pinned host memory of `bufs`.
+    /// The worker of the plan's host-placed `adam_w` updates (`host_updates`); `None` without.
+    host_updates: Option<host_updates::HostUpdates>,
     // Dropped before `dev`: the refreshers' cuSOLVER handles are bound to its streams.
     refreshes: tasks::Refreshes,
     dev: Arc<Device>,
@@ -240,8 +244,16 @@ impl CudaEngine {
             let casts_before = self.shadow_casts;
             let pos = self.copy_order.position(section, index);
             let outcome = self
-                .order_copies(op, pos, true)
-                .and_then(|()| self.exec_traced(section, op, t, lr_mult))
+                .before_host_updates(pos)
+                .and_then(|()| self.order_copies(op, pos, true))
+                .and_then(|()| {
+                    if op.on_host() {
+                        self.submit_host_update(op, pos, (section, index), (t, lr_mult))
+                            .map(|()| None)
+                    } else {
+                        self.exec_traced(section, op, t, lr_mult)
+                    }
+                })
                 .and_then(|r| self.order_copies(op, pos, false).map(|()| r));
             if let Some((t0, ev0)) = started {
                 let host_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -386,6 +398,51 @@ impl CudaEngine {
             self.copy_events[pos] = Some(self.dev.record(stream, false)?);
         }
         Ok(())
+    }
+
+    /// Waits for the host updates the op at step position `pos` must follow
+    /// ([`host_updates::HostUpdates::before_op`]).
+    fn before_host_updates(&mut self, pos: usize) -> Result<(), CudaError> {
+        match self.host_updates.as_mut() {
+            Some(h) => h.before_op(pos),
+            None => Ok(()),
+        }
+    }
+
+    /// Hands the host-placed update `op` (at `section[index]`, step position `pos`) to the
+    /// host-update worker, after events on every stream (everything enqueued so far).
+    fn submit_host_update(
+        &mut self,
+        op: &Op,
+        pos: usize,
+        (section, index): (&str, usize),
+        t_lr: (u64, f64),
+    ) -> Result<(), CudaError> {
+        let Some(h) = self.host_updates.as_mut() else {
+            return Err(CudaError::Invalid {
+                op: op.name(),
+                what: "a host-placed update, but the engine started no host-update worker".into(),
+            });
+        };
+        let mut events = Vec::with_capacity(3);
+        for kind in [StreamKind::Compute, StreamKind::CopyIn, StreamKind::CopyOut] {
+            events.push(self.dev.record(kind, false)?);
+        }
+        let param = match op {
+            Op::AdamW { param, .. } => self.plan.buffer(*param).name.clone(),
+            _ => String::new(),
+        };
+        let what = format!("{section}[{index}] ({}) `{param}`", op.name());
+        h.submit(&self.plan, op, pos, what, &self.bufs, events, t_lr)
+    }
+
+    /// Every submitted host update finished: before state is read or written from outside
+    /// the programs (checkpoints, export, a resume, a train-match).
+    fn join_host_updates(&self) -> Result<(), EngineError> {
+        match &self.host_updates {
+            Some(h) => h.join_all().map_err(|e| cuda_err("host updates", e)),
+            None => Ok(()),
+        }
     }
 
     /// Makes the compute stream wait for the step's last copy in and copy out.
@@ -550,10 +607,12 @@ impl StepExecutor for CudaEngine {
     }
 
     fn read_state(&self, name: &str) -> Result<Vec<f64>, EngineError> {
+        self.join_host_updates()?;
         self.buffer(name)
     }
 
     fn read_range(&self, name: &str, start: usize, len: usize) -> Result<Vec<f64>, EngineError> {
+        self.join_host_updates()?;
         self.buffer_range(name, start, len)
     }
 
@@ -566,6 +625,7 @@ impl StepExecutor for CudaEngine {
     }
 
     fn write_state(&mut self, name: &str, values: &[f64]) -> Result<(), EngineError> {
+        self.join_host_updates()?;
         self.set_buffer(name, values)
     }
 
@@ -610,6 +670,7 @@ impl Drop for CudaEngine {
     /// launcher thread, joined when the refreshes drop, also waits for the side stream before
     /// it destroys its cuSOLVER handle; every buffer's own drop synchronises the context.)
     fn drop(&mut self) {
+        let _ = self.join_host_updates();
         let _ = self.dev.synchronize();
     }
 }

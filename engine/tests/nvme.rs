@@ -77,7 +77,7 @@ fn round_trip(try_direct: bool) {
         next += (s as u64).div_ceil(B) * B;
     }
     let reserved = next;
-    let mut store = make(dir.path(), reserved, try_direct);
+    let store = make(dir.path(), reserved, try_direct);
     assert_eq!(store.reserved_bytes(), reserved);
     assert_eq!(store.path(), dir.path().join("swap.bin"));
     let on_disk = std::fs::metadata(store.path()).expect("metadata").len();
@@ -164,7 +164,7 @@ fn truncated_file_is_reported_with_the_block() {
 
 fn truncated(try_direct: bool) {
     let dir = disk_tempdir();
-    let mut store = make(dir.path(), 4 * B, try_direct);
+    let store = make(dir.path(), 4 * B, try_direct);
     let direct = store.stats().direct_io;
     let data = random_bytes(3 * NVME_BLOCK + 500, 3);
     store.write(0, &data).expect("write");
@@ -211,7 +211,7 @@ fn flipped_byte_is_reported_as_corrupt() {
 
 fn corrupt(try_direct: bool) {
     let dir = disk_tempdir();
-    let mut store = make(dir.path(), 3 * B, try_direct);
+    let store = make(dir.path(), 3 * B, try_direct);
     let data = random_bytes(2 * NVME_BLOCK + 4000, 4);
     store.write(0, &data).expect("write");
     let pos = 2 * B + 1234;
@@ -312,7 +312,7 @@ fn absurd_reservation_says_the_tier_is_full() {
 fn misaligned_and_out_of_range_regions_are_refused() {
     let dir = disk_tempdir();
     let reserved = 2 * B + 10;
-    let mut store = NvmeStore::create(dir.path(), "swap.bin", reserved).expect("create");
+    let store = NvmeStore::create(dir.path(), "swap.bin", reserved).expect("create");
 
     let err = store.write(4096, &[1, 2, 3]).unwrap_err();
     assert!(
@@ -372,7 +372,7 @@ fn works_on_tmpfs() {
     let Ok(dir) = tempfile::tempdir_in(shm) else {
         return;
     };
-    let mut store = NvmeStore::create(dir.path(), "swap.bin", 2 * B).expect("create");
+    let store = NvmeStore::create(dir.path(), "swap.bin", 2 * B).expect("create");
     let data = random_bytes(NVME_BLOCK + 3, 6);
     store.write(0, &data).expect("write");
     let mut back = vec![0; data.len()];

@@ -17,9 +17,9 @@ pub use op::{InputRole, Op, Section};
 pub use parser::{parse_module, ParseError};
 pub use schedule::{limits, PLAN_FORMAT};
 pub use schedule::{
-    AttentionKernel, Budgets, BufferClass, DType, Eigensolver, Init, InverseRoot, KlShampooHyper,
-    Placement, Precision, RefreshMethod, RefreshPlacement, RefreshSwap, Rematerialize,
-    ShampooHyper, SoapHyper, WeightCasts,
+    AttentionKernel, Budgets, BufferClass, DType, Eigensolver, HostUpdates, Init, InverseRoot,
+    KlShampooHyper, Placement, Precision, RefreshMethod, RefreshPlacement, RefreshSwap,
+    Rematerialize, ShampooHyper, SoapHyper, WeightCasts,
 };
 pub use types::TensorType;
 pub use verifier::{verify, VerifierError};

@@ -338,6 +338,8 @@ impl Module {
                     Init::Zeros => out.write_str(" zeros")?,
                     Init::Ones => out.write_str(" ones")?,
                     Init::Normal { std } => write!(out, " normal(std = {std:?})")?,
+                    // A plan-level init (`tier-placement`'s device copies): never in the IR.
+                    Init::CopyOf { of } => write!(out, " copy_of(buffer {})", of.0)?,
                 }
             }
             Op::Input { role } => write!(out, " {}", role_keyword(role))?,

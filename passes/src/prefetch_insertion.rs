@@ -28,6 +28,7 @@
 //! in, and every written staging buffer is copied back.
 use crate::{Pass, PassContext, PassError};
 use ir::Module;
+use schedule::memory::align_up;
 use schedule::{ArenaKind, Buffer, BufferId, BufferSlot, Init, Op, Plan};
 use std::collections::HashMap;
 
@@ -134,15 +135,27 @@ pub fn insert_prefetches(plan: &mut Plan) -> Result<(usize, usize), PassError> {
     for program in ["forward", "backward"] {
         ins += stage_reads(plan, program, &offloaded)?;
     }
-    // Staging buffers of the optimizer program.
+    // Staging buffers of the optimizer program, for the offloaded buffers its device ops use
+    // (a host update works on its state where it lives; copies already in the program, a
+    // host update's device copy and the clip factor's copy out, name their tier directly).
+    let staged_here = |op: &Op| !op.on_host() && !crate::tier_placement::is_copy(op);
     let mut staged: HashMap<BufferId, BufferId> = HashMap::new();
     for &id in &offloaded {
-        staged.insert(id, staging_buffer(plan, id, "staged"));
+        let used = plan
+            .optimizer
+            .iter()
+            .any(|op| staged_here(op) && op.operands().iter().any(|&(_, b)| b == id));
+        if used {
+            staged.insert(id, staging_buffer(plan, id, "staged"));
+        }
     }
     // First and last use, and whether written, per offloaded buffer.
     let mut first: HashMap<BufferId, usize> = HashMap::new();
     let mut last_write: HashMap<BufferId, usize> = HashMap::new();
     for (i, op) in plan.optimizer.iter().enumerate() {
+        if !staged_here(op) {
+            continue;
+        }
         for (_, id, access) in op.accesses() {
             if staged.contains_key(&id) {
                 first.entry(id).or_insert(i);
@@ -173,7 +186,11 @@ pub fn insert_prefetches(plan: &mut Plan) -> Result<(usize, usize), PassError> {
                 ins += 1;
             }
         }
-        plan.optimizer.push(replace_operands(&op, &staged)?);
+        plan.optimizer.push(if staged_here(&op) {
+            replace_operands(&op, &staged)?
+        } else {
+            op
+        });
         if let Some(list) = out_after.get_mut(&i) {
             list.sort();
             for &id in list.iter() {
@@ -491,30 +508,92 @@ fn spill_gradients(
             plan.backward.extend(list);
         }
     }
+    // A host update reads the clip's factor on the host: a copy `<scale>.host`, copied out
+    // right after the clip (the in-place clip's scaling of its gradient becomes the update's
+    // `grad_scale`: the same product, `clip::scaled`).
+    let host_scale = match (
+        &plan.optimizer.iter().any(|o| o.on_host()),
+        clip_at,
+        partials,
+    ) {
+        (true, Some(at), Some(_)) => match plan.optimizer[at] {
+            Op::ClipGradNorm {
+                scale: Some(s),
+                max_norm: Some(_),
+                ..
+            } => {
+                let offset = align_up(plan.memory.arena_bytes(ArenaKind::Host), 256);
+                let h = copy_of(
+                    plan,
+                    s,
+                    "host",
+                    BufferSlot {
+                        arena: ArenaKind::Host,
+                        offset,
+                    },
+                );
+                let end = offset + align_up(plan.buffer(h).size_bytes(), 256);
+                match plan
+                    .memory
+                    .arenas
+                    .iter_mut()
+                    .find(|a| a.kind == ArenaKind::Host)
+                {
+                    Some(a) => a.bytes = a.bytes.max(end),
+                    None => plan.memory.arenas.push(schedule::ArenaPlan {
+                        kind: ArenaKind::Host,
+                        bytes: end,
+                    }),
+                }
+                Some((s, h))
+            }
+            _ => None,
+        },
+        _ => None,
+    };
     // The optimizer: uses of a gradient read its home (staged by the caller); the in-place
     // clip's scaling before each gradient's first use after the clip.
     let old = std::mem::take(&mut plan.optimizer);
     let mut pending: Vec<BufferId> = Vec::new();
+    let homed = |g: BufferId| home.get(&g).copied().unwrap_or(g);
     let scale_op = |g: BufferId, s: BufferId| Op::ScaleByScalar {
-        x: home.get(&g).copied().unwrap_or(g),
+        x: homed(g),
         scale: s,
     };
     for (i, op) in old.into_iter().enumerate() {
-        let op = replace_operands(&op, &home)?;
-        if let Some((s, gs)) = &scale_before_use {
+        let mut op = replace_operands(&op, &home)?;
+        // A host update reads the clip's factor from its host copy, as its `grad_scale`, also
+        // where the clip scaled the gradients in place (the same product).
+        if let (
+            Some((s, h)),
+            Op::AdamW {
+                grad,
+                grad_scale,
+                on_host: true,
+                ..
+            },
+        ) = (host_scale, &mut op)
+        {
+            let in_place = pending.iter().any(|&g| homed(g) == *grad);
+            if *grad_scale == Some(s) || in_place {
+                *grad_scale = Some(h);
+                let g = *grad;
+                pending.retain(|&x| homed(x) != g);
+            }
+        }
+        if let Some((s, _)) = &scale_before_use {
             if Some(i) > clip_at {
-                let uses: Vec<BufferId> = op.operands().iter().map(|&(_, b)| b).collect::<Vec<_>>();
-                for &g in pending
-                    .iter()
-                    .filter(|&&g| uses.contains(&home.get(&g).copied().unwrap_or(g)))
-                {
+                let uses: Vec<BufferId> = op.operands().iter().map(|&(_, b)| b).collect();
+                for &g in pending.iter().filter(|&&g| uses.contains(&homed(g))) {
                     plan.optimizer.push(scale_op(g, *s));
                 }
-                pending.retain(|&g| !uses.contains(&home.get(&g).copied().unwrap_or(g)));
+                pending.retain(|&g| !uses.contains(&homed(g)));
             }
-            let is_clip = Some(i) == clip_at;
-            plan.optimizer.push(op);
-            if is_clip {
+        }
+        let is_clip = Some(i) == clip_at;
+        plan.optimizer.push(op);
+        if is_clip {
+            if let Some((s, gs)) = &scale_before_use {
                 // Gradients on the device are scaled right after the clip, as the in-place
                 // clip did; offloaded ones where they come back.
                 for &g in gs {
@@ -525,8 +604,10 @@ fn spill_gradients(
                     }
                 }
             }
-        } else {
-            plan.optimizer.push(op);
+            if let Some((s, h)) = host_scale {
+                plan.optimizer.push(Op::CopyOut { src: s, dst: h });
+                outs += 1;
+            }
         }
     }
     Ok((home.values().copied().collect(), outs))

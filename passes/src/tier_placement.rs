@@ -62,6 +62,7 @@ use ir::Module;
 use schedule::memory::align_up;
 use schedule::reserve::{engine_reserve, EngineReserve};
 use schedule::{ArenaKind, ArenaPlan, Budgets, BufferClass, BufferId, BufferSlot, Op, Plan};
+use std::collections::HashMap;
 use std::fmt::Write;
 
 /// Alignment of NVMe-tier offsets: one checksummed block of the engine's NVMe store (1 MiB).
@@ -100,6 +101,9 @@ pub struct Placement {
     pub host_note: Option<String>,
     /// The refresh shadows moved to pinned host memory, if they were.
     pub shadows: Option<ShadowDecision>,
+    /// Under `host_updates = sync | delayed`: the parameters whose AdamW update runs on the
+    /// host, with their state's bytes there (parameter, gradient, moments).
+    pub host_updates: Vec<(String, usize)>,
 }
 
 /// The refresh shadows' move to pinned host memory.
@@ -269,10 +273,61 @@ pub fn place(
     placement.device_need = device_need(plan);
     placement.reserve = engine_reserve(plan, plan_memory(plan).device_bytes());
     let cap = budgets.device.map_or(usize::MAX, |b| b as usize);
-    if placement.device_need <= cap {
+    let host_ok = !desc.unified_memory;
+    // Host updates first: their state leaves the device whatever the budget.
+    let forced = host_updates(plan, budgets.host_updates, host_ok)?;
+    placement.host_updates = forced
+        .chunks(4)
+        .map(|c| {
+            (
+                plan.buffer(c[0]).name.clone(),
+                c.iter().map(|&b| plan.buffer(b).size_bytes()).sum(),
+            )
+        })
+        .collect();
+    let with_forced =
+        |chosen: &[BufferId]| -> Vec<BufferId> { forced.iter().chain(chosen).copied().collect() };
+    // The device need with `chosen` offloaded (host and NVMe budgets unchecked), copies in.
+    let need_of = |plan: &Plan, chosen: &[BufferId]| -> Result<usize, PassError> {
+        let mut trial = plan.clone();
+        let unlimited = Budgets {
+            host: None,
+            nvme: None,
+            ..budgets.clone()
+        };
+        assign(
+            &mut trial,
+            &with_forced(chosen),
+            &unlimited,
+            desc,
+            host_ok,
+            &mut Vec::new(),
+        )?;
+        insert_prefetches(&mut trial)?;
+        Ok(device_need(&trial))
+    };
+    let done = |plan: &mut Plan,
+                chosen: &[BufferId],
+                placement: &mut Placement|
+     -> Result<(), PassError> {
+        assign(
+            plan,
+            &with_forced(chosen),
+            budgets,
+            desc,
+            host_ok,
+            &mut placement.decisions,
+        )?;
+        placement.decisions.sort_by_key(|d| d.buffer);
+        placement.reserve = engine_reserve(plan, plan_memory(plan).device_bytes());
+        Ok(())
+    };
+    if need_of(plan, &[])? <= cap {
+        if !forced.is_empty() {
+            done(plan, &[], &mut placement)?;
+        }
         return Ok(placement);
     }
-    let host_ok = !desc.unified_memory;
     // Refresh shadows first (see the module docs), when pinning them frees device bytes: the
     // shadows of GPU-side refreshes leave, the side stream's staging set comes.
     if host_ok && schedule::reserve::refresh_shadow_device_bytes(plan) > 0 {
@@ -291,9 +346,12 @@ pub fn place(
                     plan,
                 ) as usize),
             });
-            let need = device_need(plan);
-            if need <= cap {
-                placement.reserve = engine_reserve(plan, plan_memory(plan).device_bytes());
+            if need_of(plan, &[])? <= cap {
+                if forced.is_empty() {
+                    placement.reserve = engine_reserve(plan, plan_memory(plan).device_bytes());
+                } else {
+                    done(plan, &[], &mut placement)?;
+                }
                 return Ok(placement);
             }
         }
@@ -343,19 +401,9 @@ pub fn place(
     // Then exact: with the staging copies in place, add more until the device fits; take
     // back the smallest ones that are not needed.
     // The device need does not depend on which offload tier takes a tensor: the search runs
-    // without the host and NVMe limits, and the final assignment checks them (so a prefix
-    // that overflows `host_memory` before the take-back below is not a failure).
-    let search = Budgets {
-        host: None,
-        nvme: None,
-        ..budgets.clone()
-    };
-    let trial_need = |chosen: &[BufferId]| -> Result<usize, PassError> {
-        let mut trial = plan.clone();
-        assign(&mut trial, chosen, &search, desc, host_ok, &mut Vec::new())?;
-        insert_prefetches(&mut trial)?;
-        Ok(device_need(&trial))
-    };
+    // without the host and NVMe limits (`need_of`), and the final assignment checks them (so
+    // a prefix that overflows `host_memory` before the take-back below is not a failure).
+    let trial_need = |chosen: &[BufferId]| need_of(plan, chosen);
     let fits = |chosen: &[BufferId]| -> Result<Option<usize>, PassError> {
         let need = trial_need(chosen)?;
         Ok((need <= cap).then_some(need))
@@ -429,17 +477,7 @@ pub fn place(
             }
         }
     }
-    chosen = kept;
-    assign(
-        plan,
-        &chosen,
-        budgets,
-        desc,
-        host_ok,
-        &mut placement.decisions,
-    )?;
-    placement.decisions.sort_by_key(|d| d.buffer);
-    placement.reserve = engine_reserve(plan, plan_memory(plan).device_bytes());
+    done(plan, &kept, &mut placement)?;
     Ok(placement)
 }
 
@@ -463,12 +501,14 @@ pub fn device_floor(
     let host_ok = !desc.unified_memory;
     trial.memory.pinned_refresh_shadows =
         host_ok && schedule::reserve::refresh_shadow_device_bytes(plan) > 0;
+    let forced = host_updates(&mut trial, budgets.host_updates, host_ok)?;
     let Candidates {
         moments: mut all,
         grads,
         refresh,
         params,
     } = candidates(&trial);
+    all.splice(0..0, forced);
     if host_ok {
         all.extend(grads);
         all.extend(refresh);
@@ -482,6 +522,146 @@ pub fn device_floor(
     insert_prefetches(&mut trial)?;
     let m = plan_memory(&trial).device_bytes();
     Ok(m + engine_reserve(&trial, m).total())
+}
+
+/// Under `host_updates = sync | delayed` (`mode`), moves every AdamW update whose state can
+/// leave the device to the host (ZeRO-Offload's CPU optimizer): for each `adam_w` whose
+/// gradient streams out (written by the backward, read by the optimizer program only, no
+/// accumulation), whose parameter only the optimizer writes and whose moments only it
+/// touches,
+/// - a device copy `<param>.device` (initialised as the parameter, [`schedule::Init::CopyOf`])
+///   takes the parameter's place in the forward and backward programs;
+/// - the op runs on the host (`on_host`), on the parameter, gradient and moments, which the
+///   caller places in the host tier (the returned ids, four per update: parameter, gradient,
+///   first and second moment);
+/// - a `copy_in` refreshes the device copy: under `sync` at the end of the optimizer program
+///   (after the update: the same numbers as on the device), under `delayed` right before the
+///   update (the previous step's parameters: the update overlaps the next forward and
+///   backward, whose gradient is then taken one update late).
+///
+/// # Errors
+/// `host_updates` with `grad_accum > 1` (accumulated gradients stay on the device), or on a
+/// unified-memory target (host memory is the device's there).
+fn host_updates(
+    plan: &mut Plan,
+    mode: schedule::HostUpdates,
+    host_ok: bool,
+) -> Result<Vec<BufferId>, PassError> {
+    if mode == schedule::HostUpdates::Off {
+        return Ok(Vec::new());
+    }
+    let refuse = |message: String| PassError::Invalid {
+        pass: "tier-placement",
+        message,
+    };
+    if plan.train.grad_accum > 1 {
+        return Err(refuse(format!(
+            "`host_updates = {mode}` streams each gradient to the host once a step, but \
+             `grad_accum = {}` accumulates them on the device; remove one of the two",
+            plan.train.grad_accum
+        )));
+    }
+    if !host_ok {
+        return Err(refuse(format!(
+            "`host_updates = {mode}`: this target has unified memory (host memory is the \
+             device's), so moving the updates' state to the host frees nothing"
+        )));
+    }
+    // Already placed (a plan compiled twice): nothing more.
+    if plan.optimizer.iter().any(|o| o.on_host()) {
+        return Ok(plan
+            .optimizer
+            .iter()
+            .filter(|o| o.on_host())
+            .flat_map(|o| match *o {
+                Op::AdamW {
+                    param,
+                    grad,
+                    exp_avg,
+                    exp_avg_sq,
+                    ..
+                } => vec![param, grad, exp_avg, exp_avg_sq],
+                _ => Vec::new(),
+            })
+            .collect());
+    }
+    let c = candidates(plan);
+    let mut moved = Vec::new();
+    let mut device_copies: HashMap<BufferId, BufferId> = HashMap::new();
+    let mut copies_at_end = Vec::new();
+    let old = std::mem::take(&mut plan.optimizer);
+    let mut out = Vec::with_capacity(old.len() + 2 * old.len());
+    for op in old {
+        let Op::AdamW {
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            grad_scale,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            on_host: false,
+        } = op
+        else {
+            out.push(op);
+            continue;
+        };
+        let movable = c.params.contains(&param)
+            && c.grads.contains(&grad)
+            && c.moments.contains(&exp_avg)
+            && c.moments.contains(&exp_avg_sq)
+            && !device_copies.contains_key(&param);
+        if !movable {
+            out.push(op);
+            continue;
+        }
+        let b = plan.buffer(param).clone();
+        let dev = BufferId(plan.buffers.len() as u32);
+        plan.buffers.push(schedule::Buffer {
+            name: format!("{}.device", b.name),
+            init: schedule::Init::CopyOf { of: param },
+            ..b
+        });
+        plan.memory.slots.push(BufferSlot {
+            arena: ArenaKind::Persistent,
+            offset: 0,
+        });
+        device_copies.insert(param, dev);
+        let copy = Op::CopyIn {
+            src: param,
+            dst: dev,
+        };
+        if mode == schedule::HostUpdates::Delayed {
+            out.push(copy);
+        } else {
+            copies_at_end.push(copy);
+        }
+        out.push(Op::AdamW {
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            grad_scale,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            on_host: true,
+        });
+        moved.extend([param, grad, exp_avg, exp_avg_sq]);
+    }
+    out.extend(copies_at_end);
+    plan.optimizer = out;
+    for program in [&mut plan.forward, &mut plan.backward] {
+        for op in program.iter_mut() {
+            *op = crate::prefetch_insertion::replace_operands(op, &device_copies)?;
+        }
+    }
+    Ok(moved)
 }
 
 /// The tensors this version may offload: f32 moments touched by the optimizer program (and by
@@ -562,6 +742,19 @@ fn candidates(plan: &Plan) -> Candidates {
         for (_, id) in op.operands() {
             if let Some(u) = used.get_mut(id.index()) {
                 *u = true;
+            }
+        }
+    }
+    // Host updates' state (placed already) and the device copies their copies refresh.
+    for op in &plan.optimizer {
+        if op.on_host() || is_copy(op) {
+            for (_, id) in op.operands() {
+                if let Some(o) = outside.get_mut(id.index()) {
+                    *o = true;
+                }
+                if let Some(u) = used.get_mut(id.index()) {
+                    *u = false;
+                }
             }
         }
     }
@@ -687,11 +880,19 @@ fn assign(
     let (mut host, mut nvme) = (0usize, 0usize);
     // Tensors only pinned host memory may take (gradients, factors and bases, parameters)
     // claim it first; moments fill what is left, then NVMe.
+    // A host update's operands live where it runs: the parameter is copied in once a step
+    // (to its device copy), the gradient out once, the moments never.
+    let mut on_host: Vec<(BufferId, &'static str)> = Vec::new();
+    for op in plan.optimizer.iter().filter(|o| o.on_host()) {
+        on_host.extend(op.operands().into_iter().map(|(f, id)| (id, f)));
+    }
+    let host_update_field = |c: BufferId| on_host.iter().find(|&&(id, _)| id == c).map(|&(_, f)| f);
     let host_only = |c: BufferId| {
-        !matches!(
-            plan.buffer(c).class,
-            BufferClass::ExpAvg | BufferClass::ExpAvgSq
-        )
+        host_update_field(c).is_some()
+            || !matches!(
+                plan.buffer(c).class,
+                BufferClass::ExpAvg | BufferClass::ExpAvgSq
+            )
     };
     let ordered: Vec<BufferId> = chosen
         .iter()
@@ -711,7 +912,12 @@ fn assign(
             let at = host;
             host = align_up(host.saturating_add(bytes), 256);
             // A parameter comes in once per program that reads it (its one copy out overlaps).
-            let ins = if param { programs_reading(plan, c) } else { 1 };
+            let ins = match host_update_field(c) {
+                Some("param") | Some("grad") => 1,
+                Some(_) => 0,
+                None if param => programs_reading(plan, c),
+                None => 1,
+            };
             (
                 ArenaKind::Host,
                 at,

@@ -39,8 +39,8 @@ pub use op::{
     BF16_LAYERNORM_MAX_C,
 };
 pub use options::{
-    AttentionKernel, Eigensolver, Profile, RefreshPlacement, RefreshSwap, Rematerialize,
-    WeightCasts,
+    AttentionKernel, Eigensolver, HostUpdates, Profile, RefreshPlacement, RefreshSwap,
+    Rematerialize, WeightCasts,
 };
 pub use plan_error::PlanError;
 
@@ -168,6 +168,12 @@ pub enum Init {
     Normal {
         /// Standard deviation.
         std: f64,
+    },
+    /// The initial contents of another buffer `of` (its own init, drawn with its own stream):
+    /// a device copy of a parameter whose master lives in the host tier (`host_updates`).
+    CopyOf {
+        /// The buffer whose initial values this one starts with (its init is not `CopyOf`).
+        of: BufferId,
     },
 }
 
@@ -514,6 +520,21 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// How buffer `i` is initialised: its [`Init`] and the index of the random stream a
+    /// [`Init::Normal`] draws from (the buffer's own index), with an [`Init::CopyOf`] resolved
+    /// to the buffer it copies (so both start with the same bits). Engines initialise every
+    /// buffer through this. `None` for an index out of range or a `CopyOf` naming a buffer out
+    /// of range or another `CopyOf` ([`Plan::verify`] refuses both).
+    pub fn initial(&self, i: usize) -> Option<(Init, u64)> {
+        match self.buffers.get(i)?.init {
+            Init::CopyOf { of } => match self.buffers.get(of.index())?.init {
+                Init::CopyOf { .. } => None,
+                init => Some((init, of.0 as u64)),
+            },
+            init => Some((init, i as u64)),
+        }
+    }
+
     /// Model FLOPs of one training step (all its micro-batches), the numerator of MFU (PaLM's
     /// definition, Chowdhery et al. 2022, appendix B): `2·m·k·n` for every GEMM of the forward program and twice that
     /// for its two backward GEMMs (input and weight gradients: the usual `6·N` per token), plus

@@ -162,6 +162,14 @@ pub struct Budgets {
     /// The NVMe tier (`nvme_memory`): the `nvme` arena.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nvme: Option<u64>,
+    /// Where AdamW's updates run (`host_updates`): with `sync` or `delayed` `tier-placement`
+    /// moves them and their state to the host whatever the budgets.
+    #[serde(default, skip_serializing_if = "is_off")]
+    pub host_updates: crate::HostUpdates,
+}
+
+fn is_off(h: &crate::HostUpdates) -> bool {
+    *h == crate::HostUpdates::Off
 }
 
 impl Budgets {
@@ -187,6 +195,9 @@ impl Budgets {
                 "nvme {dir} ({})",
                 self.nvme.map_or("no limit".to_string(), size)
             ));
+        }
+        if self.host_updates != crate::HostUpdates::Off {
+            parts.push(format!("host_updates {}", self.host_updates));
         }
         parts.join(", ")
     }
@@ -837,6 +848,7 @@ pub(crate) mod tests {
                 beta2: 0.95,
                 eps: 1e-8,
                 weight_decay: 0.0,
+                on_host: false,
             }],
             host_tasks: vec![],
             data: DataPlan {

@@ -751,6 +751,11 @@ pub enum Op {
     /// With `grad_scale` (f32 `[1]`, a `ClipGradNorm`'s `scale`) the update reads
     /// `grad · grad_scale` (the product rounded to the gradient's type, as an in-place clip
     /// would store it) instead of `grad`.
+    ///
+    /// `on_host` (`host_updates`, written by `tier-placement`): every operand is in the host
+    /// tier and the update runs on the host cores, where that state lives (the CUDA engine's
+    /// host-update worker, ordered against the copy streams by events); the CPU engine runs it
+    /// as any other. Same math either way.
     AdamW {
         param: BufferId,
         grad: BufferId,
@@ -763,6 +768,8 @@ pub enum Op {
         beta2: f64,
         eps: f64,
         weight_decay: f64,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        on_host: bool,
     },
     /// SOAP parameter update (reference `soap.py` step body) on a 2-D parameter `[m, n]`
     /// (1-D parameters: `[n]` with no bases). At step t = 1 it does nothing (the first step only

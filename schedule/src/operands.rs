@@ -54,6 +54,12 @@ impl Op {
         }
     }
 
+    /// Whether the op runs on the host, where its (host-tier) operands live: an `adam_w` that
+    /// `tier-placement` placed there under `host_updates`.
+    pub fn on_host(&self) -> bool {
+        matches!(self, Op::AdamW { on_host: true, .. })
+    }
+
     /// Every buffer operand with its field name (optional operands only when present).
     pub fn operands(&self) -> Vec<(&'static str, BufferId)> {
         let mut v: Vec<(&'static str, BufferId)> = Vec::new();

@@ -147,6 +147,28 @@ named_option! {
 }
 
 named_option! {
+    /// Where AdamW's element-wise updates run (spec key `host_updates` of the `target` block;
+    /// ZeRO-Offload's CPU optimizer, Ren et al. 2021). Under `sync` or `delayed` the
+    /// `tier-placement` pass moves every `adam_w` update whose gradient can stream out to the
+    /// host: its parameter's master copy, moments and gradient live in pinned host memory, the
+    /// update runs on the host cores (`Op::AdamW::on_host`, the generated host kernel), and
+    /// the forward and backward read a device copy `<param>.device` that a `copy_in` refreshes
+    /// once per step.
+    HostUpdates {
+        /// Every update on the device (the default).
+        Off = "off",
+        /// The device copy is refreshed after the host update of the same step: the same
+        /// numbers as `off`, the device waits for the host update.
+        Sync = "sync",
+        /// The device copy is refreshed before the host update (with the result of the
+        /// previous step's), so the host update overlaps the next step's forward and backward:
+        /// each step's gradient is taken at parameters one update old (ZeRO-Offload's delayed
+        /// parameter update). Changes the numbers.
+        Delayed = "delayed",
+    } default Off
+}
+
+named_option! {
     /// A measurement switch of the CUDA engine (CLI `--profile`): per-op GPU times, printed at
     /// the end of the run. It changes the run's timing, never what it computes.
     Profile {

@@ -252,6 +252,20 @@ impl Plan {
                     limits::INIT_STD,
                 )?;
             }
+            if let Init::CopyOf { of } = b.init {
+                let ok = self.buffers.get(of.index()).is_some_and(|o| {
+                    o.shape == b.shape
+                        && o.dtype == b.dtype
+                        && !matches!(o.init, Init::CopyOf { .. })
+                });
+                if !ok {
+                    return Err(PlanError::Invalid(format!(
+                        "buffer {i} `{}`: init copy_of buffer {} must name a buffer of the same \
+                         shape and dtype that is not itself a copy",
+                        b.name, of.0
+                    )));
+                }
+            }
             let bytes = b
                 .shape
                 .iter()

@@ -7,7 +7,9 @@ use crate::{ArenaKind, BufferId, Op, Plan, PlanError};
 /// `nvme` arena) is persistent, touched by no op but [`Op::CopyIn`] (as `src`) and
 /// [`Op::CopyOut`] (as `dst`) and by no host task except as a refresh's moments (which the swap
 /// re-projects where they live) or a SOAP refresh's factor and basis in the host tier; every copy moves between an offloaded buffer
-/// and a device buffer; a staging buffer (a `CopyIn` destination) is written first by its
+/// and a device buffer; a host-placed update ([`Op::on_host`]) touches host-tier buffers
+/// only; a device copy (a `CopyIn` destination initialised as a copy of its source) is
+/// written by its copy alone; a staging buffer (any other `CopyIn` destination) is written first by its
 /// `CopyIn` — no op touches it before the copy has brought its bytes — and, when an op writes
 /// it, a `CopyOut` to its home follows the last such write (except a gradient's staging
 /// copy: the gradient that left the device in the backward is not state).
@@ -74,10 +76,20 @@ pub(crate) fn verify_tiers(plan: &Plan) -> Result<(), PlanError> {
     let mut last_write: Vec<Option<usize>> = vec![None; n];
     let mut copied_out: Vec<Option<usize>> = vec![None; n];
     let mut staging = vec![false; n];
+    // A device copy (a host update's `<param>.device`, `Init::CopyOf` its source) carries the
+    // last copy's values across steps: read before its copy, written by nothing else.
+    let mut device_copy = vec![false; n];
     for (_, op) in plan.step_ops() {
-        if let Op::CopyIn { dst, .. } = op {
+        if let Op::CopyIn { src, dst } = op {
+            let copy = plan
+                .buffers
+                .get(dst.index())
+                .is_some_and(|b| b.init == crate::Init::CopyOf { of: *src });
             if let Some(s) = staging.get_mut(dst.index()) {
-                *s = true;
+                *s = !copy;
+            }
+            if let Some(d) = device_copy.get_mut(dst.index()) {
+                *d = copy;
             }
         }
     }
@@ -107,8 +119,31 @@ pub(crate) fn verify_tiers(plan: &Plan) -> Result<(), PlanError> {
                     copied_out[dst.index()] = Some(pos);
                 }
             }
+            _ if op.on_host() => {
+                // A host update runs where its state lives: every operand in the host tier.
+                for (field, id) in op.operands() {
+                    if tier(id) != ArenaKind::Host {
+                        return Err(invalid(format!(
+                            "{} at {} runs on the host, but its operand `{field}` `{}` is in \
+                             the `{}` tier, not pinned host memory",
+                            op.name(),
+                            plan.step_position(pos),
+                            name(id),
+                            tier(id)
+                        )));
+                    }
+                }
+            }
             _ => {
                 for (field, id, access) in op.accesses() {
+                    if access.writes() && device_copy.get(id.index()).is_some_and(|&d| d) {
+                        return Err(invalid(format!(
+                            "{} at {} writes `{}`, a device copy that only its copy_in writes",
+                            op.name(),
+                            plan.step_position(pos),
+                            name(id)
+                        )));
+                    }
                     if !tier(id).on_device() {
                         return Err(invalid(format!(
                             "{} at {} touches `{}` (operand `{field}`), which is offloaded to \

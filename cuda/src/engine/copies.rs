@@ -81,9 +81,14 @@ impl CopyOrder {
             Some((slot.arena, slot.offset, slot.offset + bytes))
         };
         // Per op: its stream and the ranges it touches, with whether it writes them.
+        // A host-placed update is on no stream: `host_updates` orders it (events recorded at
+        // its submission, the engine thread waiting for it before a conflicting op).
         let touched: Vec<(usize, Vec<Touch>)> = plan
             .step_ops()
             .map(|(_, op)| {
+                if op.on_host() {
+                    return (0, Vec::new());
+                }
                 let r = op
                     .accesses()
                     .into_iter()

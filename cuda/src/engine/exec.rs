@@ -641,6 +641,13 @@ impl CudaEngine {
                 let v = dev.download::<f32>(self.b(*norm))?;
                 return Ok(Some(v.first().map_or(f64::NAN, |&x| f64::from(x))));
             }
+            Op::AdamW { on_host: true, .. } => {
+                // `CudaEngine::run` hands these to the host-update worker.
+                return Err(CudaError::Invalid {
+                    op: op.name(),
+                    what: "a host-placed update reached the device executor".into(),
+                });
+            }
             Op::AdamW {
                 param,
                 grad,
@@ -652,6 +659,7 @@ impl CudaEngine {
                 beta2,
                 eps,
                 weight_decay,
+                on_host: false,
             } => {
                 let key = schedule::adamw_kernel_key(*beta1, *beta2, *eps, *weight_decay);
                 let k = self

@@ -549,6 +549,11 @@ impl CudaEngine {
             reserved_before,
             profile,
             copy_order: super::copies::CopyOrder::new(&plan),
+            host_updates: super::host_updates::HostUpdates::new(
+                &plan,
+                std::thread::available_parallelism().map_or(1, |n| n.get()),
+            )
+            .map_err(EngineError::Unsupported)?,
             copy_events: (0..plan.step_len()).map(|_| None).collect(),
             attention,
             solver,
@@ -637,6 +642,8 @@ impl CudaEngine {
         let e = |err: CudaError| cuda_err("initialising buffers", err);
         let seed = self.opts.engine.seed.unwrap_or(self.plan.train.seed);
         for (i, (b, buf)) in self.plan.buffers.iter().zip(&self.bufs).enumerate() {
+            // `Plan::initial` resolves a `CopyOf` (verified) to its source's init and stream.
+            let (init, stream) = self.plan.initial(i).unwrap_or((Init::Zeros, i as u64));
             let on_nvme = self
                 .nvme
                 .as_ref()
@@ -645,11 +652,11 @@ impl CudaEngine {
                 // Offloaded state (host tier: pinned host memory; NVMe tier: its region in the
                 // swap file), written from the host with the CPU engine's values.
                 let mut v = vec![0f32; b.numel()];
-                match (b.init, b.dtype) {
-                    (Init::Zeros, DType::F32) => {}
+                match (init, b.dtype) {
+                    (Init::Zeros | Init::CopyOf { .. }, DType::F32) => {}
                     (Init::Ones, DType::F32) => v.iter_mut().for_each(|x| *x = 1.0),
                     (Init::Normal { std }, DType::F32) => {
-                        engine::normal_fill(seed, i as u64, &mut v, |z| (std * z) as f32)
+                        engine::normal_fill(seed, stream, &mut v, |z| (std * z) as f32)
                     }
                     _ => {
                         return Err(EngineError::Unsupported(format!(
@@ -678,8 +685,8 @@ impl CudaEngine {
                 };
                 continue;
             }
-            match (b.init, b.dtype) {
-                (Init::Zeros, _) => self.dev.zero(buf).map_err(e)?,
+            match (init, b.dtype) {
+                (Init::Zeros | Init::CopyOf { .. }, _) => self.dev.zero(buf).map_err(e)?,
                 (Init::Ones, DType::F32) => {
                     self.dev.upload(buf, &vec![1.0f32; b.numel()]).map_err(e)?
                 }
@@ -688,12 +695,12 @@ impl CudaEngine {
                 }
                 (Init::Normal { std }, DType::F32) => {
                     let mut v = vec![0f32; b.numel()];
-                    engine::normal_fill(seed, i as u64, &mut v, |z| (std * z) as f32);
+                    engine::normal_fill(seed, stream, &mut v, |z| (std * z) as f32);
                     self.dev.upload(buf, &v).map_err(e)?
                 }
                 (Init::Normal { std }, DType::I32) => {
                     let mut v = vec![0i32; b.numel()];
-                    engine::normal_fill(seed, i as u64, &mut v, |z| (std * z).round() as i32);
+                    engine::normal_fill(seed, stream, &mut v, |z| (std * z).round() as i32);
                     self.dev.upload(buf, &v).map_err(e)?
                 }
                 (Init::Ones | Init::Normal { .. }, DType::Bf16) => {

@@ -298,16 +298,18 @@ impl<T: Float + Real> CpuEngine<T> {
         // the kernel pool; the CUDA engine uploads the same values.
         let seed = opts.seed.unwrap_or(plan.train.seed);
         pool.install(|| {
-            for (i, (b, data)) in plan.buffers.iter().zip(store.data.iter_mut()).enumerate() {
-                match (b.init, data) {
-                    (Init::Zeros, _) => {}
+            for (i, data) in store.data.iter_mut().enumerate() {
+                // `Plan::initial` resolves a `CopyOf` (verified) to its source's init and stream.
+                let (init, stream) = plan.initial(i).unwrap_or((Init::Zeros, i as u64));
+                match (init, data) {
+                    (Init::Zeros | Init::CopyOf { .. }, _) => {}
                     (Init::Ones, Data::F(v)) => v.iter_mut().for_each(|x| *x = T::one()),
                     (Init::Ones, Data::I(v)) => v.iter_mut().for_each(|x| *x = 1),
                     (Init::Normal { std }, Data::F(v)) => {
-                        crate::normal_fill(seed, i as u64, v, |z| <T as Float>::from_f64(std * z))
+                        crate::normal_fill(seed, stream, v, |z| <T as Float>::from_f64(std * z))
                     }
                     (Init::Normal { std }, Data::I(v)) => {
-                        crate::normal_fill(seed, i as u64, v, |z| (std * z).round() as i32)
+                        crate::normal_fill(seed, stream, v, |z| (std * z).round() as i32)
                     }
                 }
             }
@@ -344,11 +346,13 @@ impl<T: Float + Real> CpuEngine<T> {
                 store.poison(id);
             }
         }
-        let tiers = super::tiers::Tiers::new(&plan, |i, v: &mut [T]| match plan.buffers[i].init {
-            Init::Zeros => {}
-            Init::Ones => v.iter_mut().for_each(|x| *x = T::one()),
-            Init::Normal { std } => {
-                crate::normal_fill(seed, i as u64, v, |z| <T as Float>::from_f64(std * z))
+        let tiers = super::tiers::Tiers::new(&plan, |i, v: &mut [T]| {
+            match plan.initial(i).unwrap_or((Init::Zeros, i as u64)) {
+                (Init::Zeros | Init::CopyOf { .. }, _) => {}
+                (Init::Ones, _) => v.iter_mut().for_each(|x| *x = T::one()),
+                (Init::Normal { std }, stream) => {
+                    crate::normal_fill(seed, stream, v, |z| <T as Float>::from_f64(std * z))
+                }
             }
         })?;
         // Element-wise update rules are checked here, before anything runs, and compiled for
@@ -576,6 +580,14 @@ impl<T: Float + Real> CpuEngine<T> {
             for (index, op) in program.iter().enumerate() {
                 let loc = Loc { section, index, op: op.name() };
                 let _op_span = tracing::debug_span!("op", name = op.name(), section, index).entered();
+                // A host-placed update (`host_updates`) works on its host-tier state where it
+                // lives: paged into working storage around the op, as a refresh swap does.
+                let paged = if op.on_host() {
+                    let ids: Vec<BufferId> = op.operands().iter().map(|&(_, id)| id).collect();
+                    tiers.page_in(store, &ids, loc)?
+                } else {
+                    Vec::new()
+                };
                 let outcome = match op {
                     Op::CopyIn { src, dst } => {
                         tiers.copy_in(store, *src, *dst, loc)?;
@@ -596,6 +608,7 @@ impl<T: Float + Real> CpuEngine<T> {
                         beta2,
                         eps,
                         weight_decay,
+                        ..
                     } if kernels.contains_key(&schedule::adamw_kernel_key(*beta1, *beta2, *eps, *weight_decay)) => {
                         let k = &kernels[&schedule::adamw_kernel_key(*beta1, *beta2, *eps, *weight_decay)];
                         let outs = [
@@ -663,6 +676,9 @@ impl<T: Float + Real> CpuEngine<T> {
                     }
                     _ => exec_op(store, op, loc, t, lr_multiplier)?,
                 };
+                if !paged.is_empty() {
+                    tiers.page_out(store, &paged, loc)?;
+                }
                 if let Some(p) = poison {
                     let pos = p.base(section) + index;
                     for &id in p.after.get(pos).map_or(&[][..], Vec::as_slice) {

@@ -584,6 +584,7 @@ pub(crate) fn exec_op<T: Float + Real>(
             beta2,
             eps,
             weight_decay,
+            ..
         } => {
             let hp = optim::AdamWParams {
                 lr: lr * lr_multiplier,

@@ -513,6 +513,7 @@ fn optimizer(g: &Gpt, bufs: &mut Vec<Buffer>, params: &[ParamRef]) -> (Vec<Op>, 
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.0,
+            on_host: false,
         };
         match (g.soap, shape.as_slice()) {
             (true, &[m, n]) => {

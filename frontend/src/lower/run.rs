@@ -367,6 +367,7 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
                 "host_memory",
                 "nvme",
                 "nvme_memory",
+                "host_updates",
             ],
             CUDA_ONLY,
         ),
@@ -384,6 +385,7 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
                 "host_memory",
                 "nvme",
                 "nvme_memory",
+                "host_updates",
             ],
             &[
                 ("threads", "`threads` applies to `target cpu` only"),
@@ -413,6 +415,7 @@ pub(crate) fn target(c: &mut Checker, b: &Block, base_dir: &Path) -> Option<Targ
                 "host_memory",
                 "nvme",
                 "nvme_memory",
+                "host_updates",
             ],
             &[],
         ),
@@ -514,6 +517,7 @@ fn budgets(c: &mut Checker, f: &Fields, cuda: bool, base_dir: &Path) -> ir::Budg
         host,
         nvme_dir,
         nvme,
+        host_updates: named_option(c, f, "host_updates", ir::HostUpdates::NAMES),
     }
 }
 

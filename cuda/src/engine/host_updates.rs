@@ -1,0 +1,389 @@
+//! The host-update worker: the `adam_w` ops that `tier-placement` placed on the host
+//! (`host_updates = sync | delayed`, `Op::AdamW::on_host`) run here, on the host cores, on
+//! their state in pinned host memory (parameter master copy, gradient home, moments), with the
+//! kernel the CPU engine runs (`hostkernels::AdamWKernel`, generated with Cranelift from
+//! AdamW's update rule), as ZeRO-Offload's CPU Adam does.
+//!
+//! Ordering, by step position ([`schedule::Plan::step_ops`]):
+//! - **Before a host update**: at its submission the engine thread records an event on the
+//!   compute and both copy streams, and the worker synchronises them before it touches a byte.
+//!   Everything enqueued before the update is then complete: its gradient's copy out (during
+//!   the backward), the copy of the clip's factor, and, under `delayed`, the copy in that
+//!   reads the parameter into its device copy before the update overwrites it.
+//! - **After a host update**: an op that touches bytes the update touches (one of the two
+//!   writing them) is not enqueued before the update finished: the engine thread waits for it
+//!   ([`HostUpdates::before_op`]). Under `sync` that is the copy in of the parameter's device
+//!   copy in the same step; under `delayed` the next step's copy in, and the next step's copy
+//!   out of the gradient into the home the update reads. Which positions conflict with which
+//!   update is computed once from the plan's slots ([`HostUpdates::new`]); an update stays
+//!   pending across the step boundary until an op needs it, so under `delayed` it overlaps the
+//!   next step's forward and backward.
+//! - Updates run one at a time, in submission order, each parallel over the worker's pool.
+//!
+//! Reading or writing state from outside the programs (checkpoints, export, a resume) first
+//! waits for every submitted update ([`HostUpdates::join_all`]). A failed update (its events,
+//! or the kernel refusing its operands) is reported at the next wait and skips every later one.
+use crate::error::CudaError;
+use crate::memory::Buf;
+use cudarc::driver::CudaEvent;
+use schedule::{ArenaKind, BufferId, Op, Plan};
+use std::collections::HashMap;
+use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+/// A `len`-element f32 region of pinned host memory (a host-tier `Buf`).
+#[derive(Clone, Copy)]
+struct HostSlice {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: the pointer is pinned host memory owned by the engine's buffers, which outlive the
+// worker (`HostUpdates` joins it on drop and is dropped before the buffers); only one update
+// touches a region at a time (the ordering in the module docs).
+unsafe impl Send for HostSlice {}
+// SAFETY: as above; a `HostSlice` is only dereferenced by the one update that owns it.
+unsafe impl Sync for HostSlice {}
+
+/// One submitted update.
+struct Job {
+    seq: u64,
+    /// Events after everything enqueued before the update, one per stream.
+    events: Vec<CudaEvent>,
+    param: HostSlice,
+    grad: HostSlice,
+    exp_avg: HostSlice,
+    exp_avg_sq: HostSlice,
+    /// The clip's factor (`[1]`), multiplied into the gradient first (the bits an in-place
+    /// clip stores), as the CPU engine's `grad_scale` path does.
+    scale: Option<HostSlice>,
+    t: u64,
+    lr: f64,
+    kernel: Arc<hostkernels::AdamWKernel>,
+    /// `optimizer[i] (adam_w) <param>`, for errors.
+    what: String,
+}
+
+/// The worker's progress: the last sequence number done (in order), the first error.
+#[derive(Default)]
+struct Progress {
+    submitted: u64,
+    done: u64,
+    error: Option<String>,
+}
+
+type Shared = Arc<(Mutex<Progress>, Condvar)>;
+
+/// The host-update worker of one engine (`None` in the engine when the plan has no host
+/// update).
+pub(crate) struct HostUpdates {
+    tx: Option<mpsc::Sender<Job>>,
+    worker: Option<JoinHandle<()>>,
+    progress: Shared,
+    /// Per step position: the host-update positions whose bytes the op there touches (one of
+    /// the two writing them); empty for host updates themselves (the worker runs in order).
+    conflicts: Vec<Vec<usize>>,
+    /// Per step position of a host update: the sequence number of its latest submission that
+    /// no op has waited for yet.
+    pending: Vec<Option<u64>>,
+    /// The kernels, by `schedule::adamw_kernel_key`.
+    kernels: HashMap<[u64; 4], Arc<hostkernels::AdamWKernel>>,
+}
+
+/// Bytes of one arena an op touches, with whether it writes them.
+type Touch = ((ArenaKind, usize, usize), bool);
+
+fn touches(plan: &Plan, op: &Op) -> Vec<Touch> {
+    op.accesses()
+        .into_iter()
+        .filter_map(|(_, id, a)| {
+            let slot = plan.memory.slot(id)?;
+            let bytes = plan.buffers.get(id.index())?.size_bytes();
+            Some(((slot.arena, slot.offset, slot.offset + bytes), a.writes()))
+        })
+        .collect()
+}
+
+fn conflict(a: &[Touch], b: &[Touch]) -> bool {
+    a.iter().any(|&((ka, sa, ea), wa)| {
+        b.iter()
+            .any(|&((kb, sb, eb), wb)| ka == kb && sa < eb && sb < ea && (wa || wb))
+    })
+}
+
+impl HostUpdates {
+    /// The worker of `plan`'s host updates, or `None` when it has none. Compiles one kernel
+    /// per set of AdamW constants and starts the worker thread with a pool of `threads`.
+    ///
+    /// # Errors
+    /// A kernel that does not compile, or a pool or thread that cannot start.
+    pub(crate) fn new(plan: &Plan, threads: usize) -> Result<Option<HostUpdates>, String> {
+        let ops: Vec<&Op> = plan.step_ops().map(|(_, op)| op).collect();
+        let hosts: Vec<usize> = (0..ops.len()).filter(|&p| ops[p].on_host()).collect();
+        if hosts.is_empty() {
+            return Ok(None);
+        }
+        let touched: Vec<Vec<Touch>> = ops.iter().map(|op| touches(plan, op)).collect();
+        let conflicts = (0..ops.len())
+            .map(|p| {
+                if ops[p].on_host() {
+                    return Vec::new();
+                }
+                hosts
+                    .iter()
+                    .copied()
+                    .filter(|&h| conflict(&touched[p], &touched[h]))
+                    .collect()
+            })
+            .collect();
+        let mut kernels = HashMap::new();
+        for &h in &hosts {
+            if let Op::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                ..
+            } = *ops[h]
+            {
+                let key = schedule::adamw_kernel_key(beta1, beta2, eps, weight_decay);
+                if kernels.contains_key(&key) {
+                    continue;
+                }
+                let c = hostkernels::AdamWConstants {
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                };
+                let k = hostkernels::AdamWKernel::compile(&c)
+                    .map_err(|e| format!("compiling the host AdamW kernel: {e}"))?;
+                kernels.insert(key, Arc::new(k));
+            }
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads.max(1))
+            .thread_name(|i| format!("asteria-host-update-{i}"))
+            .build()
+            .map_err(|e| format!("starting the host-update pool: {e}"))?;
+        let progress: Shared = Arc::default();
+        let (tx, rx) = mpsc::channel::<Job>();
+        let shared = Arc::clone(&progress);
+        let worker = std::thread::Builder::new()
+            .name("asteria-host-updates".into())
+            .spawn(move || {
+                for job in rx {
+                    let failed = shared.0.lock().map(|p| p.error.is_some()).unwrap_or(true);
+                    let result = if failed {
+                        Ok(())
+                    } else {
+                        pool.install(|| run(&job))
+                    };
+                    let (lock, cv) = &*shared;
+                    if let Ok(mut p) = lock.lock() {
+                        p.done = job.seq;
+                        if let Err(e) = result {
+                            p.error.get_or_insert(e);
+                        }
+                    }
+                    cv.notify_all();
+                }
+            })
+            .map_err(|e| format!("starting the host-update thread: {e}"))?;
+        Ok(Some(HostUpdates {
+            tx: Some(tx),
+            worker: Some(worker),
+            progress,
+            pending: vec![None; ops.len()],
+            conflicts,
+            kernels,
+        }))
+    }
+
+    /// Waits for the submitted host updates whose bytes the op at step position `pos`
+    /// touches (see the module docs). Call before enqueuing it.
+    pub(crate) fn before_op(&mut self, pos: usize) -> Result<(), CudaError> {
+        let Some(list) = self.conflicts.get(pos) else {
+            return Ok(());
+        };
+        let mut upto = None;
+        for &h in list {
+            if let Some(seq) = self.pending[h].take() {
+                upto = upto.max(Some(seq));
+            }
+        }
+        match upto {
+            Some(seq) => self.wait(seq),
+            None => Ok(()),
+        }
+    }
+
+    /// Every submitted update done (or the first failure).
+    pub(crate) fn join_all(&self) -> Result<(), CudaError> {
+        let submitted = self
+            .progress
+            .0
+            .lock()
+            .map(|p| p.submitted)
+            .unwrap_or(u64::MAX);
+        self.wait(submitted)
+    }
+
+    fn wait(&self, seq: u64) -> Result<(), CudaError> {
+        let (lock, cv) = &*self.progress;
+        let poisoned = || CudaError::Invalid {
+            op: "adam_w",
+            what: "the host-update worker stopped".into(),
+        };
+        let mut p = lock.lock().map_err(|_| poisoned())?;
+        while p.done < seq && p.error.is_none() {
+            p = cv.wait(p).map_err(|_| poisoned())?;
+        }
+        match &p.error {
+            Some(e) => Err(CudaError::Invalid {
+                op: "adam_w",
+                what: format!("host update: {e}"),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Submits the host update `op` at step position `pos` (optimizer step `t`, scheduled
+    /// `lr_mult`), after `events` (recorded by the caller on every stream). `bufs` are the
+    /// engine's buffers of `plan`, the operands pinned host memory.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn submit(
+        &mut self,
+        plan: &Plan,
+        op: &Op,
+        pos: usize,
+        what: String,
+        bufs: &[Buf],
+        events: Vec<CudaEvent>,
+        (t, lr_mult): (u64, f64),
+    ) -> Result<(), CudaError> {
+        let Op::AdamW {
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            grad_scale,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            on_host: true,
+        } = *op
+        else {
+            return Err(CudaError::Invalid {
+                op: op.name(),
+                what: "only adam_w runs on the host".into(),
+            });
+        };
+        let slice = |id: BufferId| -> Result<HostSlice, CudaError> {
+            let b = bufs.get(id.index()).ok_or_else(|| CudaError::Invalid {
+                op: "adam_w",
+                what: format!("buffer {} out of range", id.0),
+            })?;
+            if b.tier() != crate::error::Tier::PinnedHost {
+                return Err(CudaError::Invalid {
+                    op: "adam_w",
+                    what: format!("host update operand {} is not in pinned host memory", id.0),
+                });
+            }
+            let len = plan.buffer(id).numel();
+            if b.bytes() < len * 4 {
+                return Err(CudaError::Invalid {
+                    op: "adam_w",
+                    what: format!(
+                        "host update operand {} is smaller than its plan buffer",
+                        id.0
+                    ),
+                });
+            }
+            Ok(HostSlice {
+                ptr: b.ptr() as *mut f32,
+                len,
+            })
+        };
+        let kernel = self
+            .kernels
+            .get(&schedule::adamw_kernel_key(beta1, beta2, eps, weight_decay))
+            .cloned()
+            .ok_or_else(|| CudaError::Invalid {
+                op: "adam_w",
+                what: "no host kernel for these constants".into(),
+            })?;
+        let job = Job {
+            seq: 0,
+            events,
+            param: slice(param)?,
+            grad: slice(grad)?,
+            exp_avg: slice(exp_avg)?,
+            exp_avg_sq: slice(exp_avg_sq)?,
+            scale: grad_scale.map(slice).transpose()?,
+            t,
+            lr: lr * lr_mult,
+            kernel,
+            what,
+        };
+        let seq = {
+            let mut p = self.progress.0.lock().map_err(|_| CudaError::Invalid {
+                op: "adam_w",
+                what: "the host-update worker stopped".into(),
+            })?;
+            p.submitted += 1;
+            p.submitted
+        };
+        let tx = self.tx.as_ref().ok_or_else(|| CudaError::Invalid {
+            op: "adam_w",
+            what: "the host-update worker stopped".into(),
+        })?;
+        tx.send(Job { seq, ..job })
+            .map_err(|_| CudaError::Invalid {
+                op: "adam_w",
+                what: "the host-update worker stopped".into(),
+            })?;
+        self.pending[pos] = Some(seq);
+        Ok(())
+    }
+}
+
+/// One update on the worker: its events, the clip's factor, the kernel.
+fn run(job: &Job) -> Result<(), String> {
+    for ev in &job.events {
+        ev.synchronize()
+            .map_err(|e| format!("{}: waiting for the streams: {e}", job.what))?;
+    }
+    // SAFETY: see `HostSlice`: live pinned host memory of `len` f32 each, which no stream and
+    // no other update touches while this one runs (the events above and the engine's waits).
+    let (p, g, m, v) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(job.param.ptr, job.param.len),
+            std::slice::from_raw_parts_mut(job.grad.ptr, job.grad.len),
+            std::slice::from_raw_parts_mut(job.exp_avg.ptr, job.exp_avg.len),
+            std::slice::from_raw_parts_mut(job.exp_avg_sq.ptr, job.exp_avg_sq.len),
+        )
+    };
+    if let Some(s) = job.scale {
+        // SAFETY: as above; `[1]` f32.
+        let s = unsafe { *s.ptr };
+        use rayon::prelude::*;
+        g.par_chunks_mut(1 << 16)
+            .for_each(|c| c.iter_mut().for_each(|x| *x *= s));
+    }
+    job.kernel
+        .update(job.t, job.lr, p, g, m, v)
+        .map_err(|e| format!("{}: {e}", job.what))
+}
+
+impl Drop for HostUpdates {
+    /// Finishes the submitted updates and stops the worker before the engine's buffers go.
+    fn drop(&mut self) {
+        drop(self.tx.take());
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
