@@ -677,3 +677,120 @@ fn the_verifier_refuses_tampered_copies() {
     let e = p.verify().expect_err("over budget").to_string();
     assert!(e.contains("more than"), "{e}");
 }
+
+/// `host_updates`: every AdamW update runs on the host, its parameter master copy, gradient
+/// and moments in the host tier, and the forward and backward read a device copy that a
+/// `copy_in` refreshes. Under `sync` the run is the untiered one to the last bit; under
+/// `delayed` each step's forward reads the parameters one update old (ZeRO-Offload's delayed
+/// parameter update): on a repeated batch, step 2 repeats step 1's loss, step 3 has the
+/// untiered step 2's (its first update is the same), and from step 4 on the runs differ.
+#[test]
+fn host_updates_sync_is_bit_identical_and_delayed_lags_one_update() {
+    use schedule::HostUpdates;
+    let plain = compile(config(Opt::AdamW, Budgets::default())).expect("untiered");
+    let (l0, p0, m0) = train(plain, 6);
+    for mode in [HostUpdates::Sync, HostUpdates::Delayed] {
+        let budgets = Budgets {
+            host_updates: mode,
+            ..Default::default()
+        };
+        let plan = compile(config(Opt::AdamW, budgets)).expect("host updates compile");
+        plan.verify().expect("verifies");
+        let hosts: Vec<(usize, &Op)> = plan
+            .optimizer
+            .iter()
+            .enumerate()
+            .filter(|(_, o)| o.on_host())
+            .collect();
+        assert_eq!(hosts.len(), plan.params.len(), "{mode}: every update moves");
+        for &(at, op) in &hosts {
+            let Op::AdamW {
+                param, grad_scale, ..
+            } = *op
+            else {
+                panic!("{mode}: only adam_w runs on the host");
+            };
+            for (field, id) in op.operands() {
+                assert_eq!(
+                    plan.memory.tier(id),
+                    Some(ArenaKind::Host),
+                    "{mode}: `{field}` of the update of {}",
+                    plan.buffer(param).name
+                );
+            }
+            assert!(
+                grad_scale.is_some(),
+                "{mode}: the clip's factor reaches the host"
+            );
+            let copy = plan
+                .optimizer
+                .iter()
+                .position(|o| matches!(o, Op::CopyIn { src, .. } if *src == param))
+                .expect("a copy in of the parameter");
+            let Op::CopyIn { dst, .. } = plan.optimizer[copy] else {
+                unreachable!()
+            };
+            assert_eq!(
+                plan.buffer(dst).name,
+                format!("{}.device", plan.buffer(param).name)
+            );
+            assert!(plan.memory.tier(dst).is_some_and(|k| k.on_device()));
+            match mode {
+                HostUpdates::Sync => assert!(copy > at, "sync: the copy follows the update"),
+                _ => assert_eq!(copy + 1, at, "delayed: the copy right before the update"),
+            }
+            for ops in [&plan.forward, &plan.backward] {
+                assert!(
+                    !ops.iter()
+                        .any(|o| o.operands().iter().any(|&(_, b)| b == param)),
+                    "{mode}: the forward and backward read the device copy"
+                );
+            }
+        }
+        let (l, p, m) = train(plan, 6);
+        match mode {
+            HostUpdates::Sync => {
+                assert_eq!(l, l0, "sync: losses");
+                assert_eq!(p, p0, "sync: parameters");
+                assert_eq!(m, m0, "sync: moments");
+            }
+            _ => {
+                assert_eq!(l[0], l0[0], "delayed: step 1");
+                assert_eq!(l[1], l0[0], "delayed: step 2 reads the initial parameters");
+                assert_eq!(l[2], l0[1], "delayed: step 3 reads the first update");
+                assert_ne!(l[3], l0[2], "delayed: step 4 differs");
+                assert!(l[5] < l[0], "delayed: the loss falls: {l:?}");
+            }
+        }
+    }
+}
+
+/// `host_updates` refuses gradient accumulation (accumulated gradients stay on the device)
+/// with a message naming both keys, and `off` changes nothing.
+#[test]
+fn host_updates_with_grad_accum_is_refused_and_off_changes_nothing() {
+    use schedule::HostUpdates;
+    let mut c = config(
+        Opt::AdamW,
+        Budgets {
+            host_updates: HostUpdates::Delayed,
+            ..Default::default()
+        },
+    );
+    c.train.grad_accum = 2;
+    let e = compile(c).expect_err("refused").to_string();
+    assert!(
+        e.contains("host_updates = delayed") && e.contains("grad_accum = 2"),
+        "{e}"
+    );
+    let plain = compile(config(Opt::AdamW, Budgets::default())).expect("plain");
+    let off = compile(config(
+        Opt::AdamW,
+        Budgets {
+            host_updates: HostUpdates::Off,
+            ..Default::default()
+        },
+    ))
+    .expect("off");
+    assert_eq!(plain, off);
+}

@@ -83,6 +83,9 @@ enum Which {
     KlShampooStale5,
     Shampoo,
     ShampooStale5,
+    /// AdamW with `host_updates = delayed`: its updates on the host, each step's gradient one
+    /// update late.
+    AdamWDelayed,
 }
 
 impl Which {
@@ -103,6 +106,7 @@ impl Which {
             Which::KlShampooStale5 => "kl-shampoo-s5",
             Which::Shampoo => "shampoo-s0",
             Which::ShampooStale5 => "shampoo-s5",
+            Which::AdamWDelayed => "adamw-delayed",
         }
     }
 }
@@ -112,7 +116,7 @@ enum State {
     Done(Result<Arc<Run>, String>),
 }
 
-static RUNS: [Mutex<Option<State>>; 7] = [const { Mutex::new(None) }; 7];
+static RUNS: [Mutex<Option<State>>; 8] = [const { Mutex::new(None) }; 8];
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -147,7 +151,7 @@ fn start(which: Which) {
     ));
     std::fs::create_dir_all(&dir).expect("run folder");
     let spec = match which {
-        Which::AdamW => root().join("examples/tiny.asteria"),
+        Which::AdamW | Which::AdamWDelayed => root().join("examples/tiny.asteria"),
         Which::Soap => root().join("examples/tiny-soap.asteria"),
         Which::KlShampoo => root().join("examples/tiny-kl-shampoo.asteria"),
         Which::Shampoo => root().join("examples/tiny-shampoo.asteria"),
@@ -177,6 +181,10 @@ fn start(which: Which) {
             "--metrics",
         ])
         .arg(dir.join("metrics.jsonl"))
+        .args(match which {
+            Which::AdamWDelayed => &["--set", "target.host_updates=delayed"][..],
+            _ => &[],
+        })
         .current_dir(root())
         .stdout(Stdio::from(log("stdout")))
         .stderr(Stdio::from(log("stderr")))

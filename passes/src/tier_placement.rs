@@ -226,6 +226,17 @@ pub fn report(p: &Placement) -> String {
             sh.copy_ms
         );
     }
+    if !p.host_updates.is_empty() {
+        let _ = writeln!(
+            s,
+            "; host_updates = {}: {} AdamW update(s) run on the host, their parameters, \
+             gradients and moments in pinned host memory ({}); the forward and backward read \
+             `<param>.device` copies",
+            p.budgets.host_updates,
+            p.host_updates.len(),
+            human_bytes(p.host_updates.iter().map(|h| h.1).sum())
+        );
+    }
     if p.budgets.is_empty() {
         let _ = writeln!(s, "; no budget in the target block: nothing to place");
     } else if p.decisions.is_empty() && p.shadows.is_none() {
