@@ -644,7 +644,7 @@ fn the_verifier_refuses_tampered_copies() {
     assert!(e.contains("never copied back"), "{e}");
     // An update that reads the offloaded buffer itself instead of its staging copy.
     let mut p = plan.clone();
-    let Some(Op::CopyIn { src, dst }) = p
+    let Some(Op::CopyIn { src, dst, .. }) = p
         .optimizer
         .iter()
         .find(|o| matches!(o, Op::CopyIn { .. }))
@@ -680,87 +680,134 @@ fn the_verifier_refuses_tampered_copies() {
 
 /// `host_updates`: every AdamW update runs on the host, its parameter master copy, gradient
 /// and moments in the host tier, and the forward and backward read a device copy that a
-/// `copy_in` refreshes. Under `sync` the run is the untiered one to the last bit; under
+/// `copy_in` refreshes. Under `sync` the run is the untiered one to the last bit. Under
 /// `delayed` each step's forward reads the parameters one update old (ZeRO-Offload's delayed
-/// parameter update): on a repeated batch, step 2 repeats step 1's loss, step 3 has the
-/// untiered step 2's (its first update is the same), and from step 4 on the runs differ.
+/// parameter update) once the learning-rate warm-up of W steps is over: on a repeated batch
+/// steps 1..=W+1 have the untiered losses, step W+2 repeats step W+1's, step W+3 has the
+/// untiered step W+2's (the first delayed update is the same), and from step W+4 on the runs
+/// differ.
 #[test]
 fn host_updates_sync_is_bit_identical_and_delayed_lags_one_update() {
     use schedule::HostUpdates;
-    let plain = compile(config(Opt::AdamW, Budgets::default())).expect("untiered");
-    let (l0, p0, m0) = train(plain, 6);
-    for mode in [HostUpdates::Sync, HostUpdates::Delayed] {
-        let budgets = Budgets {
-            host_updates: mode,
-            ..Default::default()
+    for warmup in [0u64, 2] {
+        let with = |budgets: Budgets| {
+            let mut c = config(Opt::AdamW, budgets);
+            c.train.warmup_steps = warmup;
+            c
         };
-        let plan = compile(config(Opt::AdamW, budgets)).expect("host updates compile");
-        plan.verify().expect("verifies");
-        let hosts: Vec<(usize, &Op)> = plan
+        let plain = compile(with(Budgets::default())).expect("untiered");
+        let (l0, p0, m0) = train(plain, 6);
+        for mode in [HostUpdates::Sync, HostUpdates::Delayed] {
+            let budgets = Budgets {
+                host_updates: mode,
+                ..Default::default()
+            };
+            let plan = compile(with(budgets)).expect("host updates compile");
+            plan.verify().expect("verifies");
+            check_host_update_plan(&plan, mode, warmup);
+            let (l, p, m) = train(plan, 6);
+            let w = warmup as usize;
+            match mode {
+                HostUpdates::Sync => {
+                    assert_eq!(l, l0, "sync: losses");
+                    assert_eq!(p, p0, "sync: parameters");
+                    assert_eq!(m, m0, "sync: moments");
+                }
+                _ => {
+                    assert_eq!(
+                        l[..=w],
+                        l0[..=w],
+                        "delayed, warm-up {w}: the synchronous steps"
+                    );
+                    assert_eq!(
+                        l[w + 1],
+                        l0[w],
+                        "delayed, warm-up {w}: the first delayed step"
+                    );
+                    assert_eq!(l[w + 2], l0[w + 1], "delayed, warm-up {w}: one update late");
+                    assert_ne!(l[w + 3], l0[w + 2], "delayed, warm-up {w}: then different");
+                    assert!(l[5] < l[0], "delayed: the loss falls: {l:?}");
+                }
+            }
+        }
+    }
+}
+
+/// The shape of a `host_updates` plan: every update on the host with its operands in the host
+/// tier and the clip's factor among them, a copy in of each parameter into `<param>.device`
+/// (after the update under `sync`, right before it under `delayed`, and again at the end with
+/// `last_step` = the warm-up under `delayed`), the forward and backward reading the copy.
+fn check_host_update_plan(plan: &Plan, mode: schedule::HostUpdates, warmup: u64) {
+    let hosts: Vec<(usize, &Op)> = plan
+        .optimizer
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| o.on_host())
+        .collect();
+    assert_eq!(hosts.len(), plan.params.len(), "{mode}: every update moves");
+    for &(at, op) in &hosts {
+        let Op::AdamW {
+            param, grad_scale, ..
+        } = *op
+        else {
+            panic!("{mode}: only adam_w runs on the host");
+        };
+        for (field, id) in op.operands() {
+            assert_eq!(
+                plan.memory.tier(id),
+                Some(ArenaKind::Host),
+                "{mode}: `{field}` of the update of {}",
+                plan.buffer(param).name
+            );
+        }
+        assert!(
+            grad_scale.is_some(),
+            "{mode}: the clip's factor reaches the host"
+        );
+        let copies: Vec<(usize, Option<u64>, schedule::BufferId)> = plan
             .optimizer
             .iter()
             .enumerate()
-            .filter(|(_, o)| o.on_host())
+            .filter_map(|(i, o)| match *o {
+                Op::CopyIn {
+                    src,
+                    dst,
+                    last_step,
+                } if src == param => Some((i, last_step, dst)),
+                _ => None,
+            })
             .collect();
-        assert_eq!(hosts.len(), plan.params.len(), "{mode}: every update moves");
-        for &(at, op) in &hosts {
-            let Op::AdamW {
-                param, grad_scale, ..
-            } = *op
-            else {
-                panic!("{mode}: only adam_w runs on the host");
-            };
-            for (field, id) in op.operands() {
-                assert_eq!(
-                    plan.memory.tier(id),
-                    Some(ArenaKind::Host),
-                    "{mode}: `{field}` of the update of {}",
-                    plan.buffer(param).name
-                );
-            }
-            assert!(
-                grad_scale.is_some(),
-                "{mode}: the clip's factor reaches the host"
-            );
-            let copy = plan
-                .optimizer
-                .iter()
-                .position(|o| matches!(o, Op::CopyIn { src, .. } if *src == param))
-                .expect("a copy in of the parameter");
-            let Op::CopyIn { dst, .. } = plan.optimizer[copy] else {
-                unreachable!()
-            };
+        let dst = copies[0].2;
+        assert_eq!(
+            plan.buffer(dst).name,
+            format!("{}.device", plan.buffer(param).name)
+        );
+        assert!(plan.memory.tier(dst).is_some_and(|k| k.on_device()));
+        let expected: Vec<(bool, Option<u64>)> = match (mode, warmup) {
+            (schedule::HostUpdates::Sync, _) => vec![(true, None)],
+            (_, 0) => vec![(false, None)],
+            _ => vec![(false, None), (true, Some(warmup))],
+        };
+        let got: Vec<(bool, Option<u64>)> = copies.iter().map(|c| (c.0 > at, c.1)).collect();
+        assert_eq!(
+            got,
+            expected,
+            "{mode}: copies of {} (after the update?)",
+            plan.buffer(param).name
+        );
+        if mode == schedule::HostUpdates::Delayed {
             assert_eq!(
-                plan.buffer(dst).name,
-                format!("{}.device", plan.buffer(param).name)
+                copies[0].0 + 1,
+                at,
+                "delayed: the copy right before the update"
             );
-            assert!(plan.memory.tier(dst).is_some_and(|k| k.on_device()));
-            match mode {
-                HostUpdates::Sync => assert!(copy > at, "sync: the copy follows the update"),
-                _ => assert_eq!(copy + 1, at, "delayed: the copy right before the update"),
-            }
-            for ops in [&plan.forward, &plan.backward] {
-                assert!(
-                    !ops.iter()
-                        .any(|o| o.operands().iter().any(|&(_, b)| b == param)),
-                    "{mode}: the forward and backward read the device copy"
-                );
-            }
         }
-        let (l, p, m) = train(plan, 6);
-        match mode {
-            HostUpdates::Sync => {
-                assert_eq!(l, l0, "sync: losses");
-                assert_eq!(p, p0, "sync: parameters");
-                assert_eq!(m, m0, "sync: moments");
-            }
-            _ => {
-                assert_eq!(l[0], l0[0], "delayed: step 1");
-                assert_eq!(l[1], l0[0], "delayed: step 2 reads the initial parameters");
-                assert_eq!(l[2], l0[1], "delayed: step 3 reads the first update");
-                assert_ne!(l[3], l0[2], "delayed: step 4 differs");
-                assert!(l[5] < l[0], "delayed: the loss falls: {l:?}");
-            }
+        for ops in [&plan.forward, &plan.backward] {
+            assert!(
+                !ops.iter()
+                    .any(|o| o.operands().iter().any(|&(_, b)| b == param)),
+                "{mode}: the forward and backward read the device copy"
+            );
         }
     }
 }

@@ -243,18 +243,23 @@ impl CudaEngine {
             });
             let casts_before = self.shadow_casts;
             let pos = self.copy_order.position(section, index);
-            let outcome = self
-                .before_host_updates(pos)
-                .and_then(|()| self.order_copies(op, pos, true))
-                .and_then(|()| {
-                    if op.on_host() {
-                        self.submit_host_update(op, pos, (section, index), (t, lr_mult))
-                            .map(|()| None)
-                    } else {
-                        self.exec_traced(section, op, t, lr_mult)
-                    }
-                })
-                .and_then(|r| self.order_copies(op, pos, false).map(|()| r));
+            // A warm-up-only copy past its last step does nothing: nothing to wait for.
+            let skipped = matches!(op, Op::CopyIn { last_step: Some(l), .. } if t > *l);
+            let outcome = (if skipped {
+                Ok(())
+            } else {
+                self.before_host_updates(pos)
+            })
+            .and_then(|()| self.order_copies(op, pos, true))
+            .and_then(|()| {
+                if op.on_host() {
+                    self.submit_host_update(op, pos, (section, index), (t, lr_mult))
+                        .map(|()| None)
+                } else {
+                    self.exec_traced(section, op, t, lr_mult)
+                }
+            })
+            .and_then(|r| self.order_copies(op, pos, false).map(|()| r));
             if let Some((t0, ev0)) = started {
                 let host_ms = t0.elapsed().as_secs_f64() * 1e3;
                 let casts = self.shadow_casts - casts_before;

@@ -182,6 +182,7 @@ pub fn insert_prefetches(plan: &mut Plan) -> Result<(usize, usize), PassError> {
                 plan.optimizer.push(Op::CopyIn {
                     src: id,
                     dst: staged[&id],
+                    last_step: None,
                 });
                 ins += 1;
             }
@@ -292,6 +293,7 @@ fn stage_reads(plan: &mut Plan, program: &str, offloaded: &[BufferId]) -> Result
                 out.push(Op::CopyIn {
                     src: id,
                     dst: staged[&id],
+                    last_step: None,
                 });
             }
         }

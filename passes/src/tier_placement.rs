@@ -548,7 +548,8 @@ pub fn device_floor(
 /// - a `copy_in` refreshes the device copy: under `sync` at the end of the optimizer program
 ///   (after the update: the same numbers as on the device), under `delayed` right before the
 ///   update (the previous step's parameters: the update overlaps the next forward and
-///   backward, whose gradient is then taken one update late).
+///   backward, whose gradient is then taken one update late), and, during the learning-rate
+///   warm-up (`last_step` = `warmup`), at the end as well: the delay starts after it.
 ///
 /// # Errors
 /// `host_updates` with `grad_accum > 1` (accumulated gradients stay on the device), or on a
@@ -599,7 +600,16 @@ fn host_updates(
     let c = candidates(plan);
     let mut moved = Vec::new();
     let mut device_copies: HashMap<BufferId, BufferId> = HashMap::new();
-    let mut copies_at_end = Vec::new();
+    // Per moved update: the backward position of its gradient's last write, its ops (the
+    // copy in first under `delayed`), its copy in (under `sync`).
+    let mut groups: Vec<(usize, Vec<Op>, Option<Op>)> = Vec::new();
+    let mut insert_at = None;
+    let last_write = |plan: &Plan, g: BufferId| {
+        plan.backward
+            .iter()
+            .rposition(|op| op.accesses().iter().any(|&(_, b, a)| b == g && a.writes()))
+            .unwrap_or(0)
+    };
     let old = std::mem::take(&mut plan.optimizer);
     let mut out = Vec::with_capacity(old.len() + 2 * old.len());
     for op in old {
@@ -644,13 +654,27 @@ fn host_updates(
         let copy = Op::CopyIn {
             src: param,
             dst: dev,
+            last_step: None,
         };
+        insert_at.get_or_insert(out.len());
+        let mut ops = Vec::with_capacity(2);
+        let mut sync_copy = None;
         if mode == schedule::HostUpdates::Delayed {
-            out.push(copy);
+            ops.push(copy);
+            // During the learning-rate warm-up the update is copied after it too: the delay
+            // starts once the warm-up is over (ZeRO-Offload turns its delayed update on after
+            // a few dozen synchronous steps).
+            if plan.train.warmup_steps > 0 {
+                sync_copy = Some(Op::CopyIn {
+                    src: param,
+                    dst: dev,
+                    last_step: Some(plan.train.warmup_steps),
+                });
+            }
         } else {
-            copies_at_end.push(copy);
+            sync_copy = Some(copy);
         }
-        out.push(Op::AdamW {
+        ops.push(Op::AdamW {
             param,
             grad,
             exp_avg,
@@ -663,9 +687,22 @@ fn host_updates(
             weight_decay,
             on_host: true,
         });
+        groups.push((last_write(plan, grad), ops, sync_copy));
         moved.extend([param, grad, exp_avg, exp_avg_sq]);
     }
-    out.extend(copies_at_end);
+    // The updates in the order their gradients are finished (the backward runs from the last
+    // layer to the first), where the first of them was: the order the engine's host worker
+    // runs them, so that the next step's first copies wait for the earliest updates. They
+    // touch disjoint state, so the order changes no number.
+    groups.sort_by_key(|g| g.0);
+    if let Some(at) = insert_at {
+        let tail = out.split_off(at);
+        for (_, ops, _) in &mut groups {
+            out.append(ops);
+        }
+        out.extend(tail);
+    }
+    out.extend(groups.into_iter().filter_map(|g| g.2));
     plan.optimizer = out;
     for program in [&mut plan.forward, &mut plan.backward] {
         for op in program.iter_mut() {

@@ -942,7 +942,16 @@ pub enum Op {
     /// and shape), a byte copy. The `prefetch-insertion` pass issues it ahead of `dst`'s first
     /// use; an engine may run it asynchronously (a copy stream, an I/O thread) but completes it
     /// before any later op touches `dst`.
-    CopyIn { src: BufferId, dst: BufferId },
+    ///
+    /// With `last_step` it runs at optimizer steps t ≤ `last_step` only and does nothing
+    /// after (an optimizer-program op: `host_updates = delayed`'s synchronous copy during the
+    /// learning-rate warm-up).
+    CopyIn {
+        src: BufferId,
+        dst: BufferId,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        last_step: Option<u64>,
+    },
     /// Writes the staging buffer `src` back to its offloaded home `dst` after its last writer
     /// (the inverse of [`Op::CopyIn`]); `src`'s bytes are free once it completes.
     CopyOut { src: BufferId, dst: BufferId },

@@ -335,7 +335,7 @@ impl Op {
             Op::BlockCopy { src, dst, .. } | Op::BlockWrite { src, dst, .. } => {
                 v.extend([("src", *src), ("dst", *dst)])
             }
-            Op::CopyIn { src, dst } | Op::CopyOut { src, dst } => {
+            Op::CopyIn { src, dst, .. } | Op::CopyOut { src, dst } => {
                 v.extend([("src", *src), ("dst", *dst)])
             }
         }

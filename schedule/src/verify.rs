@@ -788,7 +788,7 @@ impl Checker<'_> {
                     ));
                 }
             }
-            Op::CopyIn { src, dst } | Op::CopyOut { src, dst } => {
+            Op::CopyIn { src, dst, .. } | Op::CopyOut { src, dst } => {
                 self.same(("src", *src), ("dst", *dst))?;
                 let (ds, dd) = (self.plan.buffer(*src).dtype, self.plan.buffer(*dst).dtype);
                 if ds != dd {

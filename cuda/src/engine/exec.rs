@@ -831,7 +831,11 @@ impl CudaEngine {
             // Host tier <-> staging buffer on the copy streams, ordered by the events of
             // `copies::CopyOrder` (placed around this call by `run`).
             // NVMe buffers through the pinned bounce slots (`nvme_tier`).
-            Op::CopyIn { src, dst } if self.nvme.as_ref().is_some_and(|n| n.holds(*src)) => {
+            // A copy of the warm-up steps only (`host_updates = delayed`), after them.
+            Op::CopyIn {
+                last_step: Some(l), ..
+            } if t > *l => {}
+            Op::CopyIn { src, dst, .. } if self.nvme.as_ref().is_some_and(|n| n.holds(*src)) => {
                 if let Some(nv) = self.nvme.as_mut() {
                     nv.copy_in(&self.dev, *src, &self.bufs[dst.index()])?;
                 }
@@ -841,7 +845,7 @@ impl CudaEngine {
                     nv.copy_out(&self.dev, &self.bufs[src.index()], *dst)?;
                 }
             }
-            Op::CopyIn { src, dst } | Op::CopyOut { src, dst } => {
+            Op::CopyIn { src, dst, .. } | Op::CopyOut { src, dst } => {
                 self.dev
                     .copy(self.b(*dst), self.b(*src), super::copies::stream_of(op))?
             }

@@ -589,8 +589,11 @@ impl<T: Float + Real> CpuEngine<T> {
                     Vec::new()
                 };
                 let outcome = match op {
-                    Op::CopyIn { src, dst } => {
-                        tiers.copy_in(store, *src, *dst, loc)?;
+                    Op::CopyIn { src, dst, last_step } => {
+                        // (`last_step`: a copy of the warm-up steps only.)
+                        if last_step.is_none_or(|l| t <= l) {
+                            tiers.copy_in(store, *src, *dst, loc)?;
+                        }
                         OpOutcome::Done
                     }
                     Op::CopyOut { src, dst } => {
