@@ -2,8 +2,8 @@
 # Offload tiers and recomputation on one H200, in one device call (issues 16 and 17), on the
 # LLaMA-style 1.44B specs of bench/specs (d 2048, 24 layers, batch 4x1024, bf16):
 # - AdamW unconstrained, under `gpu_memory = 24GiB` and `16GiB` (moments in pinned host
-#   memory, copied in and out around their updates), and with `rematerialize = selective |
-#   layers`;
+#   memory, copied in and out around their updates), with `rematerialize = selective |
+#   layers`, and with `host_updates = sync | delayed` (the updates on the host cores);
 # - SOAP (staleness 5, `refresh_swap = deadline`) unconstrained, under `gpu_memory = 30GiB`,
 #   and under `24GiB` without recomputation, with `rematerialize = selective` and with `layers`
 #   (the refresh shadows in pinned host memory, then the moments of the largest matrices;
@@ -20,7 +20,8 @@
 #   tier, and of examples/tiny-tiers.asteria (AdamW) and its SOAP variant with moments in the
 #   host and NVMe tiers (the NVMe file in /tmp), and of tiny-tiers under a budget that also
 #   streams two gradients to host memory (`tiny-tiers-gpu-grads`: the clip from partial sums),
-#   and under budgets that move parameters too (`tiny-tiers-gpu-params`, AdamW and SOAP);
+#   and under budgets that move parameters too (`tiny-tiers-gpu-params`, AdamW and SOAP), and
+#   with AdamW's updates on the host (`tiny-tiers-gpu-host-sync`, `-delayed`);
 # - row `pinned-shadows`: tiny-soap at staleness 2 on the GPU, unconstrained against budgets that
 #   pin the refresh shadows (bit for bit) and move moments too, and at staleness 0.
 # Each run prints its GPU peak, arenas and MFU; summarize.py puts them side by side.
@@ -72,6 +73,8 @@ for spec in "llama-1.4b-adamw|unconstrained|||$steps" \
             "llama-1.4b-adamw|gpu16|$(budget 16GiB)||$steps" \
             "llama-1.4b-adamw|remat-selective||rematerialize = selective|$steps" \
             "llama-1.4b-adamw|remat-layers||rematerialize = layers|$steps" \
+            "llama-1.4b-adamw|host-sync|host_updates = sync; host_memory = 96GiB||$steps" \
+            "llama-1.4b-adamw|host-delayed|host_updates = delayed; host_memory = 96GiB||$steps" \
             "llama-1.4b-soap|soap-unconstrained||$dl|$soap_steps" \
             "llama-1.4b-soap|soap-gpu30|$(budget 30GiB)|$dl|$soap_steps" \
             "llama-1.4b-soap|soap-gpu24|$(budget 24GiB)|$dl|$soap_steps" \
@@ -122,6 +125,11 @@ sed -e 's/^  gpu_memory = 1029MiB/  gpu_memory = 1053000KiB/' "$out/tiny-tiers-g
 sed -e 's/^  gpu_memory = 1029MiB/  gpu_memory = 1027MiB/' "$out/tiny-tiers-gpu.asteria" > "$out/tiny-tiers-gpu-params.asteria"
 sed -e 's/^  gpu_memory = 1029MiB/  gpu_memory = 1047MiB/' -e 's/^optimizer adamw {/optimizer soap {\n  precondition_frequency = 3/' \
     "$out/tiny-tiers-gpu.asteria" > "$out/tiny-tiers-gpu-params-soap.asteria"
+# AdamW's updates on the host (`host_updates`): parameters' master copies, gradients and moments
+# in pinned host memory, the Cranelift kernel on the host-update worker, against the CPU engine.
+for h in sync delayed; do
+  sed -e "s/^  gpu_memory = 1029MiB/  host_updates = $h/" "$out/tiny-tiers-gpu.asteria" > "$out/tiny-tiers-gpu-host-$h.asteria"
+done
 sed -e 's/^target cpu {/target cuda {\n  precision = fp32\n  gpu_memory = 1485MiB\n  host_memory = 256MiB/' \
     -e 's/^  staleness = 0 .*/  staleness = 0/' examples/tiny-soap.asteria > "$out/tiny-soap-tiers-gpu.asteria"
 # SOAP's matches inject the CPU's eigenbases as each refresh is installed (two correct
@@ -129,7 +137,7 @@ sed -e 's/^target cpu {/target cuda {\n  precision = fp32\n  gpu_memory = 1485Mi
 # for near-equal eigenvalues: every factor of the first step is rank-deficient; BENCHMARKS.md,
 # correctness checks). At staleness 1 the match runs with `refresh_swap = deadline`, so both
 # engines install each result at its bound and the injection lands at the same step.
-for m in "tiny-tiers-gpu|" "tiny-tiers-gpu-grads|--compare-state" "tiny-tiers-gpu-params|--compare-state" \
+for m in "tiny-tiers-gpu|" "tiny-tiers-gpu-host-sync|--compare-state" "tiny-tiers-gpu-host-delayed|--compare-state" "tiny-tiers-gpu-grads|--compare-state" "tiny-tiers-gpu-params|--compare-state" \
          "tiny-tiers-gpu-params-soap|--compare-state --inject-cpu-refreshes" "tiny-soap-tiers-gpu|--inject-cpu-refreshes" "tiny-tiers-nvme|--compare-state" \
          "tiny-tiers-soap-nvme-s1|--refresh host --steps 12 --inject-cpu-refreshes" \
          "tiny-tiers-soap-nvme-s0|--refresh gpu --steps 12 --inject-cpu-refreshes" \

@@ -34,8 +34,9 @@
 //!   steps (the CPU engine pages them in; the CUDA engine copies them into `[d, d]` device
 //!   copies of its refreshers and swap, which the device need counts from the first one
 //!   moved: `schedule::reserve::RefreshStaging`). A refresh's own copies (a factor and a basis
-//!   in at a refresh, a basis in and out at its swap, once per `precondition_frequency`
-//!   steps) are not priced. Factors are candidates before bases (the take-back of unneeded tensors, smallest first, may still
+//!   in at a GPU-placed refresh, the old basis in and the new one out at its swap, once per
+//!   `precondition_frequency` steps) are priced amortised per step
+//!   ([`refresh_copies_per_step`]). Factors are candidates before bases (the take-back of unneeded tensors, smallest first, may still
 //!   keep a basis and return a factor). Last of all the **parameters** (pinned host memory
 //!   only, and not under `grad_accum > 1`): `prefetch-insertion` copies one in before its
 //!   first use in every program that reads it (the forward, the backward where it reads it,
@@ -906,6 +907,45 @@ pub fn tier_copy_ms(desc: &TargetDescription, tier: ArenaKind, bytes: usize) -> 
     }
 }
 
+/// The copies of a Kronecker factor or eigenbasis `id` in the host tier that its refreshes make
+/// besides the optimizer's staging, per step (each a whole `[d, d]` copy, amortised over the
+/// refresh's `precondition_frequency`; on a GPU the two directions overlap, so the larger
+/// count): a GPU-placed refresh copies the factor in and the stored basis in (the QR step
+/// starts from it), and its swap copies the old basis in and installs the new one out; a
+/// host-placed refresh reads and writes them where they live, and its swap copies the old
+/// basis in.
+fn refresh_copies_per_step(plan: &Plan, id: BufferId) -> f64 {
+    plan.host_tasks
+        .iter()
+        .map(|t| {
+            let schedule::HostTask::EigenbasisRefresh {
+                factor,
+                basis,
+                frequency,
+                placement,
+                ..
+            } = t;
+            let gpu = *placement == schedule::Placement::GpuSide;
+            let copies = if *factor == id {
+                if gpu {
+                    1.0
+                } else {
+                    0.0
+                }
+            } else if *basis == id {
+                if gpu {
+                    2.0
+                } else {
+                    1.0
+                }
+            } else {
+                0.0
+            };
+            copies / (*frequency).max(1) as f64
+        })
+        .sum()
+}
+
 /// Places `chosen` in the host tier while its budget allows (and `host_ok`), then on NVMe:
 /// slots and arenas of `plan.memory`. Errors when neither tier has room.
 fn assign(
@@ -961,15 +1001,16 @@ fn assign(
             host = align_up(host.saturating_add(bytes), 256);
             // A parameter comes in once per program that reads it (its one copy out overlaps).
             let ins = match host_update_field(c) {
-                Some("param") | Some("grad") => 1,
-                Some(_) => 0,
-                None if param => programs_reading(plan, c),
-                None => 1,
+                Some("param") | Some("grad") => 1.0,
+                Some(_) => 0.0,
+                None if param => programs_reading(plan, c) as f64,
+                None if refresh => 1.0 + refresh_copies_per_step(plan, c),
+                None => 1.0,
             };
             (
                 ArenaKind::Host,
                 at,
-                ins as f64 * tier_copy_ms(desc, ArenaKind::Host, bytes),
+                ins * tier_copy_ms(desc, ArenaKind::Host, bytes),
             )
         } else if !gradient && !refresh && !param && nvme.saturating_add(bytes) <= nvme_cap {
             let at = nvme;

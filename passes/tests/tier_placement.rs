@@ -641,3 +641,85 @@ fn host_budgets_are_checked_on_the_final_placement_host_only_tensors_first() {
         "{err}"
     );
 }
+
+/// A moved Kronecker factor or eigenbasis is priced with its refreshes' own copies, amortised
+/// over the refresh frequency, on top of the optimizer's staging copy: a GPU-placed refresh
+/// copies the factor in and the stored basis in, and its swap the old basis in and the new one
+/// out (the larger direction: two); a host-placed one only the swap's.
+#[test]
+fn moved_factors_and_bases_are_priced_with_their_refreshes_copies() {
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/specs/llama-1.4b-soap.asteria");
+    let src = std::fs::read_to_string(path)
+        .expect("spec")
+        .replace("corpus = \"../data/medium\"", "corpus = builtin")
+        .replacen(
+            "target cuda {",
+            "target cuda {\n  gpu_memory = 12GiB\n  host_memory = 96GiB",
+            1,
+        )
+        .replacen("train {", "train {\n  rematerialize = layers", 1);
+    let config = frontend::parse_spec("soap", &src, &std::env::temp_dir()).expect("valid spec");
+    let mut m = ir::Module::new(config);
+    let mut pm = PassManager::new(PassOptions::default()).expect("pm");
+    let (mut cx, _) = pm
+        .run(&mut m, Some("lower"), &mut std::io::sink())
+        .expect("to lower");
+    let desc = passes::precond_scheduling::target_description(&m.config.target).expect("desc");
+    let budgets = m.config.target.budgets().clone();
+    let plan = cx.plan.as_mut().expect("plan");
+    let placement = passes::tier_placement::place(plan, &budgets, &desc).expect("placement");
+    let (mut gpu, mut host) = (0, 0);
+    for d in &placement.decisions {
+        let class = plan.buffer(d.buffer).class;
+        if !matches!(
+            class,
+            schedule::BufferClass::KroneckerFactor | schedule::BufferClass::Eigenbasis
+        ) {
+            continue;
+        }
+        let task = plan
+            .host_tasks
+            .iter()
+            .find(|t| {
+                t.operands()
+                    .iter()
+                    .any(|&(f, id)| id == d.buffer && (f == "factor" || f == "basis"))
+            })
+            .expect("a refresh owns it");
+        let schedule::HostTask::EigenbasisRefresh {
+            frequency,
+            placement: where_,
+            ..
+        } = task;
+        let on_gpu = *where_ == schedule::Placement::GpuSide;
+        let per_refresh = match (class, on_gpu) {
+            (schedule::BufferClass::KroneckerFactor, true) => 1.0,
+            (schedule::BufferClass::KroneckerFactor, false) => 0.0,
+            (_, true) => 2.0,
+            (_, false) => 1.0,
+        };
+        let staging = passes::tier_placement::tier_copy_ms(&desc, ArenaKind::Host, d.bytes);
+        let want = (1.0 + per_refresh / *frequency as f64) * staging;
+        assert!(
+            (d.copy_ms - want).abs() <= 1e-9 * want.max(1.0),
+            "{}: {} ms, want {want}",
+            d.name,
+            d.copy_ms
+        );
+        if per_refresh > 0.0 {
+            assert!(
+                d.copy_ms > staging,
+                "{}: its refreshes' copies count",
+                d.name
+            );
+        }
+        if on_gpu {
+            gpu += 1;
+        } else {
+            host += 1;
+        }
+    }
+    assert!(gpu + host > 0, "factors and bases moved");
+    eprintln!("{gpu} moved under GPU-placed refreshes, {host} under host-placed ones");
+}
