@@ -632,6 +632,7 @@ pub fn calibrate(
         side_stream_interference: 0.0,
         nvme_read_gbps: nvme_gbps.map(|g| g.0),
         nvme_write_gbps: nvme_gbps.map(|g| g.1),
+        host_update_gbps: Some(host_update_gbps(&pool, reps)?),
     };
     if let Some(g) = gpu {
         desc.name = format!("{}-{}", desc.name, g.device.replace(' ', "_"));
@@ -659,6 +660,38 @@ pub fn calibrate(
         None => out!("{json}"),
     }
     Ok(())
+}
+
+/// The host AdamW kernel's throughput on `pool` (every host core), GB/s of optimizer state
+/// (`passes::cost_model::ADAMW_BYTES_PER_ELEMENT` per element): 16M elements (448 MB of state,
+/// beyond the caches), the median of `reps` updates.
+fn host_update_gbps(pool: &rayon::ThreadPool, reps: usize) -> Result<f64> {
+    let n = 16usize << 20;
+    let k = hostkernels::AdamWKernel::compile(&hostkernels::AdamWConstants {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    })
+    .map_err(|e| miette!("compiling the host AdamW kernel: {e}"))?;
+    let mut rng = engine::Rng::new(11);
+    let mut fill = || -> Vec<f32> { (0..n).map(|_| rng.normal() as f32 * 0.02).collect() };
+    let (mut p, g, mut m) = (fill(), fill(), fill());
+    let mut v: Vec<f32> = fill().iter().map(|x| x * x).collect();
+    let mut t = 0u64;
+    let ms = pool.install(|| {
+        median_ms(reps.max(3), || {
+            t += 1;
+            k.update(t, 1e-4, &mut p, &g, &mut m, &mut v)
+                .map_err(|e| miette!("{e}"))
+        })
+    })?;
+    let gbps = (n * passes::cost_model::ADAMW_BYTES_PER_ELEMENT) as f64 / (ms * 1e6);
+    note!(
+        "host AdamW kernel ({} threads): {ms:.2} ms per 16M elements, {gbps:.1} GB/s of state",
+        pool.current_num_threads()
+    );
+    Ok(gbps)
 }
 
 fn rayon_pool(threads: usize) -> Result<rayon::ThreadPool> {

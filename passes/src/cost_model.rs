@@ -54,7 +54,16 @@ pub struct TargetDescription {
     /// Sequential write bandwidth of the NVMe tier's drive, GB/s.
     #[serde(default)]
     pub nvme_write_gbps: Option<f64>,
+    /// Throughput of the host AdamW kernel on every host core, GB/s of optimizer state
+    /// (28 bytes per element: parameter, gradient and both moments read, three of them
+    /// written), for `host_updates` (`None`: not measured; `asteria calibrate` measures it).
+    #[serde(default)]
+    pub host_update_gbps: Option<f64>,
 }
+
+/// Bytes of state one AdamW update touches per element (f32 parameter, gradient, two
+/// moments read; parameter and moments written).
+pub const ADAMW_BYTES_PER_ELEMENT: usize = 28;
 
 /// Linear interpolation in log-log space; beyond the measured range, `n³` scaling from the
 /// nearest point. `None` when `table` is empty.
@@ -101,6 +110,7 @@ impl TargetDescription {
         rate("train_tflops", Some(self.train_tflops))?;
         rate("nvme_read_gbps", self.nvme_read_gbps)?;
         rate("nvme_write_gbps", self.nvme_write_gbps)?;
+        rate("host_update_gbps", self.host_update_gbps)?;
         if !(0.0..=1.0).contains(&self.side_stream_interference) {
             return Err(format!(
                 "side_stream_interference = {}: a fraction in [0, 1]",
@@ -180,6 +190,7 @@ impl TargetDescription {
                 // Estimated (a data-center PCIe 4 NVMe drive), not measured.
                 nvme_read_gbps: Some(3.0),
                 nvme_write_gbps: Some(2.5),
+                host_update_gbps: None,
             },
             // Simulated: 72 Neoverse V2 cores, NVLink-C2C 450 GB/s with coherent unified
             // memory, an H100-class GPU with asteria's H200 engine rate.
@@ -200,6 +211,7 @@ impl TargetDescription {
                 side_stream_interference: 0.6,
                 nvme_read_gbps: Some(6.0),
                 nvme_write_gbps: Some(5.0),
+                host_update_gbps: None,
             },
             // Simulated: 20 Arm cores (about the H200 VM's per core), one LPDDR5x pool shared
             // with a GPU ~1/8 of an H200 (asteria's engine rate scaled alike).
@@ -218,6 +230,7 @@ impl TargetDescription {
                 side_stream_interference: 0.8,
                 nvme_read_gbps: Some(6.0),
                 nvme_write_gbps: Some(5.0),
+                host_update_gbps: None,
             },
             // A 2-core CI-class host without GPU (measured on the development machine with
             // `asteria calibrate`, rounded; the QR times one refresh per core with both cores
@@ -237,6 +250,7 @@ impl TargetDescription {
                 side_stream_interference: 0.0,
                 nvme_read_gbps: Some(1.0),
                 nvme_write_gbps: Some(0.8),
+                host_update_gbps: None,
             },
             _ => return None,
         })

@@ -105,6 +105,10 @@ pub struct Placement {
     /// Under `host_updates = sync | delayed`: the parameters whose AdamW update runs on the
     /// host, with their state's bytes there (parameter, gradient, moments).
     pub host_updates: Vec<(String, usize)>,
+    /// The predicted host time of those updates per step, ms (`None` without host updates or
+    /// when the target description has no `host_update_gbps`), and the predicted compute time
+    /// of a step's forward and backward they run beside under `delayed`, ms.
+    pub host_update_ms: Option<(f64, f64)>,
 }
 
 /// The refresh shadows' move to pinned host memory.
@@ -237,6 +241,32 @@ pub fn report(p: &Placement) -> String {
             p.host_updates.len(),
             human_bytes(p.host_updates.iter().map(|h| h.1).sum())
         );
+        match p.host_update_ms {
+            Some((host, step)) => {
+                let when = match (p.budgets.host_updates, host <= step) {
+                    (schedule::HostUpdates::Delayed, true) => {
+                        "delayed: hidden under the next step's forward and backward"
+                    }
+                    (schedule::HostUpdates::Delayed, false) => {
+                        "delayed: longer than the next step's forward and backward, which \
+                         waits for the rest"
+                    }
+                    _ => "sync: on the step, after its backward",
+                };
+                let _ = writeln!(
+                    s,
+                    "; predicted host update {host:.2} ms per step ({when}), beside a forward \
+                     and backward of {step:.2} ms"
+                );
+            }
+            None => {
+                let _ = writeln!(
+                    s,
+                    "; host update time not predicted: the target description has no \
+                     `host_update_gbps` (`asteria calibrate` measures it)"
+                );
+            }
+        }
     }
     if p.budgets.is_empty() {
         let _ = writeln!(s, "; no budget in the target block: nothing to place");
@@ -297,6 +327,16 @@ pub fn place(
             )
         })
         .collect();
+    if !forced.is_empty() {
+        let elements: usize = forced.chunks(4).map(|c| plan.buffer(c[0]).numel()).sum();
+        let bytes = elements * crate::cost_model::ADAMW_BYTES_PER_ELEMENT;
+        placement.host_update_ms = desc.host_update_gbps.map(|g| {
+            (
+                bytes as f64 / (g * 1e6),
+                plan.model_flops_per_step() / (desc.train_tflops * 1e9),
+            )
+        });
+    }
     let with_forced =
         |chosen: &[BufferId]| -> Vec<BufferId> { forced.iter().chain(chosen).copied().collect() };
     // The device need with `chosen` offloaded (host and NVMe budgets unchecked), copies in.
