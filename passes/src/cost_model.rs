@@ -250,7 +250,8 @@ impl TargetDescription {
                 side_stream_interference: 0.0,
                 nvme_read_gbps: Some(1.0),
                 nvme_write_gbps: Some(0.8),
-                host_update_gbps: None,
+                // `asteria calibrate` on the 2-core development host, 2026-12-05.
+                host_update_gbps: Some(32.0),
             },
             _ => return None,
         })

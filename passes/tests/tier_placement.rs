@@ -723,3 +723,43 @@ fn moved_factors_and_bases_are_priced_with_their_refreshes_copies() {
     assert!(gpu + host > 0, "factors and bases moved");
     eprintln!("{gpu} moved under GPU-placed refreshes, {host} under host-placed ones");
 }
+
+/// `host_updates` in the placement report: every AdamW update of the 1.44B spec on the host,
+/// with the predicted host time beside the step's forward and backward where the target
+/// description has the host kernel's throughput (the `cpu` built-in, measured), and a note
+/// saying it is not predicted where it has none (the `h200` built-in).
+#[test]
+fn host_updates_are_reported_with_their_predicted_host_time() {
+    let (plan, report, placement) = compile(
+        "cpu-host-updates",
+        &spec("target cpu {\n  host_updates = delayed\n}"),
+    );
+    plan.verify().expect("verifies");
+    let params = plan.params.len();
+    assert_eq!(placement.host_updates.len(), params, "{report}");
+    let (host, step) = placement
+        .host_update_ms
+        .expect("the cpu built-in predicts it");
+    let elements: usize = plan
+        .params
+        .iter()
+        .map(|p| plan.buffer(p.param).numel())
+        .sum();
+    let want = (elements * 28) as f64 / 32e6;
+    assert!((host - want).abs() < 1e-6 * want, "{host} ms, want {want}");
+    assert!(step > host, "2 cores: the forward and backward take longer");
+    assert!(
+        report.contains(&format!("host_updates = delayed: {params} AdamW update(s)"))
+            && report.contains("hidden under the next step's forward and backward"),
+        "{report}"
+    );
+    let (_, report, placement) = compile(
+        "h200-host-updates",
+        &spec("target cuda {\n  host_updates = sync\n}"),
+    );
+    assert!(placement.host_update_ms.is_none());
+    assert!(
+        report.contains("host update time not predicted"),
+        "{report}"
+    );
+}
