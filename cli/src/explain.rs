@@ -55,15 +55,22 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
             format!(" (all in the `{tier}` tier: no budget, or everything fits it)")
         }
     );
-    // Staging buffers (copies of offloaded state, step-local) are listed on their own line.
-    let staged: Vec<usize> = plan
+    // Staging buffers (copies of offloaded state, step-local) are listed on their own line; a
+    // host update's persistent device copy (`<param>.device`, `Init::CopyOf`) is a parameter.
+    let mut staged: Vec<usize> = plan
         .step_ops()
         .map(|(_, o)| o)
         .filter_map(|o| match o {
-            schedule::Op::CopyIn { dst, .. } => Some(dst.index()),
+            schedule::Op::CopyIn { src, dst, .. }
+                if plan.buffers[dst.index()].init != schedule::Init::CopyOf { of: *src } =>
+            {
+                Some(dst.index())
+            }
             _ => None,
         })
         .collect();
+    staged.sort_unstable();
+    staged.dedup();
     // Host copies of the gradients that leave the device during the backward (copy-out
     // destinations there), also on their own line.
     let spilled: Vec<usize> = plan
@@ -221,7 +228,17 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
             .filter(|&id| plan.memory.tier(id) == Some(kind))
             .collect();
         let moved: usize = ids.iter().map(|&id| plan.buffer(id).size_bytes()).sum();
-        let ms = passes::tier_placement::tier_copy_ms(desc, kind, moved);
+        // A host update's moments never cross the link (its parameter comes in once, its
+        // gradient goes out once).
+        let stay: usize = plan
+            .optimizer
+            .iter()
+            .filter(|op| op.on_host())
+            .flat_map(|op| op.operands())
+            .filter(|&(f, _)| f == "exp_avg" || f == "exp_avg_sq")
+            .map(|(_, id)| plan.buffer(id).size_bytes())
+            .sum();
+        let ms = passes::tier_placement::tier_copy_ms(desc, kind, moved.saturating_sub(stay));
         total_ms += ms;
         // NVMe tensors take whole 1 MiB blocks: the arena exceeds their sum.
         let blocks = if kind == schedule::ArenaKind::Nvme && moved != bytes {
@@ -237,6 +254,15 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
             human_bytes(bytes),
             ids.len(),
             desc.name
+        );
+    }
+    let host_updates = plan.optimizer.iter().filter(|op| op.on_host()).count();
+    if host_updates > 0 {
+        let _ = writeln!(
+            o,
+            "  updates on the host: {host_updates} adam_w (`host_updates = {}`; their parameters, \
+             gradients and moments in the host tier)",
+            plan.memory.budgets.host_updates
         );
     }
     if let Some(desc) = desc.as_ref().filter(|_| plan.memory.pinned_refresh_shadows) {
