@@ -1,5 +1,5 @@
 //! The `asteria` command: compile spec files into execution plans, inspect what each pass did,
-//! and run plans on the CPU engine.
+//! and run plans on the CPU or CUDA engine.
 /// `eprintln!` that ignores a closed stderr (a pipe whose reader exited) instead of panicking.
 macro_rules! note {
     ($($t:tt)*) => {{
@@ -187,7 +187,7 @@ enum Command {
         #[command(flatten)]
         spec_flags: SpecFlags,
     },
-    /// Generate text with a checkpoint's weights (the plan it stores; CPU engine): the prompt,
+    /// Generate text with a checkpoint's weights (the plan it stores; `--device cpu | cuda`): the prompt,
     /// then `--tokens` new tokens drawn from the model's softmax (`--temperature 0`: greedy).
     Sample {
         /// A checkpoint: a `step-N` directory, or a `--checkpoint-dir` (its newest).

@@ -168,7 +168,7 @@ impl SpecErrors {
             );
         }
         for e in &mut errors {
-            clip_error(e, &source);
+            clip_error(e, &source, overrides);
         }
         SpecErrors {
             src: SpecSource {
@@ -236,7 +236,7 @@ pub(crate) const STOPPED: &str = "spec::too-many-errors";
 /// snippet would be long (more than [`MAX_CONTEXT`] bytes from the primary span, or across a
 /// line longer than [`MAX_LINE`]) becomes a line of the hint (`first set here: line 3, column
 /// 5`) instead of a label, so each error's snippet stays small.
-fn clip_error(e: &mut SpecError, source: &str) {
+fn clip_error(e: &mut SpecError, source: &str, overrides: usize) {
     clip_text(&mut e.message);
     clip_text(&mut e.label);
     if let Some(h) = &mut e.help {
@@ -248,6 +248,11 @@ fn clip_error(e: &mut SpecError, source: &str) {
     e.notes.retain_mut(|(span, label)| {
         *span = clip_span(*span, source);
         clip_text(label);
+        // A note on a `--set` argument names the argument (its span is past the spec's text).
+        if let Some(line) = override_line(source, overrides, span.start) {
+            far.push(format!("{label}: `{}` on the command line", line.text));
+            return false;
+        }
         let near = near(source, primary, *span);
         if !near {
             let (line, col) = line_col(source, span.start);

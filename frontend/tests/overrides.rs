@@ -154,3 +154,17 @@ fn the_report_shows_the_argument_as_the_command_line() {
         "no spec line is shown: {out}"
     );
 }
+
+/// An error on a spec key caused by a `--set` of another key names that argument in its hint,
+/// not a line of the spec.
+#[test]
+fn a_spec_error_caused_by_an_override_names_the_argument() {
+    let e = errs(&["train.warmup=50", "train.steps=10"]);
+    let (line, _, message, help) = &e[0];
+    assert_eq!(*line, 0, "the warmup set on the command line: {e:?}");
+    assert!(message.contains("longer than `steps` (10)"), "{message}");
+    assert!(
+        help.contains("`steps` = 10 here: `--set train.steps=10` on the command line"),
+        "{help}"
+    );
+}

@@ -212,12 +212,19 @@ pub(crate) fn train(c: &mut Checker, b: &Block) -> TrainConfig {
     let warmup_steps = c.uint_or(&f, "warmup", limits::WARMUP, 0u64);
     if let (Some(s), Some(w)) = (steps, f.get("warmup")) {
         if warmup_steps > s {
-            c.push(SpecError::new(
+            let mut e = SpecError::new(
                 "spec::out-of-range",
                 w.value.span,
                 format!("`warmup` ({warmup_steps}) is longer than `steps` ({s})"),
                 "more than steps",
+            )
+            .with_help(format!(
+                "make `warmup` at most {s}, or `steps` at least {warmup_steps}"
             ));
+            if let Some(st) = f.get("steps") {
+                e = e.with_note(st.value.span, format!("`steps` = {s} here"));
+            }
+            c.push(e);
         }
     }
     let grad_clip = match f.get("grad_clip") {
