@@ -353,7 +353,18 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
             *counts.entry(op.name()).or_default() += 1;
         }
         let list: Vec<String> = counts.iter().map(|(k, v)| format!("{k}×{v}")).collect();
-        let _ = writeln!(o, "  {section:<9} {:>4}  {}", prog.len(), list.join(", "));
+        // The forward and backward run once per micro-batch (`grad_accum`).
+        let per = if micro > 1 && section != "optimizer" {
+            format!("  (per micro-batch: ×{micro} per step)")
+        } else {
+            String::new()
+        };
+        let _ = writeln!(
+            o,
+            "  {section:<9} {:>4}  {}{per}",
+            prog.len(),
+            list.join(", ")
+        );
     }
     let mut freq: BTreeMap<u64, usize> = BTreeMap::new();
     for t in &plan.host_tasks {

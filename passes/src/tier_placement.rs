@@ -82,6 +82,9 @@ pub struct Decision {
     pub tier: ArenaKind,
     /// Predicted copy time per step (in and out), ms.
     pub copy_ms: f64,
+    /// What it is (its group: a moment, gradient, Kronecker factor, eigenbasis, parameter),
+    /// with `host update` when it is the state of an update that runs on the host.
+    pub what: String,
 }
 
 /// What the pass decided.
@@ -276,11 +279,12 @@ pub fn report(p: &Placement) -> String {
     for d in &p.decisions {
         let _ = writeln!(
             s,
-            ";   %{:<36} {:>11}  -> {:<4}  copies {:>8.3} ms/step",
+            ";   %{:<36} {:>11}  -> {:<4}  copies {:>8.3} ms/step  ({})",
             d.name,
             human_bytes(d.bytes),
             d.tier.name(),
-            d.copy_ms
+            d.copy_ms,
+            d.what
         );
     }
     let _ = writeln!(
@@ -1104,12 +1108,17 @@ fn assign(
             arena: tier,
             offset,
         };
+        let class = crate::liveness::class_name(plan.buffer(c).class);
         decisions.push(Decision {
             buffer: c,
             name: plan.buffer(c).name.clone(),
             bytes,
             tier,
             copy_ms,
+            what: match host_update_field(c) {
+                Some(_) => format!("{class}, host update"),
+                None => class.to_string(),
+            },
         });
     }
     plan.memory
