@@ -532,6 +532,31 @@ fn parameters_in_host_memory_keep_the_run_bit_identical() {
             );
         }
         eprintln!("{opt:?}: {} parameter(s) in host memory", moved.len());
+        // The CPU engine's working store holds neither the offloaded state nor, between
+        // steps, its staging copies (allocated by each copy in, freed after the last use).
+        let working = |plan: &Plan| {
+            let (x, y) = batch(plan);
+            let mut e = engine(plan.clone());
+            step(&mut e, &x, &y, 1).expect("a step");
+            e.working_bytes()
+        };
+        let plain_plan = compile(config(opt, Budgets::default())).expect("untiered");
+        let offloaded: usize = (0..plan.buffers.len())
+            .map(|i| schedule::BufferId(i as u32))
+            .filter(|&id| plan.memory.tier(id).is_some_and(|k| !k.on_device()))
+            .filter(|&id| {
+                plain_plan
+                    .buffers
+                    .iter()
+                    .any(|b| b.name == plan.buffer(id).name)
+            })
+            .map(|id| plan.buffer(id).size_bytes())
+            .sum();
+        let (w0, w) = (working(&plain_plan), working(&plan));
+        assert!(
+            w + offloaded <= w0 + (64 << 10),
+            "{opt:?}: working store {w} B tiered against {w0} B untiered, {offloaded} B offloaded"
+        );
         let (l, p, m) = train(plan, 4);
         assert_eq!(l, l0, "{opt:?}: losses");
         assert_eq!(p, p0, "{opt:?}: parameters");

@@ -162,6 +162,40 @@ pub struct CpuEngine<T> {
     /// The Cranelift kernels of the plan's element-wise update rules (f32 engines), by rule
     /// text; bit-identical to the rule interpreter, which an f64 engine runs.
     rule_kernels: HashMap<String, Arc<hostkernels::RuleKernel>>,
+    /// The staging buffers of offloaded state (`CopyIn` destinations that are not device
+    /// copies), allocated by their copy in and freed after their last use, by the step
+    /// position of that use ([`staging_lifetimes`]): moving state off the working store then
+    /// saves its bytes on this engine too.
+    staging_free: Vec<Vec<BufferId>>,
+    /// Step positions of the first op of the forward, backward and optimizer programs.
+    bases: [usize; 3],
+}
+
+/// Per step position, the staging buffers of `plan` whose last use is there (see
+/// `CpuEngine::staging_free`).
+fn staging_lifetimes(plan: &Plan) -> Vec<Vec<BufferId>> {
+    let mut last: HashMap<BufferId, usize> = HashMap::new();
+    let staging: std::collections::HashSet<BufferId> = plan
+        .step_ops()
+        .filter_map(|(_, op)| match *op {
+            Op::CopyIn { src, dst, .. } if plan.buffer(dst).init != Init::CopyOf { of: src } => {
+                Some(dst)
+            }
+            _ => None,
+        })
+        .collect();
+    for (pos, op) in plan.step_ops() {
+        for (_, id) in op.operands() {
+            if staging.contains(&id) {
+                last.insert(id, pos);
+            }
+        }
+    }
+    let mut free = vec![Vec::new(); plan.step_len()];
+    for (id, pos) in last {
+        free[pos].push(id);
+    }
+    free
 }
 
 /// The poisoning schedule of [`EngineOptions::poison_transients`].
@@ -404,6 +438,17 @@ impl<T: Float + Real> CpuEngine<T> {
             }
         }
         let refresh = Runtime::new(&plan, &opts);
+        let staging_free = staging_lifetimes(&plan);
+        for &id in staging_free.iter().flatten() {
+            if let Some(Data::F(v)) = store.data.get_mut(id.index()) {
+                *v = Vec::new();
+            }
+        }
+        let bases = [
+            0,
+            plan.forward.len(),
+            plan.forward.len() + plan.backward.len(),
+        ];
         Ok(CpuEngine {
             plan,
             store,
@@ -421,6 +466,8 @@ impl<T: Float + Real> CpuEngine<T> {
             tiers,
             adamw_kernels,
             rule_kernels,
+            staging_free,
+            bases,
         })
     }
 
@@ -576,6 +623,12 @@ impl<T: Float + Real> CpuEngine<T> {
         let tiers = &mut self.tiers;
         let kernels = &self.adamw_kernels;
         let rule_kernels = &self.rule_kernels;
+        let staging_free = &self.staging_free;
+        let base = match section {
+            "forward" => self.bases[0],
+            "backward" => self.bases[1],
+            _ => self.bases[2],
+        };
         pool.install(|| {
             for (index, op) in program.iter().enumerate() {
                 let loc = Loc { section, index, op: op.name() };
@@ -592,6 +645,13 @@ impl<T: Float + Real> CpuEngine<T> {
                     Op::CopyIn { src, dst, last_step } => {
                         // (`last_step`: a copy of the warm-up steps only.)
                         if last_step.is_none_or(|l| t <= l) {
+                            // A staging buffer gets its bytes here (freed after its last use).
+                            let len: usize = store.shapes[dst.index()].iter().product();
+                            if let Some(Data::F(v)) = store.data.get_mut(dst.index()) {
+                                if v.len() != len {
+                                    *v = vec![T::zero(); len];
+                                }
+                            }
                             tiers.copy_in(store, *src, *dst, loc)?;
                         }
                         OpOutcome::Done
@@ -682,6 +742,11 @@ impl<T: Float + Real> CpuEngine<T> {
                 if !paged.is_empty() {
                     tiers.page_out(store, &paged, loc)?;
                 }
+                for &id in staging_free.get(base + index).map_or(&[][..], Vec::as_slice) {
+                    if let Some(Data::F(v)) = store.data.get_mut(id.index()) {
+                        *v = Vec::new();
+                    }
+                }
                 if let Some(p) = poison {
                     let pos = p.base(section) + index;
                     for &id in p.after.get(pos).map_or(&[][..], Vec::as_slice) {
@@ -702,6 +767,19 @@ impl<T: Float + Real> CpuEngine<T> {
             }
             Ok(true)
         })
+    }
+
+    /// Bytes the working store holds now (every buffer's current allocation, in this engine's
+    /// float size; offloaded state and freed staging buffers hold none), between steps.
+    pub fn working_bytes(&self) -> usize {
+        self.store
+            .data
+            .iter()
+            .map(|d| match d {
+                Data::F(v) => v.len() * T::BYTES,
+                Data::I(v) => v.len() * 4,
+            })
+            .sum()
     }
 
     /// Bytes moved through the NVMe tier so far and whether it uses O_DIRECT (`None` when the
