@@ -838,7 +838,8 @@ fn check_host_update_plan(plan: &Plan, mode: schedule::HostUpdates, warmup: u64)
 }
 
 /// `host_updates` refuses gradient accumulation (accumulated gradients stay on the device)
-/// with a message naming both keys, and `off` changes nothing.
+/// with a message naming both keys, and an optimizer without AdamW updates (nothing would
+/// move); `off` changes nothing.
 #[test]
 fn host_updates_with_grad_accum_is_refused_and_off_changes_nothing() {
     use schedule::HostUpdates;
@@ -853,6 +854,20 @@ fn host_updates_with_grad_accum_is_refused_and_off_changes_nothing() {
     let e = compile(c).expect_err("refused").to_string();
     assert!(
         e.contains("host_updates = delayed") && e.contains("grad_accum = 2"),
+        "{e}"
+    );
+    // SOAP's updates are not element-wise: nothing could run on the host.
+    let e = compile(config(
+        Opt::Soap,
+        Budgets {
+            host_updates: HostUpdates::Sync,
+            ..Default::default()
+        },
+    ))
+    .expect_err("nothing to move")
+    .to_string();
+    assert!(
+        e.contains("moves nothing") && e.contains("soap_update"),
         "{e}"
     );
     let plain = compile(config(Opt::AdamW, Budgets::default())).expect("plain");

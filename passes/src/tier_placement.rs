@@ -739,6 +739,18 @@ fn host_updates(
     // layer to the first), where the first of them was: the order the engine's host worker
     // runs them, so that the next step's first copies wait for the earliest updates. They
     // touch disjoint state, so the order changes no number.
+    if groups.is_empty() {
+        plan.optimizer = out;
+        let ops: std::collections::BTreeSet<&str> =
+            plan.optimizer.iter().map(|o| o.name()).collect();
+        return Err(refuse(format!(
+            "`host_updates = {mode}` moves nothing: only AdamW's element-wise `adam_w` updates \
+             run on the host (with their gradient streamed out and their state touched by \
+             nothing else), and this optimizer program has none that can move (its ops: {}); \
+             remove `host_updates`",
+            ops.into_iter().collect::<Vec<_>>().join(", ")
+        )));
+    }
     groups.sort_by_key(|g| g.0);
     if let Some(at) = insert_at {
         let tail = out.split_off(at);
