@@ -213,7 +213,10 @@ impl HostUpdates {
             }
         }
         match upto {
-            Some(seq) => self.wait(seq),
+            Some(seq) => {
+                let _wait = tracing::debug_span!("wait_host_update", position = pos).entered();
+                self.wait(seq)
+            }
             None => Ok(()),
         }
     }
@@ -352,9 +355,14 @@ impl HostUpdates {
 
 /// One update on the worker: its events, the clip's factor, the kernel.
 fn run(job: &Job) -> Result<(), String> {
-    for ev in &job.events {
-        ev.synchronize()
-            .map_err(|e| format!("{}: waiting for the streams: {e}", job.what))?;
+    // On the worker's thread of a `--trace` timeline: the wait for the streams, the update.
+    let _update = tracing::debug_span!("host_update", op = %job.what, t = job.t).entered();
+    {
+        let _wait = tracing::debug_span!("host_update_wait").entered();
+        for ev in &job.events {
+            ev.synchronize()
+                .map_err(|e| format!("{}: waiting for the streams: {e}", job.what))?;
+        }
     }
     // SAFETY: see `HostSlice`: live pinned host memory of `len` f32 each, which no stream and
     // no other update touches while this one runs (the events above and the engine's waits).
