@@ -72,10 +72,15 @@ fn dirs(root: &Path) -> Vec<String> {
 fn an_interrupted_run_resumes_bit_identically() {
     for (name, opt, staleness) in [
         ("adamw", ADAMW, 0),
+        ("adamw host_updates = delayed", ADAMW, 0),
         ("soap S=0", SOAP, 0),
         ("soap S=5", SOAP, 5),
     ] {
         let mut src = spec(opt, 64).replace("staleness = 0", &format!("staleness = {staleness}"));
+        if name.contains("delayed") {
+            // The device copies (one update behind the masters) are in the checkpoint.
+            src = src.replace("staleness = 0", "staleness = 0 host_updates = delayed");
+        }
         if staleness > 0 {
             // S > 0 replays bit for bit when every refresh is installed at its bound.
             src = src.replace("train {", "train {\n  refresh_swap = deadline");
@@ -413,4 +418,53 @@ fn a_resume_below_newer_checkpoints_keeps_its_own() {
     )
     .expect("resumed from the older one");
     assert_eq!(dirs(&ck), ["step-000000005", "step-000000006"]);
+}
+
+/// A checkpoint of a run with `host_updates` resumes into a plan without them and the other
+/// way round: the device copies are derived state (left out of the state hash; a missing one
+/// starts as its master). Resumed without, the run continues from the masters; resumed with
+/// `delayed` after the warm-up, its first step reads the masters (the copy starts there).
+#[test]
+fn checkpoints_resume_across_host_updates() {
+    let off = compile(&spec(ADAMW, 64));
+    let delayed =
+        compile(&spec(ADAMW, 64).replace("staleness = 0", "staleness = 0 host_updates = delayed"));
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let base = TrainOptions {
+        cache_dir: Some(tmp.path().join("cache")),
+        ..TrainOptions::default()
+    };
+    let (full_off, _) = run(&off, 8, base.clone()).expect("uninterrupted, off");
+    for (from, to, name) in [
+        (&off, &delayed, "off -> delayed"),
+        (&delayed, &off, "delayed -> off"),
+    ] {
+        let ck = tmp.path().join(name.replace(' ', ""));
+        let opts = TrainOptions {
+            checkpoint_dir: Some(ck.clone()),
+            ..base.clone()
+        };
+        run(from, 4, opts).expect("first part");
+        let (rest, _) = run(
+            to,
+            8,
+            TrainOptions {
+                resume: Some(ck.clone()),
+                ..base.clone()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{name}: resumes: {e}"));
+        assert_eq!(rest.train_losses.len(), 4, "{name}");
+        if name == "off -> delayed" {
+            assert_eq!(
+                rest.train_losses[0], full_off.train_losses[4],
+                "{name}: step 5 reads the masters of step 4"
+            );
+            assert_ne!(
+                rest.train_losses[2], full_off.train_losses[6],
+                "{name}: then delayed"
+            );
+        }
+        assert!(rest.train_losses.iter().all(|l| l.is_finite()), "{name}");
+    }
 }

@@ -442,8 +442,9 @@ impl CudaEngine {
     }
 
     /// Every submitted host update finished: before state is read or written from outside
-    /// the programs (checkpoints, export, a resume, a train-match).
-    fn join_host_updates(&self) -> Result<(), EngineError> {
+    /// the programs (`buffer`, `buffer_range`, `set_buffer`: checkpoints, export, a resume,
+    /// a train-match), at the end of a run and when the engine goes.
+    pub(crate) fn join_host_updates(&self) -> Result<(), EngineError> {
         match &self.host_updates {
             Some(h) => h.join_all().map_err(|e| cuda_err("host updates", e)),
             None => Ok(()),
@@ -601,6 +602,10 @@ impl StepExecutor for CudaEngine {
         self.dev
             .synchronize_step()
             .map_err(|e| cuda_err("synchronize", e))?;
+        // A host update that failed (still pending under `delayed`) stops the run here.
+        if let Some(e) = self.host_updates.as_ref().and_then(|h| h.failure()) {
+            return Err(cuda_err("host updates", e));
+        }
         if let Some(nv) = self.nvme.as_mut() {
             nv.finish_step()
                 .map_err(|e| EngineError::Tier(format!("the end of the step: {e}")))?;
@@ -612,13 +617,15 @@ impl StepExecutor for CudaEngine {
     }
 
     fn read_state(&self, name: &str) -> Result<Vec<f64>, EngineError> {
-        self.join_host_updates()?;
         self.buffer(name)
     }
 
     fn read_range(&self, name: &str, start: usize, len: usize) -> Result<Vec<f64>, EngineError> {
-        self.join_host_updates()?;
         self.buffer_range(name, start, len)
+    }
+
+    fn finish(&mut self) -> Result<(), EngineError> {
+        self.join_host_updates()
     }
 
     fn energy_j(&self) -> Option<f64> {
@@ -630,7 +637,6 @@ impl StepExecutor for CudaEngine {
     }
 
     fn write_state(&mut self, name: &str, values: &[f64]) -> Result<(), EngineError> {
-        self.join_host_updates()?;
         self.set_buffer(name, values)
     }
 

@@ -510,8 +510,13 @@ impl Lockstep<'_> {
         }
         if self.resync {
             // The state that carries over to the next step; activations are rewritten anyway.
-            for b in &plan.buffers {
-                if b.dtype == DType::F32 && b.class != BufferClass::Activation {
+            // (Not the buffers sharing the activations arena, staging copies included: the
+            // CPU engine frees those between steps.)
+            for (i, b) in plan.buffers.iter().enumerate() {
+                if b.dtype == DType::F32
+                    && b.class != BufferClass::Activation
+                    && !plan.memory.is_shared(BufferId(i as u32))
+                {
                     let c = self.cpu.buffer(&b.name)?;
                     self.gpu.set_buffer(&b.name, &c)?;
                 }

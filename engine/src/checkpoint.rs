@@ -196,7 +196,13 @@ pub fn state_buffers(plan: &Plan) -> Vec<&schedule::Buffer> {
 pub fn state_hash(plan: &Plan) -> String {
     let mut h = crc32fast::Hasher::new();
     let mut h2 = crc32fast::Hasher::new_with_initial(0x9e37_79b9);
-    for b in state_buffers(plan) {
+    // A host update's device copy (`Init::CopyOf`) is derived state: checkpoints of runs with
+    // and without `host_updates` resume into each other (`restore` fills a missing one from
+    // its source).
+    for b in state_buffers(plan)
+        .into_iter()
+        .filter(|b| !matches!(b.init, schedule::Init::CopyOf { .. }))
+    {
         let line = format!("{}|{:?}|{:?};", b.name, b.shape, b.class);
         h.update(line.as_bytes());
         h2.update(line.as_bytes());
@@ -707,6 +713,14 @@ fn hyperparameters(plan: &Plan) -> Vec<(&'static str, String)> {
 /// resuming would silently continue another optimization.
 fn same_hyperparameters(ckpt: &Checkpoint, there: &Plan, here: &Plan) -> Result<(), EngineError> {
     let (a, b) = (hyperparameters(there), hyperparameters(here));
+    // The same in another order is the same optimizer (`host_updates` orders a program's
+    // updates by their gradients' completion); otherwise the first that differs is named.
+    let (mut sa, mut sb) = (a.clone(), b.clone());
+    sa.sort();
+    sb.sort();
+    if sa == sb {
+        return Ok(());
+    }
     match a.iter().zip(&b).find(|(x, y)| x != y) {
         None if a.len() == b.len() => Ok(()),
         found => {
@@ -733,9 +747,38 @@ pub fn restore<E: StepExecutor + ?Sized>(
     ckpt: &Checkpoint,
 ) -> Result<(), EngineError> {
     check(ckpt, engine.plan())?;
+    // Device copies (`Init::CopyOf`, `host_updates`): a checkpoint of a run without them
+    // fills each from its source; one of a run with them, resumed without, has extra ones.
+    let copies: Vec<(String, String)> = {
+        let plan = engine.plan();
+        plan.buffers
+            .iter()
+            .filter_map(|b| match b.init {
+                schedule::Init::CopyOf { of } => {
+                    Some((b.name.clone(), plan.buffer(of).name.clone()))
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    let here: std::collections::HashSet<String> = state_buffers(engine.plan())
+        .into_iter()
+        .map(|b| b.name.clone())
+        .collect();
     for (name, v) in &ckpt.tensors {
+        if !here.contains(name) {
+            continue; // a device copy of a `host_updates` run (the state hashes matched)
+        }
         let values: Vec<f64> = v.iter().map(|&x| f64::from(x)).collect();
         engine.write_state(name, &values)?;
+    }
+    for (copy, of) in &copies {
+        if !ckpt.tensors.contains_key(copy) {
+            if let Some(v) = ckpt.tensors.get(of) {
+                let values: Vec<f64> = v.iter().map(|&x| f64::from(x)).collect();
+                engine.write_state(copy, &values)?;
+            }
+        }
     }
     engine.set_refreshes_initialized(&ckpt.meta.refreshes_initialized)?;
     let tasks = ckpt.meta.refreshes_initialized.len();

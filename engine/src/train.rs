@@ -362,6 +362,15 @@ pub trait StepExecutor {
     fn refreshes_initialized(&self) -> Vec<bool> {
         Vec::new()
     }
+    /// Waits for work the engine still runs after the last step (the CUDA engine's delayed
+    /// host updates) and reports its failure; called once, after the last step. Default:
+    /// nothing runs after a step.
+    ///
+    /// # Errors
+    /// The failure of such work.
+    fn finish(&mut self) -> Result<(), EngineError> {
+        Ok(())
+    }
     /// Restores [`StepExecutor::refreshes_initialized`].
     fn set_refreshes_initialized(&mut self, flags: &[bool]) -> Result<(), EngineError> {
         let _ = flags;
@@ -849,6 +858,7 @@ pub fn train_with<E: StepExecutor>(
             }
         }
     }
+    engine.finish()?;
     if let Some(dir) = checkpoint(engine, steps)? {
         say(&pb, format!("checkpoint {}", dir.display()));
     }

@@ -655,9 +655,9 @@ fn host_updates(
             .rposition(|op| op.accesses().iter().any(|&(_, b, a)| b == g && a.writes()))
             .unwrap_or(0)
     };
-    let old = std::mem::take(&mut plan.optimizer);
-    let mut out = Vec::with_capacity(old.len() + 2 * old.len());
-    for op in old {
+    let old_ops = std::mem::take(&mut plan.optimizer);
+    let mut out = Vec::with_capacity(3 * old_ops.len());
+    for (index, op) in old_ops.iter().cloned().enumerate() {
         let Op::AdamW {
             param,
             grad,
@@ -675,11 +675,31 @@ fn host_updates(
             out.push(op);
             continue;
         };
+        // Its state touched by this update alone: no refresh re-projects the moments, and no
+        // other optimizer op reads the parameter or the gradient.
+        let others_touch = |id: BufferId| {
+            old_ops
+                .iter()
+                .enumerate()
+                .any(|(j, o)| j != index && o.operands().iter().any(|&(_, b)| b == id))
+                || plan
+                    .host_tasks
+                    .iter()
+                    .any(|t| t.operands().iter().any(|&(_, b)| b == id))
+        };
         let movable = c.params.contains(&param)
             && c.grads.contains(&grad)
             && c.moments.contains(&exp_avg)
             && c.moments.contains(&exp_avg_sq)
-            && !device_copies.contains_key(&param);
+            && !device_copies.contains_key(&param)
+            && ![param, grad, exp_avg, exp_avg_sq]
+                .iter()
+                .any(|&id| others_touch(id) && id != grad)
+            && !old_ops.iter().enumerate().any(|(j, o)| {
+                j != index
+                    && !matches!(o, Op::ClipGradNorm { .. })
+                    && o.operands().iter().any(|&(_, b)| b == grad)
+            });
         if !movable {
             out.push(op);
             continue;
@@ -1013,8 +1033,17 @@ fn assign(
     decisions: &mut Vec<Decision>,
 ) -> Result<(), PassError> {
     // The pinned refresh shadows share `host_memory` with the host tier.
+    // The pinned refresh shadows share `host_memory` with the host tier, and so does the
+    // host copy of the clip's factor that host updates read (`prefetch-insertion`).
+    let scale_copy = if plan.optimizer.iter().any(|o| o.on_host()) {
+        256
+    } else {
+        0
+    };
     let host_cap = budgets.host.map_or(usize::MAX, |b| {
-        (b as usize).saturating_sub(schedule::reserve::refresh_pinned_bytes(plan))
+        (b as usize)
+            .saturating_sub(schedule::reserve::refresh_pinned_bytes(plan))
+            .saturating_sub(scale_copy)
     });
     let nvme_cap = if budgets.nvme_dir.is_some() {
         budgets.nvme.map_or(usize::MAX, |b| b as usize)
@@ -1068,7 +1097,12 @@ fn assign(
                 at,
                 ins * tier_copy_ms(desc, ArenaKind::Host, bytes),
             )
-        } else if !gradient && !refresh && !param && nvme.saturating_add(bytes) <= nvme_cap {
+        } else if !gradient
+            && !refresh
+            && !param
+            && host_update_field(c).is_none()
+            && nvme.saturating_add(bytes) <= nvme_cap
+        {
             let at = nvme;
             nvme = align_up(nvme.saturating_add(bytes), NVME_ALIGN);
             (
@@ -1077,7 +1111,11 @@ fn assign(
                 tier_copy_ms(desc, ArenaKind::Nvme, bytes),
             )
         } else {
-            let why = if gradient {
+            let why = if host_update_field(c).is_some() {
+                "and the state of an update that runs on the host (`host_updates`) lives in \
+                 pinned host memory only"
+                    .to_string()
+            } else if gradient {
                 "and gradients (streamed out and back every step) go to pinned host memory \
                  only"
                     .to_string()

@@ -545,11 +545,17 @@ impl Plan {
         }
         // Staging buffers of offloaded state (`CopyIn` destinations) are step-local whatever
         // their class.
+        // A device copy (`Init::CopyOf` its source: a host update's `<param>.device`) carries
+        // its values across steps: persistent.
         let mut staged = vec![false; n];
         for (_, op) in self.step_ops() {
-            if let Op::CopyIn { dst, .. } = op {
+            if let Op::CopyIn { src, dst, .. } = op {
+                let copy = self
+                    .buffers
+                    .get(dst.index())
+                    .is_some_and(|b| b.init == crate::Init::CopyOf { of: *src });
                 if let Some(s) = staged.get_mut(dst.index()) {
-                    *s = true;
+                    *s = !copy;
                 }
             }
         }

@@ -93,6 +93,53 @@ pub(crate) fn verify_tiers(plan: &Plan) -> Result<(), PlanError> {
             }
         }
     }
+    // Host updates run in the optimizer program, each refreshing its parameter's device copy
+    // by a copy in that runs at every step; a warm-up-only copy (`last_step`) refreshes a
+    // device copy, never a staging buffer.
+    let n_fwd_bwd = plan.forward.len() + plan.backward.len();
+    for (pos, op) in plan.step_ops() {
+        if op.on_host() && pos < n_fwd_bwd {
+            return Err(invalid(format!(
+                "{} at {} runs on the host outside the optimizer program",
+                op.name(),
+                plan.step_position(pos)
+            )));
+        }
+        if let Op::CopyIn {
+            dst,
+            last_step: Some(_),
+            ..
+        } = op
+        {
+            if !device_copy.get(dst.index()).is_some_and(|&d| d) {
+                return Err(invalid(format!(
+                    "copy_in at {} into `{}` runs at some steps only (`last_step`), but it is \
+                     a staging buffer, not a device copy",
+                    plan.step_position(pos),
+                    name(*dst)
+                )));
+            }
+        }
+        if let Op::AdamW {
+            param,
+            on_host: true,
+            ..
+        } = op
+        {
+            let refreshed = plan.optimizer.iter().any(|o| {
+                matches!(o, Op::CopyIn { src, dst, last_step: None }
+                    if src == param && device_copy.get(dst.index()).is_some_and(|&d| d))
+            });
+            if !refreshed {
+                return Err(invalid(format!(
+                    "adam_w at {} updates `{}` on the host, but no copy_in at every step \
+                     refreshes a device copy of it",
+                    plan.step_position(pos),
+                    name(*param)
+                )));
+            }
+        }
+    }
     for (pos, op) in plan.step_ops() {
         match op {
             Op::CopyIn { src, dst, .. }

@@ -70,9 +70,32 @@ struct Progress {
     submitted: u64,
     done: u64,
     error: Option<String>,
+    /// The worker thread has ended.
+    stopped: bool,
 }
 
 type Shared = Arc<(Mutex<Progress>, Condvar)>;
+
+/// Marks the worker stopped when dropped (the end of its loop, or its unwinding): updates that
+/// were submitted and will not run fail their waiters instead of blocking them.
+struct Stopped(Shared);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        let (lock, cv) = &*self.0;
+        let mut p = match lock.lock() {
+            Ok(p) => p,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        if p.done < p.submitted {
+            p.error
+                .get_or_insert_with(|| "the host-update worker stopped".into());
+        }
+        p.stopped = true;
+        drop(p);
+        cv.notify_all();
+    }
+}
 
 /// The host-update worker of one engine (`None` in the engine when the plan has no host
 /// update).
@@ -172,12 +195,18 @@ impl HostUpdates {
         let worker = std::thread::Builder::new()
             .name("asteria-host-updates".into())
             .spawn(move || {
+                // However the worker ends (its channel closed, or a panic), waiters wake up:
+                // a wait for an update that will not run returns the error.
+                let _stopped = Stopped(Arc::clone(&shared));
                 for job in rx {
                     let failed = shared.0.lock().map(|p| p.error.is_some()).unwrap_or(true);
                     let result = if failed {
                         Ok(())
                     } else {
-                        pool.install(|| run(&job))
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            pool.install(|| run(&job))
+                        }))
+                        .unwrap_or_else(|_| Err(format!("{}: the update panicked", job.what)))
                     };
                     let (lock, cv) = &*shared;
                     if let Ok(mut p) = lock.lock() {
@@ -221,6 +250,15 @@ impl HostUpdates {
         }
     }
 
+    /// The first failure of an update so far, without waiting.
+    pub(crate) fn failure(&self) -> Option<CudaError> {
+        let p = self.progress.0.lock().ok()?;
+        p.error.as_ref().map(|e| CudaError::Invalid {
+            op: "adam_w",
+            what: format!("host update: {e}"),
+        })
+    }
+
     /// Every submitted update done (or the first failure).
     pub(crate) fn join_all(&self) -> Result<(), CudaError> {
         let submitted = self
@@ -239,8 +277,11 @@ impl HostUpdates {
             what: "the host-update worker stopped".into(),
         };
         let mut p = lock.lock().map_err(|_| poisoned())?;
-        while p.done < seq && p.error.is_none() {
+        while p.done < seq && p.error.is_none() && !p.stopped {
             p = cv.wait(p).map_err(|_| poisoned())?;
+        }
+        if p.done < seq && p.error.is_none() {
+            return Err(poisoned());
         }
         match &p.error {
             Some(e) => Err(CudaError::Invalid {
@@ -331,23 +372,18 @@ impl HostUpdates {
             kernel,
             what,
         };
-        let seq = {
-            let mut p = self.progress.0.lock().map_err(|_| CudaError::Invalid {
-                op: "adam_w",
-                what: "the host-update worker stopped".into(),
-            })?;
-            p.submitted += 1;
-            p.submitted
-        };
-        let tx = self.tx.as_ref().ok_or_else(|| CudaError::Invalid {
+        let stopped = || CudaError::Invalid {
             op: "adam_w",
             what: "the host-update worker stopped".into(),
-        })?;
-        tx.send(Job { seq, ..job })
-            .map_err(|_| CudaError::Invalid {
-                op: "adam_w",
-                what: "the host-update worker stopped".into(),
-            })?;
+        };
+        let tx = self.tx.as_ref().ok_or_else(stopped)?;
+        // Counted while the lock is held, so a waiter never sees a number that is not queued
+        // (a failed send leaves the count as it was).
+        let mut p = self.progress.0.lock().map_err(|_| stopped())?;
+        let seq = p.submitted + 1;
+        tx.send(Job { seq, ..job }).map_err(|_| stopped())?;
+        p.submitted = seq;
+        drop(p);
         self.pending[pos] = Some(seq);
         Ok(())
     }
@@ -369,21 +405,35 @@ fn run(job: &Job) -> Result<(), String> {
     let (p, g, m, v) = unsafe {
         (
             std::slice::from_raw_parts_mut(job.param.ptr, job.param.len),
-            std::slice::from_raw_parts_mut(job.grad.ptr, job.grad.len),
+            std::slice::from_raw_parts(job.grad.ptr as *const f32, job.grad.len),
             std::slice::from_raw_parts_mut(job.exp_avg.ptr, job.exp_avg.len),
             std::slice::from_raw_parts_mut(job.exp_avg_sq.ptr, job.exp_avg_sq.len),
         )
     };
-    if let Some(s) = job.scale {
-        // SAFETY: as above; `[1]` f32.
-        let s = unsafe { *s.ptr };
-        use rayon::prelude::*;
-        g.par_chunks_mut(1 << 16)
-            .for_each(|c| c.iter_mut().for_each(|x| *x *= s));
+    let err = |e: hostkernels::KernelError| format!("{}: {e}", job.what);
+    let Some(s) = job.scale else {
+        return job.kernel.update(job.t, job.lr, p, g, m, v).map_err(err);
+    };
+    // SAFETY: as above; `[1]` f32.
+    let s = unsafe { *s.ptr };
+    if [p.len(), m.len(), v.len()] != [g.len(); 3] {
+        return Err(format!("{}: operands of different lengths", job.what));
     }
-    job.kernel
-        .update(job.t, job.lr, p, g, m, v)
-        .map_err(|e| format!("{}: {e}", job.what))
+    // `grad · scale` (the bits an in-place clip stores, as the CPU engine's `grad_scale`
+    // path reads it) a chunk at a time into scratch of the worker's own: the gradient's home
+    // is only read.
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 16;
+    p.par_chunks_mut(CHUNK)
+        .zip(m.par_chunks_mut(CHUNK))
+        .zip(v.par_chunks_mut(CHUNK))
+        .zip(g.par_chunks(CHUNK))
+        .try_for_each(|(((p, m), v), g)| {
+            let scaled: Vec<f32> = g.iter().map(|&x| x * s).collect();
+            job.kernel
+                .update(job.t, job.lr, p, &scaled, m, v)
+                .map_err(err)
+        })
 }
 
 impl Drop for HostUpdates {

@@ -507,6 +507,14 @@ impl<T: Float + Real> CpuEngine<T> {
             self.tiers.read(id, &mut v, ACCESS)?;
             return Ok(v.iter().map(|&x| Float::to_f64(x)).collect());
         }
+        if self.staging_free.iter().flatten().any(|&s| s == id)
+            && matches!(&self.store.data[id.index()], Data::F(v) if v.is_empty())
+        {
+            return Err(EngineError::Tier(format!(
+                "`{name}` is a staging copy of offloaded state: it holds bytes only between its \
+                 copy in and its last use within a step; read its home instead"
+            )));
+        }
         Ok(match &self.store.data[id.index()] {
             Data::F(v) => v.iter().map(|&x| Float::to_f64(x)).collect(),
             Data::I(v) => v.iter().map(|&x| x as f64).collect(),
