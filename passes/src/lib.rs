@@ -13,6 +13,7 @@ pub mod cost_model;
 pub mod expand_model;
 pub mod expand_optimizer;
 pub mod fuse;
+mod host_updates;
 pub mod liveness;
 pub mod lower;
 mod manager;

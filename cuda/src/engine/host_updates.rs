@@ -159,31 +159,7 @@ impl HostUpdates {
                     .collect()
             })
             .collect();
-        let mut kernels = HashMap::new();
-        for &h in &hosts {
-            if let Op::AdamW {
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
-                ..
-            } = *ops[h]
-            {
-                let key = schedule::adamw_kernel_key(beta1, beta2, eps, weight_decay);
-                if kernels.contains_key(&key) {
-                    continue;
-                }
-                let c = hostkernels::AdamWConstants {
-                    beta1,
-                    beta2,
-                    eps,
-                    weight_decay,
-                };
-                let k = hostkernels::AdamWKernel::compile(&c)
-                    .map_err(|e| format!("compiling the host AdamW kernel: {e}"))?;
-                kernels.insert(key, Arc::new(k));
-            }
-        }
+        let kernels = engine::cpu::adamw_kernels(hosts.iter().map(|&h| ops[h]))?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads.max(1))
             .thread_name(|i| format!("asteria-host-update-{i}"))

@@ -171,6 +171,42 @@ pub struct CpuEngine<T> {
     bases: [usize; 3],
 }
 
+/// The host AdamW kernels of `ops`' `adam_w` ops, one per set of constants, by
+/// `schedule::adamw_kernel_key` (the CPU engine's and the CUDA engine's host updates).
+///
+/// # Errors
+/// A kernel that does not compile.
+pub fn adamw_kernels<'a>(
+    ops: impl Iterator<Item = &'a Op>,
+) -> Result<HashMap<[u64; 4], Arc<hostkernels::AdamWKernel>>, String> {
+    let mut kernels = HashMap::new();
+    for op in ops {
+        if let Op::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            ..
+        } = *op
+        {
+            let key = schedule::adamw_kernel_key(beta1, beta2, eps, weight_decay);
+            if kernels.contains_key(&key) {
+                continue;
+            }
+            let c = hostkernels::AdamWConstants {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            };
+            let k = hostkernels::AdamWKernel::compile(&c)
+                .map_err(|e| format!("compiling the host AdamW kernel: {e}"))?;
+            kernels.insert(key, Arc::new(k));
+        }
+    }
+    Ok(kernels)
+}
+
 /// Per step position, the staging buffers of `plan` whose last use is there (see
 /// `CpuEngine::staging_free`).
 fn staging_lifetimes(plan: &Plan) -> Vec<Vec<BufferId>> {
@@ -409,34 +445,11 @@ impl<T: Float + Real> CpuEngine<T> {
                 }
             }
         }
-        let mut adamw_kernels = HashMap::new();
-        if T::BYTES == 4 {
-            for op in &plan.optimizer {
-                if let Op::AdamW {
-                    beta1,
-                    beta2,
-                    eps,
-                    weight_decay,
-                    ..
-                } = *op
-                {
-                    let key = schedule::adamw_kernel_key(beta1, beta2, eps, weight_decay);
-                    if adamw_kernels.contains_key(&key) {
-                        continue;
-                    }
-                    let c = hostkernels::AdamWConstants {
-                        beta1,
-                        beta2,
-                        eps,
-                        weight_decay,
-                    };
-                    let k = hostkernels::AdamWKernel::compile(&c).map_err(|e| {
-                        EngineError::Unsupported(format!("compiling the host AdamW kernel: {e}"))
-                    })?;
-                    adamw_kernels.insert(key, Arc::new(k));
-                }
-            }
-        }
+        let adamw_kernels = if T::BYTES == 4 {
+            adamw_kernels(plan.optimizer.iter()).map_err(EngineError::Unsupported)?
+        } else {
+            HashMap::new()
+        };
         let refresh = Runtime::new(&plan, &opts);
         let staging_free = staging_lifetimes(&plan);
         for &id in staging_free.iter().flatten() {

@@ -22,7 +22,7 @@ pub mod rope;
 mod store;
 mod tiers;
 
-pub use engine::{CpuEngine, EngineOptions, EngineStats};
+pub use engine::{adamw_kernels, CpuEngine, EngineOptions, EngineStats};
 pub use float::{fast_exp_f32, Float};
 
 use crate::EngineError;
