@@ -89,13 +89,8 @@ pub(crate) fn host_updates(
             grad,
             exp_avg,
             exp_avg_sq,
-            grad_scale,
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
             on_host: false,
+            ..
         } = op
         else {
             out.push(op);
@@ -165,19 +160,11 @@ pub(crate) fn host_updates(
         } else {
             sync_copy = Some(copy);
         }
-        ops.push(Op::AdamW {
-            param,
-            grad,
-            exp_avg,
-            exp_avg_sq,
-            grad_scale,
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            on_host: true,
-        });
+        let mut update = op.clone();
+        if let Op::AdamW { on_host, .. } = &mut update {
+            *on_host = true;
+        }
+        ops.push(update);
         groups.push((last_write(plan, grad), ops, sync_copy));
         moved.extend([param, grad, exp_avg, exp_avg_sq]);
     }
