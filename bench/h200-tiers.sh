@@ -2,7 +2,8 @@
 # Offload tiers and recomputation on one H200, in one device call (issues 16 and 17), on the
 # LLaMA-style 1.44B specs of bench/specs (d 2048, 24 layers, batch 4x1024, bf16):
 # - AdamW unconstrained, under `gpu_memory = 24GiB` and `16GiB` (moments in pinned host
-#   memory, copied in and out around their updates), with `rematerialize = selective |
+#   memory, copied in and out around their updates; rows `*-unhoisted`: the same plan with
+#   every copy in left in the optimizer program, `--skip-pass copy-hoisting`), with `rematerialize = selective |
 #   layers`, and with `host_updates = sync | delayed` (the updates on the host cores);
 # - SOAP (staleness 5, `refresh_swap = deadline`) unconstrained, under `gpu_memory = 30GiB`,
 #   and under `24GiB` without recomputation, with `rematerialize = selective` and with `layers`
@@ -58,9 +59,10 @@ open(dst, "w").write(s)
 PY
   echo "$f"
 }
-run() { # name spec steps
+run() { # name spec steps [flags]
   stamp "$1"
-  timeout 300 $B train "$2" --steps "$3" --quiet --cache-dir "$TC" --metrics "$out/$1.jsonl" > "$out/$1.txt" 2>&1
+  # shellcheck disable=SC2086  # flags is a list
+  timeout 300 $B train "$2" --steps "$3" ${4:-} --quiet --cache-dir "$TC" --metrics "$out/$1.jsonl" > "$out/$1.txt" 2>&1
   echo "$1 rc=$?"; grep -E "GPU peak|MFU|val loss|budget|ERROR|×" "$out/$1.txt" | tail -n 6
 }
 rows=()
@@ -70,6 +72,7 @@ budget() { printf 'gpu_memory = %s; host_memory = 96GiB' "$1"; }   # one line: `
 dl="refresh_swap = deadline"
 for spec in "llama-1.4b-adamw|unconstrained|||$steps" \
             "llama-1.4b-adamw|gpu24|$(budget 24GiB)||$steps" \
+            "llama-1.4b-adamw|gpu24-unhoisted|$(budget 24GiB)||$steps" \
             "llama-1.4b-adamw|gpu16|$(budget 16GiB)||$steps" \
             "llama-1.4b-adamw|remat-selective||rematerialize = selective|$steps" \
             "llama-1.4b-adamw|remat-layers||rematerialize = layers|$steps" \
@@ -80,6 +83,7 @@ for spec in "llama-1.4b-adamw|unconstrained|||$steps" \
             "llama-1.4b-soap|soap-gpu24|$(budget 24GiB)|$dl|$soap_steps" \
             "llama-1.4b-soap|soap-gpu24-selective|$(budget 24GiB)|rematerialize = selective; $dl|$soap_steps" \
             "llama-1.4b-soap|soap-gpu24-layers|$(budget 24GiB)|rematerialize = layers; $dl|$soap_steps" \
+            "llama-1.4b-soap|soap-gpu24-layers-unhoisted|$(budget 24GiB)|rematerialize = layers; $dl|$soap_steps" \
             "llama-1.4b-soap|soap-gpu16-layers|$(budget 16GiB)|rematerialize = layers; $dl|$soap_steps" \
             "llama-1.4b-soap|soap-gpu12-layers|$(budget 12GiB)|rematerialize = layers; $dl|$soap_steps" \
             "llama-1.4b-soap|soap-gpu8-layers|$(budget 8GiB)|rematerialize = layers; $dl|$soap_steps" \
@@ -89,8 +93,10 @@ for spec in "llama-1.4b-adamw|unconstrained|||$steps" \
   [[ $name =~ $only ]] || continue
   [[ $name == train-match ]] && break
   f=$(variant "$base" "$name" "$target" "$train")
-  $B compile "$f" --print-after tier-placement > "$out/$name-placement.txt" 2>&1
-  run "llama-1.4b-$name" "$f" "$n"
+  flags=""; [[ $name == *-unhoisted ]] && flags="--skip-pass copy-hoisting"
+  # shellcheck disable=SC2086  # flags is a list
+  $B compile "$f" $flags --print-after tier-placement --print-after copy-hoisting > "$out/$name-placement.txt" 2>&1
+  run "llama-1.4b-$name" "$f" "$n" "$flags"
   rows+=("$name=$out/llama-1.4b-$name.jsonl:$out/llama-1.4b-$name.txt")
 done
 [[ ${#rows[@]} -gt 0 ]] && python3 "$here/summarize.py" --skip 10 "${rows[@]}" | tee "$out/summary.md"

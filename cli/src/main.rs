@@ -21,6 +21,7 @@ macro_rules! out {
     }};
 }
 
+mod calibrate;
 mod commands;
 mod explain;
 mod trace;
@@ -43,8 +44,8 @@ pub struct PassFlags {
     /// Print the IR after this pass (repeatable): expand-model, autodiff, expand-optimizer,
     /// simplify (element-wise update rules), fuse, rematerialize, liveness, precond-scheduling,
     /// lower (the plan JSON), accumulate-gradients (the backward with its accumulations),
-    /// tier-placement, prefetch-insertion, memory-planning (the memory plan's arenas, peak live
-    /// bytes and largest buffers).
+    /// tier-placement, prefetch-insertion, copy-hoisting (where each copy in of offloaded state
+    /// runs), memory-planning (the memory plan's arenas, peak live bytes and largest buffers).
     #[arg(long = "print-after", value_name = "PASS")]
     pub print_after: Vec<String>,
     /// Print the IR after every pass.
@@ -60,7 +61,8 @@ pub struct PassFlags {
     /// Report the wall time of each pass (on stderr).
     #[arg(long = "time-passes")]
     pub time_passes: bool,
-    /// Do not run this optional pass (repeatable): fuse (to compare with the unfused plan).
+    /// Do not run this optional pass (repeatable): fuse (to compare with the unfused plan),
+    /// copy-hoisting (to compare copies in issued in the optimizer program only).
     #[arg(long = "skip-pass", value_name = "PASS")]
     pub skip_pass: Vec<String>,
     /// Do not apply this `fuse` rule (repeatable): soap-update, shampoo-update or
@@ -473,7 +475,7 @@ fn main() -> ExitCode {
             ordinal,
             sync_phases,
             nvme,
-        } => commands::calibrate(
+        } => calibrate::calibrate(
             output.as_deref(),
             &sizes,
             threads,

@@ -9,6 +9,7 @@
 pub mod accumulate_gradients;
 pub mod autodiff;
 pub mod budget;
+pub mod copy_hoisting;
 pub mod cost_model;
 pub mod expand_model;
 pub mod expand_optimizer;

@@ -51,7 +51,7 @@ pub struct PassManager {
 impl PassManager {
     /// The passes [`PassOptions::skip`] may name: those whose output the rest of the pipeline
     /// does not need (the others build the program or the plan).
-    pub const SKIPPABLE: [&'static str; 1] = ["fuse"];
+    pub const SKIPPABLE: [&'static str; 2] = ["fuse", "copy-hoisting"];
 
     /// Names of the pipeline's passes, in order.
     pub fn pass_names() -> Vec<&'static str> {
@@ -72,6 +72,7 @@ impl PassManager {
             Box::new(crate::accumulate_gradients::AccumulateGradients),
             Box::new(crate::tier_placement::TierPlacement::default()),
             Box::new(crate::prefetch_insertion::PrefetchInsertion::default()),
+            Box::new(crate::copy_hoisting::CopyHoisting),
             Box::new(crate::memory_planning::MemoryPlanning),
         ]
     }

@@ -763,3 +763,96 @@ fn host_updates_are_reported_with_their_predicted_host_time() {
         "{report}"
     );
 }
+
+/// `copy-hoisting` issues the optimizer's copies in during the backward where the device bytes
+/// allow: under `gpu_memory = 24GiB` the 1.44B AdamW plan offloads four moments (the
+/// embedding's and the LM head's, 1.54 GiB), and all four come in during the backward, after
+/// the last op that touched their staging bytes' earlier tenants, while the device arenas stay
+/// within those of the plan without the pass (`--skip-pass copy-hoisting`), which is otherwise
+/// the same op for op.
+#[test]
+fn copies_in_move_into_the_backward_without_growing_the_device_need() {
+    use schedule::Op;
+    let src = spec("target cuda {\n  gpu_memory = 24GiB\n  host_memory = 96GiB\n}");
+    let run = |skip: &[&str]| {
+        let config = frontend::parse_spec("h200-24gib", &src, &std::env::temp_dir()).expect("spec");
+        let mut m = ir::Module::new(config);
+        let options = PassOptions {
+            skip: skip.iter().map(|s| s.to_string()).collect(),
+            ..PassOptions::default()
+        };
+        let mut pm = PassManager::new(options).expect("pm");
+        let (cx, _) = pm
+            .run(&mut m, None, &mut std::io::sink())
+            .expect("pipeline");
+        cx.plan.expect("plan")
+    };
+    let hoisted = run(&[]);
+    let plain = run(&["copy-hoisting"]);
+    hoisted.verify().expect("verifies");
+    let copies_in = |ops: &[Op]| {
+        ops.iter()
+            .filter(|o| matches!(o, Op::CopyIn { .. }))
+            .count()
+    };
+    assert_eq!(copies_in(&plain.backward), 0);
+    assert_eq!(copies_in(&plain.optimizer), 4);
+    assert_eq!(
+        copies_in(&hoisted.backward),
+        4,
+        "every copy in during the backward"
+    );
+    assert_eq!(copies_in(&hoisted.optimizer), 0);
+    assert!(
+        hoisted.memory.device_bytes() <= plain.memory.device_bytes(),
+        "device arenas {} > {} without the pass",
+        hoisted.memory.device_bytes(),
+        plain.memory.device_bytes()
+    );
+    // The same ops otherwise, in the same order.
+    let others = |p: &Plan| -> Vec<String> {
+        p.backward
+            .iter()
+            .chain(&p.optimizer)
+            .filter(|o| !matches!(o, Op::CopyIn { .. }))
+            .map(|o| format!("{o:?}"))
+            .collect()
+    };
+    assert_eq!(others(&hoisted), others(&plain));
+    // Each copy's staging bytes are free from its new position on: no transient buffer live
+    // there shares a byte with it (the plan's memory is planned with the copy where it is).
+    let residency = hoisted.residency();
+    for (pos, op) in hoisted.step_ops() {
+        let Op::CopyIn { dst, .. } = op else { continue };
+        let live = residency[dst.index()]
+            .live_range()
+            .expect("staging is step-local");
+        assert_eq!(
+            live.first,
+            pos,
+            "`{}` lives from its copy",
+            hoisted.buffer(*dst).name
+        );
+        let slot = hoisted.memory.slot(*dst).expect("slot");
+        let end = slot.offset + hoisted.buffer(*dst).size_bytes();
+        for (i, r) in residency.iter().enumerate() {
+            let id = schedule::BufferId(i as u32);
+            let Some(other) = r.live_range() else {
+                continue;
+            };
+            let Some(s) = hoisted.memory.slot(id) else {
+                continue;
+            };
+            if id == *dst || s.arena != ArenaKind::Activations || !other.overlaps(&live) {
+                continue;
+            }
+            let e = s.offset + hoisted.buffer(id).size_bytes();
+            assert!(
+                e <= slot.offset || end <= s.offset,
+                "`{}` and `{}` share bytes while both live",
+                hoisted.buffer(*dst).name,
+                hoisted.buffer(id).name
+            );
+        }
+    }
+}
