@@ -898,3 +898,56 @@ fn host_updates_with_grad_accum_is_refused_and_off_changes_nothing() {
     .expect("off");
     assert_eq!(plain, off);
 }
+
+/// A step whose gradient norm is not finite skips its updates (the clip's rule) and leaves no
+/// staging copy behind in the CPU engine's working store, also those that `copy-hoisting`
+/// filled during the backward; the offloaded moments keep their values.
+#[test]
+fn a_skipped_step_frees_the_staging_copies_it_filled() {
+    let opt = Opt::AdamW;
+    let plan = compile(config(
+        opt,
+        Budgets {
+            device: Some(budget_below(opt, 2 * MIB)),
+            ..Default::default()
+        },
+    ))
+    .expect("tiered plan");
+    assert!(
+        plan.backward
+            .iter()
+            .any(|o| matches!(o, schedule::Op::CopyIn { .. })),
+        "a copy in runs during the backward"
+    );
+    let offloaded: Vec<String> = (0..plan.buffers.len())
+        .filter(|&i| {
+            plan.memory
+                .tier(schedule::BufferId(i as u32))
+                .is_some_and(|k| !k.on_device())
+        })
+        .map(|i| plan.buffers[i].name.clone())
+        .collect();
+    let (x, y) = batch(&plan);
+    let mut e = engine(plan.clone());
+    step(&mut e, &x, &y, 1).expect("a step");
+    let working = e.working_bytes();
+    let before: Vec<Vec<f64>> = offloaded
+        .iter()
+        .map(|n| e.buffer(n).expect("home"))
+        .collect();
+    let p = &plan.buffers[plan.params[0].param.index()].name;
+    let n = e.buffer(p).expect("param").len();
+    e.set_buffer(p, &vec![f64::NAN; n])
+        .expect("poison a parameter");
+    e.load_batch(&x, &y).expect("batch");
+    e.forward().expect("forward");
+    e.backward().expect("backward");
+    assert!(
+        !e.optimizer_step(2, 1.0).expect("optimizer"),
+        "the step is skipped"
+    );
+    assert_eq!(e.working_bytes(), working, "staging copies freed");
+    for (n, v) in offloaded.iter().zip(&before) {
+        assert_eq!(&e.buffer(n).expect("home"), v, "{n} unchanged");
+    }
+}

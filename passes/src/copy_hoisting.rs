@@ -16,9 +16,12 @@
 //!   in host memory, which the backward waits for).
 //!
 //! The greedy offsets of `memory-planning` may place less tightly than the live-byte peak, so
-//! the pass keeps the longest prefix of the moves (in program order) whose activations arena
-//! is no larger than without them: the device need never grows, and the budget
-//! `tier-placement` met stays met. Nothing moves under `grad_accum > 1` (the backward runs
+//! the pass keeps a prefix of the moves (in program order; found by binary search, the
+//! longest one when the arena grows with the prefix, which greedy placement does not
+//! guarantee) whose activations arena is no larger than without them: the device need never
+//! grows, and the budget `tier-placement` met stays met. Copies of gradients streamed out in
+//! the backward (ZeRO-Offload's) stay where they are: moved up, they would only come back
+//! right after leaving. Nothing moves under `grad_accum > 1` (the backward runs
 //! once per micro-batch) or when nothing is offloaded.
 //!
 //! NVMe-tier copies stay where they are: the engines read their blocks through a few bounce
@@ -30,7 +33,7 @@ use crate::memory_planning::plan_memory;
 use crate::{Pass, PassContext, PassError};
 use ir::Module;
 use schedule::memory::align_up;
-use schedule::{ArenaKind, Op, Plan, ARENA_ALIGN};
+use schedule::{ArenaKind, BufferClass, BufferId, Op, Plan, ARENA_ALIGN};
 use std::collections::{HashMap, HashSet};
 
 /// The `copy-hoisting` pass.
@@ -42,18 +45,22 @@ impl Pass for CopyHoisting {
         "copy-hoisting"
     }
 
-    fn run(&mut self, _module: &mut Module, cx: &mut PassContext) -> Result<String, PassError> {
+    fn run(&mut self, module: &mut Module, cx: &mut PassContext) -> Result<String, PassError> {
         let plan = cx.plan.as_mut().ok_or_else(|| PassError::Invalid {
             pass: "copy-hoisting",
             message: "no plan: run `lower` first".into(),
         })?;
         let h = hoist_copy_ins(plan);
+        // The host→device time those bytes take (the target's link), now under the backward.
+        let ms = crate::precond_scheduling::target_description(&module.config.target)
+            .map(|d| d.host_tier_ms(h.backward_bytes))
+            .unwrap_or(f64::NAN);
         Ok(if h.candidates == 0 {
             "no copies in to move".into()
         } else {
             format!(
-                "{} of {} optimizer copies in ({}) issued during the backward, {} earlier in \
-                 the optimizer program",
+                "{} of {} optimizer copies in ({}, predicted {ms:.2} ms host→device) issued \
+                 during the backward, {} earlier in the optimizer program",
                 h.into_backward,
                 h.candidates,
                 crate::liveness::human_bytes(h.backward_bytes),
@@ -105,10 +112,14 @@ pub fn hoist_copy_ins(plan: &mut Plan) -> Hoisted {
             src,
             dst,
             last_step: None,
-        } if plan.memory.tier(src) == Some(ArenaKind::Host) => residency
-            .get(dst.index())
-            .and_then(|r| r.live_range())
-            .map(|_| (src, dst)),
+        } if plan.memory.tier(src) == Some(ArenaKind::Host)
+            && plan.buffer(src).class != BufferClass::Gradient =>
+        {
+            residency
+                .get(dst.index())
+                .and_then(|r| r.live_range())
+                .map(|_| (src, dst))
+        }
         _ => None,
     };
     out.candidates = plan
@@ -121,8 +132,13 @@ pub fn hoist_copy_ins(plan: &mut Plan) -> Hoisted {
     }
     // Live transient bytes per step position (as `memory-planning` counts them: aligned).
     let mut profile = vec![0usize; plan.step_len()];
-    for (buf, r) in plan.buffers.iter().zip(&residency) {
-        if let Some(live) = r.live_range() {
+    for (i, (buf, r)) in plan.buffers.iter().zip(&residency).enumerate() {
+        // A streamed gradient's host home is step-local but not on the device.
+        let off_device = plan
+            .memory
+            .slot(BufferId(i as u32))
+            .is_some_and(|s| !s.arena.on_device());
+        if let Some(live) = r.live_range().filter(|_| !off_device) {
             let bytes = align_up(buf.size_bytes(), ARENA_ALIGN);
             let end = live.last.saturating_add(1).min(profile.len());
             for p in profile.iter_mut().take(end).skip(live.first) {
@@ -142,10 +158,13 @@ pub fn hoist_copy_ins(plan: &mut Plan) -> Hoisted {
         .rposition(|o| matches!(o, Op::CopyIn { .. }))
         .map_or(0, |i| i + 1);
     for (i, op) in plan.optimizer.iter().enumerate() {
+        let pos = f + b + i;
         let Some((src, dst)) = staging(op) else {
+            if matches!(op, Op::CopyIn { .. }) {
+                floor = floor.max(pos + 1); // an NVMe or gradient copy keeps its place
+            }
             continue;
         };
-        let pos = f + b + i;
         let bytes = align_up(plan.buffer(dst).size_bytes(), ARENA_ALIGN);
         let mut p = pos;
         while p > floor {
@@ -159,7 +178,9 @@ pub fn hoist_copy_ins(plan: &mut Plan) -> Hoisted {
             }
             p = q;
         }
-        floor = p;
+        // The next copy goes after this one (at the same position: after it, `rebuilt`
+        // keeps the order of the moves; unmoved: after its position).
+        floor = if p < pos { p } else { pos + 1 };
         if p < pos {
             for x in &mut profile[p..pos] {
                 *x += bytes;

@@ -781,6 +781,13 @@ impl<T: Float + Real> CpuEngine<T> {
                         if !norm.is_finite() {
                             stats.skipped_steps += 1;
                             tracing::warn!(step = t, grad_norm = norm, "non-finite gradient norm: skipping the optimizer update of this step");
+                            // Staging copies already in (some during the backward) die with the
+                            // step: nothing was updated, their homes hold the state.
+                            for &id in staging_free.iter().flatten() {
+                                if let Some(Data::F(v)) = store.data.get_mut(id.index()) {
+                                    *v = Vec::new();
+                                }
+                            }
                             return Ok(false);
                         }
                     }
