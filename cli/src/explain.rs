@@ -282,6 +282,29 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
             o,
             "  copies {total_ms:.2} ms per step predicted in all (`--print-after tier-placement`)"
         );
+        // Optimizer state brought in while the GPU runs the backward (`copy-hoisting`), as
+        // opposed to the backward's own copies of parameters (`.staged.backward`).
+        let hoisted: usize = plan
+            .backward
+            .iter()
+            .filter_map(|op| match op {
+                schedule::Op::CopyIn { src, dst, .. }
+                    if plan.buffers[src.index()].class != BufferClass::Parameter =>
+                {
+                    Some(plan.buffers[dst.index()].size_bytes())
+                }
+                _ => None,
+            })
+            .sum();
+        if hoisted > 0 {
+            let ms = desc.as_ref().map_or(f64::NAN, |d| d.host_tier_ms(hoisted));
+            let _ = writeln!(
+                o,
+                "         of which {} of optimizer state ({ms:.2} ms host→device) come in during \
+                 the backward (`--print-after copy-hoisting`)",
+                human_bytes(hoisted)
+            );
+        }
     }
     if let Some(budget) = plan.memory.budgets.device {
         let arenas = plan.memory.device_bytes();
