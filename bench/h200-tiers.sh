@@ -31,11 +31,12 @@
 # with ~40 GiB free, CUDA 13 under $CUDA_HOME.
 # Writes into OUT_DIR: per run NAME.jsonl, NAME.txt and NAME-placement.txt, summary.md, and
 # OUT_DIR.tgz.
-# Usage: bench/h200-tiers.sh OUT_DIR [STEPS [SOAP_STEPS [ROWS]]]   (defaults 40 and 200;
-# statistics skip 10 steps; ROWS: an extended regex of the row names to run, default all)
+# Usage: bench/h200-tiers.sh OUT_DIR [STEPS [SOAP_STEPS [ROWS [MATCHES]]]]   (defaults 40 and
+# 200; statistics skip 10 steps; ROWS: an extended regex of the row names to run, default all;
+# MATCHES: one of the train-match spec names, e.g. '^tiny-tiers-gpu(-host.*)?$', default all)
 set -uo pipefail
 [[ $# -ge 1 ]] || { echo "usage: bench/h200-tiers.sh OUT_DIR [STEPS [SOAP_STEPS]]" >&2; exit 2; }
-out="$1"; steps="${2:-40}"; soap_steps="${3:-200}"; only="${4:-.}"
+out="$1"; steps="${2:-40}"; soap_steps="${3:-200}"; only="${4:-.}"; matches="${5:-.}"
 mkdir -p "$out"
 here="$(dirname "${BASH_SOURCE[0]}")"
 NAME=h200-tiers; source "$here/gpu-env.sh"
@@ -150,6 +151,7 @@ for m in "tiny-tiers-gpu|" "tiny-tiers-gpu-host-sync|--compare-state" "tiny-tier
          "tiny-tiers-soap-fb-s1|--refresh host --steps 12 --inject-cpu-refreshes" \
          "tiny-tiers-soap-fb-s0|--refresh gpu --steps 12 --inject-cpu-refreshes"; do
   IFS='|' read -r name extra <<< "$m"
+  [[ $name =~ $matches ]] || continue
   $B compile "$out/$name.asteria" --print-after tier-placement > "$out/$name-placement.txt" 2>&1
   # shellcheck disable=SC2086  # extra is a list of flags
   timeout 300 $B selftest --device cuda --no-kernels --cache-dir "$TC" --train-match "$out/$name.asteria" \
