@@ -188,14 +188,13 @@ pub fn hoist_copy_ins(plan: &mut Plan) -> Hoisted {
             moves.push((pos, p, bytes));
         }
     }
-    drop(ops);
     if moves.is_empty() {
         return out;
     }
     let arena = |p: &Plan| plan_memory(p).arena_bytes(ArenaKind::Activations);
     let before = arena(plan);
     let original = (plan.backward.clone(), plan.optimizer.clone());
-    // The longest prefix of `moves` that keeps the arena (binary search; `k = 0` is the plan
+    // A prefix of `moves` that keeps the arena (binary search; `k = 0` is the plan
     // as it was).
     let (mut lo, mut hi) = (0usize, moves.len());
     let mut best: Option<(Vec<Op>, Vec<Op>)> = None;
