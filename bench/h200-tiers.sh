@@ -3,7 +3,8 @@
 # LLaMA-style 1.44B specs of bench/specs (d 2048, 24 layers, batch 4x1024, bf16):
 # - AdamW unconstrained, under `gpu_memory = 24GiB` and `16GiB` (moments in pinned host
 #   memory, copied in and out around their updates; rows `*-unhoisted`: the same plan with
-#   every copy in left in the optimizer program, `--skip-pass copy-hoisting`), with `rematerialize = selective |
+#   every copy in left in the optimizer program, `--skip-pass copy-hoisting`; rows `*-nocarry`:
+#   every copy out finished at the step's end, `--skip-pass copy-out-overlap`), with `rematerialize = selective |
 #   layers`, and with `host_updates = sync | delayed` (the updates on the host cores);
 # - SOAP (staleness 5, `refresh_swap = deadline`) unconstrained, under `gpu_memory = 30GiB`,
 #   and under `24GiB` without recomputation, with `rematerialize = selective` and with `layers`
@@ -74,7 +75,9 @@ dl="refresh_swap = deadline"
 for spec in "llama-1.4b-adamw|unconstrained|||$steps" \
             "llama-1.4b-adamw|gpu24|$(budget 24GiB)||$steps" \
             "llama-1.4b-adamw|gpu24-unhoisted|$(budget 24GiB)||$steps" \
+            "llama-1.4b-adamw|gpu24-nocarry|$(budget 24GiB)||$steps" \
             "llama-1.4b-adamw|gpu16|$(budget 16GiB)||$steps" \
+            "llama-1.4b-adamw|gpu16-nocarry|$(budget 16GiB)||$steps" \
             "llama-1.4b-adamw|remat-selective||rematerialize = selective|$steps" \
             "llama-1.4b-adamw|remat-layers||rematerialize = layers|$steps" \
             "llama-1.4b-adamw|host-sync|host_updates = sync; host_memory = 96GiB||$steps" \
@@ -95,8 +98,9 @@ for spec in "llama-1.4b-adamw|unconstrained|||$steps" \
   [[ $name == train-match ]] && break
   f=$(variant "$base" "$name" "$target" "$train")
   flags=""; [[ $name == *-unhoisted ]] && flags="--skip-pass copy-hoisting"
+  [[ $name == *-nocarry ]] && flags="--skip-pass copy-out-overlap"
   # shellcheck disable=SC2086  # flags is a list
-  $B compile "$f" $flags --print-after tier-placement --print-after copy-hoisting > "$out/$name-placement.txt" 2>&1
+  $B compile "$f" $flags --print-after tier-placement --print-after copy-hoisting --print-after copy-out-overlap > "$out/$name-placement.txt" 2>&1
   run "llama-1.4b-$name" "$f" "$n" "$flags"
   rows+=("$name=$out/llama-1.4b-$name.jsonl:$out/llama-1.4b-$name.txt")
 done

@@ -484,6 +484,19 @@ impl Device {
         Ok(self.copy_out.synchronize()?)
     }
 
+    /// Waits for the streams `kinds` only (the end of a step whose copies out run on into the
+    /// next: compute and copy-in; before reading state from outside the programs: copy-out).
+    ///
+    /// # Errors
+    /// A failed synchronisation (an earlier asynchronous error surfaces here).
+    pub fn synchronize_streams(&self, kinds: &[StreamKind]) -> Result<()> {
+        self.ctx.bind_to_thread()?;
+        for &k in kinds {
+            self.stream(k).synchronize()?;
+        }
+        Ok(())
+    }
+
     /// Allocates an arena of `bytes` in `tier`.
     pub fn arena(&self, name: &str, tier: Tier, bytes: usize) -> Result<Arena> {
         Arena::new(&self.ctx, &self.counters, name, tier, bytes)

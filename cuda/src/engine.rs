@@ -322,7 +322,7 @@ impl CudaEngine {
                 }
             }
         }
-        if section == "optimizer" && self.copy_order.active {
+        if section == "optimizer" && self.copy_order.active && !self.copy_order.carried {
             // A refresh swap (compute stream, next) may re-project moments of the host tier:
             // it must see what the copy-out stream writes there.
             if let Err(e) = self.wait_last_copies() {
@@ -388,6 +388,14 @@ impl CudaEngine {
         }
         let stream = copies::stream_of(op);
         if before {
+            // Copies out of the step before, still running (`carried_copy_outs`): their
+            // events hold that step's record until this step issues them again. None before
+            // the first step.
+            for &q in &self.copy_order.cross_waits[pos] {
+                if let Some(ev) = &self.copy_events[q] {
+                    self.dev.wait(stream, ev)?;
+                }
+            }
             for &q in &self.copy_order.waits[pos] {
                 let ev = self.copy_events[q]
                     .as_ref()
@@ -441,10 +449,17 @@ impl CudaEngine {
         h.submit(&self.plan, op, pos, what, &self.bufs, events, t_lr)
     }
 
-    /// Every submitted host update finished: before state is read or written from outside
-    /// the programs (`buffer`, `buffer_range`, `set_buffer`: checkpoints, export, a resume,
-    /// a train-match), at the end of a run and when the engine goes.
-    pub(crate) fn join_host_updates(&self) -> Result<(), EngineError> {
+    /// Every submitted host update finished and every copy out done: before state is read or
+    /// written from outside the programs (`buffer`, `buffer_range`, `set_buffer`:
+    /// checkpoints, export, a resume, a train-match), at the end of a run and when the engine
+    /// goes. (Under `carried_copy_outs` the step's copies out may still be writing pinned
+    /// host memory.)
+    pub(crate) fn settle(&self) -> Result<(), EngineError> {
+        if self.copy_order.carried {
+            self.dev
+                .synchronize_streams(&[StreamKind::CopyOut])
+                .map_err(|e| cuda_err("copies out", e))?;
+        }
         match &self.host_updates {
             Some(h) => h.join_all().map_err(|e| cuda_err("host updates", e)),
             None => Ok(()),
@@ -599,9 +614,18 @@ impl StepExecutor for CudaEngine {
     /// results are waited for by event at the swap).
     /// Pending NVMe writes finish here too (an error of one stops the run).
     fn synchronize(&mut self) -> Result<(), EngineError> {
-        self.dev
-            .synchronize_step()
-            .map_err(|e| cuda_err("synchronize", e))?;
+        if self.copy_order.carried {
+            // The copies out run on into the next step (`carried_copy_outs`): its ops that
+            // touch their bytes wait by event; `settle` waits for them before any read from
+            // outside the programs.
+            self.dev
+                .synchronize_streams(&[StreamKind::Compute, StreamKind::CopyIn])
+                .map_err(|e| cuda_err("synchronize", e))?;
+        } else {
+            self.dev
+                .synchronize_step()
+                .map_err(|e| cuda_err("synchronize", e))?;
+        }
         // A host update that failed (still pending under `delayed`) stops the run here.
         if let Some(e) = self.host_updates.as_ref().and_then(|h| h.failure()) {
             return Err(cuda_err("host updates", e));
@@ -625,7 +649,7 @@ impl StepExecutor for CudaEngine {
     }
 
     fn finish(&mut self) -> Result<(), EngineError> {
-        self.join_host_updates()
+        self.settle()
     }
 
     fn energy_j(&self) -> Option<f64> {
@@ -681,7 +705,7 @@ impl Drop for CudaEngine {
     /// launcher thread, joined when the refreshes drop, also waits for the side stream before
     /// it destroys its cuSOLVER handle; every buffer's own drop synchronises the context.)
     fn drop(&mut self) {
-        let _ = self.join_host_updates();
+        let _ = self.settle();
         let _ = self.dev.synchronize();
     }
 }

@@ -3,13 +3,15 @@
 //! The pipeline (in order; names are identical in the CLI flags, file names, dump headers and
 //! timing lines): `expand-model`, `autodiff`, `expand-optimizer`, `fuse`, `rematerialize`,
 //! `liveness`, `precond-scheduling`, `lower`, `accumulate-gradients`, `tier-placement`,
-//! `prefetch-insertion`, `memory-planning` (the last four work on the plan).
+//! `prefetch-insertion`, `copy-hoisting`, `memory-planning`, `copy-out-overlap` (the last six
+//! work on the plan).
 #![deny(missing_docs)]
 
 pub mod accumulate_gradients;
 pub mod autodiff;
 pub mod budget;
 pub mod copy_hoisting;
+pub mod copy_out_overlap;
 pub mod cost_model;
 pub mod expand_model;
 pub mod expand_optimizer;

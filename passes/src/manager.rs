@@ -18,8 +18,8 @@ pub struct PassOptions {
     pub verify_each: bool,
     /// Record per-pass wall time.
     pub time_passes: bool,
-    /// Optional passes not to run ([`PassManager::SKIPPABLE`]: `fuse`), e.g. to compare a
-    /// fused plan with the unfused one.
+    /// Optional passes not to run ([`PassManager::SKIPPABLE`]: `fuse`, `copy-hoisting`,
+    /// `copy-out-overlap`), e.g. to compare a fused plan with the unfused one.
     pub skip: Vec<String>,
     /// `fuse` rules not to apply ([`crate::fuse::Fuse::SKIPPABLE_RULES`]: the instruction
     /// selections of composed optimizer steps), e.g. to measure a hand-written op against the
@@ -51,7 +51,7 @@ pub struct PassManager {
 impl PassManager {
     /// The passes [`PassOptions::skip`] may name: those whose output the rest of the pipeline
     /// does not need (the others build the program or the plan).
-    pub const SKIPPABLE: [&'static str; 2] = ["fuse", "copy-hoisting"];
+    pub const SKIPPABLE: [&'static str; 3] = ["fuse", "copy-hoisting", "copy-out-overlap"];
 
     /// Names of the pipeline's passes, in order.
     pub fn pass_names() -> Vec<&'static str> {
@@ -74,6 +74,7 @@ impl PassManager {
             Box::new(crate::prefetch_insertion::PrefetchInsertion::default()),
             Box::new(crate::copy_hoisting::CopyHoisting),
             Box::new(crate::memory_planning::MemoryPlanning),
+            Box::new(crate::copy_out_overlap::CopyOutOverlap),
         ]
     }
 

@@ -31,10 +31,33 @@ pub struct Block {
     pub bytes: usize,
     /// Step positions during which it must keep its bytes (inclusive).
     pub live: LiveRange,
+    /// Positions of the *next* step during which it must keep its bytes too (a staging buffer
+    /// whose copy out runs on into the next step's forward, `copy-out-overlap`); `None` for
+    /// most blocks. It only has to stay apart from the other blocks' `live` there.
+    pub also: Option<LiveRange>,
 }
 
-/// Byte offsets for `blocks` (multiples of `align`, a power of two) such that two blocks whose
-/// live ranges overlap never share a byte; returns the offsets (indexed like `blocks`) and the
+impl Block {
+    /// A block live during `live` only.
+    pub fn new(bytes: usize, live: LiveRange) -> Block {
+        Block {
+            bytes,
+            live,
+            also: None,
+        }
+    }
+
+    /// True when the two blocks must not share a byte: their live ranges meet, or one's
+    /// next-step range meets the other's live range.
+    pub fn clashes(&self, other: &Block) -> bool {
+        self.live.overlaps(&other.live)
+            || self.also.is_some_and(|a| a.overlaps(&other.live))
+            || other.also.is_some_and(|a| a.overlaps(&self.live))
+    }
+}
+
+/// Byte offsets for `blocks` (multiples of `align`, a power of two) such that two blocks that
+/// clash ([`Block::clashes`]: live ranges that overlap) never share a byte; returns the offsets (indexed like `blocks`) and the
 /// arena size in bytes (the largest block end, rounded up to `align`).
 ///
 /// The algorithm is *greedy by size* for interval lifetimes (Pisarchyk & Lee, "Efficient
@@ -65,7 +88,7 @@ pub fn assign_offsets(blocks: &[Block], align: usize) -> (Vec<usize>, usize) {
         let block = blocks[i];
         let mut candidate = 0usize;
         for &j in &placed {
-            if !blocks[j].live.overlaps(&block.live) {
+            if !blocks[j].clashes(&block) {
                 continue;
             }
             let start = offsets[j];
@@ -87,7 +110,20 @@ pub fn assign_offsets(blocks: &[Block], align: usize) -> (Vec<usize>, usize) {
 /// The memory plan of `plan`: persistent buffers one after another in the `persistent` arena,
 /// transient buffers in the `activations` arena at the offsets of [`assign_offsets`].
 pub fn plan_memory(plan: &Plan) -> MemoryPlan {
+    plan_memory_carrying(plan, None)
+}
+
+/// [`plan_memory`], with the staging buffers that the optimizer program copies out
+/// (`schedule::Plan::optimizer_copy_out_sources`) also kept apart from every buffer live in the
+/// next step's `forward[0..=k]` when `carry` is `Some(k)` (recorded as
+/// `MemoryPlan::carried_copy_outs`).
+pub fn plan_memory_carrying(plan: &Plan, carry: Option<usize>) -> MemoryPlan {
     let residency = plan.residency();
+    let carried = match carry {
+        Some(_) => plan.optimizer_copy_out_sources(&residency),
+        None => vec![false; plan.buffers.len()],
+    };
+    let head = carry.map(|k| LiveRange { first: 0, last: k });
     let mut slots = vec![
         BufferSlot {
             arena: ArenaKind::Persistent,
@@ -110,6 +146,7 @@ pub fn plan_memory(plan: &Plan) -> MemoryPlan {
                 blocks.push(Block {
                     bytes: b.size_bytes(),
                     live: *live,
+                    also: head.filter(|_| carried[i]),
                 });
             }
             Residency::Persistent(_) => {
@@ -149,6 +186,7 @@ pub fn plan_memory(plan: &Plan) -> MemoryPlan {
         slots,
         budgets: plan.memory.budgets.clone(),
         pinned_refresh_shadows: plan.memory.pinned_refresh_shadows,
+        carried_copy_outs: carry,
     }
 }
 

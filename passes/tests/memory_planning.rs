@@ -113,6 +113,7 @@ fn blocks_strategy() -> impl Strategy<Value = Vec<Block>> {
         v.into_iter()
             .map(|(bytes, first, len)| Block {
                 bytes,
+                also: None,
                 live: LiveRange {
                     first,
                     last: first + len,
@@ -143,10 +144,7 @@ proptest! {
 
 #[test]
 fn greedy_by_size_reuses_dead_bytes_and_fills_gaps() {
-    let b = |bytes, first, last| Block {
-        bytes,
-        live: LiveRange { first, last },
-    };
+    let b = |bytes, first, last| Block::new(bytes, LiveRange { first, last });
     assert_eq!(assign_offsets(&[], 256), (vec![], 0));
     // A chain a → b → c of equal sizes: a and c can share, b cannot share with either.
     let chain = [b(1000, 0, 1), b(1000, 1, 2), b(1000, 2, 3)];

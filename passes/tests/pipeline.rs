@@ -65,13 +65,14 @@ fn every_example_compiles_and_round_trips_after_every_pass() {
         let (cx, timings) = pm
             .run(&mut m, None, &mut std::io::sink())
             .expect("pipeline runs");
-        assert_eq!(timings.len(), 14);
+        assert_eq!(timings.len(), 15);
         assert_eq!(timings[3].pass, "simplify");
         assert_eq!(timings[4].pass, "fuse");
         assert_eq!(timings[5].pass, "rematerialize");
         assert_eq!(timings[9].pass, "accumulate-gradients");
         assert_eq!(timings[12].pass, "copy-hoisting");
         assert_eq!(timings[13].pass, "memory-planning");
+        assert_eq!(timings[14].pass, "copy-out-overlap");
         let plan = cx.plan.expect("plan");
         plan.verify().expect("plan verifies");
         let back = schedule::Plan::from_json(&plan.to_json()).expect("plan JSON round trips");

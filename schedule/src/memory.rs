@@ -227,6 +227,15 @@ pub struct MemoryPlan {
     /// engine keeps everything in host memory either way.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub pinned_refresh_shadows: bool,
+    /// `Some(k)`: the optimizer program's copies out may still run while the next step's
+    /// forward runs its ops `0..=k` (step positions). `copy-out-overlap` sets it after placing
+    /// the staging buffers those copies read ([`Plan::optimizer_copy_out_sources`]) apart from
+    /// every buffer live in `forward[0..=k]`; [`Plan::verify`] checks that. The CUDA engine
+    /// then ends a step without waiting for its copy-out stream, and an op of the next step
+    /// that touches bytes a pending copy out reads or writes waits for it by event. `None`:
+    /// every copy ends with its step. The values computed are the same either way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub carried_copy_outs: Option<usize>,
 }
 
 impl MemoryPlan {
@@ -255,6 +264,7 @@ impl MemoryPlan {
             slots,
             budgets: Budgets::default(),
             pinned_refresh_shadows: false,
+            carried_copy_outs: None,
         }
     }
 
@@ -631,6 +641,47 @@ impl Plan {
     }
 }
 
+impl Plan {
+    /// Per buffer (indexed like [`Plan::buffers`]): whether it is the step-local device source
+    /// of a `CopyOut` of the optimizer program (a staging buffer; `residency` from
+    /// [`Plan::residency`]): what [`MemoryPlan::carried_copy_outs`] holds across the step
+    /// boundary.
+    pub fn optimizer_copy_out_sources(&self, residency: &[Residency]) -> Vec<bool> {
+        let mut out = vec![false; self.buffers.len()];
+        for op in &self.optimizer {
+            if let Op::CopyOut { src, .. } = op {
+                if matches!(residency.get(src.index()), Some(Residency::Transient(_))) {
+                    out[src.index()] = true;
+                }
+            }
+        }
+        out
+    }
+
+    /// Why this plan cannot carry copies out across the step boundary, or `None` when it can:
+    /// the host-side work between steps (eigenbasis refresh tasks, NVMe blocks, updates on
+    /// the host cores) reads host memory that pending copies out would still be writing.
+    pub fn copy_out_carry_blocker(&self) -> Option<&'static str> {
+        if !self.host_tasks.is_empty() {
+            return Some("the plan has eigenbasis refresh tasks");
+        }
+        if self.memory.slots.iter().any(|s| s.arena == ArenaKind::Nvme) {
+            return Some("the plan has NVMe-tier state");
+        }
+        if self.step_ops().any(|(_, o)| o.on_host()) {
+            return Some("the plan has updates on the host cores");
+        }
+        if !self
+            .optimizer
+            .iter()
+            .any(|o| matches!(o, Op::CopyOut { .. }))
+        {
+            return Some("the optimizer program copies nothing out");
+        }
+        None
+    }
+}
+
 pub(crate) fn invalid(message: String) -> PlanError {
     PlanError::Memory(message)
 }
@@ -712,6 +763,26 @@ pub(crate) fn verify_memory(plan: &Plan) -> Result<(), PlanError> {
     }
     crate::tiers::verify_tiers(plan)?;
     let residency = plan.residency();
+    // Copies out carried into the next step's forward: their sources stay apart from
+    // everything live in `forward[0..=k]`.
+    let carried = match m.carried_copy_outs {
+        None => None,
+        Some(k) if k >= plan.forward.len() => {
+            return Err(invalid(format!(
+                "copies out are carried to forward position {k}, but the forward has {} ops",
+                plan.forward.len()
+            )))
+        }
+        Some(k) => {
+            if let Some(why) = plan.copy_out_carry_blocker() {
+                return Err(invalid(format!(
+                    "copies out are carried into the next step, but {why}"
+                )));
+            }
+            Some(LiveRange { first: 0, last: k })
+        }
+    };
+    let carried_src = plan.optimizer_copy_out_sources(&residency);
     for &(_, _, i) in &members[ArenaKind::Activations.index()] {
         if let Residency::Persistent(why) = residency[i] {
             return Err(invalid(format!(
@@ -732,6 +803,17 @@ pub(crate) fn verify_memory(plan: &Plan) -> Result<(), PlanError> {
                 let (ri, rj) = (residency[i].live_range(), residency[j].live_range());
                 match (kind, ri, rj) {
                     (ArenaKind::Activations, Some(ri), Some(rj)) => {
+                        if let Some(head) = carried.filter(|h| {
+                            (carried_src[i] && rj.overlaps(h)) || (carried_src[j] && ri.overlaps(h))
+                        }) {
+                            let (src, other) = if carried_src[i] { (i, j) } else { (j, i) };
+                            return Err(invalid(format!(
+                                "buffer #{src} `{}` is copied out across the step boundary until forward position {}, but #{other} `{}`, live then, shares {where_}",
+                                name(src),
+                                head.last,
+                                name(other),
+                            )));
+                        }
                         if ri.overlaps(&rj) {
                             let at = ri.first.max(rj.first);
                             return Err(invalid(format!(

@@ -52,8 +52,15 @@ pub(super) struct CopyOrder {
     /// Step positions of the first op of the forward, backward and optimizer programs.
     offsets: [usize; 3],
     /// The last copy-in and copy-out positions of the step (the compute stream waits for them
-    /// at the end of the optimizer program).
+    /// at the end of the optimizer program, unless copies out are carried).
     pub(super) last_copies: Vec<usize>,
+    /// Whether the plan carries its copies out into the next step
+    /// (`schedule::MemoryPlan::carried_copy_outs`): the end of a step does not wait for the
+    /// copy-out stream.
+    pub(super) carried: bool,
+    /// Per step position: the *previous* step's copies out (positions after this one, whose
+    /// events still hold that step's record) that the op's stream waits for before it.
+    pub(super) cross_waits: Vec<Vec<usize>>,
 }
 
 impl CopyOrder {
@@ -168,12 +175,20 @@ impl CopyOrder {
                 .copied()
         };
         let last_copies = [last(1), last(2)].into_iter().flatten().collect();
+        let carried = plan.memory.carried_copy_outs.is_some();
+        let cross_waits = if carried {
+            cross_step_waits(&touched, conflicts)
+        } else {
+            vec![Vec::new(); n]
+        };
         CopyOrder {
             active: true,
             record_after,
             waits,
             offsets,
             last_copies,
+            carried,
+            cross_waits,
         }
     }
 
@@ -186,6 +201,42 @@ impl CopyOrder {
         };
         base + index
     }
+}
+
+/// The waits of ops of a step for the copies out of the step before, which may still be
+/// running when it starts (`touched`: per step position its lane and byte ranges, as in
+/// [`CopyOrder::new`]). At a step's start the compute and copy-in streams are idle (the host
+/// waited for them); the copy-out stream runs the previous step's copies in order. An op at
+/// position `p` conflicting with a previous-step copy out at `q > p` waits for the latest such
+/// `q` its stream has not waited for yet; a copy out at `q < p` was issued again in this step
+/// before `p`, and the step's own events order `p` after that later instance. Copies out
+/// themselves follow the previous ones on their stream.
+fn cross_step_waits(
+    touched: &[(usize, Vec<Touch>)],
+    conflicts: impl Fn(&[Touch], &[Touch]) -> bool,
+) -> Vec<Vec<usize>> {
+    let n = touched.len();
+    let outs: Vec<usize> = (0..n).filter(|&q| touched[q].0 == 2).collect();
+    let mut waits = vec![Vec::new(); n];
+    // Per lane: the latest previous-step copy out it has waited for.
+    let mut known = [None::<usize>; 3];
+    for p in 0..n {
+        let s = touched[p].0;
+        if s == 2 || touched[p].1.is_empty() {
+            continue;
+        }
+        let hit = outs
+            .iter()
+            .rev()
+            .copied()
+            .take_while(|&q| q > p && known[s].is_none_or(|k| q > k))
+            .find(|&q| conflicts(&touched[p].1, &touched[q].1));
+        if let Some(q) = hit {
+            waits[p].push(q);
+            known[s] = Some(q);
+        }
+    }
+    waits
 }
 
 #[cfg(test)]
@@ -344,6 +395,8 @@ mod tests {
                     waits: order.waits.clone(),
                     offsets: order.offsets,
                     last_copies: order.last_copies.clone(),
+                    carried: order.carried,
+                    cross_waits: order.cross_waits.clone(),
                 };
                 broken.waits[p].remove(k);
                 assert!(
@@ -353,6 +406,121 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Replays two consecutive steps of a plan whose copies out are carried
+    /// (`carried_copy_outs`): the first as [`unordered`] does, then the host's end of step
+    /// (compute and copy-in streams waited for, the copy-out stream not), then the second with
+    /// its own events and the cross-step waits on the first step's copies out. Returns the
+    /// first conflicting pair (first-step position, second-step position) left unordered.
+    fn unordered_across_steps(plan: &Plan, order: &CopyOrder) -> Option<(usize, usize)> {
+        let ops: Vec<&Op> = plan.step_ops().map(|(_, o)| o).collect();
+        let n = ops.len();
+        // Global positions: step one 0..n, step two n..2n.
+        let mut clock = [[None::<usize>; 3]; 3];
+        let mut at_event: Vec<[Option<usize>; 3]> = vec![[None; 3]; 2 * n];
+        let mut known = vec![[None::<usize>; 3]; 2 * n];
+        let join = |a: &mut [Option<usize>; 3], b: &[Option<usize>; 3]| {
+            for i in 0..3 {
+                a[i] = a[i].max(b[i]);
+            }
+        };
+        for g in 0..2 * n {
+            let (step, p) = (g / n, g % n);
+            if g == n {
+                // The end of step one: the host waited for compute and copy-in.
+                let mut host = clock[0];
+                join(&mut host, &clock[1]);
+                for c in &mut clock {
+                    join(c, &host);
+                }
+            }
+            let s = lane(stream_of(ops[p]));
+            if ops[p].on_host() {
+                continue;
+            }
+            if step == 1 {
+                for &q in &order.cross_waits[p] {
+                    let ev = at_event[q];
+                    join(&mut clock[s], &ev);
+                }
+            }
+            for &q in &order.waits[p] {
+                let ev = at_event[step * n + q];
+                join(&mut clock[s], &ev);
+            }
+            known[g] = clock[s];
+            clock[s][s] = Some(g);
+            at_event[g] = clock[s];
+        }
+        let touched = |o: &Op| -> Vec<Touch> {
+            o.accesses()
+                .into_iter()
+                .map(|(_, id, a)| {
+                    let slot = plan.memory.slot(id).expect("every buffer has a slot");
+                    let b = plan.buffer(id).size_bytes();
+                    ((slot.arena, slot.offset, slot.offset + b), a.writes())
+                })
+                .collect()
+        };
+        for p in 0..n {
+            let tp = touched(ops[p]);
+            let sp = lane(stream_of(ops[p]));
+            for q in 0..n {
+                let sq = lane(stream_of(ops[q]));
+                if sq == sp || ops[q].on_host() || ops[p].on_host() {
+                    continue;
+                }
+                let tq = touched(ops[q]);
+                let conflict = tp.iter().any(|&((ka, sa, ea), wa)| {
+                    tq.iter()
+                        .any(|&((kb, sb, eb), wb)| ka == kb && sa < eb && sb < ea && (wa || wb))
+                });
+                if conflict && known[n + p][sq].is_none_or(|k| k < q) {
+                    return Some((q, p));
+                }
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn carried_copies_out_are_ordered_before_the_next_steps_ops_that_touch_their_bytes() {
+        let mut carried = 0;
+        for plan in [streamed_gradient_plan(), offloaded_parameter_plan()] {
+            let Some(k) = plan.memory.carried_copy_outs else {
+                continue;
+            };
+            carried += 1;
+            let order = CopyOrder::new(&plan);
+            assert!(order.carried);
+            assert_eq!(unordered(&plan, &order), None);
+            assert_eq!(unordered_across_steps(&plan, &order), None);
+            // The carry buys something: the forward's first k + 1 ops do not wait for a copy
+            // out (in this plan they copy no parameter in either).
+            if !plan.forward.iter().any(|o| matches!(o, Op::CopyIn { .. })) {
+                assert!(
+                    order.cross_waits[..=k].iter().all(Vec::is_empty),
+                    "forward ops up to {k} wait for copies out: {:?}",
+                    &order.cross_waits[..=k]
+                );
+            }
+            // The replay can fail: without the cross-step waits some pair is unordered (the
+            // next step's copies in of the same moments read what the copies out write).
+            let waits: usize = order.cross_waits.iter().map(Vec::len).sum();
+            assert!(waits > 0, "no op waits for the previous step's copies out");
+            let broken = CopyOrder {
+                active: true,
+                record_after: order.record_after.clone(),
+                waits: order.waits.clone(),
+                offsets: order.offsets,
+                last_copies: order.last_copies.clone(),
+                carried: true,
+                cross_waits: vec![Vec::new(); order.cross_waits.len()],
+            };
+            assert!(unordered_across_steps(&plan, &broken).is_some());
+        }
+        assert!(carried > 0, "no test plan carries its copies out");
     }
 
     #[test]

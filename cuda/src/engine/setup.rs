@@ -778,8 +778,8 @@ impl CudaEngine {
         start: usize,
         len: usize,
     ) -> Result<Vec<f64>, EngineError> {
-        // Host updates (`host_updates`) may still be writing host-tier state.
-        self.join_host_updates()?;
+        // Host updates (`host_updates`) or carried copies out may still be writing host-tier state.
+        self.settle()?;
         let id = self.id(name)?;
         let numel = self.plan.buffer(id).numel();
         if start.checked_add(len).is_none_or(|end| end > numel) {
@@ -833,8 +833,9 @@ impl CudaEngine {
     /// [`EngineError::UnknownBuffer`], [`EngineError::Length`] on a wrong element count, or a
     /// CUDA error.
     pub fn set_buffer(&mut self, name: &str, values: &[f64]) -> Result<(), EngineError> {
-        // Host updates (`host_updates`) may still be reading or writing host-tier state.
-        self.join_host_updates()?;
+        // Host updates (`host_updates`) or carried copies out may still be reading or writing
+        // host-tier state.
+        self.settle()?;
         let id = self.id(name)?;
         let expected = self.plan.buffer(id).numel();
         if values.len() != expected {
