@@ -856,3 +856,114 @@ fn copies_in_move_into_the_backward_without_growing_the_device_need() {
         }
     }
 }
+
+/// `copy-out-overlap` on the 1.44B AdamW plan under `gpu_memory = 24GiB` and `16GiB`: the
+/// optimizer's copies out of the moments' staging buffers may run on into the next step's
+/// forward, at least through its first third, with the device arenas no larger than without
+/// the pass (`--skip-pass copy-out-overlap`), the same ops, and no buffer live in
+/// `forward[0..=k]` sharing a byte with a staging buffer copied out. The verifier refuses the
+/// same plan claiming a longer carry than its offsets allow, or carried with a refresh task.
+#[test]
+fn copies_out_run_into_the_next_forward_without_growing_the_device_need() {
+    use schedule::Op;
+    for budget in ["24GiB", "16GiB"] {
+        let src = spec(&format!(
+            "target cuda {{\n  gpu_memory = {budget}\n  host_memory = 96GiB\n}}"
+        ));
+        let run = |skip: &[&str]| {
+            let config = frontend::parse_spec("carry", &src, &std::env::temp_dir()).expect("spec");
+            let mut m = ir::Module::new(config);
+            let options = PassOptions {
+                skip: skip.iter().map(|s| s.to_string()).collect(),
+                ..PassOptions::default()
+            };
+            let mut pm = PassManager::new(options).expect("pm");
+            let (cx, _) = pm
+                .run(&mut m, None, &mut std::io::sink())
+                .expect("pipeline");
+            cx.plan.expect("plan")
+        };
+        let carried = run(&[]);
+        let plain = run(&["copy-out-overlap"]);
+        assert_eq!(plain.memory.carried_copy_outs, None);
+        let k = carried
+            .memory
+            .carried_copy_outs
+            .unwrap_or_else(|| panic!("{budget}: nothing carried"));
+        assert!(
+            3 * (k + 1) >= carried.forward.len(),
+            "{budget}: carried only to forward[{k}] of {}",
+            carried.forward.len()
+        );
+        carried.verify().expect("verifies");
+        assert!(carried.memory.device_bytes() <= plain.memory.device_bytes());
+        assert_eq!(
+            format!(
+                "{:?}",
+                (&carried.forward, &carried.backward, &carried.optimizer)
+            ),
+            format!("{:?}", (&plain.forward, &plain.backward, &plain.optimizer)),
+            "only the offsets change"
+        );
+        let residency = carried.residency();
+        let sources = carried.optimizer_copy_out_sources(&residency);
+        let n_sources = sources.iter().filter(|&&s| s).count();
+        let copies_out = carried
+            .optimizer
+            .iter()
+            .filter(|o| matches!(o, Op::CopyOut { .. }))
+            .count();
+        assert!(n_sources > 0 && n_sources <= copies_out, "{budget}");
+        let head = schedule::LiveRange { first: 0, last: k };
+        let bytes = |p: &Plan, i: usize| {
+            let s = p.memory.slots[i];
+            (s.arena, s.offset, s.offset + p.buffers[i].size_bytes())
+        };
+        for (i, _) in sources.iter().enumerate().filter(|(_, s)| **s) {
+            let (a, s0, e0) = bytes(&carried, i);
+            assert_eq!(a, ArenaKind::Activations);
+            for (j, r) in residency.iter().enumerate() {
+                let Some(live) = r.live_range() else { continue };
+                let (b, s1, e1) = bytes(&carried, j);
+                if b == a && live.overlaps(&head) {
+                    assert!(
+                        e1 <= s0 || e0 <= s1,
+                        "{budget}: `{}` (copied out) and `{}` (live in forward[0..={k}]) share bytes",
+                        carried.buffers[i].name,
+                        carried.buffers[j].name
+                    );
+                }
+            }
+        }
+        // A claim the offsets do not back is refused before anything runs: the whole forward,
+        // when the search stopped short of it (the 16 GiB plan).
+        if k + 1 < carried.forward.len() {
+            let mut forged = carried.clone();
+            forged.memory.carried_copy_outs = Some(carried.forward.len() - 1);
+            let e = forged
+                .verify()
+                .expect_err("a carry through the whole forward clashes");
+            assert!(
+                e.to_string()
+                    .contains("copied out across the step boundary"),
+                "{e}"
+            );
+        }
+        let mut forged = carried.clone();
+        forged.memory.carried_copy_outs = Some(carried.forward.len());
+        assert!(forged.verify().is_err(), "a position past the forward");
+    }
+    // A SOAP plan (eigenbasis refresh tasks between steps) carries nothing, and the verifier
+    // refuses one that claims to.
+    let soap = soap_plan(|s| {
+        s.replace(
+            "target cuda {",
+            "target cuda {\n  gpu_memory = 24GiB\n  host_memory = 96GiB",
+        )
+    });
+    assert_eq!(soap.memory.carried_copy_outs, None);
+    let mut forged = soap.clone();
+    forged.memory.carried_copy_outs = Some(0);
+    let e = forged.verify().expect_err("refresh tasks");
+    assert!(e.to_string().contains("refresh tasks"), "{e}");
+}
