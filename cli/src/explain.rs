@@ -305,6 +305,38 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
                 human_bytes(hoisted)
             );
         }
+        // Copies out that may finish during the next step's forward (`copy-out-overlap`).
+        let residency = plan.residency();
+        let carried: usize = plan
+            .optimizer_copy_out_sources(&residency)
+            .iter()
+            .zip(&plan.buffers)
+            .filter(|(s, _)| **s)
+            .map(|(_, b)| b.size_bytes())
+            .sum();
+        match plan.memory.carried_copy_outs {
+            Some(k) => {
+                let ms = desc.as_ref().map_or(f64::NAN, |d| d.host_tier_ms(carried));
+                let _ = writeln!(
+                    o,
+                    "         copies out of {} ({ms:.2} ms device→host) may run on into the next \
+                     step's forward, up to op {k} of {} (`--print-after copy-out-overlap`)",
+                    human_bytes(carried),
+                    plan.forward.len()
+                );
+            }
+            None if carried > 0 => {
+                let why = plan
+                    .copy_out_carry_blocker()
+                    .unwrap_or("the forward's first op needs their bytes");
+                let _ = writeln!(
+                    o,
+                    "         copies out of {} end with their step ({why})",
+                    human_bytes(carried)
+                );
+            }
+            None => {}
+        }
     }
     if let Some(budget) = plan.memory.budgets.device {
         let arenas = plan.memory.device_bytes();
