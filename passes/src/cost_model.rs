@@ -190,7 +190,10 @@ impl TargetDescription {
                 // Estimated (a data-center PCIe 4 NVMe drive), not measured.
                 nvme_read_gbps: Some(3.0),
                 nvme_write_gbps: Some(2.5),
-                host_update_gbps: None,
+                // `asteria calibrate --device cuda` on the lending pool's H100 machine (16
+                // cores, 128 GiB, the H200 machine's host shape), 2026-12-05: the Cranelift
+                // AdamW kernel with 16 threads, 2.95 ms per 16M elements (BENCHMARKS.md).
+                host_update_gbps: Some(159.0),
             },
             // Simulated: 72 Neoverse V2 cores, NVLink-C2C 450 GB/s with coherent unified
             // memory, an H100-class GPU with asteria's H200 engine rate.

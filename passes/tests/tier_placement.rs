@@ -753,10 +753,30 @@ fn host_updates_are_reported_with_their_predicted_host_time() {
             && report.contains("hidden under the next step's forward and backward"),
         "{report}"
     );
+    // The `h200` built-in carries the rate `asteria calibrate` measured on its 16 host cores.
     let (_, report, placement) = compile(
         "h200-host-updates",
         &spec("target cuda {\n  host_updates = sync\n}"),
     );
+    let (host, _) = placement.host_update_ms.expect("h200 predicts it");
+    let want = (elements * 28) as f64 / 159e6;
+    assert!((host - want).abs() < 1e-6 * want, "{host} ms, want {want}");
+    assert!(report.contains("sync: on the step"), "{report}");
+    // A description without the rate (the `h200` one less it, as a calibration file) says
+    // so instead of guessing.
+    let mut desc = passes::cost_model::TargetDescription::builtin("h200").expect("h200");
+    desc.host_update_gbps = None;
+    let file =
+        std::env::temp_dir().join(format!("asteria-no-host-rate-{}.json", std::process::id()));
+    std::fs::write(&file, serde_json::to_string(&desc).expect("json")).expect("write");
+    let (_, report, placement) = compile(
+        "uncalibrated-host-updates",
+        &spec(&format!(
+            "target cuda {{\n  calibration = \"{}\"\n  host_updates = sync\n}}",
+            file.display()
+        )),
+    );
+    let _ = std::fs::remove_file(&file);
     assert!(placement.host_update_ms.is_none());
     assert!(
         report.contains("host update time not predicted"),
