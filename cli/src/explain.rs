@@ -324,6 +324,14 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
                     human_bytes(carried),
                     plan.forward.len()
                 );
+                if let Some((p, q)) = passes::copy_out_overlap::first_forward_wait(&plan) {
+                    let _ = writeln!(
+                        o,
+                        "         (forward op {p}, `{}`, waits for the copies out up to \
+                         optimizer op {q})",
+                        plan.forward[p].name()
+                    );
+                }
             }
             None if carried > 0 => {
                 let why = plan

@@ -45,7 +45,8 @@ pub struct PassFlags {
     /// simplify (element-wise update rules), fuse, rematerialize, liveness, precond-scheduling,
     /// lower (the plan JSON), accumulate-gradients (the backward with its accumulations),
     /// tier-placement, prefetch-insertion, copy-hoisting (where each copy in of offloaded state
-    /// runs), memory-planning (the memory plan's arenas, peak live bytes and largest buffers).
+    /// runs), memory-planning (the memory plan's arenas, peak live bytes and largest buffers),
+    /// copy-out-overlap (how far copies out run on into the next step's forward).
     #[arg(long = "print-after", value_name = "PASS")]
     pub print_after: Vec<String>,
     /// Print the IR after every pass.
@@ -62,7 +63,8 @@ pub struct PassFlags {
     #[arg(long = "time-passes")]
     pub time_passes: bool,
     /// Do not run this optional pass (repeatable): fuse (to compare with the unfused plan),
-    /// copy-hoisting (to compare copies in issued in the optimizer program only).
+    /// copy-hoisting (to compare copies in issued in the optimizer program only),
+    /// copy-out-overlap (to compare copies out that end with their step).
     #[arg(long = "skip-pass", value_name = "PASS")]
     pub skip_pass: Vec<String>,
     /// Do not apply this `fuse` rule (repeatable): soap-update, shampoo-update or

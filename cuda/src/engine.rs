@@ -191,6 +191,9 @@ pub struct CudaEngine {
     copy_order: copies::CopyOrder,
     /// This step's events by step position (what [`copies::CopyOrder::record_after`] asks).
     copy_events: Vec<Option<CudaEvent>>,
+    /// The optimizer program of this step stopped early (a skipped step): its end waits for
+    /// every copy out even when they are carried (`copies::CopyOrder::carried`).
+    cut_step: bool,
     /// The host eigensolver (the plan's, or one injected by `EngineOptions`).
     solver: Arc<dyn optim::HostEigensolver>,
     /// The attention kernels: the plan's option, `auto` resolved against the kernels that
@@ -321,6 +324,12 @@ impl CudaEngine {
                     break;
                 }
             }
+        }
+        if section == "optimizer" && !matches!(result, Ok(true)) {
+            // Cut short (a skipped step, an error): its copies out stop at the break, so the
+            // previous step's events of the later positions are older than the copies still
+            // pending; the end of this step waits for the copy-out stream instead.
+            self.cut_step = true;
         }
         if section == "optimizer" && self.copy_order.active && !self.copy_order.carried {
             // A refresh swap (compute stream, next) may re-project moments of the host tier:
@@ -614,7 +623,8 @@ impl StepExecutor for CudaEngine {
     /// results are waited for by event at the swap).
     /// Pending NVMe writes finish here too (an error of one stops the run).
     fn synchronize(&mut self) -> Result<(), EngineError> {
-        if self.copy_order.carried {
+        let cut = std::mem::take(&mut self.cut_step);
+        if self.copy_order.carried && !cut {
             // The copies out run on into the next step (`carried_copy_outs`): its ops that
             // touch their bytes wait by event; `settle` waits for them before any read from
             // outside the programs.

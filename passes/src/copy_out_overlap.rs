@@ -13,7 +13,8 @@
 //! This pass re-runs the placement of `memory-planning` with every staging buffer that a
 //! `CopyOut` of the optimizer program reads (`schedule::Plan::optimizer_copy_out_sources`)
 //! also kept apart from all buffers live in the next step's `forward[0..=k]`
-//! (`memory_planning::Block::also`), for the largest `k` (binary search) at which the
+//! (`memory_planning::Block::also`), for a `k` found by binary search (the largest where the
+//! arena grows with `k`, which greedy placement does not guarantee) at which the
 //! activations arena is no larger than `memory-planning` made it: the device need never grows
 //! and the budget stays met. It records `k` as `schedule::MemoryPlan::carried_copy_outs`,
 //! which `Plan::verify` checks against the offsets. The CUDA engine then ends a step without
@@ -51,8 +52,48 @@ pub struct Carried {
     pub reason: Option<String>,
 }
 
+/// The first op of the forward that touches bytes an optimizer `CopyOut` reads or writes (one
+/// of the two writing them), with that copy's position in the optimizer program: where the
+/// next step's forward waits for the carried copies out (the copy-out stream runs them in
+/// order, so for every copy up to that one). Parameters in pinned host memory make it the
+/// forward's first copy in, which reads what the previous optimizer copied out. `None` when
+/// no forward op waits for one.
+pub fn first_forward_wait(plan: &Plan) -> Option<(usize, usize)> {
+    let range = |id: schedule::BufferId| {
+        let slot = plan.memory.slot(id)?;
+        let bytes = plan.buffers.get(id.index())?.size_bytes();
+        Some((slot.arena, slot.offset, slot.offset + bytes))
+    };
+    let touches = |op: &Op| -> Vec<((ArenaKind, usize, usize), bool)> {
+        op.accesses()
+            .into_iter()
+            .filter_map(|(_, id, a)| range(id).map(|r| (r, a.writes())))
+            .collect()
+    };
+    let outs: Vec<(usize, Vec<_>)> = plan
+        .optimizer
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| matches!(o, Op::CopyOut { .. }))
+        .map(|(i, o)| (i, touches(o)))
+        .collect();
+    plan.forward.iter().enumerate().find_map(|(p, op)| {
+        let mine = touches(op);
+        outs.iter()
+            .rev()
+            .find(|(_, theirs)| {
+                mine.iter().any(|&((ka, sa, ea), wa)| {
+                    theirs
+                        .iter()
+                        .any(|&((kb, sb, eb), wb)| ka == kb && sa < eb && sb < ea && (wa || wb))
+                })
+            })
+            .map(|&(q, _)| (p, q))
+    })
+}
+
 /// Places `plan`'s memory again with its optimizer copies out carried into the next step's
-/// forward as far as the activations arena allows (see the module docs), replacing
+/// forward as far as the activations arena allows (binary search; see the module docs), replacing
 /// `plan.memory` when any position is reachable. `plan` must carry the memory plan of
 /// `memory-planning`.
 pub fn carry_copy_outs(plan: &mut Plan) -> Carried {
@@ -69,16 +110,22 @@ pub fn carry_copy_outs(plan: &mut Plan) -> Carried {
         .zip(&plan.buffers)
         .filter(|(s, _)| **s)
         .fold((0, 0), |(n, b), (_, buf)| (n + 1, b + buf.size_bytes()));
-    if buffers == 0 || plan.forward.is_empty() {
+    if buffers == 0 {
         return Carried {
             reason: Some("no step-local staging buffer is copied out".into()),
             ..Carried::default()
         };
     }
+    if plan.forward.is_empty() {
+        return Carried {
+            reason: Some("the plan has no forward program".into()),
+            ..Carried::default()
+        };
+    }
     let before = plan.memory.arena_bytes(ArenaKind::Activations);
     let budgets = plan.memory.budgets.clone();
-    // The largest `k` whose arena is no larger (binary search over `k + 1` in `0..=len`;
-    // 0 means nothing carried).
+    // A `k` whose arena is no larger (binary search over `k + 1` in `0..=len`; 0 means
+    // nothing carried).
     let (mut lo, mut hi) = (0usize, plan.forward.len());
     let mut best = None;
     while lo < hi {
@@ -133,9 +180,16 @@ impl Pass for CopyOutOverlap {
         let ms = crate::precond_scheduling::target_description(&module.config.target)
             .map(|d| d.host_tier_ms(c.bytes))
             .unwrap_or(f64::NAN);
+        let waits = match first_forward_wait(plan) {
+            Some((p, q)) => format!(
+                "; forward[{p}] `{}` waits for the copies out up to optimizer[{q}]",
+                plan.forward[p].name()
+            ),
+            None => String::new(),
+        };
         Ok(format!(
             "copies out of {} staging buffers ({}, predicted {ms:.2} ms device→host) may run \
-             until forward[{k}] `{}` of the next step ({} forward ops)",
+             until forward[{k}] `{}` of the next step ({} forward ops){waits}",
             c.buffers,
             crate::liveness::human_bytes(c.bytes),
             plan.forward[k].name(),

@@ -806,7 +806,11 @@ pub(crate) fn verify_memory(plan: &Plan) -> Result<(), PlanError> {
                         if let Some(head) = carried.filter(|h| {
                             (carried_src[i] && rj.overlaps(h)) || (carried_src[j] && ri.overlaps(h))
                         }) {
-                            let (src, other) = if carried_src[i] { (i, j) } else { (j, i) };
+                            let (src, other) = if carried_src[i] && rj.overlaps(&head) {
+                                (i, j)
+                            } else {
+                                (j, i)
+                            };
                             return Err(invalid(format!(
                                 "buffer #{src} `{}` is copied out across the step boundary until forward position {}, but #{other} `{}`, live then, shares {where_}",
                                 name(src),

@@ -12,10 +12,16 @@
 //! Bytes are the plan's slots (arena, offset, size): a staging buffer shares the activations
 //! arena with tensors that died earlier in the step, so a copy into it waits for the last
 //! compute op that touched those bytes, and a compute op that reuses the bytes of a staging
-//! buffer waits for its copy out. Across steps nothing is pending: the end of a step waits
-//! for every stream ([`crate::Device::synchronize_step`]), and the end of the optimizer program
-//! makes the compute stream wait for both copy streams, so that a refresh swap that re-projects
-//! moments in the host tier (compute stream, right after the optimizer) sees their new values.
+//! buffer waits for its copy out. Across steps, by default nothing is pending: the end of a
+//! step waits for every stream ([`crate::Device::synchronize_step`]), and the end of the
+//! optimizer program makes the compute stream wait for both copy streams, so that a refresh
+//! swap that re-projects moments in the host tier (compute stream, right after the optimizer)
+//! sees their new values. A plan whose copies out are carried into the next step
+//! (`schedule::MemoryPlan::carried_copy_outs`, set by `copy-out-overlap` only for plans without
+//! refresh tasks, NVMe state or host updates) ends a step waiting for the compute and copy-in
+//! streams only; the next step's ops that touch bytes of a copy out still pending wait for its
+//! event ([`CopyOrder::cross_waits`]), and a step whose optimizer program stopped early (a
+//! skipped step) waits for every stream at its end.
 use crate::StreamKind;
 use schedule::{ArenaKind, BufferId, Op, Plan};
 
@@ -211,6 +217,11 @@ impl CopyOrder {
 /// `q` its stream has not waited for yet; a copy out at `q < p` was issued again in this step
 /// before `p`, and the step's own events order `p` after that later instance. Copies out
 /// themselves follow the previous ones on their stream.
+///
+/// This needs the previous step to have issued every copy out: then each event at `q > p`
+/// holds the latest record of that position, and waiting for it covers every earlier copy out.
+/// A step whose optimizer program stopped early (a skipped step) leaves older events at its
+/// later positions, so the engine waits for the copy-out stream at its end instead.
 fn cross_step_waits(
     touched: &[(usize, Vec<Touch>)],
     conflicts: impl Fn(&[Touch], &[Touch]) -> bool,
@@ -408,51 +419,29 @@ mod tests {
         }
     }
 
-    /// Replays two consecutive steps of a plan whose copies out are carried
-    /// (`carried_copy_outs`): the first as [`unordered`] does, then the host's end of step
-    /// (compute and copy-in streams waited for, the copy-out stream not), then the second with
-    /// its own events and the cross-step waits on the first step's copies out. Returns the
-    /// first conflicting pair (first-step position, second-step position) left unordered.
-    fn unordered_across_steps(plan: &Plan, order: &CopyOrder) -> Option<(usize, usize)> {
+    /// How the host waits before a segment of a replay ([`replay`]).
+    #[derive(Clone, Copy, Debug)]
+    enum HostWait {
+        /// Nothing (the next program of the same step, an evaluation's forward).
+        Nothing,
+        /// The compute and copy-in streams (the end of a step whose copies out are carried).
+        ComputeAndCopyIn,
+        /// Every stream (the end of a step otherwise).
+        All,
+    }
+
+    /// Replays `segments` (runs of step positions, each issued in order after the host wait)
+    /// on three in-order streams as the engine issues them: an op waits, before it, for the
+    /// latest record of each position its [`CopyOrder`] names (the cross-step waits when
+    /// carried, then the step's own); a recorded position keeps only its latest event.
+    /// Returns the first pair of conflicting ops on different streams (global issue indices)
+    /// that nothing orders.
+    fn replay(
+        plan: &Plan,
+        order: &CopyOrder,
+        segments: &[(std::ops::Range<usize>, HostWait)],
+    ) -> Option<(usize, usize)> {
         let ops: Vec<&Op> = plan.step_ops().map(|(_, o)| o).collect();
-        let n = ops.len();
-        // Global positions: step one 0..n, step two n..2n.
-        let mut clock = [[None::<usize>; 3]; 3];
-        let mut at_event: Vec<[Option<usize>; 3]> = vec![[None; 3]; 2 * n];
-        let mut known = vec![[None::<usize>; 3]; 2 * n];
-        let join = |a: &mut [Option<usize>; 3], b: &[Option<usize>; 3]| {
-            for i in 0..3 {
-                a[i] = a[i].max(b[i]);
-            }
-        };
-        for g in 0..2 * n {
-            let (step, p) = (g / n, g % n);
-            if g == n {
-                // The end of step one: the host waited for compute and copy-in.
-                let mut host = clock[0];
-                join(&mut host, &clock[1]);
-                for c in &mut clock {
-                    join(c, &host);
-                }
-            }
-            let s = lane(stream_of(ops[p]));
-            if ops[p].on_host() {
-                continue;
-            }
-            if step == 1 {
-                for &q in &order.cross_waits[p] {
-                    let ev = at_event[q];
-                    join(&mut clock[s], &ev);
-                }
-            }
-            for &q in &order.waits[p] {
-                let ev = at_event[step * n + q];
-                join(&mut clock[s], &ev);
-            }
-            known[g] = clock[s];
-            clock[s][s] = Some(g);
-            at_event[g] = clock[s];
-        }
         let touched = |o: &Op| -> Vec<Touch> {
             o.accesses()
                 .into_iter()
@@ -463,64 +452,149 @@ mod tests {
                 })
                 .collect()
         };
-        for p in 0..n {
-            let tp = touched(ops[p]);
-            let sp = lane(stream_of(ops[p]));
-            for q in 0..n {
-                let sq = lane(stream_of(ops[q]));
-                if sq == sp || ops[q].on_host() || ops[p].on_host() {
+        let join = |a: &mut [Option<usize>; 3], b: &[Option<usize>; 3]| {
+            for i in 0..3 {
+                a[i] = a[i].max(b[i]);
+            }
+        };
+        // Per stream: the latest global index of each stream it is ordered after.
+        let mut clock = [[None::<usize>; 3]; 3];
+        // Per position: the clock of its latest record.
+        let mut event: Vec<Option<[Option<usize>; 3]>> = vec![None; ops.len()];
+        // Issued ops: (position, stream, clock before it).
+        let mut issued: Vec<(usize, usize, [Option<usize>; 3])> = Vec::new();
+        for (range, wait) in segments {
+            let synced: &[usize] = match wait {
+                HostWait::Nothing => &[],
+                HostWait::ComputeAndCopyIn => &[0, 1],
+                HostWait::All => &[0, 1, 2],
+            };
+            let mut host = [None::<usize>; 3];
+            for &l in synced {
+                let c = clock[l];
+                join(&mut host, &c);
+            }
+            for c in &mut clock {
+                join(c, &host);
+            }
+            for p in range.clone() {
+                if ops[p].on_host() {
                     continue;
                 }
-                let tq = touched(ops[q]);
-                let conflict = tp.iter().any(|&((ka, sa, ea), wa)| {
-                    tq.iter()
+                let s = lane(stream_of(ops[p]));
+                let cross = if order.carried {
+                    &order.cross_waits[p][..]
+                } else {
+                    &[]
+                };
+                for &q in cross.iter().chain(&order.waits[p]) {
+                    if let Some(ev) = event[q] {
+                        join(&mut clock[s], &ev);
+                    }
+                }
+                let g = issued.len();
+                issued.push((p, s, clock[s]));
+                clock[s][s] = Some(g);
+                if order.record_after[p] {
+                    event[p] = Some(clock[s]);
+                }
+            }
+        }
+        let touches: Vec<Vec<Touch>> = ops.iter().map(|o| touched(o)).collect();
+        for (y, &(py, sy, known)) in issued.iter().enumerate() {
+            for (x, &(px, sx, _)) in issued.iter().enumerate().take(y) {
+                if sx == sy {
+                    continue;
+                }
+                let conflict = touches[py].iter().any(|&((ka, sa, ea), wa)| {
+                    touches[px]
+                        .iter()
                         .any(|&((kb, sb, eb), wb)| ka == kb && sa < eb && sb < ea && (wa || wb))
                 });
-                if conflict && known[n + p][sq].is_none_or(|k| k < q) {
-                    return Some((q, p));
+                if conflict && known[sx].is_none_or(|k| k < x) {
+                    return Some((x, y));
                 }
             }
         }
         None
     }
 
+    /// examples/tiny-tiers.asteria under the largest budget whose plan carries its copies out
+    /// to at least `forward[3]` and copies no parameter in.
+    fn carried_plan() -> Plan {
+        plan_below(6 << 20, |p| {
+            p.memory.carried_copy_outs.is_some_and(|k| k >= 3)
+                && !p.forward.iter().any(|o| matches!(o, Op::CopyIn { .. }))
+        })
+    }
+
     #[test]
     fn carried_copies_out_are_ordered_before_the_next_steps_ops_that_touch_their_bytes() {
-        let mut carried = 0;
-        for plan in [streamed_gradient_plan(), offloaded_parameter_plan()] {
-            let Some(k) = plan.memory.carried_copy_outs else {
-                continue;
-            };
-            carried += 1;
-            let order = CopyOrder::new(&plan);
-            assert!(order.carried);
-            assert_eq!(unordered(&plan, &order), None);
-            assert_eq!(unordered_across_steps(&plan, &order), None);
-            // The carry buys something: the forward's first k + 1 ops do not wait for a copy
-            // out (in this plan they copy no parameter in either).
-            if !plan.forward.iter().any(|o| matches!(o, Op::CopyIn { .. })) {
-                assert!(
-                    order.cross_waits[..=k].iter().all(Vec::is_empty),
-                    "forward ops up to {k} wait for copies out: {:?}",
-                    &order.cross_waits[..=k]
-                );
-            }
-            // The replay can fail: without the cross-step waits some pair is unordered (the
-            // next step's copies in of the same moments read what the copies out write).
-            let waits: usize = order.cross_waits.iter().map(Vec::len).sum();
-            assert!(waits > 0, "no op waits for the previous step's copies out");
-            let broken = CopyOrder {
-                active: true,
-                record_after: order.record_after.clone(),
-                waits: order.waits.clone(),
-                offsets: order.offsets,
-                last_copies: order.last_copies.clone(),
-                carried: true,
-                cross_waits: vec![Vec::new(); order.cross_waits.len()],
-            };
-            assert!(unordered_across_steps(&plan, &broken).is_some());
+        use HostWait::*;
+        let plan = carried_plan();
+        let k = plan.memory.carried_copy_outs.expect("carried");
+        let order = CopyOrder::new(&plan);
+        assert!(order.carried);
+        let n = plan.step_len();
+        let (f, b) = (plan.forward.len(), plan.backward.len());
+        let clip = plan
+            .optimizer
+            .iter()
+            .position(|o| matches!(o, Op::ClipGradNorm { .. }))
+            .map(|i| f + b + i)
+            .expect("the spec clips");
+        let step = |w| (0..n, w);
+        let cases: Vec<(&str, Vec<(std::ops::Range<usize>, HostWait)>)> = vec![
+            (
+                "three steps",
+                vec![step(All), step(ComputeAndCopyIn), step(ComputeAndCopyIn)],
+            ),
+            (
+                "an evaluation between two steps",
+                vec![step(All), (0..f, ComputeAndCopyIn), step(Nothing)],
+            ),
+            (
+                "a step skipped at the clip (its end waits for every stream)",
+                vec![
+                    step(All),
+                    (0..clip + 1, ComputeAndCopyIn),
+                    step(All),
+                    step(ComputeAndCopyIn),
+                ],
+            ),
+        ];
+        for (what, segments) in &cases {
+            assert_eq!(replay(&plan, &order, segments), None, "{what}");
         }
-        assert!(carried > 0, "no test plan carries its copies out");
+        // The carry buys something: the forward's first k + 1 ops wait for no copy out.
+        assert!(
+            order.cross_waits[..=k].iter().all(Vec::is_empty),
+            "forward ops up to {k} wait for copies out: {:?}",
+            &order.cross_waits[..=k]
+        );
+        // The replay can fail: without the cross-step waits some pair is unordered (the
+        // next step's copies in of the same moments read what the copies out write) …
+        let waits: usize = order.cross_waits.iter().map(Vec::len).sum();
+        assert!(waits > 0, "no op waits for the previous step's copies out");
+        let broken = CopyOrder {
+            active: true,
+            record_after: order.record_after.clone(),
+            waits: order.waits.clone(),
+            offsets: order.offsets,
+            last_copies: order.last_copies.clone(),
+            carried: true,
+            cross_waits: vec![Vec::new(); order.cross_waits.len()],
+        };
+        assert!(replay(&plan, &broken, &cases[0].1).is_some());
+        // … and the plan without the carry is ordered by waiting for every stream.
+        let mut plain = plan.clone();
+        plain.memory.carried_copy_outs = None;
+        let plain_order = CopyOrder::new(&plain);
+        assert!(!plain_order.carried);
+        assert_eq!(
+            replay(&plain, &plain_order, &[step(All), step(All), step(All)]),
+            None
+        );
     }
 
     #[test]

@@ -555,6 +555,7 @@ impl CudaEngine {
             )
             .map_err(EngineError::Unsupported)?,
             copy_events: (0..plan.step_len()).map(|_| None).collect(),
+            cut_step: false,
             attention,
             solver,
             energy: None,
