@@ -432,7 +432,8 @@ impl CudaEngine {
     }
 
     /// Hands the host-placed update `op` (at `section[index]`, step position `pos`) to the
-    /// host-update worker, after events on every stream (everything enqueued so far).
+    /// host-update worker, after events on the streams that ran an earlier op touching its
+    /// bytes ([`host_updates::HostUpdates::streams_before`]).
     fn submit_host_update(
         &mut self,
         op: &Op,
@@ -447,8 +448,14 @@ impl CudaEngine {
             });
         };
         let mut events = Vec::with_capacity(3);
-        for kind in [StreamKind::Compute, StreamKind::CopyIn, StreamKind::CopyOut] {
-            events.push(self.dev.record(kind, false)?);
+        let needed = h.streams_before(pos);
+        for (kind, needed) in [StreamKind::Compute, StreamKind::CopyIn, StreamKind::CopyOut]
+            .into_iter()
+            .zip(needed)
+        {
+            if needed {
+                events.push(self.dev.record(kind, false)?);
+            }
         }
         let param = match op {
             Op::AdamW { param, .. } => self.plan.buffer(*param).name.clone(),

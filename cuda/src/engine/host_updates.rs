@@ -5,11 +5,14 @@
 //! AdamW's update rule), as ZeRO-Offload's CPU Adam does.
 //!
 //! Ordering, by step position ([`schedule::Plan::step_ops`]):
-//! - **Before a host update**: at its submission the engine thread records an event on the
-//!   compute and both copy streams, and the worker synchronises them before it touches a byte.
-//!   Everything enqueued before the update is then complete: its gradient's copy out (during
-//!   the backward), the copy of the clip's factor, and, under `delayed`, the copy in that
-//!   reads the parameter into its device copy before the update overwrites it.
+//! - **Before a host update**: at its submission the engine thread records an event on each
+//!   stream that ran an earlier op of the step touching the update's bytes
+//!   ([`HostUpdates::streams_before`]), and the worker synchronises them before it touches a
+//!   byte. Everything such a stream enqueued before the update is then complete: its
+//!   gradient's copy out (during the backward), the clip's factor, and, under `delayed`, the
+//!   copy in that reads the parameter into its device copy before the update overwrites it.
+//!   Under `sync` an update does not wait for the copy-in stream, so the copy in of the
+//!   previous update's parameter overlaps it.
 //! - **After a host update**: an op that touches bytes the update touches (one of the two
 //!   writing them) is not enqueued before the update finished: the engine thread waits for it
 //!   ([`HostUpdates::before_op`]). Under `sync` that is the copy in of the parameter's device
@@ -111,6 +114,12 @@ pub(crate) struct HostUpdates {
     pending: Vec<Option<u64>>,
     /// The kernels, by `schedule::adamw_kernel_key`.
     kernels: HashMap<[u64; 4], Arc<hostkernels::AdamWKernel>>,
+    /// Per step position of a host update: which streams (compute, copy in, copy out) ran an
+    /// earlier op of the step that touches its bytes, so that the update waits for them at its
+    /// submission; the others it need not wait for (under `sync` the copy in of the previous
+    /// update's parameter, which then overlaps this update). Earlier steps' work is done: the
+    /// engine waits for every stream at a step's end.
+    streams: Vec<[bool; 3]>,
 }
 
 /// Bytes of one arena an op touches, with whether it writes them.
@@ -159,6 +168,19 @@ impl HostUpdates {
                     .collect()
             })
             .collect();
+        let lane = |op: &Op| match crate::engine::copies::stream_of(op) {
+            crate::StreamKind::Compute => 0,
+            crate::StreamKind::CopyIn => 1,
+            _ => 2,
+        };
+        let mut streams = vec![[false; 3]; ops.len()];
+        for &h in &hosts {
+            for q in 0..h {
+                if !ops[q].on_host() && conflict(&touched[q], &touched[h]) {
+                    streams[h][lane(ops[q])] = true;
+                }
+            }
+        }
         let kernels = engine::cpu::adamw_kernels(hosts.iter().map(|&h| ops[h]))?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads.max(1))
@@ -202,7 +224,14 @@ impl HostUpdates {
             pending: vec![None; ops.len()],
             conflicts,
             kernels,
+            streams,
         }))
+    }
+
+    /// The streams (compute, copy in, copy out) the host update at step position `pos` waits
+    /// for at its submission: those that ran an earlier op touching its bytes.
+    pub(crate) fn streams_before(&self, pos: usize) -> [bool; 3] {
+        self.streams.get(pos).copied().unwrap_or([true; 3])
     }
 
     /// Waits for the submitted host updates whose bytes the op at step position `pos`
@@ -469,14 +498,14 @@ mod tests {
 
     /// Replays `steps` steps as the engine runs them: three in-order streams with the copy
     /// events of `order`, the host worker (in order; at a submission it knows everything
-    /// enqueued on every stream), the engine thread's waits for host updates (`conflicts`, as
+    /// enqueued on the streams `needs` names for it), the engine thread's waits for host updates (`conflicts`, as
     /// `HostUpdates::before_op` takes them) and the end of every step waiting for the streams
     /// but not for the host. Returns the first pair of step instances (earlier, later) on
     /// different lanes that touch the same bytes, one writing, left unordered.
     fn unordered(
         plan: &Plan,
         order: &CopyOrder,
-        conflicts: &[Vec<usize>],
+        (conflicts, needs): (&[Vec<usize>], &[[bool; 3]]),
         steps: usize,
     ) -> Option<(usize, usize)> {
         let ops: Vec<&Op> = plan.step_ops().map(|(_, o)| o).collect();
@@ -499,8 +528,10 @@ mod tests {
                 }
             }
             if l == 3 {
-                for s in &streams {
-                    join(&mut host, s);
+                for (s, needed) in streams.iter().zip(needs[p]) {
+                    if needed {
+                        join(&mut host, s);
+                    }
                 }
                 join(&mut host, &engine);
                 known[k] = host;
@@ -556,15 +587,38 @@ mod tests {
                 .expect("the plan has host updates");
             let hosts = plan.optimizer.iter().filter(|o| o.on_host()).count();
             assert!(hosts > 10, "{mode}: {hosts} host updates");
+            let needs = &updates.streams;
             assert_eq!(
-                unordered(&plan, &order, &updates.conflicts, 3),
+                unordered(&plan, &order, (&updates.conflicts, needs), 3),
                 None,
                 "{mode}"
+            );
+            // An update waits for the copy-in stream only under `delayed` (its parameter's
+            // copy in reads the home before the update writes it), and for the copy-out
+            // stream (its gradient's copy out) in both modes.
+            for (p, op) in plan.step_ops() {
+                if op.on_host() {
+                    assert_eq!(
+                        needs[p][1],
+                        mode == schedule::HostUpdates::Delayed,
+                        "{mode}: position {p}"
+                    );
+                    assert!(needs[p][2], "{mode}: position {p}");
+                }
+            }
+            // The updates' waits for the streams are needed: without them some pair is
+            // unordered (a stream's wait can be redundant for one update, covered through
+            // another stream's events, so this is checked for all of them at once).
+            let blind = vec![[false; 3]; needs.len()];
+            assert!(
+                unordered(&plan, &order, (&updates.conflicts, &blind), 3).is_some(),
+                "{mode}: the updates' stream waits order nothing"
             );
             // The engine's waits are needed: without them some pair is unordered, and under
             // `delayed` the waits reach into the next step.
             let none = vec![Vec::new(); updates.conflicts.len()];
-            let broken = unordered(&plan, &order, &none, 3).expect("unordered without the waits");
+            let broken =
+                unordered(&plan, &order, (&none, needs), 3).expect("unordered without the waits");
             if mode == schedule::HostUpdates::Delayed {
                 // The first conflicting op of step 2 with a step-1 update precedes that
                 // update's position: the wait crosses the step boundary.
