@@ -71,6 +71,21 @@ fn soap_plan(edit: impl FnOnce(String) -> String) -> Plan {
     cx.plan.expect("plan")
 }
 
+/// The plan of spec source `src` through the whole pipeline without the passes `skip`.
+fn plan_skipping(name: &str, src: &str, skip: &[&str]) -> Plan {
+    let config = frontend::parse_spec(name, src, &std::env::temp_dir()).expect("spec");
+    let mut m = ir::Module::new(config);
+    let options = PassOptions {
+        skip: skip.iter().map(|s| s.to_string()).collect(),
+        ..PassOptions::default()
+    };
+    let mut pm = PassManager::new(options).expect("pm");
+    let (cx, _) = pm
+        .run(&mut m, None, &mut std::io::sink())
+        .expect("pipeline");
+    cx.plan.expect("plan")
+}
+
 fn check_expected(name: &str, actual: &str) {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/placement")
@@ -794,19 +809,7 @@ fn host_updates_are_reported_with_their_predicted_host_time() {
 fn copies_in_move_into_the_backward_without_growing_the_device_need() {
     use schedule::Op;
     let src = spec("target cuda {\n  gpu_memory = 24GiB\n  host_memory = 96GiB\n}");
-    let run = |skip: &[&str]| {
-        let config = frontend::parse_spec("h200-24gib", &src, &std::env::temp_dir()).expect("spec");
-        let mut m = ir::Module::new(config);
-        let options = PassOptions {
-            skip: skip.iter().map(|s| s.to_string()).collect(),
-            ..PassOptions::default()
-        };
-        let mut pm = PassManager::new(options).expect("pm");
-        let (cx, _) = pm
-            .run(&mut m, None, &mut std::io::sink())
-            .expect("pipeline");
-        cx.plan.expect("plan")
-    };
+    let run = |skip: &[&str]| plan_skipping("h200-24gib", &src, skip);
     let hoisted = run(&[]);
     let plain = run(&["copy-hoisting"]);
     hoisted.verify().expect("verifies");
@@ -890,19 +893,7 @@ fn copies_out_run_into_the_next_forward_without_growing_the_device_need() {
         let src = spec(&format!(
             "target cuda {{\n  gpu_memory = {budget}\n  host_memory = 96GiB\n}}"
         ));
-        let run = |skip: &[&str]| {
-            let config = frontend::parse_spec("carry", &src, &std::env::temp_dir()).expect("spec");
-            let mut m = ir::Module::new(config);
-            let options = PassOptions {
-                skip: skip.iter().map(|s| s.to_string()).collect(),
-                ..PassOptions::default()
-            };
-            let mut pm = PassManager::new(options).expect("pm");
-            let (cx, _) = pm
-                .run(&mut m, None, &mut std::io::sink())
-                .expect("pipeline");
-            cx.plan.expect("plan")
-        };
+        let run = |skip: &[&str]| plan_skipping("carry", &src, skip);
         let carried = run(&[]);
         let plain = run(&["copy-out-overlap"]);
         assert_eq!(plain.memory.carried_copy_outs, None);

@@ -641,47 +641,6 @@ impl Plan {
     }
 }
 
-impl Plan {
-    /// Per buffer (indexed like [`Plan::buffers`]): whether it is the step-local device source
-    /// of a `CopyOut` of the optimizer program (a staging buffer; `residency` from
-    /// [`Plan::residency`]): what [`MemoryPlan::carried_copy_outs`] holds across the step
-    /// boundary.
-    pub fn optimizer_copy_out_sources(&self, residency: &[Residency]) -> Vec<bool> {
-        let mut out = vec![false; self.buffers.len()];
-        for op in &self.optimizer {
-            if let Op::CopyOut { src, .. } = op {
-                if matches!(residency.get(src.index()), Some(Residency::Transient(_))) {
-                    out[src.index()] = true;
-                }
-            }
-        }
-        out
-    }
-
-    /// Why this plan cannot carry copies out across the step boundary, or `None` when it can:
-    /// the host-side work between steps (eigenbasis refresh tasks, NVMe blocks, updates on
-    /// the host cores) reads host memory that pending copies out would still be writing.
-    pub fn copy_out_carry_blocker(&self) -> Option<&'static str> {
-        if !self.host_tasks.is_empty() {
-            return Some("the plan has eigenbasis refresh tasks");
-        }
-        if self.memory.slots.iter().any(|s| s.arena == ArenaKind::Nvme) {
-            return Some("the plan has NVMe-tier state");
-        }
-        if self.step_ops().any(|(_, o)| o.on_host()) {
-            return Some("the plan has updates on the host cores");
-        }
-        if !self
-            .optimizer
-            .iter()
-            .any(|o| matches!(o, Op::CopyOut { .. }))
-        {
-            return Some("the optimizer program copies nothing out");
-        }
-        None
-    }
-}
-
 pub(crate) fn invalid(message: String) -> PlanError {
     PlanError::Memory(message)
 }
@@ -765,23 +724,7 @@ pub(crate) fn verify_memory(plan: &Plan) -> Result<(), PlanError> {
     let residency = plan.residency();
     // Copies out carried into the next step's forward: their sources stay apart from
     // everything live in `forward[0..=k]`.
-    let carried = match m.carried_copy_outs {
-        None => None,
-        Some(k) if k >= plan.forward.len() => {
-            return Err(invalid(format!(
-                "copies out are carried to forward position {k}, but the forward has {} ops",
-                plan.forward.len()
-            )))
-        }
-        Some(k) => {
-            if let Some(why) = plan.copy_out_carry_blocker() {
-                return Err(invalid(format!(
-                    "copies out are carried into the next step, but {why}"
-                )));
-            }
-            Some(LiveRange { first: 0, last: k })
-        }
-    };
+    let carried = crate::tiers::carried_head(plan)?;
     let carried_src = plan.optimizer_copy_out_sources(&residency);
     for &(_, _, i) in &members[ArenaKind::Activations.index()] {
         if let Residency::Persistent(why) = residency[i] {

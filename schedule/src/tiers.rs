@@ -1,6 +1,6 @@
 //! The plan verifier's tier rules (offloaded buffers, their copies and the memory budgets), split
 //! from [`crate::memory`], whose `verify_memory` calls them.
-use crate::memory::invalid;
+use crate::memory::{invalid, LiveRange, Residency};
 use crate::{ArenaKind, BufferId, Op, Plan, PlanError};
 
 /// The tier rules: arenas within their [`Budgets`]; an offloaded buffer (in the `host` or
@@ -257,4 +257,65 @@ pub(crate) fn verify_tiers(plan: &Plan) -> Result<(), PlanError> {
         }
     }
     Ok(())
+}
+
+impl Plan {
+    /// Per buffer (indexed like [`Plan::buffers`]): whether it is the step-local device source
+    /// of a `CopyOut` of the optimizer program (a staging buffer; `residency` from
+    /// [`Plan::residency`]): what [`crate::MemoryPlan::carried_copy_outs`] holds across the step
+    /// boundary.
+    pub fn optimizer_copy_out_sources(&self, residency: &[Residency]) -> Vec<bool> {
+        let mut out = vec![false; self.buffers.len()];
+        for op in &self.optimizer {
+            if let Op::CopyOut { src, .. } = op {
+                if matches!(residency.get(src.index()), Some(Residency::Transient(_))) {
+                    out[src.index()] = true;
+                }
+            }
+        }
+        out
+    }
+
+    /// Why this plan cannot carry copies out across the step boundary, or `None` when it can:
+    /// the host-side work between steps (eigenbasis refresh tasks, NVMe blocks, updates on
+    /// the host cores) reads host memory that pending copies out would still be writing.
+    pub fn copy_out_carry_blocker(&self) -> Option<&'static str> {
+        if !self.host_tasks.is_empty() {
+            return Some("the plan has eigenbasis refresh tasks");
+        }
+        if self.memory.slots.iter().any(|s| s.arena == ArenaKind::Nvme) {
+            return Some("the plan has NVMe-tier state");
+        }
+        if self.step_ops().any(|(_, o)| o.on_host()) {
+            return Some("the plan has updates on the host cores");
+        }
+        if !self
+            .optimizer
+            .iter()
+            .any(|o| matches!(o, Op::CopyOut { .. }))
+        {
+            return Some("the optimizer program copies nothing out");
+        }
+        None
+    }
+}
+
+/// The next step's forward positions `0..=k` during which the optimizer's copies out may still
+/// run ([`crate::MemoryPlan::carried_copy_outs`]), or `None`; an error when `k` leaves the
+/// forward or the plan has work between steps that reads what the copies write
+/// ([`Plan::copy_out_carry_blocker`]).
+pub(crate) fn carried_head(plan: &Plan) -> Result<Option<LiveRange>, PlanError> {
+    match plan.memory.carried_copy_outs {
+        None => Ok(None),
+        Some(k) if k >= plan.forward.len() => Err(invalid(format!(
+            "copies out are carried to forward position {k}, but the forward has {} ops",
+            plan.forward.len()
+        ))),
+        Some(k) => match plan.copy_out_carry_blocker() {
+            Some(why) => Err(invalid(format!(
+                "copies out are carried into the next step, but {why}"
+            ))),
+            None => Ok(Some(LiveRange { first: 0, last: k })),
+        },
+    }
 }

@@ -311,6 +311,18 @@ mod tests {
         }
     }
 
+    /// The byte ranges `op` touches in `plan`'s slots, with whether it writes them.
+    fn touched_bytes(plan: &Plan, op: &Op) -> Vec<Touch> {
+        op.accesses()
+            .into_iter()
+            .map(|(_, id, a)| {
+                let slot = plan.memory.slot(id).expect("every buffer has a slot");
+                let b = plan.buffer(id).size_bytes();
+                ((slot.arena, slot.offset, slot.offset + b), a.writes())
+            })
+            .collect()
+    }
+
     /// Replays the step on three in-order streams with `order`'s events and returns the first
     /// pair (earlier, later) of conflicting ops on different streams that the events leave
     /// unordered. `known[p][s]` = the latest position of stream s known finished when op p
@@ -340,16 +352,7 @@ mod tests {
             clock[s][s] = Some(p);
             at_event[p] = clock[s];
         }
-        let touched = |o: &Op| -> Vec<Touch> {
-            o.accesses()
-                .into_iter()
-                .map(|(_, id, a)| {
-                    let slot = plan.memory.slot(id).expect("every buffer has a slot");
-                    let b = plan.buffer(id).size_bytes();
-                    ((slot.arena, slot.offset, slot.offset + b), a.writes())
-                })
-                .collect()
-        };
+        let touched = |o: &Op| touched_bytes(plan, o);
         for p in 0..n {
             let sp = lane(stream_of(ops[p]));
             let tp = touched(ops[p]);
@@ -419,6 +422,9 @@ mod tests {
         }
     }
 
+    /// A run of step positions issued in order, after the host's wait.
+    type Segment = (std::ops::Range<usize>, HostWait);
+
     /// How the host waits before a segment of a replay ([`replay`]).
     #[derive(Clone, Copy, Debug)]
     enum HostWait {
@@ -436,22 +442,9 @@ mod tests {
     /// carried, then the step's own); a recorded position keeps only its latest event.
     /// Returns the first pair of conflicting ops on different streams (global issue indices)
     /// that nothing orders.
-    fn replay(
-        plan: &Plan,
-        order: &CopyOrder,
-        segments: &[(std::ops::Range<usize>, HostWait)],
-    ) -> Option<(usize, usize)> {
+    fn replay(plan: &Plan, order: &CopyOrder, segments: &[Segment]) -> Option<(usize, usize)> {
         let ops: Vec<&Op> = plan.step_ops().map(|(_, o)| o).collect();
-        let touched = |o: &Op| -> Vec<Touch> {
-            o.accesses()
-                .into_iter()
-                .map(|(_, id, a)| {
-                    let slot = plan.memory.slot(id).expect("every buffer has a slot");
-                    let b = plan.buffer(id).size_bytes();
-                    ((slot.arena, slot.offset, slot.offset + b), a.writes())
-                })
-                .collect()
-        };
+        let touched = |o: &Op| touched_bytes(plan, o);
         let join = |a: &mut [Option<usize>; 3], b: &[Option<usize>; 3]| {
             for i in 0..3 {
                 a[i] = a[i].max(b[i]);
@@ -544,7 +537,7 @@ mod tests {
             .map(|i| f + b + i)
             .expect("the spec clips");
         let step = |w| (0..n, w);
-        let cases: Vec<(&str, Vec<(std::ops::Range<usize>, HostWait)>)> = vec![
+        let cases: Vec<(&str, Vec<Segment>)> = vec![
             (
                 "three steps",
                 vec![step(All), step(ComputeAndCopyIn), step(ComputeAndCopyIn)],
