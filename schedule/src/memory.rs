@@ -746,20 +746,10 @@ pub(crate) fn verify_memory(plan: &Plan) -> Result<(), PlanError> {
                 let (ri, rj) = (residency[i].live_range(), residency[j].live_range());
                 match (kind, ri, rj) {
                     (ArenaKind::Activations, Some(ri), Some(rj)) => {
-                        if let Some(head) = carried.filter(|h| {
-                            (carried_src[i] && rj.overlaps(h)) || (carried_src[j] && ri.overlaps(h))
+                        if let Some(e) = carried.and_then(|head| {
+                            crate::tiers::carried_clash(plan, head, &carried_src, (i, ri), (j, rj))
                         }) {
-                            let (src, other) = if carried_src[i] && rj.overlaps(&head) {
-                                (i, j)
-                            } else {
-                                (j, i)
-                            };
-                            return Err(invalid(format!(
-                                "buffer #{src} `{}` is copied out across the step boundary until forward position {}, but #{other} `{}`, live then, shares {where_}",
-                                name(src),
-                                head.last,
-                                name(other),
-                            )));
+                            return Err(invalid(format!("{e}, and shares {where_}")));
                         }
                         if ri.overlaps(&rj) {
                             let at = ri.first.max(rj.first);

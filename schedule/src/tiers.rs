@@ -319,3 +319,27 @@ pub(crate) fn carried_head(plan: &Plan) -> Result<Option<LiveRange>, PlanError> 
         },
     }
 }
+
+/// Why buffers `i` and `j` (live in the step during `ri` and `rj`), which share bytes, clash
+/// under a carry into `head` of the next step: one is a carried copy out's source
+/// (`carried_src`) and the other is live during `head`. `None` when they do not clash so.
+pub(crate) fn carried_clash(
+    plan: &Plan,
+    head: LiveRange,
+    carried_src: &[bool],
+    (i, ri): (usize, LiveRange),
+    (j, rj): (usize, LiveRange),
+) -> Option<String> {
+    let (src, other) = if carried_src[i] && rj.overlaps(&head) {
+        (i, j)
+    } else if carried_src[j] && ri.overlaps(&head) {
+        (j, i)
+    } else {
+        return None;
+    };
+    Some(format!(
+        "buffer #{src} `{}` is copied out across the step boundary until forward position {}, \
+         but #{other} `{}` is live then",
+        plan.buffers[src].name, head.last, plan.buffers[other].name
+    ))
+}
