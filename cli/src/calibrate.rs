@@ -176,10 +176,12 @@ pub fn calibrate(
         nvme_read_gbps: nvme_gbps.map(|g| g.0),
         nvme_write_gbps: nvme_gbps.map(|g| g.1),
         host_update_gbps: Some(host_update_gbps(&pool, reps)?),
+        device_memory_bytes: None,
     };
     if let Some(g) = gpu {
         desc.name = format!("{}-{}", desc.name, g.device.replace(' ', "_"));
         desc.host_gpu_gbps = Some(g.h2d_gbps);
+        desc.device_memory_bytes = Some(g.total_memory_bytes);
         desc.gpu_eigh_ms = g.eigh_ms;
         desc.gpu_qr_ms = g.qr_ms;
         // asteria's CUDA engine reaches ~0.1 of the bf16 GEMM rate on whole GPT-2 steps

@@ -367,6 +367,19 @@ pub fn explain(spec: &Path, overrides: &[String]) -> Result<()> {
         let budgets = config.target.budgets().clone();
         let desc = passes::precond_scheduling::target_description(&config.target)
             .map_err(|e| miette!("{e}"))?;
+        let arenas = plan.memory.device_bytes();
+        let need = arenas + schedule::reserve::engine_reserve(&plan, arenas).total();
+        if let Some(memory) = desc.device_memory_bytes.filter(|&m| need as u64 > m) {
+            let _ = writeln!(
+                o,
+                "  warning: the plan needs {} on the device, more than `{}`'s {} of device \
+                 memory: it will not fit; set `gpu_memory` (the floor below) with `host_memory` \
+                 or `nvme`",
+                human_bytes(need),
+                desc.name,
+                human_bytes(memory as usize)
+            );
+        }
         // As compiled under some device budget (`weight_casts = auto` casts weights again in
         // the backward then, for memory).
         let mut config = config;

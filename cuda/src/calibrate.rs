@@ -28,6 +28,8 @@ pub struct GpuCalibration {
     pub h2d_gbps: f64,
     /// bf16-input, fp32-accumulate GEMM rate at 8192³, TFLOP/s.
     pub bf16_gemm_tflops: f64,
+    /// The device's memory as the driver reports its total, bytes.
+    pub total_memory_bytes: u64,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -158,5 +160,6 @@ pub fn measure(
         qr_phases,
         h2d_gbps,
         bf16_gemm_tflops: 2.0 * (k as f64).powi(3) / (gemm_ms * 1e9),
+        total_memory_bytes: dev.info().total_mem as u64,
     })
 }

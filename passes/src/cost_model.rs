@@ -59,6 +59,12 @@ pub struct TargetDescription {
     /// written), for `host_updates` (`None`: not measured; `asteria calibrate` measures it).
     #[serde(default)]
     pub host_update_gbps: Option<f64>,
+    /// The device's memory in bytes, as the driver reports its total (`cuMemGetInfo`); on a
+    /// unified-memory target the pool the CPU and GPU share. `None`: unknown. Without a
+    /// `gpu_memory` budget nothing is placed by it; `tier-placement` and `asteria explain` only
+    /// warn when a plan needs more than this.
+    #[serde(default)]
+    pub device_memory_bytes: Option<u64>,
 }
 
 /// Bytes of state one AdamW update touches per element (f32 parameter, gradient, two
@@ -111,6 +117,9 @@ impl TargetDescription {
         rate("nvme_read_gbps", self.nvme_read_gbps)?;
         rate("nvme_write_gbps", self.nvme_write_gbps)?;
         rate("host_update_gbps", self.host_update_gbps)?;
+        if self.device_memory_bytes == Some(0) {
+            return Err("device_memory_bytes = 0: the device's memory in bytes (1 or more)".into());
+        }
         if !(0.0..=1.0).contains(&self.side_stream_interference) {
             return Err(format!(
                 "side_stream_interference = {}: a fraction in [0, 1]",
@@ -194,6 +203,9 @@ impl TargetDescription {
                 // cores, 128 GiB, the H200 machine's host shape), 2026-12-05: the Cranelift
                 // AdamW kernel with 16 threads, 2.95 ms per 16M elements (BENCHMARKS.md).
                 host_update_gbps: Some(159.0),
+                // The driver's total on the H200 (`cuMemGetInfo`, 139.8 GiB; BENCHMARKS.md,
+                // "the largest SOAP model on one H200").
+                device_memory_bytes: Some(150_109_106_995),
             },
             // Simulated: 72 Neoverse V2 cores, NVLink-C2C 450 GB/s with coherent unified
             // memory, an H100-class GPU with asteria's H200 engine rate.
@@ -215,6 +227,8 @@ impl TargetDescription {
                 nvme_read_gbps: Some(6.0),
                 nvme_write_gbps: Some(5.0),
                 host_update_gbps: None,
+                // HBM3 of 96 or 144 GB and 480 GB of LPDDR5x depending on the part: unknown.
+                device_memory_bytes: None,
             },
             // Simulated: 20 Arm cores (about the H200 VM's per core), one LPDDR5x pool shared
             // with a GPU ~1/8 of an H200 (asteria's engine rate scaled alike).
@@ -234,6 +248,8 @@ impl TargetDescription {
                 nvme_read_gbps: Some(6.0),
                 nvme_write_gbps: Some(5.0),
                 host_update_gbps: None,
+                // 128 GB of LPDDR5x, shared by the CPU and the GPU.
+                device_memory_bytes: Some(128_000_000_000),
             },
             // A 2-core CI-class host without GPU (measured on the development machine with
             // `asteria calibrate`, rounded; the QR times one refresh per core with both cores
@@ -255,6 +271,7 @@ impl TargetDescription {
                 nvme_write_gbps: Some(0.8),
                 // `asteria calibrate` on the 2-core development host, 2026-12-05.
                 host_update_gbps: Some(32.0),
+                device_memory_bytes: None,
             },
             _ => return None,
         })

@@ -111,6 +111,8 @@ pub struct Placement {
     /// when the target description has no `host_update_gbps`), and the predicted compute time
     /// of a step's forward and backward they run beside under `delayed`, ms.
     pub host_update_ms: Option<(f64, f64)>,
+    /// The target description's device memory, bytes (`None`: not described).
+    pub device_memory: Option<u64>,
 }
 
 /// The refresh shadows' move to pinned host memory.
@@ -127,6 +129,30 @@ pub struct ShadowDecision {
 }
 
 impl Placement {
+    /// A warning when the plan cannot fit the device the target describes: with no
+    /// `gpu_memory` budget, a device need above the device's memory (nothing is placed without
+    /// a budget, so the run would fail at allocation); with one, a budget above that memory.
+    pub fn device_memory_warning(&self) -> Option<String> {
+        let memory = self.device_memory?;
+        match self.budgets.device {
+            None if self.device_need as u64 > memory => Some(format!(
+                "the plan needs {} on the device, more than `{}`'s {} of device memory: it \
+                 will not fit; set `gpu_memory` in the target block (with `host_memory`, or \
+                 `nvme` and `nvme_memory`) to place state off the device",
+                human_bytes(self.device_need),
+                self.target,
+                human_bytes(memory as usize)
+            )),
+            Some(b) if b > memory => Some(format!(
+                "`gpu_memory` {} is more than `{}`'s {} of device memory",
+                human_bytes(b as usize),
+                self.target,
+                human_bytes(memory as usize)
+            )),
+            _ => None,
+        }
+    }
+
     /// Bytes placed in `tier`.
     pub fn bytes_in(&self, tier: ArenaKind) -> usize {
         self.decisions
@@ -173,6 +199,9 @@ impl Pass for TierPlacement {
         })?;
         let desc = crate::precond_scheduling::target_description(&module.config.target)?;
         self.placement = place(plan, &budgets, &desc)?;
+        if let Some(w) = self.placement.device_memory_warning() {
+            tracing::warn!("tier-placement: {w}");
+        }
         if budgets.is_empty() {
             return Ok("no budget: every buffer on the device".into());
         }
@@ -220,6 +249,9 @@ pub fn report(p: &Placement) -> String {
         human_bytes(p.device_need),
         p.reserve.describe()
     );
+    if let Some(w) = p.device_memory_warning() {
+        let _ = writeln!(s, "; warning: {w}");
+    }
     if let Some(note) = &p.host_note {
         let _ = writeln!(s, "; host tier not used: {note}");
     }
@@ -307,6 +339,7 @@ pub fn place(
     let mut placement = Placement {
         target: desc.name.clone(),
         budgets: budgets.clone(),
+        device_memory: desc.device_memory_bytes,
         ..Default::default()
     };
     let device_need = |p: &Plan| {
