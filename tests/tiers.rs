@@ -713,6 +713,73 @@ fn the_verifier_refuses_tampered_copies() {
         .expect_err("an op on offloaded state")
         .to_string();
     assert!(e.contains("offloaded"), "{e}");
+    // A copy in moved after the first op that reads its staging buffer (the optimizer's own
+    // copies in, and those `copy-hoisting` put in the backward): the op would read stale bytes.
+    let hoisted = plan
+        .backward
+        .iter()
+        .filter(|o| matches!(o, Op::CopyIn { .. }))
+        .count();
+    assert!(hoisted > 0, "the plan hoists copies in into the backward");
+    for in_backward in [false, true] {
+        let mut p = plan.clone();
+        let program = if in_backward {
+            &mut p.backward
+        } else {
+            &mut p.optimizer
+        };
+        let at = program
+            .iter()
+            .position(|o| matches!(o, Op::CopyIn { .. }))
+            .expect("a copy in");
+        let copy = program.remove(at);
+        let Op::CopyIn { dst, .. } = copy else {
+            unreachable!()
+        };
+        let reader = p
+            .optimizer
+            .iter()
+            .position(|o| {
+                !matches!(o, Op::CopyIn { .. } | Op::CopyOut { .. })
+                    && o.accesses().iter().any(|(_, id, _)| *id == dst)
+            })
+            .expect("an op reads the staging buffer");
+        p.optimizer.insert(reader + 1, copy);
+        let e = p
+            .verify()
+            .expect_err("a read before its copy in")
+            .to_string();
+        assert!(
+            e.contains("before its copy_in") && e.contains(&p.buffer(dst).name),
+            "in_backward {in_backward}: {e}"
+        );
+    }
+    // A copy out moved before the update that writes its staging buffer: the update is lost.
+    let mut p = plan.clone();
+    let at = p
+        .optimizer
+        .iter()
+        .position(|o| matches!(o, Op::CopyOut { .. }))
+        .expect("a copy out");
+    let copy = p.optimizer.remove(at);
+    let Op::CopyOut { src, .. } = copy else {
+        unreachable!()
+    };
+    let writer = p
+        .optimizer
+        .iter()
+        .position(|o| {
+            o.accesses()
+                .iter()
+                .any(|(_, id, a)| *id == src && a.writes())
+        })
+        .expect("an op writes the staging buffer");
+    p.optimizer.insert(writer, copy);
+    let e = p
+        .verify()
+        .expect_err("a write after its copy out")
+        .to_string();
+    assert!(e.contains("after its copy_out"), "{e}");
     // Over the recorded budget.
     let mut p = plan;
     p.memory.budgets.device = Some(MIB);
