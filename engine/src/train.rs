@@ -521,11 +521,38 @@ fn progress_bar(steps: u64, quiet: bool) -> ProgressBar {
 /// metrics file ([`EngineError::Io`], naming the file; the lines written before it stay), too
 /// many consecutive eigenbasis refresh failures, or [`EngineError::Diverged`]: the optimizer
 /// skipped `plan.train.max_skipped_steps` consecutive steps for a non-finite gradient norm
-/// (the metrics file then ends with the last skipped step).
+/// (the metrics file then ends with the last skipped step). An offload tier's error
+/// ([`EngineError::Tier`]: a corrupt or truncated NVMe block) names the step that did not
+/// finish and the newest checkpoint of the run, with the `--resume` that continues from it.
 pub fn train(plan: &Plan, opts: &TrainOptions) -> Result<TrainSummary, EngineError> {
     plan.verify()?;
     let mut engine = CpuEngine::<f32>::new(plan.clone(), opts.engine.clone())?;
     train_with(&mut engine, opts)
+}
+
+/// `e`, the error that stopped step `step`; an offload tier's ([`EngineError::Tier`]: a
+/// corrupt or truncated NVMe block, a failed write) says what of the run is kept: the newest
+/// checkpoint `last` (its step and directory) and how to continue from it, or that there is
+/// none. Other errors are returned as they are.
+fn stopped_at(e: EngineError, step: u64, last: Option<&(u64, PathBuf)>) -> EngineError {
+    match e {
+        EngineError::Tier(m) => {
+            let kept = match last {
+                Some((k, dir)) => format!(
+                    "the newest checkpoint, after step {k}, is {} (continue with --resume {})",
+                    dir.display(),
+                    dir.parent().unwrap_or(dir).display()
+                ),
+                None => "no checkpoint was written before it (`--checkpoint-dir DIR \
+                         --checkpoint-every N` keeps one every N steps)"
+                    .to_string(),
+            };
+            EngineError::Tier(format!(
+                "{m}; step {step} did not finish and the run stopped; {kept}"
+            ))
+        }
+        other => other,
+    }
 }
 
 /// The training loop of [`train`] over any [`StepExecutor`] (the plan is the executor's).
@@ -719,6 +746,10 @@ pub fn train_with<E: StepExecutor>(
             None => Ok(None),
         }
     };
+    // The newest checkpoint of this run (or the one it resumed from): a step that fails on an
+    // offload tier names it, so that nothing trained before it is lost.
+    let mut last_saved: Option<(u64, PathBuf)> =
+        resumed_ckpt.as_ref().map(|c| (c.meta.step, c.dir.clone()));
     // The current run of consecutive skipped steps, and the last finite training loss.
     let mut skipped_run = 0u64;
     let mut last_finite_loss: Option<(u64, f64)> = None;
@@ -733,18 +764,29 @@ pub fn train_with<E: StepExecutor>(
         let mut loss_sum = 0.0;
         for micro in 0..micro_batches {
             sampler.next_train_batch(b, t, &mut bx, &mut by)?;
-            engine.load_batch(&bx, &by)?;
-            loss_sum += tracing::info_span!("forward", micro).in_scope(|| engine.forward())?;
-            tracing::info_span!("backward", micro).in_scope(|| engine.backward(micro))?;
+            let stopped = |e| stopped_at(e, step, last_saved.as_ref());
+            engine.load_batch(&bx, &by).map_err(stopped)?;
+            loss_sum += tracing::info_span!("forward", micro)
+                .in_scope(|| engine.forward())
+                .map_err(stopped)?;
+            tracing::info_span!("backward", micro)
+                .in_scope(|| engine.backward(micro))
+                .map_err(stopped)?;
         }
+        let stopped = |e| stopped_at(e, step, last_saved.as_ref());
         let loss = loss_sum / micro_batches as f64;
         let mult = plan.train.lr_multiplier(step);
         let opt_start = Instant::now();
-        let stepped =
-            tracing::info_span!("optimizer").in_scope(|| engine.optimizer_step(step, mult))?;
-        let host = tracing::info_span!("host tasks").in_scope(|| engine.run_host_tasks(step))?;
+        let stepped = tracing::info_span!("optimizer")
+            .in_scope(|| engine.optimizer_step(step, mult))
+            .map_err(stopped)?;
+        let host = tracing::info_span!("host tasks")
+            .in_scope(|| engine.run_host_tasks(step))
+            .map_err(stopped)?;
         let opt_ms = opt_start.elapsed().as_secs_f64() * 1e3;
-        tracing::info_span!("synchronize").in_scope(|| engine.synchronize())?;
+        tracing::info_span!("synchronize")
+            .in_scope(|| engine.synchronize())
+            .map_err(stopped)?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
         let step_j = match (joules_before, engine.energy_j()) {
             (Some(a), Some(b)) => Some((b - a).max(0.0)),
@@ -817,7 +859,8 @@ pub fn train_with<E: StepExecutor>(
         pb.set_position(step);
         pb.set_message(format!("loss {loss:.4} | {tps:.0} tok/s"));
         if evals && (step % plan.train.eval_interval == 0 || step == steps) {
-            eval(engine, &sampler, step, &mut summary, &mut metrics, train_j)?;
+            eval(engine, &sampler, step, &mut summary, &mut metrics, train_j)
+                .map_err(|e| stopped_at(e, step, last_saved.as_ref()))?;
             let v = summary.val_losses.last().map_or(f64::NAN, |x| x.1);
             say(
                 &pb,
@@ -855,10 +898,13 @@ pub fn train_with<E: StepExecutor>(
         if due && step != steps {
             if let Some(dir) = checkpoint(engine, step)? {
                 say(&pb, format!("checkpoint {}", dir.display()));
+                last_saved = Some((step, dir));
             }
         }
     }
-    engine.finish()?;
+    engine
+        .finish()
+        .map_err(|e| stopped_at(e, steps, last_saved.as_ref()))?;
     if let Some(dir) = checkpoint(engine, steps)? {
         say(&pb, format!("checkpoint {}", dir.display()));
     }
