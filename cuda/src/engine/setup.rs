@@ -606,9 +606,6 @@ impl CudaEngine {
             gib(arenas),
             gib(outside)
         );
-        if used as u64 <= budget {
-            return Ok(());
-        }
         // Device arenas only: the host tier's pinned arena and the NVMe tier's pinned bounce
         // slots do not count against the budget.
         let mut list: Vec<(String, usize)> = self
@@ -622,20 +619,10 @@ impl CudaEngine {
             self.refresh_bytes - self.refreshes.pinned_bytes,
         ));
         list.push((format!("context and libraries ({source})"), outside));
-        list.sort_by(|a, b| b.1.cmp(&a.1));
-        let named: Vec<String> = list
-            .iter()
-            .filter(|(_, b)| *b > 0)
-            .take(6)
-            .map(|(n, b)| format!("{n} {}", gib(*b)))
-            .collect();
-        Err(EngineError::OutOfMemory {
-            plan: self.plan.name.clone(),
-            place: format!("the `gpu_memory` budget of {}", gib(budget as usize)),
-            needed: gib(used),
-            available: gib(budget as usize),
-            largest: named.join(", "),
-        })
+        match budget_refusal(&self.plan, budget, used, list) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// The CPU engine's initialisation (`engine::CpuEngine::new`), on the host, uploaded.
@@ -883,6 +870,66 @@ impl CudaEngine {
     }
 }
 
+/// The CUDA engine's refusal of a plan whose device allocations exceed its `gpu_memory`
+/// budget, before anything runs: `used` bytes (the engine's arenas plus the process's memory
+/// outside them) against `budget`, naming the largest of `consumers` (`(name, bytes)`: the
+/// arenas, the refresh work, the context and libraries) and the plan's largest tensors on the
+/// device, with what to do. `None` when `used` fits.
+pub(crate) fn budget_refusal(
+    plan: &Plan,
+    budget: u64,
+    used: usize,
+    mut consumers: Vec<(String, usize)>,
+) -> Option<EngineError> {
+    if used as u64 <= budget {
+        return None;
+    }
+    let gib = |b: usize| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+    consumers.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let mut named: Vec<String> = consumers
+        .iter()
+        .filter(|(_, b)| *b > 0)
+        .take(6)
+        .map(|(n, b)| format!("{n} {}", gib(*b)))
+        .collect();
+    let mut tensors: Vec<(usize, &str)> = plan
+        .buffers
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| {
+            plan.memory
+                .tier(schedule::BufferId(*i as u32))
+                .is_none_or(|k| k.on_device())
+        })
+        .map(|(_, b)| (b.size_bytes(), b.name.as_str()))
+        .collect();
+    tensors.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(b.1)));
+    let largest: Vec<String> = tensors
+        .iter()
+        .take(4)
+        .map(|(b, n)| format!("%{n} {}", gib(*b)))
+        .collect();
+    if !largest.is_empty() {
+        named.push(format!(
+            "the plan's largest tensors on the device: {}",
+            largest.join(", ")
+        ));
+    }
+    named.push(format!(
+        "compile with a `gpu_memory` at most {} to leave this engine the {} it needs beyond \
+         the plan's estimate",
+        gib((budget as usize).saturating_sub(used - budget as usize)),
+        gib(used - budget as usize)
+    ));
+    Some(EngineError::OutOfMemory {
+        plan: plan.name.clone(),
+        place: format!("the `gpu_memory` budget of {}", gib(budget as usize)),
+        needed: gib(used),
+        available: gib(budget as usize),
+        largest: named.join("; "),
+    })
+}
+
 #[cfg(test)]
 mod fusion_tests {
     //! The engine decides no fusion; it checks that it can run the plan's fused ops and bf16
@@ -912,6 +959,51 @@ mod fusion_tests {
         let max = schedule::BF16_ATTENTION_MAX_HEAD_DIM;
         assert!(at::flash_supported(&d(max), at::FlashMath::Bf16));
         assert!(!at::flash_supported(&d(max + 8), at::FlashMath::Bf16));
+    }
+
+    /// The refusal names the budget, the need, the largest consumers (largest first) and the
+    /// plan's largest device tensors, and says what budget to compile with; a plan that fits is
+    /// not refused, and a tensor moved off the device is not named.
+    #[test]
+    fn a_plan_over_its_budget_is_refused_naming_its_consumers() {
+        const GIB: usize = 1 << 30;
+        let plan = gpt2_124m_plan();
+        let consumers = || {
+            vec![
+                ("persistent".to_string(), 2 * GIB),
+                ("activations".to_string(), 5 * GIB),
+                ("refresh work and shadows".to_string(), 0),
+                ("context and libraries (measured by NVML)".to_string(), GIB),
+            ]
+        };
+        assert!(budget_refusal(&plan, 8 * GIB as u64, 8 * GIB, consumers()).is_none());
+        let e = budget_refusal(&plan, 7 * GIB as u64, 8 * GIB, consumers()).expect("over");
+        let text = e.to_string();
+        assert!(matches!(e, EngineError::OutOfMemory { .. }), "{e:?}");
+        for want in [
+            "`gpu_memory` budget of 7.00 GiB",
+            "8.00 GiB",
+            "activations 5.00 GiB; persistent 2.00 GiB; context and libraries",
+            "at most 6.00 GiB",
+            "the plan's largest tensors on the device: %d.logits 1.54 GiB",
+        ] {
+            assert!(text.contains(want), "{want}: {text}");
+        }
+        assert!(
+            !text.contains("refresh work"),
+            "zero-byte consumers are left out: {text}"
+        );
+        // A tensor moved to host memory is no longer named.
+        let mut moved = plan.clone();
+        let at: Vec<usize> = (0..moved.buffers.len())
+            .filter(|&i| moved.buffers[i].name == "d.logits")
+            .collect();
+        assert_eq!(at.len(), 1, "one d.logits");
+        moved.memory.slots[at[0]].arena = ArenaKind::Host;
+        let text = budget_refusal(&moved, 7 * GIB as u64, 8 * GIB, consumers())
+            .expect("over")
+            .to_string();
+        assert!(!text.contains("%d.logits "), "{text}");
     }
 
     #[test]
