@@ -15,13 +15,20 @@
 # predicted NVMe copies a step on the `h200` description: ~3 more minutes at 10 steps).
 # Writes into OUT_DIR: soap-6.9b{,-nvme}.{jsonl,txt}, soap-6.9b{,-nvme}-placement.txt,
 # torch-soap-6.9b.txt, summary.md, and OUT_DIR.tgz.
-# Usage: bench/h200-largest.sh OUT_DIR [STEPS] [--nvme DIR]   (default 12; statistics skip 4 steps)
+# --gpu-memory SIZE / --host-memory SIZE override the spec's budgets in every row (e.g. an 80 GB
+# H100: `--gpu-memory 76GiB --host-memory 64GiB`), --nvme-host-memory SIZE the NVMe row's host
+# tier (default 8GiB).
+# Usage: bench/h200-largest.sh OUT_DIR [STEPS] [--nvme DIR] [--gpu-memory SIZE] [--host-memory SIZE]
+#        [--nvme-host-memory SIZE]   (default 12 steps; statistics skip 4 steps)
 set -uo pipefail
-usage="usage: bench/h200-largest.sh OUT_DIR [STEPS] [--nvme DIR]"
-pos=(); nvme=""
+usage="usage: bench/h200-largest.sh OUT_DIR [STEPS] [--nvme DIR] [--gpu-memory SIZE] [--host-memory SIZE] [--nvme-host-memory SIZE]"
+pos=(); nvme=""; budget=""; nvme_host="8GiB"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --nvme) [[ $# -ge 2 ]] || { echo "$usage" >&2; exit 2; }; nvme="$2"; shift 2 ;;
+    --gpu-memory) [[ $# -ge 2 ]] || { echo "$usage" >&2; exit 2; }; budget+=" --set target.gpu_memory=$2"; shift 2 ;;
+    --host-memory) [[ $# -ge 2 ]] || { echo "$usage" >&2; exit 2; }; budget+=" --set target.host_memory=$2"; shift 2 ;;
+    --nvme-host-memory) [[ $# -ge 2 ]] || { echo "$usage" >&2; exit 2; }; nvme_host="$2"; shift 2 ;;
     -*) echo "$usage" >&2; exit 2 ;;
     *) pos+=("$1"); shift ;;
   esac
@@ -39,8 +46,8 @@ cat .gpu/BUILD 2>/dev/null
 spec="$S/llama-6.9b-soap.asteria"
 # One row per placement: the spec's (host tier only), and with --nvme DIR only 8 GiB of pinned
 # host memory, the rest of what does not fit in an NVMe file in DIR.
-runs=("soap-6.9b|")
-[[ -n $nvme ]] && runs+=("soap-6.9b-nvme|--set target.host_memory=8GiB --set target.nvme=\"$nvme\" --set target.nvme_memory=40GiB")
+runs=("soap-6.9b|$budget")
+[[ -n $nvme ]] && runs+=("soap-6.9b-nvme|$budget --set target.host_memory=$nvme_host --set target.nvme=\"$nvme\" --set target.nvme_memory=40GiB")
 rows=()
 for r in "${runs[@]}"; do
   IFS='|' read -r name sets <<< "$r"
