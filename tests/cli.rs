@@ -265,6 +265,100 @@ fn explain_reports_bytes_per_class_and_ops() {
     }
 }
 
+/// `explain` on a tiered spec (`examples/tiny-tiers.asteria`: a 5 MiB working set, 1 MiB of
+/// host tier, the rest of the moments on NVMe) shows the bytes and tensors in each tier with
+/// their predicted copy time, and the device budget against the need.
+#[test]
+fn explain_shows_bytes_per_tier_and_predicted_copies_of_a_tiered_spec() {
+    let o = asteria(&["explain", "examples/tiny-tiers.asteria"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let line = |prefix: &str| {
+        out.lines()
+            .find(|l| l.trim_start().starts_with(prefix))
+            .unwrap_or_else(|| panic!("no `{prefix}` line:\n{out}"))
+            .to_string()
+    };
+    let host = line("host ");
+    let nvme = line("nvme ");
+    for (l, what) in [(&host, "host"), (&nvme, "nvme")] {
+        assert!(
+            l.contains("offloaded by tier-placement") && l.contains("ms per step"),
+            "{what}: {l}"
+        );
+    }
+    assert!(
+        host.contains("1.00 MiB") && host.contains("4 tensors"),
+        "{host}"
+    );
+    assert!(nvme.contains("6 tensors"), "{nvme}");
+    assert!(line("copies ").contains("predicted in all"), "{out}");
+    assert!(line("device budget").contains("5.00 MiB"), "{out}");
+    assert!(out.contains("staging"), "{out}");
+}
+
+/// `--print-after prefetch-insertion` (and `copy-hoisting`) lists every copy with its tiers,
+/// its stream and the op that waits for it (a copy in) or that it follows (a copy out); each
+/// waiting op comes after its copy in, each followed op before its copy out.
+#[test]
+fn print_after_prefetch_insertion_lists_copies_with_streams_and_waits() {
+    for pass in ["prefetch-insertion", "copy-hoisting"] {
+        let o = asteria(&[
+            "compile",
+            "examples/tiny-tiers.asteria",
+            "--print-after",
+            pass,
+            "-o",
+            std::env::temp_dir()
+                .join(format!("asteria-cli-copies-{}.json", std::process::id()))
+                .to_str()
+                .expect("utf-8"),
+        ]);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{err}");
+        let index = |pos: &str| -> usize {
+            pos.trim_start_matches(|c: char| c.is_ascii_alphabetic())
+                .trim_matches(|c| c == '[' || c == ']')
+                .parse()
+                .unwrap_or_else(|_| panic!("{pos}"))
+        };
+        let (mut ins, mut outs) = (0, 0);
+        let copies = out.lines().filter(|l| {
+            // The listing's lines (`copy_in  %src [tier] -> ...`), not the program's.
+            l.starts_with(";   ") && (l.contains(" copy_in  %") || l.contains(" copy_out %"))
+        });
+        for l in copies {
+            let words: Vec<&str> = l.split_whitespace().collect();
+            let at = index(words[1]);
+            if l.contains(" copy_in ") {
+                ins += 1;
+                assert!(
+                    l.contains("copy-in stream;") && l.contains("waits for it"),
+                    "{l}"
+                );
+                let waiter = l.split("stream; ").nth(1).expect("waiter");
+                let w = index(waiter.split_whitespace().next().expect("position"));
+                assert!(w > at, "{l}");
+                assert!(l.contains("[host] ->") || l.contains("[nvme] ->"), "{l}");
+            } else {
+                outs += 1;
+                assert!(l.contains("copy-out stream; after "), "{l}");
+                let after = l.split("; after ").nth(1).expect("after");
+                let w = index(after.split_whitespace().next().expect("position"));
+                assert!(w < at, "{l}");
+                assert!(l.contains("[device] ->"), "{l}");
+            }
+        }
+        assert_eq!((ins, outs), (10, 10), "{pass}: {out}");
+        assert!(
+            out.contains(&format!(
+                "; copies after {pass}: 10 copy_in on the copy-in stream, 10 copy_out"
+            )),
+            "{out}"
+        );
+    }
+}
+
 /// `explain` on a CUDA spec names its device floor (everything tier-placement may move
 /// offloaded): a budget just above it compiles, one well below it fails naming a need at
 /// least that of the floor's neighbourhood.

@@ -73,19 +73,7 @@ impl Pass for CopyHoisting {
         let Some(plan) = &cx.plan else {
             return "; plan after copy-hoisting: none".into();
         };
-        let mut s =
-            String::from("; copies in after copy-hoisting (step position: source -> staging)\n");
-        for (pos, op) in plan.step_ops() {
-            if let Op::CopyIn { src, dst, .. } = op {
-                s.push_str(&format!(
-                    ";   {} copy_in %{} -> %{}\n",
-                    plan.step_position(pos),
-                    plan.buffer(*src).name,
-                    plan.buffer(*dst).name
-                ));
-            }
-        }
-        s
+        crate::prefetch_insertion::copy_listing(plan, "copy-hoisting")
     }
 }
 

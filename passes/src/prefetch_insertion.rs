@@ -69,7 +69,8 @@ impl Pass for PrefetchInsertion {
         let Some(plan) = &cx.plan else {
             return "; plan after prefetch-insertion: none".into();
         };
-        let mut s = String::from("; optimizer program after prefetch-insertion\n");
+        let mut s = copy_listing(plan, "prefetch-insertion");
+        s.push_str("; optimizer program after prefetch-insertion\n");
         for (i, op) in plan.optimizer.iter().enumerate() {
             let names: Vec<String> = op
                 .operands()
@@ -84,6 +85,83 @@ impl Pass for PrefetchInsertion {
         }
         s
     }
+}
+
+/// Every copy of `plan`'s step (forward, backward, optimizer), one line each, in step order:
+/// its position, source and destination with their tiers, the stream it runs on (`copy_in`
+/// on the copy-in stream, `copy_out` on the copy-out stream: an engine's host→device and
+/// device→host copy engines, or its I/O threads for NVMe), and the ordering an engine derives
+/// from the plan for it: the first later op that reads a copy in's destination waits for its
+/// event, and a copy out starts after the op that last wrote its source. A copy in whose
+/// destination nothing reads, or a copy out whose source nothing wrote, says so (the
+/// verifier refuses the latter). `after` names the pass in the heading.
+pub fn copy_listing(plan: &Plan, after: &str) -> String {
+    let ops: Vec<(usize, &Op)> = plan.step_ops().collect();
+    // The staging buffers' arena is the memory plan's business (`memory-planning` puts them
+    // in the activations arena): `device` here.
+    let tier = |id: BufferId| match plan.memory.tier(id) {
+        Some(k) if k.on_device() => "device",
+        Some(k) => k.name(),
+        None => "?",
+    };
+    let (ins, outs) = ops.iter().fold((0, 0), |(i, o), (_, op)| match op {
+        Op::CopyIn { .. } => (i + 1, o),
+        Op::CopyOut { .. } => (i, o + 1),
+        _ => (i, o),
+    });
+    let mut s = format!(
+        "; copies after {after}: {ins} copy_in on the copy-in stream, {outs} copy_out on the \
+         copy-out stream (step position: source [tier] -> destination [tier]; the op that \
+         waits for each copy in's event, the op each copy out follows)\n"
+    );
+    let touches = |op: &Op, id: BufferId, write: bool| {
+        op.accesses()
+            .iter()
+            .any(|(_, b, a)| *b == id && if write { a.writes() } else { a.reads() })
+    };
+    for (k, &(pos, op)) in ops.iter().enumerate() {
+        let line = match op {
+            Op::CopyIn { src, dst, .. } => {
+                let reader = ops[k + 1..]
+                    .iter()
+                    .find(|(_, o)| !crate::tier_placement::is_copy(o) && touches(o, *dst, false))
+                    .or_else(|| {
+                        ops[k + 1..]
+                            .iter()
+                            .find(|(_, o)| matches!(o, Op::CopyOut { src, .. } if src == dst))
+                    });
+                let waits = reader.map_or("nothing reads it this step".to_string(), |(p, o)| {
+                    format!("{} {} waits for it", plan.step_position(*p), o.name())
+                });
+                format!(
+                    ";   {} copy_in  %{} [{}] -> %{} [{}]  copy-in stream; {waits}",
+                    plan.step_position(pos),
+                    plan.buffer(*src).name,
+                    tier(*src),
+                    plan.buffer(*dst).name,
+                    tier(*dst)
+                )
+            }
+            Op::CopyOut { src, dst, .. } => {
+                let writer = ops[..k].iter().rev().find(|(_, o)| touches(o, *src, true));
+                let follows = writer.map_or("nothing wrote its source".to_string(), |(p, o)| {
+                    format!("after {} {}", plan.step_position(*p), o.name())
+                });
+                format!(
+                    ";   {} copy_out %{} [{}] -> %{} [{}]  copy-out stream; {follows}",
+                    plan.step_position(pos),
+                    plan.buffer(*src).name,
+                    tier(*src),
+                    plan.buffer(*dst).name,
+                    tier(*dst)
+                )
+            }
+            _ => continue,
+        };
+        s.push_str(&line);
+        s.push('\n');
+    }
+    s
 }
 
 /// Adds the staging buffers and copies for every offloaded buffer of `plan` (see the module
