@@ -100,8 +100,26 @@ pub fn peak_bf16_tflops(name: &str) -> Option<f64> {
     }
 }
 
+/// The thread of [`Device::spawn_peak_sampler`]; dropping it stops and joins the thread.
+#[derive(Debug)]
+pub struct PeakSampler {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for PeakSampler {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            t.thread().unpark();
+            let _ = t.join();
+        }
+    }
+}
+
 /// Memory use in bytes: what the arenas reserved (now and peak, per tier) and what the driver
-/// reports used on the whole GPU (peak sampled at allocations and reports).
+/// reports used on the whole GPU (peak sampled at allocations and reports, and every 10 ms by
+/// a training engine's [`PeakSampler`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryReport {
     /// GPU memory in total.
@@ -500,6 +518,30 @@ impl Device {
     /// Allocates an arena of `bytes` in `tier`.
     pub fn arena(&self, name: &str, tier: Tier, bytes: usize) -> Result<Arena> {
         Arena::new(&self.ctx, &self.counters, name, tier, bytes)
+    }
+
+    /// Starts a thread that samples the driver's used memory (`cuMemGetInfo`: total − free,
+    /// the whole GPU) into [`MemoryReport::device_peak_used`] every `period`, so that the
+    /// reported peak also covers memory taken and given back between allocations and reports
+    /// (library workspaces, another process). It stops when the returned handle drops.
+    ///
+    /// # Errors
+    /// The thread could not be spawned.
+    pub fn spawn_peak_sampler(&self, period: std::time::Duration) -> std::io::Result<PeakSampler> {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (ctx, counters, flag) = (self.ctx.clone(), self.counters.clone(), stop.clone());
+        let thread = std::thread::Builder::new()
+            .name("gpu-peak-sampler".into())
+            .spawn(move || {
+                while !flag.load(Ordering::Relaxed) {
+                    counters.sample(&ctx);
+                    std::thread::park_timeout(period);
+                }
+            })?;
+        Ok(PeakSampler {
+            stop,
+            thread: Some(thread),
+        })
     }
 
     /// Current and peak memory use.

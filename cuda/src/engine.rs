@@ -186,6 +186,10 @@ pub struct CudaEngine {
     /// Device bytes reserved on the device before this engine allocated anything (another
     /// engine's or a self-test's; not counted against this plan's `gpu_memory`).
     reserved_before: usize,
+    /// Samples the driver's used memory every 10 ms into the reported peak while the engine
+    /// lives (`None` when the thread could not start: the peak is then sampled at
+    /// allocations and reports only).
+    _peak_sampler: Option<crate::device::PeakSampler>,
     profile: Option<ProfileRows>,
     /// Events and waits of the tier copies on the copy streams ([`copies::CopyOrder`]).
     copy_order: copies::CopyOrder,

@@ -516,6 +516,10 @@ impl CudaEngine {
 
         let tasks = plan.host_tasks.len();
         let n_bufs = plan.buffers.len();
+        let peak_sampler = dev
+            .spawn_peak_sampler(std::time::Duration::from_millis(10))
+            .map_err(|e| tracing::warn!("no GPU memory sampler thread: {e}"))
+            .ok();
         let mut eng = CudaEngine {
             update_kernels,
             adamw_kernels,
@@ -547,6 +551,7 @@ impl CudaEngine {
             arenas,
             refresh_bytes,
             reserved_before,
+            _peak_sampler: peak_sampler,
             profile,
             copy_order: super::copies::CopyOrder::new(&plan),
             host_updates: super::host_updates::HostUpdates::new(
