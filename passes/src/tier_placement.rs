@@ -116,6 +116,9 @@ pub struct Placement {
     pub host_update_ms: Option<(f64, f64)>,
     /// The target description's device memory, bytes (`None`: not described).
     pub device_memory: Option<u64>,
+    /// Pinned host bytes of the CUDA engine's NVMe bounce slots
+    /// ([`schedule::reserve::nvme_bounce_bytes`]; 0 without NVMe state), within `host_memory`.
+    pub nvme_bounce: usize,
 }
 
 /// The refresh shadows' move to pinned host memory.
@@ -321,6 +324,20 @@ pub fn report(p: &Placement) -> String {
             d.what
         );
     }
+    if p.nvme_bounce > 0 {
+        let _ = writeln!(
+            s,
+            "; NVMe bounce slots: {} x {} pinned ({}), {}",
+            schedule::reserve::NVME_BOUNCE_SLOTS,
+            human_bytes(p.nvme_bounce / schedule::reserve::NVME_BOUNCE_SLOTS),
+            human_bytes(p.nvme_bounce),
+            if p.host_note.is_some() {
+                "in the memory the host and the device share"
+            } else {
+                "within `host_memory`"
+            }
+        );
+    }
     let _ = writeln!(
         s,
         "; host {}, nvme {}; predicted copies {:.2} ms per step (copies in and out overlap each \
@@ -411,6 +428,7 @@ pub fn place(
         )?;
         placement.decisions.sort_by_key(|d| d.buffer);
         placement.reserve = engine_reserve(plan, plan_memory(plan).device_bytes());
+        placement.nvme_bounce = schedule::reserve::nvme_bounce_bytes(plan);
         Ok(())
     };
     if need_of(plan, &[])? <= cap {
@@ -849,7 +867,12 @@ fn refresh_copies_per_step(plan: &Plan, id: BufferId) -> f64 {
 }
 
 /// Places `chosen` in the host tier while its budget allows (and `host_ok`), then on NVMe:
-/// slots and arenas of `plan.memory`. Errors when neither tier has room.
+/// slots and arenas of `plan.memory`. Under a `host_memory` budget, the CUDA engine's NVMe
+/// bounce slots ([`schedule::reserve::nvme_bounce_bytes`], four of the largest NVMe tensor,
+/// pinned) share it with the host tier: the placement is repeated with that much less host
+/// memory until the slots of what it puts on NVMe fit (each round can only move more to NVMe,
+/// so the slots only grow; it ends when they fit or nothing does). Errors when neither tier
+/// has room.
 fn assign(
     plan: &mut Plan,
     chosen: &[BufferId],
@@ -858,9 +881,39 @@ fn assign(
     host_ok: bool,
     decisions: &mut Vec<Decision>,
 ) -> Result<(), PassError> {
-    // The pinned refresh shadows share `host_memory` with the host tier.
-    // The pinned refresh shadows share `host_memory` with the host tier, and so does the
-    // host copy of the clip's factor that host updates read (`prefetch-insertion`).
+    if budgets.host.is_none() || budgets.nvme_dir.is_none() {
+        return assign_reserving(plan, chosen, budgets, desc, host_ok, 0, decisions);
+    }
+    let mut bounce = 0;
+    loop {
+        let mut trial = plan.clone();
+        let mut made = Vec::new();
+        assign_reserving(
+            &mut trial, chosen, budgets, desc, host_ok, bounce, &mut made,
+        )?;
+        let need = schedule::reserve::nvme_bounce_bytes(&trial);
+        if need <= bounce {
+            *plan = trial;
+            decisions.extend(made);
+            return Ok(());
+        }
+        bounce = need;
+    }
+}
+
+/// [`assign`] with `bounce` bytes of `host_memory` kept for the NVMe bounce slots.
+fn assign_reserving(
+    plan: &mut Plan,
+    chosen: &[BufferId],
+    budgets: &Budgets,
+    desc: &TargetDescription,
+    host_ok: bool,
+    bounce: usize,
+    decisions: &mut Vec<Decision>,
+) -> Result<(), PassError> {
+    // The pinned refresh shadows share `host_memory` with the host tier, and so do the NVMe
+    // bounce slots and the host copy of the clip's factor that host updates read
+    // (`prefetch-insertion`).
     let scale_copy = if plan.optimizer.iter().any(|o| o.on_host()) {
         256
     } else {
@@ -869,6 +922,7 @@ fn assign(
     let host_cap = budgets.host.map_or(usize::MAX, |b| {
         (b as usize)
             .saturating_sub(schedule::reserve::refresh_pinned_bytes(plan))
+            .saturating_sub(bounce)
             .saturating_sub(scale_copy)
     });
     let nvme_cap = if budgets.nvme_dir.is_some() {

@@ -225,6 +225,25 @@ fn the_largest_model_on_three_targets_places_differently() {
         d_h200.shadows.is_some(),
         "the refresh shadows are pinned first"
     );
+    // Everything pinned fits `host_memory`: the host tier, the refresh shadows and the CUDA
+    // engine's NVMe bounce slots (four of the largest NVMe tensor).
+    let bounce = schedule::reserve::nvme_bounce_bytes(&p_h200);
+    assert_eq!(bounce, d_h200.nvme_bounce);
+    let largest_nvme = d_h200
+        .decisions
+        .iter()
+        .filter(|d| d.tier == ArenaKind::Nvme)
+        .map(|d| d.bytes)
+        .max()
+        .expect("NVMe tensors");
+    assert_eq!(bounce, 4 * largest_nvme);
+    assert!(
+        p_h200.memory.arena_bytes(ArenaKind::Host)
+            + schedule::reserve::refresh_pinned_bytes(&p_h200)
+            + bounce
+            <= 96 * GIB,
+        "pinned memory over host_memory"
+    );
     let kinds = |d: &Placement, tier: ArenaKind| {
         let mut k: Vec<String> = d
             .decisions

@@ -529,6 +529,33 @@ pub fn refresh_pinned_bytes(plan: &Plan) -> usize {
         .sum()
 }
 
+/// Bounce slots of the CUDA engine's NVMe tier: pinned host buffers every NVMe read and write
+/// passes through (a copy in flight each way while the writer thread writes the previous copy
+/// out, and a refresh swap's two moments).
+pub const NVME_BOUNCE_SLOTS: usize = 4;
+
+/// Pinned host bytes of the CUDA engine's NVMe bounce slots for `plan` as placed:
+/// [`NVME_BOUNCE_SLOTS`] slots of its largest NVMe-tier buffer (f32, each rounded up to
+/// [`crate::memory::ARENA_ALIGN`]); 0 without NVMe state or on a CPU target (the CPU engine's
+/// NVMe store reads into the staging buffers themselves). They share `host_memory` with the
+/// host tier and the pinned refresh shadows (`tier-placement` counts them; the engine
+/// allocates exactly this).
+pub fn nvme_bounce_bytes(plan: &Plan) -> usize {
+    if !matches!(plan.target, TargetPlan::Cuda { .. }) {
+        return 0;
+    }
+    let largest = plan
+        .buffers
+        .iter()
+        .zip(&plan.memory.slots)
+        .filter(|(_, s)| s.arena == crate::ArenaKind::Nvme)
+        .map(|(b, _)| b.numel())
+        .max();
+    largest.map_or(0, |n| {
+        NVME_BOUNCE_SLOTS * (n.max(1) * 4).next_multiple_of(crate::memory::ARENA_ALIGN)
+    })
+}
+
 /// Device bytes the plan's refresh shadows take on the device (every pool), as placed.
 pub fn refresh_shadow_device_bytes(plan: &Plan) -> usize {
     let pinned = plan.memory.pinned_refresh_shadows;

@@ -49,7 +49,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 /// Pinned bounce slots of one engine (see the module docs).
-pub(super) const NVME_SLOTS: usize = 4;
+pub(super) const NVME_SLOTS: usize = schedule::reserve::NVME_BOUNCE_SLOTS;
 
 /// What the writer waits for before it writes a slot: the device→host copy into it.
 pub(super) trait Fence: Send {
@@ -309,8 +309,12 @@ impl NvmeTier {
             }
             max = max.max(b.numel());
         }
-        let slot_bytes = (max.max(1) * 4).next_multiple_of(BUF_ALIGN);
-        let pinned_bytes = NVME_SLOTS * slot_bytes;
+        // What `tier-placement` counted in `host_memory` for them.
+        let pinned_bytes = schedule::reserve::nvme_bounce_bytes(plan);
+        debug_assert_eq!(
+            pinned_bytes,
+            NVME_SLOTS * (max.max(1) * 4).next_multiple_of(BUF_ALIGN)
+        );
         let cuda = |w: &str| {
             let w = w.to_string();
             move |e: CudaError| EngineError::Unsupported(format!("CUDA backend, {w}: {e}"))
